@@ -1,0 +1,18 @@
+"""Registers the `miles` attention implementation (the plugin path)."""
+
+from core.hookspecs import hookimpl
+from core.records import AttentionImpl
+
+
+@hookimpl
+def dsv4_attention_impls():
+    return [
+        AttentionImpl(
+            name="miles",
+            description="plugin path: DeepSeek-V4 attention and mHC as megatron-core modules; BSHD and THD; tensor and context parallel",
+            factory="backends.miles.impl:build_model",
+            qkv_formats=("bshd", "thd"),
+            max_tensor_parallel=None,
+            context_parallel=True,
+        )
+    ]

@@ -1,0 +1,1 @@
+"""Example third-party plugin for dsv4 (see plugin.py)."""

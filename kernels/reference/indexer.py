@@ -1,0 +1,59 @@
+"""Lightning Indexer (CSA layers): picks the top-k visible compressed entries per query.
+
+    q^I_t = Hadamard(RoPE_t(wq_b(cq_t)))            [H_I, c_I]   (cq = q_norm(wq_a x) shared with attention)
+    K^I_j = indexer compressor output (ratio 4, overlap, Hadamard-rotated)
+    w_{t,h} = weights_proj(x_t)_h * (c_I * H_I)^-1/2
+    I_{t,j} = sum_h w_{t,h} * ReLU(q^I_{t,h} . K^I_j)
+    mask j >= floor((t+1)/4); top-k with k = min(index_topk, floor(S/4)); invisible picks -> -1.
+
+The Hadamard rotation is orthonormal (scores are unchanged in exact arithmetic); it is kept because
+it matters for the FP4 fake-quant of the official QAT path. ``topk`` is not differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor, hadamard_transform
+from .layers import Linear, compute_dtype
+from .rope import apply_rope, rope_cos_sin
+
+__all__ = ["Indexer", "indexer_scores"]
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``I[b,t,j] = sum_h w[b,t,h] * relu(q[b,t,h,:] . k[b,j,:])``."""
+    return torch.einsum("bshn,bsh->bsn", torch.relu(torch.einsum("bshd,bnd->bshn", q, k)), w)
+
+
+class Indexer(nn.Module):
+    """``attn.indexer``: ``wq_b [H_I*c_I, q_lora]``, ``weights_proj [H_I, d]``, ``compressor``."""
+
+    def __init__(self, config):
+        c = config
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.ratio = 4
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim)
+        self.weights_proj = Linear(c.dim, c.index_n_heads)
+        self.compressor = Compressor(c.dim, c.index_head_dim, c.rope_head_dim, 4, rotate=True, norm_eps=c.norm_eps)
+
+    def forward(self, x: torch.Tensor, cq: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``x [B,S,d]``, ``cq [B,S,q_lora]`` -> ``[B, S, min(topk, S//4)]`` entry ids, ``-1`` = none."""
+        B, S, _ = x.shape
+        nb = S // self.ratio
+        if nb == 0:
+            return torch.empty(B, S, 0, dtype=torch.long, device=x.device)
+        ct = compute_dtype(x)
+        k = self.compressor(x, inv_freq).to(ct)  # [B, nb, c_I]
+        cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(S, device=x.device))
+        q = apply_rope(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        q = hadamard_transform(q.to(ct))
+        w = self.weights_proj(x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
+        scores = indexer_scores(q, k, w)  # [B, S, nb]
+        limit = (torch.arange(S, device=x.device) + 1) // self.ratio  # visible: j < limit[t]
+        invisible = torch.arange(nb, device=x.device)[None, :] >= limit[:, None]
+        scores = scores.masked_fill(invisible, float("-inf"))
+        top = scores.topk(min(self.topk, nb), dim=-1).indices
+        return torch.where(top >= limit[None, :, None], torch.full_like(top, -1), top)

@@ -1,0 +1,115 @@
+"""MoE of DeepSeek-V4: sqrt(softplus) router, hash routing, clamped SwiGLU experts.
+
+    s = sqrt(softplus(W_g x))  (fp32)                 ("softmax" / "sigmoid" also supported)
+    learned layers: idx = topk_k(s + bias)            (bias [E] only for SELECTION; a buffer)
+    hash layers:    idx = tid2eid[token_id]           (frozen table; weights still come from s)
+    w = s[idx] / sum s[idx] * route_scale
+    expert(x) = w2( silu(min(w1 x, L)) * clamp(w3 x, -L, L) )      (L = swiglu_limit; no clamp if L <= 0)
+    y = sum_k w_k expert_k(x) + shared(x)             (shared clamped too unless shared_expert_clamp=False)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import KeepFP32, Linear, compute_dtype
+
+__all__ = ["swiglu", "route_scores", "Gate", "Expert", "MoE"]
+
+
+def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(g) * v`` with the asymmetric clamp: ``g <= limit`` (no lower bound), ``|v| <= limit``."""
+    if limit > 0:
+        g = g.clamp(max=limit)
+        v = v.clamp(min=-limit, max=limit)
+    return F.silu(g) * v
+
+
+def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if score_func == "softmax":
+        return logits.softmax(dim=-1)
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
+class Gate(KeepFP32):
+    """``ffn.gate``: ``weight [E, d]``; ``bias [E]`` fp32 persistent buffer (learned layers) or
+    ``tid2eid [vocab, k]`` int64 frozen Parameter (hash layers)."""
+
+    _fp32_names = ("bias",)
+
+    def __init__(self, config, hash_layer: bool):
+        super().__init__()
+        c = config
+        self.topk, self.score_func, self.route_scale = c.n_activated_experts, c.score_func, c.route_scale
+        self.hash = hash_layer
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.dim))
+        if hash_layer:
+            self.tid2eid = nn.Parameter(torch.zeros(c.vocab_size, c.n_activated_experts, dtype=torch.int64),
+                                        requires_grad=False)
+        else:
+            self.register_buffer("bias", torch.zeros(c.n_routed_experts, dtype=torch.float32), persistent=True)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """``x [T,d]`` -> ``(weights [T,k] fp32, indices [T,k] long)``."""
+        ct = compute_dtype(x)
+        scores = route_scores(F.linear(x.to(ct), self.weight.to(ct)), self.score_func)
+        if self.hash:
+            if input_ids is None:
+                raise ValueError("hash-routed MoE layer needs input_ids")
+            idx = self.tid2eid[input_ids.reshape(-1)].long()
+        else:
+            idx = (scores + self.bias.to(ct)).topk(self.topk, dim=-1).indices
+        w = scores.gather(-1, idx)
+        if self.score_func != "softmax":
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.route_scale, idx
+
+
+class Expert(nn.Module):
+    """SwiGLU expert ``w1`` (gate), ``w3`` (up), ``w2`` (down) with the asymmetric clamp."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float):
+        super().__init__()
+        self.limit = swiglu_limit
+        self.w1 = Linear(dim, inter_dim)
+        self.w2 = Linear(inter_dim, dim)
+        self.w3 = Linear(dim, inter_dim)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        ct = compute_dtype(x)
+        hid = swiglu(self.w1(x).to(ct), self.w3(x).to(ct), self.limit)
+        if weights is not None:
+            hid = hid * weights.to(ct).unsqueeze(-1)  # routing weight applied before w2 (fp32)
+        return self.w2(hid.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """``ffn``: ``gate``, ``experts.E`` and ``shared_experts`` (one shared expert)."""
+
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        c = config
+        if c.n_shared_experts != 1:
+            raise ValueError("DeepSeek-V4 has exactly one shared expert")
+        self.gate = Gate(c, hash_layer=c.is_hash_layer(layer_id))
+        self.experts = nn.ModuleList(Expert(c.dim, c.moe_inter_dim, c.swiglu_limit)
+                                     for _ in range(c.n_routed_experts))
+        self.shared_experts = Expert(c.dim, c.moe_inter_dim, c.swiglu_limit if c.shared_expert_clamp else 0.0)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(x, input_ids)
+        ct = compute_dtype(x)
+        y = torch.zeros(x.shape, dtype=ct, device=x.device)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot]).to(ct))
+        y = y + self.shared_experts(x).to(ct)
+        return y.to(x.dtype).view(shape)

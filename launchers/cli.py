@@ -1,0 +1,261 @@
+"""`dsv4`: the command-line launcher (click).
+
+`bazel run //launchers:dsv4 -- ARGS` and the installed `dsv4` console script
+run this same program. Every subcommand shares one option set (implementation,
+kernel backend, quantization, hardware, parallel sizes, qkv format), accepted
+before or after the subcommand name. Choices are normalized by core.run_config
+before any work starts; an invalid combination exits with status 2 and a
+message naming the fix. A stage that is not built yet says so and exits 3.
+
+Exit codes: 0 success, 1 runtime failure, 2 invalid choices, 3 stage not built.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Optional
+
+import click
+
+from core.combinations import InvalidCombination, supported_combinations
+from core.not_built import NotBuiltError
+from core.plugins import PluginError, UnknownBackendError
+from core.records import AXES, QKV_FORMATS
+from core.run_config import Choices, availability_problems, normalize
+from launchers import stages
+from launchers.builtin_plugins import make_host
+
+EXIT_INVALID = 2
+EXIT_NOT_BUILT = 3
+
+# option name -> (click declaration kwargs); default None means "not given here".
+_RUN_OPTIONS = (
+    ("--impl", dict(help="Attention implementation: miles (plugin path; BSHD/THD; TP and CP) or megatron (native design; THD; TP 1).")),
+    ("--kernel-backend", dict(help="Kernel backend: none (PyTorch reference), triton, tilelang, cudnn.")),
+    ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
+    ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm.")),
+    ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
+    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size (1 only, for now).")),
+    ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
+    ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
+    ("--qkv-format", dict(type=click.Choice(QKV_FORMATS), help="Activation layout; defaults to the implementation's first format (miles: bshd, megatron: thd).")),
+    ("--strict-plugins", dict(is_flag=True, default=None, help="Fail when a third-party plugin cannot be loaded (default: warn and skip it).")),
+    ("--no-third-party-plugins", dict(is_flag=True, default=None, help="Load built-in plugins only.")),
+)
+_DEFAULTS = Choices()
+
+
+def run_options(func):
+    """Attach the shared option set to a command (group or subcommand)."""
+    for decl, kwargs in reversed(_RUN_OPTIONS):
+        kwargs = dict(kwargs)
+        kwargs.setdefault("default", None)
+        func = click.option(decl, **kwargs)(func)
+    return func
+
+
+def _merged(ctx: click.Context, local: dict) -> dict:
+    """Options given after the subcommand win over those given before it."""
+    merged = dict(ctx.obj or {}) if ctx.obj else {}
+    merged.update({k: v for k, v in local.items() if v is not None})
+    return merged
+
+
+def _host(opts: dict):
+    return make_host(
+        strict=opts.get("strict_plugins") or None,
+        third_party=False if opts.get("no_third_party_plugins") else None,
+    )
+
+
+def _choices(opts: dict, o_groups: Optional[int] = None) -> Choices:
+    return Choices(
+        impl=opts.get("impl") or _DEFAULTS.impl,
+        kernel_backend=opts.get("kernel_backend") or _DEFAULTS.kernel_backend,
+        quant=opts.get("quant") or _DEFAULTS.quant,
+        hardware=opts.get("hardware") or _DEFAULTS.hardware,
+        tp=opts.get("tp") or 1,
+        pp=opts.get("pp") or 1,
+        cp=opts.get("cp") or 1,
+        ep=opts.get("ep") or 1,
+        qkv_format=opts.get("qkv_format"),
+        o_groups=o_groups,
+    )
+
+
+def _fail(message: str, code: int):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def resolve(opts: dict, *, probe: bool = True, o_groups: Optional[int] = None):
+    """Plugin host + validated RunConfig, or exit with the reason."""
+    try:
+        host = _host(opts)
+        run = normalize(_choices(opts, o_groups), host)
+    except (InvalidCombination, UnknownBackendError, ValueError) as exc:
+        _fail(str(exc), EXIT_INVALID)
+    except PluginError as exc:
+        _fail(str(exc), EXIT_INVALID)
+    if probe:
+        problems = availability_problems(run)
+        if problems:
+            _fail("\n".join(problems), EXIT_INVALID)
+    return host, run
+
+
+def subcommand(name: str, **kwargs):
+    """A subcommand with the shared options whose NotBuiltError becomes exit 3."""
+
+    def wrap(func):
+        @main.command(name, **kwargs)
+        @run_options
+        @click.pass_context
+        @functools.wraps(func)
+        def command(ctx, **params):
+            run_keys = {decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS}
+            opts = _merged(ctx, {k: params.pop(k) for k in list(params) if k in run_keys})
+            try:
+                return func(opts, **params)
+            except NotBuiltError as exc:
+                _fail(str(exc), EXIT_NOT_BUILT)
+
+        return command
+
+    return wrap
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@run_options
+@click.pass_context
+def main(ctx: click.Context, **opts):
+    """Train DeepSeek-V4 (V4-Flash, V4-Pro, tiny test models) for RL and SFT.
+
+    With no subcommand, runs the main job on the embedded tiny model on the CPU.
+    Every choice is explicit; invalid combinations fail before any work starts.
+    """
+    ctx.obj = {k: v for k, v in opts.items() if v is not None}
+    if ctx.invoked_subcommand is None:
+        _host_obj, run = resolve(ctx.obj)
+        stages.main_job(run)
+
+
+@subcommand("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--probe/--no-probe", default=True, help="Check whether each backend can run on this machine.")
+def plugins_cmd(opts, as_json: bool, probe: bool):
+    """List every backend on the four axes, with the distribution that provides it."""
+    try:
+        host = _host(opts)
+    except PluginError as exc:
+        _fail(str(exc), EXIT_INVALID)
+    data = host.describe(probe=probe)
+    if as_json:
+        data["skipped_third_party_plugins"] = [{"module": s.module, "distribution": s.distribution, "error": e} for s, e in host.skipped]
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    stages.print_plugins(data)
+
+
+@subcommand("validate")
+@click.option("--json", "as_json", is_flag=True, help="Print the configuration as JSON.")
+@click.option("--probe/--no-probe", default=True, help="Also check that the chosen backends can run on this machine.")
+def validate_cmd(opts, as_json: bool, probe: bool):
+    """Resolve the choices and print the run configuration, or fail with the reason."""
+    _host_obj, run = resolve(opts, probe=probe)
+    if as_json:
+        click.echo(json.dumps(run.as_dict(), indent=2, sort_keys=True))
+    else:
+        stages.print_run_config(run)
+
+
+@subcommand("combinations")
+@click.option("--json", "as_json", is_flag=True, help="Print the supported combinations as JSON.")
+@click.option("--write-bzl", type=click.Path(dir_okay=False), help="Write the Bazel test-matrix file (tests/combinations.bzl).")
+@click.option("--write-readme", type=click.Path(dir_okay=False, exists=True), help="Rewrite the combinations table in this README.")
+def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme: Optional[str]):
+    """Print the table of supported combinations (derived from the plugins)."""
+    from launchers import generated
+
+    host = _host({**opts, "no_third_party_plugins": True})
+    combos = supported_combinations(host)
+    if write_bzl:
+        generated.write_atomically(stages.user_path(write_bzl), generated.combinations_bzl(combos))
+    if write_readme:
+        path = stages.user_path(write_readme)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        generated.write_atomically(path, generated.replace_readme_table(text, generated.combinations_markdown(combos)))
+    if as_json:
+        click.echo(json.dumps([c.__dict__ for c in combos], indent=2))
+    elif not (write_bzl or write_readme):
+        click.echo(generated.combinations_markdown(combos))
+
+
+@subcommand("prepare")
+@click.option("--preset", default="tiny", show_default=True, help="Model preset to materialize.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weights.")
+def prepare_cmd(opts, preset: str, out: str, dtype: str, seed: int):
+    """Write a deterministic official-format HF checkpoint for a preset."""
+    stages.prepare(preset=preset, out=stages.user_path(out), dtype=dtype, seed=seed)
+
+
+@subcommand("inspect")
+@click.option("--preset", default=None, help="Model preset (flash, pro, flash-4layer, tiny).")
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None, help="HF checkpoint directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json: bool):
+    """Print the parameter count of a model by component, and the total."""
+    stages.inspect(preset=preset, checkpoint=stages.user_path(checkpoint) if checkpoint else None, as_json=as_json)
+
+
+@subcommand("logprobs")
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory.")
+@click.option("--tokens", required=True, type=click.Path(dir_okay=False), help="JSON file: a list of token-id lists.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+def logprobs_cmd(opts, checkpoint: str, tokens: str, dtype: str):
+    """Score token sequences: JSON on stdout, log P(token_t | tokens before t) for t = 1..n-1."""
+    run = resolve(opts)[1]
+    stages.logprobs(run, checkpoint=stages.user_path(checkpoint), tokens=stages.user_path(tokens), dtype=dtype)
+
+
+@subcommand("convert")
+@click.option("--hf", "hf_dir", type=click.Path(file_okay=False), help="HF checkpoint directory.")
+@click.option("--out", type=click.Path(file_okay=False), help="Native checkpoint directory to write.")
+def convert_cmd(opts, hf_dir, out):
+    """Convert an HF checkpoint into a native (megatron-core) checkpoint."""
+    resolve(opts)
+    raise NotBuiltError("dsv4 convert (HF -> native checkpoint)", "issue #4")
+
+
+@subcommand("prepare-fp8")
+@click.option("--in", "in_dir", type=click.Path(file_okay=False), help="Checkpoint with MXFP4 routed experts.")
+@click.option("--out", type=click.Path(file_okay=False), help="Directory for the FP8 checkpoint.")
+def prepare_fp8_cmd(opts, in_dir, out):
+    """Convert MXFP4 routed experts losslessly to FP8 128x128 blocks."""
+    raise NotBuiltError("dsv4 prepare-fp8 (MXFP4 -> FP8 converter)", "issue #5")
+
+
+@subcommand("train")
+@click.option("--mode", type=click.Choice(["sft", "grpo"]), default="grpo", show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None)
+def train_cmd(opts, mode, steps, run_dir):
+    """Train (SFT or GRPO) with the chosen implementation."""
+    resolve(opts)
+    raise NotBuiltError("dsv4 train (SFT/GRPO training loop)", "issue #7")
+
+
+@subcommand("full-train")
+def full_train_cmd(opts):
+    """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
+    resolve(opts)
+    raise NotBuiltError("dsv4 full-train (all stages in order)", "issue #7")
+
+
+if __name__ == "__main__":
+    main(prog_name="dsv4")

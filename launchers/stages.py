@@ -1,0 +1,205 @@
+"""What each `dsv4` subcommand does, kept apart from the click wiring.
+
+Heavy imports (torch, the reference model, checkpoint I/O) happen inside the
+functions, so `dsv4 --help`, `dsv4 plugins` and `dsv4 validate` stay fast.
+Human-readable output goes to stdout through rich; logs and progress go to
+stderr, so commands that print JSON keep stdout clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from core.records import AXES
+
+out = Console()
+log = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    does: str
+    built: bool
+    tracking: str = ""
+
+
+# The launcher's stages and whether each exists yet: the main job prints this,
+# and the README's status section mirrors it.
+STAGES = (
+    Stage("plugins", "list backends on the four axes", True),
+    Stage("validate", "resolve choices against the combination table", True),
+    Stage("prepare", "write a deterministic official-format tiny checkpoint", True),
+    Stage("inspect", "parameter counts by component", True),
+    Stage("logprobs", "score token sequences with the reference model", True),
+    Stage("convert", "HF -> native megatron-core checkpoint", False, "issue #4"),
+    Stage("prepare-fp8", "MXFP4 routed experts -> FP8", False, "issue #5"),
+    Stage("train", "SFT / GRPO training", False, "issue #7"),
+    Stage("full-train", "prepare -> prepare-fp8 -> convert -> train", False, "issue #7"),
+)
+
+# A few token sequences the main job scores on the embedded tiny model.
+SAMPLE_TEXTS = ("DeepSeek-V4 on a CPU.", "2 + 3 = 5")
+
+
+def user_path(path: str) -> Path:
+    """Resolve a user-given path against the directory the user ran from.
+
+    Under `bazel run` the process starts inside the runfiles tree; Bazel passes
+    the user's directory as BUILD_WORKING_DIRECTORY.
+    """
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return p
+    base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+    return Path(base) / p
+
+
+def cache_dir() -> Path:
+    """Where the embedded default checkpoint is materialized (DSV4_CACHE overrides)."""
+    root = os.environ.get("DSV4_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv4")
+    return Path(root)
+
+
+# -- printing ------------------------------------------------------------
+
+
+def print_plugins(data: dict) -> None:
+    table = Table(title="dsv4 plugins", show_lines=False)
+    for column in ("axis", "name", "distribution", "available", "description"):
+        table.add_column(column)
+    for axis in AXES:
+        for entry in data[axis]:
+            if "available" in entry:
+                available = "yes" if entry["available"] else f"no: {entry['unavailable_reason']}"
+            else:
+                available = "not probed"
+            table.add_row(axis, entry["name"], entry["distribution"], available, entry["description"])
+    out.print(table)
+
+
+def print_run_config(run) -> None:
+    table = Table(title="run configuration", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in run.as_dict().items():
+        table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
+    out.print(table)
+
+
+def print_stages() -> None:
+    table = Table(title="stages")
+    for column in ("stage", "what it does", "status"):
+        table.add_column(column)
+    for stage in STAGES:
+        status = "built" if stage.built else f"not built yet ({stage.tracking})"
+        table.add_row(stage.name, stage.does, status)
+    out.print(table)
+
+
+# -- stages ----------------------------------------------------------------
+
+
+def prepare(preset: str, out: Path, dtype: str, seed: int) -> Path:
+    from core.checkpoint.tiny import prepare_checkpoint
+    from core.config import preset as get_preset
+
+    config = get_preset(preset)
+    prepare_checkpoint(out, config, dtype=dtype, seed=seed)
+    log.print(f"wrote {preset} checkpoint ({dtype}, seed {seed}) to {out}")
+    return out
+
+
+def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) -> None:
+    from core.config import ModelConfig, preset as get_preset
+    from kernels.reference.params import count_parameters
+
+    if (preset is None) == (checkpoint is None):
+        raise SystemExit("error: give exactly one of --preset or --checkpoint")
+    config = get_preset(preset) if preset else ModelConfig.from_json(Path(checkpoint) / "config.json")
+    counts = count_parameters(config)
+    if as_json:
+        print(json.dumps(counts, indent=2))
+        return
+    table = Table(title=f"parameters of {preset or checkpoint}")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    for name, value in counts.items():
+        table.add_row(name, f"{value:,}")
+    out.print(table)
+
+
+def _load_tokens(path: Path) -> list[list[int]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"error: cannot read token file {path}: {exc}")
+    if not isinstance(data, list) or not all(isinstance(seq, list) and all(isinstance(t, int) for t in seq) for seq in data):
+        raise SystemExit(f"error: {path} must hold a JSON list of lists of integer token ids")
+    return data
+
+
+def score(checkpoint: Path, sequences: list[list[int]], dtype: str = "float32") -> list[list[float]]:
+    """Per-token log-probabilities of each sequence under the reference model."""
+    import torch
+
+    from core.checkpoint.io import load_into, open_checkpoint
+    from kernels.reference.model import DeepseekV4Model
+
+    reader = open_checkpoint(checkpoint)
+    torch_dtype = getattr(torch, dtype)
+    model = DeepseekV4Model(reader.config)
+    load_into(model, reader)
+    model = model.to(torch_dtype).eval()
+    results = []
+    with torch.no_grad():
+        for seq in sequences:
+            if len(seq) < 2:
+                results.append([])
+                continue
+            ids = torch.tensor([seq], dtype=torch.long)
+            results.append(model.logprobs(ids)[0].float().tolist())
+    return results
+
+
+def logprobs(run, checkpoint: Path, tokens: Path, dtype: str) -> None:
+    sequences = _load_tokens(tokens)
+    log.print(f"scoring {len(sequences)} sequence(s) with the reference model ({run.impl} path joins in issue #4)")
+    print(json.dumps(score(checkpoint, sequences, dtype)))
+
+
+def main_job(run) -> None:
+    """The default job: validate, materialize the embedded model, score samples."""
+    print_run_config(run)
+    ckpt = cache_dir() / "tiny-bf16-seed0"
+    if not (ckpt / "model.safetensors.index.json").exists():
+        log.print(f"materializing the embedded tiny checkpoint in {ckpt}")
+        prepare("tiny", ckpt, "bf16", 0)
+    from core.checkpoint.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ckpt)
+    sequences = [tokenizer.encode(text) for text in SAMPLE_TEXTS]
+    scores = score(ckpt, sequences)
+    table = Table(title=f"reference-model log-probabilities on the embedded tiny model ({ckpt})")
+    for column in ("text", "tokens", "mean log-prob", "perplexity"):
+        table.add_column(column)
+    import math
+
+    for text, seq, lp in zip(SAMPLE_TEXTS, sequences, scores):
+        mean = sum(lp) / len(lp)
+        table.add_row(repr(text), str(len(seq)), f"{mean:.4f}", f"{math.exp(-mean):.1f}")
+    out.print(table)
+    print_stages()
+    out.print(
+        "Training (dsv4 train, the main job's next step) is not built yet (issue #7); "
+        "this run validated the configuration and scored samples with the reference model."
+    )

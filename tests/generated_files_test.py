@@ -1,0 +1,37 @@
+"""The generated test matrix and README table match the combination table."""
+
+import os
+from pathlib import Path
+
+from core.combinations import supported_combinations
+from launchers import generated
+from launchers.builtin_plugins import make_host
+
+ROOT = Path(os.path.abspath(__file__)).parent.parent
+REGENERATE = "bazel run //launchers:dsv4 -- combinations --write-bzl tests/combinations.bzl --write-readme README.md"
+
+
+def _combos():
+    return supported_combinations(make_host(third_party=False))
+
+
+def test_bazel_matrix_is_current():
+    current = (ROOT / "tests" / "combinations.bzl").read_text(encoding="utf-8")
+    assert current == generated.combinations_bzl(_combos()), f"tests/combinations.bzl is stale; run: {REGENERATE}"
+
+
+def test_readme_table_is_current():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    expected = generated.replace_readme_table(readme, generated.combinations_markdown(_combos()))
+    assert readme == expected, f"README.md's combinations table is stale; run: {REGENERATE}"
+
+
+def test_matrix_has_cpu_rows_for_both_implementations():
+    cpu = {(c.impl, c.kernel_backend) for c in _combos() if not c.gpu}
+    assert cpu == {("miles", "none"), ("megatron", "none")}
+
+
+if __name__ == "__main__":
+    from tests.runner import main as run_tests
+
+    run_tests(__file__)

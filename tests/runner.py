@@ -1,0 +1,46 @@
+"""Runs a pytest file as a Bazel py_test.
+
+Bazel passes per-target parameters as `key=value` arguments (e.g. the
+combination a matrix target checks); they become DSV4_TEST_<KEY> environment
+variables that the test module reads through ``param``. pytest writes its JUnit
+XML where Bazel expects it and keeps no cache inside the runfiles tree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _export_params(argv: list[str]) -> list[str]:
+    """Move `key=value` arguments into the environment; return the rest."""
+    rest = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and not key.startswith("-"):
+            os.environ[f"DSV4_TEST_{key.upper()}"] = value
+        else:
+            rest.append(arg)
+    return rest
+
+
+# Test modules read their parameters at import time, which happens before
+# main() runs when the file is executed as a script.
+_PASSTHROUGH = _export_params(sys.argv[1:])
+
+
+def param(key: str) -> str:
+    value = os.environ.get(f"DSV4_TEST_{key.upper()}")
+    if value is None:
+        raise KeyError(f"test parameter {key!r} was not given (pass {key}=VALUE as a py_test arg)")
+    return value
+
+
+def main(test_file: str) -> None:
+    import pytest
+
+    args = [test_file, "-q", "-p", "no:cacheprovider", *_PASSTHROUGH]
+    xml = os.environ.get("XML_OUTPUT_FILE")
+    if xml:
+        args.append(f"--junitxml={xml}")
+    sys.exit(pytest.main(args))

@@ -1,0 +1,64 @@
+"""Unsupported combinations and the exact error each must produce.
+
+One py_test per case (tests/matrix.bzl). The test reads this file itself (it is
+plain data), runs `dsv4 validate ARGS` and expects exit status 2 with exactly
+`error: MESSAGE` on stderr.
+"""
+
+UNSUPPORTED_CASES = [
+    struct(
+        name = "megatron_tp2",
+        args = ["--impl", "megatron", "--tp", "2"],
+        message = "tensor-parallel size must be 1 for the megatron implementation (got --tp 2): its attention and hyper-connection modules are not tensor-parallel. Fix: use --tp 1, or --impl miles, which supports tensor parallelism.",
+    ),
+    struct(
+        name = "megatron_tilelang",
+        args = ["--impl", "megatron", "--kernel-backend", "tilelang", "--hardware", "nvidia"],
+        message = "--kernel-backend tilelang does not serve --impl megatron (it serves: miles). Fix: use --impl miles, or with --impl megatron on nvidia choose --kernel-backend cudnn, none or triton.",
+    ),
+    struct(
+        name = "megatron_bshd",
+        args = ["--impl", "megatron", "--qkv-format", "bshd"],
+        message = "--impl megatron supports only --qkv-format thd (got bshd). Fix: use --qkv-format thd, or --impl miles, which supports bshd.",
+    ),
+    struct(
+        name = "miles_cudnn",
+        args = ["--impl", "miles", "--kernel-backend", "cudnn", "--hardware", "nvidia"],
+        message = "--kernel-backend cudnn does not serve --impl miles (it serves: megatron). Fix: use --impl megatron, or with --impl miles on nvidia choose --kernel-backend none, tilelang or triton.",
+    ),
+    struct(
+        name = "rocm_cudnn",
+        args = ["--impl", "megatron", "--kernel-backend", "cudnn", "--hardware", "rocm"],
+        message = "--kernel-backend cudnn does not run on --hardware rocm (it runs on: nvidia). Fix: on rocm choose --kernel-backend none or triton.",
+    ),
+    struct(
+        name = "cpu_triton",
+        args = ["--kernel-backend", "triton", "--hardware", "cpu"],
+        message = "--kernel-backend triton does not run on --hardware cpu (it runs on: nvidia, rocm). Fix: on cpu choose --kernel-backend none.",
+    ),
+    struct(
+        name = "cpu_tilelang",
+        args = ["--kernel-backend", "tilelang", "--hardware", "cpu"],
+        message = "--kernel-backend tilelang does not run on --hardware cpu (it runs on: nvidia, rocm). Fix: on cpu choose --kernel-backend none.",
+    ),
+    struct(
+        name = "cpu_cudnn",
+        args = ["--impl", "megatron", "--kernel-backend", "cudnn", "--hardware", "cpu"],
+        message = "--kernel-backend cudnn does not run on --hardware cpu (it runs on: nvidia). Fix: on cpu choose --kernel-backend none.",
+    ),
+    struct(
+        name = "rocm_nvfp4",
+        args = ["--hardware", "rocm", "--quant", "nvfp4"],
+        message = "--quant nvfp4 cannot run on --hardware rocm (it runs on: cpu, nvidia). Fix: on rocm choose --quant bf16, fp8, mxfp4-fp8 or qat.",
+    ),
+    struct(
+        name = "unknown_kernel_backend",
+        args = ["--kernel-backend", "trton"],
+        message = "unknown --kernel-backend 'trton'; valid choices: cudnn, none, tilelang, triton. Did you mean 'triton'?",
+    ),
+    struct(
+        name = "pipeline_parallel",
+        args = ["--pp", "2"],
+        message = "--pp 2: pipeline parallelism is not supported by either implementation yet. Fix: use --pp 1.",
+    ),
+]
