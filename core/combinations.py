@@ -45,7 +45,10 @@ class Selection:
     qkv_format: str
     tp: int = 1
     cp: int = 1
-    o_groups: Optional[int] = None  # known once the model config is known
+    ep: int = 1
+    # Model facts, known once the model config is (None = not checked yet).
+    o_groups: Optional[int] = None
+    n_routed_experts: Optional[int] = None
 
 
 def _join(names) -> str:
@@ -97,6 +100,16 @@ def _tp_groups(sel: Selection, host) -> Optional[str]:
     return (
         f"--tp {sel.tp} does not divide the model's o_groups={sel.o_groups} (the grouped output projection "
         f"is split by groups across tensor-parallel ranks). Fix: use --tp {_join(map(str, divisors))}."
+    )
+
+
+def _ep_experts(sel: Selection, host) -> Optional[str]:
+    if sel.n_routed_experts is None or sel.ep <= 1 or sel.n_routed_experts % sel.ep == 0:
+        return None
+    divisors = [d for d in range(1, sel.n_routed_experts + 1) if sel.n_routed_experts % d == 0]
+    return (
+        f"--ep {sel.ep} does not divide the model's {sel.n_routed_experts} routed experts "
+        f"(each expert-parallel rank holds an equal share). Fix: use --ep {_join(map(str, divisors))}."
     )
 
 
@@ -159,6 +172,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("impl-kernel", "the implementation accepts the kernel backend", _impl_kernel),
     ("impl-tensor-parallel", "the implementation supports the tensor-parallel size", _impl_tp),
     ("tensor-parallel-groups", "the tensor-parallel size divides o_groups", _tp_groups),
+    ("expert-parallel-experts", "the expert-parallel size divides the routed experts", _ep_experts),
     ("impl-qkv-format", "the implementation supports the qkv format", _impl_qkv),
     ("impl-context-parallel", "the implementation supports context parallelism", _impl_cp),
     ("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),

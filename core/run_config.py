@@ -30,7 +30,7 @@ class Choices:
     cp: int = 1
     ep: int = 1
     qkv_format: Optional[str] = None
-    o_groups: Optional[int] = None  # from the model config, when known
+    model: Optional[object] = dataclasses.field(default=None, repr=False)  # core.config.ModelConfig
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,16 @@ class RunConfig:
     quant: str
     hardware: str
     qkv_format: str
+    model_name: str
     tp: int
     pp: int
     cp: int
     ep: int
     selection: Selection = dataclasses.field(repr=False, compare=False)
+    model: Optional[object] = dataclasses.field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "selection"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("selection", "model")}
         out["providers"] = {
             "impl": self.selection.impl.provider,
             "kernel_backend": self.selection.kernel.provider,
@@ -59,8 +61,13 @@ class RunConfig:
         return out
 
 
-def normalize(choices: Choices, host) -> RunConfig:
-    """Resolve and validate; raises UnknownBackendError or InvalidCombination."""
+def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunConfig:
+    """Resolve and validate; raises UnknownBackendError or InvalidCombination.
+
+    ``choices.model`` (a ModelConfig) enables the checks that depend on the
+    model's shape (tensor parallel must divide o_groups, expert parallel the
+    routed experts); ``model_name`` is what the user called it.
+    """
     for name in ("tp", "pp", "cp", "ep"):
         value = getattr(choices, name)
         if not isinstance(value, int) or value < 1:
@@ -76,8 +83,18 @@ def normalize(choices: Choices, host) -> RunConfig:
     qkv_format = choices.qkv_format or impl.qkv_formats[0]
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"unknown --qkv-format {qkv_format!r}; valid choices: {', '.join(QKV_FORMATS)}")
+    model = choices.model
     selection = Selection(
-        impl, kernel, quant, hardware, qkv_format=qkv_format, tp=choices.tp, cp=choices.cp, o_groups=choices.o_groups
+        impl,
+        kernel,
+        quant,
+        hardware,
+        qkv_format=qkv_format,
+        tp=choices.tp,
+        cp=choices.cp,
+        ep=choices.ep,
+        o_groups=getattr(model, "o_groups", None),
+        n_routed_experts=getattr(model, "n_routed_experts", None),
     )
     check(selection, host)
     return RunConfig(
@@ -86,11 +103,13 @@ def normalize(choices: Choices, host) -> RunConfig:
         quant=quant.name,
         hardware=hardware.name,
         qkv_format=qkv_format,
+        model_name=model_name,
         tp=choices.tp,
         pp=choices.pp,
         cp=choices.cp,
         ep=choices.ep,
         selection=selection,
+        model=model,
     )
 
 

@@ -40,6 +40,7 @@ _RUN_OPTIONS = (
     ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size (1 only, for now).")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
+    ("--model", dict(help="Model: a preset (tiny, flash-4layer, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
     ("--qkv-format", dict(type=click.Choice(QKV_FORMATS), help="Activation layout; defaults to the implementation's first format (miles: bshd, megatron: thd).")),
     ("--strict-plugins", dict(is_flag=True, default=None, help="Fail when a third-party plugin cannot be loaded (default: warn and skip it).")),
     ("--no-third-party-plugins", dict(is_flag=True, default=None, help="Load built-in plugins only.")),
@@ -70,7 +71,7 @@ def _host(opts: dict):
     )
 
 
-def _choices(opts: dict, o_groups: Optional[int] = None) -> Choices:
+def _choices(opts: dict, model=None) -> Choices:
     return Choices(
         impl=opts.get("impl") or _DEFAULTS.impl,
         kernel_backend=opts.get("kernel_backend") or _DEFAULTS.kernel_backend,
@@ -81,7 +82,7 @@ def _choices(opts: dict, o_groups: Optional[int] = None) -> Choices:
         cp=opts.get("cp") or 1,
         ep=opts.get("ep") or 1,
         qkv_format=opts.get("qkv_format"),
-        o_groups=o_groups,
+        model=model,
     )
 
 
@@ -90,11 +91,13 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
-def resolve(opts: dict, *, probe: bool = True, o_groups: Optional[int] = None):
+def resolve(opts: dict, *, probe: bool = True):
     """Plugin host + validated RunConfig, or exit with the reason."""
     try:
+        model_name = opts.get("model") or stages.DEFAULT_MODEL
+        model = stages.model_config(model_name).config
         host = _host(opts)
-        run = normalize(_choices(opts, o_groups), host)
+        run = normalize(_choices(opts, model), host, model_name=model_name)
     except (InvalidCombination, UnknownBackendError, ValueError) as exc:
         _fail(str(exc), EXIT_INVALID)
     except PluginError as exc:

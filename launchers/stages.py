@@ -18,9 +18,10 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from core.records import AXES
+from core.records import AXES, AXIS_OPTION
 
-out = Console()
+# Pipes and CI logs get a wide console instead of rich's 80-column default.
+out = Console(width=None if sys.stdout.isatty() else 150)
 log = Console(stderr=True)
 
 
@@ -45,6 +46,32 @@ STAGES = (
     Stage("train", "SFT / GRPO training", False, "issue #7"),
     Stage("full-train", "prepare -> prepare-fp8 -> convert -> train", False, "issue #7"),
 )
+
+DEFAULT_MODEL = "tiny"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `--model` named: a preset, or an HF checkpoint directory."""
+
+    name: str
+    config: object  # core.config.ModelConfig
+    checkpoint: Optional[Path]
+
+
+def model_config(spec: str) -> ModelSource:
+    """Resolve `--model`: an existing directory is a checkpoint, else a preset name."""
+    from core.config import ModelConfig, PRESETS, ConfigError, preset
+
+    path = user_path(spec)
+    if path.is_dir():
+        return ModelSource(spec, ModelConfig.from_json(path / "config.json"), path)
+    if spec in PRESETS:
+        return ModelSource(spec, preset(spec), None)
+    raise ConfigError(
+        f"--model {spec!r} is neither a checkpoint directory nor a preset; presets: {', '.join(sorted(PRESETS))}"
+    )
+
 
 # A few token sequences the main job scores on the embedded tiny model.
 SAMPLE_TEXTS = ("DeepSeek-V4 on a CPU.", "2 + 3 = 5")
@@ -73,17 +100,18 @@ def cache_dir() -> Path:
 
 
 def print_plugins(data: dict) -> None:
-    table = Table(title="dsv4 plugins", show_lines=False)
-    for column in ("axis", "name", "distribution", "available", "description"):
-        table.add_column(column)
+    """One table per axis: name, providing distribution, usable here, description."""
     for axis in AXES:
+        table = Table(title=f"{axis} ({AXIS_OPTION[axis]})", title_justify="left", expand=False)
+        for column in ("name", "distribution", "usable here", "description"):
+            table.add_column(column, overflow="fold")
         for entry in data[axis]:
             if "available" in entry:
-                available = "yes" if entry["available"] else f"no: {entry['unavailable_reason']}"
+                usable = "yes" if entry["available"] else f"no: {entry['unavailable_reason']}"
             else:
-                available = "not probed"
-            table.add_row(axis, entry["name"], entry["distribution"], available, entry["description"])
-    out.print(table)
+                usable = "not probed"
+            table.add_row(entry["name"], entry["distribution"], usable, entry["description"])
+        out.print(table)
 
 
 def print_run_config(run) -> None:

@@ -10,6 +10,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from core.config import preset
 from core.combinations import Combination, supported_combinations
 from core.records import ATTENTION, HARDWARE, KERNEL, QUANT
 from core.run_config import Choices, availability_problems, normalize
@@ -27,7 +28,8 @@ def host():
 
 @pytest.fixture(scope="module")
 def run(host):
-    return normalize(Choices(impl=IMPL, kernel_backend=KERNEL_NAME, quant=QUANT_NAME, hardware=HARDWARE_NAME), host)
+    choices = Choices(impl=IMPL, kernel_backend=KERNEL_NAME, quant=QUANT_NAME, hardware=HARDWARE_NAME, model=preset("tiny"))
+    return normalize(choices, host, model_name="tiny")
 
 
 def test_resolves_to_the_named_builtin_plugins(run, host):

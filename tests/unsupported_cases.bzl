@@ -61,4 +61,19 @@ UNSUPPORTED_CASES = [
         args = ["--pp", "2"],
         message = "--pp 2: pipeline parallelism is not supported by either implementation yet. Fix: use --pp 1.",
     ),
+    struct(
+        name = "miles_tp_not_dividing_o_groups",
+        args = ["--impl", "miles", "--tp", "3"],
+        message = "--tp 3 does not divide the model's o_groups=2 (the grouped output projection is split by groups across tensor-parallel ranks). Fix: use --tp 1 or 2.",
+    ),
+    struct(
+        name = "ep_not_dividing_experts",
+        args = ["--ep", "3"],
+        message = "--ep 3 does not divide the model's 8 routed experts (each expert-parallel rank holds an equal share). Fix: use --ep 1, 2, 4 or 8.",
+    ),
+    struct(
+        name = "unknown_model",
+        args = ["--model", "gigantic"],
+        message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, pro, tiny",
+    ),
 ]
