@@ -39,8 +39,6 @@ FP4_BLOCK = 32
 
 # Value of each 4-bit e2m1 code; code 8 is -0.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Mid-points between consecutive non-negative magnitudes (codes 0..7).
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def fp4_table(device=None, dtype=torch.float32) -> torch.Tensor:
@@ -186,15 +184,18 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
 
     Magnitudes above 6 saturate to 6. Exact ties go to the even code
     (round-half-to-even on the e2m1 grid). Zero maps to code 0 (+0).
+
+    The e2m1 grid is uniform piecewise (step 0.5 on [0, 2), 1 on [2, 4), 2 on
+    [4, 6]), so ``round_half_even(m / step) * step`` is the nearest value, and
+    in every piece an even multiple of the step is an even code.
     """
     xf = x.float()
     mag = xf.abs().clamp(max=FP4_MAX)
-    mids = torch.tensor(_FP4_MIDPOINTS, device=x.device)
-    down = torch.bucketize(mag, mids, right=False)  # ties -> lower code
-    up = torch.bucketize(mag, mids, right=True)     # ties -> upper code
-    code = torch.where((down != up) & (up % 2 == 0), up, down)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    q = torch.round(mag / step) * step                       # torch.round is half-to-even
+    code = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q * 0.5 + 4)).to(torch.uint8)
     neg = (xf < 0) & (code != 0)
-    return (code + neg.to(code.dtype) * 8).to(torch.uint8)
+    return code | (neg.to(torch.uint8) << 3)
 
 
 def fp4_decode(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -39,7 +39,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -497,7 +497,7 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _encode(name: str, t, spec: Optional[TensorSpec], specs, quantize: bool, where: str):
+def _encode(name: str, t, spec: Optional[TensorSpec], quantize: bool, where: str):
     """Validate one input tensor, returning the stored ``[(name, tensor), ...]``."""
     if not isinstance(t, torch.Tensor):
         raise CheckpointError(f"expected a torch.Tensor, got {type(t).__name__}", tensor=name, file=where)
@@ -584,8 +584,12 @@ def write_checkpoint(out_dir, config, tensors: Union[Mapping[str, torch.Tensor],
                 cur, cur_bytes = {}, 0
 
         where = str(out)
+        n_inputs = sum(1 for s in specs.values() if s.kind != SCALE) if quantize else len(specs)
+        disable = (not sys.stderr.isatty()) if progress is None else (not progress)
+        bar = tqdm(total=n_inputs, desc="writing tensors", unit="tensor", file=sys.stderr, disable=disable)
         for name, t in items:
-            for sn, st in _encode(name, t, specs.get(name), specs, quantize, where):
+            bar.update(1)
+            for sn, st in _encode(name, t, specs.get(name), quantize, where):
                 if sn in seen:
                     raise CheckpointError("tensor given twice", tensor=sn, file=where)
                 seen.add(sn)
@@ -600,6 +604,7 @@ def write_checkpoint(out_dir, config, tensors: Union[Mapping[str, torch.Tensor],
                 total += nb
                 weight_map[sn] = len(shards)
         flush()
+        bar.close()
 
         missing = [n for n in specs if n not in seen]
         if missing:

@@ -6,6 +6,15 @@ import pytest
 from core.checkpoint import formats as F
 
 
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Small tensors: torch's thread pool only adds sync cost (large on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_e8m0_roundtrip_all_exponents():
     e = torch.arange(-127, 128)
     s = F.e8m0_from_exponent(e)
@@ -128,3 +137,16 @@ def test_fp4_to_fp8_blocks_exact():
     w8, s8 = F.fp4_to_fp8_blocks(packed, scale)
     assert w8.dtype == torch.float8_e4m3fn and s8.shape == (2, 3)
     assert torch.equal(F.fp8_block_dequantize(w8, s8), F.fp4_dequantize(packed, scale))
+
+
+def test_fp4_encode_matches_brute_force_nearest():
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.randn(50000, generator=g) * 3,
+                   torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 7.0, -7.0, 0.0, 1e-9])])
+    table = F.fp4_table()[:8]
+    dist = (x.abs().clamp(max=6)[:, None] - table[None]).abs()
+    is_best = dist == dist.min(dim=1, keepdim=True).values
+    code = torch.arange(8).expand_as(is_best)
+    ref = torch.where(is_best, code % 2, 2).argmin(dim=1)  # among ties prefer the even code
+    ref = torch.where((x < 0) & (ref != 0), ref + 8, ref).to(torch.uint8)
+    assert torch.equal(F.fp4_encode(x), ref)

@@ -16,8 +16,18 @@ from core.checkpoint import formats as F
 from core.checkpoint import (
     CheckpointError, load_into, official_tensor_specs, open_checkpoint, write_checkpoint,
 )
-from core.checkpoint.official_tensors import SCALE, logical_specs
+from core.checkpoint.official_tensors import SCALE
 from core.checkpoint.tiny import iter_initial_tensors
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Small tensors: torch's thread pool only adds sync cost (large on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 SHARD = 600_000  # tiny checkpoints split into ~10 shards
 
@@ -449,3 +459,15 @@ def test_load_into_strict(good_fp8):
     model.add_module("extra", torch.nn.Linear(2, 2))
     with pytest.raises(CheckpointError, match="missing from the checkpoint"):
         load_into(model, r)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4-experts"])
+def test_load_into_reference_model(tmp_path, fmt):
+    import kernels.reference.model as model_mod
+    from core.checkpoint import prepare_checkpoint
+    r = open_checkpoint(prepare_checkpoint(tmp_path / "ck", preset("tiny"), dtype=fmt, seed=1))
+    model = model_mod.DeepseekV4Model(r.config)
+    load_into(model, r)
+    sd = model.state_dict()
+    for n, t in r.iter_tensors(dtype=torch.float32):
+        assert torch.equal(sd[n], t.to(sd[n].dtype)), n
