@@ -185,13 +185,13 @@ def balanced_tid2eid(vocab_size: int, n_experts: int, k: int, generator: torch.G
     ``vocab*k/E`` tokens. Tokens are filled in groups of ``E // k`` from the currently least-loaded
     experts (random tie-break), shuffled within the group."""
     per = max(1, n_experts // k)
-    counts = torch.zeros(n_experts, dtype=torch.float64)
-    out = torch.empty(vocab_size, k, dtype=torch.int64)
+    counts = torch.zeros(n_experts, dtype=torch.float64, device="cpu")
+    out = torch.empty(vocab_size, k, dtype=torch.int64, device="cpu")
     for start in range(0, vocab_size, per):
         nb = min(per, vocab_size - start)
-        key = counts + torch.rand(n_experts, generator=generator, dtype=torch.float64)
+        key = counts + torch.rand(n_experts, generator=generator, dtype=torch.float64, device="cpu")
         chosen = key.argsort()[: nb * k]
-        chosen = chosen[torch.randperm(nb * k, generator=generator)]
+        chosen = chosen[torch.randperm(nb * k, generator=generator, device="cpu")]
         out[start:start + nb] = chosen.view(nb, k)
         counts[chosen] += 1
     return out
@@ -224,4 +224,4 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
         elif name.endswith(_ZERO_SUFFIXES):
             t.zero_()
         elif t.is_floating_point():
-            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(std).to(t.device, t.dtype))
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32, device="cpu").mul_(std).to(t.device, t.dtype))

@@ -32,13 +32,13 @@ def yarn_correction_range(rope_dim: int, theta: float, original_seq_len: int,
 def rope_inv_freq(rope_dim: int, theta: float, factor: float = 1.0, original_seq_len: int = 0,
                   beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
     """Inverse frequencies ``[rope_dim // 2]`` in float64 (YaRN-blended when ``original_seq_len > 0``)."""
-    i = torch.arange(0, rope_dim, 2, dtype=torch.float64)
+    i = torch.arange(0, rope_dim, 2, dtype=torch.float64, device="cpu")  # CPU even under a device context
     freqs = 1.0 / (theta ** (i / rope_dim))
     if original_seq_len > 0:
         low, high = yarn_correction_range(rope_dim, theta, original_seq_len, beta_fast, beta_slow)
         if high == low:
             high = low + 0.001
-        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
         smooth = 1.0 - ramp  # 1 for high-frequency pairs (kept), 0 for low-frequency pairs (interpolated)
         freqs = freqs / factor * (1.0 - smooth) + freqs * smooth
     return freqs

@@ -92,12 +92,21 @@ def test_indexer_topk_brute_force():
     x = torch.randn(1, S, cfg.dim, generator=g, dtype=torch.float64)
     cq = torch.randn(1, S, cfg.q_lora_rank, generator=g, dtype=torch.float64)
     inv = layer_inv_freq(cfg, 1)
+    torch.set_grad_enabled(False)
+    try:
+        _check_indexer(cfg, idx_mod, x, cq, inv, S)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_indexer(cfg, idx_mod, x, cq, inv, S):
     got = idx_mod(x, cq, inv)
     k = min(cfg.index_topk, S // 4)
     assert got.shape == (1, S, k)
-    # oracle scores (Hadamard omitted on purpose: it is orthonormal, so scores are unchanged)
+    # oracle scores without the Hadamard rotation (orthonormal and an involution: undo it on K, skip it on q)
+    from kernels.reference.compressor import hadamard_transform
     from kernels.reference.rope import apply_rope, rope_cos_sin
-    K = idx_mod.compressor(x, inv)[0]
+    K = hadamard_transform(idx_mod.compressor(x, inv)[0])
     cos, sin = rope_cos_sin(inv, torch.arange(S))
     q = apply_rope((cq @ idx_mod.wq_b.weight.T).view(1, S, cfg.index_n_heads, cfg.index_head_dim), cos, sin)[0]
     w = (x @ idx_mod.weights_proj.weight.T)[0] / (cfg.index_head_dim * cfg.index_n_heads) ** 0.5
@@ -219,3 +228,22 @@ def test_backward():
     assert all(".attn.indexer." in n or ".ffn.experts." in n for n in no_grad), no_grad
     assert m.layers[0].attn.attn_sink.grad is not None and m.layers[2].attn.compressor.ape.grad is not None
     assert m.layers[0].ffn.gate.tid2eid.grad is None
+
+
+def test_meta_context_then_materialize():
+    """Build under ``torch.device('meta')``, ``to_empty`` + init, and get the same model as a CPU build;
+    fp64 casting is allowed (whole model in double precision)."""
+    cfg = preset("tiny")
+    with torch.device("meta"):
+        m = DeepseekV4Model(cfg)
+    assert m.embed.weight.is_meta
+    m = m.to_empty(device="cpu")
+    init_weights(m, 5)
+    ref = DeepseekV4Model(cfg)
+    init_weights(ref, 5)
+    ids = torch.randint(0, 1024, (1, 133), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = m(ids), ref(ids)
+        assert torch.equal(a, b)
+        c = m.double()(ids)
+    assert c.dtype == torch.float64 and (c - a.double()).abs().max() < 1e-4

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a test-only dependency, pinned in third_party/requirements.lock)
 
 from core.config import preset  # noqa: E402
 from kernels.reference.model import DeepseekV4Model, init_weights  # noqa: E402
