@@ -20,6 +20,8 @@ from typing import Optional
 import click
 
 from core.combinations import InvalidCombination, supported_combinations
+from core.config import ConfigError
+from core.errors import UserInputError
 from core.not_built import NotBuiltError
 from core.plugins import PluginError, UnknownBackendError
 from core.records import AXES, QKV_FORMATS
@@ -27,6 +29,7 @@ from core.run_config import Choices, availability_problems, normalize
 from launchers import stages
 from launchers.builtin_plugins import make_host
 
+EXIT_FAILED = 1
 EXIT_INVALID = 2
 EXIT_NOT_BUILT = 3
 
@@ -124,6 +127,8 @@ def subcommand(name: str, **kwargs):
                 return func(opts, **params)
             except NotBuiltError as exc:
                 _fail(str(exc), EXIT_NOT_BUILT)
+            except (UserInputError, ConfigError) as exc:
+                _fail(str(exc), EXIT_FAILED)
 
         return command
 

@@ -18,6 +18,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
+from core.errors import UserInputError
 from core.records import AXES, AXIS_OPTION
 
 # Pipes and CI logs get a wide console instead of rich's 80-column default.
@@ -151,7 +152,7 @@ def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) ->
     from kernels.reference.params import count_parameters
 
     if (preset is None) == (checkpoint is None):
-        raise SystemExit("error: give exactly one of --preset or --checkpoint")
+        raise UserInputError("give exactly one of --preset or --checkpoint")
     config = get_preset(preset) if preset else ModelConfig.from_json(Path(checkpoint) / "config.json")
     counts = count_parameters(config)
     if as_json:
@@ -165,14 +166,20 @@ def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) ->
     out.print(table)
 
 
-def _load_tokens(path: Path) -> list[list[int]]:
+def _load_tokens(path: Path, vocab_size: int) -> list[list[int]]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"error: cannot read token file {path}: {exc}")
-    if not isinstance(data, list) or not all(isinstance(seq, list) and all(isinstance(t, int) for t in seq) for seq in data):
-        raise SystemExit(f"error: {path} must hold a JSON list of lists of integer token ids")
+        raise UserInputError(f"cannot read token file {path}: {exc}") from exc
+    if not isinstance(data, list) or not all(
+        isinstance(seq, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in seq) for seq in data
+    ):
+        raise UserInputError(f"token file {path} must hold a JSON list of lists of integer token ids")
+    for i, seq in enumerate(data):
+        bad = [t for t in seq if not 0 <= t < vocab_size]
+        if bad:
+            raise UserInputError(f"token file {path}: sequence {i} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     return data
 
 
@@ -183,7 +190,8 @@ def score(checkpoint: Path, sequences: list[list[int]], dtype: str = "float32") 
     from core.checkpoint.io import load_into, open_checkpoint
     from kernels.reference.model import DeepseekV4Model
 
-    reader = open_checkpoint(checkpoint)
+    reader = open_checkpoint(checkpoint)  # validates names, shapes and shards first
+    log.print(f"scoring {len(sequences)} sequence(s) with the reference model from {checkpoint}")
     torch_dtype = getattr(torch, dtype)
     model = DeepseekV4Model(reader.config)
     load_into(model, reader)
@@ -200,8 +208,9 @@ def score(checkpoint: Path, sequences: list[list[int]], dtype: str = "float32") 
 
 
 def logprobs(run, checkpoint: Path, tokens: Path, dtype: str) -> None:
-    sequences = _load_tokens(tokens)
-    log.print(f"scoring {len(sequences)} sequence(s) with the reference model ({run.impl} path joins in issue #4)")
+    from core.config import ModelConfig
+
+    sequences = _load_tokens(tokens, ModelConfig.from_json(checkpoint / "config.json").vocab_size)
     print(json.dumps(score(checkpoint, sequences, dtype)))
 
 

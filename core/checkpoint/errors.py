@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from core.errors import UserInputError
 
-class CheckpointError(Exception):
+
+class CheckpointError(UserInputError):
     """A checkpoint (or a set of tensors meant to become one) is invalid.
 
     ``tensor`` and ``file`` are also kept as attributes for programmatic use.

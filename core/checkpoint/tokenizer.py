@@ -13,7 +13,7 @@ Ids::
 Text is encoded as its UTF-8 bytes; ``decode`` skips special ids and decodes
 the bytes with ``errors="replace"``.
 
-File format, ``tokenizer.json`` in the checkpoint folder (UTF-8 JSON)::
+File format, ``dsv4_byte_tokenizer.json`` in the checkpoint folder (UTF-8 JSON)::
 
     {"type": "dsv4-byte-tokenizer", "version": 1,
      "vocab_size": V, "bos_token_id": 0, "eos_token_id": 1, "byte_offset": 2}
@@ -31,7 +31,7 @@ from typing import Iterable, List
 
 from .errors import CheckpointError
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = "dsv4_byte_tokenizer.json"  # not named tokenizer.json: it is not a HF tokenizers file
 TOKENIZER_TYPE = "dsv4-byte-tokenizer"
 BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2
 MIN_VOCAB = BYTE_OFFSET + 256
@@ -73,7 +73,7 @@ class ByteTokenizer:
 
 
 def load_tokenizer(ckpt_dir) -> ByteTokenizer:
-    """Read ``tokenizer.json`` of a checkpoint written by :mod:`core.checkpoint.tiny`."""
+    """Read ``dsv4_byte_tokenizer.json`` of a checkpoint written by :mod:`core.checkpoint.tiny`."""
     p = Path(ckpt_dir) / TOKENIZER_FILE
     try:
         d = json.loads(p.read_text())

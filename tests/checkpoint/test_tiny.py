@@ -31,7 +31,7 @@ def test_prepare_is_byte_identical(tmp_path, fmt):
     b = prepare_checkpoint(tmp_path / "b", cfg, dtype=fmt, seed=3, max_shard_bytes=2_000_000)
     fa, fb = _files(a), _files(b)
     assert fa == fb
-    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(fa)
+    assert {"config.json", "model.safetensors.index.json", "dsv4_byte_tokenizer.json"} <= set(fa)
     assert sum(n.endswith(".safetensors") for n in fa) > 1
     c = prepare_checkpoint(tmp_path / "c", cfg, dtype=fmt, seed=4, max_shard_bytes=2_000_000)
     fc = _files(c)
@@ -107,9 +107,9 @@ def test_tokenizer_in_checkpoint(tmp_path):
     d = prepare_checkpoint(tmp_path / "ck", preset("tiny"))
     tok = load_tokenizer(d)
     assert tok.vocab_size == 1024 and tok.decode(tok.encode("abc")) == "abc"
-    (d / "tokenizer.json").write_text("{oops")
-    with pytest.raises(CheckpointError, match="tokenizer.json"):
+    (d / "dsv4_byte_tokenizer.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="dsv4_byte_tokenizer.json"):
         load_tokenizer(d)
-    (d / "tokenizer.json").write_text('{"type": "BPE"}')
+    (d / "dsv4_byte_tokenizer.json").write_text('{"type": "BPE"}')
     with pytest.raises(CheckpointError, match="dsv4-byte-tokenizer"):
         load_tokenizer(d)

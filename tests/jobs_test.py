@@ -1,0 +1,113 @@
+"""The launcher's working stages end to end: prepare, logprobs, inspect, main job."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from core.checkpoint import load_into, open_checkpoint
+from kernels.reference.model import DeepseekV4Model
+
+
+def dsv4(*args, cwd=None, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "launchers.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    proc = dsv4("prepare", "--preset", "tiny", "--out", str(out), "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_logprobs_prints_only_json_equal_to_the_reference_model(tiny, tmp_path):
+    sequences = [[0, 72, 105, 33, 5, 9, 11], [0, 50], [7]]
+    (tmp_path / "tokens.json").write_text(json.dumps(sequences))
+    # relative paths resolve against the user's directory (BUILD_WORKING_DIRECTORY under `bazel run`)
+    rel_ckpt = os.path.relpath(tiny, tmp_path)
+    proc = dsv4("logprobs", "--checkpoint", rel_ckpt, "--tokens", "tokens.json", env={"BUILD_WORKING_DIRECTORY": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert [len(x) for x in got] == [6, 1, 0]
+
+    model = DeepseekV4Model(open_checkpoint(tiny).config)
+    load_into(model, open_checkpoint(tiny))
+    model.eval()
+    with torch.no_grad():
+        for seq, lp in zip(sequences[:2], got[:2]):
+            expected = model.logprobs(torch.tensor([seq]))[0]
+            assert torch.allclose(torch.tensor(lp), expected.float(), atol=1e-5)
+            assert all(x <= 0 for x in lp)
+
+
+def test_logprobs_rejects_bad_token_files(tiny, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a list"}')
+    proc = dsv4("logprobs", "--checkpoint", str(tiny), "--tokens", str(bad))
+    assert proc.returncode == 1
+    assert proc.stderr == f"error: token file {bad} must hold a JSON list of lists of integer token ids\n"
+    bad.write_text("[[0, 5000]]")
+    proc = dsv4("logprobs", "--checkpoint", str(tiny), "--tokens", str(bad))
+    assert proc.returncode == 1
+    assert "sequence 0 has ids outside the vocabulary [0, 1024): [5000]" in proc.stderr
+
+
+def test_logprobs_on_a_truncated_shard_names_the_file(tiny, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (tmp_path / "t.json").write_text("[[0, 1, 2]]")
+    proc = dsv4("logprobs", "--checkpoint", str(broken), "--tokens", str(tmp_path / "t.json"))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: ")
+    assert shard.name in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_inspect_reports_the_reference_systems_count():
+    proc = dsv4("inspect", "--preset", "flash-4layer", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["total"] == 27_390_526_557
+    table = dsv4("inspect", "--preset", "pro")
+    assert "1,572,999,506,531" in table.stdout
+
+
+def test_inspect_reads_a_checkpoint_config(tiny):
+    from core.config import preset
+    from kernels.reference.params import count_parameters
+
+    proc = dsv4("inspect", "--checkpoint", str(tiny), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == count_parameters(preset("tiny"))
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_the_main_job_runs_on_the_embedded_model(tmp_path, impl):
+    proc = dsv4(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "reference-model log-probabilities on the embedded tiny model" in proc.stdout
+    assert "not built yet (issue #7)" in proc.stdout
+    assert (tmp_path / "tiny-bf16-seed0" / "model.safetensors.index.json").exists()
+    again = dsv4(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
+    assert again.returncode == 0 and "materializing" not in again.stderr
+
+
+if __name__ == "__main__":
+    from tests.runner import main as run_tests
+
+    run_tests(__file__)
