@@ -1,8 +1,25 @@
 """Factories of the built-in quantization schemes.
 
-bf16 is complete: weights are used as loaded. The quantized schemes' publishing
-and training paths are issue #5; their factories say so instead of pretending.
+Each factory returns a small object describing its scheme (``name``,
+``publish_format``) with the operations that exist in code:
+
+* ``bf16()`` -> None: weights are used as loaded (identity).
+* ``fp8()`` -> :class:`FP8Scheme`: ``.publish(named_tensors)`` (128x128 e4m3,
+  ue8m0 scales by default), ``.quantize(name, tensor)``.
+* ``mxfp4_fp8()`` -> :class:`MXFP4ToFP8Scheme`: ``.prepare(in_dir, out_dir)``
+  (the lossless ``prepare-fp8`` conversion, a safe stage) and FP8 ``.publish``.
+* ``nvfp4()`` -> :class:`NVFP4Scheme`: ``.publish(named_tensors)`` (routed
+  experts only) and ``.fake_quant_experts`` for QAT-style use.
+* ``qat()`` -> :class:`QATScheme`: the fake-quant ops (NVFP4 / MXFP4 experts,
+  FP8 KV nope dims). Wiring them into the training model is not built yet:
+  ``.install(model)`` raises :class:`NotBuiltError`.
+
+Every module is imported lazily so listing plugins never imports torch.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 from core.not_built import NotBuiltError
 
@@ -12,17 +29,79 @@ def bf16():
     return None
 
 
+@dataclass(frozen=True)
+class FP8Scheme:
+    name: str = "fp8"
+    scale_format: str = "ue8m0"          # or "fp32"
+
+    @property
+    def publish_format(self) -> str:
+        return "fp8" if self.scale_format == "ue8m0" else "fp8-fp32"
+
+    def quantize(self, name, tensor):
+        from .fp8_quantizer import quantize_for_publish
+        return quantize_for_publish(name, tensor, self.scale_format)
+
+    def publish(self, named_tensors):
+        from .publish import publish_bucket
+        return publish_bucket(named_tensors, self.publish_format)
+
+
+@dataclass(frozen=True)
+class MXFP4ToFP8Scheme(FP8Scheme):
+    name: str = "mxfp4-fp8"
+    prepare_stage: str = "prepare-fp8"
+
+    def prepare(self, in_dir, out_dir, **kw):
+        """Lossless MXFP4 -> FP8 conversion of ``in_dir`` into ``out_dir`` (skipped when done)."""
+        from .mxfp4_to_fp8 import convert_mxfp4_to_fp8
+        return convert_mxfp4_to_fp8(in_dir, out_dir, **kw)
+
+
+@dataclass(frozen=True)
+class NVFP4Scheme:
+    name: str = "nvfp4"
+    publish_format: str = "nvfp4"
+
+    def publish(self, named_tensors):
+        from .publish import publish_bucket
+        return publish_bucket(named_tensors, "nvfp4")
+
+    def fake_quant_experts(self, gate, up):
+        from .fake_quant import fake_quant_nvfp4_pair
+        return fake_quant_nvfp4_pair(gate, up)
+
+
+@dataclass(frozen=True)
+class QATScheme:
+    name: str = "qat"
+    expert_format: str = "mxfp4"          # or "nvfp4"
+    kv_block: int = 64
+
+    def fake_quant_expert(self, weight):
+        from .fake_quant import fake_quant_mxfp4, fake_quant_nvfp4
+        return fake_quant_mxfp4(weight) if self.expert_format == "mxfp4" else fake_quant_nvfp4(weight)
+
+    def fake_quant_kv(self, kv, rope_dim: int = 64):
+        from .fake_quant import fake_quant_kv_nope
+        return fake_quant_kv_nope(kv, rope_dim, self.kv_block)
+
+    def install(self, model):
+        raise NotBuiltError("wiring fake-quant (QAT) into the training model (the fake-quant ops in "
+                            "converters.fake_quant exist)", "issue #5")
+
+
 def fp8():
-    raise NotBuiltError("the fp8 quantization scheme (block quantizer for publishing)", "issue #5")
+    return FP8Scheme()
 
 
 def mxfp4_fp8():
-    raise NotBuiltError("the mxfp4-fp8 quantization scheme (prepare-fp8 converter)", "issue #5")
+    return MXFP4ToFP8Scheme()
 
 
 def nvfp4():
-    raise NotBuiltError("the nvfp4 quantization scheme", "issue #5")
+    return NVFP4Scheme()
 
 
 def qat():
-    raise NotBuiltError("fake-quant (QAT) training", "issue #5")
+    return QATScheme()

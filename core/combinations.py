@@ -52,10 +52,9 @@ class Selection:
 
 
 def _join(names) -> str:
+    """'a', 'a or b', 'a, b or c' (sorted)."""
     names = sorted(names)
-    if len(names) <= 1:
-        return "".join(names)
-    return ", ".join(names[:-1]) + " or " + names[-1]
+    return "".join(names) if len(names) <= 1 else _join_ordered(names)
 
 
 def _accepts(allowed, name) -> bool:
@@ -93,23 +92,29 @@ def _impl_tp(sel: Selection, host) -> Optional[str]:
     )
 
 
+def _divisors(n: int) -> str:
+    return _join_ordered([str(d) for d in range(1, n + 1) if n % d == 0])
+
+
+def _join_ordered(items: list) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
 def _tp_groups(sel: Selection, host) -> Optional[str]:
     if sel.o_groups is None or sel.tp <= 1 or sel.o_groups % sel.tp == 0:
         return None
-    divisors = [d for d in range(1, sel.o_groups + 1) if sel.o_groups % d == 0]
     return (
         f"--tp {sel.tp} does not divide the model's o_groups={sel.o_groups} (the grouped output projection "
-        f"is split by groups across tensor-parallel ranks). Fix: use --tp {_join(map(str, divisors))}."
+        f"is split by groups across tensor-parallel ranks). Fix: use --tp {_divisors(sel.o_groups)}."
     )
 
 
 def _ep_experts(sel: Selection, host) -> Optional[str]:
     if sel.n_routed_experts is None or sel.ep <= 1 or sel.n_routed_experts % sel.ep == 0:
         return None
-    divisors = [d for d in range(1, sel.n_routed_experts + 1) if sel.n_routed_experts % d == 0]
     return (
         f"--ep {sel.ep} does not divide the model's {sel.n_routed_experts} routed experts "
-        f"(each expert-parallel rank holds an equal share). Fix: use --ep {_join(map(str, divisors))}."
+        f"(each expert-parallel rank holds an equal share). Fix: use --ep {_divisors(sel.n_routed_experts)}."
     )
 
 

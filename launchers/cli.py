@@ -207,9 +207,13 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weights.")
-def prepare_cmd(opts, preset: str, out: str, dtype: str, seed: int):
-    """Write a deterministic official-format HF checkpoint for a preset."""
-    stages.prepare(preset=preset, out=stages.user_path(out), dtype=dtype, seed=seed)
+@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint made with other inputs.")
+def prepare_cmd(opts, preset: str, out: str, dtype: str, seed: int, overwrite: bool):
+    """Write a deterministic official-format HF checkpoint for a preset.
+
+    Safe to run concurrently and to interrupt; a rerun with the same inputs is skipped.
+    """
+    stages.prepare(preset=preset, out=stages.user_path(out), dtype=dtype, seed=seed, overwrite=overwrite)
 
 
 @subcommand("inspect")
@@ -241,11 +245,17 @@ def convert_cmd(opts, hf_dir, out):
 
 
 @subcommand("prepare-fp8")
-@click.option("--in", "in_dir", type=click.Path(file_okay=False), help="Checkpoint with MXFP4 routed experts.")
-@click.option("--out", type=click.Path(file_okay=False), help="Directory for the FP8 checkpoint.")
-def prepare_fp8_cmd(opts, in_dir, out):
-    """Convert MXFP4 routed experts losslessly to FP8 128x128 blocks."""
-    raise NotBuiltError("dsv4 prepare-fp8 (MXFP4 -> FP8 converter)", "issue #5")
+@click.option("--in", "in_dir", required=True, type=click.Path(file_okay=False), help="Checkpoint with MXFP4 routed experts.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the FP8 checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output made from other inputs.")
+def prepare_fp8_cmd(opts, in_dir, out, overwrite):
+    """Convert MXFP4 routed experts losslessly to FP8 128x128 blocks.
+
+    Every other tensor is copied byte for byte. A tile whose FP4 scales span
+    too much for an exact FP8 conversion is an error naming the tensor and tile.
+    Safe to run concurrently and to interrupt; a rerun is skipped.
+    """
+    stages.prepare_fp8(stages.user_path(in_dir), stages.user_path(out), overwrite=overwrite)
 
 
 @subcommand("train")

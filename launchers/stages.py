@@ -43,7 +43,7 @@ STAGES = (
     Stage("inspect", "parameter counts by component", True),
     Stage("logprobs", "score token sequences with the reference model", True),
     Stage("convert", "HF -> native megatron-core checkpoint", False, "issue #4"),
-    Stage("prepare-fp8", "MXFP4 routed experts -> FP8", False, "issue #5"),
+    Stage("prepare-fp8", "MXFP4 routed experts -> FP8, lossless (checked per tile)", True),
     Stage("train", "SFT / GRPO training", False, "issue #7"),
     Stage("full-train", "prepare -> prepare-fp8 -> convert -> train", False, "issue #7"),
 )
@@ -137,14 +137,42 @@ def print_stages() -> None:
 # -- stages ----------------------------------------------------------------
 
 
-def prepare(preset: str, out: Path, dtype: str, seed: int) -> Path:
+def prepare(preset: str, out: Path, dtype: str, seed: int, overwrite: bool = False) -> Path:
+    """Materialize a preset as an official-format checkpoint, as a safe stage.
+
+    Concurrent runs for the same destination build it once (file lock); a
+    rerun with the same inputs is skipped (completion sentinel); an
+    interrupted run leaves nothing half-written (temp dir, then rename).
+    """
+    from core.checkpoint.official_tensors import official_tensor_specs, total_bytes
     from core.checkpoint.tiny import prepare_checkpoint
     from core.config import preset as get_preset
+    from converters.staging import StageConflict, run_stage
 
     config = get_preset(preset)
-    prepare_checkpoint(out, config, dtype=dtype, seed=seed)
-    log.print(f"wrote {preset} checkpoint ({dtype}, seed {seed}) to {out}")
+    inputs = {"preset": preset, "dtype": dtype, "seed": seed}
+    try:
+        result = run_stage(
+            out,
+            lambda tmp: prepare_checkpoint(tmp, config, dtype=dtype, seed=seed, overwrite=True),
+            name="prepare",
+            inputs=inputs,
+            required_bytes=total_bytes(official_tensor_specs(config, dtype)),
+            overwrite=overwrite,
+            verbose=False,
+        )
+    except StageConflict as exc:
+        raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
+    what = "wrote" if result.built else "already prepared:"
+    log.print(f"{what} {preset} checkpoint ({dtype}, seed {seed}) at {out}")
     return out
+
+
+def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
+    """MXFP4 routed experts -> FP8 128x128 blocks, losslessly, as a safe stage."""
+    from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
+
+    return convert_mxfp4_to_fp8(in_dir, out, overwrite=overwrite)
 
 
 def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) -> None:
@@ -217,10 +245,7 @@ def logprobs(run, checkpoint: Path, tokens: Path, dtype: str) -> None:
 def main_job(run) -> None:
     """The default job: validate, materialize the embedded model, score samples."""
     print_run_config(run)
-    ckpt = cache_dir() / "tiny-bf16-seed0"
-    if not (ckpt / "model.safetensors.index.json").exists():
-        log.print(f"materializing the embedded tiny checkpoint in {ckpt}")
-        prepare("tiny", ckpt, "bf16", 0)
+    ckpt = prepare("tiny", cache_dir() / "tiny-bf16-seed0", "bf16", 0)
     from core.checkpoint.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(ckpt)

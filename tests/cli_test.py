@@ -19,7 +19,6 @@ def invoke(*args, **kw):
     "args, issue",
     [
         (["convert", "--hf", "x", "--out", "y"], "issue #4"),
-        (["prepare-fp8", "--in", "x", "--out", "y"], "issue #5"),
         (["train"], "issue #7"),
         (["full-train"], "issue #7"),
     ],

@@ -247,24 +247,3 @@ def fp4_dequantize(
     vals = vals * scale_to_float(scale)[..., None]
     return vals.view(out_f, nb * block)[:, :in_f].to(dtype).contiguous()
 
-
-def fp4_to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Re-express packed FP4 experts as FP8 e4m3 with 128x128 ue8m0 scales.
-
-    Same maths as the official ``convert.py`` cast (architecture.md §4): per
-    128x128 block the new scale is ``max(fp4 scales) / 2**6`` and each value
-    becomes ``fp4 * (its scale / new scale)``, exact while the FP4 scales in a
-    block span less than about 2**13. Needs both dims divisible by 128.
-    """
-    out_f, in_f = packed.shape[0], packed.shape[1] * 2
-    if out_f % FP8_BLOCK or in_f % FP8_BLOCK:
-        raise ValueError(f"fp4_to_fp8_blocks needs dims divisible by 128, got {(out_f, in_f)}")
-    exps = scale.view(torch.uint8).to(torch.int32) - 127            # [out, in/32]
-    rb, cb = out_f // FP8_BLOCK, in_f // FP8_BLOCK
-    blk = exps.view(rb, FP8_BLOCK, cb, FP8_BLOCK // FP4_BLOCK)
-    new_exp = blk.amax(dim=(1, 3)) - 6                               # [rb, cb]
-    offset = blk - new_exp[:, None, :, None]                          # <= 6
-    mult = torch.ldexp(torch.ones_like(offset, dtype=torch.float32), offset)
-    mult = mult.view(out_f, in_f // FP4_BLOCK).repeat_interleave(FP4_BLOCK, dim=1)
-    w8 = (fp4_decode(fp4_unpack(packed)) * mult).to(FP8_DTYPE)
-    return w8, e8m0_from_exponent(new_exp)

@@ -20,15 +20,6 @@ from core.checkpoint.official_tensors import SCALE
 from core.checkpoint.tiny import iter_initial_tensors
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Small tensors: torch's thread pool only adds sync cost (large on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 SHARD = 600_000  # tiny checkpoints split into ~10 shards
 
 

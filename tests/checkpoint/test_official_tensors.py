@@ -10,15 +10,6 @@ from core.config import preset
 from core.checkpoint.official_tensors import SCALE, TID2EID, logical_specs, official_tensor_specs
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Small tensors: torch's thread pool only adds sync cost (large on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 BF16, F32, I64, I8 = torch.bfloat16, torch.float32, torch.int64, torch.int8
 

@@ -11,15 +11,6 @@ from core.checkpoint.tiny import balanced_tid2eid, tensor_seed
 from core.checkpoint.tokenizer import ByteTokenizer
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Small tensors: torch's thread pool only adds sync cost (large on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _files(d):
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 

@@ -9,6 +9,7 @@ import converters.fp8_to_bf16 as f2b
 from converters.fp8_to_bf16 import convert_fp8_to_bf16, convert_into
 from core.checkpoint import CheckpointError, open_checkpoint, prepare_checkpoint, write_checkpoint
 from core.checkpoint.formats import e8m0_to_float
+from core.checkpoint.tokenizer import TOKENIZER_FILE
 from core.config import preset
 
 
@@ -36,7 +37,7 @@ def test_convert_e8m0_scales(fp8_ckpt, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and "expert_dtype" not in cfg
     assert not any(n.endswith(".scale") for n in r.weight_map)
-    assert (out / "tokenizer.json").is_file()
+    assert (out / TOKENIZER_FILE).is_file()
     rin = open_checkpoint(fp8_ckpt)
     raw = dict(rin.iter_tensors(dequantize=False))
     got = dict(r.iter_tensors(dequantize=False))
@@ -50,7 +51,7 @@ def test_convert_e8m0_scales(fp8_ckpt, tmp_path):
             assert torch.equal(got[n].view(torch.uint8), raw[n].view(torch.uint8)), n
 
 
-def test_convert_fp32_scales_and_uneven_shapes(tmp_path):
+def test_convert_fp32_scales(tmp_path):
     config = preset("tiny")
     src = prepare_checkpoint(tmp_path / "src", config, dtype="fp8", seed=4)
     r = open_checkpoint(src)

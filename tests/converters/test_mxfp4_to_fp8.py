@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from converters.mxfp4_to_fp8 import (
     REPORT_FILE, InexactConversionError, cast_mxfp4_to_fp8, convert_mxfp4_to_fp8,
@@ -15,6 +14,7 @@ from core.checkpoint import open_checkpoint, prepare_checkpoint, write_checkpoin
 from core.checkpoint.formats import (
     E8M0_DTYPE, FP4_VALUES, fp4_dequantize, fp4_pack, fp8_block_dequantize,
 )
+from core.checkpoint.tokenizer import TOKENIZER_FILE
 from core.config import preset
 
 # magnitude code -> value, and the codes whose value has its lowest bit at 2^-1 (0.5, 1.5)
@@ -167,17 +167,6 @@ def test_nan_scale_is_reported():
         cast_mxfp4_to_fp8(packed, b.view(E8M0_DTYPE))
 
 
-def test_matches_core_formats_cast_where_in_range():
-    from core.checkpoint.formats import fp4_to_fp8_blocks
-    gen = torch.Generator().manual_seed(5)
-    _, packed = _random_fp4(256, 256, gen)
-    scale = _scales_from_exps(_wide_exps(256, 256, gen, spread=12, lo=-100, hi=100))
-    a8, a_s, _ = cast_mxfp4_to_fp8(packed, scale)
-    b8, b_s = fp4_to_fp8_blocks(packed, scale)
-    assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8))
-    assert torch.equal(a_s.view(torch.uint8), b_s.view(torch.uint8))
-
-
 # ---------------------------------------------------------------------------
 # whole checkpoints
 # ---------------------------------------------------------------------------
@@ -197,7 +186,7 @@ def _wide_mxfp4_checkpoint(path, config, gen):
                 yield n, t
 
     dst = write_checkpoint(path / "mx", config, tensors(), weight_format="mxfp4-experts",
-                           max_shard_bytes=1_500_000, extra_files={"tokenizer.json": (src / "tokenizer.json").read_text(),
+                           max_shard_bytes=1_500_000, extra_files={TOKENIZER_FILE: (src / TOKENIZER_FILE).read_text(),
                                                                    "chat_template.jinja": "{{ x }}"})
     # quantization_config carrying expert_dtype too (some releases do)
     cfg = json.loads((dst / "config.json").read_text())
@@ -215,7 +204,7 @@ def test_convert_checkpoint_end_to_end(tmp_path):
     assert rout.weight_format == "fp8"
     cfg = json.loads((out / "config.json").read_text())
     assert "expert_dtype" not in cfg and "expert_dtype" not in cfg["quantization_config"]
-    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert (out / TOKENIZER_FILE).read_bytes() == (src / TOKENIZER_FILE).read_bytes()
     assert (out / "chat_template.jinja").read_text() == "{{ x }}"
     assert read_sentinel(out)["stage"] == "mxfp4-to-fp8"
     assert not (out / REPORT_FILE).exists()

@@ -1,0 +1,305 @@
+"""Native checkpoints: the unified native state dict in torch.distributed.checkpoint (DCP).
+
+Layout of a native checkpoint folder::
+
+    .metadata            DCP metadata
+    __0_0.distcp ...     DCP tensor data
+    dsv4_native.json     {"format", "contract_version", "impl", "model_config", "num_tensors"}
+
+The state dict is flat, ``native name -> tensor``, with the names of the weight
+contract (:mod:`core.weight_contract`), so a checkpoint written by one
+training implementation loads into the other. The folder is written
+atomically: into a temporary sibling, renamed into place once complete
+(``dsv4_native.json`` is written last).
+
+Loading **refuses** (:class:`StaleCheckpointError`, with the re-conversion
+command) a folder without ``dsv4_native.json``, one written under another
+contract version, and one holding pre-contract names such as
+``decoder.layers.0.self_attention.wq_a.weight``; the names are checked from
+the DCP metadata before any tensor is read.
+
+Safety: DCP stores tensors in its own format and reads them with
+``torch.load(weights_only=True)``; its ``.metadata`` file is a pickle, which
+this module reads with an unpickler that only resolves DCP's metadata classes
+and a few torch / pathlib names. Non-tensor entries (which DCP would read with
+``weights_only=False``) are neither written nor read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from core import weight_contract as wc
+from core.errors import UserInputError
+
+META_FILE = "dsv4_native.json"
+FORMAT = "dsv4-native-dcp"
+KNOWN_IMPLS = ("miles", "megatron")
+
+__all__ = ["META_FILE", "KNOWN_IMPLS", "NativeCheckpointError", "StaleCheckpointError", "save_native",
+           "load_native", "read_native_metadata", "is_native_checkpoint", "assert_checkpoint_is_current"]
+
+
+class NativeCheckpointError(UserInputError):
+    """A native checkpoint folder (or a state dict meant to become one) is invalid."""
+
+
+class StaleCheckpointError(NativeCheckpointError):
+    """The checkpoint predates (or postdates) the current weight contract."""
+
+
+def _reconvert(impl: Optional[str]) -> str:
+    return ("re-convert it from the HF checkpoint: "
+            + wc.CONVERT_HINT.format(impl=impl or "<miles|megatron>"))
+
+
+def _check_impl(impl) -> str:
+    if not isinstance(impl, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", impl):
+        raise NativeCheckpointError(f"impl must be a short name such as {KNOWN_IMPLS}, got {impl!r}")
+    return impl
+
+
+# ------------------------------------------------------------- DCP reading
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "TensorProperties",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size", "device", "layout", "memory_format"} | {
+        n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the names DCP metadata is made of (dataclasses, dtypes, sizes, paths)."""
+
+    def find_class(self, module, name):
+        if name in _SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+
+
+def _read_dcp_metadata(path: Path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path / ".metadata", "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise NativeCheckpointError(f"{path}: no DCP .metadata file; not a native checkpoint") from None
+    except Exception as e:  # corrupt file or a global outside the allow-list
+        raise NativeCheckpointError(f"{path}/.metadata: cannot read DCP metadata safely: {e}") from e
+    if not isinstance(md, Metadata):
+        raise NativeCheckpointError(f"{path}/.metadata: not DCP metadata ({type(md).__name__})")
+    return md
+
+
+def _make_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            md = _read_dcp_metadata(Path(self.path))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _SafeReader(str(path))
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it runs without a process group; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+        yield
+
+
+# ------------------------------------------------------------ public API
+def is_native_checkpoint(path) -> bool:
+    """A folder with DCP metadata and ``dsv4_native.json`` (any contract version)."""
+    p = Path(path)
+    return p.is_dir() and (p / META_FILE).is_file() and (p / ".metadata").is_file()
+
+
+def read_native_metadata(path, *, impl: Optional[str] = None) -> Dict[str, Any]:
+    """``dsv4_native.json`` of a checkpoint folder (refuses folders without one)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise NativeCheckpointError(f"{p}: native checkpoint folder does not exist")
+    mf = p / META_FILE
+    if not mf.is_file():
+        if (p / ".metadata").is_file():
+            raise StaleCheckpointError(
+                f"{p}: DCP checkpoint without {META_FILE}: written before weight contract "
+                f"v{wc.CONTRACT_VERSION} (or by another tool); {_reconvert(impl)}")
+        raise NativeCheckpointError(f"{p}: not a native checkpoint (no {META_FILE} and no DCP .metadata)")
+    try:
+        meta = json.loads(mf.read_text())
+    except (OSError, ValueError) as e:
+        raise NativeCheckpointError(f"{mf}: unreadable: {e}") from e
+    if not isinstance(meta, dict):
+        raise NativeCheckpointError(f"{mf}: must hold a JSON object")
+    return meta
+
+
+def assert_checkpoint_is_current(path, *, impl: Optional[str] = None) -> Dict[str, Any]:
+    """Refuse a checkpoint of another contract version or with pre-contract
+    names (checked from metadata only); return its ``dsv4_native.json``."""
+    p = Path(path)
+    meta = read_native_metadata(p, impl=impl)
+    ver = meta.get("contract_version")
+    if isinstance(ver, bool) or ver != wc.CONTRACT_VERSION:
+        when = "a newer" if isinstance(ver, int) and ver > wc.CONTRACT_VERSION else "an older"
+        raise StaleCheckpointError(
+            f"{p}: written under {when if ver is not None else 'no'} weight contract "
+            f"(contract_version={ver!r}, this code reads v{wc.CONTRACT_VERSION}); "
+            f"{_reconvert(impl or meta.get('impl'))}")
+    md = _read_dcp_metadata(p)
+    stale = [(n, wc.stale_reason(n)) for n in md.state_dict_metadata]
+    stale = [(n, why) for n, why in stale if why]
+    if stale:
+        shown = "; ".join(f"{n!r} ({why})" for n, why in stale[:3])
+        raise StaleCheckpointError(
+            f"{p}: {len(stale)} tensor name(s) predate weight contract v{wc.CONTRACT_VERSION}, e.g. {shown}; "
+            f"{_reconvert(impl or meta.get('impl'))}")
+    return meta
+
+
+def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: str, config,
+                overwrite: bool = False, complete: bool = True) -> Path:
+    """Write ``native_state_dict`` as a native checkpoint at ``path`` (atomic).
+
+    Every name must be a contract name of ``config`` with the contract shape
+    (``complete``: and every contract tensor must be present). ``impl`` names
+    the implementation that wrote it; it is recorded, not required to match
+    on load. Tensors are saved as held (dtype included).
+    """
+    impl = _check_impl(impl)
+    out = Path(path).absolute()
+    if out.exists() and not out.is_dir():
+        raise NativeCheckpointError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise NativeCheckpointError(f"{out}: folder exists and is not empty (pass overwrite=True)")
+
+    wc.check_native_state(native_state_dict.keys(), config, complete=complete)
+    want = wc.native_names(config)
+    state: Dict[str, torch.Tensor] = {}
+    for name, t in native_state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise NativeCheckpointError(f"tensor {name!r}: only tensors can be saved, got {type(t).__name__}")
+        shape, dt = want[name]
+        if tuple(t.shape) != tuple(shape):
+            raise NativeCheckpointError(f"tensor {name!r}: shape {tuple(t.shape)} != contract shape {shape}")
+        if t.is_floating_point() != dt.is_floating_point:
+            raise NativeCheckpointError(f"tensor {name!r}: dtype {t.dtype} does not match the contract ({dt})")
+        state[name] = t.detach().contiguous()
+
+    import torch.distributed.checkpoint as dcp
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+        meta = {
+            "format": FORMAT,
+            "contract_version": wc.CONTRACT_VERSION,
+            "impl": impl,
+            "model_config": config.to_hf_dict(),
+            "num_tensors": len(state),
+            "complete": bool(complete),
+        }
+        mf = tmp / META_FILE
+        with open(mf, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        try:
+            fd = os.open(out.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_native(path, *, impl: Optional[str] = None, config=None,
+                device: str = "cpu") -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Load a native checkpoint: ``(state_dict, metadata)``.
+
+    ``impl``: the implementation loading it (any; names are unified, so a
+    checkpoint written by ``miles`` loads for ``megatron`` and vice versa);
+    only used in messages and recorded as ``metadata["loaded_by"]``.
+    ``config``: if given, must equal the recorded model config. Refuses stale
+    checkpoints (see the module docstring).
+    """
+    from core.config import ModelConfig
+
+    if impl is not None:
+        _check_impl(impl)
+    p = Path(path)
+    meta = assert_checkpoint_is_current(p, impl=impl)
+    try:
+        saved_cfg = ModelConfig.from_hf_dict(meta.get("model_config"))
+    except Exception as e:
+        raise NativeCheckpointError(f"{p}/{META_FILE}: invalid model_config: {e}") from e
+    if config is not None and config.to_hf_dict() != saved_cfg.to_hf_dict():
+        raise NativeCheckpointError(f"{p}: checkpoint was written for a different model config than the one given")
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = _read_dcp_metadata(p)
+    want = wc.native_names(saved_cfg)
+    state: Dict[str, torch.Tensor] = {}
+    for name, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise NativeCheckpointError(f"{p}: entry {name!r} is not a tensor; refusing to unpickle it")
+        if name not in want:
+            raise StaleCheckpointError(f"{p}: tensor {name!r} is not in the model's contract; "
+                                       f"{_reconvert(impl or meta.get('impl'))}")
+        if tuple(item.size) != tuple(want[name][0]):
+            raise NativeCheckpointError(f"{p}: tensor {name!r} has shape {tuple(item.size)}, "
+                                        f"contract shape {want[name][0]}")
+        state[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
+    missing = [n for n in want if n not in state]
+    if missing and meta.get("complete", True):
+        raise NativeCheckpointError(f"{p}: incomplete checkpoint, {len(missing)} contract tensor(s) missing, "
+                                    f"e.g. {missing[:5]}")
+
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
+    meta = dict(meta)
+    meta["loaded_by"] = impl
+    return state, meta

@@ -1,0 +1,65 @@
+"""The scheme factories return working objects (or say honestly what is not built)."""
+
+import pytest
+import torch
+
+from converters import schemes
+from core.checkpoint import open_checkpoint, prepare_checkpoint
+from core.config import preset
+from core.not_built import NotBuiltError
+
+
+def test_bf16_is_identity():
+    assert schemes.bf16() is None
+
+
+def test_fp8_publish():
+    s = schemes.fp8()
+    w = torch.randn(128, 256)
+    out = dict(s.publish([("layers.0.attn.wq_a.weight", w), ("layers.0.attn.wo_a.weight", w)]))
+    assert out["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert out["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert out["layers.0.attn.wo_a.weight"] is not None and "layers.0.attn.wo_a.scale" not in out
+    s32 = schemes.FP8Scheme(scale_format="fp32")
+    assert dict(s32.publish([("mtp.0.h_proj.weight", w)]))["mtp.0.h_proj.scale"].dtype == torch.float32
+
+
+def test_mxfp4_fp8_prepare(tmp_path):
+    s = schemes.mxfp4_fp8()
+    assert s.prepare_stage == "prepare-fp8"
+    src = prepare_checkpoint(tmp_path / "mx", preset("tiny"), dtype="mxfp4-experts", seed=0)
+    out = s.prepare(src, tmp_path / "fp8", progress_bar=False)
+    assert open_checkpoint(out).weight_format == "fp8"
+    assert s.prepare(src, tmp_path / "fp8", progress_bar=False) == out  # skipped the second time
+
+
+def test_nvfp4_publish():
+    s = schemes.nvfp4()
+    w = torch.randn(16, 32)
+    out = dict(s.publish([("layers.1.ffn.experts.0.w1.weight", w), ("layers.1.ffn.experts.0.w3.weight", w),
+                          ("layers.1.ffn.shared_experts.w1.weight", w)]))
+    assert out["layers.1.ffn.experts.0.w1.weight"].dtype == torch.uint8
+    assert out["layers.1.ffn.shared_experts.w1.weight"] is w or torch.equal(out["layers.1.ffn.shared_experts.w1.weight"], w)
+
+
+def test_qat_ops_and_not_built_install():
+    s = schemes.qat()
+    w = torch.randn(8, 64, requires_grad=True)
+    s.fake_quant_expert(w).sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    kv = torch.randn(2, 3, 192)
+    assert torch.equal(s.fake_quant_kv(kv)[..., -64:], kv[..., -64:])
+    with pytest.raises(NotBuiltError, match="issue #5"):
+        s.install(torch.nn.Linear(2, 2))
+
+
+def _records():
+    from converters.plugin import dsv4_quant_schemes
+    return {r.name: r for r in dsv4_quant_schemes()}
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4-fp8", "nvfp4", "qat"])
+def test_plugin_records_load(name):
+    obj = _records()[name].load()()
+    if name != "bf16":
+        assert obj.name == name
