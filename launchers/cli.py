@@ -195,7 +195,7 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
         path = stages.user_path(write_readme)
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        generated.write_atomically(path, generated.replace_readme_table(text, generated.combinations_markdown(combos)))
+        generated.write_atomically(path, generated.replace_readme_tables(text, combos, host))
     if as_json:
         click.echo(json.dumps([c.__dict__ for c in combos], indent=2))
     elif not (write_bzl or write_readme):

@@ -11,8 +11,12 @@ ROOT = Path(os.path.abspath(__file__)).parent.parent
 REGENERATE = "bazel run //launchers:dsv4 -- combinations --write-bzl tests/combinations.bzl --write-readme README.md"
 
 
+def _host():
+    return make_host(third_party=False)
+
+
 def _combos():
-    return supported_combinations(make_host(third_party=False))
+    return supported_combinations(_host())
 
 
 def test_bazel_matrix_is_current():
@@ -20,10 +24,10 @@ def test_bazel_matrix_is_current():
     assert current == generated.combinations_bzl(_combos()), f"tests/combinations.bzl is stale; run: {REGENERATE}"
 
 
-def test_readme_table_is_current():
+def test_readme_tables_are_current():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    expected = generated.replace_readme_table(readme, generated.combinations_markdown(_combos()))
-    assert readme == expected, f"README.md's combinations table is stale; run: {REGENERATE}"
+    expected = generated.replace_readme_tables(readme, _combos(), _host())
+    assert readme == expected, f"README.md's generated tables are stale; run: {REGENERATE}"
 
 
 def test_matrix_has_cpu_rows_for_both_implementations():
