@@ -130,11 +130,20 @@ def _impl_qkv(sel: Selection, host) -> Optional[str]:
     return f"--impl {impl.name} supports {only}--qkv-format {_join(impl.qkv_formats)} (got {sel.qkv_format}). Fix: {fix}."
 
 
-def _impl_cp(sel: Selection, host) -> Optional[str]:
-    if sel.cp <= 1 or sel.impl.context_parallel:
+def _unsupported_parallelism(sel: Selection, host, what: str, option: str, size: int, flag: str) -> Optional[str]:
+    if size <= 1 or getattr(sel.impl, flag):
         return None
-    others = [i.name for i in host.records(ATTENTION) if i.context_parallel]
-    return f"--impl {sel.impl.name} does not support context parallelism (got --cp {sel.cp}). Fix: use --cp 1, or --impl {_join(others)}."
+    others = [i.name for i in host.records(ATTENTION) if getattr(i, flag)]
+    fix = f"use {option} 1" + (f", or --impl {_join(others)}" if others else "")
+    return f"--impl {sel.impl.name} does not support {what} (got {option} {size}). Fix: {fix}."
+
+
+def _impl_cp(sel: Selection, host) -> Optional[str]:
+    return _unsupported_parallelism(sel, host, "context parallelism", "--cp", sel.cp, "context_parallel")
+
+
+def _impl_ep(sel: Selection, host) -> Optional[str]:
+    return _unsupported_parallelism(sel, host, "expert parallelism", "--ep", sel.ep, "expert_parallel")
 
 
 def _kernel_hardware(sel: Selection, host) -> Optional[str]:
@@ -180,6 +189,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("expert-parallel-experts", "the expert-parallel size divides the routed experts", _ep_experts),
     ("impl-qkv-format", "the implementation supports the qkv format", _impl_qkv),
     ("impl-context-parallel", "the implementation supports context parallelism", _impl_cp),
+    ("impl-expert-parallel", "the implementation supports expert parallelism", _impl_ep),
     ("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),
     ("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     ("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),

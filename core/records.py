@@ -115,6 +115,7 @@ class AttentionImpl(BackendRecord):
     qkv_formats: tuple = ("bshd", "thd")
     max_tensor_parallel: Optional[int] = None
     context_parallel: bool = True
+    expert_parallel: bool = True
     tp_hint: str = ""
 
     axis: ClassVar[str] = ATTENTION

@@ -9,7 +9,6 @@ import importlib
 
 import pytest
 
-from core.not_built import NotBuiltError
 from core.plugins import PluginHost
 from core.records import AXES
 from tests.runner import param
@@ -47,8 +46,8 @@ def test_factories_import_and_behave_as_documented(records):
     for record in records:
         factory = record.load()
         if PACKAGE in ("backends.miles", "backends.megatron"):
-            with pytest.raises(NotBuiltError, match=r"issue #4"):
-                factory(None, None)
+            # model building is tested against the reference in tests/impl_*
+            assert factory.__name__ == "build_model" and factory.__module__ == f"{PACKAGE}.impl"
         elif PACKAGE == "backends.cpu":
             import torch
 

@@ -69,11 +69,21 @@ UNSUPPORTED_CASES = [
     struct(
         name = "ep_not_dividing_experts",
         args = ["--ep", "3"],
-        message = "--ep 3 does not divide the model's 8 routed experts (each expert-parallel rank holds an equal share). Fix: use --ep 1, 2, 4 or 8.",
+        message = "--ep 3 does not divide the model's 8 routed experts (each expert-parallel rank holds an equal share). Fix: use --ep 1, 2, 4 or 8.\n--impl miles does not support expert parallelism (got --ep 3). Fix: use --ep 1.",
     ),
     struct(
         name = "unknown_model",
         args = ["--model", "gigantic"],
         message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, pro, tiny",
+    ),
+    struct(
+        name = "miles_thd_not_built",
+        args = ["--impl", "miles", "--qkv-format", "thd"],
+        message = "--impl miles supports only --qkv-format bshd (got thd). Fix: use --qkv-format bshd, or --impl megatron, which supports thd.",
+    ),
+    struct(
+        name = "context_parallel_not_built",
+        args = ["--impl", "megatron", "--cp", "2"],
+        message = "--impl megatron does not support context parallelism (got --cp 2). Fix: use --cp 1.",
     ),
 ]

@@ -1,4 +1,10 @@
-"""The CPU hardware target: device and process-group choices for CPU runs."""
+"""The CPU hardware target: device, process group and megatron-core shims.
+
+Everything a CPU run needs before a model is built happens in ``setup`` and
+``init_process_group``, called explicitly by the job (never as a side effect
+of importing a model): megatron-core's CPU shims (see megatron_shims.py) and a
+gloo process group with megatron's parallel state.
+"""
 
 import torch
 
@@ -10,3 +16,17 @@ class CpuTarget:
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def setup(self) -> None:
+        """Make megatron-core importable and usable on the CPU (idempotent)."""
+        from backends.cpu.megatron_shims import apply_megatron_cpu_shims
+
+        apply_megatron_cpu_shims()
+
+    def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                           port: int | None = None, seed: int = 1234) -> None:
+        """gloo process group plus megatron's model-parallel groups for this rank."""
+        from backends.cpu.megatron_shims import init_cpu_process_group
+
+        self.setup()
+        init_cpu_process_group(rank, world_size, tp=tp, cp=cp, ep=ep, port=port, seed=seed)

@@ -1,8 +1,75 @@
-"""Model construction for the `megatron` implementation (Megatron-native design)."""
+"""Model construction for the `megatron` implementation (Megatron-native design).
 
-from core.not_built import NotBuiltError
+Public API:
+
+* ``build_model(model_config, run_config, *, params_dtype=torch.float32, dsa_indexer_loss_coeff=None,
+  **config_overrides) -> DSv4NativeModel``
+* ``load_hf_checkpoint(model, path)``: an official (HF) checkpoint into the native names, through
+  ``core.weight_contract.hf_to_native``.
+* ``native_state(model)``: ``{native name: tensor}`` (parameters + persistent buffers).
+
+The process must already be set up for megatron-core (the hardware target initializes the
+process groups with tensor-parallel size 1 before a model is built).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["build_model", "load_hf_checkpoint", "native_state"]
 
 
-def build_model(model_config, run_config):
-    """Build the Megatron-native DeepSeek-V4 model for ``run_config``."""
-    raise NotBuiltError("the megatron implementation's model", "issue #4")
+def _check_run_config(run_config) -> None:
+    """Defensive: core/combinations.py refuses these at parse time; a RunConfig from normalize() never gets here."""
+    tp = int(getattr(run_config, "tp", 1) or 1)
+    if tp != 1:
+        raise ValueError(f"--impl megatron requires tensor-model-parallel-size 1 (got --tp {tp}); "
+                         "use --impl miles for tensor parallelism")
+    cp = int(getattr(run_config, "cp", 1) or 1)
+    if cp != 1:
+        raise ValueError(f"the megatron implementation has no context parallelism yet (got --cp {cp}); "
+                         "the combination table refuses it")
+    fmt = getattr(run_config, "qkv_format", "thd")
+    if fmt not in (None, "thd"):
+        raise ValueError(f"--impl megatron is THD only (got --qkv-format {fmt})")
+    kb = getattr(run_config, "kernel_backend", "none")
+    if kb == "tilelang":
+        raise ValueError("--impl megatron does not support --kernel-backend tilelang; use 'cudnn' for fused "
+                         "kernels or 'none' for the PyTorch fallback")
+
+
+def _kernel_ops(run_config):
+    """The op namespace of the run's kernel backend (core.run_config.RunConfig.selection)."""
+    return run_config.selection.kernel.load()()
+
+
+def build_model(model_config, run_config, *, params_dtype: torch.dtype = torch.float32,
+                dsa_indexer_loss_coeff: Optional[float] = None, **config_overrides):
+    """Build the Megatron-native DeepSeek-V4 model for ``run_config`` (tensor parallel 1, THD).
+
+    ``dsa_indexer_loss_coeff``: weight of the indexer KL loss (``None`` = off: no loss is computed)."""
+    _check_run_config(run_config)
+    from .config import native_config
+    from .model import DSv4NativeModel
+
+    config_overrides.setdefault("dsa_kernel_backend", run_config.kernel_backend)
+    cfg = native_config(model_config, run_config, params_dtype=params_dtype,
+                        dsa_indexer_loss_coeff=dsa_indexer_loss_coeff, **config_overrides)
+    return DSv4NativeModel(cfg, ops=_kernel_ops(run_config))
+
+
+def native_state(model) -> Dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under their native names (megatron linears' ``_extra_state``
+    placeholders are not tensors of the model and are left out)."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("._extra_state")}
+
+
+def load_hf_checkpoint(model, path) -> None:
+    """Load an official-format checkpoint (any weight format; dequantized) into ``model``, strictly
+    (every native tensor exactly once), through the shared loader ``engine.loading`` and the weight
+    contract (``core.weight_contract.hf_to_native``)."""
+    from engine.loading import load_hf_checkpoint as _load
+
+    _load(model, path, model.config.dsv4_model_config, strict=True)

@@ -14,6 +14,8 @@ def dsv4_attention_impls():
             qkv_formats=("thd",),
             max_tensor_parallel=1,
             tp_hint="its attention and hyper-connection modules are not tensor-parallel",
-            context_parallel=True,
+            # context and expert parallelism are not built yet (issue #6 / #9)
+            context_parallel=False,
+            expert_parallel=False,
         )
     ]

@@ -1,8 +1,47 @@
-"""Model construction for the `miles` implementation (megatron-core modules)."""
+"""Model construction for the `miles` implementation (megatron-core modules).
 
-from core.not_built import NotBuiltError
+``build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_indexer=True)``
+returns a :class:`backends.miles.model.DeepSeekV4MilesModel` for this process's TP rank.
+
+* Kernel ops come from the run config's kernel record: ``run_config.selection.kernel.load()()``
+  (the reference ops for the ``none`` backend); ``run_config`` is a normalized RunConfig.
+* The hardware target must have set the process up first (``target.init_process_group(rank,
+  world, tp=...)``; on the CPU that also applies megatron-core's shims): megatron's
+  model-parallel state must exist for ``run_config.tp``.
+* Weights are randomly initialized (normal(0, 0.02); norms / alphas 1; sinks, ape, biases 0);
+  load a checkpoint with ``engine.loading.load_hf_checkpoint(model, path)``.
+"""
+
+from __future__ import annotations
+
+import torch
 
 
-def build_model(model_config, run_config):
+def _ops(run_config):
+    """The op namespace of the run's kernel backend (core.run_config.RunConfig.selection)."""
+    return run_config.selection.kernel.load()()
+
+
+def build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_indexer: bool = True,
+                init_std: float = 0.02):
     """Build the miles DeepSeek-V4 model on megatron-core for ``run_config``."""
-    raise NotBuiltError("the miles implementation's megatron-core model", "issue #4")
+    from engine.config import make_transformer_config, parallel_sizes
+    from engine.runtime import ensure_parallel_state
+
+    from .model import DeepSeekV4MilesModel
+
+    if model_config is None:
+        model_config = getattr(run_config, "model", None)
+    if model_config is None:
+        raise ValueError("build_model needs a ModelConfig")
+    p = parallel_sizes(run_config)
+    if p["cp"] != 1:
+        raise ValueError("the miles model has no context parallelism yet; the combination table refuses --cp > 1")
+    if p["ep"] != 1:
+        raise ValueError("the miles model has no expert parallelism yet; the combination table refuses --ep > 1")
+    if getattr(run_config, "qkv_format", "bshd") not in (None, "bshd"):
+        raise ValueError("the miles model runs the BSHD layout only; the combination table refuses thd")
+    ensure_parallel_state(p["tp"])
+    tconfig = make_transformer_config(model_config, run_config, params_dtype=params_dtype,
+                                      init_method_std=init_std)
+    return DeepSeekV4MilesModel(model_config, tconfig, _ops(run_config), params_dtype, init_std, freeze_indexer)

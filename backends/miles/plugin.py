@@ -9,10 +9,13 @@ def dsv4_attention_impls():
     return [
         AttentionImpl(
             name="miles",
-            description="plugin path: DeepSeek-V4 attention and mHC as megatron-core modules; BSHD and THD; tensor and context parallel",
+            description="plugin path: DeepSeek-V4 attention and mHC as megatron-core modules; BSHD; tensor parallel",
             factory="backends.miles.impl:build_model",
-            qkv_formats=("bshd", "thd"),
+            # THD and context parallelism arrive with packing (issue #6); expert
+            # parallelism is not built yet. Declared here so the table refuses them.
+            qkv_formats=("bshd",),
             max_tensor_parallel=None,
-            context_parallel=True,
+            context_parallel=False,
+            expert_parallel=False,
         )
     ]

@@ -2,7 +2,6 @@
 
 from typing import Optional
 
-from core.not_built import NotBuiltError
 from core.probes import python_package_missing
 
 
@@ -11,5 +10,37 @@ def unavailable_reason() -> Optional[str]:
 
 
 def ops():
-    """Return the triton implementations of the DeepSeek-V4 ops."""
-    raise NotBuiltError("the triton kernels", "issue #8")
+    """Return the triton implementations of the DeepSeek-V4 ops, by the reference op names.
+
+    Triton kernels (CUDA tensors; ``kernels/triton/attention.py``, ``indexer.py``):
+
+    * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
+      bf16/fp16 inputs with a power-of-two head dim; other dtypes (fp32/fp64) delegate to the
+      reference op.
+    * ``indexer_scores(q, k, w)``: fp32 scores (the reference returns the input dtype).
+
+    Delegated to the reference ops (no Triton kernel yet): ``hadamard_transform``, ``sinkhorn``,
+    ``hc_pre``, ``hc_post``, ``hc_head``.
+
+    Extra names beyond the reference set (THD entry points): ``sparse_attention_with_sink_thd``
+    (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
+    segment ``ks/ke`` ranges), ``indexer_topk``.
+    """
+    from types import SimpleNamespace
+
+    from kernels.reference import backend as reference
+    from kernels.triton import attention, indexer
+
+    ref = reference.ops()
+    return SimpleNamespace(
+        sparse_attention_with_sink=attention.sparse_attention_with_sink,
+        indexer_scores=indexer.indexer_scores,
+        hadamard_transform=ref.hadamard_transform,
+        sinkhorn=ref.sinkhorn,
+        hc_pre=ref.hc_pre,
+        hc_post=ref.hc_post,
+        hc_head=ref.hc_head,
+        sparse_attention_with_sink_thd=attention.sparse_attention_with_sink_thd,
+        indexer_scores_thd=indexer.indexer_scores_thd,
+        indexer_topk=indexer.indexer_topk,
+    )

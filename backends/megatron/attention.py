@@ -1,0 +1,333 @@
+"""DeepSeek-V4 attention of the native design (``dsv4_hybrid``), THD only, tensor parallel 1.
+
+Module tree and parameter names (= the weight contract's native names)::
+
+    self_attention.linear_q_down_proj.weight    [q_lora, C]
+    self_attention.q_layernorm.weight           [q_lora]
+    self_attention.linear_q_up_proj.weight      [H*D, q_lora]
+    self_attention.linear_kv_proj.weight        [D, C]
+    self_attention.kv_layernorm.weight          [D]
+    self_attention.linear_o_group_proj          [G*R, H*D/G]   (bare Parameter, einsum-contracted)
+    self_attention.linear_proj.weight           [C, G*R]
+    self_attention.core_attention.attn_sink     [H] fp32
+    self_attention.core_attention.compressor.{linear_wkv.weight, linear_wgate.weight, ape, norm.weight}
+    self_attention.core_attention.indexer.{linear_wq_b.weight, linear_weights_proj.weight, compressor.*}
+
+Inputs are one packed stream ``[T, 1, C]`` (sequence first) with its :class:`core.thd.ThdLayout`;
+RoPE positions restart at every segment, windows and compressed groups never cross a segment
+boundary (``core.thd`` builders). The math is the reference model's (``kernels.reference``), with the
+sparse attention / indexer scores / Hadamard ops taken from the selected kernel backend.
+
+Indexer training (CSA layers): the indexer sees ``x`` and ``cq`` **detached**, so neither the LM loss
+nor the indexer loss reaches the trunk through it (top-k is discrete: the LM loss gives the indexer no
+gradient either). With ``dsa_indexer_loss_coeff`` set (``None`` = off) and the module in training
+mode, each CSA layer adds ``coeff * KL(p || softmax(I))`` where the teacher ``p`` is the main
+attention's head-summed, L1-normalised probability of every visible compressed entry, computed
+from the detached query and keys with the window logits and the sink in the softmax normaliser.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from core.thd import ThdLayout, compressed_groups, compressed_visible_indices, indexer_ranges, window_indices
+from engine.layers import KeepFP32Module, RMSNorm
+from engine.tp import mark_keep_in_fp32
+
+from .config import indexer_loss_enabled
+from kernels.reference.layers import compute_dtype, rms_normalize
+from kernels.reference.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+__all__ = [
+    "Compressor", "Indexer", "CompressedSparseAttention", "DSv4HybridAttention",
+    "layer_inv_freq", "indexer_teacher_probs", "indexer_kl_loss",
+]
+
+
+# ---------------------------------------------------------------------------- small pieces
+def _column(config, n_in: int, n_out: int) -> tensor_parallel.ColumnParallelLinear:
+    return tensor_parallel.ColumnParallelLinear(n_in, n_out, config=config, init_method=config.init_method,
+                                                bias=False, gather_output=False, skip_bias_add=True)
+
+
+def _row(config, n_in: int, n_out: int) -> tensor_parallel.RowParallelLinear:
+    return tensor_parallel.RowParallelLinear(n_in, n_out, config=config, init_method=config.output_layer_init_method,
+                                             bias=False, input_is_parallel=True, skip_bias_add=True)
+
+
+def _call(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """megatron-core linears return ``(out, bias)``; bias is None here."""
+    return linear(x)[0]
+
+
+def _f32_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """``x W^T`` computed in fp32 (fp64 for fp64 inputs): the compressor GEMMs (bf16 in, fp32 out)."""
+    ct = compute_dtype(x)
+    return F.linear(x.to(ct), linear.weight.to(ct))
+
+
+def layer_inv_freq(config, layer_id: int) -> torch.Tensor:
+    """Window-only layers: ``rotary_base`` without YaRN; compressed layers: ``csa_compress_rotary_base``
+    with YaRN (``rotary_scaling_factor``, ``original_max_position_embeddings``, ``beta_fast/slow``).
+    No mscale anywhere (the reference inference math)."""
+    rd = config.qk_pos_emb_head_dim
+    if config.compress_ratio(layer_id) == 0:
+        return rope_inv_freq(rd, config.rotary_base)
+    return rope_inv_freq(rd, config.csa_compress_rotary_base, config.rotary_scaling_factor,
+                         config.original_max_position_embeddings, config.beta_fast, config.beta_slow)
+
+
+# ---------------------------------------------------------------------------- compressor
+class Compressor(KeepFP32Module, MegatronModule):
+    """THD compressor: ``linear_wkv``, ``linear_wgate`` ``[coff*c, C]``, ``ape [m, coff*c]`` (fp32),
+    ``norm [c]`` (fp32); ``coff = 2`` for the overlapping ratio-4 compressor.
+
+    Groups are formed within each segment (``core.thd.compressed_groups``; tails dropped). Entry ``g``
+    pools its ``m`` tokens (ratio 4: also the previous group of the same segment on the first ``c``
+    channels) with a per-channel softmax over the slots, then RMSNorm, RoPE at the group's first
+    position, and (``rotate``, the indexer's copy) the Hadamard rotation."""
+
+    def __init__(self, config, head_dim: int, ratio: int, rotate: bool, ops):
+        super().__init__(config=config)
+        self.head_dim, self.ratio, self.rotate, self.ops = head_dim, ratio, rotate, ops
+        self.overlap = ratio == 4
+        coff = 2 if self.overlap else 1
+        self.linear_wkv = _column(config, config.hidden_size, coff * head_dim)
+        self.linear_wgate = _column(config, config.hidden_size, coff * head_dim)
+        self.ape = mark_keep_in_fp32(nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32)))
+        self.norm = RMSNorm(head_dim, config.layernorm_epsilon, keep_fp32=True)
+
+    def forward(self, x: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``x [T, C]`` -> compressed entries ``[G, c]`` (segment-major flat list; dtype of x)."""
+        m, c = self.ratio, self.head_dim
+        groups = compressed_groups(layout.cu_seqlens, m)
+        if groups.num_groups == 0:
+            return x.new_zeros(0, c)
+        gi = groups.gather_index()                                   # [G, m]
+        a = _f32_linear(x, self.linear_wkv)[gi]                      # [G, m, coff*c]
+        z = _f32_linear(x, self.linear_wgate)[gi] + self.ape.to(a.dtype)
+        if self.overlap:
+            has_prev = (groups.prev_group >= 0)[:, None, None]
+            prev = groups.prev_group.clamp(min=0)
+            prev_a = torch.where(has_prev, a[prev][..., :c], torch.zeros((), dtype=a.dtype))
+            prev_z = torch.where(has_prev, z[prev][..., :c], torch.full((), float("-inf"), dtype=z.dtype))
+            a = torch.cat((prev_a, a[..., c:]), dim=1)               # [G, 2m, c]
+            z = torch.cat((prev_z, z[..., c:]), dim=1)
+        comp = (torch.softmax(z, dim=1) * a).sum(dim=1)
+        comp = self.norm(comp.to(x.dtype))
+        cos, sin = rope_cos_sin(inv_freq.to(x.device), groups.rope_positions.to(x.device))
+        comp = apply_rope(comp.unsqueeze(0), cos, sin).squeeze(0)
+        if self.rotate:
+            comp = self.ops.hadamard_transform(comp)
+        return comp
+
+
+# ---------------------------------------------------------------------------- indexer
+class Indexer(MegatronModule):
+    """Lightning indexer (CSA layers): ``linear_wq_b [H_I*c_I, q_lora]``, ``linear_weights_proj [H_I, C]``,
+    ``compressor`` (ratio 4, rotated). ``I[t, j] = sum_h w[t,h] relu(q[t,h] . k[j])`` over the flat
+    compressed list, ``-inf`` outside the query's visible range ``[ks, ke)``."""
+
+    def __init__(self, config, ops):
+        super().__init__(config=config)
+        self.ops = ops
+        self.n_heads, self.head_dim = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
+        self.topk = config.dsa_indexer_topk
+        self.linear_wq_b = _column(config, config.q_lora_rank, self.n_heads * self.head_dim)
+        self.linear_weights_proj = _column(config, config.hidden_size, self.n_heads)
+        self.compressor = Compressor(config, self.head_dim, 4, rotate=True, ops=ops)
+
+    def scores(self, x: torch.Tensor, cq: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [T, C]``, ``cq [T, q_lora]`` (callers pass them detached) -> fp32 ``[T, G]``."""
+        T = x.shape[0]
+        k = self.compressor(x, layout, inv_freq)                     # [G, c_I]
+        ct = compute_dtype(x)
+        q = _call(self.linear_wq_b, cq).view(1, T, self.n_heads, self.head_dim)
+        q = self.ops.hadamard_transform(apply_rope(q, cos, sin).to(ct))
+        w = _call(self.linear_weights_proj, x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
+        s = self.ops.indexer_scores(q, k.to(ct).unsqueeze(0), w.unsqueeze(0)).squeeze(0)  # [T, G]
+        ks, ke = indexer_ranges(layout, 4)
+        j = torch.arange(s.shape[1], device=s.device)[None, :]
+        visible = (j >= ks[:, None]) & (j < ke[:, None])
+        return s.masked_fill(~visible, float("-inf"))
+
+    def topk_indices(self, scores: torch.Tensor, layout: ThdLayout) -> torch.Tensor:
+        """``[T, min(topk, max_seqlen // 4)]`` flat compressed ids, ``-1`` where fewer are visible.
+
+        Top-k runs per segment on that segment's own ``[L, L // 4]`` score block, exactly the selection
+        of the sample run alone: scores tie (at 0: every head's ReLU off), and ``torch.topk`` breaks
+        ties by position, so a selection over the packed row could pick different tied entries."""
+        T = scores.shape[0]
+        width = min(self.topk, layout.max_seqlen // 4)
+        out = torch.full((T, width), -1, dtype=torch.long, device=scores.device)
+        if width == 0:
+            return out
+        cu = layout.cu_seqlens.tolist()
+        cu_c = layout.compressed_cu_seqlens(4).tolist()
+        s = scores.detach()
+        for b in range(layout.num_segments):
+            r0, r1, c0, c1 = cu[b] - layout.global_start, cu[b + 1] - layout.global_start, cu_c[b], cu_c[b + 1]
+            r0, r1 = max(r0, 0), min(r1, T)
+            k = min(self.topk, c1 - c0)
+            if r1 <= r0 or k == 0:
+                continue
+            val, top = s[r0:r1, c0:c1].topk(k, dim=-1)
+            out[r0:r1, :k] = torch.where(torch.isfinite(val), top + c0, torch.full_like(top, -1))
+        return out
+
+
+# ---------------------------------------------------------------------------- indexer loss (pure)
+def indexer_teacher_probs(q: torch.Tensor, kv_all: torch.Tensor, window_idx: torch.Tensor,
+                          comp_idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Teacher distribution over each query's visible compressed entries.
+
+    ``q [T,H,D]``, ``kv_all [N,D]`` (window rows then compressed rows), ``window_idx [T,W]`` and
+    ``comp_idx [T,Gw]`` rows of ``kv_all`` (``-1`` = none), ``sink [H]``. Per head, one softmax over
+    {window keys, ALL visible compressed keys, sink}; the compressed columns' probabilities are summed
+    over heads and L1-normalised -> ``[T, Gw]`` (zero rows where no compressed entry is visible).
+    Callers pass detached tensors; computed in fp32 (fp64 for fp64 inputs)."""
+    ct = compute_dtype(q, kv_all)
+    idx = torch.cat((window_idx, comp_idx), dim=1)
+    valid = idx >= 0
+    keys = kv_all.to(ct)[idx.clamp(min=0)]                                   # [T, K, D]
+    z = torch.einsum("thd,tkd->thk", q.to(ct), keys) * scale
+    z = z.masked_fill(~valid[:, None, :], float("-inf"))
+    s = sink.to(ct).view(1, -1, 1).expand(z.shape[0], -1, 1)
+    p = torch.softmax(torch.cat((z, s), dim=-1), dim=-1)[..., window_idx.shape[1]:-1]  # [T, H, Gw]
+    p = p.sum(dim=1)
+    return p / p.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(ct).tiny)
+
+
+def indexer_kl_loss(teacher: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mean_t KL(p_t || softmax(I_t))`` over the ``mask``-ed columns, averaged over rows with at least one
+    masked-in column (0 when there is none). ``teacher [T,K]`` (rows sum to 1 over ``mask``),
+    ``student_logits [T,K]``, ``mask [T,K]`` bool."""
+    rows = mask.any(dim=-1)
+    if not bool(rows.any()):
+        return student_logits.sum() * 0.0
+    logits = student_logits.masked_fill(~mask, float("-inf"))[rows]
+    p = teacher.to(logits.dtype)[rows] * mask[rows]
+    log_q = torch.log_softmax(logits, dim=-1).masked_fill(~mask[rows], 0.0)
+    kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
+    return kl.mean()
+
+
+# ---------------------------------------------------------------------------- core attention
+class CompressedSparseAttention(KeepFP32Module, MegatronModule):
+    """``core_attention``: ``attn_sink [H]`` (fp32), ``compressor`` (CSA/HCA layers), ``indexer`` (CSA)."""
+
+    def __init__(self, config, layer_id: int, ops):
+        super().__init__(config=config)
+        self.ops = ops
+        self.ratio = config.compress_ratio(layer_id)
+        self.window = config.csa_window_size
+        self.scale = config.v_head_dim ** -0.5
+        self.attn_sink = mark_keep_in_fp32(nn.Parameter(torch.zeros(config.num_attention_heads, dtype=torch.float32)))
+        if self.ratio:
+            self.compressor = Compressor(config, config.v_head_dim, self.ratio, rotate=False, ops=ops)
+            if self.ratio == 4:
+                self.indexer = Indexer(config, ops)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, cq: torch.Tensor, layout: ThdLayout,
+                inv_freq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``q [T,H,D]``, ``kv [T,D]``, ``x [T,C]``, ``cq [T,q_lora]`` -> ``(o [T,H,D], indexer KL or None)``."""
+        T = q.shape[0]
+        idx = window_indices(layout, self.window)                                # [T, W] stream rows
+        kv_all = kv
+        kl = None
+        if self.ratio:
+            comp = self.compressor(x, layout, inv_freq)                          # [G, D]
+            kv_all = torch.cat((kv, comp.to(kv.dtype)), dim=0)
+            if self.ratio == 4:
+                xd, cqd = x.detach(), cq.detach()                               # no gradient to the trunk
+                scores = self.indexer.scores(xd, cqd, layout, inv_freq, cos, sin)    # [T, G]
+                top = self.indexer.topk_indices(scores, layout)
+                cidx = torch.where(top >= 0, top + T, top)
+                if self.training and indexer_loss_enabled(self.config):
+                    kl = self._indexer_loss(q, kv_all, idx, scores, top, layout)
+            else:
+                cidx = compressed_visible_indices(layout, self.ratio, offset=T)
+            idx = torch.cat((idx, cidx), dim=1)
+        o = self.ops.sparse_attention_with_sink(q.unsqueeze(0), kv_all.unsqueeze(0), idx.unsqueeze(0),
+                                                self.attn_sink, self.scale).squeeze(0)
+        return o, kl
+
+    def _indexer_loss(self, q, kv_all, window_idx, scores, top, layout) -> torch.Tensor:
+        """``KL(p || softmax(I))`` over all visible compressed entries (dense), or over the top-k picks
+        with ``dsa_indexer_use_sparse_loss``. Teacher from detached q / K; not yet scaled by the coeff."""
+        T = q.shape[0]
+        flat = compressed_visible_indices(layout, 4)                             # [T, Gw] flat ids
+        mask = flat >= 0
+        if getattr(self.config, "dsa_indexer_use_sparse_loss", False) and top.shape[1]:
+            ks, _ = indexer_ranges(layout, 4)
+            col = (top - ks[:, None]).clamp(min=0)
+            picked = torch.zeros_like(mask).scatter_(1, col, top >= 0)
+            mask = mask & picked
+        comp_rows = torch.where(mask, flat + T, torch.full_like(flat, -1))
+        with torch.no_grad():
+            p = indexer_teacher_probs(q.detach(), kv_all.detach(), window_idx, comp_rows,
+                                      self.attn_sink.detach(), self.scale)
+        student = scores.gather(1, flat.clamp(min=0))
+        return indexer_kl_loss(p, student, mask)
+
+
+# ---------------------------------------------------------------------------- attention
+class DSv4HybridAttention(MegatronModule):
+    """``self_attention`` of one layer; ``layer_id`` (0-based; MTP layers ``num_layers + k``) selects the kind."""
+
+    def __init__(self, config, layer_id: int, ops):
+        super().__init__(config=config)
+        c = config
+        if c.tensor_model_parallel_size != 1:
+            raise ValueError("the megatron implementation requires tensor-model-parallel-size 1")
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim = c.num_attention_heads, c.v_head_dim
+        self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
+        H, D, G, R = self.n_heads, self.head_dim, self.o_groups, self.o_lora_rank
+        pdt = c.params_dtype
+        self.linear_q_down_proj = _column(c, c.hidden_size, c.q_lora_rank)
+        self.q_layernorm = RMSNorm(c.q_lora_rank, c.layernorm_epsilon, dtype=pdt)
+        self.linear_q_up_proj = _column(c, c.q_lora_rank, H * D)
+        self.linear_kv_proj = _column(c, c.hidden_size, D)
+        self.kv_layernorm = RMSNorm(D, c.layernorm_epsilon, dtype=pdt)
+        self.linear_o_group_proj = nn.Parameter(torch.empty(G * R, H * D // G, dtype=pdt))
+        with torch.no_grad():
+            c.init_method(self.linear_o_group_proj)
+        self.linear_proj = _row(c, G * R, c.hidden_size)
+        self.core_attention = CompressedSparseAttention(c, layer_id, ops)
+        # float64 CPU tensor; a plain attribute (not a buffer) so it is never part of the state dict
+        self.inv_freq = layer_inv_freq(c, layer_id)
+
+    def forward(self, hidden_states: torch.Tensor, layout: ThdLayout
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``hidden_states [T, 1, C]`` (normed) -> ``(out [T, 1, C], indexer KL or None)``."""
+        T, B, _ = hidden_states.shape
+        if B != 1:
+            raise ValueError(f"THD input must be one packed stream [T, 1, C], got batch {B}")
+        x = hidden_states[:, 0]
+        H, D = self.n_heads, self.head_dim
+        inv_freq = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(inv_freq, layout.positions.to(x.device))
+
+        cq = self.q_layernorm(_call(self.linear_q_down_proj, x))
+        q = _call(self.linear_q_up_proj, cq).view(1, T, H, D)
+        q = rms_normalize(q, self.config.layernorm_epsilon).to(x.dtype)
+        q = apply_rope(q, cos, sin).squeeze(0)
+        kv = apply_rope(self.kv_layernorm(_call(self.linear_kv_proj, x)).unsqueeze(0), cos, sin).squeeze(0)
+
+        o, kl = self.core_attention(q, kv, x, cq, layout, inv_freq, cos, sin)
+        o = apply_rope(o.unsqueeze(0), cos, sin, inverse=True).squeeze(0)    # undo the rotation V = K carries
+
+        G, R = self.o_groups, self.o_lora_rank
+        o = o.reshape(T, G, H * D // G)
+        u = torch.einsum("tgd,grd->tgr", o, self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G))
+        out = _call(self.linear_proj, u.reshape(T, G * R))
+        return out.unsqueeze(1), kl

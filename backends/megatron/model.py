@@ -1,0 +1,227 @@
+"""The Megatron-native DeepSeek-V4 model (``dsv4_hybrid`` design): THD, tensor parallel 1.
+
+Module tree (names = ``core.weight_contract`` native names)::
+
+    embedding.word_embeddings.weight                     megatron LanguageModelEmbedding
+    decoder.layers.N.self_attention_hyper_connection.*   HyperConnectionModule (mapping_proj, alpha_*)
+    decoder.layers.N.input_layernorm.weight
+    decoder.layers.N.self_attention.*                    DSv4HybridAttention (attention.py)
+    decoder.layers.N.mlp_hyper_connection.*
+    decoder.layers.N.pre_mlp_layernorm.weight
+    decoder.layers.N.mlp.*                               engine.moe.DSv4MoE (shared with `miles`)
+    decoder.final_layernorm.weight, decoder.hc_head_{fn,base,scale}
+    output_layer.weight                                  megatron ColumnParallelLinear
+    mtp.layers.K.{enorm,hnorm,eh_proj,final_layernorm,hc_head_*}, mtp.layers.K.transformer_layer.*
+
+Forward (one packed stream ``input_ids [T]`` with ``cu_seqlens``)::
+
+    X = [embedding(ids)] * n                               streams [T, 1, n, C]
+    per layer: X = hc_post(attn(input_layernorm(hc_pre(X)))); X = hc_post(mlp(pre_mlp_layernorm(hc_pre(X))))
+    logits = output_layer(final_layernorm(hc_head(X)))     fp32 [T, V]
+
+The indexer KL losses of the CSA layers (training mode, ``dsa_indexer_loss_coeff`` not None) are
+summed, scaled by the coefficient, and returned as ``indexer_loss`` (also kept in
+``model.last_indexer_loss``); with the coefficient ``None`` nothing is computed and it is ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from core.thd import ThdLayout
+from engine.layers import KeepFP32Module, RMSNorm
+from engine.moe import DSv4MoE
+from kernels.reference.layers import compute_dtype
+
+from .attention import DSv4HybridAttention
+from .mhc import HyperConnectionModule, apply_head, register_head_params
+
+__all__ = ["DSv4TransformerLayer", "DSv4TransformerBlock", "DSv4MTPLayer", "DSv4NativeModel"]
+
+
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+class DSv4TransformerLayer(MegatronModule):
+    """One block (trunk layer ``layer_id`` or MTP layer ``num_layers + k``)."""
+
+    def __init__(self, config, layer_id: int, ops):
+        super().__init__(config=config)
+        c = config
+        self.layer_id = layer_id
+        self.self_attention_hyper_connection = HyperConnectionModule(c, ops)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.self_attention = DSv4HybridAttention(c, layer_id, ops)
+        self.mlp_hyper_connection = HyperConnectionModule(c, ops)
+        self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.mlp = DSv4MoE(c.dsv4_model_config, c, layer_id, params_dtype=c.params_dtype, std=c.init_method_std)
+
+    def forward(self, streams: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
+        """``streams [T, 1, n, C]`` -> ``(streams, indexer KL or None)``."""
+        hc = self.self_attention_hyper_connection
+        u, post, comb = hc.pre(streams)
+        out, kl = self.self_attention(self.input_layernorm(u), layout)
+        streams = hc.post(out, streams, post, comb)
+        hc = self.mlp_hyper_connection
+        u, post, comb = hc.pre(streams)
+        out = self.mlp(self.pre_mlp_layernorm(u), input_ids.view(-1, 1))
+        return hc.post(out, streams, post, comb), kl
+
+
+class DSv4TransformerBlock(KeepFP32Module, MegatronModule):
+    """``decoder``: the trunk layers, ``final_layernorm`` and the mHC exit head (``hc_head_*``)."""
+
+    def __init__(self, config, ops):
+        super().__init__(config=config)
+        self.ops = ops
+        self.layers = nn.ModuleList(DSv4TransformerLayer(config, i, ops) for i in range(config.num_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype=config.params_dtype)
+        register_head_params(self, config)
+
+    def forward(self, streams: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
+        """-> ``(final streams [T,1,n,C], summed unscaled indexer KL or None)``."""
+        kl = None
+        for layer in self.layers:
+            streams, k = layer(streams, layout, input_ids)
+            kl = _add(kl, k)
+        return streams, kl
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.final_layernorm(apply_head(self, streams, self.config, self.ops))
+
+
+class DSv4MTPLayer(KeepFP32Module, MegatronModule):
+    """``mtp.layers.K``: ``enorm``, ``hnorm``, ``eh_proj [C, 2C]`` (input ``cat(e, h)``), a window-only
+    ``transformer_layer``, ``final_layernorm`` and its own ``hc_head_*``."""
+
+    def __init__(self, config, k: int, ops):
+        super().__init__(config=config)
+        c = config
+        self.ops = ops
+        self.enorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.hnorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.eh_proj = tensor_parallel.ColumnParallelLinear(
+            2 * c.hidden_size, c.hidden_size, config=c, init_method=c.init_method, bias=False,
+            gather_output=True, skip_bias_add=True)
+        self.transformer_layer = DSv4TransformerLayer(c, c.num_layers + k, ops)
+        self.final_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        register_head_params(self, c)
+
+    def forward(self, streams: torch.Tensor, emb: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
+        """``streams [T,1,n,C]`` previous depth, ``emb [T,1,C]`` embedding of the next tokens."""
+        n = streams.shape[2]
+        e = self.enorm(emb).unsqueeze(2).expand(-1, -1, n, -1)
+        x = self.eh_proj(torch.cat((e, self.hnorm(streams)), dim=-1))[0]
+        x, _ = self.transformer_layer(x, layout, input_ids)
+        return x
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.final_layernorm(apply_head(self, streams, self.config, self.ops))
+
+
+class _MTPBlock(nn.Module):
+    def __init__(self, config, ops):
+        super().__init__()
+        self.layers = nn.ModuleList(DSv4MTPLayer(config, k, ops) for k in range(config.mtp_num_layers or 0))
+
+
+class DSv4NativeModel(MegatronModule):
+    """DeepSeek-V4 causal LM, Megatron-native design. ``DSv4NativeModel(config, ops)``: ``ops`` is the
+    kernel backend's op namespace."""
+
+    def __init__(self, config, ops):
+        super().__init__(config=config)
+        if config.tensor_model_parallel_size != 1:
+            raise ValueError("the megatron implementation requires tensor-model-parallel-size 1")
+        self.ops = ops
+        c = config
+        self.embedding = LanguageModelEmbedding(c, vocab_size=c.vocab_size, max_sequence_length=c.max_sequence_length,
+                                                position_embedding_type="none")
+        self.decoder = DSv4TransformerBlock(c, self.ops)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            c.hidden_size, c.vocab_size, config=c, init_method=c.init_method, bias=False, gather_output=True,
+            skip_bias_add=True)
+        if c.mtp_num_layers:
+            self.mtp = _MTPBlock(c, self.ops)
+        self.last_indexer_loss: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def layout_for(input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> ThdLayout:
+        T = input_ids.numel()
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, T], dtype=torch.int64, device=input_ids.device)
+        layout = ThdLayout(cu_seqlens.to(input_ids.device))
+        if layout.total_tokens != T:
+            raise ValueError(f"cu_seqlens covers {layout.total_tokens} tokens, input_ids has {T}")
+        return layout
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        ct = compute_dtype(h)
+        return F.linear(h.to(ct), self.output_layer.weight.to(ct))
+
+    def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None):
+        """``(final streams [T,1,n,C], unscaled summed indexer KL or None, layout)``."""
+        ids = input_ids.reshape(-1)
+        layout = self.layout_for(ids, cu_seqlens)
+        emb = self.embedding(ids.view(1, -1), position_ids=None)                 # [T, 1, C]
+        n = self.config.num_residual_streams
+        streams = emb.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
+        streams, kl = self.decoder(streams, layout, ids)
+        return streams, kl, layout
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
+                return_indexer_loss: bool = False):
+        """``input_ids [T]`` (or ``[1, T]``), ``cu_seqlens [n_seg+1]`` (default: one sequence) ->
+        fp32 logits ``[T, V]``; with ``return_indexer_loss=True`` -> ``(logits, indexer_loss)`` where
+        ``indexer_loss = dsa_indexer_loss_coeff * sum_layers KL`` or None (coefficient None / eval)."""
+        streams, kl, _ = self.hidden_streams(input_ids, cu_seqlens)
+        logits = self._logits(self.decoder.collapse(streams)[:, 0])
+        coeff = self.config.dsa_indexer_loss_coeff
+        self.last_indexer_loss = None if (kl is None or coeff is None) else kl * coeff
+        if return_indexer_loss:
+            return logits, self.last_indexer_loss
+        return logits
+
+    def mtp_logits(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None):
+        """One ``(logits [T_k, V] fp32, cu_seqlens_k)`` per MTP depth ``k``. Depth ``k`` drops the last
+        row of every segment of depth ``k-1`` (each segment is one shorter); its row ``i`` predicts
+        ``t_{i+k+2}`` from the previous depth's streams at ``i`` and the embedding of ``t_{i+k+1}``."""
+        if not hasattr(self, "mtp"):
+            return []
+        ids = input_ids.reshape(-1)
+        streams, _, layout = self.hidden_streams(ids, cu_seqlens)
+        out = []
+        tokens = ids
+        for layer in self.mtp.layers:
+            keep = layout.positions < (layout.segment_ends - layout.segment_starts - 1)
+            nxt = torch.roll(tokens, -1)[keep]
+            lens = (layout.seqlens - 1).clamp(min=0)
+            cu = torch.cat((lens.new_zeros(1), torch.cumsum(lens, 0)))
+            layout = ThdLayout(cu)
+            emb = self.embedding(nxt.view(1, -1), position_ids=None)
+            streams = layer(streams[keep], emb, layout, nxt)
+            out.append((self._logits(layer.collapse(streams)[:, 0]), cu))
+            tokens = nxt
+        return out
+
+    def logprobs(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[T]``: ``log P(t_{i+1} | t_{<=i})`` at row ``i``; 0 at each segment's last row (no next token)."""
+        ids = input_ids.reshape(-1)
+        logits = self.forward(ids, cu_seqlens)
+        layout = self.layout_for(ids, cu_seqlens)
+        nxt = torch.roll(ids, -1)
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
+        last = layout.positions == (layout.segment_ends - layout.segment_starts - 1)
+        return lp.masked_fill(last, 0.0)

@@ -1,0 +1,188 @@
+"""DeepSeek-V4 attention of the ``miles`` implementation (BSHD, tensor parallel over heads).
+
+Native names under ``self_attention.`` (``core.weight_contract``)::
+
+    linear_q_down_proj.weight   [q_lora, d]        replicated
+    q_layernorm.weight          [q_lora]           replicated
+    linear_q_up_proj.weight     [H*D, q_lora]      megatron ColumnParallelLinear (heads split)
+    linear_kv_proj.weight       [D, d]             replicated (one shared K=V head)
+    kv_layernorm.weight         [D]                replicated
+    linear_o_group_proj         [G*R, H*D/G]       bare Parameter, split over groups (dim 0)
+    linear_proj.weight          [d, G*R]           megatron RowParallelLinear
+    core_attention.attn_sink    [H]                fp32, split over heads
+    core_attention.compressor.{linear_wkv,linear_wgate}.weight, .norm.weight (fp32), .ape (fp32)
+    core_attention.indexer.{linear_wq_b,linear_weights_proj}.weight, .compressor.*   (CSA layers)
+
+Forward (pseudo-code of the reference system, math from ``kernels.reference``)::
+
+    cq = q_layernorm(linear_q_down_proj(x)); q = rms(linear_q_up_proj(cq) per head); RoPE(q)
+    kv = RoPE(kv_layernorm(linear_kv_proj(x)))
+    idx = window(W) [+ compressed: indexer top-k (ratio 4) | all causal blocks (ratio 128)]
+    kv_all = copy_to_tp_region(cat(kv, compressor(x)))          # grads all-reduced over TP
+    o = sparse_attention_with_sink(q, kv_all, idx, attn_sink)   # kernel backend op
+    o = inverse RoPE(o); u = einsum(o per group, wo_a per group); out = linear_proj(u)
+
+The indexer is frozen by default (no parameter gradient; its top-k is discrete anyway) and
+runs under ``no_grad``. Requires ``o_groups % tp == 0`` (and so ``n_heads % tp == 0``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
+from engine.runtime import ensure_megatron, tp_group, tp_world
+from engine.tp import mark_keep_in_fp32, mark_tp
+from kernels.reference.attention import compressed_visible_indices, window_indices
+from kernels.reference.compressor import Compressor as _RefCompressor
+from kernels.reference.indexer import Indexer as _RefIndexer
+from kernels.reference.layers import rms_normalize
+from kernels.reference.rope import apply_rope, layer_inv_freq, rope_cos_sin
+
+__all__ = ["DSv4Compressor", "DSv4Indexer", "DSv4CoreAttention", "DeepSeekV4Attention"]
+
+
+class DSv4Compressor(KeepFP32Module):
+    """KV compressor with native names (``linear_wkv``, ``linear_wgate``, ``norm``, ``ape``);
+    the math is the reference ``Compressor.forward`` (called on this module)."""
+
+    def __init__(self, dim: int, head_dim: int, rope_dim: int, ratio: int, rotate: bool, norm_eps: float,
+                 params_dtype=torch.float32):
+        super().__init__()
+        self.head_dim, self.rope_dim, self.ratio, self.rotate = head_dim, rope_dim, ratio, rotate
+        self.overlap = ratio == 4
+        coff = 2 if self.overlap else 1
+        self.linear_wkv = Linear(dim, coff * head_dim, params_dtype)
+        self.linear_wgate = Linear(dim, coff * head_dim, params_dtype)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32))
+        mark_keep_in_fp32(self.ape)
+        self.norm = RMSNorm(head_dim, norm_eps, keep_fp32=True)
+
+    # the reference forward addresses the projections by their official names
+    wkv = property(lambda self: self.linear_wkv)
+    wgate = property(lambda self: self.linear_wgate)
+
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        return _RefCompressor.forward(self, x, inv_freq)
+
+
+class DSv4Indexer(nn.Module):
+    """Lightning indexer (CSA layers) with native names; math of the reference ``Indexer``."""
+
+    def __init__(self, c, params_dtype=torch.float32):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.ratio = 4
+        self.linear_wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, params_dtype)
+        self.linear_weights_proj = Linear(c.dim, c.index_n_heads, params_dtype)
+        self.compressor = DSv4Compressor(c.dim, c.index_head_dim, c.rope_head_dim, 4, True, c.norm_eps,
+                                         params_dtype)
+
+    wq_b = property(lambda self: self.linear_wq_b)
+    weights_proj = property(lambda self: self.linear_weights_proj)
+
+    def forward(self, x: torch.Tensor, cq: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``[B, S, min(topk, S//4)]`` compressed-entry ids, ``-1`` = none."""
+        return _RefIndexer.forward(self, x, cq, inv_freq)
+
+
+class DSv4CoreAttention(KeepFP32Module):
+    """``core_attention``: the sink (fp32, this rank's heads), compressor and indexer."""
+
+    def __init__(self, c, layer_id: int, n_local_heads: int, params_dtype=torch.float32):
+        super().__init__()
+        self.ratio = c.compress_ratios[layer_id]
+        self.attn_sink = nn.Parameter(torch.zeros(n_local_heads, dtype=torch.float32))
+        mark_keep_in_fp32(self.attn_sink)
+        mark_tp(self.attn_sink, 0)
+        if self.ratio:
+            self.compressor = DSv4Compressor(c.dim, c.head_dim, c.rope_head_dim, self.ratio, False, c.norm_eps,
+                                             params_dtype)
+            if self.ratio == 4:
+                self.indexer = DSv4Indexer(c, params_dtype)
+
+
+class DeepSeekV4Attention(nn.Module):
+    """``self_attention`` of one block. ``forward(x [B,S,d]) -> [B,S,d]`` (TP-reduced)."""
+
+    def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float = 0.02,
+                 freeze_indexer: bool = True):
+        super().__init__()
+        ensure_megatron()
+        from megatron.core import tensor_parallel
+
+        tp = tp_world()
+        if c.o_groups % tp:
+            raise ValueError(f"tensor parallel {tp} must divide o_groups {c.o_groups}")
+        self.ops = ops
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim, self.rope_dim = c.n_heads, c.head_dim, c.rope_head_dim
+        self.n_local_heads, self.n_local_groups = c.n_heads // tp, c.o_groups // tp
+        self.o_lora_rank, self.window, self.eps = c.o_lora_rank, c.window_size, c.norm_eps
+        self.ratio = c.compress_ratios[layer_id]
+        self.scale = c.head_dim ** -0.5
+        init = lambda w: torch.nn.init.normal_(w, 0.0, std)  # noqa: E731
+
+        self.linear_q_down_proj = Linear(c.dim, c.q_lora_rank, params_dtype, std)
+        self.q_layernorm = RMSNorm(c.q_lora_rank, c.norm_eps, params_dtype)
+        self.linear_q_up_proj = tensor_parallel.ColumnParallelLinear(
+            c.q_lora_rank, c.n_heads * c.head_dim, config=tconfig, init_method=init, bias=False,
+            gather_output=False, tp_group=tp_group())
+        self.linear_kv_proj = Linear(c.dim, c.head_dim, params_dtype, std)
+        self.kv_layernorm = RMSNorm(c.head_dim, c.norm_eps, params_dtype)
+        group_in = c.n_heads * c.head_dim // c.o_groups
+        self.linear_o_group_proj = nn.Parameter(
+            init_normal_(torch.empty(self.n_local_groups * c.o_lora_rank, group_in, dtype=params_dtype), std))
+        mark_tp(self.linear_o_group_proj, 0)
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            c.o_groups * c.o_lora_rank, c.dim, config=tconfig, init_method=init, bias=False,
+            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group())
+        self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype)
+        if freeze_indexer and self.ratio == 4:
+            for p in self.core_attention.indexer.parameters():
+                p.requires_grad_(False)
+        # RoPE inverse frequencies (float64, CPU): a plain attribute, not a buffer/parameter.
+        self.inv_freq = layer_inv_freq(c, layer_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        B, S, _ = x.shape
+        H, D = self.n_local_heads, self.head_dim
+        inv_freq = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(inv_freq, torch.arange(S, device=x.device))
+        ca = self.core_attention
+
+        cq = self.q_layernorm(self.linear_q_down_proj(x))
+        q, _ = self.linear_q_up_proj(cq)
+        q = rms_normalize(q.view(B, S, H, D), self.eps).to(x.dtype)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin)
+
+        idx = window_indices(S, self.window, x.device).unsqueeze(0).expand(B, -1, -1)
+        kv_all = kv
+        if self.ratio:
+            comp = ca.compressor(x, inv_freq)
+            if self.ratio == 4:
+                indexer = ca.indexer
+                frozen = not any(p.requires_grad for p in indexer.parameters())
+                with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+                    cidx = indexer(x.detach() if frozen else x, cq.detach() if frozen else cq, inv_freq)
+            else:
+                cidx = compressed_visible_indices(S, self.ratio, x.device).unsqueeze(0).expand(B, -1, -1)
+            cidx = torch.where(cidx >= 0, cidx + S, cidx)
+            idx = torch.cat((idx, cidx), dim=-1)
+            kv_all = torch.cat((kv, comp.to(kv.dtype)), dim=1)
+        if tp_world() > 1:
+            kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
+
+        o = self.ops.sparse_attention_with_sink(q, kv_all, idx, ca.attn_sink, self.scale)
+        o = apply_rope(o, cos, sin, inverse=True)
+
+        G, R = self.n_local_groups, self.o_lora_rank
+        o = o.reshape(B, S, G, H * D // G)
+        wo_a = self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G)
+        u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        out, _ = self.linear_proj(u.flatten(2))
+        return out

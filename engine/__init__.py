@@ -1,0 +1,14 @@
+"""megatron-core glue shared by the ``miles`` and ``megatron`` implementations of DeepSeek-V4.
+
+* :mod:`engine.runtime` - ``ensure_megatron()`` (CPU shims + import), parallel-state accessors.
+* :mod:`engine.config` - ``make_transformer_config`` (ModelConfig + parallel sizes -> TransformerConfig).
+* :mod:`engine.tp` - TP sharding metadata on parameters, shard / gather helpers, fp32 keep marks.
+* :mod:`engine.layers` - ``Linear`` (replicated), ``RMSNorm``, ``KeepFP32Module``.
+* :mod:`engine.moe` - the DeepSeek-V4 MoE (``DSv4MoE``: router with sqrtsoftplus / hash routing,
+  grouped SwiGLU experts with the asymmetric clamp, shared expert with the clamp switch).
+* :mod:`engine.loading` - HF checkpoint -> native model through ``core.weight_contract.hf_to_native``,
+  with TP sharding by rank; full (unsharded) native state / gradients of a TP-sharded model.
+
+Import of this package does not import megatron; the submodules that need it call
+``engine.runtime.ensure_megatron()`` first.
+"""

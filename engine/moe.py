@@ -1,0 +1,179 @@
+"""DeepSeek-V4 MoE on megatron-core tensor-parallel building blocks.
+
+Native names (``core.weight_contract``), relative to the block's ``mlp.``:
+
+* ``router.weight [E, d]``; ``router.expert_bias [E]`` fp32 **buffer** (learned layers) or
+  ``router.tid2eid [vocab, k]`` int64 **frozen nn.Parameter** (``requires_grad=False``; hash
+  layers; a parameter so that weight sync, which reads parameters, publishes it);
+* ``experts.linear_fc1.weight{e} [2I, d]`` = cat(gate, up), ``experts.linear_fc2.weight{e} [d, I]``;
+* ``shared_experts.linear_fc1.weight [2I, d]`` (megatron ColumnParallelLinear),
+  ``shared_experts.linear_fc2.weight [d, I]`` (megatron RowParallelLinear).
+
+Math (reuses ``kernels.reference.moe.route_scores`` / ``swiglu``)::
+
+    s = sqrt(softplus(x W_r^T))            fp32
+    idx = tid2eid[token]  (hash)  |  topk(s + expert_bias)  (bias for selection only)
+    w = s[idx] / sum(s[idx]) * route_scale
+    y = sum_k w_k * fc2_e(swiglu_clamped(fc1_e x)) + shared(x)     (shared clamp per config switch)
+
+Tensor parallelism (megatron's expert-TP = TP layout): every expert's ffn dim is split over the TP
+ranks (fc1 per half, fc2 along its input); the router is replicated. Inputs and routing weights
+enter through ``copy_to_tensor_model_parallel_region`` (gradients all-reduced), the routed sum
+leaves through ``reduce_from_tensor_model_parallel_region``. Expert parallelism is not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.reference.layers import compute_dtype
+from kernels.reference.moe import route_scores, swiglu
+
+from .layers import KeepFP32Module, init_normal_
+from .runtime import ensure_megatron, tp_group, tp_world
+from .tp import mark_keep_in_fp32, mark_tp
+
+__all__ = ["DSv4Router", "DSv4GroupedExperts", "DSv4SharedExperts", "DSv4MoE"]
+
+
+class DSv4Router(KeepFP32Module):
+    """Top-k router: sqrt(softplus) (or the config's score function) scores, expert bias for
+    selection (learned layers) or the frozen ``tid2eid`` table (hash layers)."""
+
+    def __init__(self, model_config, hash_layer: bool, params_dtype=torch.float32, std: float = 0.02):
+        super().__init__()
+        c = model_config
+        self.topk, self.score_func, self.route_scale = c.n_activated_experts, c.score_func, c.route_scale
+        self.hash = bool(hash_layer)
+        self.weight = nn.Parameter(init_normal_(torch.empty(c.n_routed_experts, c.dim, dtype=params_dtype), std))
+        if self.hash:
+            self.tid2eid = nn.Parameter(
+                torch.arange(c.vocab_size * self.topk, dtype=torch.int64).view(c.vocab_size, self.topk)
+                % c.n_routed_experts, requires_grad=False)
+        else:
+            self.register_buffer("expert_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+            mark_keep_in_fp32(self.expert_bias)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """``x [T, d]`` -> ``(weights [T, k] fp32, indices [T, k] long)``."""
+        ct = compute_dtype(x)
+        scores = route_scores(F.linear(x.to(ct), self.weight.to(ct)), self.score_func)
+        if self.hash:
+            if input_ids is None:
+                raise ValueError("hash-routed MoE layer needs input_ids")
+            idx = self.tid2eid[input_ids.reshape(-1)].long()
+            if (idx < 0).any():
+                raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
+        else:
+            idx = (scores + self.expert_bias.to(ct)).topk(self.topk, dim=-1).indices
+        w = scores.gather(-1, idx)
+        if self.score_func != "softmax":
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.route_scale, idx
+
+
+class _WeightBank(nn.Module):
+    """Holds ``weight0 .. weight{E-1}`` (megatron's grouped-GEMM naming)."""
+
+    def __init__(self, n: int, shape, dtype, tp_dim: int, tp_chunks: int, std: float):
+        super().__init__()
+        self.n = n
+        for e in range(n):
+            p = nn.Parameter(init_normal_(torch.empty(*shape, dtype=dtype), std))
+            mark_tp(p, tp_dim, tp_chunks)
+            self.register_parameter(f"weight{e}", p)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return getattr(self, f"weight{e}")
+
+
+class DSv4GroupedExperts(nn.Module):
+    """Routed SwiGLU experts with the asymmetric clamp (``activation_func_clamp_value``)."""
+
+    def __init__(self, model_config, params_dtype=torch.float32, std: float = 0.02):
+        super().__init__()
+        c = model_config
+        tp = tp_world()
+        if c.moe_inter_dim % tp:
+            raise ValueError(f"moe_inter_dim {c.moe_inter_dim} is not divisible by tp={tp}")
+        self.limit = c.swiglu_limit
+        self.num_local_experts = c.n_routed_experts
+        inter = c.moe_inter_dim // tp
+        self.linear_fc1 = _WeightBank(c.n_routed_experts, (2 * inter, c.dim), params_dtype, 0, 2, std)
+        self.linear_fc2 = _WeightBank(c.n_routed_experts, (c.dim, inter), params_dtype, 1, 1, std)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]``, ``weights / idx [T, k]`` -> ``[T, d]`` in compute dtype (TP-reduced)."""
+        ensure_megatron()
+        from megatron.core.tensor_parallel import mappings
+
+        tp = tp_world()
+        if tp > 1:
+            x = mappings.copy_to_tensor_model_parallel_region(x, tp_group())
+            weights = mappings.copy_to_tensor_model_parallel_region(weights, tp_group())
+        ct = compute_dtype(x)
+        y = torch.zeros(x.shape, dtype=ct, device=x.device)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            h = F.linear(x[tok], self.linear_fc1[e].to(x.dtype))
+            gate, up = h.to(ct).chunk(2, dim=-1)
+            a = swiglu(gate, up, self.limit) * weights[tok, slot].to(ct).unsqueeze(-1)
+            y.index_add_(0, tok, F.linear(a.to(x.dtype), self.linear_fc2[e].to(x.dtype)).to(ct))
+        if tp > 1:
+            y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())
+        return y
+
+
+class DSv4SharedExperts(nn.Module):
+    """The shared SwiGLU expert: megatron Column/RowParallelLinear; clamped only when the
+    config's ``activation_func_clamp_shared_expert`` switch is on."""
+
+    def __init__(self, model_config, tconfig, std: float = 0.02):
+        super().__init__()
+        ensure_megatron()
+        from megatron.core import tensor_parallel
+
+        c = model_config
+        init = lambda w: torch.nn.init.normal_(w, 0.0, std)  # noqa: E731
+        inter = c.moe_inter_dim * c.n_shared_experts
+        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+            c.dim, 2 * inter, config=tconfig, init_method=init, bias=False, gather_output=False,
+            tp_group=tp_group())
+        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+            inter, c.dim, config=tconfig, init_method=init, bias=False, input_is_parallel=True,
+            skip_bias_add=False, tp_group=tp_group())
+        mark_tp(self.linear_fc1.weight, 0, 2)  # rank slice of gate and of up
+        mark_tp(self.linear_fc2.weight, 1, 1)
+        clamp = getattr(tconfig, "activation_func_clamp_shared_expert", c.shared_expert_clamp)
+        self.limit = c.swiglu_limit if clamp else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ct = compute_dtype(x)
+        h, _ = self.linear_fc1(x)
+        gate, up = h.to(ct).chunk(2, dim=-1)
+        out, _ = self.linear_fc2(swiglu(gate, up, self.limit).to(x.dtype))
+        return out
+
+
+class DSv4MoE(nn.Module):
+    """``mlp``: ``router``, ``experts``, ``shared_experts``. ``forward(x [..., d], input_ids [...])``."""
+
+    def __init__(self, model_config, tconfig, layer_id: int, params_dtype=torch.float32, std: float = 0.02):
+        super().__init__()
+        c = model_config
+        if c.n_shared_experts != 1:
+            raise ValueError("DeepSeek-V4 has exactly one shared expert")
+        self.layer_id = layer_id
+        self.router = DSv4Router(c, c.is_hash_layer(layer_id), params_dtype, std)
+        self.experts = DSv4GroupedExperts(c, params_dtype, std)
+        self.shared_experts = DSv4SharedExperts(c, tconfig, std)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, idx = self.router(x, input_ids)
+        ct = compute_dtype(x)
+        y = self.experts(x, weights, idx) + self.shared_experts(x).to(ct)
+        return y.to(x.dtype).view(shape)

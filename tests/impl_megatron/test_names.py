@@ -1,0 +1,79 @@
+"""Parameter names, shapes, holders and dtypes of the megatron model = the weight contract's native names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.megatron.impl import build_model, native_state
+from core.weight_contract import BUFFER, FROZEN_PARAMETER, holder, keeps_fp32, native_names, native_to_hf
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config):
+    return build_model(tiny_config, run_config(tiny_config))
+
+
+def test_names_and_shapes_equal_the_contract(model, tiny_config):
+    want = native_names(tiny_config)
+    got = native_state(model)
+    assert sorted(got) == sorted(want)
+    for name, (shape, _) in want.items():
+        assert tuple(got[name].shape) == tuple(shape), name
+
+
+def test_parameter_count_equals_the_contract(model, tiny_config):
+    want = native_names(tiny_config)
+    n_contract = sum(torch.Size(s).numel() for n, (s, _) in want.items() if holder(n) != BUFFER)
+    n_model = sum(p.numel() for _, p in model.named_parameters())
+    assert n_model == n_contract
+    # every parameter (incl. the frozen tid2eid) is a contract tensor, every buffer in the state is one too
+    assert {n for n, _ in model.named_parameters()} == {n for n in want if holder(n) != BUFFER}
+
+
+def test_holders_and_dtypes(model, tiny_config):
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for name in native_names(tiny_config):
+        h = holder(name)
+        if h == BUFFER:
+            assert name in buffers and name not in params, name
+        else:
+            assert name in params, name
+            assert params[name].requires_grad == (h != FROZEN_PARAMETER), name
+        t = params.get(name, buffers.get(name))
+        if keeps_fp32(name):
+            assert t.dtype == torch.float32, name
+    # the three alphas are separate [1] parameters, mapping_proj is a Linear with bias
+    hc = model.decoder.layers[0].self_attention_hyper_connection
+    assert [tuple(getattr(hc, a).shape) for a in ("alpha_pre", "alpha_post", "alpha_res")] == [(1,)] * 3
+    assert hc.mapping_proj.bias.shape == (tiny_config.hc_mult * (tiny_config.hc_mult + 2),)
+    assert isinstance(model.decoder.layers[0].self_attention.linear_o_group_proj, torch.nn.Parameter)
+
+
+def test_fp32_tensors_survive_a_bf16_cast(tiny_config):
+    m = build_model(tiny_config, run_config(tiny_config)).to(torch.bfloat16)
+    state = native_state(m)
+    for name, t in state.items():
+        if keeps_fp32(name):
+            assert t.dtype == torch.float32, name
+    assert state["decoder.layers.0.self_attention.linear_q_down_proj.weight"].dtype == torch.bfloat16
+
+
+def test_native_state_exports_to_the_official_names(model, tiny_config):
+    from core.checkpoint import official_tensor_specs
+
+    names = {n for n, _ in native_to_hf(native_state(model).items(), tiny_config)}
+    official = {n for n, s in official_tensor_specs(tiny_config, "bf16").items() if not n.endswith(".scale")}
+    assert names == official
+
+
+def test_tensor_parallel_and_tilelang_are_refused(tiny_config):
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="tensor-model-parallel-size 1"):
+        build_model(tiny_config, SimpleNamespace(tp=2, qkv_format="thd", kernel_backend="none", selection=None))
+    with pytest.raises(ValueError, match="does not support --kernel-backend tilelang"):
+        build_model(tiny_config, SimpleNamespace(tp=1, qkv_format="thd", kernel_backend="tilelang", selection=None))
+    with pytest.raises(ValueError, match="THD only"):
+        build_model(tiny_config, SimpleNamespace(tp=1, qkv_format="bshd", kernel_backend="none", selection=None))

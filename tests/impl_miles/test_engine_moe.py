@@ -1,0 +1,87 @@
+"""engine.moe.DSv4MoE vs the reference MoE: sqrt(softplus) routing with the selection-only expert
+bias, hash routing through tid2eid, the asymmetric SwiGLU clamp on routed experts and the shared
+expert clamp switch (both settings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.reference.moe import MoE
+
+from ._helpers import TINY
+
+
+def _pair(config, layer_id, seed=0):
+    from engine.config import make_transformer_config
+    from engine.moe import DSv4MoE
+    g = torch.Generator().manual_seed(seed)
+    ref = MoE(config, layer_id)
+    with torch.no_grad():
+        for n, t in list(ref.named_parameters()) + list(ref.named_buffers()):
+            if n.endswith("tid2eid"):
+                t.copy_(torch.randint(0, config.n_routed_experts, t.shape, generator=g))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * (0.5 if n.endswith("bias") else 0.2))
+    m = DSv4MoE(config, make_transformer_config(config), layer_id)
+    with torch.no_grad():
+        m.router.weight.copy_(ref.gate.weight)
+        if ref.gate.hash:
+            m.router.tid2eid.copy_(ref.gate.tid2eid)
+        else:
+            m.router.expert_bias.copy_(ref.gate.bias)
+        for e, ex in enumerate(ref.experts):
+            m.experts.linear_fc1[e].copy_(torch.cat((ex.w1.weight, ex.w3.weight)))
+            m.experts.linear_fc2[e].copy_(ex.w2.weight)
+        se = ref.shared_experts
+        m.shared_experts.linear_fc1.weight.copy_(torch.cat((se.w1.weight, se.w3.weight)))
+        m.shared_experts.linear_fc2.weight.copy_(se.w2.weight)
+    return ref, m
+
+
+@pytest.mark.parametrize("layer_id", [0, 2])  # 0: hash layer, 2: learned routing with expert bias
+@pytest.mark.parametrize("shared_clamp", [True, False])
+def test_moe_matches_reference(layer_id, shared_clamp):
+    c = TINY.replace(shared_expert_clamp=shared_clamp)
+    assert c.is_hash_layer(0) and not c.is_hash_layer(2)
+    ref, m = _pair(c, layer_id)
+    x = torch.randn(2, 9, c.dim, generator=torch.Generator().manual_seed(1)) * 8.0  # big: clamps active
+    ids = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ym = ref(xr, ids), m(xm, ids)
+    torch.testing.assert_close(ym, yr, atol=1e-5, rtol=1e-5)
+    yr.square().sum().backward()
+    ym.square().sum().backward()
+    # fp32, different summation order (fc1 = cat(w1, w3)): error relative to the gradient's scale
+    for a, b in ((xm.grad, xr.grad), (m.router.weight.grad, ref.gate.weight.grad)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    # the clamp is really exercised: the shared expert's pre-activations exceed the limit
+    h = x.reshape(-1, c.dim) @ ref.shared_experts.w1.weight.T
+    assert h.max() > c.swiglu_limit
+    assert m.shared_experts.limit == (c.swiglu_limit if shared_clamp else 0.0)
+
+
+def test_shared_clamp_switch_changes_output():
+    outs = []
+    for clamp in (True, False):
+        c = TINY.replace(shared_expert_clamp=clamp)
+        _, m = _pair(c, 2)
+        x = torch.randn(1, 5, c.dim, generator=torch.Generator().manual_seed(3)) * 8.0
+        with torch.no_grad():
+            outs.append(m(x))
+    assert (outs[0] - outs[1]).abs().max() > 1e-3
+
+
+def test_expert_bias_selects_only():
+    """Bias changes which experts are chosen but not the weights' source (scores without bias)."""
+    c = TINY
+    _, m = _pair(c, 2)
+    x = torch.randn(6, c.dim, generator=torch.Generator().manual_seed(4))
+    w0, i0 = m.router(x)
+    with torch.no_grad():
+        m.router.expert_bias.zero_()
+        m.router.expert_bias[0] = 100.0  # force expert 0 into every top-k
+    w1, i1 = m.router(x)
+    assert (i1 == 0).any(dim=-1).all()
+    torch.testing.assert_close(w1.sum(-1), torch.full((6,), c.route_scale))
+    assert isinstance(m.router.tid2eid if m.router.hash else m.router.expert_bias, torch.Tensor)
