@@ -226,22 +226,31 @@ def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json:
 
 
 @subcommand("logprobs")
-@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory.")
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF or native checkpoint directory.")
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False), help="JSON file: a list of token-id lists.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-def logprobs_cmd(opts, checkpoint: str, tokens: str, dtype: str):
-    """Score token sequences: JSON on stdout, log P(token_t | tokens before t) for t = 1..n-1."""
+def logprobs_cmd(opts, checkpoint: str, tokens: str):
+    """Score token sequences with the chosen implementation (fp32).
+
+    stdout carries only JSON: for each sequence, the list of
+    log P(token_t | tokens before t) for t = 1..n-1. Logs go to stderr.
+    """
+    opts = {**opts, "model": opts.get("model") or checkpoint}
     run = resolve(opts)[1]
-    stages.logprobs(run, checkpoint=stages.user_path(checkpoint), tokens=stages.user_path(tokens), dtype=dtype)
+    stages.logprobs(run, checkpoint=stages.user_path(checkpoint), tokens=stages.user_path(tokens))
 
 
 @subcommand("convert")
-@click.option("--hf", "hf_dir", type=click.Path(file_okay=False), help="HF checkpoint directory.")
-@click.option("--out", type=click.Path(file_okay=False), help="Native checkpoint directory to write.")
-def convert_cmd(opts, hf_dir, out):
-    """Convert an HF checkpoint into a native (megatron-core) checkpoint."""
-    resolve(opts)
-    raise NotBuiltError("dsv4 convert (HF -> native checkpoint)", "issue #4")
+@click.option("--hf", "hf_dir", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Native checkpoint directory to write.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing native checkpoint.")
+def convert_cmd(opts, hf_dir, out, overwrite):
+    """Convert an HF checkpoint into a native checkpoint (torch.distributed.checkpoint).
+
+    Names follow the one weight contract, so the result loads into either
+    implementation; its metadata records the contract version and the writer.
+    """
+    run = resolve({**opts, "model": opts.get("model") or hf_dir})[1]
+    stages.convert(run, stages.user_path(hf_dir), stages.user_path(out), overwrite=overwrite)
 
 
 @subcommand("prepare-fp8")

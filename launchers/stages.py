@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core.errors import UserInputError
+from core.not_built import NotBuiltError
 from core.records import AXES, AXIS_OPTION
 
 # Pipes and CI logs get a wide console instead of rich's 80-column default.
@@ -41,8 +42,8 @@ STAGES = (
     Stage("validate", "resolve choices against the combination table", True),
     Stage("prepare", "write a deterministic official-format tiny checkpoint", True),
     Stage("inspect", "parameter counts by component", True),
-    Stage("logprobs", "score token sequences with the reference model", True),
-    Stage("convert", "HF -> native megatron-core checkpoint", False, "issue #4"),
+    Stage("logprobs", "score token sequences with the chosen implementation", True),
+    Stage("convert", "HF -> native checkpoint through the weight contract", True),
     Stage("prepare-fp8", "MXFP4 routed experts -> FP8, lossless (checked per tile)", True),
     Stage("train", "SFT / GRPO training", False, "issue #7"),
     Stage("full-train", "prepare -> prepare-fp8 -> convert -> train", False, "issue #7"),
@@ -66,12 +67,22 @@ def model_config(spec: str) -> ModelSource:
 
     path = user_path(spec)
     if path.is_dir():
-        return ModelSource(spec, ModelConfig.from_json(path / "config.json"), path)
+        return ModelSource(spec, checkpoint_config(path), path)
     if spec in PRESETS:
         return ModelSource(spec, preset(spec), None)
     raise ConfigError(
         f"--model {spec!r} is neither a checkpoint directory nor a preset; presets: {', '.join(sorted(PRESETS))}"
     )
+
+
+def checkpoint_config(path: Path):
+    """The ModelConfig of an HF checkpoint (config.json) or a native one (its metadata)."""
+    from core.config import ModelConfig
+    from core.native_checkpoint import is_native_checkpoint, read_native_metadata
+
+    if is_native_checkpoint(path):
+        return ModelConfig.from_hf_dict(read_native_metadata(path)["model_config"])
+    return ModelConfig.from_json(path / "config.json")
 
 
 # A few token sequences the main job scores on the embedded tiny model.
@@ -176,12 +187,12 @@ def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
 
 
 def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) -> None:
-    from core.config import ModelConfig, preset as get_preset
+    from core.config import preset as get_preset
     from kernels.reference.params import count_parameters
 
     if (preset is None) == (checkpoint is None):
         raise UserInputError("give exactly one of --preset or --checkpoint")
-    config = get_preset(preset) if preset else ModelConfig.from_json(Path(checkpoint) / "config.json")
+    config = get_preset(preset) if preset else checkpoint_config(Path(checkpoint))
     counts = count_parameters(config)
     if as_json:
         print(json.dumps(counts, indent=2))
@@ -211,35 +222,80 @@ def _load_tokens(path: Path, vocab_size: int) -> list[list[int]]:
     return data
 
 
-def score(checkpoint: Path, sequences: list[list[int]], dtype: str = "float32") -> list[list[float]]:
-    """Per-token log-probabilities of each sequence under the reference model."""
+def build_impl_model(run, checkpoint: Path):
+    """The run's implementation, set up by its hardware target, loaded from ``checkpoint``.
+
+    ``checkpoint`` is an HF checkpoint (official names; any weight format) or a
+    native one (recognized by its metadata; refused if written under
+    pre-contract names). One process: tensor/context parallel scoring runs
+    several processes and is not built into the CLI yet.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from core.native_checkpoint import is_native_checkpoint, load_native
+    from engine.loading import load_hf_checkpoint, load_native_tensors
+
+    if run.tp * run.cp * run.ep > 1:
+        raise NotBuiltError(f"multi-process scoring (--tp {run.tp} --cp {run.cp} --ep {run.ep}) from the CLI", "issue #6")
+    target = run.selection.hardware.load()()
+    target.setup()
+    if not dist.is_initialized():
+        target.init_process_group(0, 1, tp=1)
+    model = run.selection.impl.load()(run.model, run)
+    if is_native_checkpoint(checkpoint):
+        state, _meta = load_native(checkpoint, impl=run.impl, config=run.model)
+        load_native_tensors(model, state.items())
+    else:
+        load_hf_checkpoint(model, checkpoint, run.model)
+    return model.to(target.device()).eval()
+
+
+def _sequence_logprobs(model, qkv_format: str, seq: list[int], device) -> list[float]:
+    """log P(token_t | tokens before t), t = 1..n-1, in the layout the run uses."""
     import torch
 
-    from core.checkpoint.io import load_into, open_checkpoint
-    from kernels.reference.model import DeepseekV4Model
+    ids = torch.tensor(seq, dtype=torch.long, device=device)
+    if qkv_format == "thd":
+        cu = torch.tensor([0, len(seq)], dtype=torch.int32, device=device)
+        return model.logprobs(ids, cu)[:-1].float().tolist()
+    return model.logprobs(ids[None])[0].float().tolist()
 
-    reader = open_checkpoint(checkpoint)  # validates names, shapes and shards first
-    log.print(f"scoring {len(sequences)} sequence(s) with the reference model from {checkpoint}")
-    torch_dtype = getattr(torch, dtype)
-    model = DeepseekV4Model(reader.config)
-    load_into(model, reader)
-    model = model.to(torch_dtype).eval()
-    results = []
+
+def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]]:
+    """Per-token log-probabilities of each sequence under the run's implementation."""
+    import torch
+
+    from core.checkpoint import open_checkpoint
+    from core.native_checkpoint import is_native_checkpoint
+
+    if not is_native_checkpoint(checkpoint):
+        open_checkpoint(checkpoint)  # validate names, shapes and shards before building anything
+    model = build_impl_model(run, checkpoint)
+    log.print(f"scoring {len(sequences)} sequence(s) with --impl {run.impl} ({run.qkv_format}) from {checkpoint}")
+    device = next(model.parameters()).device
     with torch.no_grad():
-        for seq in sequences:
-            if len(seq) < 2:
-                results.append([])
-                continue
-            ids = torch.tensor([seq], dtype=torch.long)
-            results.append(model.logprobs(ids)[0].float().tolist())
-    return results
+        return [_sequence_logprobs(model, run.qkv_format, seq, device) if len(seq) > 1 else [] for seq in sequences]
 
 
-def logprobs(run, checkpoint: Path, tokens: Path, dtype: str) -> None:
-    from core.config import ModelConfig
+def logprobs(run, checkpoint: Path, tokens: Path) -> None:
+    sequences = _load_tokens(tokens, run.model.vocab_size)
+    print(json.dumps(score(run, checkpoint, sequences)))
 
-    sequences = _load_tokens(tokens, ModelConfig.from_json(checkpoint / "config.json").vocab_size)
-    print(json.dumps(score(checkpoint, sequences, dtype)))
+
+def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
+    """HF checkpoint -> native checkpoint through the weight contract (atomic)."""
+    import torch
+
+    from core.checkpoint import open_checkpoint
+    from core.native_checkpoint import save_native
+    from core.weight_contract import hf_to_native
+
+    reader = open_checkpoint(hf_dir)
+    state = dict(hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.bfloat16), reader.config))
+    save_native(out, state, impl=run.impl, config=reader.config, overwrite=overwrite)
+    log.print(f"wrote native checkpoint ({len(state)} tensors, written by --impl {run.impl}) to {out}")
+    return out
 
 
 def main_job(run) -> None:
@@ -250,8 +306,8 @@ def main_job(run) -> None:
 
     tokenizer = load_tokenizer(ckpt)
     sequences = [tokenizer.encode(text) for text in SAMPLE_TEXTS]
-    scores = score(ckpt, sequences)
-    table = Table(title=f"reference-model log-probabilities on the embedded tiny model ({ckpt})")
+    scores = score(run, ckpt, sequences)
+    table = Table(title=f"--impl {run.impl} log-probabilities on the embedded tiny model ({ckpt})")
     for column in ("text", "tokens", "mean log-prob", "perplexity"):
         table.add_column(column)
     import math
@@ -263,5 +319,5 @@ def main_job(run) -> None:
     print_stages()
     out.print(
         "Training (dsv4 train, the main job's next step) is not built yet (issue #7); "
-        "this run validated the configuration and scored samples with the reference model."
+        f"this run validated the configuration and scored samples with the {run.impl} implementation."
     )

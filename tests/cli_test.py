@@ -18,7 +18,6 @@ def invoke(*args, **kw):
 @pytest.mark.parametrize(
     "args, issue",
     [
-        (["convert", "--hf", "x", "--out", "y"], "issue #4"),
         (["train"], "issue #7"),
         (["full-train"], "issue #7"),
     ],

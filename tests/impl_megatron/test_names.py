@@ -8,6 +8,8 @@ import torch
 from backends.megatron.impl import build_model, native_state
 from core.weight_contract import BUFFER, FROZEN_PARAMETER, holder, keeps_fp32, native_names, native_to_hf
 
+from .conftest import run_config
+
 
 @pytest.fixture(scope="module")
 def model(tiny_config):
