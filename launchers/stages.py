@@ -251,7 +251,7 @@ def build_impl_model(run, checkpoint: Path):
     return model.to(target.device()).eval()
 
 
-def _sequence_logprobs(model, qkv_format: str, seq: list[int], device) -> list[float]:
+def sequence_logprobs(model, qkv_format: str, seq: list[int], device) -> list[float]:
     """log P(token_t | tokens before t), t = 1..n-1, in the layout the run uses."""
     import torch
 
@@ -275,7 +275,7 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
     log.print(f"scoring {len(sequences)} sequence(s) with --impl {run.impl} ({run.qkv_format}) from {checkpoint}")
     device = next(model.parameters()).device
     with torch.no_grad():
-        return [_sequence_logprobs(model, run.qkv_format, seq, device) if len(seq) > 1 else [] for seq in sequences]
+        return [sequence_logprobs(model, run.qkv_format, seq, device) if len(seq) > 1 else [] for seq in sequences]
 
 
 def logprobs(run, checkpoint: Path, tokens: Path) -> None:

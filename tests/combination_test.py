@@ -1,8 +1,16 @@
-"""One supported combination: it resolves to the right plugins and configuration.
+"""One supported combination: it resolves to the right plugins and configuration,
+and its implementation scores like the reference model.
 
 Bazel runs this file once per row of the combination table (tests/matrix.bzl).
 GPU rows are tagged and only run on a GPU machine, where the availability check
 below is a real probe of the device and the kernel packages.
+
+The parity check loads a tiny checkpoint in the weight format the quantization
+scheme reads (bf16; fp8 128x128 blocks; MXFP4 experts converted to FP8 by the
+prepare-fp8 converter) into the chosen implementation and compares per-token
+log-probabilities with the reference model on the same file. nvfp4 and qat
+change publishing and training, not how a checkpoint is scored, so their rows
+score a bf16 checkpoint.
 """
 
 import json
@@ -63,6 +71,44 @@ def test_backends_can_run_on_this_machine(run):
     # On the CPU this checks the cpu target and reference kernels; GPU rows
     # only run on a GPU machine, where it probes CUDA/ROCm and kernel packages.
     assert availability_problems(run) == []
+
+
+CHECKPOINT_FORMAT = {"fp8": "fp8", "mxfp4-fp8": "mxfp4-experts"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from core.checkpoint import prepare_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    ckpt = prepare_checkpoint(root / "tiny", preset("tiny"), dtype=CHECKPOINT_FORMAT.get(QUANT_NAME, "bf16"), seed=5)
+    if QUANT_NAME == "mxfp4-fp8":
+        from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
+
+        ckpt = convert_mxfp4_to_fp8(ckpt, root / "fp8", verbose=False)
+    return ckpt
+
+
+def test_implementation_scores_like_the_reference_model(run, checkpoint):
+    import torch
+
+    from core.checkpoint import load_into, open_checkpoint
+    from kernels.reference.model import DeepseekV4Model
+    from launchers.stages import build_impl_model, sequence_logprobs
+
+    model = build_impl_model(run, checkpoint)
+    device = next(model.parameters()).device
+    reference = DeepseekV4Model(preset("tiny"))
+    load_into(reference, open_checkpoint(checkpoint))
+    reference.eval()
+    g = torch.Generator().manual_seed(0)
+    tolerance = 1e-4 if HARDWARE_NAME == "cpu" else 5e-2  # fp32 on the CPU; GPU kernels accumulate differently
+    for length in (5, 140):
+        seq = torch.randint(0, preset("tiny").vocab_size, (length,), generator=g).tolist()
+        with torch.no_grad():
+            got = torch.tensor(sequence_logprobs(model, run.qkv_format, seq, device))
+            want = reference.logprobs(torch.tensor([seq]))[0]
+        assert (got - want).abs().max().item() <= tolerance, length
 
 
 def test_cli_validate_prints_the_same_configuration(run):
