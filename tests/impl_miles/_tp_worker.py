@@ -28,3 +28,31 @@ def run(rank: int, world: int, port: int, weights_path: str, out_path: str) -> N
                         "local_shapes": local_shapes}, out_path)
     finally:
         destroy_cpu_process_group()
+
+
+def run_native(rank: int, world: int, port: int, native_in: str, native_out: str, out_path: str) -> None:
+    """tp=world rank: load a native checkpoint written at tp=1 (resharding on load), score, then
+    gather the full native state and (rank 0) save it as a new native checkpoint."""
+    from backends.cpu.megatron_shims import destroy_cpu_process_group
+    from backends.cpu.target import CpuTarget
+
+    torch.set_num_threads(1)
+    CpuTarget().init_process_group(rank, world, tp=world, port=port)
+    try:
+        from backends.miles.impl import build_model
+        from core.native_checkpoint import load_native, save_native
+        from engine.loading import full_native_state, load_native_tensors
+
+        from ._helpers import TINY, run_config, token_ids
+
+        state, _ = load_native(native_in, impl="miles", config=TINY)
+        m = build_model(TINY, run_config(world))
+        load_native_tensors(m, state.items())
+        with torch.no_grad():
+            lps = {S: m.logprobs(token_ids(2, S, 300 + S)) for S in (37, 140)}
+        full = full_native_state(m)  # collective over the TP group
+        if rank == 0:
+            save_native(native_out, full, impl="miles", config=TINY)
+            torch.save({"logprobs": lps}, out_path)
+    finally:
+        destroy_cpu_process_group()
