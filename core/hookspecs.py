@@ -40,10 +40,16 @@ def dsv4_hardware_targets() -> list:
     """Return HardwareTarget records (devices, process groups, device shims)."""
 
 
+@hookspec
+def dsv4_rollout_engines() -> list:
+    """Return RolloutEngine records (engines that generate rollouts and take weight updates)."""
+
+
 # Hook name -> axis (core.records.AXES) it feeds.
 HOOK_AXIS = {
     "dsv4_attention_impls": "attention_impl",
     "dsv4_kernel_backends": "kernel_backend",
     "dsv4_quant_schemes": "quant_scheme",
     "dsv4_hardware_targets": "hardware_target",
+    "dsv4_rollout_engines": "rollout_engine",
 }

@@ -1,8 +1,8 @@
 """The typed records that plugins hand to the plugin host.
 
 Every choice a user makes at config time (attention implementation, kernel
-backend, quantization scheme, hardware target) is served by one record. A
-record says what the backend *is* (name, one-line description, capabilities)
+backend, quantization scheme, hardware target, rollout engine) is served by one
+record. A record says what the backend *is* (name, one-line description, capabilities)
 and how to build it (a lazy factory: a "module:attribute" string imported only
 when the backend is actually used), so listing plugins never imports torch,
 megatron-core or a GPU library.
@@ -24,13 +24,15 @@ ATTENTION = "attention_impl"
 KERNEL = "kernel_backend"
 QUANT = "quant_scheme"
 HARDWARE = "hardware_target"
-AXES = (ATTENTION, KERNEL, QUANT, HARDWARE)
+ROLLOUT = "rollout_engine"
+AXES = (ATTENTION, KERNEL, QUANT, HARDWARE, ROLLOUT)
 
 AXIS_OPTION = {
     ATTENTION: "--impl",
     KERNEL: "--kernel-backend",
     QUANT: "--quant",
     HARDWARE: "--hardware",
+    ROLLOUT: "--rollout-engine",
 }
 
 QKV_FORMATS = ("bshd", "thd")
@@ -173,11 +175,38 @@ class HardwareTarget(BackendRecord):
     axis: ClassVar[str] = HARDWARE
 
 
+@dataclass(frozen=True)
+class RolloutEngine(BackendRecord):
+    """An engine that generates rollouts from weights published by the trainer.
+
+    gpu: whether it needs an accelerator. routed_experts: whether it can return
+    the routed experts per token (routing replay, R3). weight_update: how it
+    takes new weights ("tensor", "disk"; the first is the default).
+    publish_formats: weight formats it loads (core/converters publish schemes;
+    None = any).
+    """
+
+    gpu: bool = False
+    routed_experts: bool = False
+    weight_update: tuple = ("tensor",)
+    publish_formats: Optional[frozenset] = _set(default=None)
+
+    axis: ClassVar[str] = ROLLOUT
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "weight_update", tuple(self.weight_update))
+        if not self.weight_update or set(self.weight_update) - {"tensor", "disk"}:
+            raise ValueError(f"rollout engine {self.name!r}: weight_update must be a non-empty subset of "
+                             f"('tensor', 'disk')")
+
+
 RECORD_TYPES = {
     ATTENTION: AttentionImpl,
     KERNEL: KernelBackend,
     QUANT: QuantScheme,
     HARDWARE: HardwareTarget,
+    ROLLOUT: RolloutEngine,
 }
 
 

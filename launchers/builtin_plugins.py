@@ -20,6 +20,8 @@ BUILTIN_PLUGINS = (
     "kernels.cudnn.plugin",
     # quantization schemes
     "converters.plugin",
+    # rollout engines
+    "train.engines_plugin",
 )
 
 

@@ -12,7 +12,17 @@ from core.checkpoint import load_into, open_checkpoint
 from kernels.reference.model import DeepseekV4Model
 
 
+def dsv4_here(*args, env=None):
+    """The CLI in this process (click's runner): cheap, shares imports with the test."""
+    from click.testing import CliRunner
+
+    from launchers.cli import main
+
+    return CliRunner().invoke(main, list(args), env=env)
+
+
 def dsv4(*args, cwd=None, env=None):
+    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly)."""
     return subprocess.run(
         [sys.executable, "-m", "launchers.cli", *args],
         capture_output=True,
@@ -86,18 +96,18 @@ def test_logprobs_on_a_truncated_shard_names_the_file(tiny, tmp_path):
 def test_convert_writes_a_native_checkpoint_either_implementation_scores(tiny, tmp_path):
     (tmp_path / "t.json").write_text(json.dumps([[0, 72, 105, 33, 5, 9, 11, 300, 2]]))
     native = tmp_path / "native"
-    proc = dsv4("convert", "--impl", "miles", "--hf", str(tiny), "--out", str(native))
-    assert proc.returncode == 0, proc.stderr
+    proc = dsv4_here("convert", "--impl", "miles", "--hf", str(tiny), "--out", str(native))
+    assert proc.exit_code == 0, proc.output
     meta = json.loads((native / "dsv4_native.json").read_text())
     assert meta["impl"] == "miles" and meta["contract_version"] >= 1
-    from_hf = json.loads(dsv4("logprobs", "--impl", "megatron", "--checkpoint", str(tiny), "--tokens", str(tmp_path / "t.json")).stdout)
+    from_hf = json.loads(dsv4_here("logprobs", "--impl", "megatron", "--checkpoint", str(tiny), "--tokens", str(tmp_path / "t.json")).stdout)
     for impl in ("miles", "megatron"):  # written by miles, read by both
-        proc = dsv4("logprobs", "--impl", impl, "--checkpoint", str(native), "--tokens", str(tmp_path / "t.json"))
-        assert proc.returncode == 0, proc.stderr
+        proc = dsv4_here("logprobs", "--impl", impl, "--checkpoint", str(native), "--tokens", str(tmp_path / "t.json"))
+        assert proc.exit_code == 0, proc.output
         # the native checkpoint holds the HF file's bf16 values: identical scores
         assert torch.allclose(torch.tensor(json.loads(proc.stdout)), torch.tensor(from_hf), atol=1e-5)
-    inspect = dsv4("inspect", "--checkpoint", str(native), "--json")
-    assert json.loads(inspect.stdout)["total"] == json.loads(dsv4("inspect", "--preset", "tiny", "--json").stdout)["total"]
+    inspect = dsv4_here("inspect", "--checkpoint", str(native), "--json")
+    assert json.loads(inspect.stdout)["total"] == json.loads(dsv4_here("inspect", "--preset", "tiny", "--json").stdout)["total"]
 
 
 def test_a_native_checkpoint_under_old_names_is_refused(tiny, tmp_path):
@@ -135,13 +145,13 @@ def test_inspect_reads_a_checkpoint_config(tiny):
 
 @pytest.mark.parametrize("impl", ["miles", "megatron"])
 def test_the_main_job_runs_on_the_embedded_model(tmp_path, impl):
-    proc = dsv4(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr
+    proc = dsv4_here(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
+    assert proc.exit_code == 0, proc.output
     assert f"--impl {impl} log-probabilities on the embedded tiny model" in proc.stdout
     assert "not built yet (issue #7)" in proc.stdout
     assert (tmp_path / "tiny-bf16-seed0" / "model.safetensors.index.json").exists()
-    again = dsv4(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
-    assert again.returncode == 0 and "materializing" not in again.stderr
+    again = dsv4_here(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
+    assert again.exit_code == 0 and "already prepared" in again.stderr
 
 
 if __name__ == "__main__":

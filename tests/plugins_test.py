@@ -18,7 +18,7 @@ from core.plugins import (
     ThirdPartyPluginWarning,
     UnknownBackendError,
 )
-from core.records import ATTENTION, AXES, HARDWARE, KERNEL, QUANT, HardwareTarget, KernelBackend
+from core.records import ATTENTION, AXES, HARDWARE, KERNEL, QUANT, ROLLOUT, HardwareTarget, KernelBackend
 from core.run_config import Choices, normalize
 from launchers.builtin_plugins import BUILTIN_PLUGINS, make_host
 from launchers.cli import main
@@ -28,6 +28,7 @@ BUILTIN_NAMES = {
     KERNEL: ["cudnn", "none", "tilelang", "triton"],
     QUANT: ["bf16", "fp8", "mxfp4-fp8", "nvfp4", "qat"],
     HARDWARE: ["cpu", "nvidia", "rocm"],
+    ROLLOUT: ["reference", "sglang"],
 }
 
 
@@ -80,7 +81,7 @@ def _kernel(name, **kw):
     return KernelBackend(name=name, description="test kernel", factory="kernels.reference.backend:ops", **kw)
 
 
-def test_builtins_cover_the_four_axes(entry_points):
+def test_builtins_cover_every_axis(entry_points):
     host = PluginHost(BUILTIN_PLUGINS)
     for axis in AXES:
         assert host.names(axis) == BUILTIN_NAMES[axis]

@@ -338,7 +338,8 @@ def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, p
                            ep: int = 1, port: int | None = None, seed: int = 1234,
                            master_addr: str = "127.0.0.1") -> None:
     """Apply the shims, start a gloo process group (``MASTER_ADDR``/``MASTER_PORT`` from the
-    arguments or the environment; a free port for ``world_size == 1``) and initialize
+    arguments or the environment; a one-process world uses an in-memory store, so
+    concurrent single-process jobs never race for a TCP port) and initialize
     megatron's model-parallel groups (``tp``, ``pp``, ``cp``, ``ep``; data parallel takes
     the rest), then seed the CPU RNG tracker. Idempotent for the same world."""
     apply_megatron_cpu_shims()
@@ -346,14 +347,15 @@ def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, p
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = master_addr
-        if port is not None:
-            os.environ["MASTER_PORT"] = str(port)
-        elif "MASTER_PORT" not in os.environ:
-            if world_size != 1:
+        if world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            os.environ["MASTER_ADDR"] = master_addr
+            if port is not None:
+                os.environ["MASTER_PORT"] = str(port)
+            elif "MASTER_PORT" not in os.environ:
                 raise ValueError("init_cpu_process_group: pass port= (or set MASTER_PORT) for world_size > 1")
-            os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp, expert_model_parallel_size=ep)

@@ -1,17 +1,53 @@
-"""The NVIDIA hardware target: CUDA devices and NCCL process groups."""
+"""The NVIDIA hardware target: CUDA devices and NCCL process groups.
 
+Everything a GPU run needs before a model is built happens in ``setup`` and ``init_process_group``,
+called explicitly by the job (as on the CPU target, ``backends/cpu/target.py``):
+
+* ``setup()``: fp32 matmuls and convolutions stay full fp32 (TF32 off: ``torch.backends.cuda.matmul.
+  allow_tf32 = False``, ``torch.backends.cudnn.allow_tf32 = False``), so an fp32 run matches the CPU
+  reference to fp32 rounding; bf16 / fp16 work is unaffected. Sets ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+  (megatron-core's requirement for overlapping TP communication) if unset. No megatron-core shim is
+  needed on a CUDA host (triton is real there).
+* ``init_process_group(rank, world_size, tp=, cp=, ep=, port=, seed=)``: binds this process to
+  ``cuda:(rank % device_count)``, starts an NCCL process group and megatron's model-parallel groups,
+  and seeds megatron's CUDA RNG tracker (``model_parallel_cuda_manual_seed``).
+
+Transformer Engine is optional: linear layers / FP8 training use it only where it is installed
+(:func:`transformer_engine_missing` says whether it is; the plugin record's description repeats it).
+"""
+
+import os
 from typing import Optional
 
 import torch
 
 
 def unavailable_reason() -> Optional[str]:
-    """None when a CUDA device is visible, else why not."""
+    """None when a CUDA device is visible, else why not (Transformer Engine is not required)."""
     if torch.version.cuda is None:
         return f"this torch build ({torch.__version__}) has no CUDA support"
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
+
+
+def transformer_engine_missing() -> Optional[str]:
+    """None when Transformer Engine is importable here, else a sentence saying what runs without it."""
+    from core.probes import python_package_missing
+
+    reason = python_package_missing("transformer_engine")
+    if reason:
+        return (f"{reason}: Transformer Engine is optional on the nvidia target; without it the models use "
+                "plain torch / megatron-core linears and FP8 training through TE is off")
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class NvidiaTarget:
@@ -21,3 +57,47 @@ class NvidiaTarget:
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cuda", local_rank)
+
+    def setup(self) -> None:
+        """TF32 off for fp32 matmuls / convolutions; ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (idempotent)."""
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+    def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                           port: Optional[int] = None, seed: int = 1234, master_addr: str = "127.0.0.1") -> None:
+        """NCCL process group plus megatron's model-parallel groups for this rank (idempotent for the
+        same world). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port."""
+        import torch.distributed as dist
+
+        self.setup()
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(f"the nvidia target cannot run here: {reason}")
+        local = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        if not dist.is_initialized():
+            os.environ["MASTER_ADDR"] = master_addr
+            if port is not None:
+                os.environ["MASTER_PORT"] = str(port)
+            elif "MASTER_PORT" not in os.environ:
+                if world_size != 1:
+                    raise ValueError("NvidiaTarget.init_process_group: pass port= (or set MASTER_PORT) "
+                                     "for world_size > 1")
+                os.environ["MASTER_PORT"] = str(_free_port())
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device(local))
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                         context_parallel_size=cp, expert_model_parallel_size=ep)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    def destroy_process_group(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -8,9 +8,16 @@
 
 The Hadamard rotation is orthonormal (scores are unchanged in exact arithmetic); it is kept because
 it matters for the FP4 fake-quant of the official QAT path. ``topk`` is not differentiable.
+
+Indexer-replay seam (off by default; used by ``train.replay``): :func:`indexer_hook` installs, for the
+current context, ``hook(indexer_module, picks [B,S,k]) -> picks``, called with the final top-k picks
+(``-1`` = none). No hook installed = unchanged behaviour.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 from torch import nn
@@ -19,7 +26,19 @@ from .compressor import Compressor, hadamard_transform
 from .layers import Linear, compute_dtype
 from .rope import apply_rope, rope_cos_sin
 
-__all__ = ["Indexer", "indexer_scores"]
+__all__ = ["Indexer", "indexer_scores", "indexer_hook"]
+
+_INDEXER_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_indexer_hook", default=None)
+
+
+@contextlib.contextmanager
+def indexer_hook(hook):
+    """Install ``hook(indexer_module, picks) -> picks`` for every Indexer in this context."""
+    token = _INDEXER_HOOK.set(hook)
+    try:
+        yield hook
+    finally:
+        _INDEXER_HOOK.reset(token)
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -56,4 +75,6 @@ class Indexer(nn.Module):
         invisible = torch.arange(nb, device=x.device)[None, :] >= limit[:, None]
         scores = scores.masked_fill(invisible, float("-inf"))
         top = scores.topk(min(self.topk, nb), dim=-1).indices
-        return torch.where(top >= limit[None, :, None], torch.full_like(top, -1), top)
+        picks = torch.where(top >= limit[None, :, None], torch.full_like(top, -1), top)
+        hook = _INDEXER_HOOK.get()
+        return picks if hook is None else hook(self, picks)

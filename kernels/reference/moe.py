@@ -6,9 +6,20 @@
     w = s[idx] / sum s[idx] * route_scale
     expert(x) = w2( silu(min(w1 x, L)) * clamp(w3 x, -L, L) )      (L = swiglu_limit; no clamp if L <= 0)
     y = sum_k w_k expert_k(x) + shared(x)             (shared clamped too unless shared_expert_clamp=False)
+
+Routing seam (R3 routing record / replay; used by ``train.replay``): :func:`routing_hook` installs, for
+the current context, ``hook(layer_id, idx [T,k]) -> idx [T,k]``. It is called with the top-k expert
+indices of LEARNED-routing trunk layers only (``Gate.replayable``): hash layers (``tid2eid``) and MTP
+routers (``layer_id >= n_layers``) never reach it. A recorder returns ``idx`` unchanged; a replayer
+returns the recorded indices, so the weights come from this forward's scores at the replayed experts
+(gradients flow through the scores as usual). No hook installed = unchanged behaviour. Other
+implementations call :func:`apply_routing_hook` at the same point of their routers.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +27,25 @@ from torch import nn
 
 from .layers import KeepFP32, Linear, compute_dtype
 
-__all__ = ["swiglu", "route_scores", "Gate", "Expert", "MoE"]
+__all__ = ["swiglu", "route_scores", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
+
+_ROUTING_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_routing_hook", default=None)
+
+
+@contextlib.contextmanager
+def routing_hook(hook):
+    """Install ``hook(layer_id, idx) -> idx`` for learned-routing trunk layers in this context."""
+    token = _ROUTING_HOOK.set(hook)
+    try:
+        yield hook
+    finally:
+        _ROUTING_HOOK.reset(token)
+
+
+def apply_routing_hook(layer_id: int, idx: torch.Tensor) -> torch.Tensor:
+    """The seam: pass a learned trunk layer's top-k ``idx [T,k]`` through the installed hook (if any)."""
+    hook = _ROUTING_HOOK.get()
+    return idx if hook is None else hook(layer_id, idx)
 
 
 def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float) -> torch.Tensor:
@@ -39,15 +68,18 @@ def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
 
 class Gate(KeepFP32):
     """``ffn.gate``: ``weight [E, d]``; ``bias [E]`` fp32 persistent buffer (learned layers) or
-    ``tid2eid [vocab, k]`` int64 frozen Parameter (hash layers)."""
+    ``tid2eid [vocab, k]`` int64 frozen Parameter (hash layers). ``replayable``: a learned-routing trunk
+    layer (its top-k goes through the routing seam; hash layers and MTP routers never do)."""
 
     _fp32_names = ("bias",)
 
-    def __init__(self, config, hash_layer: bool):
+    def __init__(self, config, hash_layer: bool, layer_id: int | None = None):
         super().__init__()
         c = config
         self.topk, self.score_func, self.route_scale = c.n_activated_experts, c.score_func, c.route_scale
         self.hash = hash_layer
+        self.layer_id = layer_id
+        self.replayable = (not hash_layer) and layer_id is not None and layer_id < c.n_layers
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.dim))
         if hash_layer:
             self.tid2eid = nn.Parameter(torch.zeros(c.vocab_size, c.n_activated_experts, dtype=torch.int64),
@@ -65,6 +97,8 @@ class Gate(KeepFP32):
             idx = self.tid2eid[input_ids.reshape(-1)].long()
         else:
             idx = (scores + self.bias.to(ct)).topk(self.topk, dim=-1).indices
+            if self.replayable:
+                idx = apply_routing_hook(self.layer_id, idx)
         w = scores.gather(-1, idx)
         if self.score_func != "softmax":
             w = w / w.sum(dim=-1, keepdim=True)
@@ -97,7 +131,7 @@ class MoE(nn.Module):
         c = config
         if c.n_shared_experts != 1:
             raise ValueError("DeepSeek-V4 has exactly one shared expert")
-        self.gate = Gate(c, hash_layer=c.is_hash_layer(layer_id))
+        self.gate = Gate(c, hash_layer=c.is_hash_layer(layer_id), layer_id=layer_id)
         self.experts = nn.ModuleList(Expert(c.dim, c.moe_inter_dim, c.swiglu_limit)
                                      for _ in range(c.n_routed_experts))
         self.shared_experts = Expert(c.dim, c.moe_inter_dim, c.swiglu_limit if c.shared_expert_clamp else 0.0)

@@ -2,7 +2,6 @@
 
 from typing import Optional
 
-from core.not_built import NotBuiltError
 from core.probes import python_package_missing
 
 
@@ -11,5 +10,39 @@ def unavailable_reason() -> Optional[str]:
 
 
 def ops():
-    """Return the tilelang implementations of the DeepSeek-V4 ops."""
-    raise NotBuiltError("the tilelang kernels", "issue #8")
+    """Return the tilelang implementations of the DeepSeek-V4 ops, by the reference op names.
+
+    TileLang kernels (CUDA tensors; ``kernels/tilelang/attention.py``, ``indexer.py``; compiled on first
+    use per (heads, head dim, dtype, launch config) and cached by TileLang on disk):
+
+    * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
+      bf16/fp16 CUDA inputs with a power-of-two head dim >= 32; other dtypes (fp32/fp64), head dims or
+      CPU tensors delegate to the reference op.
+    * ``indexer_scores(q, k, w)``: fp32 scores for bf16/fp16 inputs (the reference returns the input
+      dtype); fp32/fp64 inputs are computed by an fp32 torch einsum.
+
+    Delegated to the reference ops (no TileLang kernel): ``hadamard_transform``, ``sinkhorn``,
+    ``hc_pre``, ``hc_post``, ``hc_head``.
+
+    Extra names beyond the reference set (THD entry points, same as the triton backend):
+    ``sparse_attention_with_sink_thd`` (``return_lse=True`` also gives the natural-log LSE),
+    ``indexer_scores_thd`` (with causal or segment ``ks/ke`` ranges), ``indexer_topk``.
+    """
+    from types import SimpleNamespace
+
+    from kernels.reference import backend as reference
+    from kernels.tilelang import attention, indexer
+
+    ref = reference.ops()
+    return SimpleNamespace(
+        sparse_attention_with_sink=attention.sparse_attention_with_sink,
+        indexer_scores=indexer.indexer_scores,
+        hadamard_transform=ref.hadamard_transform,
+        sinkhorn=ref.sinkhorn,
+        hc_pre=ref.hc_pre,
+        hc_post=ref.hc_post,
+        hc_head=ref.hc_head,
+        sparse_attention_with_sink_thd=attention.sparse_attention_with_sink_thd,
+        indexer_scores_thd=indexer.indexer_scores_thd,
+        indexer_topk=indexer.indexer_topk,
+    )

@@ -1,0 +1,306 @@
+"""Benchmark of the TileLang kernels, on one GPU (same shapes, FLOP conventions and timing as
+``kernels/triton/bench.py``, so the rows sit next to the triton rows of ``bench/results/kernels-h200.json``).
+
+    python -m kernels.tilelang.bench --out FILE.json [--no-sweep] [--jobs N]
+
+Shapes (S = 4096 query tokens, head dim 512, window 128 + top-k compressed = K slots per query):
+``v4-flash`` H=64, K=640; ``v4-pro`` H=128, K=1152; kv = S window rows + S/4 compressed rows, every slot valid
+except the first 127 queries' window. Indexer: T=4096, H=64, D=128, N=1024 (full grid and causal ``ke``).
+
+FLOPs: forward ``4*H*S*K*D``; backward 2.5x forward (``10*H*S*K*D``; time = Delta + dq pass + dkv pass +
+zeroing the fp32 dkv buffer + the cast + d_sink); indexer ``2*T*N*H*D`` (the causal row counts the full
+grid too: the TileLang indexer does not skip invisible tiles).
+
+Timing: ``triton.testing.do_bench`` (CUDA events, median, L2 flushed between reps). With the sweep on
+(default) a few launch configs are timed, each checked against the default config's output, and the
+fastest is reported (its config goes into the row). All configs are compiled first in ``--jobs``
+parallel processes (TileLang's disk cache), then timed in this process.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+
+SHAPES = {
+    "v4-flash": dict(H=64, topk=512),
+    "v4-pro": dict(H=128, topk=1024),
+}
+S, D, WINDOW = 4096, 512, 128
+DEVICE = "cuda"
+
+FWD_SWEEP = [
+    dict(BK=64, num_stages=1),
+    dict(BK=64, num_stages=2),
+    dict(BK=32, num_stages=2),
+]
+DQ_SWEEP = [
+    dict(BK=32, num_stages=1),
+    dict(BK=64, num_stages=1),
+]
+DKV_SWEEP = [
+    dict(BK2=64, DC=64),
+    dict(BK2=64, DC=128),
+]
+IDX_SWEEP = [
+    dict(BT=64, BN=128, num_stages=2),
+    dict(BT=128, BN=128, num_stages=2, threads=256),
+]
+
+
+def kernel_specs(shapes, sweep: bool):
+    """``(factory name, args)`` of every kernel the bench compiles (for :func:`precompile`)."""
+    from kernels.tilelang import attention as A
+    from kernels.tilelang import indexer as I
+
+    out = []
+    for name in shapes:
+        H = SHAPES[name]["H"]
+        f = A.FWD_CONFIG
+        for c in (FWD_SWEEP if sweep else [{}]):
+            c = {**f, **c}
+            out.append(("fwd", (H, D, "bfloat16", c["BH"], c["BK"], c["threads"], c["num_stages"])))
+        b = A.BWD_CONFIG
+        for c in (DQ_SWEEP if sweep else [{}]):
+            c = {**b, **c}
+            out.append(("dq", (H, D, "bfloat16", c["BH"], c["BK"], c["threads"], c["num_stages"])))
+        for c in (DKV_SWEEP if sweep else [{}]):
+            c = {**b, **c}
+            out.append(("dkv", (H, D, "bfloat16", c["BK2"], c["DC"], c["threads2"], c["num_stages2"])))
+    for c in (IDX_SWEEP if sweep else [{}]):
+        c = {**I.INDEXER_CONFIG, **c}
+        for rng in (False, True):
+            out.append(("indexer", (64, 128, "bfloat16", rng, c["BT"], c["BN"], c["threads"], c["num_stages"])))
+    return out
+
+
+def test_specs():
+    """The kernels ``tests/kernels/test_tilelang_*.py`` and the tiny-model GPU test compile (default configs)."""
+    from kernels.tilelang import attention as A
+    from kernels.tilelang import indexer as I
+
+    f, b, c = A.FWD_CONFIG, A.BWD_CONFIG, I.INDEXER_CONFIG
+    out = []
+    for H, Dh in ((64, 512), (128, 512), (20, 64), (4, 128)):
+        out.append(("fwd", (H, Dh, "bfloat16", f["BH"], f["BK"], f["threads"], f["num_stages"])))
+        out.append(("dq", (H, Dh, "bfloat16", b["BH"], b["BK"], b["threads"], b["num_stages"])))
+        out.append(("dkv", (H, Dh, "bfloat16", b["BK2"], min(b["DC"], Dh), b["threads2"], b["num_stages2"])))
+    for rng in (False, True):
+        out.append(("indexer", (64, 128, "bfloat16", rng, c["BT"], c["BN"], c["threads"], c["num_stages"])))
+    return out
+
+
+def _compile_one(spec):
+    import time
+
+    from kernels.tilelang import attention as A
+    from kernels.tilelang import indexer as I
+
+    kind, args = spec
+    fn = {"fwd": A.fwd_kernel, "dq": A.dq_kernel, "dkv": A.dkv_kernel, "indexer": I.indexer_kernel}[kind]
+    t0 = time.time()
+    try:
+        fn(*args)
+        return kind, args, time.time() - t0, None
+    except Exception as e:  # a config that does not fit (shared memory, registers) is skipped later
+        return kind, args, time.time() - t0, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(specs, jobs: int = 8):
+    """Compile ``specs`` in ``jobs`` processes; TileLang caches each kernel on disk for later calls."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(jobs) as pool:
+        for kind, args, secs, err in pool.imap_unordered(_compile_one, specs):
+            print(f"  compiled {kind}{args} in {secs:.1f} s" + (f"  FAILED {err}" if err else ""), flush=True)
+
+
+def _inputs(H, topk, seed=0):
+    from kernels.reference.attention import window_indices
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    n_comp = S // 4
+    q = torch.randn(S, H, D, device=DEVICE, generator=g).bfloat16()
+    kv = torch.randn(S + n_comp, D, device=DEVICE, generator=g).bfloat16()
+    sink = torch.randn(H, device=DEVICE, generator=g)
+    do = torch.randn(S, H, D, device=DEVICE, generator=g).bfloat16()
+    comp = torch.rand(S, n_comp, device=DEVICE, generator=g).topk(topk, dim=-1).indices + S
+    idx = torch.cat([window_indices(S, WINDOW, DEVICE), comp], dim=1).to(torch.int32)
+    return q, kv, idx, sink, do
+
+
+def _bench(fn, rep=200):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def _maxdiff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+def bench_attention(name, H, topk, sweep, rows, meta):
+    from kernels.tilelang import attention as A
+
+    q, kv, idx, sink, do = _inputs(H, topk)
+    K = idx.shape[1]
+    scale = D ** -0.5
+    fwd_flop = 4.0 * H * S * K * D
+    bwd_flop = 2.5 * fwd_flop
+    n_valid = int((idx >= 0).sum())
+    shape = f"{name}: S={S} H={H} D={D} K={K} (window {WINDOW} + top-k {topk}), Tkv={kv.shape[0]}"
+
+    def row(direction, ms, flop, **extra):
+        r = dict(kernel="sparse_attention_with_sink", backend="tilelang", shape=shape, direction=direction,
+                 ms=round(ms, 4), tflops=round(flop / ms * 1e-9, 1),
+                 tflops_valid_slots=round(flop * n_valid / (S * K) / ms * 1e-9, 1), **meta, **extra)
+        rows.append(r)
+        print(f"  tilelang   {direction:4s} {ms:9.3f} ms {r['tflops']:7.1f} TFLOPS  {extra.get('config', '')}",
+              flush=True)
+
+    o0, lse0 = A.sparse_attention_fwd(q, kv, idx, sink, scale)
+    best = None
+    for cfg in (FWD_SWEEP if sweep else [{}]):
+        cfg = {**A.FWD_CONFIG, **cfg}
+        try:
+            o, lse = A.sparse_attention_fwd(q, kv, idx, sink, scale, config=cfg)
+            err = max(_maxdiff(o, o0), _maxdiff(lse, lse0))
+            if err > 1e-2:
+                print(f"  fwd config {cfg} disagrees with the default config (max diff {err}); skipped")
+                continue
+            ms = _bench(lambda: A.sparse_attention_fwd(q, kv, idx, sink, scale, config=cfg))
+            print(f"  sweep fwd {cfg}: {ms:.3f} ms, {fwd_flop / ms * 1e-9:.1f} TFLOPS", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        except Exception as e:
+            print(f"  fwd config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    if best:
+        row("fwd", best[0], fwd_flop, config=best[1])
+
+    dq0, dkv0, ds0 = A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale)
+    combos = [{**A.BWD_CONFIG, **a, **b} for a in DQ_SWEEP for b in DKV_SWEEP] if sweep else [dict(A.BWD_CONFIG)]
+    best = None
+    for cfg in combos:
+        try:
+            dq, dkv, ds = A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale, config=cfg)
+            err = max(_maxdiff(dq, dq0), _maxdiff(dkv, dkv0) / (dkv0.float().abs().max().item() + 1e-9),
+                      _maxdiff(ds, ds0))
+            if err > 2e-2:
+                print(f"  bwd config {cfg} disagrees with the default config (max diff {err}); skipped")
+                continue
+            ms = _bench(lambda: A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale, config=cfg))
+            print(f"  sweep bwd {cfg}: {ms:.3f} ms, {bwd_flop / ms * 1e-9:.1f} TFLOPS", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        except Exception as e:
+            print(f"  bwd config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    if best:
+        row("bwd", best[0], bwd_flop, config=best[1])
+        _bwd_split(A, q, kv, idx, sink, o0, lse0, do, scale, best[1], bwd_flop)
+
+
+def _bwd_split(A, q, kv, idx, sink, o, lse2, do, scale, cfg, bwd_flop):
+    T, H, _ = q.shape
+    K = idx.shape[1]
+    delta = (o.float() * do.float()).sum(-1)
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    pt = torch.empty(T, H, K, dtype=q.dtype, device=q.device)
+    dst = torch.empty_like(pt)
+    kdq = A.dq_kernel(H, D, "bfloat16", cfg["BH"], cfg["BK"], cfg["threads"], cfg["num_stages"])
+    kdkv = A.dkv_kernel(H, D, "bfloat16", cfg["BK2"], min(cfg["DC"], D), cfg["threads2"], cfg["num_stages2"])
+    t_dq = _bench(lambda: kdq(q, kv, idx, do, lse2, delta, dq, pt, dst, scale, scale * A.LOG2E))
+    t_dkv = _bench(lambda: kdkv(q, do, idx, pt, dst, dkv32))
+    unit = bwd_flop / 5
+    print(f"  bwd split: dq pass {t_dq:.3f} ms ({3 * unit / t_dq * 1e-9:.0f} TFLOPS on its 3 matmuls), "
+          f"dkv pass {t_dkv:.3f} ms ({2 * unit / t_dkv * 1e-9:.0f} TFLOPS on its 2 matmuls)", flush=True)
+
+
+def bench_indexer(sweep, rows, meta):
+    from kernels.tilelang.indexer import INDEXER_CONFIG, indexer_scores_thd
+
+    T, H, Di, N = S, 64, 128, S // 4
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    q = torch.randn(T, H, Di, device=DEVICE, generator=g).bfloat16()
+    k = torch.randn(N, Di, device=DEVICE, generator=g).bfloat16()
+    w = torch.randn(T, H, device=DEVICE, generator=g)
+    ke = ((torch.arange(T, device=DEVICE) + 1) // 4).int()
+    ks = torch.zeros_like(ke)
+    full = 2.0 * T * N * H * Di
+    shape = f"indexer: T={T} H={H} D={Di} N={N}"
+    for direction, rng in (("fwd", None), ("fwd-causal", (ks, ke))):
+        ref = indexer_scores_thd(q, k, w, *(rng or ()))
+        best = None
+        for cfg in (IDX_SWEEP if sweep else [{}]):
+            cfg = {**INDEXER_CONFIG, **cfg}
+            try:
+                out = indexer_scores_thd(q, k, w, *(rng or ()), config=cfg)
+                fin = torch.isfinite(ref)
+                bad = _maxdiff(out[fin], ref[fin]) > 1e-3 * ref[fin].abs().max().item()
+                if bad or not torch.equal(fin, torch.isfinite(out)):
+                    print(f"  indexer config {cfg} disagrees with the default config; skipped")
+                    continue
+                ms = _bench(lambda: indexer_scores_thd(q, k, w, *(rng or ()), config=cfg))
+                print(f"  sweep indexer {direction} {cfg}: {ms:.3f} ms, {full / ms * 1e-9:.1f} TFLOPS", flush=True)
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            except Exception as e:
+                print(f"  indexer config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+        if best:
+            note = "full [T,N] grid" if rng is None else \
+                "ks=0, ke=(t+1)//4; every tile computed, invisible scores masked; FLOPs of the full grid"
+            rows.append(dict(kernel="indexer_scores", backend="tilelang", shape=shape, direction=direction,
+                             ms=round(best[0], 4), tflops=round(full / best[0] * 1e-9, 1), **meta,
+                             config=best[1], note=note))
+            print(f"  tilelang   {direction:10s} {best[0]:9.3f} ms {full / best[0] * 1e-9:7.1f} TFLOPS", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="JSON file to write (required unless --precompile)")
+    p.add_argument("--no-sweep", action="store_true", help="time only the default launch configs")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    p.add_argument("--jobs", type=int, default=8, help="parallel compile processes (0: compile lazily)")
+    p.add_argument("--precompile", choices=("tests", "all"),
+                   help="only compile (in --jobs processes, into TileLang's disk cache) the kernels of the GPU "
+                        "tests, or of the tests and this bench, then exit (no GPU needed with "
+                        "DSV4_TILELANG_TARGET set)")
+    args = p.parse_args(argv)
+    if args.precompile:
+        specs = test_specs() + (kernel_specs(list(SHAPES), True) if args.precompile == "all" else [])
+        precompile(list(dict.fromkeys(specs)), max(args.jobs, 1))
+        return
+    if not args.out:
+        p.error("--out is required")
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU and tilelang")
+    import tilelang
+
+    shapes = args.shapes.split(",")
+    if args.jobs:
+        print("== compiling", flush=True)
+        precompile(kernel_specs(shapes, not args.no_sweep), args.jobs)
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, tilelang=tilelang.__version__)
+    rows = []
+    for name in shapes:
+        print(f"== {name}", flush=True)
+        bench_attention(name, **SHAPES[name], sweep=not args.no_sweep, rows=rows, meta=meta)
+    print("== indexer", flush=True)
+    bench_indexer(not args.no_sweep, rows, meta)
+
+    print()
+    print(f"{'kernel':28s} {'shape':10s} {'dir':10s} {'backend':10s} {'ms':>9s} {'TFLOPS':>8s}")
+    for r in rows:
+        print(f"{r['kernel']:28s} {r['shape'].split(':')[0]:10s} {r['direction']:10s} {r['backend']:10s} "
+              f"{r['ms']:9.3f} {r['tflops']:8.1f}")
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

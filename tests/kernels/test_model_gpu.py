@@ -1,0 +1,158 @@
+"""The full tiny-model check on a GPU: the miles model with GPU kernel backends vs ``--kernel-backend none``.
+
+One process, the nvidia hardware target's setup (TF32 off) and an NCCL process group of world size 1, tp 1.
+The model is built by ``backends.miles.impl.build_model`` from the normalized run configuration of
+``--impl miles --kernel-backend B --hardware nvidia`` and loaded from a tiny official-format checkpoint
+(``core.checkpoint.prepare_checkpoint``), then moved to CUDA. Token ids: batch 2 x 140 tokens (past the
+128-token window: window, CSA (indexer top-k) and HCA layers all contribute).
+
+bf16 (the kernels run; ``none`` runs the reference ops on the same bf16 weights, with fp32 math inside
+attention). Tolerances, kernel backend vs ``none``:
+
+* per-token log-probabilities: mean |diff| <= 1e-2 nats and max |diff| <= 0.15 nats (bf16 rounding of
+  P before the PV product and of every activation; a near-tie MoE routing decision may flip on a token);
+* one training step (trunk NLL + 0.3 x MTP NLL, backward, Adam lr 1e-3): loss |diff| <= 1e-2, global
+  grad norm relative diff <= 5e-2, loss after the step |diff| <= 2e-2.
+
+fp32 (the GPU backends delegate fp32 attention to the reference op): log-probabilities within 1e-5 and
+the same loss / grad norm to 1e-5 relative.
+
+For context the test also prints the error of bf16 ``none`` against fp32 ``none``.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SEQ, BATCH = 140, 2
+BF16_MEAN, BF16_MAX = 1e-2, 0.15
+BF16_LOSS, BF16_GNORM_RTOL, BF16_AFTER = 1e-2, 5e-2, 2e-2
+FP32_TOL = 1e-5
+
+
+def _gpu_backends():
+    out = []
+    for name in ("triton", "tilelang"):
+        have = importlib.util.find_spec(name) is not None
+        out.append(pytest.param(name, marks=pytest.mark.skipif(not have, reason=f"{name} is not installed")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from core.config import preset
+
+    return preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny):
+    from backends.nvidia.target import NvidiaTarget
+    from core.checkpoint import prepare_checkpoint
+
+    NvidiaTarget().init_process_group(0, 1, tp=1)
+    return prepare_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", tiny, dtype="bf16", seed=0)
+
+
+def _model(ckpt, tiny, backend, dtype):
+    from backends.miles.impl import build_model
+    from core.run_config import Choices, normalize
+    from engine.loading import load_hf_checkpoint
+    from launchers.builtin_plugins import make_host
+
+    rc = normalize(Choices(impl="miles", kernel_backend=backend, hardware="nvidia", model=tiny),
+                   make_host(third_party=False), model_name="tiny")
+    torch.manual_seed(0)
+    m = build_model(tiny, rc)
+    load_hf_checkpoint(m, ckpt)
+    return m.to(device="cuda", dtype=dtype)
+
+
+def _ids(tiny, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, tiny.vocab_size, (BATCH, SEQ), generator=g).cuda()
+
+
+def _loss(model, ids, mtp_weight=0.3):
+    logits, streams = model(ids, return_hidden_streams=True)
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -lp.mean()
+    ml = model.mtp_logits(ids, streams)[0]
+    mlp = torch.log_softmax(ml[:, :-1].float(), -1).gather(-1, ids[:, 2:, None]).squeeze(-1)
+    return loss - mtp_weight * mlp.mean()
+
+
+def _step(model, ids):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-3)
+    opt.zero_grad()
+    loss = _loss(model, ids)
+    loss.backward()
+    gnorm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)))
+    assert all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+    opt.step()
+    with torch.no_grad():
+        after = _loss(model, ids)
+    return loss.item(), gnorm, after.item()
+
+
+@pytest.fixture(scope="module")
+def baseline(ckpt, tiny):
+    """``none`` in fp32 and bf16: log-probabilities and one training step."""
+    ids = _ids(tiny)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = _model(ckpt, tiny, "none", dtype)
+        with torch.no_grad():
+            lp = m.logprobs(ids).float()
+        out[dtype] = dict(lp=lp, step=_step(m, ids))
+        del m
+    err = (out[torch.bfloat16]["lp"] - out[torch.float32]["lp"]).abs()
+    print(f"\nnone bf16 vs none fp32: logprob mean|d| {err.mean().item():.3e} max|d| {err.max().item():.3e}; "
+          f"step fp32 {out[torch.float32]['step']}, bf16 {out[torch.bfloat16]['step']}")
+    return ids, out
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_bf16_logprobs_and_step_match_none(ckpt, tiny, baseline, backend):
+    ids, base = baseline
+    want = base[torch.bfloat16]
+    m = _model(ckpt, tiny, backend, torch.bfloat16)
+    assert m.ops.sparse_attention_with_sink.__module__ == f"kernels.{backend}.attention"
+    with torch.no_grad():
+        lp = m.logprobs(ids).float()
+    assert lp.shape == (BATCH, SEQ - 1) and torch.isfinite(lp).all()
+    d = (lp - want["lp"]).abs()
+    d32 = (lp - base[torch.float32]["lp"]).abs()
+    loss, gnorm, after = _step(m, ids)
+    l0, g0, a0 = want["step"]
+    print(f"\n{backend} bf16 vs none bf16: logprob mean|d| {d.mean().item():.3e} max|d| {d.max().item():.3e} "
+          f"(vs none fp32: mean {d32.mean().item():.3e} max {d32.max().item():.3e}); loss {loss:.6f} vs {l0:.6f}, "
+          f"grad norm {gnorm:.6f} vs {g0:.6f}, loss after {after:.6f} vs {a0:.6f}")
+    assert d.mean().item() <= BF16_MEAN
+    assert d.max().item() <= BF16_MAX
+    assert abs(loss - l0) <= BF16_LOSS
+    assert abs(gnorm - g0) <= BF16_GNORM_RTOL * g0
+    assert after < loss  # the step helps
+    assert abs(after - a0) <= BF16_AFTER
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_fp32_delegates_and_matches_none(ckpt, tiny, baseline, backend):
+    ids, base = baseline
+    want = base[torch.float32]
+    m = _model(ckpt, tiny, backend, torch.float32)
+    with torch.no_grad():
+        lp = m.logprobs(ids)
+    d = (lp - want["lp"]).abs().max().item()
+    loss, gnorm, after = _step(m, ids)
+    l0, g0, a0 = want["step"]
+    print(f"\n{backend} fp32 vs none fp32: logprob max|d| {d:.3e}; loss {loss:.7f} vs {l0:.7f}, "
+          f"grad norm {gnorm:.7f} vs {g0:.7f}")
+    assert d <= FP32_TOL
+    assert abs(loss - l0) <= FP32_TOL * abs(l0)
+    assert abs(gnorm - g0) <= FP32_TOL * g0
+    assert abs(after - a0) <= 1e-4

@@ -1,0 +1,151 @@
+"""A short GRPO job on CPU: finite metrics, train/rollout log-prob agreement, routing replay, weight
+sync checks, TensorBoard events, plots and the HF export."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from core.config import preset
+
+REQUIRED = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
+            "tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights")
+
+
+def small_config():
+    # 3 trunk layers (layer 0 hash-routed, 1-2 learned; layer 1 CSA with an indexer) + 1 MTP layer
+    return preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
+
+
+def write_data(path, n=16):
+    rows = [{"prompt": f"{i}+{i}=", "reward": {"type": "valid_bytes"}} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    from train.trainer import run_training
+
+    root = tmp_path_factory.mktemp("grpo")
+    data = write_data(root / "data.jsonl")
+    result = run_training(None, small_config(), mode="grpo", steps=3, run_dir=root / "run", data=data,
+                          max_new_tokens=4, prompts_per_step=2, group_size=4, save_every=2, lr=1e-3,
+                          mtp_coef=0.3, kl_coef=0.05, progress=False)
+    return root / "run", result
+
+
+def test_metrics_are_complete_and_finite(grpo_run):
+    from train.metrics import read_metrics
+
+    run, _ = grpo_run
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for k in REQUIRED:
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r[k])
+        assert r["weight_check_ok"] is True
+        assert r["grad_norm"] > 0  # valid_bytes rewards differ inside a group -> a real policy gradient
+        assert r["mtp_loss"] is not None and math.isfinite(r["mtp_loss"])
+
+
+def test_train_and_rollout_logprobs_agree_in_fp32(grpo_run):
+    from train.metrics import read_metrics
+
+    for r in read_metrics(grpo_run[0]):
+        assert r["train_rollout_logprob_abs_diff"] < 1e-4
+        assert r["train_rollout_kl"] < 1e-6
+
+
+def test_routing_replay_makes_train_routing_equal_the_rollouts(grpo_run):
+    from train.metrics import read_metrics
+
+    for r in read_metrics(grpo_run[0]):
+        assert r["routing_replay_match"] == 1.0
+
+
+def test_tensorboard_plots_and_export(grpo_run):
+    from core.checkpoint import open_checkpoint
+    from train.metrics import tensorboard_scalars
+    from train.plot import plot_run
+
+    run, result = grpo_run
+    tb = tensorboard_scalars(run)
+    assert [s for s, _ in tb["train/loss"]] == [1, 2, 3]
+    pngs = {p.name for p in plot_run(run)}
+    assert {"reward_mean.png", "loss.png", "train_rollout_logprob_abs_diff.png", "train_rollout_kl.png",
+            "tokens_per_s.png", "summary.png"} <= pngs
+    reader = open_checkpoint(result["hf_export"])
+    assert "layers.0.ffn.gate.tid2eid" in reader.weight_map
+
+
+def test_replay_changes_routing_of_a_drifted_model_and_never_touches_hash_or_mtp():
+    """A training model whose weights drifted from the engine's routes differently on its own; with
+    replay it uses exactly the rollout's experts. Hash layers and MTP never reach the seam."""
+    from kernels.reference.moe import routing_hook
+    from train.engines import ReferenceEngine, SamplingParams
+    from train.model import build_train_model
+    from train.replay import routing_match
+    from train.weight_sync import sync_weights
+
+    c = small_config()
+    model = build_train_model(c, seed=1)
+    engine = ReferenceEngine(c)
+    assert sync_weights(model, engine, version=1).ok
+    s = engine.generate([[0, 5, 6, 7, 8]], SamplingParams(max_new_tokens=6), n=2, seed=0)[0]
+    ids = torch.tensor([x.prompt_ids + x.response_ids for x in s])
+    routed = torch.full((2, ids.shape[1], c.n_layers, c.n_activated_experts), -1)
+    for i, x in enumerate(s):
+        routed[i, :x.routed_experts.shape[0]] = x.routed_experts
+    assert (routed[:, :, 0] == -1).all()            # layer 0 is hash-routed: nothing recorded
+    with torch.no_grad():                            # drift the routers
+        for layer in (1, 2):
+            model.model.layers[layer].ffn.gate.weight.add_(torch.randn_like(model.model.layers[layer].ffn.gate.weight))
+    seen = []
+    with routing_hook(lambda layer, idx: seen.append(layer) or idx):
+        model.model.mtp_logits(ids)
+        model.model(ids)
+    assert sorted(set(seen)) == [1, 2]               # MTP layer (3) and hash layer (0) bypass the seam
+    free = model.forward_train(ids)
+    assert routing_match(free.routing_used, routed) < 1.0
+    replayed = model.forward_train(ids, routing_replay=routed)
+    assert routing_match(replayed.routing_used, routed) == 1.0
+
+
+def test_indexer_replay_seam_is_off_by_default_and_replays_when_on():
+    from train.model import build_train_model
+    from train.replay import IndexerRecorder, IndexerReplayer
+
+    c = small_config()
+    m = build_train_model(c, seed=0)
+    ids = torch.randint(2, 258, (1, 16))
+    rec = IndexerRecorder(m.model)
+    with rec.context():
+        base = m.model(ids)
+    assert list(rec.picks) == ["layers.1.attn.indexer"]
+    assert torch.equal(m.model(ids), base)           # no hook installed: unchanged
+    forced = {k: torch.zeros_like(v) for k, v in rec.picks.items()}
+    rep = IndexerReplayer(m.model, forced)
+    with rep.context():
+        out = m.model(ids)
+    assert rep.replayed == ["layers.1.attn.indexer"]
+    assert not torch.equal(out, base)
+
+
+def test_export_hf_from_the_run_folder_matches_the_end_of_run_export(grpo_run, tmp_path):
+    from core.checkpoint import open_checkpoint
+    from train.export import export_hf
+
+    run, result = grpo_run
+    out = export_hf(run, tmp_path / "hf")
+    a = dict(open_checkpoint(out).iter_tensors(progress=False))
+    b = dict(open_checkpoint(result["hf_export"]).iter_tensors(progress=False))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_existing_run_needs_resume(grpo_run):
+    from train.trainer import run_training
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_training(None, small_config(), mode="grpo", steps=1, run_dir=grpo_run[0], progress=False)

@@ -1,0 +1,65 @@
+"""SFT on the built-in task lowers the loss over a few dozen steps."""
+
+import math
+
+
+def test_sft_lowers_the_loss_on_the_builtin_data(tmp_path):
+    from core.config import preset
+    from train.metrics import read_metrics
+    from train.trainer import run_training
+
+    c = preset("tiny").replace(n_layers=2, compress_ratios=(0, 0, 0), n_hash_layers=1)
+    run_training(None, c, mode="sft", steps=30, run_dir=tmp_path / "run", batch_size=8, lr=2e-3,
+                 save_every=100, export_at_end=False, mtp_coef=0.3, progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 30
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    assert rows[0]["reward_mean"] is None and rows[0]["time_rollout"] == 0.0
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert first > 5.0                  # ~log(1024) for an untrained model
+    assert last < 0.6 * first, (first, last)
+
+
+def test_builtin_data_file_is_the_generator_output_and_validates():
+    import json
+
+    import pytest
+
+    from train import data as D
+
+    rows = [json.loads(x) for x in D.BUILTIN_DATA.read_text().splitlines()]
+    assert rows == [json.loads(json.dumps(r, sort_keys=True)) for r in D.make_arith_examples()]
+    for mode in ("sft", "grpo"):
+        assert len(D.load_data(None, mode)) == D.BUILTIN_SIZE
+    ex = D.load_data(None, "grpo")[0]
+    assert D.compute_reward(ex.response, [], ex.reward) == 1.0
+    assert D.compute_reward(ex.response + "0", [], ex.reward) == 0.0
+
+
+def test_bad_data_is_reported_with_file_and_line(tmp_path):
+    import pytest
+
+    from train import data as D
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a"}\n{"prompt": 3}\n')
+    with pytest.raises(D.DataError, match=r"d.jsonl:2"):
+        D.load_jsonl(p)
+    p.write_text('{"prompt": "a"}\n')
+    with pytest.raises(D.DataError, match=r"d.jsonl:1: SFT data needs a 'response'"):
+        D.load_jsonl(p, "sft")
+    p.write_text('{"prompt": "a", "reward": {"type": "nope"}}\n')
+    with pytest.raises(D.DataError, match="unknown reward type"):
+        D.load_jsonl(p)
+
+
+def test_tokenization_of_the_byte_tokenizer():
+    from core.checkpoint import ByteTokenizer
+    from train import data as D
+
+    tok = ByteTokenizer(1024)
+    assert D.encode_prompt(tok, "1+1=") == [0, 51, 45, 51, 63]
+    assert D.encode_response(tok, "2") == [52, 1]
+    assert D.decode_response(tok, [52, 1, 53]) == "2"
+    assert D.decode_response(tok, [52, 900, 53]) == "23"       # padding ids are dropped

@@ -1,0 +1,97 @@
+"""The fifth plugin axis (rollout engines) and the weight-sync path with its checker."""
+
+import pytest
+import torch
+
+from core.config import preset
+
+CFG = preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
+
+
+def test_rollout_engines_are_a_plugin_axis():
+    from core.plugins import PluginHost
+    from core.records import ROLLOUT, RolloutEngine
+    from launchers.builtin_plugins import BUILTIN_PLUGINS
+
+    assert "train.engines_plugin" in BUILTIN_PLUGINS
+    host = PluginHost(["train.engines_plugin"], third_party=False)
+    assert host.names(ROLLOUT) == ["reference", "sglang"]
+    ref = host.get(ROLLOUT, "reference")
+    assert isinstance(ref, RolloutEngine) and ref.routed_experts and ref.unavailable_reason() is None
+    assert host.get(ROLLOUT, "sglang").unavailable_reason()      # no GPU / sglang here
+    with pytest.raises(ValueError, match="weight_update"):
+        RolloutEngine(name="x", description="d", factory="a:b", weight_update=("ftp",))
+
+
+def test_make_engine_builds_the_reference_engine_and_refuses_sglang_here():
+    from train.engines import ReferenceEngine
+    from train.engines_plugin import make_engine
+
+    assert isinstance(make_engine("reference", CFG), ReferenceEngine)
+    with pytest.raises(RuntimeError, match="--rollout-engine sglang is not usable here"):
+        make_engine("sglang", CFG)
+
+
+@pytest.mark.parametrize("scheme,bound", [("bf16", 0.0), ("fp8", 0.08), ("nvfp4", 0.25)])
+def test_sync_through_each_publish_scheme_is_checked(scheme, bound):
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    m = build_train_model(CFG)
+    e = ReferenceEngine(CFG)
+    rep = sync_weights(m, e, version=3, scheme=scheme)
+    assert rep.ok, rep.check.summary()
+    assert rep.check.checked == len(e.held_weights())
+    assert rep.max_quant_rel_err <= bound
+    assert e.version == 3
+    # the engine computes with the exported tensors: a bf16 sync reproduces the trainer's logits exactly
+    if scheme == "bf16":
+        ids = torch.randint(2, 258, (1, 9))
+        assert torch.equal(e.model(ids), m.model(ids))
+
+
+def test_checker_catches_an_engine_that_drops_tid2eid_and_downcasts_fp32_tensors():
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    class Broken(ReferenceEngine):
+        def load_bucket(self, bucket):
+            fixed = []
+            for n, t in bucket:
+                if n.endswith("tid2eid"):
+                    t = torch.zeros_like(t)
+                elif n.endswith("attn_sink"):
+                    t = t.to(torch.bfloat16)
+                fixed.append((n, t))
+            super().load_bucket(fixed)
+
+        def held_weights(self):
+            held = super().held_weights()
+            return {n: (t.to(torch.bfloat16) if n.endswith("attn_sink") else t) for n, t in held.items()}
+
+    m = build_train_model(CFG)
+    rep = sync_weights(m, Broken(CFG), version=1)
+    assert not rep.ok
+    kinds = {i.kind for i in rep.check.issues}
+    assert "tid2eid_degenerate" in kinds and "fp32_downcast" in kinds
+
+
+def test_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path):
+    from train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+    from train.model import build_train_model
+
+    m = build_train_model(CFG, seed=0)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+    m.logprobs(torch.randint(2, 258, (1, 6))).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, 1, m, opt)
+    m2 = build_train_model(CFG, seed=5)
+    opt2 = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-3)
+    step, folder = latest_checkpoint(tmp_path)
+    assert step == 1
+    load_checkpoint(folder, m2, opt2)
+    for (a, x), (b, y) in zip(m.model.state_dict().items(), m2.model.state_dict().items()):
+        assert a == b and torch.equal(x, y), a
+    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])

@@ -1,0 +1,149 @@
+"""Training checkpoints: atomic, every N steps, enough to resume bit-for-bit.
+
+Layout::
+
+    RUN_DIR/checkpoints/step_000004/
+        model/          native checkpoint (core.native_checkpoint.save_native: contract names, DCP)
+        optim.pt        optimizer state_dict
+        rng.pt          torch CPU RNG state (+ CUDA states when present) and Python's random state
+        state.json      {"step": 4, "complete": true, ...}  (written last, inside the folder)
+    RUN_DIR/checkpoints/latest   "step_000004"  (replaced atomically after the folder is in place)
+
+A checkpoint folder is assembled under a temporary name and renamed into place, so a kill at any
+moment leaves either the previous complete checkpoint or the new one. Data order and sampling seeds
+are functions of (seed, step) (see :mod:`train.data`), so the step number restores them; the RNG states
+are saved as well for anything that draws from the global generators.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+CKPT_DIR = "checkpoints"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def _fsync_dir(p: Path) -> None:
+    try:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def rng_state() -> Dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: Dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[Dict] = None,
+                    keep_last: int = 2) -> Path:
+    from core.native_checkpoint import save_native
+
+    root = Path(run_dir) / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:06d}"
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir()
+    try:
+        native = {n: t.detach() for n, t in train_model.native_tensors()}
+        save_native(tmp / "model", native, impl=getattr(train_model, "impl", "reference"),
+                    config=train_model.config)
+        torch.save(optimizer.state_dict(), tmp / "optim.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        with open(tmp / "state.json", "w") as f:
+            json.dump({"step": step, "complete": True, **(extra or {})}, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        for p in tmp.iterdir():
+            if p.is_file():
+                with open(p, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if final.exists():  # a leftover from an earlier run that got past this step: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    lt = root / f".{LATEST}.tmp-{os.getpid()}"
+    lt.write_text(name + "\n")
+    os.replace(lt, root / LATEST)
+    _fsync_dir(root)
+    _prune(root, keep_last, keep=name)
+    return final
+
+
+def _complete(p: Path) -> Optional[int]:
+    try:
+        st = json.loads((p / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return int(st["step"]) if st.get("complete") else None
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), key=lambda p: p.name)
+    for p in steps[:-keep_last] if keep_last > 0 else []:
+        if p.name != keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():  # temporaries of killed writers
+        if p.name.startswith(".step_") and ".tmp-" in p.name:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir) -> Optional[Tuple[int, Path]]:
+    """The last COMPLETE checkpoint ``(step, folder)``, or None."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    try:
+        name = (root / LATEST).read_text().strip()
+        step = _complete(root / name)
+        if step is not None:
+            return step, root / name
+    except OSError:
+        pass
+    best = None
+    for p in root.iterdir():
+        if _STEP_RE.match(p.name):
+            s = _complete(p)
+            if s is not None and (best is None or s > best[0]):
+                best = (s, p)
+    return best
+
+
+def load_checkpoint(folder, train_model, optimizer=None, *, restore_rng: bool = True) -> Dict:
+    from core.native_checkpoint import load_native
+
+    folder = Path(folder)
+    state, _meta = load_native(folder / "model", config=train_model.config)
+    train_model.load_native_state(state)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(folder / "optim.pt", weights_only=False))
+    if restore_rng:
+        set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+    return json.loads((folder / "state.json").read_text())

@@ -1,0 +1,72 @@
+"""Built-in rollout engines (the fifth plugin axis, ``dsv4_rollout_engines``).
+
+* ``reference`` - :class:`train.engines.ReferenceEngine`: generates with the reference model from the
+  exported HF-named weights (CPU or any torch device; no server).
+* ``sglang`` - :class:`train.sglang_engine.SGLangEngine`: starts and talks to an SGLang server
+  (needs a GPU and the ``sglang`` package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+from core.hookspecs import hookimpl
+from core.records import RolloutEngine
+
+
+def sglang_unavailable() -> Optional[str]:
+    if importlib.util.find_spec("sglang") is None:
+        return "the sglang package is not installed"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "SGLang needs a CUDA/ROCm GPU and none is visible"
+    except ImportError:
+        return "torch is not installed"
+    return None
+
+
+@hookimpl
+def dsv4_rollout_engines():
+    return [
+        RolloutEngine(
+            name="reference",
+            description="reference model generating from the exported HF-named weights (any device; no KV cache)",
+            factory="train.engines:make_reference_engine",
+            gpu=False,
+            routed_experts=True,
+            weight_update=("tensor",),
+            publish_formats=None,
+        ),
+        RolloutEngine(
+            name="sglang",
+            description="SGLang server (started by the trainer): generate, weight updates, routed experts",
+            factory="train.sglang_engine:make_sglang_engine",
+            availability="train.engines_plugin:sglang_unavailable",
+            gpu=True,
+            routed_experts=True,
+            weight_update=("tensor", "disk"),
+            publish_formats=("bf16", "fp8", "nvfp4"),
+        ),
+    ]
+
+
+def make_engine(name: str, config, **kwargs):
+    """Build the rollout engine ``name`` through the plugin records (built-ins plus third-party ones)."""
+    from core.records import ROLLOUT
+
+    try:
+        from launchers.builtin_plugins import make_host
+
+        host = make_host()
+    except ImportError:  # train/ used without the launcher
+        from core.plugins import PluginHost
+
+        host = PluginHost(["train.engines_plugin"])
+    record = host.get(ROLLOUT, name)
+    reason = record.unavailable_reason()
+    if reason:
+        raise RuntimeError(f"--rollout-engine {name} is not usable here: {reason}")
+    return record.load()(config, **kwargs)

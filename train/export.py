@@ -1,0 +1,54 @@
+"""Export trained weights as an HF-format (official-named) checkpoint (``dsv4 export``).
+
+:func:`export_hf` loads the last complete checkpoint of a run (or a given step) and writes it with
+:func:`core.checkpoint.write_checkpoint` (bf16 by default, fp32-kept tensors in their official dtypes;
+``weight_format="fp8"`` quantises like the official release), plus the byte tokenizer file when the
+run used one. The result loads with ``core.checkpoint.open_checkpoint`` / ``load_into`` and serves as
+``--model`` for another run or for a rollout engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from core import weight_contract as wc
+
+
+def export_model(train_model, out_dir, *, weight_format: str = "bf16", tokenizer=None,
+                 overwrite: bool = True) -> Path:
+    from core.checkpoint import write_checkpoint
+    from core.checkpoint.tokenizer import TOKENIZER_FILE
+
+    config = train_model.config
+    native = ((n, t.detach().cpu()) for n, t in train_model.native_tensors())
+    official = wc.native_to_hf(native, config, official_dtypes=True)
+    extra = {TOKENIZER_FILE: tokenizer.to_json()} if tokenizer is not None and hasattr(tokenizer, "to_json") else None
+    return write_checkpoint(out_dir, config, official, weight_format=weight_format, quantize=True,
+                            overwrite=overwrite, extra_files=extra, progress=False)
+
+
+def export_hf(run_dir, out_dir, *, step: Optional[int] = None, weight_format: str = "bf16") -> Path:
+    """Run folder -> HF checkpoint in ``out_dir`` (atomic). ``step`` None = the last complete one."""
+    from core.config import ModelConfig
+
+    from .checkpointing import CKPT_DIR, latest_checkpoint, load_checkpoint
+    from .data import tokenizer_for
+    from .model import build_train_model
+    from .trainer import CONFIG_FILE
+
+    run = Path(run_dir)
+    desc = json.loads((run / CONFIG_FILE).read_text())
+    config = ModelConfig.from_hf_dict(desc["model_config"])
+    if step is None:
+        found = latest_checkpoint(run)
+        if found is None:
+            raise FileNotFoundError(f"{run}: no complete checkpoint to export")
+        folder = found[1]
+    else:
+        folder = run / CKPT_DIR / f"step_{step:06d}"
+    model = build_train_model(config, None, impl="reference")
+    load_checkpoint(folder, model, None, restore_rng=False)
+    tok = tokenizer_for(desc.get("model_source"), config.vocab_size)
+    return export_model(model, out_dir, weight_format=weight_format, tokenizer=tok)

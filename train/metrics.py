@@ -1,0 +1,112 @@
+"""Metrics: ``RUN_DIR/metrics.jsonl`` (one object per step), TensorBoard events (``RUN_DIR/tb``), console.
+
+Every line has at least :data:`REQUIRED_KEYS`. Values that do not apply to a mode are ``null`` (SFT has
+no reward or rollout). Time per phase is in seconds: ``time_rollout``, ``time_logprobs``, ``time_train``,
+``time_update_weights`` (and ``time_step``). On resume, :func:`truncate_after` drops the lines of steps
+after the checkpoint (they are recomputed) and the TensorBoard writer purges events past that step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+REQUIRED_KEYS = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
+                 "tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights")
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
+               "weight_sync_seconds", "wall_time")
+
+
+def read_metrics(run_dir) -> List[Dict]:
+    p = Path(run_dir) / METRICS_FILE
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line after a crash
+    return out
+
+
+def truncate_after(run_dir, step: int) -> None:
+    """Keep only the lines with ``step <= step`` (atomic rewrite)."""
+    p = Path(run_dir) / METRICS_FILE
+    if not p.exists():
+        return
+    keep = [r for r in read_metrics(run_dir) if int(r.get("step", 0)) <= step]
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in keep:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else v
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, run_dir, *, start_step: int = 0, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._f = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None)
+
+    def log(self, row: Dict) -> None:
+        missing = [k for k in REQUIRED_KEYS if k not in row]
+        if missing:
+            raise KeyError(f"metrics row lacks {missing}")
+        row = {k: _clean(v) for k, v in row.items()}
+        self._f.write(json.dumps(row, sort_keys=True) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        if self._tb is not None:
+            step = int(row["step"])
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                    self._tb.add_scalar(("time/" if k.startswith("time_") else "train/") + k, float(v), step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def summary_line(row: Dict, total_steps: int) -> str:
+    def f(k, fmt="{:.4g}"):
+        v = row.get(k)
+        return "-" if v is None else fmt.format(v)
+
+    return (f"step {row['step']}/{total_steps}  loss {f('loss')}  reward {f('reward_mean')}  "
+            f"|lp diff| {f('train_rollout_logprob_abs_diff', '{:.2e}')}  kl {f('train_rollout_kl', '{:.2e}')}  "
+            f"gnorm {f('grad_norm')}  tok/s {f('tokens_per_s', '{:.0f}')}  "
+            f"[rollout {f('time_rollout', '{:.2f}')}s logprobs {f('time_logprobs', '{:.2f}')}s "
+            f"train {f('time_train', '{:.2f}')}s sync {f('time_update_weights', '{:.2f}')}s]")
+
+
+def tensorboard_scalars(run_dir) -> Dict[str, List]:
+    """Read back the TensorBoard scalars (tag -> [(step, value)]) - for tests and tools."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / TB_DIR))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -1,0 +1,392 @@
+"""The SFT / GRPO training loop (``dsv4 train``).
+
+One GRPO step::
+
+    update_weights  sync the trained weights into the rollout engine (export -> publish -> load -> check)
+    rollout         P prompts x G samples each (temperature / top-p), rewards, routed experts per token
+    logprobs        old log-probs recomputed by the training model (no grad; routing replayed), plus
+                    the reference policy's when kl_coef > 0; rollout-vs-train diagnostics
+    train           clipped policy loss (+ k3 KL penalty, + MTP loss), one optimizer step
+
+One SFT step: a batch of (prompt, response) pairs, token-mean NLL on response tokens (+ MTP), one
+optimizer step. Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard; checkpoints every
+``save_every`` steps and at the end (:mod:`train.checkpointing`); ``resume=True`` continues after the
+last complete checkpoint. With ``export_at_end`` the final weights are written as an HF checkpoint to
+``RUN_DIR/hf``.
+
+Test hook: ``DSV4_TRAIN_KILL_AT="STEP:PHASE"`` (PHASE in rollout, logprobs, train, update_weights,
+checkpoint) SIGKILLs the process at that point of that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import data as D
+from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from .engines import SamplingParams
+from .losses import group_advantages, k3, masked_mean, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
+from .metrics import MetricsLogger, summary_line, truncate_after
+from .model import build_train_model, load_model_source
+from .replay import routing_match
+from .weight_sync import sync_weights
+
+MODES = ("sft", "grpo")
+CONFIG_FILE = "train_config.json"
+KILL_ENV = "DSV4_TRAIN_KILL_AT"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of a run (saved to ``RUN_DIR/train_config.json``; resume checks it)."""
+
+    seed: int = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    # data
+    data: Optional[str] = None              # JSONL path; None = the built-in task
+    batch_size: int = 8                      # SFT: sequences per step
+    prompts_per_step: int = 2                # GRPO: prompts per step
+    group_size: int = 4                      # GRPO: samples per prompt
+    # rollout
+    rollout_engine: str = "reference"
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    publish_scheme: str = "bf16"             # bf16 | fp8 | fp8-fp32 | mxfp4-fp8 | nvfp4
+    engine_dtype: str = "fp32"               # fp32 | bf16
+    check_weights: bool = True
+    max_bucket_bytes: int = 64 << 20
+    # GRPO loss
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    normalize_adv_std: bool = True
+    # replay
+    routing_replay: bool = True
+    indexer_replay: bool = False             # seam only (kernels.reference.indexer.indexer_hook); not wired
+    # MTP
+    mtp_coef: float = 0.0
+    # model
+    train_impl: str = "reference"
+    train_dtype: str = "fp32"
+    # bookkeeping
+    save_every: int = 10
+    keep_last: int = 2
+    export_at_end: bool = True
+
+    def to_json(self) -> Dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+def _maybe_kill(step: int, phase: str) -> None:
+    want = os.environ.get(KILL_ENV)
+    if want and want == f"{step}:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 65_537 + 11) % (2 ** 63)
+
+
+def _resolve_model_config(run_config, model_source):
+    from core.config import ModelConfig, preset
+
+    cfg = getattr(run_config, "model", None) if run_config is not None else None
+    if isinstance(model_source, ModelConfig):
+        return model_source, None
+    if model_source is not None and Path(str(model_source)).is_dir():
+        from core.checkpoint import open_checkpoint
+
+        reader = open_checkpoint(model_source, config=cfg)
+        return reader.config if cfg is None else cfg, str(model_source)
+    if isinstance(model_source, str):
+        return preset(model_source), None
+    if cfg is not None:
+        return cfg, None
+    raise ValueError("run_training needs a model: a checkpoint folder, a preset name or a ModelConfig")
+
+
+def _pad_batch(seqs: List[List[int]], pad: int) -> torch.Tensor:
+    L = max(len(s) for s in seqs)
+    return torch.tensor([s + [pad] * (L - len(s)) for s in seqs], dtype=torch.long)
+
+
+class _Run:
+    def __init__(self, run_config, model_source, mode, steps, run_dir, resume, cfg: TrainConfig, progress: bool):
+        if mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
+        if steps < 1:
+            raise ValueError("--steps must be >= 1")
+        self.mode, self.steps, self.cfg, self.progress = mode, steps, cfg, progress
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_config = run_config
+        self.model_config, self.ckpt_source = _resolve_model_config(run_config, model_source)
+        self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
+        self.examples = D.load_data(cfg.data, mode)
+        torch.manual_seed(cfg.seed)
+        self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
+                                       dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed)
+        self.source_desc = load_model_source(self.model, self.ckpt_source)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.ref_model = None
+        if mode == "grpo" and cfg.kl_coef > 0:
+            self.ref_model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
+                                               dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed)
+            load_model_source(self.ref_model, self.ckpt_source)
+            self.ref_model.load_native_state({n: t.detach().clone() for n, t in self.model.native_tensors()})
+            self.ref_model.eval().requires_grad_(False)
+        self.engine = None
+        if mode == "grpo":
+            from .engines_plugin import make_engine
+
+            self.engine = make_engine(cfg.rollout_engine, self.model_config, dtype=_DTYPES[cfg.engine_dtype])
+        self.start_step = 0
+        self._write_or_check_config(resume, model_source)
+
+    # -- config / resume ---------------------------------------------------
+    def _write_or_check_config(self, resume: bool, model_source) -> None:
+        p = self.run_dir / CONFIG_FILE
+        desc = {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
+                "model_source": self.ckpt_source}
+        found = latest_checkpoint(self.run_dir)
+        if resume and found is not None:
+            saved = json.loads(p.read_text()) if p.is_file() else None
+            if saved is not None and (saved["mode"], saved["train"], saved["model_config"]) != (
+                    desc["mode"], desc["train"], desc["model_config"]):
+                raise ValueError(f"{self.run_dir}: --resume with a different configuration than the run was "
+                                 f"started with (see {p})")
+            step, folder = found
+            st = load_checkpoint(folder, self.model, self.opt)
+            self.start_step = int(st["step"])
+            if self.ref_model is not None:
+                ref_folder = self.run_dir / "ref_model.pt"
+                self.ref_model.load_native_state(torch.load(ref_folder, weights_only=True))
+        else:
+            if not resume and (self.run_dir / "metrics.jsonl").exists():
+                raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
+                                      f"a new --run-dir")
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.write_text(json.dumps(desc, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, p)
+            if self.ref_model is not None:
+                torch.save({n: t.detach().clone() for n, t in self.ref_model.native_tensors()},
+                           self.run_dir / "ref_model.pt")
+        truncate_after(self.run_dir, self.start_step)
+
+    # -- steps -------------------------------------------------------------
+    def sft_step(self, step: int) -> Dict[str, Any]:
+        cfg, tok = self.cfg, self.tok
+        batch = D.batch_for_step(self.examples, cfg.seed, step, cfg.batch_size)
+        seqs, masks = [], []
+        for ex in batch:
+            p, r = D.encode_prompt(tok, ex.prompt), D.encode_response(tok, ex.response)
+            seqs.append(p + r)
+            masks.append([0] * (len(p) - 1) + [1] * len(r))   # next-token targets that are response tokens
+        ids = _pad_batch(seqs, tok.eos_token_id)
+        mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
+        t0 = time.perf_counter()
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        _maybe_kill(step, "train")
+        fwd = self.model.forward_train(ids, with_mtp=cfg.mtp_coef > 0)
+        loss_sum, n_tok = sft_loss_sum(fwd.logprobs, mask)
+        loss = loss_sum / n_tok.clamp(min=1)
+        total = loss
+        mtp = mtp_loss(fwd.mtp_logits, ids, mask) if cfg.mtp_coef > 0 else None
+        if mtp is not None:
+            total = total + cfg.mtp_coef * mtp
+        total.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.opt.step()
+        t_train = time.perf_counter() - t0
+        return {"loss": float(loss.detach()), "mtp_loss": None if mtp is None else float(mtp.detach()), "grad_norm": gnorm,
+                "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
+                "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
+                "tokens": int(ids.numel()), "response_tokens": int(mask.sum())}
+
+    def grpo_step(self, step: int) -> Dict[str, Any]:
+        cfg, tok, c = self.cfg, self.tok, self.model_config
+        out: Dict[str, Any] = {}
+        # update_weights
+        _maybe_kill(step, "update_weights")
+        self.model.eval()
+        rep = sync_weights(self.model, self.engine, version=step, scheme=cfg.publish_scheme,
+                           engine_dtype=_DTYPES[cfg.engine_dtype], max_bucket_bytes=cfg.max_bucket_bytes,
+                           check=cfg.check_weights)
+        if rep.check is not None and not rep.check.ok:
+            raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
+        out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
+                   weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
+                   weight_quant_max_rel_err=rep.max_quant_rel_err)
+        # rollout
+        _maybe_kill(step, "rollout")
+        t0 = time.perf_counter()
+        batch = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
+        prompts = [D.encode_prompt(tok, ex.prompt) for ex in batch]
+        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,))
+        groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step))
+        rewards, items = [], []
+        for ex, samples in zip(batch, groups):
+            r = []
+            for s in samples:
+                body = s.response_ids[:-1] if s.finish_reason == "stop" else s.response_ids
+                r.append(D.compute_reward(D.decode_response(tok, s.response_ids), body, ex.reward))
+            r = torch.tensor(r)
+            rewards.append(r)
+            items.append(self._group_tensors(samples, r))
+        out["time_rollout"] = time.perf_counter() - t0
+        # logprobs
+        _maybe_kill(step, "logprobs")
+        t0 = time.perf_counter()
+        diffs, kls, matches, w = [], [], [], []
+        with torch.no_grad():
+            for it in items:
+                fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature)
+                it["old"] = fwd.logprobs
+                if self.ref_model is not None:
+                    it["ref"] = self.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
+                                                        temperature=cfg.temperature)
+                d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])
+                diffs.append(d)
+                kls.append(k)
+                w.append(it["ids"].shape[0])
+                if it["routed"] is not None:
+                    matches.append(routing_match(fwd.routing_used, it["routed"]))
+        out["time_logprobs"] = time.perf_counter() - t0
+        n_samples = sum(w)
+        out["train_rollout_logprob_abs_diff"] = sum(d * n for d, n in zip(diffs, w)) / n_samples
+        out["train_rollout_kl"] = sum(k * n for k, n in zip(kls, w)) / n_samples
+        out["routing_replay_match"] = (sum(matches) / len(matches)) if matches else None
+        # train
+        _maybe_kill(step, "train")
+        t0 = time.perf_counter()
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        total_tokens = float(sum(int(it["mask"].sum()) for it in items))
+        loss_acc = pg_acc = kl_acc = clip_acc = mtp_acc = 0.0
+        for it in items:
+            fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
+                                           with_mtp=cfg.mtp_coef > 0)
+            pg_sum, clipped, _n = policy_loss(fwd.logprobs, it["old"], it["adv"], it["mask"],
+                                              clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            loss = pg_sum / max(total_tokens, 1.0)
+            pg_acc += float(loss.detach())
+            clip_acc += float(clipped)
+            if self.ref_model is not None:
+                kl_tok = k3(fwd.logprobs, it["ref"])
+                kl_term = (kl_tok * it["mask"]).sum() / max(total_tokens, 1.0)
+                loss = loss + cfg.kl_coef * kl_term
+                kl_acc += float(kl_term.detach())
+            if cfg.mtp_coef > 0:
+                m = mtp_loss(fwd.mtp_logits, it["ids"], it["mask"])
+                if m is not None:
+                    frac = float(it["mask"].sum()) / max(total_tokens, 1.0)
+                    loss = loss + cfg.mtp_coef * m * frac
+                    mtp_acc += float(m.detach()) * frac
+            loss.backward()
+            loss_acc += float(loss.detach())
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.opt.step()
+        out["time_train"] = time.perf_counter() - t0
+        allr = torch.cat(rewards)
+        out.update(loss=loss_acc, pg_loss=pg_acc, kl_loss=kl_acc if self.ref_model is not None else None,
+                   mtp_loss=mtp_acc if cfg.mtp_coef > 0 else None, grad_norm=gnorm,
+                   pg_clipfrac=clip_acc / max(total_tokens, 1.0), reward_mean=float(allr.mean()),
+                   reward_std=float(allr.std(unbiased=False)), response_len_mean=float(
+                       sum(int(it["mask"].sum()) for it in items) / n_samples),
+                   tokens=int(sum(it["ids"].numel() for it in items)), response_tokens=int(total_tokens))
+        return out
+
+    def _group_tensors(self, samples, rewards: torch.Tensor) -> Dict[str, torch.Tensor]:
+        c = self.model_config
+        P = len(samples[0].prompt_ids)
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        ids = _pad_batch(seqs, self.tok.eos_token_id)
+        S = ids.shape[1]
+        mask = torch.zeros(len(samples), S - 1, dtype=torch.bool)
+        rollout_lp = torch.zeros(len(samples), S - 1)
+        routed = None
+        if self.cfg.routing_replay and all(s.routed_experts is not None for s in samples):
+            routed = torch.full((len(samples), S, c.n_layers, c.n_activated_experts), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            R = len(s.response_ids)
+            mask[i, P - 1:P - 1 + R] = True
+            rollout_lp[i, P - 1:P - 1 + R] = s.logprobs.float()
+            if routed is not None:
+                re = s.routed_experts
+                routed[i, :re.shape[0]] = re
+        adv = group_advantages(rewards, normalize_std=self.cfg.normalize_adv_std)
+        return {"ids": ids, "mask": mask, "rollout_lp": rollout_lp, "routed": routed, "adv": adv}
+
+    # -- loop --------------------------------------------------------------
+    def run(self) -> Dict[str, Any]:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True, quiet=not self.progress)
+        if self.start_step >= self.steps:
+            console.print(f"[bold]{self.run_dir}[/]: already at step {self.start_step} >= --steps {self.steps}")
+        logger = MetricsLogger(self.run_dir, start_step=self.start_step)
+        last_row: Dict[str, Any] = {}
+        try:
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=console, disable=not self.progress, transient=False) as prog:
+                task = prog.add_task(f"{self.mode} ({self.source_desc})", total=self.steps, completed=self.start_step)
+                for step in range(self.start_step + 1, self.steps + 1):
+                    t0 = time.perf_counter()
+                    row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+                    dt = time.perf_counter() - t0
+                    row["step"] = step
+                    row["time_step"] = dt
+                    row["tokens_per_s"] = row["tokens"] / dt if dt > 0 else 0.0
+                    row["lr"] = self.cfg.lr
+                    row["wall_time"] = time.time()
+                    logger.log(row)
+                    last_row = row
+                    prog.console.print(summary_line(row, self.steps), soft_wrap=True, highlight=False)
+                    prog.advance(task)
+                    if step % self.cfg.save_every == 0 or step == self.steps:
+                        _maybe_kill(step, "checkpoint")
+                        save_checkpoint(self.run_dir, step, self.model, self.opt, keep_last=self.cfg.keep_last,
+                                        extra={"mode": self.mode})
+        finally:
+            logger.close()
+            if self.engine is not None:
+                self.engine.shutdown()
+        result = {"run_dir": str(self.run_dir), "start_step": self.start_step, "steps": self.steps,
+                  "last": last_row}
+        if self.cfg.export_at_end and self.start_step < self.steps:
+            from .export import export_model
+
+            result["hf_export"] = str(export_model(self.model, self.run_dir / "hf", tokenizer=self.tok))
+        return result
+
+
+def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, resume: bool = False,
+                 config: Optional[TrainConfig] = None, progress: bool = True, **overrides) -> Dict[str, Any]:
+    """Train for ``steps`` steps (in total, counting the steps of a resumed run).
+
+    ``run_config``: a :class:`core.run_config.RunConfig` (or None); ``model_source``: an HF-format
+    checkpoint folder, a preset name (random init) or a ModelConfig; ``mode``: "sft" | "grpo";
+    ``config``: a :class:`TrainConfig`, with ``overrides`` (field=value) applied on top. Returns a dict
+    with the run folder, the start step and the last metrics row.
+    """
+    cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

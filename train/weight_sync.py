@@ -1,0 +1,91 @@
+"""Weight sync: trainer (native names) -> export buckets -> publish (bf16 / fp8 / nvfp4) -> engine -> check.
+
+:func:`sync_weights` runs the whole path every step:
+
+1. ``train_model.native_tensors()`` (the contract names both implementations hold);
+2. :func:`core.export.export_buckets` -> official-named buckets (atomic groups kept together), cast to
+   the engine's dtype except fp32-kept tensors;
+3. :func:`converters.publish.publish_bucket` with the publish scheme (``bf16`` = unchanged);
+4. ``engine.begin_update / load_bucket / finish_update``;
+5. :func:`core.export.check_weights`: what the engine now holds (``held_weights()``) against the
+   decoded published tensors - names, shapes, dtypes (fp32-kept tensors must still be fp32), values
+   (exactly), ``tid2eid`` tables (not all 0 / -1). For quantized schemes the quantization error against
+   the unquantized export is reported as ``max_quant_rel_err`` (max |deq - w| / max|w| per tensor).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from core import weight_contract as wc
+from core.export import WeightCheckReport, check_weights, export_buckets, tensor_nbytes
+
+from .engines import decode_published
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclass
+class SyncReport:
+    seconds: float
+    buckets: int
+    tensors: int
+    bytes: int
+    check: Optional[WeightCheckReport]
+    max_quant_rel_err: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.check is None or self.check.ok
+
+
+def _expected_dtype(name: str, t: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:
+    if not t.is_floating_point():
+        return t
+    if wc.keeps_fp32(name) or name.endswith("gate.bias"):
+        return t.to(torch.float32)
+    return t.to(engine_dtype)
+
+
+def sync_weights(train_model, engine, *, version: int, scheme: str = "bf16",
+                 engine_dtype: torch.dtype = torch.float32, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 check: bool = True) -> SyncReport:
+    from converters.publish import publish_bucket
+
+    t0 = time.perf_counter()
+    config = train_model.config
+    export_dtype = None if engine_dtype == torch.float32 else engine_dtype
+    expected: Dict[str, torch.Tensor] = {}
+    n_buckets = n_tensors = n_bytes = 0
+    max_err = 0.0
+    engine.begin_update(version)
+    with torch.no_grad():
+        native = ((n, t.detach()) for n, t in train_model.native_tensors())
+        for bucket in export_buckets(native, config, max_bucket_bytes=max_bucket_bytes, dtype=export_dtype,
+                                     expect_complete=True):
+            published = publish_bucket(bucket, scheme)
+            engine.load_bucket(published)
+            n_buckets += 1
+            n_tensors += len(bucket)
+            n_bytes += sum(tensor_nbytes(t) for _, t in published)
+            if check:
+                decoded = decode_published(published, engine_dtype)
+                for name, t in bucket:
+                    want = _expected_dtype(name, decoded[name], engine_dtype)
+                    expected[name] = want
+                    if scheme != "bf16" and t.is_floating_point() and t.numel():
+                        scale = float(t.abs().max())
+                        if scale > 0:
+                            err = float((want.float() - t.float()).abs().max()) / scale
+                            max_err = max(max_err, err)
+    engine.finish_update()
+    report = None
+    if check:
+        held = engine.held_weights()
+        if held is not None:
+            report = check_weights(held, expected)
+    return SyncReport(time.perf_counter() - t0, n_buckets, n_tensors, n_bytes, report, max_err)
