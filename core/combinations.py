@@ -49,6 +49,9 @@ class Selection:
     # Model facts, known once the model config is (None = not checked yet).
     o_groups: Optional[int] = None
     n_routed_experts: Optional[int] = None
+    compress_ratios: Optional[tuple] = None
+    # The run's packing budget (tokens per context-parallel rank), when known.
+    max_tokens_per_rank: Optional[int] = None
 
 
 def _join(names) -> str:
@@ -146,6 +149,26 @@ def _impl_ep(sel: Selection, host) -> Optional[str]:
     return _unsupported_parallelism(sel, host, "expert parallelism", "--ep", sel.ep, "expert_parallel")
 
 
+def _cp_tokens_per_rank(sel: Selection, host) -> Optional[str]:
+    """Each CP rank takes the compressor's left-boundary rows from the previous rank only, so it must
+    hold at least that many tokens (core.thd_cp.check_cp_config)."""
+    from core.thd_cp import CpConfigError, check_cp_config, compressor_boundary_width
+
+    if sel.cp <= 1 or sel.max_tokens_per_rank is None:
+        return None
+    ratios = [r for r in (sel.compress_ratios or (4, 128)) if r]
+    try:
+        check_cp_config(sel.max_tokens_per_rank, sel.cp, ratios)
+    except CpConfigError:
+        width, ratio = max((compressor_boundary_width(r), r) for r in ratios)
+        return (
+            f"--cp {sel.cp} with --max-tokens-per-rank {sel.max_tokens_per_rank} gives each context-parallel rank "
+            f"fewer tokens than the compressor boundary width {width} of compress ratio {ratio} (each rank takes "
+            f"that many rows from the previous rank). Fix: use --max-tokens-per-rank {width} or more, or --cp 1."
+        )
+    return None
+
+
 def _kernel_hardware(sel: Selection, host) -> Optional[str]:
     kernel, hw = sel.kernel, sel.hardware
     if _accepts(kernel.hardware, hw.name):
@@ -189,6 +212,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("expert-parallel-experts", "the expert-parallel size divides the routed experts", _ep_experts),
     ("impl-qkv-format", "the implementation supports the qkv format", _impl_qkv),
     ("impl-context-parallel", "the implementation supports context parallelism", _impl_cp),
+    ("context-parallel-tokens", "each context-parallel rank holds the compressor boundary rows", _cp_tokens_per_rank),
     ("impl-expert-parallel", "the implementation supports expert parallelism", _impl_ep),
     ("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),
     ("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),

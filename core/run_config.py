@@ -31,6 +31,7 @@ class Choices:
     ep: int = 1
     qkv_format: Optional[str] = None
     model: Optional[object] = dataclasses.field(default=None, repr=False)  # core.config.ModelConfig
+    max_tokens_per_rank: Optional[int] = None  # packing budget per context-parallel rank (None = not given)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         ep=choices.ep,
         o_groups=getattr(model, "o_groups", None),
         n_routed_experts=getattr(model, "n_routed_experts", None),
+        compress_ratios=tuple(getattr(model, "compress_ratios", ()) or ()) or None,
+        max_tokens_per_rank=choices.max_tokens_per_rank,
     )
     check(selection, host)
     return RunConfig(

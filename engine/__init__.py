@@ -8,6 +8,12 @@
   grouped SwiGLU experts with the asymmetric clamp, shared expert with the clamp switch).
 * :mod:`engine.loading` - HF checkpoint -> native model through ``core.weight_contract.hf_to_native``,
   with TP sharding by rank; full (unsharded) native state / gradients of a TP-sharded model.
+* :mod:`engine.thd_attention` - packed-sequence (THD) and context-parallel attention pieces shared by
+  both implementations (``ThdContext``, CP all-gather / left-boundary exchange with autograd,
+  compressors on compacted slots, per-segment indexer top-k).
+* :mod:`launchers.scoring` - ``score_packed``: sequences packed into one THD stream, optionally over CP /
+  TP gloo processes (imports the plugin host and the cpu target lazily, at call time).
+* :mod:`launchers.bench_thd` - ``python -m launchers.bench_thd --out FILE.json``: THD vs padded BSHD tokens/s.
 
 Import of this package does not import megatron; the submodules that need it call
 ``engine.runtime.ensure_megatron()`` first.

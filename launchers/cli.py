@@ -35,7 +35,7 @@ EXIT_NOT_BUILT = 3
 
 # option name -> (click declaration kwargs); default None means "not given here".
 _RUN_OPTIONS = (
-    ("--impl", dict(help="Attention implementation: miles (plugin path; BSHD/THD; TP and CP) or megatron (native design; THD; TP 1).")),
+    ("--impl", dict(help="Attention implementation: miles (the plugin path) or megatron (the Megatron-native design); `dsv4 plugins` shows what each supports. Default: miles.")),
     ("--kernel-backend", dict(help="Kernel backend: none (PyTorch reference), triton, tilelang, cudnn.")),
     ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
     ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm.")),
@@ -44,6 +44,7 @@ _RUN_OPTIONS = (
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
     ("--model", dict(help="Model: a preset (tiny, flash-4layer, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
+    ("--max-tokens-per-rank", dict(type=click.IntRange(min=1), help="Packing budget per context-parallel rank (THD dynamic batching).")),
     ("--qkv-format", dict(type=click.Choice(QKV_FORMATS), help="Activation layout; defaults to the implementation's first format (miles: bshd, megatron: thd).")),
     ("--strict-plugins", dict(is_flag=True, default=None, help="Fail when a third-party plugin cannot be loaded (default: warn and skip it).")),
     ("--no-third-party-plugins", dict(is_flag=True, default=None, help="Load built-in plugins only.")),
@@ -86,6 +87,7 @@ def _choices(opts: dict, model=None) -> Choices:
         ep=opts.get("ep") or 1,
         qkv_format=opts.get("qkv_format"),
         model=model,
+        max_tokens_per_rank=opts.get("max_tokens_per_rank"),
     )
 
 
@@ -233,6 +235,9 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
 
     stdout carries only JSON: for each sequence, the list of
     log P(token_t | tokens before t) for t = 1..n-1. Logs go to stderr.
+    With --qkv-format thd all sequences are packed into one stream; --cp N
+    and --tp N run N local processes (gloo on the CPU) over it. The output
+    format is the same either way, so runs are directly comparable.
     """
     opts = {**opts, "model": opts.get("model") or checkpoint}
     run = resolve(opts)[1]
@@ -267,21 +272,88 @@ def prepare_fp8_cmd(opts, in_dir, out, overwrite):
     stages.prepare_fp8(stages.user_path(in_dir), stages.user_path(out), overwrite=overwrite)
 
 
+def training_options(func):
+    """Options shared by `train` and `full-train`."""
+    for decl, kwargs in reversed((
+        ("--mode", dict(type=click.Choice(["sft", "grpo"]), default="grpo", show_default=True, help="SFT on responses, or GRPO with a verifiable reward.")),
+        ("--steps", dict(type=click.IntRange(min=1), default=8, show_default=True, help="Total optimizer steps (a resumed run counts the steps already done).")),
+        ("--run-dir", dict(type=click.Path(file_okay=False), default=None, help="Run folder (metrics.jsonl, TensorBoard events, checkpoints, plots). Default: dsv4-runs/IMPL-MODE-TIME.")),
+        ("--resume", dict(is_flag=True, help="Continue the run in --run-dir from its last complete step.")),
+        ("--data", dict(type=click.Path(dir_okay=False), default=None, help="JSONL data (prompt + response, or prompt + reward spec). Default: the built-in task.")),
+        ("--rollout-engine", dict(default="reference", show_default=True, help="Rollout engine plugin (reference, sglang).")),
+        ("--lr", dict(type=float, default=None, help="Learning rate.")),
+        ("--seed", dict(type=int, default=None, help="Seed of data order and sampling.")),
+        ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
+    )):
+        func = click.option(decl, **kwargs)(func)
+    return func
+
+
+def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, seed, save_every) -> dict:
+    from core.records import ROLLOUT
+
+    host = _host({})
+    try:
+        host.get(ROLLOUT, rollout_engine)
+    except UnknownBackendError as exc:
+        _fail(str(exc), EXIT_INVALID)
+    if resume and not run_dir:
+        _fail("--resume needs --run-dir (the run to continue)", EXIT_INVALID)
+    overrides = {k: v for k, v in (("data", data), ("lr", lr), ("seed", seed), ("save_every", save_every)) if v is not None}
+    if data:
+        overrides["data"] = str(stages.user_path(data))
+    return dict(
+        mode=mode,
+        steps=steps,
+        run_dir=stages.user_path(run_dir) if run_dir else stages.default_run_dir(run, mode),
+        resume=resume,
+        rollout_engine=rollout_engine,
+        **overrides,
+    )
+
+
 @subcommand("train")
-@click.option("--mode", type=click.Choice(["sft", "grpo"]), default="grpo", show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--run-dir", type=click.Path(file_okay=False), default=None)
-def train_cmd(opts, mode, steps, run_dir):
-    """Train (SFT or GRPO) with the chosen implementation."""
-    resolve(opts)
-    raise NotBuiltError("dsv4 train (SFT/GRPO training loop)", "issue #7")
+@training_options
+def train_cmd(opts, **kw):
+    """Train (SFT or GRPO) the chosen implementation from --model (an HF or native checkpoint).
+
+    Every step publishes the trained weights to the rollout engine through the
+    real export path (quantized per --quant), checks them, generates, and
+    trains on the implementation's own log-probabilities.
+    """
+    run = resolve(opts)[1]
+    stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw))
 
 
 @subcommand("full-train")
-def full_train_cmd(opts):
+@training_options
+def full_train_cmd(opts, **kw):
     """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
-    resolve(opts)
-    raise NotBuiltError("dsv4 full-train (all stages in order)", "issue #7")
+    run = resolve(opts)[1]
+    stages.full_train(run, **_train_kwargs(run, **kw))
+
+
+@subcommand("export")
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="Run folder.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory to write.")
+@click.option("--step", type=int, default=None, help="Checkpoint step (default: the last complete one).")
+@click.option("--weight-format", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+def export_cmd(opts, run_dir, out, step, weight_format):
+    """Write a run's checkpoint as an official-format HF checkpoint."""
+    from train import export_hf
+
+    path = export_hf(stages.user_path(run_dir), stages.user_path(out), step=step, weight_format=weight_format)
+    stages.log.print(f"wrote {path}")
+
+
+@subcommand("plot")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+def plot_cmd(opts, run_dir):
+    """Write PNG curves (reward, loss, log-prob diff, KL, tokens/s) of a run."""
+    from train import plot_run
+
+    for path in plot_run(stages.user_path(run_dir)):
+        click.echo(str(path))
 
 
 if __name__ == "__main__":

@@ -45,9 +45,14 @@ STAGES = (
     Stage("logprobs", "score token sequences with the chosen implementation", True),
     Stage("convert", "HF -> native checkpoint through the weight contract", True),
     Stage("prepare-fp8", "MXFP4 routed experts -> FP8, lossless (checked per tile)", True),
-    Stage("train", "SFT / GRPO training", False, "issue #7"),
-    Stage("full-train", "prepare -> prepare-fp8 -> convert -> train", False, "issue #7"),
+    Stage("train", "SFT / GRPO training with a rollout engine, replay, checkpoints", True),
+    Stage("full-train", "prepare -> prepare-fp8 -> convert -> train, skipping completed stages", True),
+    Stage("export", "a run's last checkpoint -> HF checkpoint", True),
+    Stage("plot", "PNG curves of a run's metrics", True),
 )
+
+# What --quant means for publishing weights to the rollout engine.
+PUBLISH_SCHEME = {"bf16": "bf16", "fp8": "fp8", "mxfp4-fp8": "fp8", "nvfp4": "nvfp4"}
 
 DEFAULT_MODEL = "tiny"
 
@@ -237,7 +242,8 @@ def build_impl_model(run, checkpoint: Path):
     from engine.loading import load_hf_checkpoint, load_native_tensors
 
     if run.tp * run.cp * run.ep > 1:
-        raise NotBuiltError(f"multi-process scoring (--tp {run.tp} --cp {run.cp} --ep {run.ep}) from the CLI", "issue #6")
+        raise NotBuiltError(f"one-process model building with --tp {run.tp} --cp {run.cp} --ep {run.ep} "
+                            f"(logprobs runs these as several processes; training over several processes)", "issue #6")
     target = run.selection.hardware.load()()
     target.setup()
     if not dist.is_initialized():
@@ -279,7 +285,17 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
 
 
 def logprobs(run, checkpoint: Path, tokens: Path) -> None:
+    from core.native_checkpoint import is_native_checkpoint
+
     sequences = _load_tokens(tokens, run.model.vocab_size)
+    if run.qkv_format == "thd" or run.tp * run.cp > 1:
+        from launchers.scoring import score_packed
+
+        if is_native_checkpoint(checkpoint):
+            raise UserInputError("packed / parallel scoring reads HF checkpoints; pass the HF checkpoint directory")
+        log.print(f"scoring {len(sequences)} sequence(s) packed into one THD stream, --impl {run.impl} --tp {run.tp} --cp {run.cp}")
+        print(json.dumps(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp)))
+        return
     print(json.dumps(score(run, checkpoint, sequences)))
 
 
@@ -298,26 +314,85 @@ def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
     return out
 
 
-def main_job(run) -> None:
-    """The default job: validate, materialize the embedded model, score samples."""
+def _publish_scheme(run) -> str:
+    if run.quant not in PUBLISH_SCHEME:
+        raise NotBuiltError(f"training with --quant {run.quant} (fake-quant in the training model)", "issue #5")
+    return PUBLISH_SCHEME[run.quant]
+
+
+def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume: bool, **overrides) -> dict:
+    """SFT or GRPO on the run's implementation, from an HF or native checkpoint."""
+    from train import run_training
+
+    result = run_training(
+        run,
+        model_dir,
+        mode=mode,
+        steps=steps,
+        run_dir=run_dir,
+        resume=resume,
+        train_impl=run.impl,
+        publish_scheme=_publish_scheme(run),
+        **overrides,
+    )
+    log.print(f"run folder: {run_dir}")
+    return result
+
+
+def default_run_dir(run, mode: str) -> Path:
+    import time
+
+    return user_path(os.path.join("dsv4-runs", f"{run.impl}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"))
+
+
+def model_checkpoint(run, cache: Optional[Path] = None) -> Path:
+    """The HF checkpoint a job starts from: --model DIR, or the embedded tiny checkpoint."""
+    source = model_config(run.model_name)
+    if source.checkpoint is not None:
+        return source.checkpoint
+    if run.model_name != DEFAULT_MODEL:
+        raise UserInputError(
+            f"--model {run.model_name}: only the embedded tiny model is materialized automatically; "
+            f"pass --model CHECKPOINT_DIR for this preset"
+        )
+    return prepare("tiny", (cache or cache_dir()) / "tiny-bf16-seed0", "bf16", 0)
+
+
+def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **overrides) -> dict:
+    """prepare -> (prepare-fp8) -> convert -> train; every stage skips finished work.
+
+    prepare, prepare-fp8 and convert are safe stages (temp dir + rename,
+    completion sentinel, file lock on the destination), so reruns and
+    concurrent runs reuse their results.
+    """
+    from converters.staging import run_stage
+
+    hf = model_checkpoint(run)
+    if run.quant == "mxfp4-fp8":
+        fp4 = prepare("tiny", cache_dir() / "tiny-mxfp4-seed0", "mxfp4-experts", 0) if hf.name == "tiny-bf16-seed0" else hf
+        hf = prepare_fp8(fp4, fp4.parent / f"{fp4.name}-fp8")
+    native = hf.parent / f"{hf.name}-native-{run.impl}"
+    run_stage(native, lambda tmp: convert(run, hf, tmp, overwrite=True), name="convert",
+              inputs={"hf": str(hf), "impl": run.impl}, verbose=False)
+    return train(run, native, mode=mode, steps=steps, run_dir=run_dir, resume=resume, **overrides)
+
+
+def main_job(run, steps: int = 8) -> None:
+    """The default job: full-train GRPO on the embedded tiny model, then plots."""
+    from train import plot_run
+
     print_run_config(run)
-    ckpt = prepare("tiny", cache_dir() / "tiny-bf16-seed0", "bf16", 0)
-    from core.checkpoint.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(ckpt)
-    sequences = [tokenizer.encode(text) for text in SAMPLE_TEXTS]
-    scores = score(run, ckpt, sequences)
-    table = Table(title=f"--impl {run.impl} log-probabilities on the embedded tiny model ({ckpt})")
-    for column in ("text", "tokens", "mean log-prob", "perplexity"):
+    run_dir = default_run_dir(run, "grpo")
+    result = full_train(run, mode="grpo", steps=steps, run_dir=run_dir, resume=False)
+    plots = plot_run(run_dir)
+    table = Table(title=f"GRPO on the embedded tiny model with --impl {run.impl} ({steps} steps)")
+    for column in ("metric", "last step"):
         table.add_column(column)
-    import math
-
-    for text, seq, lp in zip(SAMPLE_TEXTS, sequences, scores):
-        mean = sum(lp) / len(lp)
-        table.add_row(repr(text), str(len(seq)), f"{mean:.4f}", f"{math.exp(-mean):.1f}")
+    last = result.get("last") or {}
+    for key in ("step", "reward_mean", "loss", "grad_norm", "train_rollout_logprob_abs_diff", "train_rollout_kl", "tokens_per_s"):
+        if key in last:
+            value = last[key]
+            table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
     out.print(table)
     print_stages()
-    out.print(
-        "Training (dsv4 train, the main job's next step) is not built yet (issue #7); "
-        f"this run validated the configuration and scored samples with the {run.impl} implementation."
-    )
+    out.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots)}")

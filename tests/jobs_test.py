@@ -65,6 +65,18 @@ def test_logprobs_prints_only_json_equal_to_the_reference_model(tiny, tmp_path, 
             assert all(x <= 0 for x in lp)
 
 
+def test_packed_and_context_parallel_scoring_match_the_unpacked_run(tiny, tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps([[0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 3, 4], [9], list(range(2, 150))]))
+    args = ("logprobs", "--checkpoint", str(tiny), "--tokens", str(tmp_path / "t.json"))
+    plain = json.loads(dsv4(*args).stdout)
+    packed = dsv4(*args, "--qkv-format", "thd", "--cp", "2")
+    assert packed.returncode == 0, packed.stderr
+    got = json.loads(packed.stdout)
+    assert [len(x) for x in got] == [len(x) for x in plain] == [8, 2, 0, 147]
+    for a, b in zip(got, plain):
+        assert all(abs(x - y) <= 1e-4 for x, y in zip(a, b))
+
+
 def test_logprobs_rejects_bad_token_files(tiny, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')

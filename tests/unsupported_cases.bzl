@@ -77,13 +77,8 @@ UNSUPPORTED_CASES = [
         message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, pro, tiny",
     ),
     struct(
-        name = "miles_thd_not_built",
-        args = ["--impl", "miles", "--qkv-format", "thd"],
-        message = "--impl miles supports only --qkv-format bshd (got thd). Fix: use --qkv-format bshd, or --impl megatron, which supports thd.",
-    ),
-    struct(
-        name = "context_parallel_not_built",
-        args = ["--impl", "megatron", "--cp", "2"],
-        message = "--impl megatron does not support context parallelism (got --cp 2). Fix: use --cp 1.",
+        name = "context_parallel_too_few_tokens_per_rank",
+        args = ["--cp", "2", "--max-tokens-per-rank", "64"],
+        message = "--cp 2 with --max-tokens-per-rank 64 gives each context-parallel rank fewer tokens than the compressor boundary width 128 of compress ratio 128 (each rank takes that many rows from the previous rank). Fix: use --max-tokens-per-rank 128 or more, or --cp 1.",
     ),
 ]

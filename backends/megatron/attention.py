@@ -24,6 +24,11 @@ gradient either). With ``dsa_indexer_loss_coeff`` set (``None`` = off) and the m
 mode, each CSA layer adds ``coeff * KL(p || softmax(I))`` where the teacher ``p`` is the main
 attention's head-summed, L1-normalised probability of every visible compressed entry, computed
 from the detached query and keys with the window logits and the sink in the softmax normaliser.
+
+Context parallelism (``layout`` an :class:`engine.thd_attention.ThdContext` with ``cp > 1``): the
+rank holds a contiguous slice of the stream; token KV is all-gathered, the compressors run on
+compacted slots (left-boundary rows from the previous rank) and are all-gathered rank-major
+(``engine.thd_attention``). The indexer KL loss is not built under CP (raises).
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ from torch import nn
 
 from core.thd import ThdLayout, compressed_groups, compressed_visible_indices, indexer_ranges, window_indices
 from engine.layers import KeepFP32Module, RMSNorm
+from engine.thd_attention import (
+    ThdContext,
+    all_gather_cp,
+    compressed_kv,
+    hca_indices,
+    indexer_topk,
+    picks_to_rows,
+)
 from engine.tp import mark_keep_in_fp32
 
 from .config import indexer_loss_enabled
@@ -146,8 +159,13 @@ class Indexer(MegatronModule):
     def scores(self, x: torch.Tensor, cq: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, C]``, ``cq [T, q_lora]`` (callers pass them detached) -> fp32 ``[T, G]``."""
-        T = x.shape[0]
         k = self.compressor(x, layout, inv_freq)                     # [G, c_I]
+        return self.scores_with_keys(x, cq, k, layout, cos, sin)
+
+    def scores_with_keys(self, x: torch.Tensor, cq: torch.Tensor, k: torch.Tensor, layout: ThdLayout,
+                         cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Scores of this rank's queries ``x [T, C]`` against the flat (sequence-major) keys ``k [G, c_I]``."""
+        T = x.shape[0]
         ct = compute_dtype(x)
         q = _call(self.linear_wq_b, cq).view(1, T, self.n_heads, self.head_dim)
         q = self.ops.hadamard_transform(apply_rope(q, cos, sin).to(ct))
@@ -260,6 +278,35 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                                                 self.attn_sink, self.scale).squeeze(0)
         return o, kl
 
+    def forward_cp(self, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, cq: torch.Tensor, ctx: ThdContext,
+                   inv_freq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Context-parallel forward: ``q [L,H,D]``, ``kv [L,D]``, ``x [L,C]``, ``cq [L,q_lora]`` of this rank."""
+        if self.ratio == 4 and self.training and indexer_loss_enabled(self.config):
+            raise NotImplementedError("the indexer KL loss is not built under context parallelism; "
+                                      "set dsa_indexer_loss_coeff=None or use --cp 1")
+        T = ctx.total_tokens
+        idx = ctx.window_indices(self.window).to(q.device)                     # [L, W] stream rows
+        kv_all = all_gather_cp(kv, ctx, dim=0)                                 # [T, D]
+        if self.ratio:
+            hadamard = self.ops.hadamard_transform
+            comp = compressed_kv([self.compressor], x.unsqueeze(0), ctx, self.ratio, inv_freq, hadamard)[0][0]
+            kv_all = torch.cat((kv_all, comp.to(kv.dtype)), dim=0)
+            if self.ratio == 4:
+                with torch.no_grad():
+                    xd, cqd = x.detach(), cq.detach()
+                    k = compressed_kv([self.indexer.compressor], xd.unsqueeze(0), ctx, 4, inv_freq, hadamard)[0][0]
+                    k = k.index_select(0, ctx.seq_to_rank(4).to(k.device))  # sequence-major [G, c_I]
+                    scores = self.indexer.scores_with_keys(xd, cqd, k, ctx.layout, cos, sin)
+                    picks = indexer_topk(scores.unsqueeze(0), ctx, self.indexer.topk)[0]
+                cidx = picks_to_rows(picks, ctx, 4, T)
+            else:
+                cidx = hca_indices(ctx, self.ratio, T).to(q.device)
+            idx = torch.cat((idx, cidx), dim=1)
+        o = self.ops.sparse_attention_with_sink(q.unsqueeze(0), kv_all.unsqueeze(0), idx.unsqueeze(0),
+                                                self.attn_sink, self.scale).squeeze(0)
+        return o, None
+
     def _indexer_loss(self, q, kv_all, window_idx, scores, top, layout) -> torch.Tensor:
         """``KL(p || softmax(I))`` over all visible compressed entries (dense), or over the top-k picks
         with ``dsa_indexer_use_sparse_loss``. Teacher from detached q / K; not yet scaled by the coeff."""
@@ -306,9 +353,13 @@ class DSv4HybridAttention(MegatronModule):
         # float64 CPU tensor; a plain attribute (not a buffer) so it is never part of the state dict
         self.inv_freq = layer_inv_freq(c, layer_id)
 
-    def forward(self, hidden_states: torch.Tensor, layout: ThdLayout
+    def forward(self, hidden_states: torch.Tensor, layout
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``hidden_states [T, 1, C]`` (normed) -> ``(out [T, 1, C], indexer KL or None)``."""
+        """``hidden_states [T, 1, C]`` (normed) -> ``(out [T, 1, C], indexer KL or None)``. ``layout``: a
+        ``ThdLayout``, or a ``ThdContext`` (context parallel: this rank's rows of the stream)."""
+        ctx = layout if isinstance(layout, ThdContext) else None
+        if ctx is not None:
+            layout = ctx.layout
         T, B, _ = hidden_states.shape
         if B != 1:
             raise ValueError(f"THD input must be one packed stream [T, 1, C], got batch {B}")
@@ -323,7 +374,10 @@ class DSv4HybridAttention(MegatronModule):
         q = apply_rope(q, cos, sin).squeeze(0)
         kv = apply_rope(self.kv_layernorm(_call(self.linear_kv_proj, x)).unsqueeze(0), cos, sin).squeeze(0)
 
-        o, kl = self.core_attention(q, kv, x, cq, layout, inv_freq, cos, sin)
+        if ctx is not None and ctx.cp > 1:
+            o, kl = self.core_attention.forward_cp(q, kv, x, cq, ctx, inv_freq, cos, sin)
+        else:
+            o, kl = self.core_attention(q, kv, x, cq, layout, inv_freq, cos, sin)
         o = apply_rope(o.unsqueeze(0), cos, sin, inverse=True).squeeze(0)    # undo the rotation V = K carries
 
         G, R = self.o_groups, self.o_lora_rank

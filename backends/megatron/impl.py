@@ -28,9 +28,11 @@ def _check_run_config(run_config) -> None:
         raise ValueError(f"--impl megatron requires tensor-model-parallel-size 1 (got --tp {tp}); "
                          "use --impl miles for tensor parallelism")
     cp = int(getattr(run_config, "cp", 1) or 1)
-    if cp != 1:
-        raise ValueError(f"the megatron implementation has no context parallelism yet (got --cp {cp}); "
-                         "the combination table refuses it")
+    from engine.thd_attention import cp_group_info
+
+    if cp_group_info()[0] != cp:
+        raise ValueError(f"the run asks for context-parallel size {cp} but megatron is initialized with "
+                         f"{cp_group_info()[0]}; call the hardware target's init_process_group(..., cp={cp})")
     fmt = getattr(run_config, "qkv_format", "thd")
     if fmt not in (None, "thd"):
         raise ValueError(f"--impl megatron is THD only (got --qkv-format {fmt})")

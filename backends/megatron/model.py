@@ -36,6 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from core.thd import ThdLayout
+from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.layers import KeepFP32Module, RMSNorm
 from engine.moe import DSv4MoE
 from kernels.reference.layers import compute_dtype
@@ -157,10 +158,15 @@ class DSv4NativeModel(MegatronModule):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def layout_for(input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> ThdLayout:
+    def layout_for(input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+        """``ThdLayout`` of the stream, or (context parallel, megatron's CP group > 1) a ``ThdContext``
+        for this rank's contiguous slice ``input_ids`` of the stream ``cu_seqlens`` numbers."""
         T = input_ids.numel()
+        cp = cp_group_info()[0]
         if cu_seqlens is None:
-            cu_seqlens = torch.tensor([0, T], dtype=torch.int64, device=input_ids.device)
+            cu_seqlens = torch.tensor([0, T * cp], dtype=torch.int64, device=input_ids.device)
+        if cp > 1:
+            return ThdContext.build(cu_seqlens.to(input_ids.device), local_len=T)
         layout = ThdLayout(cu_seqlens.to(input_ids.device))
         if layout.total_tokens != T:
             raise ValueError(f"cu_seqlens covers {layout.total_tokens} tokens, input_ids has {T}")
@@ -200,6 +206,9 @@ class DSv4NativeModel(MegatronModule):
         ``t_{i+k+2}`` from the previous depth's streams at ``i`` and the embedding of ``t_{i+k+1}``."""
         if not hasattr(self, "mtp"):
             return []
+        if cp_group_info()[0] > 1:
+            raise NotImplementedError("MTP logits under context parallelism are not built for --impl megatron; "
+                                      "use --cp 1 (or --impl miles)")
         ids = input_ids.reshape(-1)
         streams, _, layout = self.hidden_streams(ids, cu_seqlens)
         out = []
@@ -221,7 +230,12 @@ class DSv4NativeModel(MegatronModule):
         ids = input_ids.reshape(-1)
         logits = self.forward(ids, cu_seqlens)
         layout = self.layout_for(ids, cu_seqlens)
-        nxt = torch.roll(ids, -1)
+        if isinstance(layout, ThdContext):  # context parallel: the next token may live on the next rank
+            ctx, layout = layout, layout.layout
+            full = gather_sequence_cp(ids, ctx)
+            nxt = torch.roll(full, -1)[layout.global_start:layout.global_start + layout.local_len]
+        else:
+            nxt = torch.roll(ids, -1)
         lp = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
         last = layout.positions == (layout.segment_ends - layout.segment_starts - 1)
         return lp.masked_fill(last, 0.0)

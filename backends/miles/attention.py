@@ -24,6 +24,15 @@ Forward (pseudo-code of the reference system, math from ``kernels.reference``)::
 
 The indexer is frozen by default (no parameter gradient; its top-k is discrete anyway) and
 runs under ``no_grad``. Requires ``o_groups % tp == 0`` (and so ``n_heads % tp == 0``).
+
+Packed sequences and context parallelism (``forward(x, thd)`` with an
+:class:`engine.thd_attention.ThdContext`): ``x [B, L, d]`` is this CP rank's contiguous slice of
+the stream (``B == 1`` for THD; BSHD + CP: every sample is one segment). RoPE positions restart at
+each segment start; the token KV is all-gathered over CP; the compressors run on compacted
+fixed-capacity slots (groups never cross a segment, the overlap resets at a segment start, a rank
+builds the groups whose last token it holds, the left-boundary rows come from the previous rank)
+and are all-gathered rank-major; the indexer scores the query's own segment only and selects its
+top-k per segment.
 """
 
 from __future__ import annotations
@@ -33,10 +42,22 @@ from torch import nn
 
 from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
 from engine.runtime import ensure_megatron, tp_group, tp_world
+from engine.thd_attention import (
+    ThdContext,
+    all_gather_cp,
+    compressed_kv,
+    hca_indices,
+    indexer_topk,
+    indexer_visible_mask,
+    picks_to_rows,
+)
 from engine.tp import mark_keep_in_fp32, mark_tp
 from kernels.reference.attention import compressed_visible_indices, window_indices
 from kernels.reference.compressor import Compressor as _RefCompressor
+from kernels.reference.compressor import hadamard_transform
 from kernels.reference.indexer import Indexer as _RefIndexer
+from kernels.reference.indexer import indexer_scores
+from kernels.reference.layers import compute_dtype
 from kernels.reference.layers import rms_normalize
 from kernels.reference.rope import apply_rope, layer_inv_freq, rope_cos_sin
 
@@ -145,7 +166,9 @@ class DeepSeekV4Attention(nn.Module):
         # RoPE inverse frequencies (float64, CPU): a plain attribute, not a buffer/parameter.
         self.inv_freq = layer_inv_freq(c, layer_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
+        if thd is not None:
+            return self._forward_thd(x, thd)
         from megatron.core.tensor_parallel import mappings
 
         B, S, _ = x.shape
@@ -182,6 +205,66 @@ class DeepSeekV4Attention(nn.Module):
 
         G, R = self.n_local_groups, self.o_lora_rank
         o = o.reshape(B, S, G, H * D // G)
+        wo_a = self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G)
+        u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        out, _ = self.linear_proj(u.flatten(2))
+        return out
+
+    # ------------------------------------------------------------------ packed / context parallel
+    def _indexer_picks(self, x, cq, thd: ThdContext, inv_freq, cos, sin) -> torch.Tensor:
+        """Flat compressed ids ``[B, L, k]`` chosen by the indexer within each query's own segment."""
+        ind = self.core_attention.indexer
+        B, L, _ = x.shape
+        frozen = not any(p.requires_grad for p in ind.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+            xi, cqi = (x.detach(), cq.detach()) if frozen else (x, cq)
+            k_rm = compressed_kv([ind.compressor], xi, thd, 4, inv_freq, hadamard_transform)[0]
+            k = k_rm.index_select(1, thd.seq_to_rank(4).to(x.device))            # [B, G, c_I] sequence-major
+            ct = compute_dtype(xi)
+            qi = apply_rope(ind.wq_b(cqi).view(B, L, ind.n_heads, ind.head_dim), cos, sin)
+            qi = hadamard_transform(qi.to(ct))
+            w = ind.weights_proj(xi).to(ct) * (ind.head_dim * ind.n_heads) ** -0.5
+            scores = indexer_scores(qi, k.to(ct), w)                                 # [B, L, G]
+            visible = indexer_visible_mask(thd, scores.shape[-1], x.device)
+            scores = scores.masked_fill(~visible[None], float("-inf"))
+            return indexer_topk(scores, thd, ind.topk)
+
+    def _forward_thd(self, x: torch.Tensor, thd: ThdContext) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        B, L, _ = x.shape
+        if L != thd.local_len:
+            raise ValueError(f"attention input has {L} rows but the packed layout gives this rank {thd.local_len}")
+        H, D = self.n_local_heads, self.head_dim
+        inv_freq = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(inv_freq, thd.positions().to(x.device))   # positions restart per segment
+        ca = self.core_attention
+
+        cq = self.q_layernorm(self.linear_q_down_proj(x))
+        q, _ = self.linear_q_up_proj(cq)
+        q = rms_normalize(q.view(B, L, H, D), self.eps).to(x.dtype)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin)
+
+        T = thd.total_tokens
+        kv_all = all_gather_cp(kv, thd, dim=1)                               # [B, T, D] whole stream
+        idx = thd.window_indices(self.window).to(x.device).unsqueeze(0).expand(B, -1, -1)
+        if self.ratio:
+            comp = compressed_kv([ca.compressor], x, thd, self.ratio, inv_freq, hadamard_transform)[0]
+            if self.ratio == 4:
+                cidx = picks_to_rows(self._indexer_picks(x, cq, thd, inv_freq, cos, sin), thd, 4, T)
+            else:
+                cidx = hca_indices(thd, self.ratio, T).to(x.device).unsqueeze(0).expand(B, -1, -1)
+            idx = torch.cat((idx, cidx), dim=-1)
+            kv_all = torch.cat((kv_all, comp.to(kv.dtype)), dim=1)
+        if tp_world() > 1:
+            kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
+
+        o = self.ops.sparse_attention_with_sink(q, kv_all, idx, ca.attn_sink, self.scale)
+        o = apply_rope(o, cos, sin, inverse=True)
+
+        G, R = self.n_local_groups, self.o_lora_rank
+        o = o.reshape(B, L, G, H * D // G)
         wo_a = self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G)
         u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         out, _ = self.linear_proj(u.flatten(2))

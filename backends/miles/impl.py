@@ -8,6 +8,8 @@ returns a :class:`backends.miles.model.DeepSeekV4MilesModel` for this process's 
 * The hardware target must have set the process up first (``target.init_process_group(rank,
   world, tp=...)``; on the CPU that also applies megatron-core's shims): megatron's
   model-parallel state must exist for ``run_config.tp``.
+* Layouts: BSHD (``model(ids [B, S])``) and THD (``model(ids [1, T], cu_seqlens=cu)``); context
+  parallelism (``--cp``, megatron's CP group) for both (see ``backends.miles.model``).
 * Weights are randomly initialized (normal(0, 0.02); norms / alphas 1; sinks, ape, biases 0);
   load a checkpoint with ``engine.loading.load_hf_checkpoint(model, path)``.
 """
@@ -20,6 +22,16 @@ import torch
 def _ops(run_config):
     """The op namespace of the run's kernel backend (core.run_config.RunConfig.selection)."""
     return run_config.selection.kernel.load()()
+
+
+def _check_cp(cp: int) -> None:
+    """megatron's context-parallel group must match the run's ``--cp``."""
+    from engine.thd_attention import cp_group_info
+
+    have = cp_group_info()[0]
+    if have != cp:
+        raise ValueError(f"the run asks for context-parallel size {cp} but megatron is initialized with {have}; "
+                         f"call the hardware target's init_process_group(rank, world, tp=..., cp={cp})")
 
 
 def build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_indexer: bool = True,
@@ -35,13 +47,12 @@ def build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_
     if model_config is None:
         raise ValueError("build_model needs a ModelConfig")
     p = parallel_sizes(run_config)
-    if p["cp"] != 1:
-        raise ValueError("the miles model has no context parallelism yet; the combination table refuses --cp > 1")
     if p["ep"] != 1:
         raise ValueError("the miles model has no expert parallelism yet; the combination table refuses --ep > 1")
-    if getattr(run_config, "qkv_format", "bshd") not in (None, "bshd"):
-        raise ValueError("the miles model runs the BSHD layout only; the combination table refuses thd")
+    if getattr(run_config, "qkv_format", "bshd") not in (None, "bshd", "thd"):
+        raise ValueError(f"the miles model runs the bshd and thd layouts (got {run_config.qkv_format})")
     ensure_parallel_state(p["tp"])
+    _check_cp(p["cp"])
     tconfig = make_transformer_config(model_config, run_config, params_dtype=params_dtype,
                                       init_method_std=init_std)
     return DeepSeekV4MilesModel(model_config, tconfig, _ops(run_config), params_dtype, init_std, freeze_indexer)

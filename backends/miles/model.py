@@ -16,6 +16,13 @@ Layout (names exactly as ``core.weight_contract.native_names``)::
 Activations are batch-first (BSHD): residual streams ``[B, S, hc_mult, d]``. The mHC math is the
 kernel backend's ``hc_pre`` / ``hc_post`` / ``hc_head`` with ``scale = cat(alpha_pre, alpha_post,
 alpha_res)``. Logits are computed in fp32 (fp64 for an fp64 model) and gathered over TP.
+
+Packed sequences (THD): ``forward(input_ids [1, T] or [T], cu_seqlens=cu)`` runs one packed stream
+whose segments never see each other (RoPE restarts per segment); under context parallelism
+(megatron's CP group, size > 1) ``input_ids`` is this rank's contiguous slice of the stream and
+``cu_seqlens`` numbers the whole stream. BSHD with CP > 1 (no ``cu_seqlens``): ``input_ids
+[B, S_local]`` is this rank's contiguous slice of every sample (the all-gather CP design).
+Everything outside attention is per token, so only the attention sees the layout.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
 from engine.moe import DSv4MoE
 from engine.runtime import ensure_megatron, tp_group, tp_world
+from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.tp import mark_keep_in_fp32, mark_tp
 from kernels.reference.layers import compute_dtype
 
@@ -93,10 +101,10 @@ class DeepSeekV4Layer(nn.Module):
         self.mlp = DSv4MoE(c, tconfig, layer_id, params_dtype, std)
         self.mlp_hyper_connection = HyperConnection(c, ops, std)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
         hc = self.self_attention_hyper_connection
         u, post, comb = hc.pre(x)
-        x = hc.post(self.self_attention(self.input_layernorm(u)), x, post, comb)
+        x = hc.post(self.self_attention(self.input_layernorm(u), thd), x, post, comb)
         hc = self.mlp_hyper_connection
         u, post, comb = hc.pre(x)
         x = hc.post(self.mlp(self.pre_mlp_layernorm(u), input_ids), x, post, comb)
@@ -128,9 +136,9 @@ class DeepSeekV4Decoder(_HCHead):
         self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
         self._init_hc_head(c, std)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, input_ids)
+            x = layer(x, input_ids, thd)
         return x
 
 
@@ -151,14 +159,15 @@ class DeepSeekV4MTPLayer(_HCHead):
         self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
         self._init_hc_head(c, std)
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, embedded: torch.Tensor,
+                thd: ThdContext | None = None) -> torch.Tensor:
         """``h [B,L,n,d]`` previous streams, ``embedded [B,L,d]`` embeddings of ``input_ids``."""
         e = self.enorm(embedded)
         w = self.eh_proj.weight
         x = F.linear(e, w[:, : self.dim].to(e.dtype)).unsqueeze(2)
         hn = self.hnorm(h)
         x = x + F.linear(hn, w[:, self.dim:].to(hn.dtype))
-        return self.transformer_layer(x, input_ids)
+        return self.transformer_layer(x, input_ids, thd)
 
 
 class DeepSeekV4MTP(nn.Module):
@@ -206,11 +215,31 @@ class DeepSeekV4MilesModel(nn.Module):
         if c.n_mtp_layers:
             self.mtp = DeepSeekV4MTP(c, tconfig, ops, params_dtype, std, freeze_indexer)
 
+    # ------------------------------------------------------------------ layout
+    @staticmethod
+    def thd_context(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> ThdContext | None:
+        """The packed / context-parallel layout of a forward (None: plain BSHD without CP)."""
+        if cu_seqlens is not None:
+            if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+                raise ValueError(f"a packed (THD) stream is one row: input_ids [1, T] or [T], got {tuple(input_ids.shape)}")
+            return ThdContext.build(cu_seqlens.to(input_ids.device), local_len=input_ids.shape[-1])
+        if cp_group_info()[0] > 1:
+            return ThdContext.bshd(input_ids.shape[-1])
+        return None
+
+    @staticmethod
+    def _rows(input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.unsqueeze(0) if input_ids.dim() == 1 else input_ids
+
     # ------------------------------------------------------------------ trunk
-    def hidden_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                       thd: ThdContext | None = None) -> torch.Tensor:
+        input_ids = self._rows(input_ids)
+        if thd is None:
+            thd = self.thd_context(input_ids, cu_seqlens)
         h = self.embedding(input_ids)
         x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        return self.decoder(x, input_ids)
+        return self.decoder(x, input_ids, thd)
 
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits in fp32 (vocab-parallel GEMM, then TP all-gather)."""
@@ -225,19 +254,63 @@ class DeepSeekV4MilesModel(nn.Module):
             logits = mappings.gather_from_tensor_model_parallel_region(logits, tp_group())
         return logits
 
-    def forward(self, input_ids: torch.Tensor, return_hidden_streams: bool = False):
-        x = self.hidden_streams(input_ids)
+    def forward(self, input_ids: torch.Tensor, return_hidden_streams: bool = False, *,
+                cu_seqlens: torch.Tensor | None = None, thd: ThdContext | None = None):
+        """``logits [B, L, V]`` (THD: ``[1, T_local, V]``)."""
+        x = self.hidden_streams(input_ids, cu_seqlens, thd)
         logits = self._logits(self.decoder.collapse(x))
         return (logits, x) if return_hidden_streams else logits
 
-    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[B, S-1]``: ``log P(t_{i+1} | t_{<=i})``."""
-        logits = self.forward(input_ids)[:, :-1]
-        return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    def logprobs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """BSHD: ``[B, S-1]``: ``log P(t_{i+1} | t_{<=i})``. Packed (``cu_seqlens``) or context parallel:
+        one value per local row (``[T_local]`` for THD, ``[B, S_local]`` for BSHD + CP), 0 at each
+        segment's last row (no next token)."""
+        thd = self.thd_context(self._rows(input_ids), cu_seqlens)
+        if thd is None:
+            logits = self.forward(input_ids)[:, :-1]
+            return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        ids = self._rows(input_ids)
+        labels, valid = self.shifted_labels(ids, thd, 1)
+        lp = self.token_logprobs(ids, labels, thd=thd).masked_fill(~valid, 0.0)
+        return lp[0] if input_ids.dim() == 1 or cu_seqlens is not None else lp
+
+    @staticmethod
+    def shifted_labels(ids: torch.Tensor, thd: ThdContext, shift: int):
+        """``(labels [B, L], valid [B, L])``: the token ``shift`` rows later in the same segment, for this
+        rank's rows (the ids are all-gathered over CP); ``valid`` is False where that is past the segment."""
+        full = gather_sequence_cp(ids, thd, dim=1)
+        s, n = thd.layout.global_start, thd.local_len
+        labels = torch.roll(full, -shift, dims=1)[:, s:s + n]
+        lay = thd.layout
+        valid = (lay.positions + shift < lay.segment_ends - lay.segment_starts).to(ids.device)
+        return labels, valid.unsqueeze(0).expand_as(labels)
+
+    def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                       cu_seqlens: torch.Tensor | None = None, thd: ThdContext | None = None) -> torch.Tensor:
+        """``log P(labels[b, i] | row i)`` for every local row: ``[B, L]``."""
+        ids = self._rows(input_ids)
+        logits = self.forward(ids, cu_seqlens=cu_seqlens, thd=thd)
+        return torch.log_softmax(logits, dim=-1).gather(-1, self._rows(labels)[..., None]).squeeze(-1)
 
     # -------------------------------------------------------------------- MTP
-    def mtp_logits(self, input_ids: torch.Tensor, hidden_streams: torch.Tensor | None = None) -> list:
-        """One ``[B, S-1-k, V]`` tensor per MTP depth ``k`` (row ``i`` predicts ``t_{i+k+2}``)."""
+    def mtp_logits(self, input_ids: torch.Tensor, hidden_streams: torch.Tensor | None = None, *,
+                   cu_seqlens: torch.Tensor | None = None) -> list:
+        """One ``[B, S-1-k, V]`` tensor per MTP depth ``k`` (row ``i`` predicts ``t_{i+k+2}``).
+
+        Packed / context parallel: one ``[B, L, V]`` tensor per depth over the same rows and layout
+        (row ``i`` predicts the token ``k+2`` rows later in its segment; rows past the segment end
+        are meaningless and must be masked, see ``shifted_labels``). The MTP blocks are window-only
+        and causal, so keeping the layout equals dropping each segment's last rows."""
+        ids = self._rows(input_ids)
+        thd = self.thd_context(ids, cu_seqlens)
+        if thd is not None:
+            h = self.hidden_streams(ids, thd=thd) if hidden_streams is None else hidden_streams
+            out = []
+            for k, layer in enumerate(self.mtp.layers if hasattr(self, "mtp") else []):
+                tau, _ = self.shifted_labels(ids, thd, k + 1)
+                h = layer(h, tau, self.embedding(tau), thd)
+                out.append(self._logits(layer.collapse(h)))
+            return out
         if hidden_streams is None:
             hidden_streams = self.hidden_streams(input_ids)
         out = []

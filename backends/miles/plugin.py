@@ -9,13 +9,14 @@ def dsv4_attention_impls():
     return [
         AttentionImpl(
             name="miles",
-            description="plugin path: DeepSeek-V4 attention and mHC as megatron-core modules; BSHD; tensor parallel",
+            description=("plugin path: DeepSeek-V4 attention and mHC as megatron-core modules; BSHD and THD; "
+                         "tensor and context parallel"),
             factory="backends.miles.impl:build_model",
-            # THD and context parallelism arrive with packing (issue #6); expert
-            # parallelism is not built yet. Declared here so the table refuses them.
-            qkv_formats=("bshd",),
+            # THD packing and context parallelism: engine.thd_attention (issue #6).
+            # Expert parallelism is not built yet; declared so the table refuses it.
+            qkv_formats=("bshd", "thd"),
             max_tensor_parallel=None,
-            context_parallel=False,
+            context_parallel=True,
             expert_parallel=False,
         )
     ]

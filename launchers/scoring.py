@@ -1,0 +1,138 @@
+"""Scoring token sequences packed into one THD stream, with either implementation, tensor and context parallel.
+
+``score_packed(checkpoint_dir, sequences, *, impl, cp=1, tp=1, dtype="float32") -> list[list[float]]``
+
+* All sequences are packed, in order, into **one** stream (``core.packing``): each sequence is a
+  segment of ``cu_seqlens``, the stream is padded at its end (a pad segment of its own) to the multiple
+  ``core.packing.required_pad_multiple(cp, ratios, tp)`` and to at least
+  ``required_min_tokens_per_rank(cp, ratios)`` tokens per CP rank.
+* ``cp * tp == 1`` runs in this process (setting up a one-process gloo group through the cpu hardware
+  target if none exists). Otherwise ``cp * tp`` local processes are spawned (gloo on the CPU); CP rank
+  ``r`` gets the contiguous slice ``r`` of the stream; log-probs are all-gathered over CP.
+* The result has the unpacked scorer's format (``launchers.stages.score``): per sequence the ``L - 1``
+  values ``log P(t_{i+1} | t_{<=i})``; ``[]`` for sequences shorter than 2 tokens. So the two are
+  directly comparable.
+
+The run configuration is normalized through the combination table (``--qkv-format thd``, the CP
+tokens-per-rank rule), so an impossible request fails with the same message as the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = ["score_packed", "pack_stream"]
+
+
+def pack_stream(sequences: Sequence[Sequence[int]], ratios, *, cp: int = 1, tp: int = 1):
+    """``(ids [T] int64, cu_seqlens [n(+1)+1], kept)``: the non-empty sequences packed into one padded
+    stream; ``kept[i]`` is the segment of sequence ``i`` (``None`` for an empty one)."""
+    from core.packing import pack_micro_batches, required_min_tokens_per_rank, required_pad_multiple
+
+    kept, lens, flat = [], [], []
+    for seq in sequences:
+        if len(seq) == 0:
+            kept.append(None)
+            continue
+        kept.append(len(lens))
+        lens.append(len(seq))
+        flat.extend(int(t) for t in seq)
+    mult = required_pad_multiple(cp, ratios, tp)
+    min_rank = required_min_tokens_per_rank(cp, ratios)
+    if not lens:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int64), kept
+    per_rank = -(-(sum(lens) + mult) // cp) + mult + min_rank
+    (mb,) = pack_micro_batches(lens, per_rank, cp=cp, pad_multiple=mult, min_tokens_per_rank=min_rank).micro_batches
+    ids = torch.zeros(mb.num_tokens, dtype=torch.long)
+    ids[: len(flat)] = torch.tensor(flat, dtype=torch.long)
+    return ids, mb.cu_seqlens, kept
+
+
+def _run_config(config, impl: str, cp: int, tp: int, tokens_per_rank: int):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    choices = Choices(impl=impl, tp=tp, cp=cp, qkv_format="thd", model=config, max_tokens_per_rank=tokens_per_rank)
+    return normalize(choices, make_host(third_party=False), model_name="checkpoint")
+
+
+def _stream_logprobs(checkpoint_dir, impl: str, cp: int, tp: int, dtype: str, ids, cu) -> torch.Tensor:
+    """``[T]`` log-probs of the whole stream on every rank of this (already set up) process group."""
+    from core.checkpoint import open_checkpoint
+    from engine.loading import load_hf_checkpoint
+    from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
+
+    config = open_checkpoint(checkpoint_dir).config
+    run = _run_config(config, impl, cp, tp, ids.numel() // cp)
+    model = run.selection.impl.load()(config, run, params_dtype=getattr(torch, dtype))
+    load_hf_checkpoint(model, checkpoint_dir, config)
+    model.eval()
+    have_cp, rank, group = cp_group_info()
+    ctx = ThdContext.build(cu, cp=have_cp, cp_rank=rank, group=group)
+    start, n = ctx.layout.global_start, ctx.local_len
+    with torch.no_grad():
+        lp = model.logprobs(ids[start:start + n], cu).reshape(-1).float()
+        return gather_sequence_cp(lp, ctx)
+
+
+def _worker(rank: int, world: int, port: int, checkpoint_dir: str, impl: str, cp: int, tp: int, dtype: str,
+            ids, cu, out_path: str) -> None:
+    from backends.cpu.megatron_shims import destroy_cpu_process_group
+    from backends.cpu.target import CpuTarget
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    CpuTarget().init_process_group(rank, world, tp=tp, cp=cp, port=port)
+    try:
+        lp = _stream_logprobs(checkpoint_dir, impl, cp, tp, dtype, ids, cu)
+        if rank == 0:
+            torch.save(lp, out_path)
+    finally:
+        destroy_cpu_process_group()
+
+
+def _in_process(checkpoint_dir, impl, dtype, ids, cu) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from backends.cpu.target import CpuTarget
+
+    if not dist.is_initialized():
+        CpuTarget().init_process_group(0, 1, tp=1)
+    return _stream_logprobs(checkpoint_dir, impl, 1, 1, dtype, ids, cu)
+
+
+def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], *, impl: str, cp: int = 1, tp: int = 1,
+                 dtype: str = "float32") -> list[list[float]]:
+    """Per-token log-probs of each sequence, all packed into one THD stream (see the module docstring)."""
+    from core.checkpoint import open_checkpoint
+
+    config = open_checkpoint(checkpoint_dir).config
+    ratios = [r for r in config.compress_ratios if r]
+    ids, cu, kept = pack_stream(sequences, ratios, cp=cp, tp=tp)
+    if ids.numel() == 0:
+        return [[] for _ in sequences]
+    _run_config(config, impl, cp, tp, ids.numel() // cp)  # fail fast, in the caller, with the table's message
+    if cp * tp == 1:
+        lp = _in_process(checkpoint_dir, impl, dtype, ids, cu)
+    else:
+        import torch.multiprocessing as mp
+
+        from backends.cpu.megatron_shims import free_port
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "logprobs.pt"
+            mp.spawn(_worker, args=(cp * tp, free_port(), str(checkpoint_dir), impl, cp, tp, dtype, ids, cu, str(out)),
+                     nprocs=cp * tp, join=True)
+            lp = torch.load(out)
+    bounds = cu.tolist()
+    results = []
+    for seq, seg in zip(sequences, kept):
+        if seg is None or len(seq) < 2:
+            results.append([])
+        else:
+            results.append(lp[bounds[seg]:bounds[seg + 1] - 1].tolist())
+    return results
