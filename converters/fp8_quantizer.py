@@ -25,6 +25,7 @@ import torch
 
 from core.checkpoint.formats import FP8_BLOCK, fp8_block_dequantize, fp8_block_quantize
 
+from ._accel import triton_kernels_for
 from .quant_allowlist import is_fp8_publish_weight
 
 SCALE_FORMATS = ("ue8m0", "fp32")
@@ -40,6 +41,11 @@ def quantize_fp8_blocks(tensor: torch.Tensor, scale_format: str = "ue8m0") -> Tu
     """2-D float tensor -> ``(e4m3 [out, in], scale [ceil(out/128), ceil(in/128)])`` on its device."""
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+    tk = triton_kernels_for(tensor)
+    if tk is not None:                      # fused one-pass kernel, bit-identical to the torch path
+        out = tk.fp8_block_quantize(tensor, scale_format)
+        if out is not None:
+            return out
     return fp8_block_quantize(tensor, block=FP8_BLOCK, scale_fmt=scale_format)
 
 

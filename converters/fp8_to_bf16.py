@@ -30,6 +30,7 @@ from core.checkpoint.errors import CheckpointError
 from core.checkpoint.formats import fp4_dequantize, fp8_block_dequantize
 from core.checkpoint.io import CONFIG_FILE, INDEX_FILE
 
+from ._accel import triton_kernels_for
 from ._common import Layout, ScaleLookup, ShardWriter, copy_side_files, file_digest, progress, resolve_device, \
     write_config
 from .staging import run_stage
@@ -39,8 +40,16 @@ SOURCE_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5
 
 
 def dequantize_fp8_weight(q: torch.Tensor, scale: torch.Tensor, *, dtype=torch.bfloat16) -> torch.Tensor:
-    """128x128 block dequant on ``q.device``; ``scale`` fp32/bf16 or e8m0."""
-    return fp8_block_dequantize(q, scale.to(q.device), dtype=dtype)
+    """128x128 block dequant on ``q.device``; ``scale`` fp32/bf16 or e8m0.
+
+    CUDA tensors go through the fused Triton kernel (bit-identical to the torch path)."""
+    scale = scale.to(q.device)
+    tk = triton_kernels_for(q)
+    if tk is not None:
+        out = tk.fp8_block_dequantize(q, scale, dtype=dtype)
+        if out is not None:
+            return out
+    return fp8_block_dequantize(q, scale, dtype=dtype)
 
 
 def dequantize_fp4_weight(packed: torch.Tensor, scale: torch.Tensor, *, dtype=torch.bfloat16) -> torch.Tensor:

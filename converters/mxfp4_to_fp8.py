@@ -53,6 +53,7 @@ from core.checkpoint.formats import (
 )
 from core.checkpoint.io import CONFIG_FILE, INDEX_FILE
 
+from ._accel import triton_kernels_for
 from ._common import Layout, ScaleLookup, ShardWriter, copy_side_files, file_digest, progress, resolve_device, \
     write_config
 from .staging import run_stage
@@ -134,6 +135,23 @@ def _inexact_tiles(exps: torch.Tensor, byte_idx: torch.Tensor, tile_exp: torch.T
     return tiles
 
 
+def _tiles_from_flags(flags: torch.Tensor, scale: torch.Tensor) -> List[dict]:
+    """The failing-tile list of :func:`_inexact_tiles` from the Triton kernel's per-tile flags
+    (bit 0: bits lost, bit 1: NaN block scale); same order, same reasons."""
+    rb, cb = flags.shape
+    exps = scale.view(torch.uint8).to(torch.int32) - 127
+    blk = exps.view(rb, FP8_BLOCK, cb, FP8_BLOCK // FP4_BLOCK)
+    emin = blk.amin(dim=(1, 3)).cpu()
+    emax = blk.amax(dim=(1, 3)).cpu()
+    f = flags.cpu()
+    tiles = []
+    for r, c in (f != 0).nonzero().tolist():
+        reason = ("NaN (0xFF) block scale" if int(f[r, c]) & 2 else
+                  f"block scale exponents span 2^{int(emin[r, c])}..2^{int(emax[r, c])}")
+        tiles.append({"tile": [r, c], "reason": reason})
+    return tiles
+
+
 def cast_mxfp4_to_fp8(packed: torch.Tensor, scale: torch.Tensor, *, name: str = "<tensor>",
                       scale_format: str = "ue8m0", on_inexact: str = "error"
                       ) -> Tuple[torch.Tensor, torch.Tensor, List[dict]]:
@@ -161,6 +179,13 @@ def cast_mxfp4_to_fp8(packed: torch.Tensor, scale: torch.Tensor, *, name: str = 
     if scale.dtype not in (E8M0_DTYPE, torch.uint8):
         raise CheckpointError(f"expected float8_e8m0fnu block scales, got {scale.dtype}", tensor=name)
     scale = scale.to(packed.device)
+    tk = triton_kernels_for(packed)
+    if tk is not None:       # one fused pass per 128x128 tile, bit-identical to the torch code below
+        w8, s, flags, any_flag = tk.mxfp4_to_fp8(packed, scale, scale_format)
+        tiles = _tiles_from_flags(flags, scale) if int(any_flag.item()) else []
+        if tiles and on_inexact == "error":
+            raise InexactConversionError(name, tiles)
+        return w8, s, tiles
     exps = scale.view(torch.uint8).to(torch.int32) - 127                    # [out, nb]
     rb, cb = out_f // FP8_BLOCK, in_f // FP8_BLOCK
     per = FP8_BLOCK // FP4_BLOCK

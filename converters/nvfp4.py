@@ -28,6 +28,7 @@ import torch
 
 from core.checkpoint.formats import FP4_MAX, FP8_DTYPE, FP8_MAX, fp4_decode, fp4_encode, fp4_pack, fp4_unpack
 
+from ._accel import triton_kernels_for
 from .quant_allowlist import gate_up_partner, is_routed_expert_weight
 
 NVFP4_BLOCK = 16
@@ -48,10 +49,20 @@ def _check(w: torch.Tensor, name: str = "tensor") -> None:
 
 def global_amax(*tensors: torch.Tensor) -> torch.Tensor:
     """max |x| over all given tensors, fp32 0-d (on their device, no sync)."""
-    out = tensors[0].detach().abs().amax().float()
+    out = _amax(tensors[0])
     for t in tensors[1:]:
-        out = torch.maximum(out, t.detach().abs().amax().float())
+        out = torch.maximum(out, _amax(t))
     return out
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    tk = triton_kernels_for(t)
+    if tk is not None:                 # one read, no |x| temporary (max is exact: same value)
+        out = tk.absmax(t)
+        if out is not None:
+            return out
+    return t.abs().amax().float()
 
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -79,6 +90,11 @@ def nvfp4_quantize(w: torch.Tensor, amax: Optional[torch.Tensor] = None, *, name
     """Quantize one 2-D weight; ``amax`` (0-d) overrides its own global amax."""
     _check(w, name)
     g = global_scale_from_amax(global_amax(w) if amax is None else amax)
+    tk = triton_kernels_for(w, g)
+    if tk is not None:                 # fused kernel, bit-identical to nvfp4_codes + fp4_pack
+        out = tk.nvfp4_quantize(w.detach(), g)
+        if out is not None:
+            return NVFP4Tensor(out[0], out[1], g)
     codes, b = nvfp4_codes(w.detach(), g)
     return NVFP4Tensor(fp4_pack(codes).view(torch.uint8), b, g)
 

@@ -182,6 +182,12 @@ def assert_checkpoint_is_current(path, *, impl: Optional[str] = None) -> Dict[st
     return meta
 
 
+def _architecture(config) -> dict:
+    """The config without the checkpoint-storage fields: native tensors are dequantized, so
+    ``expert_dtype`` / ``quantization_config`` of the HF source do not make a model different."""
+    return config.replace(expert_dtype=None, quantization_config=None).to_hf_dict()
+
+
 def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: str, config,
                 overwrite: bool = False, complete: bool = True) -> Path:
     """Write ``native_state_dict`` as a native checkpoint at ``path`` (atomic).
@@ -273,8 +279,11 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
         saved_cfg = ModelConfig.from_hf_dict(meta.get("model_config"))
     except Exception as e:
         raise NativeCheckpointError(f"{p}/{META_FILE}: invalid model_config: {e}") from e
-    if config is not None and config.to_hf_dict() != saved_cfg.to_hf_dict():
-        raise NativeCheckpointError(f"{p}: checkpoint was written for a different model config than the one given")
+    if config is not None and _architecture(config) != _architecture(saved_cfg):
+        changed = sorted(k for k, v in _architecture(config).items() if _architecture(saved_cfg).get(k) != v)
+        raise NativeCheckpointError(
+            f"{p}: checkpoint was written for a different model config than the one given (differs in: {', '.join(changed)})"
+        )
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -16,6 +16,11 @@ Math (reuses ``kernels.reference.moe.route_scores`` / ``swiglu``)::
     w = s[idx] / sum(s[idx]) * route_scale
     y = sum_k w_k * fc2_e(swiglu_clamped(fc1_e x)) + shared(x)     (shared clamp per config switch)
 
+Routing seam (R3 record / replay, ``train.replay``): a learned-routing TRUNK layer's top-k ``idx``
+goes through :func:`kernels.reference.moe.apply_routing_hook` at the same point as the reference
+``Gate`` (after selection, before the weights are gathered), so a replayed pick gets this forward's
+score as its weight. Hash layers (``tid2eid``) and MTP routers (``layer_id >= n_layers``) never do.
+
 Tensor parallelism (megatron's expert-TP = TP layout): every expert's ffn dim is split over the TP
 ranks (fc1 per half, fc2 along its input); the router is replicated. Inputs and routing weights
 enter through ``copy_to_tensor_model_parallel_region`` (gradients all-reduced), the routed sum
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.reference.layers import compute_dtype
-from kernels.reference.moe import route_scores, swiglu
+from kernels.reference.moe import apply_routing_hook, route_scores, swiglu
 
 from .layers import KeepFP32Module, init_normal_
 from .runtime import ensure_megatron, tp_group, tp_world
@@ -40,13 +45,18 @@ __all__ = ["DSv4Router", "DSv4GroupedExperts", "DSv4SharedExperts", "DSv4MoE"]
 
 class DSv4Router(KeepFP32Module):
     """Top-k router: sqrt(softplus) (or the config's score function) scores, expert bias for
-    selection (learned layers) or the frozen ``tid2eid`` table (hash layers)."""
+    selection (learned layers) or the frozen ``tid2eid`` table (hash layers). ``layer_id``: the
+    block's layer (``n_layers + k`` for MTP layer ``k``); ``replayable`` (a learned trunk layer) routers
+    pass their picks through the routing seam."""
 
-    def __init__(self, model_config, hash_layer: bool, params_dtype=torch.float32, std: float = 0.02):
+    def __init__(self, model_config, hash_layer: bool, params_dtype=torch.float32, std: float = 0.02,
+                 layer_id: int | None = None):
         super().__init__()
         c = model_config
         self.topk, self.score_func, self.route_scale = c.n_activated_experts, c.score_func, c.route_scale
         self.hash = bool(hash_layer)
+        self.layer_id = layer_id
+        self.replayable = (not self.hash) and layer_id is not None and layer_id < c.n_layers
         self.weight = nn.Parameter(init_normal_(torch.empty(c.n_routed_experts, c.dim, dtype=params_dtype), std))
         if self.hash:
             self.tid2eid = nn.Parameter(
@@ -68,6 +78,8 @@ class DSv4Router(KeepFP32Module):
                 raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
         else:
             idx = (scores + self.expert_bias.to(ct)).topk(self.topk, dim=-1).indices
+            if self.replayable:
+                idx = apply_routing_hook(self.layer_id, idx)
         w = scores.gather(-1, idx)
         if self.score_func != "softmax":
             w = w / w.sum(dim=-1, keepdim=True)
@@ -166,7 +178,7 @@ class DSv4MoE(nn.Module):
         if c.n_shared_experts != 1:
             raise ValueError("DeepSeek-V4 has exactly one shared expert")
         self.layer_id = layer_id
-        self.router = DSv4Router(c, c.is_hash_layer(layer_id), params_dtype, std)
+        self.router = DSv4Router(c, c.is_hash_layer(layer_id), params_dtype, std, layer_id=layer_id)
         self.experts = DSv4GroupedExperts(c, params_dtype, std)
         self.shared_experts = DSv4SharedExperts(c, tconfig, std)
 

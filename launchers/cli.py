@@ -322,6 +322,7 @@ def train_cmd(opts, **kw):
     trains on the implementation's own log-probabilities.
     """
     run = resolve(opts)[1]
+    stages.publish_scheme(run)  # a choice training cannot honour fails before any work
     stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw))
 
 
@@ -330,6 +331,7 @@ def train_cmd(opts, **kw):
 def full_train_cmd(opts, **kw):
     """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
     run = resolve(opts)[1]
+    stages.publish_scheme(run)  # a choice training cannot honour fails before any work
     stages.full_train(run, **_train_kwargs(run, **kw))
 
 

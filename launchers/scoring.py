@@ -61,16 +61,32 @@ def _run_config(config, impl: str, cp: int, tp: int, tokens_per_rank: int):
     return normalize(choices, make_host(third_party=False), model_name="checkpoint")
 
 
+def _checkpoint_config(checkpoint_dir):
+    from launchers.stages import checkpoint_config
+
+    return checkpoint_config(Path(checkpoint_dir))
+
+
+def _load_weights(model, checkpoint_dir, config) -> None:
+    """HF (official names) or native checkpoint; each rank keeps its tensor-parallel shard."""
+    from core.native_checkpoint import is_native_checkpoint, load_native
+    from engine.loading import load_hf_checkpoint, load_native_tensors
+
+    if is_native_checkpoint(checkpoint_dir):
+        state, _ = load_native(checkpoint_dir, config=config)
+        load_native_tensors(model, state.items())
+    else:
+        load_hf_checkpoint(model, checkpoint_dir, config)
+
+
 def _stream_logprobs(checkpoint_dir, impl: str, cp: int, tp: int, dtype: str, ids, cu) -> torch.Tensor:
     """``[T]`` log-probs of the whole stream on every rank of this (already set up) process group."""
-    from core.checkpoint import open_checkpoint
-    from engine.loading import load_hf_checkpoint
     from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 
-    config = open_checkpoint(checkpoint_dir).config
+    config = _checkpoint_config(checkpoint_dir)
     run = _run_config(config, impl, cp, tp, ids.numel() // cp)
     model = run.selection.impl.load()(config, run, params_dtype=getattr(torch, dtype))
-    load_hf_checkpoint(model, checkpoint_dir, config)
+    _load_weights(model, checkpoint_dir, config)
     model.eval()
     have_cp, rank, group = cp_group_info()
     ctx = ThdContext.build(cu, cp=have_cp, cp_rank=rank, group=group)
@@ -108,9 +124,7 @@ def _in_process(checkpoint_dir, impl, dtype, ids, cu) -> torch.Tensor:
 def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], *, impl: str, cp: int = 1, tp: int = 1,
                  dtype: str = "float32") -> list[list[float]]:
     """Per-token log-probs of each sequence, all packed into one THD stream (see the module docstring)."""
-    from core.checkpoint import open_checkpoint
-
-    config = open_checkpoint(checkpoint_dir).config
+    config = _checkpoint_config(checkpoint_dir)
     ratios = [r for r in config.compress_ratios if r]
     ids, cu, kept = pack_stream(sequences, ratios, cp=cp, tp=tp)
     if ids.numel() == 0:

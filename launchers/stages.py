@@ -285,14 +285,15 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
 
 
 def logprobs(run, checkpoint: Path, tokens: Path) -> None:
+    from core.checkpoint import open_checkpoint
     from core.native_checkpoint import is_native_checkpoint
 
     sequences = _load_tokens(tokens, run.model.vocab_size)
     if run.qkv_format == "thd" or run.tp * run.cp > 1:
         from launchers.scoring import score_packed
 
-        if is_native_checkpoint(checkpoint):
-            raise UserInputError("packed / parallel scoring reads HF checkpoints; pass the HF checkpoint directory")
+        if not is_native_checkpoint(checkpoint):
+            open_checkpoint(checkpoint)  # validate before spawning anything
         log.print(f"scoring {len(sequences)} sequence(s) packed into one THD stream, --impl {run.impl} --tp {run.tp} --cp {run.cp}")
         print(json.dumps(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp)))
         return
@@ -307,14 +308,20 @@ def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
     from core.native_checkpoint import save_native
     from core.weight_contract import hf_to_native
 
+    import shutil
+
+    from core.checkpoint.tokenizer import TOKENIZER_FILE
+
     reader = open_checkpoint(hf_dir)
     state = dict(hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.bfloat16), reader.config))
     save_native(out, state, impl=run.impl, config=reader.config, overwrite=overwrite)
+    if (Path(hf_dir) / TOKENIZER_FILE).is_file():  # the training data's tokenizer travels with the weights
+        shutil.copy2(Path(hf_dir) / TOKENIZER_FILE, Path(out) / TOKENIZER_FILE)
     log.print(f"wrote native checkpoint ({len(state)} tensors, written by --impl {run.impl}) to {out}")
     return out
 
 
-def _publish_scheme(run) -> str:
+def publish_scheme(run) -> str:
     if run.quant not in PUBLISH_SCHEME:
         raise NotBuiltError(f"training with --quant {run.quant} (fake-quant in the training model)", "issue #5")
     return PUBLISH_SCHEME[run.quant]
@@ -332,7 +339,7 @@ def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume:
         run_dir=run_dir,
         resume=resume,
         train_impl=run.impl,
-        publish_scheme=_publish_scheme(run),
+        publish_scheme=publish_scheme(run),
         **overrides,
     )
     log.print(f"run folder: {run_dir}")
@@ -377,10 +384,11 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
     return train(run, native, mode=mode, steps=steps, run_dir=run_dir, resume=resume, **overrides)
 
 
-def main_job(run, steps: int = 8) -> None:
+def main_job(run, steps: int = 20) -> None:
     """The default job: full-train GRPO on the embedded tiny model, then plots."""
     from train import plot_run
 
+    publish_scheme(run)
     print_run_config(run)
     run_dir = default_run_dir(run, "grpo")
     result = full_train(run, mode="grpo", steps=steps, run_dir=run_dir, resume=False)

@@ -155,15 +155,32 @@ def test_inspect_reads_a_checkpoint_config(tiny):
     assert json.loads(proc.stdout) == count_parameters(preset("tiny"))
 
 
-@pytest.mark.parametrize("impl", ["miles", "megatron"])
-def test_the_main_job_runs_on_the_embedded_model(tmp_path, impl):
-    proc = dsv4_here(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
+def test_the_main_job_trains_the_embedded_model_with_grpo(tmp_path):
+    env = {"DSV4_CACHE": str(tmp_path / "cache"), "BUILD_WORKING_DIRECTORY": str(tmp_path)}
+    proc = dsv4_here("--impl=miles", env=env)
     assert proc.exit_code == 0, proc.output
-    assert f"--impl {impl} log-probabilities on the embedded tiny model" in proc.stdout
-    assert "not built yet (issue #7)" in proc.stdout
-    assert (tmp_path / "tiny-bf16-seed0" / "model.safetensors.index.json").exists()
-    again = dsv4_here(f"--impl={impl}", env={"DSV4_CACHE": str(tmp_path)})
-    assert again.exit_code == 0 and "already prepared" in again.stderr
+    assert "GRPO on the embedded tiny model with --impl miles" in proc.stdout
+    (run_dir,) = (tmp_path / "dsv4-runs").iterdir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 2
+    for key in ("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm", "tokens_per_s"):
+        assert all(r[key] is not None and r[key] == r[key] for r in rows), key  # present and not NaN
+    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
+    assert list((run_dir / "plots").glob("*.png"))
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_full_train_skips_completed_stages(tmp_path, impl):
+    env = {"DSV4_CACHE": str(tmp_path / "cache")}
+    first = dsv4_here("--impl", impl, "full-train", "--steps", "1", "--run-dir", str(tmp_path / "run1"), env=env)
+    assert first.exit_code == 0, first.output
+    natives = list((tmp_path / "cache").glob(f"*-native-{impl}"))
+    assert len(natives) == 1 and (natives[0] / ".dsv4-complete.json").exists()
+    stamp = (natives[0] / ".dsv4-complete.json").stat().st_mtime_ns
+    second = dsv4_here("--impl", impl, "full-train", "--steps", "1", "--run-dir", str(tmp_path / "run2"), env=env)
+    assert second.exit_code == 0, second.output
+    assert (natives[0] / ".dsv4-complete.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert "already prepared" in second.stderr
 
 
 if __name__ == "__main__":

@@ -64,6 +64,20 @@ def _exact_match(text: str, ids: Sequence[int], spec: Dict) -> float:
     return 1.0 if text.strip() == str(spec["answer"]).strip() else 0.0
 
 
+def _exact_match_with_partial_credit(text: str, ids: Sequence[int], spec: Dict) -> float:
+    """1 for the exact answer; otherwise 0.5 x the fraction of the answer's characters the response
+    gets right position by position, plus 0.25 x the fraction of the response drawn from the
+    answer's alphabet (digits for sums, letters for reversals). Still verifiable, but a freshly
+    initialized model earns some reward, so GRPO has a signal from the first step."""
+    answer, got = str(spec["answer"]).strip(), text.strip()
+    if got == answer:
+        return 1.0
+    alphabet = set("0123456789") if answer.isdigit() else set("abcdefghijklmnopqrstuvwxyz")
+    positional = sum(1 for a, b in zip(answer, got) if a == b) / max(1, len(answer))
+    in_alphabet = sum(1 for c in got if c in alphabet) / max(1, len(got))
+    return 0.5 * positional + 0.25 * in_alphabet
+
+
 def _valid_bytes(text: str, ids: Sequence[int], spec: Dict) -> float:
     """Shaping reward for smoke tests: the fraction of response ids that are real byte tokens."""
     lo, hi = 2, 258
@@ -72,6 +86,7 @@ def _valid_bytes(text: str, ids: Sequence[int], spec: Dict) -> float:
 
 register_reward("exact_match", _exact_match)
 register_reward("valid_bytes", _valid_bytes)
+register_reward("exact_match_partial", _exact_match_with_partial_credit)
 
 
 def compute_reward(text: str, ids: Sequence[int], spec: Optional[Dict]) -> float:
@@ -129,7 +144,7 @@ def make_arith_examples(n: int = BUILTIN_SIZE, seed: int = BUILTIN_SEED) -> List
         else:
             word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4)))
             prompt, answer = f"rev:{word}=", word[::-1]
-        out.append({"prompt": prompt, "response": answer, "reward": {"type": "exact_match", "answer": answer}})
+        out.append({"prompt": prompt, "response": answer, "reward": {"type": "exact_match_partial", "answer": answer}})
     return out
 
 

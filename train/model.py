@@ -14,15 +14,18 @@ The trainer never touches an implementation's internals. It needs (``TrainModel`
 * ``parameters()`` / ``train()`` / ``eval()`` (an ``nn.Module``).
 
 :class:`ReferenceTrainModel` wraps the reference model (official names inside; native names through
-:mod:`core.weight_contract`). :class:`ImplTrainModel` wraps a module from an implementation's
-``build_model(model_config, run_config)`` (native names already; routing replay works when its router
+:mod:`core.weight_contract`). :class:`ImplTrainModel` wraps a module from an implementation's factory
+(the run's plugin record, ``run_config.selection.impl.load()``; native names already; BSHD or THD packed
+per the run's ``qkv_format``; routing replay works because the shared router ``engine.moe.DSv4Router``
 calls :func:`kernels.reference.moe.apply_routing_hook`). :func:`build_train_model` is the ONE place
-where an implementation is plugged in.
+where an implementation is plugged in (the run's implementation by default; ``"reference"`` only when
+asked for explicitly or without a run config).
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Protocol, Tuple, runtime_checkable
@@ -43,6 +46,7 @@ class TrainForward:
     logprobs: torch.Tensor                          # [B, S-1]
     mtp_logits: Optional[List[torch.Tensor]] = None  # per depth k: [B, S-1-k, V]
     routing_used: Optional[Dict[int, torch.Tensor]] = None  # learned layer -> [B, S, k]
+    aux_loss: Optional[torch.Tensor] = None          # implementation's own loss term (megatron: indexer KL)
 
 
 @runtime_checkable
@@ -151,25 +155,145 @@ class ReferenceTrainModel(_TrainModelBase):
         load_into(self.model, open_checkpoint(path, config=self.config), progress=False)
 
 
-class ImplTrainModel(_TrainModelBase):
-    """A module from ``backends.<impl>.impl.build_model`` (native names; ``logprobs`` / ``forward``)."""
+def pack_rows(input_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S]`` rows -> one THD stream ``[B*S]`` and its ``cu_seqlens [B+1]`` (int64; one segment per
+    row, so a row never sees another; padding rows stay inside their own segment)."""
+    from core.thd import validate_cu_seqlens
 
-    def __init__(self, module: nn.Module, config, impl: str):
+    B, S = input_ids.shape
+    cu = torch.arange(B + 1, dtype=torch.int64, device=input_ids.device) * S
+    return input_ids.reshape(-1), validate_cu_seqlens(cu)
+
+
+@contextlib.contextmanager
+def detached_weights(module: nn.Module, paths=("embedding.word_embeddings", "output_layer")):
+    """Inside the context, ``<path>.weight`` of ``module`` reads as a DETACHED tensor (same storage), so
+    whatever is computed with it sends no gradient to that parameter. Restored on exit."""
+    held = []
+    try:
+        for path in paths:
+            try:
+                sub = module.get_submodule(path)
+            except AttributeError:
+                continue
+            p = sub._parameters.get("weight")
+            if p is None:
+                continue
+            held.append((sub, p))
+            sub._parameters["weight"] = p.detach()   # bypasses nn.Module's Parameter-only assignment check
+        yield
+    finally:
+        for sub, p in held:
+            sub._parameters["weight"] = p
+
+
+@contextlib.contextmanager
+def _reuse_hidden_streams(module: nn.Module):
+    """For implementations whose ``mtp_logits`` recomputes the trunk through ``module.hidden_streams``
+    (megatron): the first call in the context (the trunk forward) is computed and kept, a later call
+    with the same ids / cu_seqlens returns it, so the MTP blocks read the very streams the main loss
+    used (one trunk forward, as in the reference). Instance attribute; removed on exit."""
+    orig = module.hidden_streams
+    kept = []
+
+    def hidden_streams(input_ids, cu_seqlens=None, *a, **kw):
+        for ids, cu, out in kept:
+            if ids.shape == input_ids.reshape(-1).shape and torch.equal(ids, input_ids.reshape(-1)) and (
+                    (cu is None and cu_seqlens is None) or
+                    (cu is not None and cu_seqlens is not None and torch.equal(cu, cu_seqlens))):
+                return out
+        out = orig(input_ids, cu_seqlens, *a, **kw)
+        kept.append((input_ids.reshape(-1), cu_seqlens, out))
+        return out
+
+    module.hidden_streams = hidden_streams
+    try:
+        yield
+    finally:
+        del module.hidden_streams
+
+
+class ImplTrainModel(_TrainModelBase):
+    """A module built by an implementation's factory (``run_config.selection.impl.load()``), native names.
+
+    Layouts: ``qkv_format="bshd"`` runs ``module(ids [B, S])``; ``"thd"`` packs the rows into one stream
+    (:func:`pack_rows`) and runs ``module(stream [T], cu_seqlens=cu)``; logits come back per row either
+    way and the log-probs are taken here (with the temperature). MTP: the implementation's own
+    ``mtp_logits`` run with the output head and the word embedding DETACHED (:func:`detached_weights`),
+    on the trunk streams of the same forward; normalized to ``[B, S-1-k, V]`` per depth.
+    ``indexer_loss_coeff`` (megatron's ``dsa_indexer_loss_coeff``): the forward asks for the indexer KL
+    loss (``return_indexer_loss=True``) and returns it as ``TrainForward.aux_loss`` (None in eval).
+    Routing replay works because the shared router calls ``apply_routing_hook``."""
+
+    def __init__(self, module: nn.Module, config, impl: str, *, qkv_format: str = "bshd",
+                 indexer_loss_coeff: Optional[float] = None, device: Optional[torch.device] = None):
         super().__init__()
+        if qkv_format not in ("bshd", "thd"):
+            raise ValueError(f"--impl {impl}: the trainer runs the bshd and thd layouts, not {qkv_format!r}")
         self.module, self.config, self.impl = module, config, impl
+        self.qkv_format = qkv_format
+        self.indexer_loss_coeff = indexer_loss_coeff
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        params = inspect.signature(module.mtp_logits).parameters if hasattr(module, "mtp_logits") else {}
+        self._mtp_takes_streams = "hidden_streams" in params
+
+    def _has_mtp(self) -> bool:
+        return hasattr(self.module, "mtp_logits") and self.config.n_mtp_layers > 0
 
     def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False):
+        B, S = input_ids.shape
+        ids = input_ids.to(self.device)
+        thd = self.qkv_format == "thd"
+        x, cu = pack_rows(ids) if thd else (ids, None)
+        with_mtp = with_mtp and self._has_mtp()
+        kw = {} if cu is None else {"cu_seqlens": cu}
+        want_streams = with_mtp and self._mtp_takes_streams
+        if want_streams:
+            kw["return_hidden_streams"] = True
+        if self.indexer_loss_coeff is not None:
+            kw["return_indexer_loss"] = True
         hook = _hook_for(routing_replay, input_ids)
-        with routing_context(hook):
-            if with_mtp and hasattr(self.module, "mtp_logits"):
-                logits, streams = self.module(input_ids, return_hidden_streams=True)
-                mtp = self.module.mtp_logits(input_ids, streams)  # TODO(impls): detached head/embedding
+        aux = mtp = streams = None
+        with routing_context(hook), contextlib.ExitStack() as stack:
+            if with_mtp and not self._mtp_takes_streams:
+                stack.enter_context(_reuse_hidden_streams(self.module))
+            out = self.module(x, **kw)
+            if want_streams:
+                logits, streams = out
+            elif self.indexer_loss_coeff is not None:
+                logits, aux = out
             else:
-                logits, mtp = self.module(input_ids), None
-        if routing_replay is not None and not hook.used:
+                logits = out
+            if with_mtp:
+                with detached_weights(self.module):
+                    mtp = [lg.to(input_ids.device) for lg in self._mtp(ids, x, cu, streams)]
+        if routing_replay is not None and not hook.used and self.config.n_layers > self.config.n_hash_layers:
             raise NotImplementedError(f"--impl {self.impl}: its router does not call "
                                       f"kernels.reference.moe.apply_routing_hook, so routing replay cannot work")
-        return TrainForward(token_logprobs(logits, input_ids, temperature), mtp, _used(hook))
+        logits = logits.reshape(B, S, -1).to(input_ids.device)
+        if aux is not None:
+            aux = aux.to(input_ids.device)
+        return TrainForward(token_logprobs(logits, input_ids, temperature), mtp, _used(hook), aux)
+
+    def _mtp(self, ids, x, cu, streams) -> List[torch.Tensor]:
+        """Per depth k: ``[B, S-1-k, V]`` (row i predicts ``ids[:, i+k+2]``)."""
+        B, S = ids.shape
+        m = self.module
+        if cu is None:
+            raw = m.mtp_logits(ids, streams) if self._mtp_takes_streams else m.mtp_logits(ids)
+        elif self._mtp_takes_streams:
+            raw = m.mtp_logits(x, streams, cu_seqlens=cu)
+        else:
+            raw = m.mtp_logits(x, cu)
+        out = []
+        for k, lg in enumerate(raw):
+            n = S - 1 - k
+            if isinstance(lg, (tuple, list)):        # (logits [sum of shortened segments, V], cu_k)
+                lg = lg[0].reshape(B, n, -1)
+            elif cu is not None:                     # same rows as the stream; rows past a segment are junk
+                lg = lg.reshape(B, S, -1)[:, :n]
+            out.append(lg)
+        return out
 
     def native_tensors(self):
         return wc.module_tensors(self.module, self.config)
@@ -181,7 +305,7 @@ class ImplTrainModel(_TrainModelBase):
             raise ValueError(f"native state lacks {len(missing)} tensors, e.g. {missing[:5]}")
         with torch.no_grad():
             for n, t in targets.items():
-                t.copy_(state[n].to(t.dtype))
+                t.copy_(state[n].to(t.device, t.dtype))
 
     def load_checkpoint(self, path) -> None:
         from core.checkpoint import open_checkpoint
@@ -191,30 +315,74 @@ class ImplTrainModel(_TrainModelBase):
                                                                            progress=False), self.config)))
 
 
+def setup_process(run_config):
+    """What a one-process job does before building a model: its hardware target sets the process up
+    (on the CPU: megatron-core's shims) and starts a one-rank process group with megatron's parallel
+    state. Returns the target. The trainer is one process: tp / cp / ep > 1 need a launcher that starts
+    the ranks (and initializes their groups) first."""
+    import torch.distributed as dist
+
+    target = run_config.selection.hardware.load()()
+    target.setup()
+    if not dist.is_initialized():
+        if run_config.tp * run_config.cp * run_config.ep > 1:
+            raise ValueError(f"training with --tp {run_config.tp} --cp {run_config.cp} --ep {run_config.ep} "
+                             f"needs one process per rank; the trainer runs one process (use 1)")
+        target.init_process_group(0, 1, tp=1)
+    return target
+
+
 def build_train_model(model_config, run_config=None, *, impl: Optional[str] = None,
-                      dtype: torch.dtype = torch.float32, seed: int = 0) -> _TrainModelBase:
+                      dtype: torch.dtype = torch.float32, seed: int = 0,
+                      dsa_indexer_loss_coeff: Optional[float] = None) -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
-    ``impl``: ``"reference"`` (default while the megatron-core implementations are being written) or an
-    attention-impl name (``miles``, ``megatron``), whose ``backends.<impl>.impl.build_model(model_config,
-    run_config)`` builds the module. ``None`` -> ``"reference"``.
+    ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
+    config), or ``"reference"`` explicitly (the reference model: for tests of the loop itself), or the
+    run's implementation by name. An implementation's module comes from the run's plugin record
+    (``run_config.selection.impl.load()``, its factory ``build_model(model_config, run_config, ...)``),
+    after the run's hardware target has set the process up. ``dsa_indexer_loss_coeff``: weight of the
+    indexer KL loss, for an implementation whose factory takes it (megatron); ``None`` = off.
     """
-    impl = impl or REFERENCE
+    impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
+        if dsa_indexer_loss_coeff is not None:
+            raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
         return ReferenceTrainModel(model_config, dtype=dtype, seed=seed)
+    if run_config is None:
+        raise ValueError(f"--impl {impl}: building an implementation's training model needs the run config")
+    if impl != run_config.impl:
+        raise ValueError(f"train_impl {impl!r} is not the run's implementation ({run_config.impl!r}); "
+                         f"use the run's or 'reference'")
+    target = setup_process(run_config)
+    factory = run_config.selection.impl.load()
+    kwargs = {"params_dtype": dtype}
+    if dsa_indexer_loss_coeff is not None:
+        if "dsa_indexer_loss_coeff" not in inspect.signature(factory).parameters:
+            raise ValueError(f"dsa_indexer_loss_coeff: --impl {impl} has no indexer KL loss")
+        kwargs["dsa_indexer_loss_coeff"] = float(dsa_indexer_loss_coeff)
     torch.manual_seed(seed)
-    mod = importlib.import_module(f"backends.{impl}.impl")
-    module = mod.build_model(model_config, run_config, params_dtype=dtype)
-    return ImplTrainModel(module, model_config, impl)
+    module = factory(model_config, run_config, **kwargs)
+    device = target.device(0) if hasattr(target, "device") else torch.device("cpu")
+    module.to(device)
+    return ImplTrainModel(module, model_config, impl, qkv_format=run_config.qkv_format,
+                          indexer_loss_coeff=dsa_indexer_loss_coeff, device=device)
 
 
 def load_model_source(model: _TrainModelBase, source) -> str:
     """Initialise weights from ``source``: an HF-format checkpoint folder (``config.json`` +
-    safetensors) or ``None`` (deterministic init, already done). Returns a description."""
+    safetensors), a native checkpoint folder (``dsv4 convert``; refused if written under
+    pre-contract names) or ``None`` (deterministic init, already done). Returns a description."""
     if source is None:
         return "random init"
     p = Path(str(source))
     if p.is_dir():
+        from core.native_checkpoint import is_native_checkpoint, load_native
+
+        if is_native_checkpoint(p):
+            state, meta = load_native(p, config=model.config)
+            model.load_native_state(state)
+            return f"native checkpoint {p} (written by --impl {meta['impl']})"
         model.load_checkpoint(p)
         return f"checkpoint {p}"
     raise FileNotFoundError(f"model source {source!r}: not a checkpoint folder")

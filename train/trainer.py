@@ -9,7 +9,9 @@ One GRPO step::
     train           clipped policy loss (+ k3 KL penalty, + MTP loss), one optimizer step
 
 One SFT step: a batch of (prompt, response) pairs, token-mean NLL on response tokens (+ MTP), one
-optimizer step. Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard; checkpoints every
+optimizer step. Both modes add the training model's own loss term when it has one (``TrainForward.aux_loss``:
+megatron's indexer KL loss with ``dsa_indexer_loss_coeff``; metric ``indexer_loss``). The training model
+is the run's implementation (``train_impl`` None; see :func:`train.model.build_train_model`). Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard; checkpoints every
 ``save_every`` steps and at the end (:mod:`train.checkpointing`); ``resume=True`` continues after the
 last complete checkpoint. With ``export_at_end`` the final weights are written as an HF checkpoint to
 ``RUN_DIR/hf``.
@@ -79,8 +81,11 @@ class TrainConfig:
     indexer_replay: bool = False             # seam only (kernels.reference.indexer.indexer_hook); not wired
     # MTP
     mtp_coef: float = 0.0
-    # model
-    train_impl: str = "reference"
+    # megatron's indexer KL loss weight (dsa_indexer_loss_coeff); None = off
+    dsa_indexer_loss_coeff: Optional[float] = None
+    # model: None = the run's implementation (run_config.impl; "reference" without a run config);
+    # "reference" = the reference model (tests of the loop itself)
+    train_impl: Optional[str] = None
     train_dtype: str = "fp32"
     # bookkeeping
     save_every: int = 10
@@ -111,7 +116,11 @@ def _resolve_model_config(run_config, model_source):
         return model_source, None
     if model_source is not None and Path(str(model_source)).is_dir():
         from core.checkpoint import open_checkpoint
+        from core.native_checkpoint import is_native_checkpoint, read_native_metadata
 
+        if is_native_checkpoint(model_source):
+            native_cfg = ModelConfig.from_hf_dict(read_native_metadata(model_source)["model_config"])
+            return (native_cfg if cfg is None else cfg), str(model_source)
         reader = open_checkpoint(model_source, config=cfg)
         return reader.config if cfg is None else cfg, str(model_source)
     if isinstance(model_source, str):
@@ -141,7 +150,8 @@ class _Run:
         self.examples = D.load_data(cfg.data, mode)
         torch.manual_seed(cfg.seed)
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
-                                       dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed)
+                                       dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed,
+                                       dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff)
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -212,11 +222,14 @@ class _Run:
         mtp = mtp_loss(fwd.mtp_logits, ids, mask) if cfg.mtp_coef > 0 else None
         if mtp is not None:
             total = total + cfg.mtp_coef * mtp
+        if fwd.aux_loss is not None:
+            total = total + fwd.aux_loss
         total.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         self.opt.step()
         t_train = time.perf_counter() - t0
         return {"loss": float(loss.detach()), "mtp_loss": None if mtp is None else float(mtp.detach()), "grad_norm": gnorm,
+                "indexer_loss": None if fwd.aux_loss is None else float(fwd.aux_loss.detach()),
                 "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
                 "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
                 "tokens": int(ids.numel()), "response_tokens": int(mask.sum())}
@@ -280,7 +293,8 @@ class _Run:
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         total_tokens = float(sum(int(it["mask"].sum()) for it in items))
-        loss_acc = pg_acc = kl_acc = clip_acc = mtp_acc = 0.0
+        loss_acc = pg_acc = kl_acc = clip_acc = mtp_acc = aux_acc = 0.0
+        have_aux = False
         for it in items:
             fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                            with_mtp=cfg.mtp_coef > 0)
@@ -300,6 +314,11 @@ class _Run:
                     frac = float(it["mask"].sum()) / max(total_tokens, 1.0)
                     loss = loss + cfg.mtp_coef * m * frac
                     mtp_acc += float(m.detach()) * frac
+            if fwd.aux_loss is not None:     # implementation's own term (indexer KL), token-weighted
+                frac = float(it["mask"].sum()) / max(total_tokens, 1.0)
+                loss = loss + fwd.aux_loss * frac
+                aux_acc += float(fwd.aux_loss.detach()) * frac
+                have_aux = True
             loss.backward()
             loss_acc += float(loss.detach())
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
@@ -308,6 +327,7 @@ class _Run:
         allr = torch.cat(rewards)
         out.update(loss=loss_acc, pg_loss=pg_acc, kl_loss=kl_acc if self.ref_model is not None else None,
                    mtp_loss=mtp_acc if cfg.mtp_coef > 0 else None, grad_norm=gnorm,
+                   indexer_loss=aux_acc if have_aux else None,
                    pg_clipfrac=clip_acc / max(total_tokens, 1.0), reward_mean=float(allr.mean()),
                    reward_std=float(allr.std(unbiased=False)), response_len_mean=float(
                        sum(int(it["mask"].sum()) for it in items) / n_samples),

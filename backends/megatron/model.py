@@ -122,7 +122,9 @@ class DSv4MTPLayer(KeepFP32Module, MegatronModule):
         """``streams [T,1,n,C]`` previous depth, ``emb [T,1,C]`` embedding of the next tokens."""
         n = streams.shape[2]
         e = self.enorm(emb).unsqueeze(2).expand(-1, -1, n, -1)
-        x = self.eh_proj(torch.cat((e, self.hnorm(streams)), dim=-1))[0]
+        eh = torch.cat((e, self.hnorm(streams)), dim=-1)                       # [T, 1, n, 2C]
+        # megatron's linear backward takes at most [s, b, h] inputs: run it on [T, n, 2C]
+        x = self.eh_proj(eh.flatten(1, 2))[0].view(*eh.shape[:-1], -1)
         x, _ = self.transformer_layer(x, layout, input_ids)
         return x
 

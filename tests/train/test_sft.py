@@ -34,7 +34,10 @@ def test_builtin_data_file_is_the_generator_output_and_validates():
         assert len(D.load_data(None, mode)) == D.BUILTIN_SIZE
     ex = D.load_data(None, "grpo")[0]
     assert D.compute_reward(ex.response, [], ex.reward) == 1.0
-    assert D.compute_reward(ex.response + "0", [], ex.reward) == 0.0
+    # partial credit: "770" for "77" gets both positions (0.5) and all-digit characters (0.25)
+    assert D.compute_reward(ex.response + "0", [], ex.reward) == 0.75
+    assert D.compute_reward("xyz", [], ex.reward) == 0.0
+    assert D.compute_reward("\x00", [], {"type": "exact_match", "answer": "77"}) == 0.0
 
 
 def test_bad_data_is_reported_with_file_and_line(tmp_path):
