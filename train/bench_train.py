@@ -1,0 +1,314 @@
+"""Training-throughput benchmark (issue #7): tokens/s and MFU of one training step on one GPU.
+
+``python -m train.bench_train --out bench/results/train-h200.json``
+
+Implementations, all on the same small DeepSeek-V4 config and the same token batch, in one process:
+
+* ``miles``     -- ``backends.miles.impl.build_model`` (BSHD, ``model(ids[B, S]) -> logits``), triton kernels;
+* ``megatron``  -- ``backends.megatron.impl.build_model`` (THD, ``model(ids[T], cu_seqlens) -> logits``), triton;
+* ``transformers`` -- ``transformers.DeepseekV4ForCausalLM`` (eager attention, transformers' default experts
+  implementation), config from ``tests.reference.hf_mapping.hf_config_from``.
+
+One step = forward, next-token cross-entropy (fp32 logits), backward, AdamW step, zero_grad. Weights are
+randomly initialized in bf16. Warm-up steps (triton compilation, allocator) run before the timed steps;
+``torch.cuda.synchronize()`` brackets the timed region.
+
+MFU = FLOPs per step / step time / 989e12, where 989 TFLOP/s is the H200's dense bf16 peak (the SXM data
+sheet number, without sparsity). FLOPs per step = 6 x active params x tokens + attention FLOPs:
+
+* active params: every parameter except the input embedding table, routed experts counted at
+  ``n_activated / n_routed`` of their size (the LM head, mHC, compressors and indexer are counted);
+* attention: ``12 x heads x head_dim x sum over layers and query tokens of the selected keys``
+  (QK^T and PV, 2 FLOPs per MAC, forward + 2x backward). Selected keys for the query at position p:
+  window layers ``min(p+1, window)``; CSA (ratio 4) layers ``min(p+1, window) + min(top-k, (p+1)//4)``;
+  HCA (ratio 128) layers ``min(p+1, window) + (p+1)//128``. The indexer's own scoring is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def bench_config():
+    from core.config import preset
+
+    return preset("tiny").replace(
+        vocab_size=32768, dim=1024, n_layers=6, n_mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 128),
+        n_heads=16, head_dim=512, rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=512,
+        window_size=128, index_n_heads=16, index_head_dim=128, index_topk=512,
+        n_routed_experts=16, n_activated_experts=2, moe_inter_dim=512, n_shared_experts=1,
+        hc_mult=4, n_hash_layers=2,
+    )
+
+
+def config_summary(c, seq, batch) -> dict:
+    return dict(vocab=c.vocab_size, hidden=c.dim, layers=c.n_layers, compress_ratios=list(c.compress_ratios),
+                heads=c.n_heads, head_dim=c.head_dim, rope_head_dim=c.rope_head_dim, q_lora=c.q_lora_rank,
+                o_groups=c.o_groups, o_lora=c.o_lora_rank, window=c.window_size,
+                indexer=f"{c.index_n_heads}x{c.index_head_dim} top-{c.index_topk}",
+                experts=f"{c.n_routed_experts} routed top-{c.n_activated_experts} x {c.moe_inter_dim} "
+                        f"+ {c.n_shared_experts} shared",
+                hc_mult=c.hc_mult, hash_layers=c.n_hash_layers, mtp_layers=c.n_mtp_layers,
+                seq=seq, batch=batch, dtype="bf16", optimizer="AdamW")
+
+
+def selected_keys(c, seq: int) -> int:
+    """Sum over trunk layers and query positions of the keys the sparse attention reads."""
+    total = 0
+    for r in c.compress_ratios[: c.n_layers]:
+        for p in range(seq):
+            k = min(p + 1, c.window_size)
+            if r == 4:
+                k += min(c.index_topk, (p + 1) // 4)
+            elif r > 0:
+                k += (p + 1) // r
+            total += k
+    return total
+
+
+def active_params(c) -> int:
+    """Analytic active parameter count (the embedding table excluded, routed experts at top-k / E)."""
+    d, n = c.dim, c.hc_mult
+    rd = c.rope_head_dim
+    total = c.vocab_size * d + d + (n * d) * n + n + 1  # head, final norm, mHC head
+    for i in range(c.n_layers):
+        r = c.compress_ratios[i]
+        attn = d + d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * c.n_heads * c.head_dim
+        attn += d * c.head_dim + c.head_dim + c.n_heads  # wkv, kv_norm, sinks
+        attn += (c.n_heads * c.head_dim // c.o_groups) * c.o_groups * c.o_lora_rank
+        attn += c.o_groups * c.o_lora_rank * d
+        if r:
+            coff = 2 if r == 4 else 1
+            attn += 2 * d * coff * c.head_dim + c.head_dim + r * coff * c.head_dim
+            if r == 4:
+                ih = c.index_head_dim
+                attn += 2 * d * coff * ih + ih + r * coff * ih
+                attn += c.q_lora_rank * c.index_n_heads * ih + d * c.index_n_heads
+        hc = 2 * ((n * d) * (2 * n + n * n) + (2 * n + n * n) + 3)
+        e = 3 * d * c.moe_inter_dim
+        ffn = d + c.n_shared_experts * e + e * c.n_activated_experts
+        ffn += c.n_routed_experts * d if not c.is_hash_layer(i) else 0
+        total += attn + hc + ffn
+    del rd
+    return total
+
+
+def step_flops(c, seq: int, batch: int, n_active: int) -> dict:
+    tokens = seq * batch
+    dense = 6 * n_active * tokens
+    attn = 12 * c.n_heads * c.head_dim * selected_keys(c, seq) * batch
+    return dict(total=dense + attn, dense=dense, attention=attn)
+
+
+# ------------------------------------------------------------------ models
+
+
+def _run_config(impl, c):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    return normalize(Choices(impl=impl, kernel_backend="triton", hardware="nvidia", model=c),
+                     make_host(third_party=False), model_name="bench")
+
+
+def make_miles(c, ids):
+    from backends.miles.impl import build_model
+
+    torch.manual_seed(0)
+    m = build_model(c, _run_config("miles", c), params_dtype=torch.bfloat16).cuda()
+
+    def loss_fn():
+        logits = m(ids)  # [B, S, V]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+    return m, loss_fn
+
+
+def make_megatron(c, ids):
+    from backends.megatron.impl import build_model
+
+    torch.manual_seed(0)
+    m = build_model(c, _run_config("megatron", c), params_dtype=torch.bfloat16).cuda()
+    flat = ids.reshape(-1)
+    B, S = ids.shape
+    cu = torch.arange(0, B + 1, device=ids.device, dtype=torch.int32) * S
+    keep = torch.ones(B, S, dtype=torch.bool, device=ids.device)
+    keep[:, -1] = False
+    keep = keep.reshape(-1)
+    labels = torch.roll(flat, -1)[keep]
+
+    def loss_fn():
+        logits = m(flat, cu)  # [T, V]
+        return F.cross_entropy(logits[keep].float(), labels)
+
+    return m, loss_fn
+
+
+def make_transformers(c, ids):
+    import transformers
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.reference.hf_mapping import hf_config_from
+
+    hc = hf_config_from(c)
+    torch.manual_seed(0)
+    m = DeepseekV4ForCausalLM._from_config(hc, attn_implementation="eager", dtype=torch.bfloat16)
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    m.config.use_cache = False
+    m.train()
+    make_transformers.note = (f"transformers {transformers.__version__}, attn eager, experts "
+                              f"{getattr(m.config, '_experts_implementation', None)}")
+
+    def loss_fn():
+        logits = m(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+    return m, loss_fn
+
+
+MAKERS = {"miles": make_miles, "megatron": make_megatron, "transformers": make_transformers}
+
+
+def bench_one(impl, c, ids, warmup, steps, deadline, profile=False):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model, loss_fn = MAKERS[impl](c, ids)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    note = getattr(MAKERS[impl], "note", "")
+
+    def step():
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        loss = step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    first_loss = float(loss.detach())
+    # fit the timed steps into what is left of the deadline
+    per = warm_s / max(warmup, 1)
+    n = steps
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        n = max(1, min(steps, int(left * 0.8 / max(per, 1e-3))))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / n
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as tprofile
+
+        with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        print(f"--- {impl}: top CUDA ops over 2 steps", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60),
+              flush=True)
+    out = dict(step_ms=dt * 1e3, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30, timed_steps=n,
+               warmup_steps=warmup, warmup_s=warm_s, loss_first=first_loss, loss_last=float(loss.detach()),
+               trainable_params=sum(p.numel() for p in params),
+               total_params=sum(p.numel() for p in model.parameters()), note=note)
+    del model, opt, params, loss_fn
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def print_table(rows):
+    base = next((r for r in rows if r["impl"] == "transformers" and r.get("tokens_per_s")), None)
+    hdr = f"{'impl':<13} {'backend':<8} {'tokens/s':>10} {'MFU':>7} {'step ms':>9} {'peak GB':>8} {'vs HF':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if r.get("tokens_per_s"):
+            sp = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+            print(f"{r['impl']:<13} {r['kernel_backend']:<8} {r['tokens_per_s']:>10.0f} {100 * r['mfu']:>6.2f}% "
+                  f"{r['step_ms']:>9.1f} {r['peak_mem_gb']:>8.2f} {sp:>7}")
+        else:
+            print(f"{r['impl']:<13} {r['kernel_backend']:<8} FAILED: {r.get('error', '')[:80]}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results/train-h200.json")
+    ap.add_argument("--impls", default="miles,megatron,transformers")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", default="", help="comma list of impls to profile after timing (top CUDA ops)")
+    ap.add_argument("--budget-s", type=float, default=None, help="per-implementation wall-clock budget")
+    args = ap.parse_args(argv)
+
+    from backends.nvidia.target import NvidiaTarget
+
+    NvidiaTarget().init_process_group(0, 1, tp=1)
+    c = bench_config()
+    seq, batch = args.seq, args.batch
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (batch, seq), generator=g).cuda()
+    n_act = active_params(c)
+    fl = step_flops(c, seq, batch, n_act)
+    device = torch.cuda.get_device_name()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    summary = config_summary(c, seq, batch)
+    flop_note = (f"FLOPs/step = 6 x {n_act} active params (no input embedding; routed experts at top-k/E) x "
+                 f"{seq * batch} tokens + 12 x heads x head_dim x selected keys = {fl['total']:.4e} "
+                 f"(attention {fl['attention']:.4e}); MFU against 989 TFLOP/s (H200 dense bf16 peak)")
+    print(flop_note, flush=True)
+    rows = []
+    for impl in [s for s in args.impls.split(",") if s]:
+        row = dict(impl=impl, kernel_backend="triton" if impl != "transformers" else "eager",
+                   tokens_per_s=None, mfu=None, step_ms=None, peak_mem_gb=None, date=date, device=device,
+                   config=summary, flops_per_step=fl["total"], flops_note=flop_note,
+                   peak_tflops=H200_BF16_DENSE_TFLOPS)
+        deadline = time.monotonic() + args.budget_s if args.budget_s else None
+        try:
+            r = bench_one(impl, c, ids, args.warmup, args.steps, deadline, impl in args.profile.split(","))
+            row.update(r)
+            row["tokens_per_s"] = seq * batch / (r["step_ms"] / 1e3)
+            row["mfu"] = fl["total"] / (r["step_ms"] / 1e3) / (H200_BF16_DENSE_TFLOPS * 1e12)
+        except Exception as e:  # record and keep the others
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-4000:]
+            traceback.print_exc()
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(json.dumps({k: v for k, v in row.items() if k not in ("config", "flops_note", "traceback")}),
+              flush=True)
+        rows.append(row)
+    base = next((r for r in rows if r["impl"] == "transformers" and r.get("tokens_per_s")), None)
+    for r in rows:
+        r["speedup_vs_transformers"] = (r["tokens_per_s"] / base["tokens_per_s"]
+                                        if base and r.get("tokens_per_s") else None)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=2)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
