@@ -11,8 +11,11 @@ Each factory returns a small object describing its scheme (``name``,
 * ``nvfp4()`` -> :class:`NVFP4Scheme`: ``.publish(named_tensors)`` (routed
   experts only) and ``.fake_quant_experts`` for QAT-style use.
 * ``qat()`` -> :class:`QATScheme`: the fake-quant ops (NVFP4 / MXFP4 experts,
-  FP8 KV nope dims). Wiring them into the training model is not built yet:
-  ``.install(model)`` raises :class:`NotBuiltError`.
+  FP8 KV nope dims) and ``.install(model)`` / ``.remove(model)``, which switch a
+  built ``miles`` / ``megatron`` model's forward to fake-quant training (routed
+  experts and KV nope dims only; straight-through gradients to the bf16/fp32
+  master weights). A QAT run publishes the master weights as bf16
+  (``launchers.stages.PUBLISH_SCHEME``).
 
 Every module is imported lazily so listing plugins never imports torch.
 """
@@ -20,8 +23,6 @@ Every module is imported lazily so listing plugins never imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from core.not_built import NotBuiltError
 
 
 def bf16():
@@ -86,9 +87,37 @@ class QATScheme:
         from .fake_quant import fake_quant_kv_nope
         return fake_quant_kv_nope(kv, rope_dim, self.kv_block)
 
-    def install(self, model):
-        raise NotBuiltError("wiring fake-quant (QAT) into the training model (the fake-quant ops in "
-                            "converters.fake_quant exist)", "issue #5")
+    def install(self, model) -> int:
+        """Switch ``model`` (an ``nn.Module`` tree) to fake-quant training; returns how many modules it set.
+
+        The switches are attributes the modules read in their forward (default ``None`` = high precision):
+        ``qat_expert_format`` on the routed experts (``engine.moe.DSv4GroupedExperts``: their weights are
+        quantize-dequantized, ``expert_format``) and ``qat_kv_block`` on the attention modules of both
+        implementations (the FP8 1 x ``kv_block`` simulation of the window KV and the main compressor's
+        entries, nope dims only). Shared experts, the indexer and every other weight stay high precision.
+        Raises ``ValueError`` when the model has no such module (e.g. the reference model)."""
+        if self.expert_format not in ("mxfp4", "nvfp4"):
+            raise ValueError(f"QAT expert_format {self.expert_format!r}: mxfp4 | nvfp4")
+        return self._set(model, self.expert_format, int(self.kv_block))
+
+    def remove(self, model) -> int:
+        """Undo :meth:`install` (back to the high-precision forward)."""
+        return self._set(model, None, None)
+
+    @staticmethod
+    def _set(model, expert_format, kv_block) -> int:
+        n = 0
+        for m in model.modules():
+            if hasattr(type(m), "qat_expert_format"):
+                m.qat_expert_format = expert_format
+                n += 1
+            if hasattr(type(m), "qat_kv_block"):
+                m.qat_kv_block = kv_block
+                n += 1
+        if n == 0:
+            raise ValueError(f"{type(model).__name__} has no fake-quant switches (QAT is built for the "
+                             f"miles and megatron implementations)")
+        return n
 
 
 def fp8():

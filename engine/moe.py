@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.reference.layers import compute_dtype
-from kernels.reference.moe import apply_routing_hook, route_scores, swiglu
+from kernels.reference.moe import route_scores, select_experts, swiglu
 
 from .layers import KeepFP32Module, init_normal_
 from .runtime import ensure_megatron, tp_group, tp_world
@@ -70,20 +70,16 @@ class DSv4Router(KeepFP32Module):
         """``x [T, d]`` -> ``(weights [T, k] fp32, indices [T, k] long)``."""
         ct = compute_dtype(x)
         scores = route_scores(F.linear(x.to(ct), self.weight.to(ct)), self.score_func)
-        if self.hash:
-            if input_ids is None:
-                raise ValueError("hash-routed MoE layer needs input_ids")
-            idx = self.tid2eid[input_ids.reshape(-1)].long()
-            if (idx < 0).any():
-                raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
-        else:
-            idx = (scores + self.expert_bias.to(ct)).topk(self.topk, dim=-1).indices
-            if self.replayable:
-                idx = apply_routing_hook(self.layer_id, idx)
-        w = scores.gather(-1, idx)
-        if self.score_func != "softmax":
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w * self.route_scale, idx
+        return select_experts(
+            scores,
+            topk=self.topk,
+            route_scale=self.route_scale,
+            score_func=self.score_func,
+            tid2eid=self.tid2eid if self.hash else None,
+            input_ids=input_ids,
+            bias=None if self.hash else self.expert_bias,
+            replay_layer=self.layer_id if (self.replayable and not self.hash) else None,
+        )
 
 
 class _WeightBank(nn.Module):
@@ -116,6 +112,29 @@ class DSv4GroupedExperts(nn.Module):
         self.linear_fc1 = _WeightBank(c.n_routed_experts, (2 * inter, c.dim), params_dtype, 0, 2, std)
         self.linear_fc2 = _WeightBank(c.n_routed_experts, (c.dim, inter), params_dtype, 1, 1, std)
 
+    # QAT switch (``converters.schemes.QATScheme.install``): None = high precision (default);
+    # "mxfp4" / "nvfp4" = the forward sees quantize-dequantized expert weights, straight-through grads.
+    qat_expert_format = None
+
+    def expert_weights(self, e: int):
+        """``(fc1 [2I, d], fc2 [d, I])`` of expert ``e`` as the forward uses them (fake-quantized under QAT).
+
+        MXFP4: 1x32 ue8m0 blocks along the input dim, so fc1 = cat(gate, up) is quantized exactly as gate and
+        up each on their own (no block spans both). NVFP4: gate and up share one global amax
+        (``fake_quant_nvfp4_pair``; under TP > 1 that amax is this rank's slice's), fc2 its own."""
+        w1, w2 = self.linear_fc1[e], self.linear_fc2[e]
+        fmt = self.qat_expert_format
+        if fmt is None:
+            return w1, w2
+        from converters import fake_quant as fq
+
+        if fmt == "mxfp4":
+            return fq.fake_quant_mxfp4(w1), fq.fake_quant_mxfp4(w2)
+        if fmt == "nvfp4":
+            gate, up = fq.fake_quant_nvfp4_pair(*w1.chunk(2, dim=0))
+            return torch.cat((gate, up), dim=0), fq.fake_quant_nvfp4(w2)
+        raise ValueError(f"unknown QAT expert format {fmt!r} (mxfp4 | nvfp4)")
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``x [T, d]``, ``weights / idx [T, k]`` -> ``[T, d]`` in compute dtype (TP-reduced)."""
         ensure_megatron()
@@ -129,10 +148,11 @@ class DSv4GroupedExperts(nn.Module):
         y = torch.zeros(x.shape, dtype=ct, device=x.device)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
-            h = F.linear(x[tok], self.linear_fc1[e].to(x.dtype))
+            w1, w2 = self.expert_weights(e)
+            h = F.linear(x[tok], w1.to(x.dtype))
             gate, up = h.to(ct).chunk(2, dim=-1)
             a = swiglu(gate, up, self.limit) * weights[tok, slot].to(ct).unsqueeze(-1)
-            y.index_add_(0, tok, F.linear(a.to(x.dtype), self.linear_fc2[e].to(x.dtype)).to(ct))
+            y.index_add_(0, tok, F.linear(a.to(x.dtype), w2.to(x.dtype)).to(ct))
         if tp > 1:
             y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())
         return y

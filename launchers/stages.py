@@ -322,6 +322,11 @@ def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
 
 
 def publish_scheme(run) -> str:
+    """The weight format published to the rollout engine for ``--quant``. ``qat`` (fake-quant training,
+    ``converters.schemes.QATScheme``) publishes the trained master weights as bf16: the rollout engine
+    runs them unquantized (the QAT forward's quantize-dequantize is not applied when publishing)."""
+    if run.quant == "qat":
+        return "bf16"
     if run.quant not in PUBLISH_SCHEME:
         raise NotBuiltError(f"training with --quant {run.quant} (fake-quant in the training model)", "issue #5")
     return PUBLISH_SCHEME[run.quant]

@@ -8,19 +8,11 @@ import pytest
 from click.testing import CliRunner
 
 from launchers import stages
-from launchers.cli import EXIT_NOT_BUILT, main
+from launchers.cli import main
 
 
 def invoke(*args, **kw):
     return CliRunner().invoke(main, list(args), **kw)
-
-
-def test_a_choice_not_built_yet_says_so_and_exits_nonzero():
-    result = invoke("train", "--quant", "qat", "--steps", "1")
-    assert result.exit_code == EXIT_NOT_BUILT
-    assert result.stderr == (
-        "error: training with --quant qat (fake-quant in the training model) is not built yet (issue #5); nothing was run.\n"
-    )
 
 
 def test_options_after_the_subcommand_override_those_before():

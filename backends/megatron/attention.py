@@ -237,9 +237,21 @@ def indexer_kl_loss(teacher: torch.Tensor, student_logits: torch.Tensor, mask: t
     return kl.mean()
 
 
+def _qat_kv(module, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """QAT (``converters.schemes.QATScheme.install`` sets ``module.qat_kv_block``): the FP8 e4m3 1 x block
+    ue8m0 simulation of the KV nope dims (the reference ``act_quant``), straight-through gradients;
+    identity when the switch is off (the default)."""
+    if module.qat_kv_block is None:
+        return kv
+    from converters.fake_quant import fake_quant_kv_nope
+    return fake_quant_kv_nope(kv, rope_dim, module.qat_kv_block)
+
+
 # ---------------------------------------------------------------------------- core attention
 class CompressedSparseAttention(KeepFP32Module, MegatronModule):
     """``core_attention``: ``attn_sink [H]`` (fp32), ``compressor`` (CSA/HCA layers), ``indexer`` (CSA)."""
+
+    qat_kv_block = None     # QAT switch for the main compressor's entries (see _qat_kv)
 
     def __init__(self, config, layer_id: int, ops):
         super().__init__(config=config)
@@ -263,7 +275,8 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
         kl = None
         if self.ratio:
             comp = self.compressor(x, layout, inv_freq)                          # [G, D]
-            kv_all = torch.cat((kv, comp.to(kv.dtype)), dim=0)
+            comp = _qat_kv(self, comp.to(kv.dtype), self.config.qk_pos_emb_head_dim)
+            kv_all = torch.cat((kv, comp), dim=0)
             if self.ratio == 4:
                 xd, cqd = x.detach(), cq.detach()                               # no gradient to the trunk
                 scores = self.indexer.scores(xd, cqd, layout, inv_freq, cos, sin)    # [T, G]
@@ -291,7 +304,8 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
         if self.ratio:
             hadamard = self.ops.hadamard_transform
             comp = compressed_kv([self.compressor], x.unsqueeze(0), ctx, self.ratio, inv_freq, hadamard)[0][0]
-            kv_all = torch.cat((kv_all, comp.to(kv.dtype)), dim=0)
+            comp = _qat_kv(self, comp.to(kv.dtype), self.config.qk_pos_emb_head_dim)
+            kv_all = torch.cat((kv_all, comp), dim=0)
             if self.ratio == 4:
                 with torch.no_grad():
                     xd, cqd = x.detach(), cq.detach()
@@ -329,6 +343,8 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
 # ---------------------------------------------------------------------------- attention
 class DSv4HybridAttention(MegatronModule):
     """``self_attention`` of one layer; ``layer_id`` (0-based; MTP layers ``num_layers + k``) selects the kind."""
+
+    qat_kv_block = None     # QAT switch for the window KV (see _qat_kv)
 
     def __init__(self, config, layer_id: int, ops):
         super().__init__(config=config)
@@ -373,6 +389,7 @@ class DSv4HybridAttention(MegatronModule):
         q = rms_normalize(q, self.config.layernorm_epsilon).to(x.dtype)
         q = apply_rope(q, cos, sin).squeeze(0)
         kv = apply_rope(self.kv_layernorm(_call(self.linear_kv_proj, x)).unsqueeze(0), cos, sin).squeeze(0)
+        kv = _qat_kv(self, kv, self.config.qk_pos_emb_head_dim)
 
         if ctx is not None and ctx.cp > 1:
             o, kl = self.core_attention.forward_cp(q, kv, x, cq, ctx, inv_freq, cos, sin)

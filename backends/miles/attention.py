@@ -127,6 +127,17 @@ class DSv4CoreAttention(KeepFP32Module):
 class DeepSeekV4Attention(nn.Module):
     """``self_attention`` of one block. ``forward(x [B,S,d]) -> [B,S,d]`` (TP-reduced)."""
 
+    # QAT switch (``converters.schemes.QATScheme.install``): None = high precision (default); an int =
+    # the FP8 e4m3 1 x block ue8m0 simulation of the KV nope dims (window KV and the main compressor's
+    # entries, as the reference forward's ``act_quant``), straight-through gradients.
+    qat_kv_block = None
+
+    def _qat_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        if self.qat_kv_block is None:
+            return kv
+        from converters.fake_quant import fake_quant_kv_nope
+        return fake_quant_kv_nope(kv, self.rope_dim, self.qat_kv_block)
+
     def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float = 0.02,
                  freeze_indexer: bool = True):
         super().__init__()
@@ -181,7 +192,7 @@ class DeepSeekV4Attention(nn.Module):
         q, _ = self.linear_q_up_proj(cq)
         q = rms_normalize(q.view(B, S, H, D), self.eps).to(x.dtype)
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin)
+        kv = self._qat_kv(apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin))
 
         idx = window_indices(S, self.window, x.device).unsqueeze(0).expand(B, -1, -1)
         kv_all = kv
@@ -196,7 +207,7 @@ class DeepSeekV4Attention(nn.Module):
                 cidx = compressed_visible_indices(S, self.ratio, x.device).unsqueeze(0).expand(B, -1, -1)
             cidx = torch.where(cidx >= 0, cidx + S, cidx)
             idx = torch.cat((idx, cidx), dim=-1)
-            kv_all = torch.cat((kv, comp.to(kv.dtype)), dim=1)
+            kv_all = torch.cat((kv, self._qat_kv(comp.to(kv.dtype))), dim=1)
         if tp_world() > 1:
             kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
 
@@ -244,7 +255,7 @@ class DeepSeekV4Attention(nn.Module):
         q, _ = self.linear_q_up_proj(cq)
         q = rms_normalize(q.view(B, L, H, D), self.eps).to(x.dtype)
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin)
+        kv = self._qat_kv(apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin))
 
         T = thd.total_tokens
         kv_all = all_gather_cp(kv, thd, dim=1)                               # [B, T, D] whole stream
@@ -256,7 +267,7 @@ class DeepSeekV4Attention(nn.Module):
             else:
                 cidx = hca_indices(thd, self.ratio, T).to(x.device).unsqueeze(0).expand(B, -1, -1)
             idx = torch.cat((idx, cidx), dim=-1)
-            kv_all = torch.cat((kv_all, comp.to(kv.dtype)), dim=1)
+            kv_all = torch.cat((kv_all, self._qat_kv(comp.to(kv.dtype))), dim=1)
         if tp_world() > 1:
             kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from .layers import KeepFP32, Linear, compute_dtype
 
-__all__ = ["swiglu", "route_scores", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
+__all__ = ["swiglu", "route_scores", "select_experts", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
 
 _ROUTING_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_routing_hook", default=None)
 
@@ -66,6 +66,32 @@ def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     raise ValueError(f"unknown score_func {score_func!r}")
 
 
+def select_experts(scores: torch.Tensor, *, topk: int, route_scale: float, score_func: str,
+                   tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, replay_layer: int | None = None):
+    """The routing decision shared by every implementation: ``(weights [T,k] fp32, indices [T,k])``.
+
+    Hash layers (``tid2eid`` given) take the experts from the token id; learned layers take the
+    top-k of ``scores + bias`` (the bias only selects). ``replay_layer`` routes the learned choice
+    through the routing-replay hook. The weights always come from the gate scores at the chosen
+    experts, renormalized (unless softmax) and scaled by ``route_scale``.
+    """
+    if tid2eid is not None:
+        if input_ids is None:
+            raise ValueError("hash-routed MoE layer needs input_ids")
+        idx = tid2eid[input_ids.reshape(-1)].long()
+        if (idx < 0).any():
+            raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
+    else:
+        idx = (scores + bias.to(scores.dtype)).topk(topk, dim=-1).indices
+        if replay_layer is not None:
+            idx = apply_routing_hook(replay_layer, idx)
+    w = scores.gather(-1, idx)
+    if score_func != "softmax":
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w * route_scale, idx
+
+
 class Gate(KeepFP32):
     """``ffn.gate``: ``weight [E, d]``; ``bias [E]`` fp32 persistent buffer (learned layers) or
     ``tid2eid [vocab, k]`` int64 frozen Parameter (hash layers). ``replayable``: a learned-routing trunk
@@ -91,18 +117,16 @@ class Gate(KeepFP32):
         """``x [T,d]`` -> ``(weights [T,k] fp32, indices [T,k] long)``."""
         ct = compute_dtype(x)
         scores = route_scores(F.linear(x.to(ct), self.weight.to(ct)), self.score_func)
-        if self.hash:
-            if input_ids is None:
-                raise ValueError("hash-routed MoE layer needs input_ids")
-            idx = self.tid2eid[input_ids.reshape(-1)].long()
-        else:
-            idx = (scores + self.bias.to(ct)).topk(self.topk, dim=-1).indices
-            if self.replayable:
-                idx = apply_routing_hook(self.layer_id, idx)
-        w = scores.gather(-1, idx)
-        if self.score_func != "softmax":
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w * self.route_scale, idx
+        return select_experts(
+            scores,
+            topk=self.topk,
+            route_scale=self.route_scale,
+            score_func=self.score_func,
+            tid2eid=self.tid2eid if self.hash else None,
+            input_ids=input_ids,
+            bias=None if self.hash else self.bias,
+            replay_layer=self.layer_id if (self.replayable and not self.hash) else None,
+        )
 
 
 class Expert(nn.Module):
