@@ -312,6 +312,12 @@ def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, s
     )
 
 
+def _packing_kwargs(opts: dict) -> dict:
+    """The global --max-tokens-per-rank as the trainer's dynamic-batching budget (THD micro-batches)."""
+    budget = opts.get("max_tokens_per_rank")
+    return {} if budget is None else {"max_tokens_per_rank": int(budget)}
+
+
 @subcommand("train")
 @training_options
 def train_cmd(opts, **kw):
@@ -323,7 +329,7 @@ def train_cmd(opts, **kw):
     """
     run = resolve(opts)[1]
     stages.publish_scheme(run)  # a choice training cannot honour fails before any work
-    stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw))
+    stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw), **_packing_kwargs(opts))
 
 
 @subcommand("full-train")
@@ -332,7 +338,7 @@ def full_train_cmd(opts, **kw):
     """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
     run = resolve(opts)[1]
     stages.publish_scheme(run)  # a choice training cannot honour fails before any work
-    stages.full_train(run, **_train_kwargs(run, **kw))
+    stages.full_train(run, **_train_kwargs(run, **kw), **_packing_kwargs(opts))
 
 
 @subcommand("export")

@@ -83,8 +83,8 @@ def _used(hook) -> Dict[int, torch.Tensor]:
 
 
 class _TrainModelBase(nn.Module):
-    def logprobs(self, input_ids, routing_replay=None, temperature: float = 1.0):
-        return self.forward_train(input_ids, routing_replay=routing_replay, temperature=temperature).logprobs
+    def logprobs(self, input_ids, routing_replay=None, temperature: float = 1.0, **kw):
+        return self.forward_train(input_ids, routing_replay=routing_replay, temperature=temperature, **kw).logprobs
 
 
 class ReferenceTrainModel(_TrainModelBase):
@@ -165,6 +165,35 @@ def pack_rows(input_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return input_ids.reshape(-1), validate_cu_seqlens(cu)
 
 
+class _GatherRows(torch.autograd.Function):
+    """All-gather every CP rank's rows (dim 0, rank order). Every rank then computes the SAME loss from the
+    full tensor, so backward keeps only this rank's rows, without communication (see train.distributed)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cp: int, rank: int, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(cp)]
+        dist.all_gather(parts, t, group=group)
+        ctx.rank, ctx.n = rank, t.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g.narrow(0, ctx.rank * ctx.n, ctx.n), None, None, None
+
+
+def gather_rows(t: torch.Tensor, cp: int, rank: int, group, grad: bool = True) -> torch.Tensor:
+    """``t [n, ...]`` of every CP rank -> ``[cp * n, ...]`` (identity for ``cp == 1``)."""
+    if cp == 1:
+        return t
+    if not grad:
+        with torch.no_grad():
+            return _GatherRows.apply(t.detach(), cp, rank, group)
+    return _GatherRows.apply(t, cp, rank, group)
+
+
 @contextlib.contextmanager
 def detached_weights(module: nn.Module, paths=("embedding.word_embeddings", "output_layer")):
     """Inside the context, ``<path>.weight`` of ``module`` reads as a DETACHED tensor (same storage), so
@@ -240,7 +269,17 @@ class ImplTrainModel(_TrainModelBase):
     def _has_mtp(self) -> bool:
         return hasattr(self.module, "mtp_logits") and self.config.n_mtp_layers > 0
 
-    def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False):
+    @property
+    def packs_streams(self) -> bool:
+        """True for THD: ``forward_train(..., lengths=...)`` packs the real tokens into one stream."""
+        return self.qkv_format == "thd"
+
+    def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False,
+                      lengths: Optional[List[int]] = None):
+        if lengths is not None:
+            if not self.packs_streams:
+                raise ValueError(f"--impl {self.impl}: packed micro-batches need --qkv-format thd")
+            return self._forward_stream(input_ids, list(lengths), routing_replay, temperature, with_mtp)
         B, S = input_ids.shape
         ids = input_ids.to(self.device)
         thd = self.qkv_format == "thd"
@@ -274,6 +313,100 @@ class ImplTrainModel(_TrainModelBase):
         if aux is not None:
             aux = aux.to(input_ids.device)
         return TrainForward(token_logprobs(logits, input_ids, temperature), mtp, _used(hook), aux)
+
+    def _forward_stream(self, input_ids, lengths, routing_replay, temperature, with_mtp) -> TrainForward:
+        """Rows ``[B, S]`` whose first ``lengths[i]`` tokens are real -> ONE packed stream of the real tokens
+        (a segment per row, padded at its end per :func:`train.distributed.pad_rule`); this CP rank runs its
+        contiguous slice. Log-probs / MTP logits of the local rows are all-gathered (backward: this rank's
+        rows only, see :mod:`train.distributed`) and scattered back to ``[B, S-1]`` (0 past a row's end)."""
+        from engine.thd_attention import cp_group_info
+
+        from .distributed import pack
+
+        B, S = input_ids.shape
+        cp, rank, group = cp_group_info()
+        if cp > 1 and self.indexer_loss_coeff is not None:
+            raise NotImplementedError("dsa_indexer_loss_coeff with --cp > 1: the indexer loss is not reduced over CP")
+        if len(lengths) != B or any(n < 1 or n > S for n in lengths):
+            raise ValueError(f"lengths {lengths} do not fit rows of shape {tuple(input_ids.shape)}")
+        (mb,) = pack(lengths, self.config, cp, None).micro_batches
+        T, real = mb.num_tokens, mb.num_real_tokens
+        n = T // cp
+        start = rank * n
+        dev = self.device
+        rows = torch.cat([i * S + torch.arange(L) for i, L in enumerate(lengths)])        # [real]
+        stream = torch.zeros(T, dtype=torch.long)
+        stream[:real] = input_ids.reshape(-1)[rows]
+        cu = mb.cu_seqlens.to(dev)
+        x = stream[start:start + n].to(dev)
+        labels = torch.roll(stream, -1)[start:start + n].to(dev)
+        if routing_replay is not None:
+            flat = routing_replay.reshape(B * S, *routing_replay.shape[2:])
+            sr = torch.full((T,) + tuple(flat.shape[1:]), -1, dtype=flat.dtype)
+            sr[:real] = flat[rows]
+            hook = RoutingReplayer(sr[start:start + n][None])
+        else:
+            hook = RoutingRecorder(1, n)
+        kw = {"cu_seqlens": cu}
+        want_streams = with_mtp and self._mtp_takes_streams
+        if want_streams:
+            kw["return_hidden_streams"] = True
+        if self.indexer_loss_coeff is not None:
+            kw["return_indexer_loss"] = True
+        aux = streams = raw_mtp = None
+        with routing_context(hook), contextlib.ExitStack() as stack:
+            if with_mtp and not self._mtp_takes_streams:
+                stack.enter_context(_reuse_hidden_streams(self.module))
+            out = self.module(x, **kw)
+            if want_streams:
+                logits, streams = out
+            elif self.indexer_loss_coeff is not None:
+                logits, aux = out
+            else:
+                logits = out
+            if with_mtp:
+                with detached_weights(self.module):
+                    if self._mtp_takes_streams:
+                        raw_mtp = self.module.mtp_logits(x, streams, cu_seqlens=cu)
+                    else:
+                        raw_mtp = self.module.mtp_logits(x, cu)
+        if routing_replay is not None and not hook.used and self.config.n_layers > self.config.n_hash_layers:
+            raise NotImplementedError(f"--impl {self.impl}: its router does not call "
+                                      f"kernels.reference.moe.apply_routing_hook, so routing replay cannot work")
+        lg = logits.reshape(n, -1).float()
+        if temperature != 1.0:
+            lg = lg / temperature
+        lp_local = torch.log_softmax(lg, dim=-1).gather(-1, labels[:, None]).squeeze(-1).to(input_ids.device)
+        lp = gather_rows(lp_local, cp, rank, group)                                          # [T]
+        lp_rows = torch.zeros(B * S, dtype=lp.dtype).index_copy(0, rows, lp[:real]).reshape(B, S)[:, :-1]
+        lens = torch.tensor(lengths)
+        valid = torch.arange(S - 1)[None, :] < (lens[:, None] - 1)
+        lp_rows = torch.where(valid, lp_rows, torch.zeros((), dtype=lp_rows.dtype))
+        used = {}
+        for layer, idx in _used(hook).items():
+            full = gather_rows(idx.reshape(n, -1), cp, rank, group, grad=False)
+            u = torch.full((B * S, full.shape[-1]), -1, dtype=full.dtype)
+            u[rows] = full[:real]
+            used[layer] = u.reshape(B, S, -1)
+        mtp = None
+        if raw_mtp is not None:
+            mtp = []
+            for k, m in enumerate(raw_mtp):
+                W = S - 1 - k
+                if isinstance(m, (tuple, list)):    # (logits [sum of shortened segments, V], cu_k); cp 1 only
+                    lg, cu_k = m[0].to(input_ids.device), m[1].tolist()
+                    keep = [max(L - 1 - k, 0) for L in lengths]
+                    src = torch.cat([cu_k[i] + torch.arange(w) for i, w in enumerate(keep)])
+                    dst = torch.cat([i * W + torch.arange(w) for i, w in enumerate(keep)])
+                    full = torch.zeros(B * W, lg.shape[-1], dtype=lg.dtype).index_copy(0, dst, lg[src])
+                    mtp.append(full.reshape(B, W, -1))
+                    continue
+                m = gather_rows(m.reshape(n, -1), cp, rank, group).to(input_ids.device)
+                full = torch.zeros(B * S, m.shape[-1], dtype=m.dtype).index_copy(0, rows, m[:real])
+                mtp.append(full.reshape(B, S, -1)[:, :W])
+        if aux is not None:
+            aux = aux.to(input_ids.device)
+        return TrainForward(lp_rows, mtp, used, aux)
 
     def _mtp(self, ids, x, cu, streams) -> List[torch.Tensor]:
         """Per depth k: ``[B, S-1-k, V]`` (row i predicts ``ids[:, i+k+2]``)."""
@@ -318,12 +451,18 @@ class ImplTrainModel(_TrainModelBase):
 def setup_process(run_config):
     """What a one-process job does before building a model: its hardware target sets the process up
     (on the CPU: megatron-core's shims) and starts a one-rank process group with megatron's parallel
-    state. Returns the target. The trainer is one process: tp / cp / ep > 1 need a launcher that starts
-    the ranks (and initializes their groups) first."""
+    state. Returns the target. tp / cp / ep > 1 need the ranks started (and their groups initialized)
+    first: :func:`train.distributed.spawn_training` does that for cp (``run_training`` calls it)."""
     import torch.distributed as dist
 
     target = run_config.selection.hardware.load()()
     target.setup()
+    if dist.is_initialized() and run_config.cp > 1:
+        from engine.thd_attention import cp_group_info
+
+        if cp_group_info()[0] != run_config.cp:
+            raise ValueError(f"--cp {run_config.cp}: this process's context-parallel group has "
+                             f"{cp_group_info()[0]} ranks (train.distributed.spawn_training starts them)")
     if not dist.is_initialized():
         if run_config.tp * run_config.cp * run_config.ep > 1:
             raise ValueError(f"training with --tp {run_config.tp} --cp {run_config.cp} --ep {run_config.ep} "
@@ -363,6 +502,9 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
         kwargs["dsa_indexer_loss_coeff"] = float(dsa_indexer_loss_coeff)
     torch.manual_seed(seed)
     module = factory(model_config, run_config, **kwargs)
+    if getattr(run_config, "quant", None) == "qat":      # fake-quant training (converters.schemes.QATScheme)
+        from converters.schemes import qat
+        qat().install(module)
     device = target.device(0) if hasattr(target, "device") else torch.device("cpu")
     module.to(device)
     return ImplTrainModel(module, model_config, impl, qkv_format=run_config.qkv_format,

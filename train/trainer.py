@@ -16,6 +16,15 @@ is the run's implementation (``train_impl`` None; see :func:`train.model.build_t
 last complete checkpoint. With ``export_at_end`` the final weights are written as an HF checkpoint to
 ``RUN_DIR/hf``.
 
+Context parallel (``run_config.cp > 1``, THD): ``run_training`` spawns one local process per CP rank
+(:mod:`train.distributed`); every rank runs the loop on its slice of each packed micro-batch, gradients are
+summed over the CP group before the optimizer step (equal to the cp=1 gradient); rank 0 alone runs the
+rollout engine (its samples are broadcast) and does all file I/O (config, metrics, checkpoints, export).
+Dynamic batching (``max_tokens_per_rank``, THD): SFT sequences / GRPO samples are packed in order into
+micro-batches with :func:`core.packing.pack_micro_batches` (never split; the run's CP size and the
+model's pad rule), gradients accumulated; metrics ``packing_efficiency`` (real / padded tokens) and
+``micro_batches``. With cp=1 and no budget the loop is unchanged (rows packed by ``pack_rows``).
+
 Test hook: ``DSV4_TRAIN_KILL_AT="STEP:PHASE"`` (PHASE in rollout, logprobs, train, update_weights,
 checkpoint) SIGKILLs the process at that point of that step.
 """
@@ -38,6 +47,7 @@ from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
 from .losses import group_advantages, k3, masked_mean, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
 from .metrics import MetricsLogger, summary_line, truncate_after
+from .distributed import CpGroup, needs_spawn, spawn_training
 from .model import build_train_model, load_model_source
 from .replay import routing_match
 from .weight_sync import sync_weights
@@ -87,6 +97,9 @@ class TrainConfig:
     # "reference" = the reference model (tests of the loop itself)
     train_impl: Optional[str] = None
     train_dtype: str = "fp32"
+    # dynamic batching: pack SFT sequences / GRPO samples into THD micro-batches of at most this many
+    # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
+    max_tokens_per_rank: Optional[int] = None
     # bookkeeping
     save_every: int = 10
     keep_last: int = 2
@@ -152,6 +165,15 @@ class _Run:
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff)
+        self.dist = CpGroup.current()
+        self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
+        self.packed = bool(getattr(self.model, "packs_streams", False)) and (
+            self.dist.cp > 1 or self.max_tokens_per_rank is not None)
+        if self.max_tokens_per_rank is not None and not self.packed:
+            raise ValueError(f"max_tokens_per_rank {self.max_tokens_per_rank}: dynamic batching packs THD "
+                             f"micro-batches; the training model runs the bshd layout (use --qkv-format thd)")
+        if self.dist.cp > 1 and not self.packed:
+            raise ValueError(f"training with --cp {self.dist.cp} needs a THD training model (--qkv-format thd)")
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -163,7 +185,7 @@ class _Run:
             self.ref_model.load_native_state({n: t.detach().clone() for n, t in self.model.native_tensors()})
             self.ref_model.eval().requires_grad_(False)
         self.engine = None
-        if mode == "grpo":
+        if mode == "grpo" and self.dist.is_main:     # rank 0 alone runs the rollout engine
             from .engines_plugin import make_engine
 
             self.engine = make_engine(cfg.rollout_engine, self.model_config, dtype=_DTYPES[cfg.engine_dtype])
@@ -172,6 +194,30 @@ class _Run:
 
     # -- config / resume ---------------------------------------------------
     def _write_or_check_config(self, resume: bool, model_source) -> None:
+        """Rank 0 writes / checks the run folder; the other CP ranks load the same checkpoint."""
+        if self.dist.cp == 1:
+            return self._write_or_check_config_main(resume, model_source)
+        if self.dist.is_main:
+            try:
+                self._write_or_check_config_main(resume, model_source)
+                found = latest_checkpoint(self.run_dir) if self.start_step else None
+                msg = (self.start_step, None if found is None else str(found[1]), None)
+            except Exception as exc:
+                self.dist.broadcast((0, None, f"{type(exc).__name__}: {exc}"))
+                raise
+            self.dist.broadcast(msg)
+            return None
+        step, folder, err = self.dist.broadcast(None)
+        if err is not None:
+            raise RuntimeError(f"rank 0 failed: {err}")
+        if folder is not None:
+            load_checkpoint(folder, self.model, self.opt)
+            if self.ref_model is not None:
+                self.ref_model.load_native_state(torch.load(self.run_dir / "ref_model.pt", weights_only=True))
+        self.start_step = int(step)
+        return None
+
+    def _write_or_check_config_main(self, resume: bool, model_source) -> None:
         p = self.run_dir / CONFIG_FILE
         desc = {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
                 "model_source": self.ckpt_source}
@@ -215,6 +261,8 @@ class _Run:
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         _maybe_kill(step, "train")
+        if self.packed:
+            return self._sft_packed(ids, mask, [len(q) for q in seqs], t0)
         fwd = self.model.forward_train(ids, with_mtp=cfg.mtp_coef > 0)
         loss_sum, n_tok = sft_loss_sum(fwd.logprobs, mask)
         loss = loss_sum / n_tok.clamp(min=1)
@@ -225,8 +273,7 @@ class _Run:
         if fwd.aux_loss is not None:
             total = total + fwd.aux_loss
         total.backward()
-        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
-        self.opt.step()
+        gnorm = self._clip_and_step()
         t_train = time.perf_counter() - t0
         return {"loss": float(loss.detach()), "mtp_loss": None if mtp is None else float(mtp.detach()), "grad_norm": gnorm,
                 "indexer_loss": None if fwd.aux_loss is None else float(fwd.aux_loss.detach()),
@@ -234,27 +281,80 @@ class _Run:
                 "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
                 "tokens": int(ids.numel()), "response_tokens": int(mask.sum())}
 
+    def _clip_and_step(self) -> float:
+        """Sum the gradients over the CP group (no-op for cp 1), clip, step; returns the grad norm."""
+        self.dist.all_reduce_grads(self.params)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        self.opt.step()
+        return gnorm
+
+    def _micro_batches(self, lengths: List[int]):
+        """``([sample indices per micro-batch], packing efficiency)`` (core.packing; samples never split)."""
+        from .distributed import pack
+
+        pr = pack(lengths, self.model_config, self.dist.cp, self.max_tokens_per_rank)
+        return [list(mb.sample_indices) for mb in pr.micro_batches], pr.efficiency
+
+    def _sft_packed(self, ids, mask, lengths: List[int], t0: float) -> Dict[str, Any]:
+        """SFT over packed micro-batches: each adds its response tokens' NLL sum / the batch's response
+        tokens (so the total is the batch's token-mean NLL); MTP and aux terms weighted by token share."""
+        cfg = self.cfg
+        n_total = max(float(mask.sum()), 1.0)
+        mbs, eff = self._micro_batches(lengths)
+        loss_acc = mtp_acc = aux_acc = 0.0
+        have_mtp = have_aux = False
+        for idx in mbs:
+            Sm = max(lengths[i] for i in idx)
+            sub_ids, sub_mask = ids[idx, :Sm], mask[idx, :Sm - 1]
+            fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, lengths=[lengths[i] for i in idx])
+            loss_sum, _ = sft_loss_sum(fwd.logprobs, sub_mask)
+            loss = loss_sum / n_total
+            loss_acc += float(loss.detach())
+            total = loss
+            frac = float(sub_mask.sum()) / n_total
+            mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
+            if mtp is not None:
+                total = total + cfg.mtp_coef * mtp * frac
+                mtp_acc += float(mtp.detach()) * frac
+                have_mtp = True
+            if fwd.aux_loss is not None:
+                total = total + fwd.aux_loss * frac
+                aux_acc += float(fwd.aux_loss.detach()) * frac
+                have_aux = True
+            total.backward()
+        gnorm = self._clip_and_step()
+        return {"loss": loss_acc, "mtp_loss": mtp_acc if have_mtp else None, "grad_norm": gnorm,
+                "indexer_loss": aux_acc if have_aux else None,
+                "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
+                "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": time.perf_counter() - t0,
+                "time_update_weights": 0.0, "tokens": int(sum(lengths)), "response_tokens": int(mask.sum()),
+                "packing_efficiency": eff, "micro_batches": len(mbs)}
+
     def grpo_step(self, step: int) -> Dict[str, Any]:
         cfg, tok, c = self.cfg, self.tok, self.model_config
         out: Dict[str, Any] = {}
         # update_weights
         _maybe_kill(step, "update_weights")
         self.model.eval()
-        rep = sync_weights(self.model, self.engine, version=step, scheme=cfg.publish_scheme,
-                           engine_dtype=_DTYPES[cfg.engine_dtype], max_bucket_bytes=cfg.max_bucket_bytes,
-                           check=cfg.check_weights)
-        if rep.check is not None and not rep.check.ok:
-            raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
-        out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
-                   weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
-                   weight_quant_max_rel_err=rep.max_quant_rel_err)
-        # rollout
+        if self.dist.is_main:
+            rep = sync_weights(self.model, self.engine, version=step, scheme=cfg.publish_scheme,
+                               engine_dtype=_DTYPES[cfg.engine_dtype], max_bucket_bytes=cfg.max_bucket_bytes,
+                               check=cfg.check_weights)
+            if rep.check is not None and not rep.check.ok:
+                raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
+            out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
+                       weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
+                       weight_quant_max_rel_err=rep.max_quant_rel_err)
+        # rollout (rank 0's engine; the samples are broadcast to the other CP ranks)
         _maybe_kill(step, "rollout")
         t0 = time.perf_counter()
         batch = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
         prompts = [D.encode_prompt(tok, ex.prompt) for ex in batch]
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,))
-        groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step))
+        groups = None
+        if self.dist.is_main:
+            groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step))
+        groups = self.dist.broadcast(groups)
         rewards, items = [], []
         for ex, samples in zip(batch, groups):
             r = []
@@ -265,17 +365,22 @@ class _Run:
             rewards.append(r)
             items.append(self._group_tensors(samples, r))
         out["time_rollout"] = time.perf_counter() - t0
+        if self.packed:                  # dynamic batching: micro-batches of samples across groups
+            items, out["packing_efficiency"] = self._packed_items(items)
+            out["micro_batches"] = len(items)
+        lkw = (lambda it: {"lengths": it["lengths"]}) if self.packed else (lambda it: {})
         # logprobs
         _maybe_kill(step, "logprobs")
         t0 = time.perf_counter()
         diffs, kls, matches, w = [], [], [], []
         with torch.no_grad():
             for it in items:
-                fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature)
+                fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
+                                               **lkw(it))
                 it["old"] = fwd.logprobs
                 if self.ref_model is not None:
                     it["ref"] = self.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
-                                                        temperature=cfg.temperature)
+                                                        temperature=cfg.temperature, **lkw(it))
                 d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])
                 diffs.append(d)
                 kls.append(k)
@@ -297,7 +402,7 @@ class _Run:
         have_aux = False
         for it in items:
             fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
-                                           with_mtp=cfg.mtp_coef > 0)
+                                           with_mtp=cfg.mtp_coef > 0, **lkw(it))
             pg_sum, clipped, _n = policy_loss(fwd.logprobs, it["old"], it["adv"], it["mask"],
                                               clip_low=cfg.clip_low, clip_high=cfg.clip_high)
             loss = pg_sum / max(total_tokens, 1.0)
@@ -321,8 +426,7 @@ class _Run:
                 have_aux = True
             loss.backward()
             loss_acc += float(loss.detach())
-        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
-        self.opt.step()
+        gnorm = self._clip_and_step()
         out["time_train"] = time.perf_counter() - t0
         allr = torch.cat(rewards)
         out.update(loss=loss_acc, pg_loss=pg_acc, kl_loss=kl_acc if self.ref_model is not None else None,
@@ -353,13 +457,51 @@ class _Run:
                 re = s.routed_experts
                 routed[i, :re.shape[0]] = re
         adv = group_advantages(rewards, normalize_std=self.cfg.normalize_adv_std)
-        return {"ids": ids, "mask": mask, "rollout_lp": rollout_lp, "routed": routed, "adv": adv}
+        return {"ids": ids, "mask": mask, "rollout_lp": rollout_lp, "routed": routed, "adv": adv,
+                "lengths": [len(q) for q in seqs]}
+
+    def _packed_items(self, items):
+        """The groups' samples regrouped into packed micro-batches (core.packing, in order, never split):
+        ``(items, packing efficiency)``; each item's rows are trimmed to its longest sample."""
+        S = max(it["ids"].shape[1] for it in items)
+
+        def pad(t, width, fill):
+            if t.shape[1] == width:
+                return t
+            extra = torch.full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), fill, dtype=t.dtype)
+            return torch.cat([t, extra], dim=1)
+
+        routed = None
+        if all(it["routed"] is not None for it in items):
+            routed = torch.cat([pad(it["routed"], S, -1) for it in items])
+        flat = {"ids": torch.cat([pad(it["ids"], S, self.tok.eos_token_id) for it in items]),
+                "mask": torch.cat([pad(it["mask"], S - 1, False) for it in items]),
+                "rollout_lp": torch.cat([pad(it["rollout_lp"], S - 1, 0.0) for it in items]),
+                "adv": torch.cat([it["adv"] for it in items])}
+        lengths = [n for it in items for n in it["lengths"]]
+        mbs, eff = self._micro_batches(lengths)
+        out = []
+        for idx in mbs:
+            Sm = max(lengths[i] for i in idx)
+            out.append({"ids": flat["ids"][idx, :Sm], "mask": flat["mask"][idx, :Sm - 1],
+                        "rollout_lp": flat["rollout_lp"][idx, :Sm - 1], "adv": flat["adv"][idx],
+                        "routed": None if routed is None else routed[idx, :Sm],
+                        "lengths": [lengths[i] for i in idx]})
+        return out, eff
 
     # -- loop --------------------------------------------------------------
+    def _run_follower(self) -> Dict[str, Any]:
+        """A CP rank other than 0: the same steps (collectives), no engine, no file I/O."""
+        for step in range(self.start_step + 1, self.steps + 1):
+            self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+        return {}
+
     def run(self) -> Dict[str, Any]:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        if not self.dist.is_main:
+            return self._run_follower()
         console = Console(stderr=True, quiet=not self.progress)
         if self.start_step >= self.steps:
             console.print(f"[bold]{self.run_dir}[/]: already at step {self.start_step} >= --steps {self.steps}")
@@ -406,7 +548,10 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     ``run_config``: a :class:`core.run_config.RunConfig` (or None); ``model_source``: an HF-format
     checkpoint folder, a preset name (random init) or a ModelConfig; ``mode``: "sft" | "grpo";
     ``config``: a :class:`TrainConfig`, with ``overrides`` (field=value) applied on top. Returns a dict
-    with the run folder, the start step and the last metrics row.
+    with the run folder, the start step and the last metrics row. ``run_config.cp > 1`` (THD) runs the
+    loop on ``cp`` spawned local processes (:mod:`train.distributed`).
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
+        return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
     return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()
