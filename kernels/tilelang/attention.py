@@ -35,6 +35,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from kernels import gpu_common
+from kernels.gpu_common import LN2, LOG2E  # noqa: F401  (re-exported: bench.py uses A.LOG2E)
+
 __all__ = [
     "sparse_attention_with_sink",
     "sparse_attention_with_sink_thd",
@@ -44,9 +47,6 @@ __all__ = [
     "FWD_CONFIG",
     "BWD_CONFIG",
 ]
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 FWD_CONFIG = dict(BH=64, BK=64, threads=256, num_stages=1)  # num_stages=2 measured no faster
 # (fastest of bench.py's sweep on the H200, 2026-11-29: BK=64 / DC=128 beat BK=32 / DC=64 by 7-23 %)
@@ -252,18 +252,7 @@ def dkv_kernel(H: int, D: int, dtype: str, BK: int = 64, DC: int = 64, threads: 
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
-    if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or sink.dim() != 1:
-        raise ValueError(f"expected q [T,H,D], kv [Tkv,D], idx [T,K], sink [H]; got {tuple(q.shape)}, "
-                         f"{tuple(kv.shape)}, {tuple(idx.shape)}, {tuple(sink.shape)}")
-    T, H, D = q.shape
-    if kv.shape[1] != D or idx.shape[0] != T or sink.shape[0] != H:
-        raise ValueError("shape mismatch between q, kv, idx and sink")
-    if D < 32 or D & (D - 1):
-        raise ValueError(f"head dim {D} must be a power of two >= 32 for the tilelang kernels")
-    if q.dtype not in _DTYPES or kv.dtype != q.dtype:
-        raise ValueError(f"the tilelang kernels take bf16/fp16 q and kv of one dtype, got {q.dtype}, {kv.dtype}")
-    if not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
-        raise ValueError("the tilelang kernels need CUDA tensors")
+    gpu_common.check_attention_inputs(q, kv, idx, sink, "tilelang")
 
 
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -306,60 +295,15 @@ def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[
             q, kv, idx, do, lse2.contiguous(), delta, dq, pt, dst, float(scale), float(scale) * LOG2E)
         DC = min(cfg["DC"], D)
         dkv_kernel(H, D, dt, cfg["BK2"], DC, cfg["threads2"], cfg["num_stages2"])(q, do, idx, pt, dst, dkv32)
-    # d_sink[h] = -sum_t Delta * exp(sink - lse); lse2 is in log2 units
-    dsink = -(delta * torch.exp2(sink.float()[None, :] * LOG2E - lse2)).sum(0)
+    dsink = gpu_common.dsink_from_delta(delta, sink, lse2)
     return dq, dkv32.to(kv.dtype), dsink
 
 
-class SparseAttentionWithSink(torch.autograd.Function):
-    """autograd wrapper over the THD kernels: ``(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale)``
-    -> ``(o [T,H,D], lse [T,H] natural log, not differentiable)``."""
-
-    @staticmethod
-    def forward(ctx, q, kv, idx, sink, scale):
-        o, lse2 = sparse_attention_fwd(q, kv, idx, sink, scale)
-        ctx.save_for_backward(q, kv, idx, sink, o, lse2)
-        ctx.scale = scale
-        lse = lse2 * LN2
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, kv, idx, sink, o, lse2 = ctx.saved_tensors
-        dq, dkv, dsink = sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, ctx.scale)
-        return dq, dkv, None, dsink.to(sink.dtype), None
+def _kernel_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    return gpu_common.half_pow2_head_dim(q, kv) and q.is_cuda
 
 
-def sparse_attention_with_sink_thd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                                   scale: Optional[float] = None, return_lse: bool = False):
-    """THD entry point: ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]`` (int32/int64, ``-1`` = empty),
-    ``sink [H]`` -> ``o [T,H,D]`` (and ``lse [T,H]`` fp32, natural log, when ``return_lse``)."""
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    o, lse = SparseAttentionWithSink.apply(q, kv, idx, sink, float(scale))
-    return (o, lse) if return_lse else o
-
-
-def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                               sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.reference.attention.sparse_attention_with_sink``:
-    ``q [B,S,H,D]``, ``kv [B,N,D]``, ``indices [B,S,K]`` or ``[S,K]`` (``-1`` = ignore), ``sink [H]``.
-
-    bf16/fp16 CUDA inputs with a power-of-two head dim >= 32 run the TileLang kernels (batch flattened to
-    THD, row ids offset by ``b*N``); anything else (fp32/fp64, odd head dims, CPU tensors) delegates to
-    the reference op."""
-    B, S, H, D = q.shape
-    N = kv.shape[1]
-    if (q.dtype not in _DTYPES or kv.dtype != q.dtype or D < 32 or D & (D - 1) or not q.is_cuda):
-        from kernels.reference.attention import sparse_attention_with_sink as ref
-
-        return ref(q, kv, indices, sink, scale)
-    if indices.dim() == 2:
-        indices = indices.unsqueeze(0).expand(B, -1, -1)
-    idx = indices.to(torch.int64)
-    offs = (torch.arange(B, device=idx.device, dtype=torch.int64) * N).view(B, 1, 1)
-    idx = torch.where(idx >= 0, idx + offs, torch.full_like(idx, -1)).to(torch.int32)
-    o = sparse_attention_with_sink_thd(q.reshape(B * S, H, D), kv.reshape(B * N, D),
-                                       idx.reshape(B * S, -1), sink, scale)
-    return o.view(B, S, H, D)
+# autograd wrapper, THD and batched entry points (bf16/fp16 CUDA inputs with a power-of-two head dim >= 32
+# run the TileLang kernels; anything else, fp32/fp64, odd head dims, CPU tensors, delegates to the reference op)
+SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
+    lambda *a: sparse_attention_fwd(*a), lambda *a: sparse_attention_bwd(*a), _kernel_supports, __name__)

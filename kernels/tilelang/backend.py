@@ -28,21 +28,7 @@ def ops():
     ``sparse_attention_with_sink_thd`` (``return_lse=True`` also gives the natural-log LSE),
     ``indexer_scores_thd`` (with causal or segment ``ks/ke`` ranges), ``indexer_topk``.
     """
-    from types import SimpleNamespace
-
-    from kernels.reference import backend as reference
+    from kernels import gpu_common
     from kernels.tilelang import attention, indexer
 
-    ref = reference.ops()
-    return SimpleNamespace(
-        sparse_attention_with_sink=attention.sparse_attention_with_sink,
-        indexer_scores=indexer.indexer_scores,
-        hadamard_transform=ref.hadamard_transform,
-        sinkhorn=ref.sinkhorn,
-        hc_pre=ref.hc_pre,
-        hc_post=ref.hc_post,
-        hc_head=ref.hc_head,
-        sparse_attention_with_sink_thd=attention.sparse_attention_with_sink_thd,
-        indexer_scores_thd=indexer.indexer_scores_thd,
-        indexer_topk=indexer.indexer_topk,
-    )
+    return gpu_common.make_ops(attention, indexer)

@@ -3,13 +3,8 @@
 
     python -m kernels.tilelang.bench --out FILE.json [--no-sweep] [--jobs N]
 
-Shapes (S = 4096 query tokens, head dim 512, window 128 + top-k compressed = K slots per query):
-``v4-flash`` H=64, K=640; ``v4-pro`` H=128, K=1152; kv = S window rows + S/4 compressed rows, every slot valid
-except the first 127 queries' window. Indexer: T=4096, H=64, D=128, N=1024 (full grid and causal ``ke``).
-
-FLOPs: forward ``4*H*S*K*D``; backward 2.5x forward (``10*H*S*K*D``; time = Delta + dq pass + dkv pass +
-zeroing the fp32 dkv buffer + the cast + d_sink); indexer ``2*T*N*H*D`` (the causal row counts the full
-grid too: the TileLang indexer does not skip invisible tiles).
+Shapes, inputs, FLOP conventions and timing: ``kernels/bench_common.py`` (the causal indexer row counts
+the full grid too: the TileLang indexer does not skip invisible tiles).
 
 Timing: ``triton.testing.do_bench`` (CUDA events, median, L2 flushed between reps). With the sweep on
 (default) a few launch configs are timed, each checked against the default config's output, and the
@@ -18,18 +13,12 @@ parallel processes (TileLang's disk cache), then timed in this process.
 """
 
 import argparse
-import datetime
-import json
 import sys
 
 import torch
 
-SHAPES = {
-    "v4-flash": dict(H=64, topk=512),
-    "v4-pro": dict(H=128, topk=1024),
-}
-S, D, WINDOW = 4096, 512, 128
-DEVICE = "cuda"
+from kernels.bench_common import D, DEVICE, S, SHAPES, WINDOW  # noqa: F401  (the bench's shapes)
+from kernels import bench_common as bc
 
 FWD_SWEEP = [
     dict(BK=64, num_stages=1),
@@ -77,7 +66,7 @@ def kernel_specs(shapes, sweep: bool):
 
 
 def test_specs():
-    """The kernels ``tests/kernels/test_tilelang_*.py`` and the tiny-model GPU test compile (default configs)."""
+    """The kernels ``tests/kernels/test_*_gpu.py`` and the tiny-model GPU test compile (default configs)."""
     from kernels.tilelang import attention as A
     from kernels.tilelang import indexer as I
 
@@ -118,85 +107,29 @@ def precompile(specs, jobs: int = 8):
             print(f"  compiled {kind}{args} in {secs:.1f} s" + (f"  FAILED {err}" if err else ""), flush=True)
 
 
-def _inputs(H, topk, seed=0):
-    from kernels.reference.attention import window_indices
-
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    n_comp = S // 4
-    q = torch.randn(S, H, D, device=DEVICE, generator=g).bfloat16()
-    kv = torch.randn(S + n_comp, D, device=DEVICE, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEVICE, generator=g)
-    do = torch.randn(S, H, D, device=DEVICE, generator=g).bfloat16()
-    comp = torch.rand(S, n_comp, device=DEVICE, generator=g).topk(topk, dim=-1).indices + S
-    idx = torch.cat([window_indices(S, WINDOW, DEVICE), comp], dim=1).to(torch.int32)
-    return q, kv, idx, sink, do
-
-
-def _bench(fn, rep=200):
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def _maxdiff(a, b):
-    return (a.float() - b.float()).abs().max().item()
+_bench = bc.bench
+_maxdiff = bc.maxdiff
 
 
 def bench_attention(name, H, topk, sweep, rows, meta):
     from kernels.tilelang import attention as A
 
-    q, kv, idx, sink, do = _inputs(H, topk)
-    K = idx.shape[1]
+    q, kv, idx, sink, do = bc.attention_inputs(H, topk)
     scale = D ** -0.5
-    fwd_flop = 4.0 * H * S * K * D
-    bwd_flop = 2.5 * fwd_flop
-    n_valid = int((idx >= 0).sum())
-    shape = f"{name}: S={S} H={H} D={D} K={K} (window {WINDOW} + top-k {topk}), Tkv={kv.shape[0]}"
+    fwd_flop, bwd_flop, n_valid, K = bc.attention_flops(H, idx)
+    shape = bc.attention_shape(name, H, topk, K, kv)
 
     def row(direction, ms, flop, **extra):
-        r = dict(kernel="sparse_attention_with_sink", backend="tilelang", shape=shape, direction=direction,
-                 ms=round(ms, 4), tflops=round(flop / ms * 1e-9, 1),
-                 tflops_valid_slots=round(flop * n_valid / (S * K) / ms * 1e-9, 1), **meta, **extra)
-        rows.append(r)
-        print(f"  tilelang   {direction:4s} {ms:9.3f} ms {r['tflops']:7.1f} TFLOPS  {extra.get('config', '')}",
-              flush=True)
+        bc.attention_row(rows, meta, shape, n_valid, K, "tilelang", direction, ms, flop, label="tilelang  ",
+                         **extra)
 
-    o0, lse0 = A.sparse_attention_fwd(q, kv, idx, sink, scale)
-    best = None
-    for cfg in (FWD_SWEEP if sweep else [{}]):
-        cfg = {**A.FWD_CONFIG, **cfg}
-        try:
-            o, lse = A.sparse_attention_fwd(q, kv, idx, sink, scale, config=cfg)
-            err = max(_maxdiff(o, o0), _maxdiff(lse, lse0))
-            if err > 1e-2:
-                print(f"  fwd config {cfg} disagrees with the default config (max diff {err}); skipped")
-                continue
-            ms = _bench(lambda: A.sparse_attention_fwd(q, kv, idx, sink, scale, config=cfg))
-            print(f"  sweep fwd {cfg}: {ms:.3f} ms, {fwd_flop / ms * 1e-9:.1f} TFLOPS", flush=True)
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        except Exception as e:
-            print(f"  fwd config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    o0, lse0, best = bc.sweep_fwd(A, q, kv, idx, sink, scale,
+                                  [{**A.FWD_CONFIG, **cfg} for cfg in (FWD_SWEEP if sweep else [{}])], fwd_flop)
     if best:
         row("fwd", best[0], fwd_flop, config=best[1])
 
-    dq0, dkv0, ds0 = A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale)
     combos = [{**A.BWD_CONFIG, **a, **b} for a in DQ_SWEEP for b in DKV_SWEEP] if sweep else [dict(A.BWD_CONFIG)]
-    best = None
-    for cfg in combos:
-        try:
-            dq, dkv, ds = A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale, config=cfg)
-            err = max(_maxdiff(dq, dq0), _maxdiff(dkv, dkv0) / (dkv0.float().abs().max().item() + 1e-9),
-                      _maxdiff(ds, ds0))
-            if err > 2e-2:
-                print(f"  bwd config {cfg} disagrees with the default config (max diff {err}); skipped")
-                continue
-            ms = _bench(lambda: A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale, config=cfg))
-            print(f"  sweep bwd {cfg}: {ms:.3f} ms, {bwd_flop / ms * 1e-9:.1f} TFLOPS", flush=True)
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        except Exception as e:
-            print(f"  bwd config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    best = bc.sweep_bwd(A, q, kv, idx, sink, o0, lse0, do, scale, combos, bwd_flop)
     if best:
         row("bwd", best[0], bwd_flop, config=best[1])
         _bwd_split(A, q, kv, idx, sink, o0, lse0, do, scale, best[1], bwd_flop)
@@ -214,23 +147,15 @@ def _bwd_split(A, q, kv, idx, sink, o, lse2, do, scale, cfg, bwd_flop):
     kdkv = A.dkv_kernel(H, D, "bfloat16", cfg["BK2"], min(cfg["DC"], D), cfg["threads2"], cfg["num_stages2"])
     t_dq = _bench(lambda: kdq(q, kv, idx, do, lse2, delta, dq, pt, dst, scale, scale * A.LOG2E))
     t_dkv = _bench(lambda: kdkv(q, do, idx, pt, dst, dkv32))
-    unit = bwd_flop / 5
-    print(f"  bwd split: dq pass {t_dq:.3f} ms ({3 * unit / t_dq * 1e-9:.0f} TFLOPS on its 3 matmuls), "
-          f"dkv pass {t_dkv:.3f} ms ({2 * unit / t_dkv * 1e-9:.0f} TFLOPS on its 2 matmuls)", flush=True)
+    bc.print_bwd_split(t_dq, t_dkv, bwd_flop)
 
 
 def bench_indexer(sweep, rows, meta):
     from kernels.tilelang.indexer import INDEXER_CONFIG, indexer_scores_thd
 
-    T, H, Di, N = S, 64, 128, S // 4
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    q = torch.randn(T, H, Di, device=DEVICE, generator=g).bfloat16()
-    k = torch.randn(N, Di, device=DEVICE, generator=g).bfloat16()
-    w = torch.randn(T, H, device=DEVICE, generator=g)
-    ke = ((torch.arange(T, device=DEVICE) + 1) // 4).int()
-    ks = torch.zeros_like(ke)
+    q, k, w, ks, ke, shape = bc.indexer_inputs()
+    T, H, Di, N = bc.INDEXER_SHAPE
     full = 2.0 * T * N * H * Di
-    shape = f"indexer: T={T} H={H} D={Di} N={N}"
     for direction, rng in (("fwd", None), ("fwd-causal", (ks, ke))):
         ref = indexer_scores_thd(q, k, w, *(rng or ()))
         best = None
@@ -283,8 +208,7 @@ def main(argv=None):
     if args.jobs:
         print("== compiling", flush=True)
         precompile(kernel_specs(shapes, not args.no_sweep), args.jobs)
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, tilelang=tilelang.__version__)
+    meta = bc.base_meta(tilelang=tilelang.__version__)
     rows = []
     for name in shapes:
         print(f"== {name}", flush=True)
@@ -292,14 +216,7 @@ def main(argv=None):
     print("== indexer", flush=True)
     bench_indexer(not args.no_sweep, rows, meta)
 
-    print()
-    print(f"{'kernel':28s} {'shape':10s} {'dir':10s} {'backend':10s} {'ms':>9s} {'TFLOPS':>8s}")
-    for r in rows:
-        print(f"{r['kernel']:28s} {r['shape'].split(':')[0]:10s} {r['direction']:10s} {r['backend']:10s} "
-              f"{r['ms']:9.3f} {r['tflops']:8.1f}")
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {args.out}")
+    bc.write_results(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gpu_common
+from kernels.gpu_common import LN2, LOG2E  # noqa: F401  (re-exported: bench.py uses A.LOG2E)
+
 __all__ = [
     "sparse_attention_with_sink",
     "sparse_attention_with_sink_thd",
@@ -58,9 +61,6 @@ __all__ = [
     "FWD_CONFIG",
     "BWD_CONFIG",
 ]
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 # Launch parameters; bench.py may override them per call (the ``config`` argument).
 FWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=2)
@@ -208,18 +208,8 @@ def _bwd_dkv_kernel(Q, DO, IDX, PT, DST, DKV,
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
-    if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or sink.dim() != 1:
-        raise ValueError(f"expected q [T,H,D], kv [Tkv,D], idx [T,K], sink [H]; got {tuple(q.shape)}, "
-                         f"{tuple(kv.shape)}, {tuple(idx.shape)}, {tuple(sink.shape)}")
-    T, H, D = q.shape
-    if kv.shape[1] != D or idx.shape[0] != T or sink.shape[0] != H:
-        raise ValueError("shape mismatch between q, kv, idx and sink")
-    if D < 32 or D & (D - 1):
-        raise ValueError(f"head dim {D} must be a power of two >= 32 for the triton kernels")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise ValueError(f"the triton kernels take bf16/fp16 q and kv of one dtype, got {q.dtype}, {kv.dtype}")
-    if not _interpreting() and not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
-        raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    gpu_common.check_attention_inputs(q, kv, idx, sink, "triton", need_cuda=not _interpreting(),
+                                      cuda_hint=" (or TRITON_INTERPRET=1 for CPU debugging)")
 
 
 def _head_block(H: int, BH: int) -> int:
@@ -274,60 +264,12 @@ def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[
             q.stride(0), q.stride(1), idx.stride(0), do.stride(0), do.stride(1),
             HP=max(16, triton.next_power_of_2(H)), BK=cfg["BK2"], DC=DC, D=D,
             NUM_STAGES=cfg["num_stages2"], num_warps=cfg["num_warps2"])
-    # d_sink[h] = -sum_t Delta * exp(sink - lse); in log2 units exp(x) = exp2(x*log2e)
-    dsink = -(delta * torch.exp2(sink.float()[None, :] * LOG2E - lse2)).sum(0)
+    dsink = gpu_common.dsink_from_delta(delta, sink, lse2)
     return dq, dkv32.to(kv.dtype), dsink
 
 
-class SparseAttentionWithSink(torch.autograd.Function):
-    """autograd wrapper over the THD kernels: ``(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale)``
-    -> ``(o [T,H,D], lse [T,H] natural log, not differentiable)``."""
-
-    @staticmethod
-    def forward(ctx, q, kv, idx, sink, scale):
-        o, lse2 = sparse_attention_fwd(q, kv, idx, sink, scale)
-        ctx.save_for_backward(q, kv, idx, sink, o, lse2)
-        ctx.scale = scale
-        lse = lse2 * LN2
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, kv, idx, sink, o, lse2 = ctx.saved_tensors
-        dq, dkv, dsink = sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, ctx.scale)
-        return dq, dkv, None, dsink.to(sink.dtype), None
-
-
-def sparse_attention_with_sink_thd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                                   scale: Optional[float] = None, return_lse: bool = False):
-    """THD entry point: ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]`` (int32/int64, ``-1`` = empty),
-    ``sink [H]`` -> ``o [T,H,D]`` (and ``lse [T,H]`` fp32, natural log, when ``return_lse``)."""
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    o, lse = SparseAttentionWithSink.apply(q, kv, idx, sink, float(scale))
-    return (o, lse) if return_lse else o
-
-
-def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                               sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.reference.attention.sparse_attention_with_sink``:
-    ``q [B,S,H,D]``, ``kv [B,N,D]``, ``indices [B,S,K]`` or ``[S,K]`` (``-1`` = ignore), ``sink [H]``.
-
-    bf16/fp16 inputs with a power-of-two head dim run the triton kernels (batch flattened to THD,
-    row ids offset by ``b*N``); anything else (fp32/fp64 tests, odd head dims) delegates to the
-    reference op."""
-    B, S, H, D = q.shape
-    N = kv.shape[1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype or D < 32 or D & (D - 1):
-        from kernels.reference.attention import sparse_attention_with_sink as ref
-
-        return ref(q, kv, indices, sink, scale)
-    if indices.dim() == 2:
-        indices = indices.unsqueeze(0).expand(B, -1, -1)
-    idx = indices.to(torch.int64)
-    offs = (torch.arange(B, device=idx.device, dtype=torch.int64) * N).view(B, 1, 1)
-    idx = torch.where(idx >= 0, idx + offs, torch.full_like(idx, -1)).to(torch.int32)
-    o = sparse_attention_with_sink_thd(q.reshape(B * S, H, D), kv.reshape(B * N, D),
-                                       idx.reshape(B * S, -1), sink, scale)
-    return o.view(B, S, H, D)
+# autograd wrapper, THD and batched entry points (bf16/fp16 with a power-of-two head dim >= 32 run the
+# triton kernels; anything else, e.g. fp32/fp64 tests or odd head dims, delegates to the reference op)
+SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
+    lambda *a: sparse_attention_fwd(*a), lambda *a: sparse_attention_bwd(*a), gpu_common.half_pow2_head_dim,
+    __name__)

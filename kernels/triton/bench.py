@@ -2,44 +2,20 @@
 
     python -m kernels.triton.bench --out FILE.json [--no-sweep] [--no-reference]
 
-Shapes (S = 4096 query tokens, head dim 512, window 128 + top-k compressed = K slots per query):
-
-* ``v4-flash``: H=64,  K = 128 + 512  = 640
-* ``v4-pro``:   H=128, K = 128 + 1024 = 1152
-
-kv has S window rows + S/4 compressed rows. Indices: the causal window (-1 only for the first 127
-queries) followed by top-k distinct uniformly random compressed ids, all valid (as FlashMLA's
-sparse-prefill test does), so almost every slot is real work.
-
-FLOP conventions (performance_anchors.md §8.3):
-
-* forward:  FlashMLA ``2*H*S*K*(D_qk + D_v)`` = ``4*H*S*K*D``, every slot counted (incl. -1 ones);
-* backward: 2.5x forward = ``10*H*S*K*D`` (= cuDNN's ``2*S*H*K*(3*D_qk + 2*D_v)``).
-  Backward time = delta + dq pass + dkv pass (+ zeroing the fp32 dkv buffer, the cast, d_sink).
-* indexer scores: ``2*T*N*H*D`` over the full [T, N] grid; ``tflops`` for the causal run counts
-  only the visible half (``2*H*D*sum_t ke[t]``).
-
-Timing: ``triton.testing.do_bench`` (CUDA events, median, L2 flushed between reps). The reference rows
-time ``kernels.reference`` (gather + fp32 einsum/softmax; backward = fp32 autograd of it).
-With the sweep on (default) several launch configs are timed, each checked against the default
-config's output, and the fastest is reported (its config goes into the JSON row).
+Shapes, inputs, FLOP conventions and timing: ``kernels/bench_common.py``. The indexer's ``tflops`` for the
+causal run counts only the visible half (``2*H*D*sum_t ke[t]``). The reference rows time
+``kernels.reference`` (gather + fp32 einsum/softmax; backward = fp32 autograd of it).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 
 import torch
 
-SHAPES = {
-    "v4-flash": dict(H=64, topk=512),
-    "v4-pro": dict(H=128, topk=1024),
-}
-S, D, WINDOW = 4096, 512, 128
-DEVICE = "cuda"
+from kernels.bench_common import D, DEVICE, S, SHAPES, WINDOW  # noqa: F401  (the bench's shapes)
+from kernels import bench_common as bc
 
 FWD_SWEEP = [
     dict(BK=64, num_stages=2, num_warps=8),
@@ -59,86 +35,26 @@ DKV_SWEEP = [
     dict(BK2=64, DC=128, num_warps2=8, num_stages2=2),
 ]
 
-
-def _inputs(H, topk, seed=0):
-    from kernels.reference.attention import window_indices
-
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    n_comp = S // 4
-    q = torch.randn(S, H, D, device=DEVICE, generator=g).bfloat16()
-    kv = torch.randn(S + n_comp, D, device=DEVICE, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEVICE, generator=g)
-    do = torch.randn(S, H, D, device=DEVICE, generator=g).bfloat16()
-    comp = torch.rand(S, n_comp, device=DEVICE, generator=g).topk(topk, dim=-1).indices + S
-    idx = torch.cat([window_indices(S, WINDOW, DEVICE), comp], dim=1).to(torch.int32)
-    return q, kv, idx, sink, do
-
-
-def _bench(fn, rep=200):
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def _maxdiff(a, b):
-    return (a.float() - b.float()).abs().max().item()
+_bench = bc.bench
 
 
 def bench_attention(name, H, topk, sweep, reference, rows, meta):
     from kernels.triton import attention as A
 
-    q, kv, idx, sink, do = _inputs(H, topk)
-    K = idx.shape[1]
+    q, kv, idx, sink, do = bc.attention_inputs(H, topk)
     scale = D ** -0.5
-    fwd_flop = 4.0 * H * S * K * D
-    bwd_flop = 2.5 * fwd_flop
-    n_valid = int((idx >= 0).sum())
-    shape = f"{name}: S={S} H={H} D={D} K={K} (window {WINDOW} + top-k {topk}), Tkv={kv.shape[0]}"
+    fwd_flop, bwd_flop, n_valid, K = bc.attention_flops(H, idx)
+    shape = bc.attention_shape(name, H, topk, K, kv)
 
     def row(backend, direction, ms, flop, **extra):
-        r = dict(kernel="sparse_attention_with_sink", backend=backend, shape=shape, direction=direction,
-                 ms=round(ms, 4), tflops=round(flop / ms * 1e-9, 1),
-                 tflops_valid_slots=round(flop * n_valid / (S * K) / ms * 1e-9, 1), **meta, **extra)
-        rows.append(r)
-        print(f"  {backend:10s} {direction:4s} {ms:9.3f} ms {r['tflops']:7.1f} TFLOPS  {extra.get('config', '')}",
-              flush=True)
+        bc.attention_row(rows, meta, shape, n_valid, K, backend, direction, ms, flop, **extra)
 
-    # forward
-    o0, lse0 = A.sparse_attention_fwd(q, kv, idx, sink, scale)
-    best = None
-    for cfg in (FWD_SWEEP if sweep else [dict(A.FWD_CONFIG)]):
-        try:
-            o, lse = A.sparse_attention_fwd(q, kv, idx, sink, scale, config=cfg)
-            err = max(_maxdiff(o, o0), _maxdiff(lse, lse0))
-            if err > 1e-2:
-                print(f"  fwd config {cfg} disagrees with the default config (max diff {err}); skipped")
-                continue
-            ms = _bench(lambda: A.sparse_attention_fwd(q, kv, idx, sink, scale, config=cfg))
-            print(f"  sweep fwd {cfg}: {ms:.3f} ms, {fwd_flop / ms * 1e-9:.1f} TFLOPS", flush=True)
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        except Exception as e:  # e.g. out of shared memory for one config
-            print(f"  fwd config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    o0, lse0, best = bc.sweep_fwd(A, q, kv, idx, sink, scale, FWD_SWEEP if sweep else [dict(A.FWD_CONFIG)],
+                                  fwd_flop)
     row("triton", "fwd", best[0], fwd_flop, config=best[1])
 
-    # backward
-    dq0, dkv0, ds0 = A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale)
     combos = [dict(**a, **b) for a in DQ_SWEEP for b in DKV_SWEEP] if sweep else [dict(A.BWD_CONFIG)]
-    best = None
-    for cfg in combos:
-        try:
-            dq, dkv, ds = A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale, config=cfg)
-            err = max(_maxdiff(dq, dq0), _maxdiff(dkv, dkv0) / (dkv0.float().abs().max().item() + 1e-9),
-                      _maxdiff(ds, ds0))
-            if err > 2e-2:
-                print(f"  bwd config {cfg} disagrees with the default config (max diff {err}); skipped")
-                continue
-            ms = _bench(lambda: A.sparse_attention_bwd(q, kv, idx, sink, o0, lse0, do, scale, config=cfg))
-            print(f"  sweep bwd {cfg}: {ms:.3f} ms, {bwd_flop / ms * 1e-9:.1f} TFLOPS", flush=True)
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        except Exception as e:
-            print(f"  bwd config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    best = bc.sweep_bwd(A, q, kv, idx, sink, o0, lse0, do, scale, combos, bwd_flop)
     row("triton", "bwd", best[0], bwd_flop, config=best[1])
 
     # split of the best backward into its passes (dq pass vs dkv pass), for the report
@@ -188,26 +104,18 @@ def _bwd_split(A, q, kv, idx, sink, o, lse2, do, scale, cfg, bwd_flop):
 
     t_dq = _bench(dq_pass)
     t_dkv = _bench(dkv_pass)
-    unit = bwd_flop / 5  # one of the 5 matmuls
-    print(f"  bwd split: dq pass {t_dq:.3f} ms ({3 * unit / t_dq * 1e-9:.0f} TFLOPS on its 3 matmuls), "
-          f"dkv pass {t_dkv:.3f} ms ({2 * unit / t_dkv * 1e-9:.0f} TFLOPS on its 2 matmuls, "
-          f"{T * K * D * 4 / t_dkv * 1e-6:.0f} GB/s of fp32 atomics)", flush=True)
+    bc.print_bwd_split(t_dq, t_dkv, bwd_flop, f", {T * K * D * 4 / t_dkv * 1e-6:.0f} GB/s of fp32 atomics")
 
 
 def bench_indexer(reference, rows, meta):
     from kernels.reference.indexer import indexer_scores as ref
     from kernels.triton.indexer import indexer_scores_thd, indexer_topk
 
-    T, H, Di, N, topk = S, 64, 128, S // 4, 512
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    q = torch.randn(T, H, Di, device=DEVICE, generator=g).bfloat16()
-    k = torch.randn(N, Di, device=DEVICE, generator=g).bfloat16()
-    w = torch.randn(T, H, device=DEVICE, generator=g)
-    ke = ((torch.arange(T, device=DEVICE) + 1) // 4).int()
-    ks = torch.zeros_like(ke)
+    q, k, w, ks, ke, shape = bc.indexer_inputs()
+    T, H, Di, N = bc.INDEXER_SHAPE
+    topk = 512
     full = 2.0 * T * N * H * Di
     causal = 2.0 * H * Di * float(ke.sum())
-    shape = f"indexer: T={T} H={H} D={Di} N={N}"
 
     def row(backend, direction, ms, flop, **extra):
         r = dict(kernel="indexer_scores", backend=backend, shape=shape, direction=direction, ms=round(ms, 4),
@@ -240,8 +148,7 @@ def main(argv=None):
         sys.exit("needs a CUDA GPU and triton")
     import triton
 
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__)
+    meta = bc.base_meta(triton=triton.__version__)
     rows = []
     for name in args.shapes.split(","):
         print(f"== {name}", flush=True)
@@ -249,16 +156,7 @@ def main(argv=None):
                         rows=rows, meta=meta)
     print("== indexer", flush=True)
     bench_indexer(not args.no_reference, rows, meta)
-
-    print()
-    print(f"{'kernel':28s} {'shape':10s} {'dir':10s} {'backend':10s} {'ms':>9s} {'TFLOPS':>8s}")
-    for r in rows:
-        tf = "" if r["tflops"] is None else f"{r['tflops']:8.1f}"
-        print(f"{r['kernel']:28s} {r['shape'].split(':')[0]:10s} {r['direction']:10s} {r['backend']:10s} "
-              f"{r['ms']:9.3f} {tf}")
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {args.out}")
+    bc.write_results(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gpu_common
+
 __all__ = ["indexer_scores", "indexer_scores_thd", "indexer_topk", "INDEXER_CONFIG"]
 
 INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3)
@@ -109,14 +111,7 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Same contract as ``kernels.reference.indexer.indexer_scores``: ``q [B,S,H,D]``, ``k [B,N,D]``,
     ``w [B,S,H]`` -> ``[B,S,N]``, computed with fp32 accumulation and returned in fp32."""
-    B, S, H, D = q.shape
-    return torch.stack([indexer_scores_thd(q[b], k[b], w[b]) for b in range(B)]) if B else \
-        q.new_empty(0, S, k.shape[1], dtype=torch.float32)
+    return gpu_common.indexer_scores_batched(indexer_scores_thd, q, k, w)
 
 
-def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """``torch.topk`` over the last dim of fp32 scores; ``-1`` where the picked score is ``-inf``
-    (invisible). Returns int32 ``[..., min(topk, N)]``."""
-    k = min(topk, scores.shape[-1])
-    vals, idx = scores.topk(k, dim=-1)
-    return torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
+indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # torch.topk, shared by the GPU backends

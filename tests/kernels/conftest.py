@@ -2,4 +2,4 @@
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the backend's package (triton); skipped elsewhere")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the backend's package (triton, tilelang); skipped elsewhere")

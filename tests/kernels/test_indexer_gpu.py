@@ -1,18 +1,32 @@
-"""TileLang Lightning-Indexer scores and top-k vs the PyTorch reference (GPU only).
+"""Lightning-Indexer scores and top-k of the GPU kernel backends (triton, tilelang) vs the PyTorch reference
+(GPU only); every test runs once per backend.
 
 Scores: relative Frobenius error <= 1e-4 against fp32 ``kernels.reference.indexer.indexer_scores`` on the
 same bf16 values (fp32 accumulation both sides), and the same -inf pattern for causal / segment ranges.
 Top-k: the reference scores of the picked ids equal the reference top-k values (to 1e-4 relative).
+On a machine without a CUDA GPU, or without a backend's package, that backend's cases skip (with the reason).
 """
 
+import importlib
 import importlib.util
 
 import pytest
 import torch
 
-_HAVE = torch.cuda.is_available() and importlib.util.find_spec("tilelang") is not None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE, reason="needs a CUDA GPU and tilelang")]
+BACKENDS = ["triton", "tilelang"]
+pytestmark = [pytest.mark.gpu, pytest.mark.parametrize("backend", BACKENDS)]
 
+
+@pytest.fixture(autouse=True)
+def _needs_backend(backend):
+    """Skip the case (with the reason) when CUDA or the backend's package is missing."""
+    if not torch.cuda.is_available() or importlib.util.find_spec(backend) is None:
+        pytest.skip(f"needs a CUDA GPU and {backend}")
+
+
+def _module(backend, name):
+    """``kernels.<backend>.<name>``."""
+    return importlib.import_module(f"kernels.{backend}.{name}")
 
 def _inputs(T, H, D, N, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -33,17 +47,17 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scores_match_reference(dtype):
+def test_scores_match_reference(backend, dtype):
+    indexer_scores_thd = _module(backend, "indexer").indexer_scores_thd
     q, k, w = _inputs(300, 64, 128, 1000, dtype=dtype)
-    from kernels.tilelang.indexer import indexer_scores_thd
 
     got = indexer_scores_thd(q, k, w)
     assert got.dtype == torch.float32
     assert _rel(got, _ref(q, k, w)) <= 1e-4
 
 
-def test_causal_and_segment_ranges():
-    from kernels.tilelang.indexer import indexer_scores_thd
+def test_causal_and_segment_ranges(backend):
+    indexer_scores_thd = _module(backend, "indexer").indexer_scores_thd
 
     # two packed segments of 200 and 312 tokens; compressed keys laid out per segment (50 + 78)
     lens = [200, 312]
@@ -64,8 +78,9 @@ def test_causal_and_segment_ranges():
     assert _rel(got[vis], want[vis]) <= 1e-4
 
 
-def test_topk_picks_reference_best():
-    from kernels.tilelang.indexer import indexer_scores_thd, indexer_topk
+def test_topk_picks_reference_best(backend):
+    indexer = _module(backend, "indexer")
+    indexer_scores_thd, indexer_topk = indexer.indexer_scores_thd, indexer.indexer_topk
 
     T, N, topk = 2048, 512, 128
     q, k, w = _inputs(T, 64, 128, N, seed=2)
@@ -84,9 +99,9 @@ def test_topk_picks_reference_best():
     assert ((picked[fin] - ref_vals[fin]).abs().max() / ref_vals[fin].abs().max()).item() <= 1e-4
 
 
-def test_batched_api_matches_reference_op():
+def test_batched_api_matches_reference_op(backend):
     from kernels.reference.indexer import indexer_scores as ref
-    from kernels.tilelang.backend import ops
+    ops = _module(backend, "backend").ops
 
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(2, 128, 64, 128, device="cuda", generator=g).bfloat16()

@@ -1,22 +1,35 @@
-"""TileLang sparse MQA attention with sink vs the PyTorch reference (GPU only).
+"""Sparse MQA attention with sink of the GPU kernel backends (triton, tilelang) vs the PyTorch reference
+(GPU only); every test runs once per backend.
 
 Reference = ``kernels.reference.attention.sparse_attention_with_sink`` run in fp32 on the same
-bf16 input values, gradients by fp32 autograd. Error = ||tilelang - ref||_F / ||ref||_F per tensor.
-Same checks and bounds as the triton tests (bf16 output rounding is ~4e-3 relative; P and dS enter
-the gradient matmuls as bf16):
+bf16 input values, gradients by fp32 autograd. Error = ||backend - ref||_F / ||ref||_F per tensor.
+Bounds (bf16 output rounding is ~4e-3 relative; P and dS enter the gradient matmuls as bf16):
 
     o <= 1e-2, lse max-abs <= 2e-3, dq <= 2e-2, dkv <= 2e-2, d_sink <= 2e-2
 
-On a machine without a CUDA GPU or without tilelang every test here skips (with that reason).
+On a machine without a CUDA GPU, or without a backend's package, that backend's cases skip (with the reason).
 """
 
+import importlib
 import importlib.util
 
 import pytest
 import torch
 
-_HAVE = torch.cuda.is_available() and importlib.util.find_spec("tilelang") is not None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE, reason="needs a CUDA GPU and tilelang")]
+BACKENDS = ["triton", "tilelang"]
+pytestmark = [pytest.mark.gpu, pytest.mark.parametrize("backend", BACKENDS)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_backend(backend):
+    """Skip the case (with the reason) when CUDA or the backend's package is missing."""
+    if not torch.cuda.is_available() or importlib.util.find_spec(backend) is None:
+        pytest.skip(f"needs a CUDA GPU and {backend}")
+
+
+def _module(backend, name):
+    """``kernels.<backend>.<name>``."""
+    return importlib.import_module(f"kernels.{backend}.{name}")
 
 BOUNDS = dict(o=1e-2, dq=2e-2, dkv=2e-2, dsink=2e-2)
 LSE_ABS = 2e-3
@@ -61,8 +74,8 @@ def _ref(q, kv, idx, sink, scale, do):
     return o.detach(), lse, qf.grad, kvf.grad, sf.grad
 
 
-def _run(q, kv, idx, sink, scale, do):
-    from kernels.tilelang.attention import sparse_attention_with_sink_thd
+def _run(backend, q, kv, idx, sink, scale, do):
+    sparse_attention_with_sink_thd = _module(backend, "attention").sparse_attention_with_sink_thd
 
     q = q.detach().requires_grad_()
     kv = kv.detach().requires_grad_()
@@ -94,41 +107,42 @@ def _check_all(got, want, bounds=BOUNDS, lse_abs=LSE_ABS):
 
 
 @pytest.mark.parametrize("H,topk,T", [(64, 512, 512), (128, 1024, 256)], ids=["flash-h64-k640", "pro-h128-k1152"])
-def test_dsv4_shapes_forward_and_gradients(H, topk, T):
+def test_dsv4_shapes_forward_and_gradients(backend, H, topk, T):
     D, window = 512, 128
     n_comp = max(topk, T // 4)
     q, kv, sink, do, g = _inputs(T, H, D, T + n_comp, seed=H)
     idx = _indices(T, n_comp, window, topk, "cuda", valid_comp=False, gen=g)
     scale = D ** -0.5
-    _check_all(_run(q, kv, idx, sink, scale, do), _ref(q, kv, idx, sink, scale, do))
+    _check_all(_run(backend, q, kv, idx, sink, scale, do), _ref(q, kv, idx, sink, scale, do))
 
 
-def test_causal_indices_with_many_empty_slots():
+def test_causal_indices_with_many_empty_slots(backend):
     T, H, D = 384, 64, 512
     n_comp = T // 4
     q, kv, sink, do, g = _inputs(T, H, D, T + n_comp, seed=1)
     idx = _indices(T, n_comp, 128, 512, "cuda", valid_comp=True, gen=g)  # most compressed slots are -1
     scale = D ** -0.5
-    _check_all(_run(q, kv, idx, sink, scale, do), _ref(q, kv, idx, sink, scale, do))
+    _check_all(_run(backend, q, kv, idx, sink, scale, do), _ref(q, kv, idx, sink, scale, do))
 
 
-def test_odd_heads_ragged_k_duplicates_small_dim():
-    # H=20 pads to a 64-row head block; K=100 is not a multiple of the K tile; duplicate ids count twice
+def test_odd_heads_ragged_k_duplicates_small_dim(backend):
+    # H=20 pads to a 32-row (triton) / 64-row (tilelang) head block; K=100 is not a multiple of the K tile;
+    # duplicate ids count twice
     T, H, D, Tkv, K = 70, 20, 64, 90, 100
     q, kv, sink, do, g = _inputs(T, H, D, Tkv, seed=2)
     idx = torch.randint(0, Tkv, (T, K), device="cuda", generator=g, dtype=torch.int32)
     idx[torch.rand(T, K, device="cuda", generator=g) < 0.2] = -1
     idx[:, 1] = idx[:, 0]
     scale = 0.3
-    _check_all(_run(q, kv, idx, sink, scale, do), _ref(q, kv, idx, sink, scale, do))
+    _check_all(_run(backend, q, kv, idx, sink, scale, do), _ref(q, kv, idx, sink, scale, do))
 
 
-def test_large_logits_stay_finite():
+def test_large_logits_stay_finite(backend):
     T, H, D = 256, 64, 512
     q, kv, sink, do, g = _inputs(T, H, D, T + 512, seed=3, q_mult=100.0)
     idx = _indices(T, 512, 128, 512, "cuda", valid_comp=False, gen=g)
     scale = D ** -0.5
-    got = _run(q, kv, idx, sink, scale, do)
+    got = _run(backend, q, kv, idx, sink, scale, do)
     want = _ref(q, kv, idx, sink, scale, do)
     for n, a in zip(("o", "lse", "dq", "dkv", "dsink"), got):
         assert torch.isfinite(a.float()).all(), f"{n} has NaN/Inf with logits ~1e3"
@@ -138,14 +152,14 @@ def test_large_logits_stay_finite():
     assert ((got[1] - want[1]).abs() / want[1].abs().clamp_min(1)).max().item() <= 1e-2
 
 
-def test_all_invalid_rows_give_zero_output_and_lse_equal_sink():
+def test_all_invalid_rows_give_zero_output_and_lse_equal_sink(backend):
     T, H, D = 128, 64, 512
     q, kv, sink, do, g = _inputs(T, H, D, 300, seed=4)
     idx = torch.randint(0, 300, (T, 96), device="cuda", generator=g, dtype=torch.int32)
     dead = torch.zeros(T, dtype=torch.bool, device="cuda")
     dead[::3] = True
     idx[dead] = -1
-    got = _run(q, kv, idx, sink, D ** -0.5, do)
+    got = _run(backend, q, kv, idx, sink, D ** -0.5, do)
     o, lse, dq, dkv, dsink = got
     for n, a in zip(("o", "lse", "dq", "dkv", "dsink"), got):
         assert torch.isfinite(a.float()).all(), f"{n} has NaN/Inf"
@@ -155,28 +169,28 @@ def test_all_invalid_rows_give_zero_output_and_lse_equal_sink():
     _check_all(got, _ref(q, kv, idx, sink, D ** -0.5, do))
     # only dead rows: nothing reaches kv, d_sink = -sum_t Delta * 1 = 0 (o = 0)
     idx.fill_(-1)
-    o, lse, dq, dkv, dsink = _run(q, kv, idx, sink, D ** -0.5, do)
+    o, lse, dq, dkv, dsink = _run(backend, q, kv, idx, sink, D ** -0.5, do)
     assert torch.count_nonzero(o) == 0 and torch.count_nonzero(dkv) == 0 and torch.count_nonzero(dsink) == 0
     assert (lse - sink[None, :]).abs().max().item() <= 1e-6  # log2-unit round trip: not bitwise
     assert torch.count_nonzero(dq) == 0
 
 
-def test_determinism():
+def test_determinism(backend):
     """o, lse, dq, d_sink are bitwise reproducible; dkv (fp32 atomics) only up to addition order."""
     T, H, D = 256, 64, 512
     q, kv, sink, do, g = _inputs(T, H, D, T + 512, seed=5)
     idx = _indices(T, 512, 128, 512, "cuda", valid_comp=False, gen=g)
-    a = _run(q, kv, idx, sink, D ** -0.5, do)
-    b = _run(q, kv, idx, sink, D ** -0.5, do)
+    a = _run(backend, q, kv, idx, sink, D ** -0.5, do)
+    b = _run(backend, q, kv, idx, sink, D ** -0.5, do)
     for n, x, y in zip(("o", "lse", "dq"), a[:3], b[:3]):
         assert torch.equal(x, y), f"{n} differs between two identical runs"
     assert torch.equal(a[4], b[4]), "d_sink differs between two identical runs"
     assert _rel(a[3], b[3]) <= 1e-2
 
 
-def test_batched_api_matches_reference_op():
+def test_batched_api_matches_reference_op(backend):
     from kernels.reference.attention import sparse_attention_with_sink as ref
-    from kernels.tilelang.backend import ops
+    ops = _module(backend, "backend").ops
 
     B, S, H, D, N = 2, 96, 64, 512, 160
     g = torch.Generator(device="cuda").manual_seed(6)

@@ -1,0 +1,179 @@
+"""Torch-side glue shared by the GPU kernel backends (``kernels/triton``, ``kernels/tilelang``).
+
+The backends never import each other; each one passes its raw kernel launchers to the helpers here:
+
+* :func:`check_attention_inputs`: the shape / dtype / device checks of the THD attention launchers;
+* :func:`dsink_from_delta`: ``d_sink[h] = -sum_t Delta * exp(sink - lse)`` (``lse2`` in log2 units);
+* :func:`make_attention_api`: the autograd wrapper, the THD entry point and the batched entry point
+  (same contract as ``kernels.reference.attention.sparse_attention_with_sink``) over a backend's
+  ``sparse_attention_fwd`` / ``sparse_attention_bwd``;
+* :func:`indexer_scores_batched`, :func:`indexer_topk`: the indexer's batched entry point and top-k;
+* :func:`make_ops`: the ops namespace of a backend (its kernels + the reference ops it delegates to).
+
+Only torch is imported here (no triton, no tilelang).
+"""
+
+import types
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse attention with sink
+# ----------------------------------------------------------------------------------------------
+
+
+def check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                           backend: str, need_cuda: bool = True, cuda_hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]``, ``sink [H]`` suit the
+    ``backend`` kernels (bf16/fp16 q and kv of one dtype, power-of-two head dim >= 32, CUDA tensors when
+    ``need_cuda``; ``cuda_hint`` is appended to that message)."""
+    if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or sink.dim() != 1:
+        raise ValueError(f"expected q [T,H,D], kv [Tkv,D], idx [T,K], sink [H]; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}, {tuple(idx.shape)}, {tuple(sink.shape)}")
+    T, H, D = q.shape
+    if kv.shape[1] != D or idx.shape[0] != T or sink.shape[0] != H:
+        raise ValueError("shape mismatch between q, kv, idx and sink")
+    if D < 32 or D & (D - 1):
+        raise ValueError(f"head dim {D} must be a power of two >= 32 for the {backend} kernels")
+    if q.dtype not in HALF_DTYPES or kv.dtype != q.dtype:
+        raise ValueError(f"the {backend} kernels take bf16/fp16 q and kv of one dtype, got {q.dtype}, {kv.dtype}")
+    if need_cuda and not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
+        raise ValueError(f"the {backend} kernels need CUDA tensors{cuda_hint}")
+
+
+def dsink_from_delta(delta: torch.Tensor, sink: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """``d_sink[h] = -sum_t Delta * exp(sink - lse)``; lse2 is in log2 units, exp(x) = exp2(x*log2e)."""
+    return -(delta * torch.exp2(sink.float()[None, :] * LOG2E - lse2)).sum(0)
+
+
+def local_copy(fn: Callable, module: str) -> Callable:
+    """A copy of the function ``fn`` whose ``__module__`` is ``module`` (the backend module that exports it)."""
+    f = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    f.__kwdefaults__, f.__doc__, f.__qualname__ = fn.__kwdefaults__, fn.__doc__, fn.__name__
+    f.__dict__.update(fn.__dict__)
+    f.__module__ = module
+    return f
+
+
+def make_attention_api(fwd: Callable, bwd: Callable, kernel_supports: Callable, module: str):
+    """Entry points over one backend's launchers.
+
+    ``fwd(q, kv, idx, sink, scale) -> (o, lse2)`` and
+    ``bwd(q, kv, idx, sink, o, lse2, do, scale) -> (dq, dkv, dsink)`` are the backend's THD launchers;
+    ``kernel_supports(q, kv)`` says whether batched inputs run the kernels (else the reference op);
+    ``module`` (the backend module's ``__name__``) becomes the ``__module__`` of what is returned.
+    Returns ``(SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink)``."""
+
+    class SparseAttentionWithSink(torch.autograd.Function):
+        """autograd wrapper over the THD kernels: ``(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale)``
+        -> ``(o [T,H,D], lse [T,H] natural log, not differentiable)``."""
+
+        @staticmethod
+        def forward(ctx, q, kv, idx, sink, scale):
+            o, lse2 = fwd(q, kv, idx, sink, scale)
+            ctx.save_for_backward(q, kv, idx, sink, o, lse2)
+            ctx.scale = scale
+            lse = lse2 * LN2
+            ctx.mark_non_differentiable(lse)
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, do, _dlse):
+            q, kv, idx, sink, o, lse2 = ctx.saved_tensors
+            dq, dkv, dsink = bwd(q, kv, idx, sink, o, lse2, do, ctx.scale)
+            return dq, dkv, None, dsink.to(sink.dtype), None
+
+    def sparse_attention_with_sink_thd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                                       scale: Optional[float] = None, return_lse: bool = False):
+        """THD entry point: ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]`` (int32/int64, ``-1`` = empty),
+        ``sink [H]`` -> ``o [T,H,D]`` (and ``lse [T,H]`` fp32, natural log, when ``return_lse``)."""
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        o, lse = SparseAttentionWithSink.apply(q, kv, idx, sink, float(scale))
+        return (o, lse) if return_lse else o
+
+    def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                                   sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """Same contract as ``kernels.reference.attention.sparse_attention_with_sink``:
+        ``q [B,S,H,D]``, ``kv [B,N,D]``, ``indices [B,S,K]`` or ``[S,K]`` (``-1`` = ignore), ``sink [H]``.
+
+        Inputs the kernels take (bf16/fp16, power-of-two head dim >= 32; the backend says which) run them,
+        batch flattened to THD with row ids offset by ``b*N``; anything else delegates to the reference op."""
+        B, S, H, D = q.shape
+        N = kv.shape[1]
+        if not kernel_supports(q, kv):
+            from kernels.reference.attention import sparse_attention_with_sink as ref
+
+            return ref(q, kv, indices, sink, scale)
+        if indices.dim() == 2:
+            indices = indices.unsqueeze(0).expand(B, -1, -1)
+        idx = indices.to(torch.int64)
+        offs = (torch.arange(B, device=idx.device, dtype=torch.int64) * N).view(B, 1, 1)
+        idx = torch.where(idx >= 0, idx + offs, torch.full_like(idx, -1)).to(torch.int32)
+        o = sparse_attention_with_sink_thd(q.reshape(B * S, H, D), kv.reshape(B * N, D),
+                                           idx.reshape(B * S, -1), sink, scale)
+        return o.view(B, S, H, D)
+
+    for obj in (SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink):
+        obj.__module__ = module
+        obj.__qualname__ = obj.__name__
+    return SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink
+
+
+def half_pow2_head_dim(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """bf16/fp16 q and kv of one dtype with a power-of-two head dim >= 32."""
+    D = q.shape[-1]
+    return q.dtype in HALF_DTYPES and kv.dtype == q.dtype and not (D < 32 or D & (D - 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# indexer
+# ----------------------------------------------------------------------------------------------
+
+
+def indexer_scores_batched(scores_thd: Callable, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``q [B,S,H,D]``, ``k [B,N,D]``, ``w [B,S,H]`` -> fp32 ``[B,S,N]``, one ``scores_thd`` call per batch."""
+    B, S, H, D = q.shape
+    return torch.stack([scores_thd(q[b], k[b], w[b]) for b in range(B)]) if B else \
+        q.new_empty(0, S, k.shape[1], dtype=torch.float32)
+
+
+def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``torch.topk`` over the last dim of fp32 scores; ``-1`` where the picked score is ``-inf``
+    (invisible). Returns int32 ``[..., min(topk, N)]``."""
+    k = min(topk, scores.shape[-1])
+    vals, idx = scores.topk(k, dim=-1)
+    return torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# ops namespace
+# ----------------------------------------------------------------------------------------------
+
+
+def make_ops(attention, indexer) -> SimpleNamespace:
+    """The ops namespace of a backend: its ``attention`` / ``indexer`` modules' kernels, by the reference
+    op names plus the THD extras, and the reference ops for everything it has no kernel for."""
+    from kernels.reference import backend as reference
+
+    ref = reference.ops()
+    return SimpleNamespace(
+        sparse_attention_with_sink=attention.sparse_attention_with_sink,
+        indexer_scores=indexer.indexer_scores,
+        hadamard_transform=ref.hadamard_transform,
+        sinkhorn=ref.sinkhorn,
+        hc_pre=ref.hc_pre,
+        hc_post=ref.hc_post,
+        hc_head=ref.hc_head,
+        sparse_attention_with_sink_thd=attention.sparse_attention_with_sink_thd,
+        indexer_scores_thd=indexer.indexer_scores_thd,
+        indexer_topk=indexer.indexer_topk,
+    )
