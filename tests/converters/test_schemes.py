@@ -6,7 +6,6 @@ import torch
 from converters import schemes
 from core.checkpoint import open_checkpoint, prepare_checkpoint
 from core.config import preset
-from core.not_built import NotBuiltError
 
 
 def test_bf16_is_identity():
@@ -42,14 +41,15 @@ def test_nvfp4_publish():
     assert out["layers.1.ffn.shared_experts.w1.weight"] is w or torch.equal(out["layers.1.ffn.shared_experts.w1.weight"], w)
 
 
-def test_qat_ops_and_not_built_install():
+def test_qat_ops_and_install_refuses_a_model_without_switches():
     s = schemes.qat()
     w = torch.randn(8, 64, requires_grad=True)
     s.fake_quant_expert(w).sum().backward()
     assert torch.equal(w.grad, torch.ones_like(w))
     kv = torch.randn(2, 3, 192)
     assert torch.equal(s.fake_quant_kv(kv)[..., -64:], kv[..., -64:])
-    with pytest.raises(NotBuiltError, match="issue #5"):
+    # installing into the implementations is tested in tests/train/test_qat.py
+    with pytest.raises(ValueError, match="Linear has no fake-quant switches"):
         s.install(torch.nn.Linear(2, 2))
 
 
