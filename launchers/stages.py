@@ -51,8 +51,9 @@ STAGES = (
     Stage("plot", "PNG curves of a run's metrics", True),
 )
 
-# What --quant means for publishing weights to the rollout engine.
-PUBLISH_SCHEME = {"bf16": "bf16", "fp8": "fp8", "mxfp4-fp8": "fp8", "nvfp4": "nvfp4"}
+# What --quant means for publishing weights to the rollout engine. qat (fake-quant
+# training) publishes the trained master weights as bf16: the engine runs them unquantized.
+PUBLISH_SCHEME = {"bf16": "bf16", "fp8": "fp8", "mxfp4-fp8": "fp8", "nvfp4": "nvfp4", "qat": "bf16"}
 
 DEFAULT_MODEL = "tiny"
 
@@ -322,13 +323,9 @@ def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
 
 
 def publish_scheme(run) -> str:
-    """The weight format published to the rollout engine for ``--quant``. ``qat`` (fake-quant training,
-    ``converters.schemes.QATScheme``) publishes the trained master weights as bf16: the rollout engine
-    runs them unquantized (the QAT forward's quantize-dequantize is not applied when publishing)."""
-    if run.quant == "qat":
-        return "bf16"
-    if run.quant not in PUBLISH_SCHEME:
-        raise NotBuiltError(f"training with --quant {run.quant} (fake-quant in the training model)", "issue #5")
+    """The weight format published to the rollout engine for ``--quant`` (see PUBLISH_SCHEME)."""
+    if run.quant not in PUBLISH_SCHEME:  # a third-party scheme the trainer has no publisher for
+        raise NotBuiltError(f"publishing weights for --quant {run.quant} during training", "the scheme's plugin")
     return PUBLISH_SCHEME[run.quant]
 
 
