@@ -156,7 +156,7 @@ def main(ctx: click.Context, **opts):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--probe/--no-probe", default=True, help="Check whether each backend can run on this machine.")
 def plugins_cmd(opts, as_json: bool, probe: bool):
-    """List every backend on the four axes, with the distribution that provides it."""
+    """List every backend of every axis, with the distribution that provides it."""
     try:
         host = _host(opts)
     except PluginError as exc:

@@ -38,7 +38,7 @@ class Stage:
 # The launcher's stages and whether each exists yet: the main job prints this,
 # and the README's status section mirrors it.
 STAGES = (
-    Stage("plugins", "list backends on the four axes", True),
+    Stage("plugins", "list the backends of every axis", True),
     Stage("validate", "resolve choices against the combination table", True),
     Stage("prepare", "write a deterministic official-format tiny checkpoint", True),
     Stage("inspect", "parameter counts by component", True),

@@ -274,6 +274,25 @@ class ImplTrainModel(_TrainModelBase):
         """True for THD: ``forward_train(..., lengths=...)`` packs the real tokens into one stream."""
         return self.qkv_format == "thd"
 
+    def _call_module(self, stack: contextlib.ExitStack, x, with_mtp: bool, **kw):
+        """One forward of the implementation: ``(logits, indexer aux loss or None, hidden streams or None)``.
+
+        Asks for the hidden streams when the MTP block takes them, and otherwise (inside ``stack``)
+        lets the implementation's ``mtp_logits`` reuse this forward's streams."""
+        want_streams = with_mtp and self._mtp_takes_streams
+        if want_streams:
+            kw["return_hidden_streams"] = True
+        if self.indexer_loss_coeff is not None:
+            kw["return_indexer_loss"] = True
+        if with_mtp and not self._mtp_takes_streams:
+            stack.enter_context(_reuse_hidden_streams(self.module))
+        out = self.module(x, **kw)
+        if want_streams:
+            return out[0], None, out[1]
+        if self.indexer_loss_coeff is not None:
+            return out[0], out[1], None
+        return out, None, None
+
     def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False,
                       lengths: Optional[List[int]] = None):
         if lengths is not None:
@@ -285,24 +304,10 @@ class ImplTrainModel(_TrainModelBase):
         thd = self.qkv_format == "thd"
         x, cu = pack_rows(ids) if thd else (ids, None)
         with_mtp = with_mtp and self._has_mtp()
-        kw = {} if cu is None else {"cu_seqlens": cu}
-        want_streams = with_mtp and self._mtp_takes_streams
-        if want_streams:
-            kw["return_hidden_streams"] = True
-        if self.indexer_loss_coeff is not None:
-            kw["return_indexer_loss"] = True
         hook = _hook_for(routing_replay, input_ids)
-        aux = mtp = streams = None
+        mtp = None
         with routing_context(hook), contextlib.ExitStack() as stack:
-            if with_mtp and not self._mtp_takes_streams:
-                stack.enter_context(_reuse_hidden_streams(self.module))
-            out = self.module(x, **kw)
-            if want_streams:
-                logits, streams = out
-            elif self.indexer_loss_coeff is not None:
-                logits, aux = out
-            else:
-                logits = out
+            logits, aux, streams = self._call_module(stack, x, with_mtp, **({} if cu is None else {"cu_seqlens": cu}))
             if with_mtp:
                 with detached_weights(self.module):
                     mtp = [lg.to(input_ids.device) for lg in self._mtp(ids, x, cu, streams)]
@@ -347,23 +352,9 @@ class ImplTrainModel(_TrainModelBase):
             hook = RoutingReplayer(sr[start:start + n][None])
         else:
             hook = RoutingRecorder(1, n)
-        kw = {"cu_seqlens": cu}
-        want_streams = with_mtp and self._mtp_takes_streams
-        if want_streams:
-            kw["return_hidden_streams"] = True
-        if self.indexer_loss_coeff is not None:
-            kw["return_indexer_loss"] = True
-        aux = streams = raw_mtp = None
+        raw_mtp = None
         with routing_context(hook), contextlib.ExitStack() as stack:
-            if with_mtp and not self._mtp_takes_streams:
-                stack.enter_context(_reuse_hidden_streams(self.module))
-            out = self.module(x, **kw)
-            if want_streams:
-                logits, streams = out
-            elif self.indexer_loss_coeff is not None:
-                logits, aux = out
-            else:
-                logits = out
+            logits, aux, streams = self._call_module(stack, x, with_mtp, cu_seqlens=cu)
             if with_mtp:
                 with detached_weights(self.module):
                     if self._mtp_takes_streams:
