@@ -9,7 +9,7 @@ Native names (``core.weight_contract``), relative to the block's ``mlp.``:
 * ``shared_experts.linear_fc1.weight [2I, d]`` (megatron ColumnParallelLinear),
   ``shared_experts.linear_fc2.weight [d, I]`` (megatron RowParallelLinear).
 
-Math (reuses ``kernels.reference.moe.route_scores`` / ``swiglu``)::
+Math (reuses ``kernels.reference.moe.route`` / ``swiglu``)::
 
     s = sqrt(softplus(x W_r^T))            fp32
     idx = tid2eid[token]  (hash)  |  topk(s + expert_bias)  (bias for selection only)
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.reference.layers import compute_dtype
-from kernels.reference.moe import route_scores, select_experts, swiglu
+from kernels.reference.moe import route, swiglu
 
 from .layers import KeepFP32Module, init_normal_
 from .runtime import ensure_megatron, tp_group, tp_world
@@ -67,19 +67,8 @@ class DSv4Router(KeepFP32Module):
             mark_keep_in_fp32(self.expert_bias)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None):
-        """``x [T, d]`` -> ``(weights [T, k] fp32, indices [T, k] long)``."""
-        ct = compute_dtype(x)
-        scores = route_scores(F.linear(x.to(ct), self.weight.to(ct)), self.score_func)
-        return select_experts(
-            scores,
-            topk=self.topk,
-            route_scale=self.route_scale,
-            score_func=self.score_func,
-            tid2eid=self.tid2eid if self.hash else None,
-            input_ids=input_ids,
-            bias=None if self.hash else self.expert_bias,
-            replay_layer=self.layer_id if (self.replayable and not self.hash) else None,
-        )
+        """``x [T, d]`` -> ``(weights [T, k] fp32, indices [T, k] long)``; the reference routing decision."""
+        return route(self, x, input_ids, None if self.hash else self.expert_bias)
 
 
 class _WeightBank(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 
 from .layers import KeepFP32, Linear, compute_dtype
 
-__all__ = ["swiglu", "route_scores", "select_experts", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
+__all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
 
 _ROUTING_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_routing_hook", default=None)
 
@@ -92,6 +92,24 @@ def select_experts(scores: torch.Tensor, *, topk: int, route_scale: float, score
     return w * route_scale, idx
 
 
+def route(router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor | None, bias: torch.Tensor | None):
+    """A router's forward, shared by the reference Gate and the megatron-core router: gate scores
+    from ``router.weight``, then :func:`select_experts` with the router's settings (``topk``,
+    ``route_scale``, ``score_func``, ``hash``/``tid2eid``, ``replayable``/``layer_id``)."""
+    ct = compute_dtype(x)
+    scores = route_scores(F.linear(x.to(ct), router.weight.to(ct)), router.score_func)
+    return select_experts(
+        scores,
+        topk=router.topk,
+        route_scale=router.route_scale,
+        score_func=router.score_func,
+        tid2eid=router.tid2eid if router.hash else None,
+        input_ids=input_ids,
+        bias=bias,
+        replay_layer=router.layer_id if (router.replayable and not router.hash) else None,
+    )
+
+
 class Gate(KeepFP32):
     """``ffn.gate``: ``weight [E, d]``; ``bias [E]`` fp32 persistent buffer (learned layers) or
     ``tid2eid [vocab, k]`` int64 frozen Parameter (hash layers). ``replayable``: a learned-routing trunk
@@ -115,18 +133,7 @@ class Gate(KeepFP32):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None):
         """``x [T,d]`` -> ``(weights [T,k] fp32, indices [T,k] long)``."""
-        ct = compute_dtype(x)
-        scores = route_scores(F.linear(x.to(ct), self.weight.to(ct)), self.score_func)
-        return select_experts(
-            scores,
-            topk=self.topk,
-            route_scale=self.route_scale,
-            score_func=self.score_func,
-            tid2eid=self.tid2eid if self.hash else None,
-            input_ids=input_ids,
-            bias=None if self.hash else self.bias,
-            replay_layer=self.layer_id if (self.replayable and not self.hash) else None,
-        )
+        return route(self, x, input_ids, None if self.hash else self.bias)
 
 
 class Expert(nn.Module):
