@@ -570,6 +570,21 @@ def _missing_message(direction: str, pending, side: str) -> str:
     return f"{direction}: stream ended with incomplete tensor groups; missing " + "; ".join(lines) + more
 
 
+def _gather_group(pending: dict, b, pos: int, t: torch.Tensor, part_names, name: str):
+    """Collect one part of a tensor that several input tensors make up (w1+w3 -> fc1, the three
+    alphas -> hc scale, ...). Returns the joined tensor once every part has arrived, else None."""
+    key = (b.native_prefix, b.expert, id(b.rule))
+    entry = pending.setdefault(key, (b, {}))
+    entry[1][pos] = t
+    if len(entry[1]) < len(part_names):
+        return None
+    del pending[key]
+    parts = [entry[1][i] for i in range(len(part_names))]
+    if len({p.dtype for p in parts}) > 1:
+        raise WeightContractError(f"tensor {name!r}: parts {part_names} have different dtypes {[p.dtype for p in parts]}")
+    return _join(parts, b.rule.dim)
+
+
 def hf_to_native(name_tensor_iter: Iterable[Tuple[str, torch.Tensor]], config) -> Iterator[Tuple[str, torch.Tensor]]:
     """Official ``(name, tensor)`` pairs -> native ``(name, tensor)`` pairs, streaming.
 
@@ -592,17 +607,9 @@ def hf_to_native(name_tensor_iter: Iterable[Tuple[str, torch.Tensor]], config) -
         _check_in(name, t, spec.logical_shape, not spec.logical_dtype.is_floating_point)
         rule = b.rule
         if len(rule.official) > 1:
-            key = (b.native_prefix, b.expert, id(rule))
-            entry = pending.setdefault(key, (b, {}))
-            entry[1][pos] = t
-            if len(entry[1]) < len(rule.official):
+            t = _gather_group(pending, b, pos, t, b.official_names, name)
+            if t is None:
                 continue
-            del pending[key]
-            parts = [entry[1][i] for i in range(len(rule.official))]
-            if len({p.dtype for p in parts}) > 1:
-                raise WeightContractError(
-                    f"tensor {name!r}: parts {b.official_names} have different dtypes {[p.dtype for p in parts]}")
-            t = _join(parts, rule.dim)
         if rule.fp32 and t.dtype != torch.float32:
             t = t.to(torch.float32)
         for n, piece in zip(b.native_names, _cut(t, len(rule.native), rule.dim, name)):
@@ -636,17 +643,9 @@ def native_to_hf(native_iter: Iterable[Tuple[str, torch.Tensor]], config, *,
         if isinstance(t, torch.nn.Parameter):
             t = t.detach()
         if len(rule.native) > 1:
-            key = (b.native_prefix, b.expert, id(rule))
-            entry = pending.setdefault(key, (b, {}))
-            entry[1][pos] = t
-            if len(entry[1]) < len(rule.native):
+            t = _gather_group(pending, b, pos, t, b.native_names, name)
+            if t is None:
                 continue
-            del pending[key]
-            parts = [entry[1][i] for i in range(len(rule.native))]
-            if len({p.dtype for p in parts}) > 1:
-                raise WeightContractError(
-                    f"tensor {name!r}: parts {b.native_names} have different dtypes {[p.dtype for p in parts]}")
-            t = _join(parts, rule.dim)
         for n, piece in zip(b.official_names, _cut(t, len(rule.official), rule.dim, name)):
             if official_dtypes and piece.dtype != specs[n].logical_dtype:
                 piece = piece.to(specs[n].logical_dtype)
