@@ -180,8 +180,6 @@ class DeepSeekV4Attention(nn.Module):
     def forward(self, x: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
         if thd is not None:
             return self._forward_thd(x, thd)
-        from megatron.core.tensor_parallel import mappings
-
         B, S, _ = x.shape
         H, D = self.n_local_heads, self.head_dim
         inv_freq = self.inv_freq.to(x.device)
@@ -208,12 +206,18 @@ class DeepSeekV4Attention(nn.Module):
             cidx = torch.where(cidx >= 0, cidx + S, cidx)
             idx = torch.cat((idx, cidx), dim=-1)
             kv_all = torch.cat((kv, self._qat_kv(comp.to(kv.dtype))), dim=1)
+        return self._attend_and_project(q, kv_all, idx, cos, sin)
+
+    def _attend_and_project(self, q, kv_all, idx, cos, sin):
+        """Sparse attention with sink over the selected rows, inverse RoPE on the output, then the
+        grouped low-rank output projection (``wo_a`` per group, ``wo_b``). Shared by BSHD and THD."""
+        from megatron.core.tensor_parallel import mappings
+
         if tp_world() > 1:
             kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
-
-        o = self.ops.sparse_attention_with_sink(q, kv_all, idx, ca.attn_sink, self.scale)
+        o = self.ops.sparse_attention_with_sink(q, kv_all, idx, self.core_attention.attn_sink, self.scale)
         o = apply_rope(o, cos, sin, inverse=True)
-
+        B, S, H, D = o.shape
         G, R = self.n_local_groups, self.o_lora_rank
         o = o.reshape(B, S, G, H * D // G)
         wo_a = self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G)
@@ -241,8 +245,6 @@ class DeepSeekV4Attention(nn.Module):
             return indexer_topk(scores, thd, ind.topk)
 
     def _forward_thd(self, x: torch.Tensor, thd: ThdContext) -> torch.Tensor:
-        from megatron.core.tensor_parallel import mappings
-
         B, L, _ = x.shape
         if L != thd.local_len:
             raise ValueError(f"attention input has {L} rows but the packed layout gives this rank {thd.local_len}")
@@ -268,15 +270,4 @@ class DeepSeekV4Attention(nn.Module):
                 cidx = hca_indices(thd, self.ratio, T).to(x.device).unsqueeze(0).expand(B, -1, -1)
             idx = torch.cat((idx, cidx), dim=-1)
             kv_all = torch.cat((kv_all, self._qat_kv(comp.to(kv.dtype))), dim=1)
-        if tp_world() > 1:
-            kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
-
-        o = self.ops.sparse_attention_with_sink(q, kv_all, idx, ca.attn_sink, self.scale)
-        o = apply_rope(o, cos, sin, inverse=True)
-
-        G, R = self.n_local_groups, self.o_lora_rank
-        o = o.reshape(B, L, G, H * D // G)
-        wo_a = self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G)
-        u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-        out, _ = self.linear_proj(u.flatten(2))
-        return out
+        return self._attend_and_project(q, kv_all, idx, cos, sin)
