@@ -164,16 +164,11 @@ def make_ops(attention, indexer) -> SimpleNamespace:
     op names plus the THD extras, and the reference ops for everything it has no kernel for."""
     from kernels.reference import backend as reference
 
-    ref = reference.ops()
-    return SimpleNamespace(
+    own = dict(
         sparse_attention_with_sink=attention.sparse_attention_with_sink,
         indexer_scores=indexer.indexer_scores,
-        hadamard_transform=ref.hadamard_transform,
-        sinkhorn=ref.sinkhorn,
-        hc_pre=ref.hc_pre,
-        hc_post=ref.hc_post,
-        hc_head=ref.hc_head,
         sparse_attention_with_sink_thd=attention.sparse_attention_with_sink_thd,
         indexer_scores_thd=indexer.indexer_scores_thd,
         indexer_topk=indexer.indexer_topk,
     )
+    return SimpleNamespace(**{**vars(reference.ops()), **own})

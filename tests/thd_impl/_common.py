@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from core.config import preset
+from tests.impl_miles._helpers import perturb  # one weight perturbation for every parity test
 
 TINY = preset("tiny")
 
@@ -40,22 +41,6 @@ def run_config(impl: str, *, tp: int = 1, cp: int = 1, qkv_format: str | None = 
 
     return normalize(Choices(impl=impl, tp=tp, cp=cp, qkv_format=qkv_format, model=TINY),
                      make_host(third_party=False), model_name="tiny")
-
-
-def perturb(official: dict, seed: int = 7) -> dict:
-    """Non-trivial sinks, ape, mHC bases and router biases; linears x2.5 (sharper parity checks)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in official.items():
-        if not t.is_floating_point():
-            out[name] = t.clone()
-        elif name.endswith(("attn_sink", ".ape", "_base", "gate.bias")):
-            out[name] = torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.3
-        elif name.endswith("_scale") or name.endswith("norm.weight"):
-            out[name] = t.float() + 0.1 * torch.randn(t.shape, generator=g, dtype=torch.float32)
-        else:
-            out[name] = t.float() * 2.5
-    return out
 
 
 def official_weights(tmp_path) -> dict:
