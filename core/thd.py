@@ -242,6 +242,20 @@ class ThdLayout:
         start, length = cp_local_range(int(cu[-1]), cp, rank)
         return cls(cu, start, length)
 
+    # Everything derived below is computed once per layout and kept (``_memo``): a layout reused across
+    # steps then costs no host synchronisation and no repeated index building. Callers must treat the
+    # returned tensors as read-only. Inside code being compiled by torch.compile, tensors are built in the
+    # graph instead of kept: a tensor made by a compiled graph belongs to it (with CUDA graphs, the next
+    # replay overwrites it), so only eagerly built tensors and host values are cached.
+    def _memo(self, key, build, tensor: bool = True):
+        memo = self.__dict__.setdefault("_derived", {})
+        if key in memo:
+            return memo[key]
+        if tensor and torch.compiler.is_compiling():
+            return build()
+        memo[key] = value = build()
+        return value
+
     # ---------------------------------------------------------------- whole-stream facts
     @property
     def num_segments(self) -> int:
@@ -249,7 +263,7 @@ class ThdLayout:
 
     @property
     def total_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return self._memo("total", lambda: int(self.cu_seqlens[-1]), tensor=False)
 
     @property
     def seqlens(self) -> Tensor:
@@ -257,24 +271,34 @@ class ThdLayout:
 
     @property
     def max_seqlen(self) -> int:
-        return int(self.seqlens.max())
+        return self._memo("max_seqlen", lambda: int(self.seqlens.max()), tensor=False)
+
+    def host_cu_seqlens(self) -> list[int]:
+        """``cu_seqlens`` as a host list (read once)."""
+        return self._memo("host_cu", lambda: self.cu_seqlens.tolist(), tensor=False)
+
+    def host_compressed_cu_seqlens(self, ratio: int) -> list[int]:
+        return self._memo(("host_cu_c", ratio), lambda: self.compressed_cu_seqlens(ratio).tolist(), tensor=False)
 
     # ---------------------------------------------------------------- builders
     def window_indices(self, window: int = WINDOW) -> Tensor:
-        return window_indices(self, window)
+        return self._memo(("window", window), lambda: window_indices(self, window))
 
     def compressed_cu_seqlens(self, ratio: int) -> Tensor:
-        return compressed_cu_seqlens(self.cu_seqlens, ratio)
+        return self._memo(("cu_c", ratio), lambda: compressed_cu_seqlens(self.cu_seqlens, ratio))
 
     def compressed_groups(self, ratio: int) -> CompressedGroups:
-        return compressed_groups(self.cu_seqlens, ratio)
+        return self._memo(("groups", ratio), lambda: compressed_groups(self.cu_seqlens, ratio))
 
     def compressed_visible_indices(self, ratio: int, width: int | None = None, *,
                                    seq_to_rank: Tensor | None = None, offset: int = 0) -> Tensor:
-        return compressed_visible_indices(self, ratio, width, seq_to_rank=seq_to_rank, offset=offset)
+        if seq_to_rank is not None:
+            return compressed_visible_indices(self, ratio, width, seq_to_rank=seq_to_rank, offset=offset)
+        return self._memo(("visible", ratio, width, offset),
+                          lambda: compressed_visible_indices(self, ratio, width, offset=offset))
 
     def indexer_ranges(self, ratio: int) -> tuple[Tensor, Tensor]:
-        return indexer_ranges(self, ratio)
+        return self._memo(("ranges", ratio), lambda: indexer_ranges(self, ratio))
 
     def replace(self, **changes) -> "ThdLayout":
         return dataclasses.replace(self, **changes)

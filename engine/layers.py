@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference.layers import rms_normalize
+from kernels.reference.layers import linear_fp32, rms_normalize
 
+from .runtime import ensure_megatron
 from .tp import keeps_fp32, mark_keep_in_fp32
 
-__all__ = ["KeepFP32Module", "Linear", "RMSNorm", "init_normal_"]
+__all__ = ["KeepFP32Module", "Linear", "RMSNorm", "init_normal_", "fp32_logits", "row_parallel_linear", "attribute_on"]
 
 
 class KeepFP32Module(nn.Module):
@@ -65,3 +66,40 @@ class RMSNorm(KeepFP32Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_normalize(x, self.eps)
         return (y * self.weight.to(y.dtype)).to(x.dtype)
+
+
+def fp32_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``y @ weight^T`` in fp32 (fp64 for fp64 operands) without fp32 copies of the output layer
+    (``kernels.reference.layers.linear_fp32``)."""
+    return linear_fp32(y, weight)
+
+def row_parallel_linear(*args, **kwargs):
+    """megatron-core's ``RowParallelLinear`` (same arguments, same parameters) that hands its own TP group
+    to the linear function: megatron-core 0.19.2 passes ``tp_group=None`` there, which warns on every call
+    and makes ``torch.compile`` break the graph at each such linear."""
+    ensure_megatron()
+    from megatron.core import tensor_parallel
+
+    global _RowParallelLinear
+    if _RowParallelLinear is None:
+        class RowParallelLinear(tensor_parallel.RowParallelLinear):
+            def _forward_impl(self, input, weight, *a, **kw):
+                kw["tp_group"] = self.tp_group
+                return super()._forward_impl(input, weight, *a, **kw)
+
+        _RowParallelLinear = RowParallelLinear
+    return _RowParallelLinear(*args, **kwargs)
+
+
+_RowParallelLinear = None
+
+
+def attribute_on(module: nn.Module, name: str, device: torch.device) -> torch.Tensor:
+    """The plain tensor attribute ``module.<name>`` on ``device``, moved there once and kept (RoPE inverse
+    frequencies: fp64 attributes, not buffers, so dtype casts of the model leave them alone). Keeping them
+    on the device spares a host-to-device copy per forward, which CUDA-graph capture would refuse."""
+    t = getattr(module, name)
+    if t.device != device:
+        t = t.to(device)
+        setattr(module, name, t)
+    return t

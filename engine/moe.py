@@ -16,6 +16,11 @@ Math (reuses ``kernels.reference.moe.route`` / ``swiglu``)::
     w = s[idx] / sum(s[idx]) * route_scale
     y = sum_k w_k * fc2_e(swiglu_clamped(fc1_e x)) + shared(x)     (shared clamp per config switch)
 
+Dispatch: the ``T*k`` (token, slot) assignments are sorted by expert and every expert's rows run as one
+group of a grouped GEMM (``torch._grouped_mm`` for bf16; a per-expert loop for fp32 / fp64 test models),
+with no host synchronisation; an expert no token chose gets an exact-zero gradient (as in megatron's
+grouped GEMM), not ``None``.
+
 Routing seam (R3 record / replay, ``train.replay``): a learned-routing TRUNK layer's top-k ``idx``
 goes through :func:`kernels.reference.moe.apply_routing_hook` at the same point as the reference
 ``Gate`` (after selection, before the weights are gathered), so a replayed pick gets this forward's
@@ -36,11 +41,11 @@ from torch import nn
 from kernels.reference.layers import compute_dtype
 from kernels.reference.moe import route, swiglu
 
-from .layers import KeepFP32Module, init_normal_
+from .layers import KeepFP32Module, init_normal_, row_parallel_linear
 from .runtime import ensure_megatron, tp_group, tp_world
 from .tp import mark_keep_in_fp32, mark_tp
 
-__all__ = ["DSv4Router", "DSv4GroupedExperts", "DSv4SharedExperts", "DSv4MoE"]
+__all__ = ["DSv4Router", "DSv4GroupedExperts", "DSv4SharedExperts", "DSv4MoE", "grouped_linear"]
 
 
 class DSv4Router(KeepFP32Module):
@@ -124,8 +129,18 @@ class DSv4GroupedExperts(nn.Module):
             return torch.cat((gate, up), dim=0), fq.fake_quant_nvfp4(w2)
         raise ValueError(f"unknown QAT expert format {fmt!r} (mxfp4 | nvfp4)")
 
+    def stacked_weights(self):
+        """``(fc1 [E, 2I, d], fc2 [E, d, I])``: every expert's forward weights stacked for the grouped GEMM
+        (a copy of the expert weights per forward; gradients flow back to each ``weight{e}``)."""
+        pairs = [self.expert_weights(e) for e in range(self.num_local_experts)]
+        return torch.stack([w1 for w1, _ in pairs]), torch.stack([w2 for _, w2 in pairs])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """``x [T, d]``, ``weights / idx [T, k]`` -> ``[T, d]`` in compute dtype (TP-reduced)."""
+        """``x [T, d]``, ``weights / idx [T, k]`` -> ``[T, d]`` in compute dtype (TP-reduced).
+
+        Dropless and free of host synchronisation: the ``T*k`` (token, slot) assignments are sorted by
+        expert, every expert's rows run as one group of a grouped GEMM (:func:`grouped_linear`), and the
+        results go back to (token, slot) order and are summed over the slots."""
         ensure_megatron()
         from megatron.core.tensor_parallel import mappings
 
@@ -134,17 +149,36 @@ class DSv4GroupedExperts(nn.Module):
             x = mappings.copy_to_tensor_model_parallel_region(x, tp_group())
             weights = mappings.copy_to_tensor_model_parallel_region(weights, tp_group())
         ct = compute_dtype(x)
-        y = torch.zeros(x.shape, dtype=ct, device=x.device)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            w1, w2 = self.expert_weights(e)
-            h = F.linear(x[tok], w1.to(x.dtype))
-            gate, up = h.to(ct).chunk(2, dim=-1)
-            a = swiglu(gate, up, self.limit) * weights[tok, slot].to(ct).unsqueeze(-1)
-            y.index_add_(0, tok, F.linear(a.to(x.dtype), w2.to(x.dtype)).to(ct))
+        T, k = idx.shape
+        experts, order = idx.reshape(-1).sort(stable=True)      # assignments grouped by expert
+        ends = torch.searchsorted(experts, torch.arange(self.num_local_experts, device=idx.device), right=True)
+        w1, w2 = self.stacked_weights()
+        h = grouped_linear(x.index_select(0, order // k), w1.to(x.dtype), ends)
+        gate, up = h.to(ct).chunk(2, dim=-1)
+        a = swiglu(gate, up, self.limit) * weights.reshape(-1).index_select(0, order).to(ct).unsqueeze(-1)
+        out = grouped_linear(a.to(x.dtype), w2.to(x.dtype), ends).to(ct)
+        y = torch.zeros_like(out).index_copy(0, order, out).view(T, k, -1).sum(dim=1)
         if tp > 1:
             y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())
         return y
+
+
+def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: bf16 (its only dtype on CUDA and under
+    ``torch.compile``), rows of 16-byte multiples. Other dtypes (fp32 / fp64 test models) run the loop."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    return (w.shape[1] * 2) % 16 == 0 and (w.shape[2] * 2) % 16 == 0
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``x [N, in]`` whose rows ``ends[e-1]:ends[e]`` belong to group ``e`` -> ``x_rows @ w[e]^T`` ``[N, out]``
+    (``w [E, out, in]``). One grouped GEMM (``torch._grouped_mm``, no host sync) where supported, else a
+    loop over the groups (reads ``ends`` on the host)."""
+    if _grouped_mm_supported(x, w):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    bounds = [0] + ends.tolist()
+    return torch.cat([F.linear(x[s:e], w[g]) for g, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))], dim=0)
 
 
 class DSv4SharedExperts(nn.Module):
@@ -162,7 +196,7 @@ class DSv4SharedExperts(nn.Module):
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             c.dim, 2 * inter, config=tconfig, init_method=init, bias=False, gather_output=False,
             tp_group=tp_group())
-        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+        self.linear_fc2 = row_parallel_linear(
             inter, c.dim, config=tconfig, init_method=init, bias=False, input_is_parallel=True,
             skip_bias_add=False, tp_group=tp_group())
         mark_tp(self.linear_fc1.weight, 0, 2)  # rank slice of gate and of up

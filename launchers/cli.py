@@ -284,12 +284,13 @@ def training_options(func):
         ("--lr", dict(type=float, default=None, help="Learning rate.")),
         ("--seed", dict(type=int, default=None, help="Seed of data order and sampling.")),
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
+        ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape compiles once).")),
     )):
         func = click.option(decl, **kwargs)(func)
     return func
 
 
-def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, seed, save_every) -> dict:
+def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, seed, save_every, compile) -> dict:
     from core.records import ROLLOUT
 
     host = _host({})
@@ -302,6 +303,8 @@ def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, s
     overrides = {k: v for k, v in (("data", data), ("lr", lr), ("seed", seed), ("save_every", save_every)) if v is not None}
     if data:
         overrides["data"] = str(stages.user_path(data))
+    if compile:
+        overrides["compile_blocks"] = True
     return dict(
         mode=mode,
         steps=steps,

@@ -10,8 +10,12 @@ Implementations, all on the same small DeepSeek-V4 config and the same token bat
   implementation), config from ``tests.reference.hf_mapping.hf_config_from``.
 
 One step = forward, next-token cross-entropy (fp32 logits), backward, AdamW step, zero_grad. Weights are
-randomly initialized in bf16. Warm-up steps (triton compilation, allocator) run before the timed steps;
-``torch.cuda.synchronize()`` brackets the timed region.
+randomly initialized in bf16. Warm-up steps (triton and torch.compile compilation, CUDA-graph recording,
+allocator) run before the timed steps; ``torch.cuda.synchronize()`` brackets the timed region.
+
+Modes of miles / megatron (``--compile on|off|both``, ``--cuda-graph on|off``): eager; compiled
+(``engine.compile.compile_blocks``: every block through ``torch.compile``, the kernel backend's kernels
+left eager); compiled + CUDA graphs (Inductor's reduce-overhead mode, the default). transformers runs eager.
 
 MFU = FLOPs per step / step time / 989e12, where 989 TFLOP/s is the H200's dense bf16 peak (the SXM data
 sheet number, without sparsity). FLOPs per step = 6 x active params x tokens + attention FLOPs:
@@ -30,7 +34,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -147,12 +150,14 @@ def make_megatron(c, ids):
     cu = torch.arange(0, B + 1, device=ids.device, dtype=torch.int32) * S
     keep = torch.ones(B, S, dtype=torch.bool, device=ids.device)
     keep[:, -1] = False
-    keep = keep.reshape(-1)
-    labels = torch.roll(flat, -1)[keep]
+    rows = keep.reshape(-1).nonzero().squeeze(1)  # index, not a boolean mask: no host sync in the step
+    labels = torch.roll(flat, -1).index_select(0, rows)
+
+    layout = m.layout_for(flat, cu)  # built once: its index tensors are reused by every step
 
     def loss_fn():
-        logits = m(flat, cu)  # [T, V]
-        return F.cross_entropy(logits[keep].float(), labels)
+        logits = m(flat, layout=layout)  # [T, V]
+        return F.cross_entropy(logits.index_select(0, rows).float(), labels)
 
     return m, loss_fn
 
@@ -182,16 +187,22 @@ def make_transformers(c, ids):
 MAKERS = {"miles": make_miles, "megatron": make_megatron, "transformers": make_transformers}
 
 
-def bench_one(impl, c, ids, warmup, steps, deadline, profile=False):
+def bench_one(impl, c, ids, warmup, steps, budget_s=None, profile=False, compile_blocks=False, cuda_graph=False):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model, loss_fn = MAKERS[impl](c, ids)
+    if compile_blocks:
+        from engine.compile import compile_blocks as _compile
+
+        _compile(model, cuda_graphs=cuda_graph)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     note = getattr(MAKERS[impl], "note", "")
 
     def step():
+        if cuda_graph:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = loss_fn()
         loss.backward()
         opt.step()
@@ -204,12 +215,15 @@ def bench_one(impl, c, ids, warmup, steps, deadline, profile=False):
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     first_loss = float(loss.detach())
-    # fit the timed steps into what is left of the deadline
-    per = warm_s / max(warmup, 1)
+    # fit the timed steps into the budget, timing one step first (warm-up steps include compilation)
     n = steps
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        n = max(1, min(steps, int(left * 0.8 / max(per, 1e-3))))
+    if budget_s is not None:
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        per = time.perf_counter() - t1
+        n = max(1, min(steps, int(budget_s / max(per, 1e-4))))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -223,8 +237,11 @@ def bench_one(impl, c, ids, warmup, steps, deadline, profile=False):
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
-        print(f"--- {impl}: top CUDA ops over 2 steps", flush=True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60),
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_ms = sum(e.device_time for e in kernels) / 1e3 / 2
+        print(f"--- {impl}: per step {len(kernels) / 2:.0f} GPU kernels, {busy_ms:.1f} ms GPU busy "
+              f"(of {dt * 1e3:.1f} ms); top self-CUDA ops over 2 steps", flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60),
               flush=True)
     out = dict(step_ms=dt * 1e3, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30, timed_steps=n,
                warmup_steps=warmup, warmup_s=warm_s, loss_first=first_loss, loss_last=float(loss.detach()),
@@ -238,16 +255,16 @@ def bench_one(impl, c, ids, warmup, steps, deadline, profile=False):
 
 def print_table(rows):
     base = next((r for r in rows if r["impl"] == "transformers" and r.get("tokens_per_s")), None)
-    hdr = f"{'impl':<13} {'backend':<8} {'tokens/s':>10} {'MFU':>7} {'step ms':>9} {'peak GB':>8} {'vs HF':>7}"
+    hdr = f"{'impl':<13} {'backend':<8} {'compiled':<8} {'tokens/s':>10} {'MFU':>7} {'step ms':>9} {'peak GB':>8} {'vs HF':>7}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         if r.get("tokens_per_s"):
             sp = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-            print(f"{r['impl']:<13} {r['kernel_backend']:<8} {r['tokens_per_s']:>10.0f} {100 * r['mfu']:>6.2f}% "
+            print(f"{r['impl']:<13} {r['kernel_backend']:<8} {str(r.get('compiled', False)):<8} {r['tokens_per_s']:>10.0f} {100 * r['mfu']:>6.2f}% "
                   f"{r['step_ms']:>9.1f} {r['peak_mem_gb']:>8.2f} {sp:>7}")
         else:
-            print(f"{r['impl']:<13} {r['kernel_backend']:<8} FAILED: {r.get('error', '')[:80]}")
+            print(f"{r['impl']:<13} {r['kernel_backend']:<8} {str(r.get('compiled', False)):<8} FAILED: {r.get('error', '')[:80]}")
 
 
 def main(argv=None):
@@ -256,10 +273,14 @@ def main(argv=None):
     ap.add_argument("--impls", default="miles,megatron,transformers")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", default="", help="comma list of impls to profile after timing (top CUDA ops)")
-    ap.add_argument("--budget-s", type=float, default=None, help="per-implementation wall-clock budget")
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds per implementation for the timed steps (after warm-up); fewer than --steps if short")
+    ap.add_argument("--cuda-graph", choices=("on", "off"), default="on",
+                    help="compiled blocks also as CUDA graphs (Inductor's reduce-overhead mode; engine.compile)")
+    ap.add_argument("--compile", choices=("on", "off", "both"), default="on",
+                    help="run miles / megatron with their blocks torch.compile'd (engine.compile), eagerly, or both")
     args = ap.parse_args(argv)
 
     from backends.nvidia.target import NvidiaTarget
@@ -279,14 +300,20 @@ def main(argv=None):
                  f"(attention {fl['attention']:.4e}); MFU against 989 TFLOP/s (H200 dense bf16 peak)")
     print(flop_note, flush=True)
     rows = []
+    runs = []
     for impl in [s for s in args.impls.split(",") if s]:
-        row = dict(impl=impl, kernel_backend="triton" if impl != "transformers" else "eager",
+        modes = [False] if impl == "transformers" else {"on": [True], "off": [False], "both": [False, True]}[args.compile]
+        runs += [(impl, m) for m in modes]
+    for impl, compiled in runs:
+        graphed = compiled and args.cuda_graph == "on"
+        row = dict(impl=impl, kernel_backend="triton" if impl != "transformers" else "eager", compiled=compiled,
+                   cuda_graph=graphed,
                    tokens_per_s=None, mfu=None, step_ms=None, peak_mem_gb=None, date=date, device=device,
                    config=summary, flops_per_step=fl["total"], flops_note=flop_note,
                    peak_tflops=H200_BF16_DENSE_TFLOPS)
-        deadline = time.monotonic() + args.budget_s if args.budget_s else None
         try:
-            r = bench_one(impl, c, ids, args.warmup, args.steps, deadline, impl in args.profile.split(","))
+            r = bench_one(impl, c, ids, args.warmup, args.steps, args.budget_s, impl in args.profile.split(","), compiled,
+                          graphed)
             row.update(r)
             row["tokens_per_s"] = seq * batch / (r["step_ms"] / 1e3)
             row["mfu"] = fl["total"] / (r["step_ms"] / 1e3) / (H200_BF16_DENSE_TFLOPS * 1e12)

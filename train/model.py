@@ -464,7 +464,8 @@ def setup_process(run_config):
 
 def build_train_model(model_config, run_config=None, *, impl: Optional[str] = None,
                       dtype: torch.dtype = torch.float32, seed: int = 0,
-                      dsa_indexer_loss_coeff: Optional[float] = None) -> _TrainModelBase:
+                      dsa_indexer_loss_coeff: Optional[float] = None,
+                      compile_blocks: bool = False) -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
@@ -473,9 +474,13 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     (``run_config.selection.impl.load()``, its factory ``build_model(model_config, run_config, ...)``),
     after the run's hardware target has set the process up. ``dsa_indexer_loss_coeff``: weight of the
     indexer KL loss, for an implementation whose factory takes it (megatron); ``None`` = off.
+    ``compile_blocks``: ``torch.compile`` the implementation's blocks in place (``engine.compile``).
     """
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
+        if compile_blocks:
+            raise ValueError("--compile compiles the blocks of an implementation (miles, megatron); "
+                             "the reference training model has none: drop --compile or train --impl miles|megatron")
         if dsa_indexer_loss_coeff is not None:
             raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
         return ReferenceTrainModel(model_config, dtype=dtype, seed=seed)
@@ -498,6 +503,10 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
         qat().install(module)
     device = target.device(0) if hasattr(target, "device") else torch.device("cpu")
     module.to(device)
+    if compile_blocks:
+        from engine.compile import compile_blocks as compile_in_place
+
+        compile_in_place(module)
     return ImplTrainModel(module, model_config, impl, qkv_format=run_config.qkv_format,
                           indexer_loss_coeff=dsa_indexer_loss_coeff, device=device)
 

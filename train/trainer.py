@@ -97,6 +97,9 @@ class TrainConfig:
     # "reference" = the reference model (tests of the loop itself)
     train_impl: Optional[str] = None
     train_dtype: str = "fp32"
+    # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
+    # new batch shape recompiles once, so it pays off for long runs of steady shapes
+    compile_blocks: bool = False
     # dynamic batching: pack SFT sequences / GRPO samples into THD micro-batches of at most this many
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
     max_tokens_per_rank: Optional[int] = None
@@ -164,7 +167,8 @@ class _Run:
         torch.manual_seed(cfg.seed)
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed,
-                                       dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff)
+                                       dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
+                                       compile_blocks=cfg.compile_blocks)
         self.dist = CpGroup.current()
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
         self.packed = bool(getattr(self.model, "packs_streams", False)) and (

@@ -36,13 +36,12 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from core.thd import ThdLayout, compressed_groups, compressed_visible_indices, indexer_ranges, window_indices
-from engine.layers import KeepFP32Module, RMSNorm
+from core.thd import ThdLayout
+from engine.layers import KeepFP32Module, RMSNorm, attribute_on, row_parallel_linear
 from engine.thd_attention import (
     ThdContext,
     all_gather_cp,
@@ -54,7 +53,7 @@ from engine.thd_attention import (
 from engine.tp import mark_keep_in_fp32
 
 from .config import indexer_loss_enabled
-from kernels.reference.layers import compute_dtype, rms_normalize
+from kernels.reference.layers import compute_dtype, linear_fp32, rms_normalize
 from kernels.reference.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = [
@@ -70,7 +69,7 @@ def _column(config, n_in: int, n_out: int) -> tensor_parallel.ColumnParallelLine
 
 
 def _row(config, n_in: int, n_out: int) -> tensor_parallel.RowParallelLinear:
-    return tensor_parallel.RowParallelLinear(n_in, n_out, config=config, init_method=config.output_layer_init_method,
+    return row_parallel_linear(n_in, n_out, config=config, init_method=config.output_layer_init_method,
                                              bias=False, input_is_parallel=True, skip_bias_add=True)
 
 
@@ -81,8 +80,7 @@ def _call(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _f32_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """``x W^T`` computed in fp32 (fp64 for fp64 inputs): the compressor GEMMs (bf16 in, fp32 out)."""
-    ct = compute_dtype(x)
-    return F.linear(x.to(ct), linear.weight.to(ct))
+    return linear_fp32(x, linear.weight)
 
 
 def layer_inv_freq(config, layer_id: int) -> torch.Tensor:
@@ -119,7 +117,7 @@ class Compressor(KeepFP32Module, MegatronModule):
     def forward(self, x: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor) -> torch.Tensor:
         """``x [T, C]`` -> compressed entries ``[G, c]`` (segment-major flat list; dtype of x)."""
         m, c = self.ratio, self.head_dim
-        groups = compressed_groups(layout.cu_seqlens, m)
+        groups = layout.compressed_groups(m)
         if groups.num_groups == 0:
             return x.new_zeros(0, c)
         gi = groups.gather_index()                                   # [G, m]
@@ -171,7 +169,7 @@ class Indexer(MegatronModule):
         q = self.ops.hadamard_transform(apply_rope(q, cos, sin).to(ct))
         w = _call(self.linear_weights_proj, x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
         s = self.ops.indexer_scores(q, k.to(ct).unsqueeze(0), w.unsqueeze(0)).squeeze(0)  # [T, G]
-        ks, ke = indexer_ranges(layout, 4)
+        ks, ke = layout.indexer_ranges(4)
         j = torch.arange(s.shape[1], device=s.device)[None, :]
         visible = (j >= ks[:, None]) & (j < ke[:, None])
         return s.masked_fill(~visible, float("-inf"))
@@ -187,8 +185,8 @@ class Indexer(MegatronModule):
         out = torch.full((T, width), -1, dtype=torch.long, device=scores.device)
         if width == 0:
             return out
-        cu = layout.cu_seqlens.tolist()
-        cu_c = layout.compressed_cu_seqlens(4).tolist()
+        cu = layout.host_cu_seqlens()
+        cu_c = layout.host_compressed_cu_seqlens(4)
         s = scores.detach()
         for b in range(layout.num_segments):
             r0, r1, c0, c1 = cu[b] - layout.global_start, cu[b + 1] - layout.global_start, cu_c[b], cu_c[b + 1]
@@ -270,7 +268,7 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``q [T,H,D]``, ``kv [T,D]``, ``x [T,C]``, ``cq [T,q_lora]`` -> ``(o [T,H,D], indexer KL or None)``."""
         T = q.shape[0]
-        idx = window_indices(layout, self.window)                                # [T, W] stream rows
+        idx = layout.window_indices(self.window)                                # [T, W] stream rows
         kv_all = kv
         kl = None
         if self.ratio:
@@ -285,7 +283,7 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                 if self.training and indexer_loss_enabled(self.config):
                     kl = self._indexer_loss(q, kv_all, idx, scores, top, layout)
             else:
-                cidx = compressed_visible_indices(layout, self.ratio, offset=T)
+                cidx = layout.compressed_visible_indices(self.ratio, offset=T)
             idx = torch.cat((idx, cidx), dim=1)
         o = self.ops.sparse_attention_with_sink(q.unsqueeze(0), kv_all.unsqueeze(0), idx.unsqueeze(0),
                                                 self.attn_sink, self.scale).squeeze(0)
@@ -325,10 +323,10 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
         """``KL(p || softmax(I))`` over all visible compressed entries (dense), or over the top-k picks
         with ``dsa_indexer_use_sparse_loss``. Teacher from detached q / K; not yet scaled by the coeff."""
         T = q.shape[0]
-        flat = compressed_visible_indices(layout, 4)                             # [T, Gw] flat ids
+        flat = layout.compressed_visible_indices(4)                             # [T, Gw] flat ids
         mask = flat >= 0
         if getattr(self.config, "dsa_indexer_use_sparse_loss", False) and top.shape[1]:
-            ks, _ = indexer_ranges(layout, 4)
+            ks, _ = layout.indexer_ranges(4)
             col = (top - ks[:, None]).clamp(min=0)
             picked = torch.zeros_like(mask).scatter_(1, col, top >= 0)
             mask = mask & picked
@@ -381,7 +379,7 @@ class DSv4HybridAttention(MegatronModule):
             raise ValueError(f"THD input must be one packed stream [T, 1, C], got batch {B}")
         x = hidden_states[:, 0]
         H, D = self.n_heads, self.head_dim
-        inv_freq = self.inv_freq.to(x.device)
+        inv_freq = attribute_on(self, "inv_freq", x.device)
         cos, sin = rope_cos_sin(inv_freq, layout.positions.to(x.device))
 
         cq = self.q_layernorm(_call(self.linear_q_down_proj, x))

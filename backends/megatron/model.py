@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
@@ -37,9 +36,8 @@ from torch import nn
 
 from core.thd import ThdLayout
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
-from engine.layers import KeepFP32Module, RMSNorm
+from engine.layers import KeepFP32Module, RMSNorm, fp32_logits
 from engine.moe import DSv4MoE
-from kernels.reference.layers import compute_dtype
 
 from .attention import DSv4HybridAttention
 from .mhc import HyperConnectionModule, apply_head, register_head_params
@@ -175,13 +173,14 @@ class DSv4NativeModel(MegatronModule):
         return layout
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        ct = compute_dtype(h)
-        return F.linear(h.to(ct), self.output_layer.weight.to(ct))
+        return fp32_logits(h, self.output_layer.weight)
 
-    def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None):
-        """``(final streams [T,1,n,C], unscaled summed indexer KL or None, layout)``."""
+    def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *, layout=None):
+        """``(final streams [T,1,n,C], unscaled summed indexer KL or None, layout)``. ``layout``: a prebuilt
+        ``layout_for(input_ids, cu_seqlens)`` to reuse (it keeps what it derives: no host sync when reused)."""
         ids = input_ids.reshape(-1)
-        layout = self.layout_for(ids, cu_seqlens)
+        if layout is None:
+            layout = self.layout_for(ids, cu_seqlens)
         emb = self.embedding(ids.view(1, -1), position_ids=None)                 # [T, 1, C]
         n = self.config.num_residual_streams
         streams = emb.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
@@ -190,11 +189,12 @@ class DSv4NativeModel(MegatronModule):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
-                return_indexer_loss: bool = False):
+                return_indexer_loss: bool = False, layout=None):
         """``input_ids [T]`` (or ``[1, T]``), ``cu_seqlens [n_seg+1]`` (default: one sequence) ->
         fp32 logits ``[T, V]``; with ``return_indexer_loss=True`` -> ``(logits, indexer_loss)`` where
-        ``indexer_loss = dsa_indexer_loss_coeff * sum_layers KL`` or None (coefficient None / eval)."""
-        streams, kl, _ = self.hidden_streams(input_ids, cu_seqlens)
+        ``indexer_loss = dsa_indexer_loss_coeff * sum_layers KL`` or None (coefficient None / eval).
+        ``layout``: a prebuilt ``layout_for(input_ids, cu_seqlens)`` to reuse across steps."""
+        streams, kl, _ = self.hidden_streams(input_ids, cu_seqlens, layout=layout)
         logits = self._logits(self.decoder.collapse(streams)[:, 0])
         coeff = self.config.dsa_indexer_loss_coeff
         self.last_indexer_loss = None if (kl is None or coeff is None) else kl * coeff

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
+from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_, attribute_on, row_parallel_linear
 from engine.runtime import ensure_megatron, tp_group, tp_world
 from engine.thd_attention import (
     ThdContext,
@@ -167,7 +167,7 @@ class DeepSeekV4Attention(nn.Module):
         self.linear_o_group_proj = nn.Parameter(
             init_normal_(torch.empty(self.n_local_groups * c.o_lora_rank, group_in, dtype=params_dtype), std))
         mark_tp(self.linear_o_group_proj, 0)
-        self.linear_proj = tensor_parallel.RowParallelLinear(
+        self.linear_proj = row_parallel_linear(
             c.o_groups * c.o_lora_rank, c.dim, config=tconfig, init_method=init, bias=False,
             input_is_parallel=True, skip_bias_add=False, tp_group=tp_group())
         self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype)
@@ -182,7 +182,7 @@ class DeepSeekV4Attention(nn.Module):
             return self._forward_thd(x, thd)
         B, S, _ = x.shape
         H, D = self.n_local_heads, self.head_dim
-        inv_freq = self.inv_freq.to(x.device)
+        inv_freq = attribute_on(self, "inv_freq", x.device)
         cos, sin = rope_cos_sin(inv_freq, torch.arange(S, device=x.device))
         ca = self.core_attention
 
@@ -249,7 +249,7 @@ class DeepSeekV4Attention(nn.Module):
         if L != thd.local_len:
             raise ValueError(f"attention input has {L} rows but the packed layout gives this rank {thd.local_len}")
         H, D = self.n_local_heads, self.head_dim
-        inv_freq = self.inv_freq.to(x.device)
+        inv_freq = attribute_on(self, "inv_freq", x.device)
         cos, sin = rope_cos_sin(inv_freq, thd.positions().to(x.device))   # positions restart per segment
         ca = self.core_attention
 

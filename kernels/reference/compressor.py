@@ -14,10 +14,9 @@ For complete blocks only (``Nb = floor(S/m)``), in fp32::
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .layers import KeepFP32, Linear, RMSNorm, compute_dtype
+from .layers import KeepFP32, Linear, RMSNorm, linear_fp32
 from .rope import apply_rope, rope_cos_sin
 
 __all__ = ["hadamard_transform", "Compressor"]
@@ -62,10 +61,10 @@ class Compressor(KeepFP32):
         nb = S // m
         if nb == 0:
             return x.new_zeros(B, 0, c)
-        ct = compute_dtype(x)
-        xs = x[:, : nb * m].to(ct)
-        a = F.linear(xs, self.wkv.weight.to(ct)).view(B, nb, m, -1)
-        z = F.linear(xs, self.wgate.weight.to(ct)).view(B, nb, m, -1) + self.ape.to(ct)
+        xs = x[:, : nb * m]
+        a = linear_fp32(xs, self.wkv.weight).view(B, nb, m, -1)
+        z = linear_fp32(xs, self.wgate.weight).view(B, nb, m, -1)
+        z = z + self.ape.to(z.dtype)
         if self.overlap:
             prev_a = torch.cat((a.new_zeros(B, 1, m, c), a[:, :-1, :, :c]), dim=1)
             prev_z = torch.cat((z.new_full((B, 1, m, c), float("-inf")), z[:, :-1, :, :c]), dim=1)

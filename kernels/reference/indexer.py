@@ -29,15 +29,20 @@ from .rope import apply_rope, rope_cos_sin
 __all__ = ["Indexer", "indexer_scores", "indexer_hook"]
 
 _INDEXER_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_indexer_hook", default=None)
+# open indexer_hook contexts (an int torch.compile can guard on; it cannot trace ContextVar.get)
+_OPEN_HOOKS = 0
 
 
 @contextlib.contextmanager
 def indexer_hook(hook):
     """Install ``hook(indexer_module, picks) -> picks`` for every Indexer in this context."""
+    global _OPEN_HOOKS
     token = _INDEXER_HOOK.set(hook)
+    _OPEN_HOOKS += 1
     try:
         yield hook
     finally:
+        _OPEN_HOOKS -= 1
         _INDEXER_HOOK.reset(token)
 
 
@@ -76,5 +81,7 @@ class Indexer(nn.Module):
         scores = scores.masked_fill(invisible, float("-inf"))
         top = scores.topk(min(self.topk, nb), dim=-1).indices
         picks = torch.where(top >= limit[None, :, None], torch.full_like(top, -1), top)
+        if not _OPEN_HOOKS:
+            return picks
         hook = _INDEXER_HOOK.get()
         return picks if hook is None else hook(self, picks)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize"]
+__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "linear_fp32"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -81,3 +81,44 @@ class RMSNorm(KeepFP32):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_normalize(x, self.eps)
         return (y * self.weight.to(y.dtype)).to(x.dtype)
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with fp32 accumulation and an fp32 result. Half-precision CUDA operands run one tensor-core
+    GEMM (``torch.mm(..., out_dtype=float32)``); elsewhere the operands are upcast first (same products,
+    exact in fp32, so the same value up to summation order)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    ct = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return a.to(ct) @ b.to(ct)
+
+
+class _HalfInputFp32Linear(torch.autograd.Function):
+    """``y [N, d] @ w [V, d]^T`` -> fp32 for half-precision ``y`` and ``w`` without fp32 copies of either.
+    Backward takes the output gradient in the operands' dtype (as a bf16 megatron linear does) and
+    accumulates in fp32."""
+
+    @staticmethod
+    def forward(ctx, y, w):
+        ctx.save_for_backward(y, w)
+        return _mm_fp32_out(y, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w = ctx.saved_tensors
+        g = g.to(y.dtype)
+        dy = _mm_fp32_out(g, w).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dw = _mm_fp32_out(g.t(), y).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dy, dw
+
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` in fp32 (fp64 if either operand is fp64): the GEMMs whose result DeepSeek-V4 keeps in fp32
+    (compressor projections, logits). For bf16 / fp16 ``x`` and ``w`` of one dtype this is one tensor-core
+    GEMM with fp32 accumulation and output (the products of half-precision values are exact in fp32, so it
+    equals the upcast fp32 GEMM up to summation order); otherwise the operands are upcast."""
+    if x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+        return _HalfInputFp32Linear.apply(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    ct = compute_dtype(x, w)
+    return F.linear(x.to(ct), w.to(ct))

@@ -32,18 +32,28 @@ __all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert"
 _ROUTING_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_routing_hook", default=None)
 
 
+# How many routing_hook contexts are open in the process: a plain int that torch.compile can guard on
+# (it cannot trace ContextVar.get), so compiled code without an open hook never consults the ContextVar.
+_OPEN_HOOKS = 0
+
+
 @contextlib.contextmanager
 def routing_hook(hook):
     """Install ``hook(layer_id, idx) -> idx`` for learned-routing trunk layers in this context."""
+    global _OPEN_HOOKS
     token = _ROUTING_HOOK.set(hook)
+    _OPEN_HOOKS += 1
     try:
         yield hook
     finally:
+        _OPEN_HOOKS -= 1
         _ROUTING_HOOK.reset(token)
 
 
 def apply_routing_hook(layer_id: int, idx: torch.Tensor) -> torch.Tensor:
     """The seam: pass a learned trunk layer's top-k ``idx [T,k]`` through the installed hook (if any)."""
+    if not _OPEN_HOOKS:
+        return idx
     hook = _ROUTING_HOOK.get()
     return idx if hook is None else hook(layer_id, idx)
 
@@ -66,6 +76,18 @@ def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     raise ValueError(f"unknown score_func {score_func!r}")
 
 
+def _has_negative_ids(tid2eid: torch.Tensor) -> bool:
+    """Whether a hash table holds negative ids. Checked once per version of the table (on a GPU the
+    check is a host sync), not on every forward; compiled code skips it (it cannot branch on data)."""
+    version = (tid2eid.data_ptr(), tid2eid._version)
+    if getattr(tid2eid, "_dsv4_checked_version", None) == version:
+        return False
+    if bool((tid2eid < 0).any()):
+        return True
+    tid2eid._dsv4_checked_version = version
+    return False
+
+
 def select_experts(scores: torch.Tensor, *, topk: int, route_scale: float, score_func: str,
                    tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, replay_layer: int | None = None):
@@ -80,7 +102,7 @@ def select_experts(scores: torch.Tensor, *, topk: int, route_scale: float, score
         if input_ids is None:
             raise ValueError("hash-routed MoE layer needs input_ids")
         idx = tid2eid[input_ids.reshape(-1)].long()
-        if (idx < 0).any():
+        if not torch.compiler.is_compiling() and _has_negative_ids(tid2eid):
             raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
     else:
         idx = (scores + bias.to(scores.dtype)).topk(topk, dim=-1).indices

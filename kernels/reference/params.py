@@ -14,7 +14,6 @@ Conventions (they reproduce the reference numbers exactly):
 
 from __future__ import annotations
 
-import torch
 
 from .model import DeepseekV4Model
 

@@ -53,7 +53,15 @@ def test_moe_matches_reference(layer_id, shared_clamp):
     yr.square().sum().backward()
     ym.square().sum().backward()
     # fp32, different summation order (fc1 = cat(w1, w3)): error relative to the gradient's scale
-    for a, b in ((xm.grad, xr.grad), (m.router.weight.grad, ref.gate.weight.grad)):
+    pairs = [(xm.grad, xr.grad), (m.router.weight.grad, ref.gate.weight.grad)]
+    for e, ex in enumerate(ref.experts):  # every routed expert's weights, through the grouped GEMM
+        if ex.w2.weight.grad is not None:
+            pairs.append((m.experts.linear_fc1[e].grad, torch.cat((ex.w1.weight.grad, ex.w3.weight.grad))))
+            pairs.append((m.experts.linear_fc2[e].grad, ex.w2.weight.grad))
+        else:  # an expert no token chose gets a zero gradient
+            assert not m.experts.linear_fc1[e].grad.any()
+    assert len(pairs) > 4
+    for a, b in pairs:
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     # the clamp is really exercised: the shared expert's pre-activations exceed the limit
     h = x.reshape(-1, c.dim) @ ref.shared_experts.w1.weight.T
@@ -85,3 +93,4 @@ def test_expert_bias_selects_only():
     assert (i1 == 0).any(dim=-1).all()
     torch.testing.assert_close(w1.sum(-1), torch.full((6,), c.route_scale))
     assert isinstance(m.router.tid2eid if m.router.hash else m.router.expert_bias, torch.Tensor)
+

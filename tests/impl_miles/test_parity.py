@@ -82,8 +82,11 @@ def test_one_adam_step(official):
     l_ref, g_ref, after_ref = reference_step(ref, ids)
     l_m, g_m, after_m = miles_step(m, ids)
     assert abs(l_ref - l_m) <= LOSS_TOL
-    # same parameters receive gradients (indexer: none; tid2eid frozen; unrouted experts: none)
-    assert set(g_ref) == set(g_m), (sorted(set(g_ref) ^ set(g_m)))[:5]
+    # same parameters receive gradients (indexer: none; tid2eid frozen), except that the grouped GEMM gives
+    # an expert no token chose an exact-zero gradient where the reference's loop gives none
+    assert set(g_ref) <= set(g_m), sorted(set(g_ref) - set(g_m))[:5]
+    unrouted = set(g_m) - set(g_ref)
+    assert all(".experts." in n and not g_m[n].any() for n in unrouted), sorted(unrouted)[:5]
     assert not any(".indexer." in n for n in g_m)
     for n in g_ref:
         assert (g_ref[n] - g_m[n]).abs().max().item() <= GRAD_ATOL, n

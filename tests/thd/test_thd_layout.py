@@ -260,3 +260,24 @@ def test_local_rows_outside_stream_raise():
         compressed_cu_seqlens(cu_of([4]), 0)
     lay = ThdLayout(cu_of([4, 4]), global_start=8)  # an empty local slice is legal
     assert lay.window_indices().shape == (0, WINDOW)
+
+
+def test_layout_keeps_what_it_derives_but_not_inside_compiled_code():
+    """A reused layout builds its index tensors and host facts once (no host sync on later steps); inside
+    torch.compile'd code the tensors are built in the graph and not kept (a compiled / CUDA-graph output
+    would be overwritten by the next replay), while host facts are still kept."""
+    cu = torch.tensor([0, 5, 12])
+    lay = ThdLayout(cu)
+    w = lay.window_indices(4)
+    assert lay.window_indices(4) is w
+    assert lay.compressed_groups(4) is lay.compressed_groups(4)
+    assert lay.max_seqlen == 7 and lay.host_cu_seqlens() == [0, 5, 12]
+
+    fresh = ThdLayout(cu)
+    compiled = torch.compile(lambda layout: layout.window_indices(4) + layout.total_tokens, backend="eager",
+                             fullgraph=False)
+    torch.testing.assert_close(compiled(fresh), w + 12)
+    assert ("window", 4) not in fresh._derived
+    assert fresh._derived["total"] == 12
+    torch.testing.assert_close(fresh.window_indices(4), w)  # eager again: built and kept
+    assert ("window", 4) in fresh._derived

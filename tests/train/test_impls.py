@@ -210,3 +210,22 @@ def test_replay_overrides_the_routing_of_a_drifted_implementation(impl):
             w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(layer)))
         assert routing_match(m.forward_train(ids).routing_used, routed) < 1.0
         assert routing_match(m.forward_train(ids, routing_replay=routed).routing_used, routed) == 1.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compile_option_compiles_the_blocks_in_place(impl):
+    """``--compile`` (TrainConfig.compile_blocks) hands the implementation's blocks to torch.compile in place
+    (parameter names unchanged); the reference training model refuses it with the fix."""
+    from engine.compile import block_modules
+    from train.model import build_train_model
+
+    c = small_config()
+    plain = build_train_model(c, run_config(impl, c), seed=0)
+    compiled = build_train_model(c, run_config(impl, c), seed=0, compile_blocks=True)
+    blocks = block_modules(compiled.module)
+    assert len(blocks) == c.n_layers + c.n_mtp_layers
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    assert not any(b._compiled_call_impl is not None for b in block_modules(plain.module))
+    assert [n for n, _ in compiled.native_tensors()] == [n for n, _ in plain.native_tensors()]
+    with pytest.raises(ValueError, match="the reference training model has none: drop --compile"):
+        build_train_model(c, None, impl="reference", compile_blocks=True)
