@@ -177,6 +177,13 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     loop over the groups (reads ``ends`` on the host)."""
     if _grouped_mm_supported(x, w):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    return _per_group_linear(x, w, ends)
+
+
+@torch.compiler.disable
+def _per_group_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The loop fallback of :func:`grouped_linear`; it reads ``ends`` on the host, so compiled code calls it
+    eagerly (one graph break instead of a recompilation per group layout)."""
     bounds = [0] + ends.tolist()
     return torch.cat([F.linear(x[s:e], w[g]) for g, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))], dim=0)
 
