@@ -330,8 +330,6 @@ class ImplTrainModel(_TrainModelBase):
 
         B, S = input_ids.shape
         cp, rank, group = cp_group_info()
-        if cp > 1 and self.indexer_loss_coeff is not None:
-            raise NotImplementedError("dsa_indexer_loss_coeff with --cp > 1: the indexer loss is not reduced over CP")
         if len(lengths) != B or any(n < 1 or n > S for n in lengths):
             raise ValueError(f"lengths {lengths} do not fit rows of shape {tuple(input_ids.shape)}")
         (mb,) = pack(lengths, self.config, cp, None).micro_batches
@@ -397,6 +395,10 @@ class ImplTrainModel(_TrainModelBase):
                 mtp.append(full.reshape(B, S, -1)[:, :W])
         if aux is not None:
             aux = aux.to(input_ids.device)
+            if cp > 1:  # this rank's share: the value becomes the stream's total, the gradient stays the share's
+                total = aux.detach().clone()
+                torch.distributed.all_reduce(total, group=group)
+                aux = aux + (total - aux.detach())
         return TrainForward(lp_rows, mtp, used, aux)
 
     def _mtp(self, ids, x, cu, streams) -> List[torch.Tensor]:

@@ -293,9 +293,8 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                    inv_freq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Context-parallel forward: ``q [L,H,D]``, ``kv [L,D]``, ``x [L,C]``, ``cq [L,q_lora]`` of this rank."""
-        if self.ratio == 4 and self.training and indexer_loss_enabled(self.config):
-            raise NotImplementedError("the indexer KL loss is not built under context parallelism; "
-                                      "set dsa_indexer_loss_coeff=None or use --cp 1")
+        want_kl = self.ratio == 4 and self.training and indexer_loss_enabled(self.config)
+        kl = None
         T = ctx.total_tokens
         idx = ctx.window_indices(self.window).to(q.device)                     # [L, W] stream rows
         kv_all = all_gather_cp(kv, ctx, dim=0)                                 # [T, D]
@@ -305,24 +304,26 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
             comp = _qat_kv(self, comp.to(kv.dtype), self.config.qk_pos_emb_head_dim)
             kv_all = torch.cat((kv_all, comp), dim=0)
             if self.ratio == 4:
-                with torch.no_grad():
+                # the indexer sees detached inputs; its own parameters get gradients only from the KL loss
+                with torch.set_grad_enabled(torch.is_grad_enabled() and want_kl):
                     xd, cqd = x.detach(), cq.detach()
                     k = compressed_kv([self.indexer.compressor], xd.unsqueeze(0), ctx, 4, inv_freq, hadamard)[0][0]
                     k = k.index_select(0, ctx.seq_to_rank(4).to(k.device))  # sequence-major [G, c_I]
                     scores = self.indexer.scores_with_keys(xd, cqd, k, ctx.layout, cos, sin)
-                    picks = indexer_topk(scores.unsqueeze(0), ctx, self.indexer.topk)[0]
+                picks = indexer_topk(scores.detach().unsqueeze(0), ctx, self.indexer.topk)[0]
                 cidx = picks_to_rows(picks, ctx, 4, T)
+                if want_kl:
+                    kl = self._indexer_loss_cp(q, kv_all, idx, scores, picks, ctx)
             else:
                 cidx = hca_indices(ctx, self.ratio, T).to(q.device)
             idx = torch.cat((idx, cidx), dim=1)
         o = self.ops.sparse_attention_with_sink(q.unsqueeze(0), kv_all.unsqueeze(0), idx.unsqueeze(0),
                                                 self.attn_sink, self.scale).squeeze(0)
-        return o, None
+        return o, kl
 
-    def _indexer_loss(self, q, kv_all, window_idx, scores, top, layout) -> torch.Tensor:
-        """``KL(p || softmax(I))`` over all visible compressed entries (dense), or over the top-k picks
-        with ``dsa_indexer_use_sparse_loss``. Teacher from detached q / K; not yet scaled by the coeff."""
-        T = q.shape[0]
+    def _kl_mask(self, top: torch.Tensor, layout: ThdLayout):
+        """``(flat [T, Gw] sequence-major visible ids, mask [T, Gw])``: every visible compressed entry, or only
+        the top-k picks with ``dsa_indexer_use_sparse_loss``."""
         flat = layout.compressed_visible_indices(4)                             # [T, Gw] flat ids
         mask = flat >= 0
         if getattr(self.config, "dsa_indexer_use_sparse_loss", False) and top.shape[1]:
@@ -330,6 +331,27 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
             col = (top - ks[:, None]).clamp(min=0)
             picked = torch.zeros_like(mask).scatter_(1, col, top >= 0)
             mask = mask & picked
+        return flat, mask
+
+    def _indexer_loss_cp(self, q, kv_all, window_idx, scores, picks, ctx: ThdContext) -> torch.Tensor:
+        """This CP rank's share of the stream's indexer KL loss: the sum over its query rows divided by the
+        stream's number of rows that see a compressed entry (so the shares add up to the cp-1 mean)."""
+        lay = ctx.layout
+        flat, mask = self._kl_mask(picks, lay)
+        comp_rows = torch.where(mask, picks_to_rows(flat, ctx, 4, ctx.total_tokens), torch.full_like(flat, -1))
+        with torch.no_grad():
+            p = indexer_teacher_probs(q.detach(), kv_all.detach(), window_idx, comp_rows,
+                                      self.attn_sink.detach(), self.scale)
+        student = scores.gather(1, flat.clamp(min=0))
+        local_rows = int(mask.any(dim=-1).sum())
+        seen = sum(max(0, b - a - 3) for a, b in zip(lay.host_cu_seqlens()[:-1], lay.host_cu_seqlens()[1:]))
+        return indexer_kl_loss(p, student, mask) * (local_rows / max(seen, 1))
+
+    def _indexer_loss(self, q, kv_all, window_idx, scores, top, layout) -> torch.Tensor:
+        """``KL(p || softmax(I))`` over all visible compressed entries (dense), or over the top-k picks
+        with ``dsa_indexer_use_sparse_loss``. Teacher from detached q / K; not yet scaled by the coeff."""
+        T = q.shape[0]
+        flat, mask = self._kl_mask(top, layout)
         comp_rows = torch.where(mask, flat + T, torch.full_like(flat, -1))
         with torch.no_grad():
             p = indexer_teacher_probs(q.detach(), kv_all.detach(), window_idx, comp_rows,

@@ -22,6 +22,7 @@ Forward (one packed stream ``input_ids [T]`` with ``cu_seqlens``)::
 The indexer KL losses of the CSA layers (training mode, ``dsa_indexer_loss_coeff`` not None) are
 summed, scaled by the coefficient, and returned as ``indexer_loss`` (also kept in
 ``model.last_indexer_loss``); with the coefficient ``None`` nothing is computed and it is ``None``.
+Under context parallelism each rank returns its rows' share (the shares add up to the cp-1 loss).
 """
 
 from __future__ import annotations
@@ -205,13 +206,15 @@ class DSv4NativeModel(MegatronModule):
     def mtp_logits(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None):
         """One ``(logits [T_k, V] fp32, cu_seqlens_k)`` per MTP depth ``k``. Depth ``k`` drops the last
         row of every segment of depth ``k-1`` (each segment is one shorter); its row ``i`` predicts
-        ``t_{i+k+2}`` from the previous depth's streams at ``i`` and the embedding of ``t_{i+k+1}``."""
+        ``t_{i+k+2}`` from the previous depth's streams at ``i`` and the embedding of ``t_{i+k+1}``.
+
+        Context parallel (megatron's CP group > 1; ``input_ids`` is this rank's slice of the stream): one
+        ``logits [T_local, V]`` per depth over this rank's rows instead, see :meth:`_mtp_logits_cp`."""
         if not hasattr(self, "mtp"):
             return []
-        if cp_group_info()[0] > 1:
-            raise NotImplementedError("MTP logits under context parallelism are not built for --impl megatron; "
-                                      "use --cp 1 (or --impl miles)")
         ids = input_ids.reshape(-1)
+        if cp_group_info()[0] > 1:
+            return self._mtp_logits_cp(ids, cu_seqlens)
         streams, _, layout = self.hidden_streams(ids, cu_seqlens)
         out = []
         tokens = ids
@@ -225,6 +228,23 @@ class DSv4NativeModel(MegatronModule):
             streams = layer(streams[keep], emb, layout, nxt)
             out.append((self._logits(layer.collapse(streams)[:, 0]), cu))
             tokens = nxt
+        return out
+
+    def _mtp_logits_cp(self, ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> list:
+        """MTP under context parallelism: every depth keeps this rank's rows and the stream's layout; row
+        ``i`` of depth ``k`` predicts the token ``k+2`` rows later in its segment. Rows within ``k+1`` of a
+        segment's end are meaningless (they see the next segment's tokens) and must be masked by the
+        caller. The valid rows equal the cp-1 result: the MTP blocks are window-only and causal within a
+        segment, so a segment's trailing rows never reach its earlier ones."""
+        streams, _, ctx = self.hidden_streams(ids, cu_seqlens)
+        lay = ctx.layout
+        full = gather_sequence_cp(ids, ctx)                                   # the whole stream's ids
+        out = []
+        for k, layer in enumerate(self.mtp.layers):
+            nxt = torch.roll(full, -(k + 1))[lay.global_start:lay.global_start + lay.local_len]
+            emb = self.embedding(nxt.view(1, -1), position_ids=None)
+            streams = layer(streams, emb, ctx, nxt)
+            out.append(self._logits(layer.collapse(streams)[:, 0]))
         return out
 
     def logprobs(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:

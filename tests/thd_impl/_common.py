@@ -50,8 +50,10 @@ def official_weights(tmp_path) -> dict:
     return perturb(dict(open_checkpoint(ckpt).iter_tensors(dtype=torch.float32, progress=False)))
 
 
-def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, qkv_format: str | None = None):
-    """A model of ``impl`` with the official-name weights (process already set up by the cpu target)."""
+def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, qkv_format: str | None = None,
+          indexer_coeff: float | None = None):
+    """A model of ``impl`` with the official-name weights (process already set up by the cpu target);
+    ``indexer_coeff``: megatron's ``dsa_indexer_loss_coeff`` (its indexer KL loss; None = off)."""
     from engine.loading import load_hf_state_dict
 
     rc = run_config(impl, tp=tp, cp=cp, qkv_format=qkv_format)
@@ -62,7 +64,7 @@ def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, qkv_format: st
     else:
         from backends.megatron.impl import build_model
 
-        m = build_model(TINY, rc)
+        m = build_model(TINY, rc, dsa_indexer_loss_coeff=indexer_coeff)
     load_hf_state_dict(m, official.items(), TINY)
     return m
 
@@ -82,7 +84,8 @@ def local_slice(t: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Ten
 
 def packed_loss(model, impl: str, ids: torch.Tensor, cu: torch.Tensor, cp: int, rank: int,
                 mtp_weight: float = 0.3) -> torch.Tensor:
-    """This rank's share of the global mean next-token NLL (+ MTP depth-0 NLL for miles) of a packed
+    """This rank's share of the global mean next-token NLL (+ MTP depth-0 NLL for miles, + the indexer KL
+    loss for megatron built with a coefficient) of a packed
     stream; summing the shares (and gradients) over the CP ranks gives the full loss. The pad segment
     counts like any segment here (it is tokens too; only the sum matters for parity)."""
     from engine.thd_attention import ThdContext
@@ -99,10 +102,13 @@ def packed_loss(model, impl: str, ids: torch.Tensor, cu: torch.Tensor, cp: int, 
     if impl == "miles":
         logits, streams = model(local[None], True, thd=thd)
         logits = logits[0]
+        kl = None
     else:
-        logits = model(local, cu)
+        logits, kl = model(local, cu, return_indexer_loss=True)   # kl: this rank's share (None when off)
     lp = torch.log_softmax(logits, -1).gather(-1, lab[:, None]).squeeze(-1)
     loss = -(lp * ok).sum() / n_all(1)
+    if kl is not None:
+        loss = loss + kl
     if impl == "miles" and mtp_weight:
         ml = model.mtp_logits(local[None], streams, cu_seqlens=cu)[0][0]
         lab2, ok2 = shifted(2)

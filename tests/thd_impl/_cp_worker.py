@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 
-def run(rank: int, world: int, port: int, impl: str, weights_path: str, out_path: str) -> None:
+def run(rank: int, world: int, port: int, impl: str, weights_path: str, out_path: str,
+        indexer_coeff: float | None = None) -> None:
     from backends.cpu.megatron_shims import destroy_cpu_process_group
     from backends.cpu.target import CpuTarget
 
@@ -24,7 +25,7 @@ def run(rank: int, world: int, port: int, impl: str, weights_path: str, out_path
         official = torch.load(weights_path)
         cu, ids = cu_seqlens(), stream()
         fmt = "thd" if impl == "megatron" else None
-        m = build(impl, official, cp=world, qkv_format=fmt)
+        m = build(impl, official, cp=world, qkv_format=fmt, indexer_coeff=indexer_coeff)
         group = ps.get_context_parallel_group()
         out = {}
         with torch.no_grad():

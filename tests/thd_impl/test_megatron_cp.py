@@ -1,5 +1,6 @@
 """Context parallelism for the megatron implementation: cp 2 and 4 (gloo processes on the CPU) give the
-same per-token log-probs of a packed stream, the same loss and the same gradients as cp 1."""
+same per-token log-probs of a packed stream, the same loss and the same gradients as cp 1; with the
+indexer KL loss on, the ranks' shares add up to the cp-1 loss and give the indexer the cp-1 gradients."""
 
 from __future__ import annotations
 
@@ -46,3 +47,28 @@ def test_cp_matches_cp1(setup, cp):
         want = grads.get(name, torch.zeros_like(g))
         assert (g - want).abs().max().item() <= GRAD_TOL, name
     assert any(g.abs().sum() > 0 for n, g in grads.items() if "compressor" in n)
+
+
+@pytest.fixture(scope="module")
+def setup_kl(setup):
+    m = build("megatron", torch.load(setup["weights"]), qkv_format="thd", indexer_coeff=0.5)
+    cu, ids = cu_seqlens(), stream()
+    loss = packed_loss(m, "megatron", ids, cu, 1, 0)
+    kl = m.last_indexer_loss.item()
+    loss.backward()
+    return dict(loss=loss.item(), kl=kl, grads=grads_official(m))
+
+
+def test_cp_indexer_kl_loss_matches_cp1(setup, setup_kl):
+    assert setup_kl["kl"] > 1e-3 and abs(setup_kl["loss"] - setup["loss"] - setup_kl["kl"]) <= LP_TOL
+    out = setup["tmp"] / "cp2_kl.pt"
+    mp.spawn(_cp_worker.run, args=(2, free_port(), "megatron", str(setup["weights"]), str(out), 0.5), nprocs=2,
+             join=True)
+    res = torch.load(out)
+    assert abs(res["loss"] - setup_kl["loss"]) <= LP_TOL
+    grads = setup_kl["grads"]
+    indexer = [n for n in grads if ".indexer." in n and grads[n].abs().sum() > 0]
+    assert indexer  # the KL loss is what trains the indexer
+    for name, g in res["grads"].items():
+        want = grads.get(name, torch.zeros_like(g))
+        assert (g - want).abs().max().item() <= GRAD_TOL, name
