@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference.layers import linear_fp32, rms_normalize
+from kernels.reference.layers import rms_normalize
 
 from .runtime import ensure_megatron
 from .tp import keeps_fp32, mark_keep_in_fp32
 
-__all__ = ["KeepFP32Module", "Linear", "RMSNorm", "init_normal_", "fp32_logits", "row_parallel_linear", "attribute_on"]
+__all__ = ["KeepFP32Module", "Linear", "RMSNorm", "init_normal_", "row_parallel_linear", "attribute_on"]
 
 
 class KeepFP32Module(nn.Module):
@@ -68,30 +70,24 @@ class RMSNorm(KeepFP32Module):
         return (y * self.weight.to(y.dtype)).to(x.dtype)
 
 
-def fp32_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits ``y @ weight^T`` in fp32 (fp64 for fp64 operands) without fp32 copies of the output layer
-    (``kernels.reference.layers.linear_fp32``)."""
-    return linear_fp32(y, weight)
+@functools.cache
+def _row_parallel_linear_class():
+    ensure_megatron()
+    from megatron.core import tensor_parallel
+
+    class RowParallelLinear(tensor_parallel.RowParallelLinear):
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            kwargs["tp_group"] = self.tp_group
+            return super()._forward_impl(input, weight, *args, **kwargs)
+
+    return RowParallelLinear
+
 
 def row_parallel_linear(*args, **kwargs):
     """megatron-core's ``RowParallelLinear`` (same arguments, same parameters) that hands its own TP group
     to the linear function: megatron-core 0.19.2 passes ``tp_group=None`` there, which warns on every call
     and makes ``torch.compile`` break the graph at each such linear."""
-    ensure_megatron()
-    from megatron.core import tensor_parallel
-
-    global _RowParallelLinear
-    if _RowParallelLinear is None:
-        class RowParallelLinear(tensor_parallel.RowParallelLinear):
-            def _forward_impl(self, input, weight, *a, **kw):
-                kw["tp_group"] = self.tp_group
-                return super()._forward_impl(input, weight, *a, **kw)
-
-        _RowParallelLinear = RowParallelLinear
-    return _RowParallelLinear(*args, **kwargs)
-
-
-_RowParallelLinear = None
+    return _row_parallel_linear_class()(*args, **kwargs)
 
 
 def attribute_on(module: nn.Module, name: str, device: torch.device) -> torch.Tensor:

@@ -344,7 +344,8 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                                       self.attn_sink.detach(), self.scale)
         student = scores.gather(1, flat.clamp(min=0))
         local_rows = int(mask.any(dim=-1).sum())
-        seen = sum(max(0, b - a - 3) for a, b in zip(lay.host_cu_seqlens()[:-1], lay.host_cu_seqlens()[1:]))
+        cu = lay.host_cu_seqlens()
+        seen = sum(max(0, b - a - 3) for a, b in zip(cu[:-1], cu[1:]))    # rows at position >= 3
         return indexer_kl_loss(p, student, mask) * (local_rows / max(seen, 1))
 
     def _indexer_loss(self, q, kv_all, window_idx, scores, top, layout) -> torch.Tensor:

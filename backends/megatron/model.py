@@ -37,7 +37,8 @@ from torch import nn
 
 from core.thd import ThdLayout
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
-from engine.layers import KeepFP32Module, RMSNorm, fp32_logits
+from engine.layers import KeepFP32Module, RMSNorm
+from kernels.reference.layers import linear_fp32
 from engine.moe import DSv4MoE
 
 from .attention import DSv4HybridAttention
@@ -174,7 +175,7 @@ class DSv4NativeModel(MegatronModule):
         return layout
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return fp32_logits(h, self.output_layer.weight)
+        return linear_fp32(h, self.output_layer.weight)
 
     def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *, layout=None):
         """``(final streams [T,1,n,C], unscaled summed indexer KL or None, layout)``. ``layout``: a prebuilt

@@ -31,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import KeepFP32Module, Linear, RMSNorm, fp32_logits, init_normal_
+from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
 from engine.moe import DSv4MoE
 from engine.runtime import ensure_megatron, tp_group, tp_world
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.tp import mark_keep_in_fp32, mark_tp
+
+from kernels.reference.layers import linear_fp32
 
 from .attention import DeepSeekV4Attention
 
@@ -247,7 +249,7 @@ class DeepSeekV4MilesModel(nn.Module):
         tp = tp_world()
         if tp > 1:
             y = mappings.copy_to_tensor_model_parallel_region(y, tp_group())
-        logits = fp32_logits(y, self.output_layer.weight)
+        logits = linear_fp32(y, self.output_layer.weight)
         if tp > 1:
             logits = mappings.gather_from_tensor_model_parallel_region(logits, tp_group())
         return logits

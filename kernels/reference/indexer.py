@@ -16,8 +16,6 @@ current context, ``hook(indexer_module, picks [B,S,k]) -> picks``, called with t
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 
 import torch
 from torch import nn
@@ -25,25 +23,16 @@ from torch import nn
 from .compressor import Compressor, hadamard_transform
 from .layers import Linear, compute_dtype
 from .rope import apply_rope, rope_cos_sin
+from .seam import HookSeam
 
 __all__ = ["Indexer", "indexer_scores", "indexer_hook"]
 
-_INDEXER_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_indexer_hook", default=None)
-# open indexer_hook contexts (an int torch.compile can guard on; it cannot trace ContextVar.get)
-_OPEN_HOOKS = 0
+_INDEXER = HookSeam("dsv4_indexer_hook")
 
 
-@contextlib.contextmanager
 def indexer_hook(hook):
     """Install ``hook(indexer_module, picks) -> picks`` for every Indexer in this context."""
-    global _OPEN_HOOKS
-    token = _INDEXER_HOOK.set(hook)
-    _OPEN_HOOKS += 1
-    try:
-        yield hook
-    finally:
-        _OPEN_HOOKS -= 1
-        _INDEXER_HOOK.reset(token)
+    return _INDEXER.installed(hook)
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -81,7 +70,5 @@ class Indexer(nn.Module):
         scores = scores.masked_fill(invisible, float("-inf"))
         top = scores.topk(min(self.topk, nb), dim=-1).indices
         picks = torch.where(top >= limit[None, :, None], torch.full_like(top, -1), top)
-        if not _OPEN_HOOKS:
-            return picks
-        hook = _INDEXER_HOOK.get()
+        hook = _INDEXER.current()
         return picks if hook is None else hook(self, picks)

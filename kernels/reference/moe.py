@@ -18,43 +18,27 @@ implementations call :func:`apply_routing_hook` at the same point of their route
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .layers import KeepFP32, Linear, compute_dtype
+from .seam import HookSeam
 
 __all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
 
-_ROUTING_HOOK: contextvars.ContextVar = contextvars.ContextVar("dsv4_routing_hook", default=None)
+_ROUTING = HookSeam("dsv4_routing_hook")
 
 
-# How many routing_hook contexts are open in the process: a plain int that torch.compile can guard on
-# (it cannot trace ContextVar.get), so compiled code without an open hook never consults the ContextVar.
-_OPEN_HOOKS = 0
-
-
-@contextlib.contextmanager
 def routing_hook(hook):
     """Install ``hook(layer_id, idx) -> idx`` for learned-routing trunk layers in this context."""
-    global _OPEN_HOOKS
-    token = _ROUTING_HOOK.set(hook)
-    _OPEN_HOOKS += 1
-    try:
-        yield hook
-    finally:
-        _OPEN_HOOKS -= 1
-        _ROUTING_HOOK.reset(token)
+    return _ROUTING.installed(hook)
 
 
 def apply_routing_hook(layer_id: int, idx: torch.Tensor) -> torch.Tensor:
     """The seam: pass a learned trunk layer's top-k ``idx [T,k]`` through the installed hook (if any)."""
-    if not _OPEN_HOOKS:
-        return idx
-    hook = _ROUTING_HOOK.get()
+    hook = _ROUTING.current()
     return idx if hook is None else hook(layer_id, idx)
 
 

@@ -1,6 +1,6 @@
 """Engine primitives the training step's speed rests on, against direct computations: the grouped GEMM of
 the routed experts (``engine.moe.grouped_linear``) and the fp32 logits of a half-precision output layer
-(``engine.layers.fp32_logits``)."""
+(``kernels.reference.layers.linear_fp32``)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def test_grouped_linear_matches_per_group_linear():
 def test_fp32_logits_half_operands_match_fp32_math():
     """bf16 hidden states and head: fp32 logits equal to the upcast fp32 GEMM (same exact products),
     gradients equal to the fp32 autograd ones up to bf16 rounding of the logit gradient, in the operands' dtypes."""
-    from engine.layers import fp32_logits
+    from kernels.reference.layers import linear_fp32
 
     g = torch.Generator().manual_seed(6)
     y = torch.randn(2, 5, 64, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16().requires_grad_()
-    out = fp32_logits(y, w)
+    out = linear_fp32(y, w)
     assert out.dtype == torch.float32 and out.shape == (2, 5, 96)
     yr, wr = y.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = yr @ wr.T
@@ -57,5 +57,5 @@ def test_fp32_logits_half_operands_match_fp32_math():
     torch.testing.assert_close(dy.float(), dyr, atol=0.02, rtol=0.02)
     torch.testing.assert_close(dw.float(), dwr, atol=0.02, rtol=0.02)
     # fp32 / fp64 operands keep the plain upcast path
-    assert fp32_logits(yr, wr).dtype == torch.float32
-    assert fp32_logits(yr.double(), wr).dtype == torch.float64
+    assert linear_fp32(yr, wr).dtype == torch.float32
+    assert linear_fp32(yr.double(), wr).dtype == torch.float64
