@@ -121,6 +121,17 @@ def _ep_experts(sel: Selection, host) -> Optional[str]:
     )
 
 
+def _ep_alone(sel: Selection, host) -> Optional[str]:
+    """Expert parallelism splits the routed experts of a tensor-parallel-1, context-parallel-1 model (its ranks
+    form a data-parallel group); combined layouts (megatron's expert-tensor parallelism) are not built."""
+    if sel.ep <= 1 or (sel.tp == 1 and sel.cp == 1):
+        return None
+    return (
+        f"--ep {sel.ep} runs with --tp 1 --cp 1 (got --tp {sel.tp} --cp {sel.cp}): expert parallelism is not "
+        f"combined with tensor or context parallelism. Fix: use --ep {sel.ep} alone, or --ep 1."
+    )
+
+
 def _impl_qkv(sel: Selection, host) -> Optional[str]:
     impl = sel.impl
     if sel.qkv_format in impl.qkv_formats:
@@ -214,6 +225,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("impl-context-parallel", "the implementation supports context parallelism", _impl_cp),
     ("context-parallel-tokens", "each context-parallel rank holds the compressor boundary rows", _cp_tokens_per_rank),
     ("impl-expert-parallel", "the implementation supports expert parallelism", _impl_ep),
+    ("expert-parallel-alone", "expert parallelism runs with tensor and context parallel 1", _ep_alone),
     ("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),
     ("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     ("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),

@@ -300,6 +300,23 @@ class ThdLayout:
     def indexer_ranges(self, ratio: int) -> tuple[Tensor, Tensor]:
         return self._memo(("ranges", ratio), lambda: indexer_ranges(self, ratio))
 
+    def prepare(self, window: int, ratios) -> "ThdLayout":
+        """Build, eagerly, everything the attention layers derive for this window and these compress
+        ratios, so that compiled blocks (``engine.compile``) only read them. A layout first derived inside
+        compiled code gets graph-owned tensors, which are not kept (see ``_memo``) and, under CUDA graphs,
+        are overwritten by the next replay of the same graph: models call this before their blocks."""
+        self.host_cu_seqlens()
+        self.max_seqlen
+        self.window_indices(window)
+        for ratio in sorted({int(r) for r in ratios if r}):
+            self.compressed_groups(ratio)
+            self.host_compressed_cu_seqlens(ratio)
+            self.compressed_visible_indices(ratio, offset=int(self.local_len))
+            if ratio == 4:  # the indexer's layer
+                self.compressed_visible_indices(ratio)
+                self.indexer_ranges(ratio)
+        return self
+
     def replace(self, **changes) -> "ThdLayout":
         return dataclasses.replace(self, **changes)
 

@@ -1,7 +1,9 @@
 """Loading official (HF) checkpoints into a native model, and full views of TP-sharded state.
 
 Names go through the one weight contract (``core.weight_contract``); this module only shards /
-gathers: a native tensor's TP layout is read from its own metadata (``engine.tp.tp_spec``).
+gathers: a native tensor's TP layout is read from its own metadata (``engine.tp.tp_spec``); under expert
+parallelism a rank holds its experts under their global names and the full views gather the others
+(``engine.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Dict, Iterable, Iterator, Tuple
 import torch
 from torch import nn
 
-from .runtime import tp_group, tp_rank, tp_world
+from .expert_parallel import expert_name, foreign_expert
+from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
 from .tp import gather_tensor, shard_tensor, tp_spec
 
 __all__ = ["native_tensors", "load_native_tensors", "load_hf_checkpoint", "load_hf_state_dict",
@@ -30,14 +33,18 @@ def native_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 def load_native_tensors(model: nn.Module, items: Iterable[Tuple[str, torch.Tensor]], *,
                         strict: bool = True) -> list:
     """Copy full (unsharded) native ``(name, tensor)`` pairs into ``model``, keeping this TP
-    rank's shard of TP-sharded tensors. Returns the names loaded; with ``strict`` every model
-    tensor must be covered and every name must exist in the model."""
+    rank's shard of TP-sharded tensors (and, under expert parallelism, only this rank's experts).
+    Returns the names loaded; with ``strict`` every model tensor must be covered and every name must
+    exist in the model."""
     targets = native_tensors(model)
     rank, world = tp_rank(), tp_world()
+    sharded_experts = ep_world() > 1
     done = []
     for name, full in items:
         dst = targets.get(name)
         if dst is None:
+            if sharded_experts and foreign_expert(name, targets):
+                continue
             if strict:
                 raise KeyError(f"native tensor {name!r} has no place in the model")
             continue
@@ -72,16 +79,59 @@ def load_hf_checkpoint(model: nn.Module, path, config=None, *, strict: bool = Tr
 
 
 def full_native_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Full (TP-gathered) detached copies of every native tensor (collective over the TP group)."""
+    """Full (TP-gathered, every EP rank's experts) detached copies of every native tensor (collective over
+    the TP and EP groups)."""
     group = tp_group()
-    return {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in native_tensors(model).items()}
+    local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in native_tensors(model).items()}
+    return _with_every_expert(local)
 
 
 def full_native_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Full (TP-gathered) gradients of the parameters that have one (collective over TP)."""
+    """Full (TP-gathered, every EP rank's experts) gradients of the parameters that have one (collective
+    over TP and EP; under EP an expert without a gradient counts as zeros, so every rank takes part)."""
     group = tp_group()
-    return {n: gather_tensor(p.grad, tp_spec(p), group) for n, p in model.named_parameters()
-            if p.grad is not None}
+    ep = ep_world() > 1
+    out = {}
+    for n, p in model.named_parameters():
+        grad = p.grad
+        if grad is None and ep and expert_name(n) is not None:
+            grad = torch.zeros_like(p)
+        if grad is not None:
+            out[n] = gather_tensor(grad, tp_spec(p), group)
+    return _with_every_expert(out)
+
+
+def _with_every_expert(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Under expert parallelism, replace each bank's local experts by every rank's (all-gather over the EP
+    group; ranks hold equal, contiguous expert ranges), in global expert order."""
+    import torch.distributed as dist
+
+    world = ep_world()
+    if world == 1:
+        return named
+    group = ep_group()
+    banks: Dict[str, list] = {}
+    for n in named:
+        parsed = expert_name(n)
+        if parsed is not None:
+            banks.setdefault(parsed[0], []).append(parsed[1])
+    out: Dict[str, torch.Tensor] = {}
+    for n, t in named.items():
+        parsed = expert_name(n)
+        if parsed is None:
+            out[n] = t
+            continue
+        prefix, e = parsed
+        ids = sorted(banks[prefix])
+        if e != ids[0]:
+            continue  # the whole bank goes out with its first local expert
+        local = torch.stack([named[f"{prefix}{i}"] for i in ids])
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        for r, part in enumerate(parts):
+            for j, w in enumerate(part):
+                out[f"{prefix}{r * len(ids) + j}"] = w
+    return out
 
 
 def iter_native_state(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:

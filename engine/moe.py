@@ -29,7 +29,12 @@ score as its weight. Hash layers (``tid2eid``) and MTP routers (``layer_id >= n_
 Tensor parallelism (megatron's expert-TP = TP layout): every expert's ffn dim is split over the TP
 ranks (fc1 per half, fc2 along its input); the router is replicated. Inputs and routing weights
 enter through ``copy_to_tensor_model_parallel_region`` (gradients all-reduced), the routed sum
-leaves through ``reduce_from_tensor_model_parallel_region``. Expert parallelism is not implemented.
+leaves through ``reduce_from_tensor_model_parallel_region``.
+
+Expert parallelism (``engine.expert_parallel``, megatron's expert-model-parallel group, TP 1): rank ``r``
+holds experts ``[r*L, (r+1)*L)`` under their global names; assignments travel to their expert's rank and
+back by an autograd-aware all-to-all. Routing stays on the token's own rank (replay and hash tables apply
+unchanged), and with one rank the path is exactly the single-rank one.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from kernels.reference.layers import compute_dtype
 from kernels.reference.moe import route, swiglu
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
-from .runtime import ensure_megatron, tp_group, tp_world
+from .runtime import ensure_megatron, ep_group, ep_rank, ep_world, tp_group, tp_world
 from .tp import mark_keep_in_fp32, mark_tp
 
 __all__ = ["DSv4Router", "DSv4GroupedExperts", "DSv4SharedExperts", "DSv4MoE", "grouped_linear"]
@@ -77,18 +82,20 @@ class DSv4Router(KeepFP32Module):
 
 
 class _WeightBank(nn.Module):
-    """Holds ``weight0 .. weight{E-1}`` (megatron's grouped-GEMM naming)."""
+    """Holds ``weight{first} .. weight{first+n-1}`` (megatron's grouped-GEMM naming, global expert ids; under
+    expert parallelism ``first`` is this rank's first expert). ``bank[i]`` is the ``i``-th LOCAL expert."""
 
-    def __init__(self, n: int, shape, dtype, tp_dim: int, tp_chunks: int, std: float):
+    def __init__(self, n: int, shape, dtype, tp_dim: int, tp_chunks: int, std: float, first: int = 0):
         super().__init__()
-        self.n = n
-        for e in range(n):
+        self.n, self.first = n, first
+        for e in range(first, first + n):
             p = nn.Parameter(init_normal_(torch.empty(*shape, dtype=dtype), std))
             mark_tp(p, tp_dim, tp_chunks)
+            p.expert_parallel = True   # not replicated over the EP group: never averaged across it
             self.register_parameter(f"weight{e}", p)
 
-    def __getitem__(self, e: int) -> torch.Tensor:
-        return getattr(self, f"weight{e}")
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return getattr(self, f"weight{self.first + i}")
 
 
 class DSv4GroupedExperts(nn.Module):
@@ -97,14 +104,20 @@ class DSv4GroupedExperts(nn.Module):
     def __init__(self, model_config, params_dtype=torch.float32, std: float = 0.02):
         super().__init__()
         c = model_config
-        tp = tp_world()
+        tp, ep = tp_world(), ep_world()
         if c.moe_inter_dim % tp:
             raise ValueError(f"moe_inter_dim {c.moe_inter_dim} is not divisible by tp={tp}")
+        if c.n_routed_experts % ep:
+            raise ValueError(f"n_routed_experts {c.n_routed_experts} is not divisible by ep={ep}")
+        if ep > 1 and tp > 1:
+            raise ValueError(f"expert parallelism runs with tensor parallel 1 (got tp={tp}, ep={ep})")
         self.limit = c.swiglu_limit
-        self.num_local_experts = c.n_routed_experts
+        self.ep = ep
+        self.num_local_experts = c.n_routed_experts // ep
+        first = ep_rank() * self.num_local_experts
         inter = c.moe_inter_dim // tp
-        self.linear_fc1 = _WeightBank(c.n_routed_experts, (2 * inter, c.dim), params_dtype, 0, 2, std)
-        self.linear_fc2 = _WeightBank(c.n_routed_experts, (c.dim, inter), params_dtype, 1, 1, std)
+        self.linear_fc1 = _WeightBank(self.num_local_experts, (2 * inter, c.dim), params_dtype, 0, 2, std, first)
+        self.linear_fc2 = _WeightBank(self.num_local_experts, (c.dim, inter), params_dtype, 1, 1, std, first)
 
     # QAT switch (``converters.schemes.QATScheme.install``): None = high precision (default);
     # "mxfp4" / "nvfp4" = the forward sees quantize-dequantized expert weights, straight-through grads.
@@ -138,9 +151,10 @@ class DSv4GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``x [T, d]``, ``weights / idx [T, k]`` -> ``[T, d]`` in compute dtype (TP-reduced).
 
-        Dropless and free of host synchronisation: the ``T*k`` (token, slot) assignments are sorted by
-        expert, every expert's rows run as one group of a grouped GEMM (:func:`grouped_linear`), and the
-        results go back to (token, slot) order and are summed over the slots."""
+        Dropless: the ``T*k`` (token, slot) assignments are sorted by expert, every expert's rows run as one
+        group of a grouped GEMM (:func:`grouped_linear`), and the results go back to (token, slot) order and
+        are summed over the slots. Free of host synchronisation without expert parallelism; with it, the rows
+        travel to their expert's rank and back (``engine.expert_parallel.ExpertDispatch``)."""
         ensure_megatron()
         from megatron.core.tensor_parallel import mappings
 
@@ -151,12 +165,22 @@ class DSv4GroupedExperts(nn.Module):
         ct = compute_dtype(x)
         T, k = idx.shape
         experts, order = idx.reshape(-1).sort(stable=True)      # assignments grouped by expert
+        rows = x.index_select(0, order // k)
+        gate_w = weights.reshape(-1).index_select(0, order)
+        dispatch = None
+        if self.ep > 1:
+            from .expert_parallel import ExpertDispatch
+
+            dispatch = ExpertDispatch(experts, self.num_local_experts, ep_group())
+            experts, rows, gate_w = dispatch.local_experts, dispatch.scatter(rows), dispatch.scatter(gate_w)
         ends = torch.searchsorted(experts, torch.arange(self.num_local_experts, device=idx.device), right=True)
         w1, w2 = self.stacked_weights()
-        h = grouped_linear(x.index_select(0, order // k), w1.to(x.dtype), ends)
+        h = grouped_linear(rows, w1.to(x.dtype), ends)
         gate, up = h.to(ct).chunk(2, dim=-1)
-        a = swiglu(gate, up, self.limit) * weights.reshape(-1).index_select(0, order).to(ct).unsqueeze(-1)
+        a = swiglu(gate, up, self.limit) * gate_w.to(ct).unsqueeze(-1)
         out = grouped_linear(a.to(x.dtype), w2.to(x.dtype), ends).to(ct)
+        if dispatch is not None:
+            out = dispatch.gather(out)
         y = torch.zeros_like(out).index_copy(0, order, out).view(T, k, -1).sum(dim=1)
         if tp > 1:
             y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ensure_megatron", "ensure_parallel_state", "tp_world", "tp_rank", "tp_group", "is_distributed"]
+__all__ = ["ensure_megatron", "ensure_parallel_state", "tp_world", "tp_rank", "tp_group", "ep_world", "ep_rank",
+           "ep_group", "is_distributed"]
 
 
 def ensure_megatron():
@@ -27,8 +28,8 @@ def ensure_megatron():
     return megatron.core
 
 
-def ensure_parallel_state(tp: int) -> None:
-    """megatron's model-parallel state must already exist with this tensor-parallel size."""
+def ensure_parallel_state(tp: int, ep: int = 1) -> None:
+    """megatron's model-parallel state must already exist with these tensor- and expert-parallel sizes."""
     ensure_megatron()
     from megatron.core import parallel_state as ps
 
@@ -40,6 +41,10 @@ def ensure_parallel_state(tp: int) -> None:
     have = ps.get_tensor_model_parallel_world_size()
     if have != tp:
         raise ValueError(f"the run asks for tensor-parallel size {tp} but megatron is initialized with {have}")
+    have = ps.get_expert_model_parallel_world_size()
+    if have != ep:
+        raise ValueError(f"the run asks for expert-parallel size {ep} but megatron is initialized with {have}; "
+                         f"call the hardware target's init_process_group(rank, world, ep={ep})")
 
 
 def is_distributed() -> bool:
@@ -71,3 +76,28 @@ def tp_group():
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_group()
+
+
+def ep_world() -> int:
+    """Expert-parallel size (megatron's expert-model-parallel group; 1 without a process group)."""
+    if not is_distributed():
+        return 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size()
+
+
+def ep_rank() -> int:
+    if not is_distributed():
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
+
+
+def ep_group():
+    if not is_distributed():
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_group()

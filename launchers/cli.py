@@ -149,7 +149,10 @@ def main(ctx: click.Context, **opts):
     ctx.obj = {k: v for k, v in opts.items() if v is not None}
     if ctx.invoked_subcommand is None:
         _host_obj, run = resolve(ctx.obj)
-        stages.main_job(run)
+        try:
+            stages.main_job(run)
+        except NotBuiltError as exc:
+            _fail(str(exc), EXIT_NOT_BUILT)
 
 
 @subcommand("plugins")

@@ -69,7 +69,12 @@ UNSUPPORTED_CASES = [
     struct(
         name = "ep_not_dividing_experts",
         args = ["--ep", "3"],
-        message = "--ep 3 does not divide the model's 8 routed experts (each expert-parallel rank holds an equal share). Fix: use --ep 1, 2, 4 or 8.\n--impl miles does not support expert parallelism (got --ep 3). Fix: use --ep 1.",
+        message = "--ep 3 does not divide the model's 8 routed experts (each expert-parallel rank holds an equal share). Fix: use --ep 1, 2, 4 or 8.",
+    ),
+    struct(
+        name = "ep_with_tensor_parallel",
+        args = ["--impl", "miles", "--tp", "2", "--ep", "2"],
+        message = "--ep 2 runs with --tp 1 --cp 1 (got --tp 2 --cp 1): expert parallelism is not combined with tensor or context parallelism. Fix: use --ep 2 alone, or --ep 1.",
     ),
     struct(
         name = "unknown_model",

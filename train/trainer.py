@@ -545,6 +545,22 @@ class _Run:
         return result
 
 
+def _refuse_unbuilt_parallelism(run_config) -> None:
+    """The trainer starts ranks for context parallelism only; the models also run tensor parallel (miles)
+    and expert parallel (both), which the multi-GPU benchmark trains, but the trainer does not start them."""
+    if run_config is None:
+        return
+    tp, ep = int(getattr(run_config, "tp", 1)), int(getattr(run_config, "ep", 1))
+    if tp * ep > 1:
+        from core.not_built import NotBuiltError
+
+        raise NotBuiltError(
+            f"dsv4 train with --tp {tp} --ep {ep}",
+            f"issue #9: the trainer starts ranks for --cp only, while the models run tensor parallel (miles) and "
+            f"expert parallel (both), as `python -m train.bench_parallel --layouts "
+            f"{run_config.impl}:{'tp' if tp > 1 else 'ep'}{max(tp, ep)}` does on GPUs. Fix: train with --tp 1 --ep 1")
+
+
 def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, resume: bool = False,
                  config: Optional[TrainConfig] = None, progress: bool = True, **overrides) -> Dict[str, Any]:
     """Train for ``steps`` steps (in total, counting the steps of a resumed run).
@@ -556,6 +572,7 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     loop on ``cp`` spawned local processes (:mod:`train.distributed`).
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    _refuse_unbuilt_parallelism(run_config)
     if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
         return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
     return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

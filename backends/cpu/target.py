@@ -30,3 +30,9 @@ class CpuTarget:
 
         self.setup()
         init_cpu_process_group(rank, world_size, tp=tp, cp=cp, ep=ep, port=port, seed=seed)
+
+    def destroy_process_group(self) -> None:
+        """Tear down megatron's parallel groups and the gloo process group (the nvidia target's counterpart)."""
+        from backends.cpu.megatron_shims import destroy_cpu_process_group
+
+        destroy_cpu_process_group()

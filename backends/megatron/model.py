@@ -183,6 +183,8 @@ class DSv4NativeModel(MegatronModule):
         ids = input_ids.reshape(-1)
         if layout is None:
             layout = self.layout_for(ids, cu_seqlens)
+        if isinstance(layout, ThdLayout):  # derive the attention indices eagerly, before compiled blocks
+            layout.prepare(self.config.csa_window_size, self.config.csa_compress_ratios)
         emb = self.embedding(ids.view(1, -1), position_ids=None)                 # [T, 1, C]
         n = self.config.num_residual_streams
         streams = emb.unsqueeze(2).expand(-1, -1, n, -1).contiguous()

@@ -9,7 +9,8 @@ returns a :class:`backends.miles.model.DeepSeekV4MilesModel` for this process's 
   world, tp=...)``; on the CPU that also applies megatron-core's shims): megatron's
   model-parallel state must exist for ``run_config.tp``.
 * Layouts: BSHD (``model(ids [B, S])``) and THD (``model(ids [1, T], cu_seqlens=cu)``); context
-  parallelism (``--cp``, megatron's CP group) for both (see ``backends.miles.model``).
+  parallelism (``--cp``, megatron's CP group) for both (see ``backends.miles.model``); expert parallelism
+  (``--ep``, tensor and context parallel 1: ``engine.expert_parallel``).
 * Weights are randomly initialized (normal(0, 0.02); norms / alphas 1; sinks, ape, biases 0);
   load a checkpoint with ``engine.loading.load_hf_checkpoint(model, path)``.
 """
@@ -47,11 +48,9 @@ def build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_
     if model_config is None:
         raise ValueError("build_model needs a ModelConfig")
     p = parallel_sizes(run_config)
-    if p["ep"] != 1:
-        raise ValueError("the miles model has no expert parallelism yet; the combination table refuses --ep > 1")
     if getattr(run_config, "qkv_format", "bshd") not in (None, "bshd", "thd"):
         raise ValueError(f"the miles model runs the bshd and thd layouts (got {run_config.qkv_format})")
-    ensure_parallel_state(p["tp"])
+    ensure_parallel_state(p["tp"], p["ep"])
     _check_cp(p["cp"])
     tconfig = make_transformer_config(model_config, run_config, params_dtype=params_dtype,
                                       init_method_std=init_std)

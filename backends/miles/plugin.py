@@ -10,13 +10,12 @@ def dsv4_attention_impls():
         AttentionImpl(
             name="miles",
             description=("plugin path: DeepSeek-V4 attention and mHC as megatron-core modules; BSHD and THD; "
-                         "tensor and context parallel"),
+                         "tensor, context and expert parallel"),
             factory="backends.miles.impl:build_model",
             # THD packing and context parallelism: engine.thd_attention (issue #6).
-            # Expert parallelism is not built yet; declared so the table refuses it.
             qkv_formats=("bshd", "thd"),
             max_tensor_parallel=None,
             context_parallel=True,
-            expert_parallel=False,
+            expert_parallel=True,
         )
     ]

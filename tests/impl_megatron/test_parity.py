@@ -80,3 +80,20 @@ def test_mtp_logits_parity(pair):
     lsm = lambda x: torch.log_softmax(x, -1)  # noqa: E731
     assert (lsm(got_a) - lsm(want_a)).abs().max().item() <= TOL
     assert (lsm(got_ab) - lsm(torch.cat((want_a, want_b)))).abs().max().item() <= TOL
+
+
+def test_layout_is_fully_derived_before_the_blocks(tiny_config, tiny_checkpoint):
+    """The model prepares its layout eagerly (``ThdLayout.prepare``) before any block runs, so compiled
+    blocks only read kept tensors (a tensor derived inside a CUDA graph is overwritten by the next replay).
+    Guard: a forward and backward with the indexer KL loss derives nothing the preparation did not."""
+    from core.thd import ThdLayout
+
+    _, meg = load_pair(tiny_config, tiny_checkpoint, dsa_indexer_loss_coeff=0.1)
+    ids = torch.randint(0, 1024, (177,), generator=torch.Generator().manual_seed(3))
+    layout = ThdLayout(torch.tensor([0, 37, 177]))
+    layout.prepare(meg.config.csa_window_size, meg.config.csa_compress_ratios)
+    prepared = set(layout._derived)
+    assert {("groups", 4), ("groups", 128), ("ranges", 4), ("visible", 4, None, 0)} <= prepared
+    logits, kl = meg.train()(ids, layout=layout, return_indexer_loss=True)
+    (logits.float().logsumexp(-1).mean() + kl).backward()
+    assert kl is not None and set(layout._derived) == prepared

@@ -9,12 +9,13 @@ from core.config import preset
 TINY = preset("tiny")
 
 
-def run_config(tp: int = 1):
-    """The normalized run configuration of `dsv4 --impl miles --tp TP` on the CPU (reference kernels)."""
+def run_config(tp: int = 1, hardware: str = "cpu"):
+    """The normalized run configuration of `dsv4 --impl miles --tp TP` (reference kernels; CPU by default)."""
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl="miles", tp=tp, model=TINY), make_host(third_party=False), model_name="tiny")
+    return normalize(Choices(impl="miles", tp=tp, hardware=hardware, model=TINY), make_host(third_party=False),
+                     model_name="tiny")
 
 
 def single_process_group() -> None:
@@ -58,11 +59,11 @@ def reference_model(official: dict):
     return ref
 
 
-def miles_model(official: dict, tp: int = 1):
+def miles_model(official: dict, tp: int = 1, hardware: str = "cpu"):
     from backends.miles.impl import build_model
     from engine.loading import load_hf_state_dict
 
-    m = build_model(TINY, run_config(tp))
+    m = build_model(TINY, run_config(tp, hardware))
     load_hf_state_dict(m, official.items(), TINY)
     return m
 

@@ -35,11 +35,12 @@ def stream(lengths=LENGTHS, total: int | None = STREAM, seed: int = 0) -> torch.
     return ids
 
 
-def run_config(impl: str, *, tp: int = 1, cp: int = 1, qkv_format: str | None = None):
+def run_config(impl: str, *, tp: int = 1, cp: int = 1, ep: int = 1, qkv_format: str | None = None,
+               hardware: str = "cpu"):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl=impl, tp=tp, cp=cp, qkv_format=qkv_format, model=TINY),
+    return normalize(Choices(impl=impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware, model=TINY),
                      make_host(third_party=False), model_name="tiny")
 
 
@@ -50,13 +51,14 @@ def official_weights(tmp_path) -> dict:
     return perturb(dict(open_checkpoint(ckpt).iter_tensors(dtype=torch.float32, progress=False)))
 
 
-def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, qkv_format: str | None = None,
-          indexer_coeff: float | None = None):
-    """A model of ``impl`` with the official-name weights (process already set up by the cpu target);
-    ``indexer_coeff``: megatron's ``dsa_indexer_loss_coeff`` (its indexer KL loss; None = off)."""
+def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, ep: int = 1, qkv_format: str | None = None,
+          indexer_coeff: float | None = None, hardware: str = "cpu"):
+    """A model of ``impl`` with the official-name weights (process already set up by the hardware target;
+    built on the CPU, move it to a GPU yourself); ``indexer_coeff``: megatron's ``dsa_indexer_loss_coeff``
+    (its indexer KL loss; None = off)."""
     from engine.loading import load_hf_state_dict
 
-    rc = run_config(impl, tp=tp, cp=cp, qkv_format=qkv_format)
+    rc = run_config(impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware)
     if impl == "miles":
         from backends.miles.impl import build_model
 

@@ -229,3 +229,22 @@ def test_compile_option_compiles_the_blocks_in_place(impl):
     assert [n for n, _ in compiled.native_tensors()] == [n for n, _ in plain.native_tensors()]
     with pytest.raises(ValueError, match="the reference training model has none: drop --compile"):
         build_train_model(c, None, impl="reference", compile_blocks=True)
+
+
+def test_trainer_refuses_tensor_and_expert_parallel_runs_before_any_work(tmp_path):
+    """The models run --tp (miles) and --ep (both), the trainer starts ranks for --cp only: a run asking for
+    more stops with the reason and the fix, before it prepares anything."""
+    from core.not_built import NotBuiltError
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+    from train.trainer import run_training
+
+    rc = normalize(Choices(impl="megatron", ep=2, model=small_config()), make_host(third_party=False),
+                   model_name="test")
+    with pytest.raises(NotBuiltError) as err:
+        run_training(rc, small_config(), mode="sft", steps=1, run_dir=tmp_path / "run")
+    assert str(err.value) == (
+        "dsv4 train with --tp 1 --ep 2 is not built yet (issue #9: the trainer starts ranks for --cp only, while "
+        "the models run tensor parallel (miles) and expert parallel (both), as `python -m train.bench_parallel "
+        "--layouts megatron:ep2` does on GPUs. Fix: train with --tp 1 --ep 1); nothing was run.")
+    assert not (tmp_path / "run").exists()
