@@ -69,6 +69,10 @@ def _check(name: str, diffs: dict) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_miles_tensor_parallel_matches_one_gpu(setup, world):
+    from core.config import preset
+
+    if preset("tiny").o_groups % world:
+        pytest.skip(f"tensor parallel {world} does not divide the tiny model's o_groups")
     want = tp_results(setup["official"], 1, setup["dev"])
     out = setup["tmp"] / f"tp{world}.pt"
     mp.spawn(_worker.tensor_parallel, args=(world, _free_port(), str(setup["weights"]), str(out)),
