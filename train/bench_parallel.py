@@ -267,7 +267,9 @@ def main(argv=None):
                     help="cpu: gloo processes, reference kernels, fp32 (a smoke run; MFU not reported)")
     ap.add_argument("--model", default="bench", help="bench (the issue's config) or a preset name (tiny)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the machines' rule)
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):  # no NVLink multicast (the lent machines' rule)
+        os.environ.setdefault(var, value)
     c = model_config(args.model)
     layouts = [parse_layout(s) for s in args.layouts.split(",") if s]
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

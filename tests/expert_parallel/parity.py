@@ -45,5 +45,10 @@ def ep_results(impl: str, official: dict, ep: int, rank: int, dev: torch.device,
         parts = [torch.empty_like(lps) for _ in range(ep)]
         dist.all_gather(parts, lps.contiguous(), group=group)
         lps = torch.stack(parts, dim=1).reshape(SEQS, -1)   # rank r held sequences r, r+ep, ...
-    return {"logprobs": lps, "loss": total.item(), "grads": grads_official(m),
+    from core.weight_contract import native_to_hf
+    from engine.loading import full_native_state
+    from tests.thd_impl._common import TINY
+
+    state = dict(native_to_hf(full_native_state(m).items(), TINY))   # every rank's experts, gathered
+    return {"logprobs": lps, "loss": total.item(), "grads": grads_official(m), "state": state,
             "local_experts": sum(1 for n, _ in m.named_parameters() if ".experts.linear_fc1.weight" in n)}

@@ -45,6 +45,10 @@ def test_ep_matches_ep1(weights, reference, impl, ep, tmp_path):
     mp.spawn(_worker.run, args=(ep, free_port(), impl, str(path), str(out)), nprocs=ep, join=True)
     got = torch.load(out)
     assert got["local_experts"] * ep == want["local_experts"]    # each rank really holds its share only
+    # the full view (weight export, checkpoints) gathers every rank's experts back under their own names
+    assert set(got["state"]) == set(want["state"]) == set(official)
+    for name, t in official.items():
+        assert torch.equal(got["state"][name].to(t.dtype), t), name
     assert (got["logprobs"] - want["logprobs"]).abs().max().item() <= LP_TOL
     assert abs(got["loss"] - want["loss"]) <= LP_TOL
     # under EP an expert without a gradient is gathered as zeros (every rank takes part in the gather):

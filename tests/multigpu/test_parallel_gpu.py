@@ -108,4 +108,5 @@ def test_expert_parallel_matches_one_gpu(setup, impl, world):
              nprocs=world, join=True)
     got = torch.load(out)
     assert got["local_experts"] * world == want["local_experts"]
+    assert all(torch.equal(got["state"][n], t.cpu()) for n, t in want["state"].items())  # experts gathered back
     _check(f"{impl} ep{world}", max_diffs(got, want))
