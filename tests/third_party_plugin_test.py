@@ -38,7 +38,7 @@ def _copy_tree(src: Path, dst: Path) -> Path:
 
 def _dsv4(args, pythonpath, **kw):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
-    env.pop(f"DSV4_NO_THIRD_PARTY_PLUGINS", None)
+    env.pop("DSV4_NO_THIRD_PARTY_PLUGINS", None)
     return subprocess.run([sys.executable, "-m", "launchers.cli", *args], capture_output=True, text=True, env=env, timeout=120, **kw)
 
 

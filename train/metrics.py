@@ -12,7 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

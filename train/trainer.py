@@ -45,7 +45,7 @@ import torch
 from . import data as D
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
-from .losses import group_advantages, k3, masked_mean, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
+from .losses import group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
 from .metrics import MetricsLogger, summary_line, truncate_after
 from .distributed import CpGroup, needs_spawn, spawn_training
 from .model import build_train_model, load_model_source
@@ -335,7 +335,7 @@ class _Run:
                 "packing_efficiency": eff, "micro_batches": len(mbs)}
 
     def grpo_step(self, step: int) -> Dict[str, Any]:
-        cfg, tok, c = self.cfg, self.tok, self.model_config
+        cfg, tok = self.cfg, self.tok
         out: Dict[str, Any] = {}
         # update_weights
         _maybe_kill(step, "update_weights")

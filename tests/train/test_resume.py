@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-from core.config import preset
 
 CFG = dict(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
 KW = dict(max_new_tokens=3, prompts_per_step=2, group_size=3, save_every=2, lr=1e-3, export_at_end=False)

@@ -24,8 +24,6 @@ def test_sft_lowers_the_loss_on_the_builtin_data(tmp_path):
 def test_builtin_data_file_is_the_generator_output_and_validates():
     import json
 
-    import pytest
-
     from train import data as D
 
     rows = [json.loads(x) for x in D.BUILTIN_DATA.read_text().splitlines()]
