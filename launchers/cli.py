@@ -239,8 +239,10 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     stdout carries only JSON: for each sequence, the list of
     log P(token_t | tokens before t) for t = 1..n-1. Logs go to stderr.
     With --qkv-format thd all sequences are packed into one stream; --cp N
-    and --tp N run N local processes (gloo on the CPU) over it. The output
-    format is the same either way, so runs are directly comparable.
+    and --tp N run N local processes (gloo on the CPU) over it; --ep N runs N
+    processes that each hold 1/N of the routed experts and score every N-th
+    sequence. The output format is the same either way, so runs are directly
+    comparable.
     """
     opts = {**opts, "model": opts.get("model") or checkpoint}
     run = resolve(opts)[1]

@@ -1,6 +1,7 @@
-"""Scoring token sequences packed into one THD stream, with either implementation, tensor and context parallel.
+"""Scoring token sequences packed into one THD stream, with either implementation, tensor, context or
+expert parallel.
 
-``score_packed(checkpoint_dir, sequences, *, impl, cp=1, tp=1, dtype="float32") -> list[list[float]]``
+``score_packed(checkpoint_dir, sequences, *, impl, cp=1, tp=1, ep=1, dtype="float32") -> list[list[float]]``
 
 * All sequences are packed, in order, into **one** stream (``core.packing``): each sequence is a
   segment of ``cu_seqlens``, the stream is padded at its end (a pad segment of its own) to the multiple
@@ -9,6 +10,10 @@
 * ``cp * tp == 1`` runs in this process (setting up a one-process gloo group through the cpu hardware
   target if none exists). Otherwise ``cp * tp`` local processes are spawned (gloo on the CPU); CP rank
   ``r`` gets the contiguous slice ``r`` of the stream; log-probs are all-gathered over CP.
+* ``ep > 1`` spawns ``ep`` processes that each hold ``1/ep`` of every layer's routed experts
+  (``engine.expert_parallel``) and score their own share of the sequences (sequence ``i`` on rank
+  ``i % ep``, packed into that rank's stream; a rank with none scores a pad stream, since every rank takes
+  part in each layer's token exchange); rank 0 gathers the results.
 * The result has the unpacked scorer's format (``launchers.stages.score``): per sequence the ``L - 1``
   values ``log P(t_{i+1} | t_{<=i})``; ``[]`` for sequences shorter than 2 tokens. So the two are
   directly comparable.
@@ -53,11 +58,12 @@ def pack_stream(sequences: Sequence[Sequence[int]], ratios, *, cp: int = 1, tp: 
     return ids, mb.cu_seqlens, kept
 
 
-def _run_config(config, impl: str, cp: int, tp: int, tokens_per_rank: int):
+def _run_config(config, impl: str, cp: int, tp: int, tokens_per_rank: int, ep: int = 1):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    choices = Choices(impl=impl, tp=tp, cp=cp, qkv_format="thd", model=config, max_tokens_per_rank=tokens_per_rank)
+    choices = Choices(impl=impl, tp=tp, cp=cp, ep=ep, qkv_format="thd", model=config,
+                      max_tokens_per_rank=tokens_per_rank)
     return normalize(choices, make_host(third_party=False), model_name="checkpoint")
 
 
@@ -79,12 +85,12 @@ def _load_weights(model, checkpoint_dir, config) -> None:
         load_hf_checkpoint(model, checkpoint_dir, config)
 
 
-def _stream_logprobs(checkpoint_dir, impl: str, cp: int, tp: int, dtype: str, ids, cu) -> torch.Tensor:
+def _stream_logprobs(checkpoint_dir, impl: str, cp: int, tp: int, dtype: str, ids, cu, ep: int = 1) -> torch.Tensor:
     """``[T]`` log-probs of the whole stream on every rank of this (already set up) process group."""
     from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 
     config = _checkpoint_config(checkpoint_dir)
-    run = _run_config(config, impl, cp, tp, ids.numel() // cp)
+    run = _run_config(config, impl, cp, tp, ids.numel() // cp, ep)
     model = run.selection.impl.load()(config, run, params_dtype=getattr(torch, dtype))
     _load_weights(model, checkpoint_dir, config)
     model.eval()
@@ -111,6 +117,51 @@ def _worker(rank: int, world: int, port: int, checkpoint_dir: str, impl: str, cp
         destroy_cpu_process_group()
 
 
+def _split(lp: torch.Tensor, cu, sequences, kept) -> list[list[float]]:
+    """Per-sequence values of a stream's log-probs (``[]`` for sequences shorter than 2 tokens)."""
+    bounds = cu.tolist()
+    return [[] if seg is None or len(seq) < 2 else lp[bounds[seg]:bounds[seg + 1] - 1].tolist()
+            for seq, seg in zip(sequences, kept)]
+
+
+def _ep_worker(rank: int, ep: int, port: int, checkpoint_dir: str, impl: str, dtype: str, sequences,
+               out_path: str) -> None:
+    """One expert-parallel rank: scores sequences ``rank, rank + ep, ...`` in its own stream."""
+    import torch.distributed as dist
+
+    from backends.cpu.target import CpuTarget
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep))
+    target = CpuTarget()
+    target.init_process_group(rank, ep, ep=ep, port=port)
+    try:
+        config = _checkpoint_config(checkpoint_dir)
+        mine = list(sequences[rank::ep])
+        ids, cu, kept = pack_stream(mine, [r for r in config.compress_ratios if r])
+        if ids.numel() == 0:  # nothing to score here, but this rank's experts serve the others
+            ids, cu, kept = pack_stream([[0]], [r for r in config.compress_ratios if r])
+        lp = _stream_logprobs(checkpoint_dir, impl, 1, 1, dtype, ids, cu, ep)
+        parts = [None] * ep
+        dist.all_gather_object(parts, _split(lp, cu, mine, kept)[:len(mine)])
+        if rank == 0:
+            torch.save(parts, out_path)
+    finally:
+        target.destroy_process_group()
+
+
+def _score_expert_parallel(checkpoint_dir, sequences, impl: str, ep: int, dtype: str) -> list[list[float]]:
+    import torch.multiprocessing as mp
+
+    from backends.cpu.megatron_shims import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logprobs.pt"
+        mp.spawn(_ep_worker, args=(ep, free_port(), str(checkpoint_dir), impl, dtype,
+                                   [list(map(int, s)) for s in sequences], str(out)), nprocs=ep, join=True)
+        parts = torch.load(out)
+    return [parts[i % ep][i // ep] for i in range(len(sequences))]
+
+
 def _in_process(checkpoint_dir, impl, dtype, ids, cu) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -122,10 +173,13 @@ def _in_process(checkpoint_dir, impl, dtype, ids, cu) -> torch.Tensor:
 
 
 def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], *, impl: str, cp: int = 1, tp: int = 1,
-                 dtype: str = "float32") -> list[list[float]]:
+                 ep: int = 1, dtype: str = "float32") -> list[list[float]]:
     """Per-token log-probs of each sequence, all packed into one THD stream (see the module docstring)."""
     config = _checkpoint_config(checkpoint_dir)
     ratios = [r for r in config.compress_ratios if r]
+    if ep > 1:
+        _run_config(config, impl, cp, tp, None, ep)  # fail fast, in the caller, with the table's message
+        return _score_expert_parallel(checkpoint_dir, sequences, impl, ep, dtype)
     ids, cu, kept = pack_stream(sequences, ratios, cp=cp, tp=tp)
     if ids.numel() == 0:
         return [[] for _ in sequences]
@@ -142,11 +196,4 @@ def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], *, impl: st
             mp.spawn(_worker, args=(cp * tp, free_port(), str(checkpoint_dir), impl, cp, tp, dtype, ids, cu, str(out)),
                      nprocs=cp * tp, join=True)
             lp = torch.load(out)
-    bounds = cu.tolist()
-    results = []
-    for seq, seg in zip(sequences, kept):
-        if seg is None or len(seq) < 2:
-            results.append([])
-        else:
-            results.append(lp[bounds[seg]:bounds[seg + 1] - 1].tolist())
-    return results
+    return _split(lp, cu, sequences, kept)

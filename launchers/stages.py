@@ -290,13 +290,16 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     from core.native_checkpoint import is_native_checkpoint
 
     sequences = _load_tokens(tokens, run.model.vocab_size)
-    if run.qkv_format == "thd" or run.tp * run.cp > 1:
+    if run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed
 
         if not is_native_checkpoint(checkpoint):
             open_checkpoint(checkpoint)  # validate before spawning anything
-        log.print(f"scoring {len(sequences)} sequence(s) packed into one THD stream, --impl {run.impl} --tp {run.tp} --cp {run.cp}")
-        print(json.dumps(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp)))
+        how = (f"each of {run.ep} expert-parallel ranks packing its share into one THD stream" if run.ep > 1
+               else "packed into one THD stream")
+        log.print(f"scoring {len(sequences)} sequence(s) {how}, --impl {run.impl} --tp {run.tp} --cp {run.cp} "
+                  f"--ep {run.ep}")
+        print(json.dumps(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp, ep=run.ep)))
         return
     print(json.dumps(score(run, checkpoint, sequences)))
 

@@ -1,4 +1,4 @@
-"""launchers.scoring.score_packed: every sequence packed into one THD stream (optionally over CP gloo
+"""launchers.scoring.score_packed: every sequence packed into one THD stream (optionally over CP or EP gloo
 processes) scores exactly like the unpacked reference scorer, in the same format."""
 
 from __future__ import annotations
@@ -47,6 +47,24 @@ def test_packed_scores_over_cp2(case):
 
     ckpt, seqs, want = case
     _close(score_packed(ckpt, seqs, impl="miles", cp=2), want)
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_scores_over_ep2(case, impl):
+    """Expert parallel 2: each rank scores every other sequence with half the experts (tokens of both ranks
+    cross in every MoE layer); the results come back in the caller's order."""
+    from launchers.scoring import score_packed
+
+    ckpt, seqs, want = case
+    _close(score_packed(ckpt, seqs, impl=impl, ep=2), want)
+
+
+def test_ep_scoring_with_an_idle_rank(case):
+    """One sequence over EP 4: three ranks score only a pad stream, yet their experts serve the fourth."""
+    from launchers.scoring import score_packed
+
+    ckpt, seqs, want = case
+    _close(score_packed(ckpt, seqs[3:4], impl="miles", ep=4), want[3:4])
 
 
 def test_pack_stream_pads_for_cp():
