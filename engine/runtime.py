@@ -54,50 +54,35 @@ def is_distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
 
 
-def tp_world() -> int:
+def _parallel_state(query: str, default):
+    """megatron's ``parallel_state.<query>()``, or ``default`` in a process without a process group."""
     if not is_distributed():
-        return 1
+        return default
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_world_size()
+    return getattr(ps, query)()
+
+
+def tp_world() -> int:
+    return _parallel_state("get_tensor_model_parallel_world_size", 1)
 
 
 def tp_rank() -> int:
-    if not is_distributed():
-        return 0
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank()
+    return _parallel_state("get_tensor_model_parallel_rank", 0)
 
 
 def tp_group():
-    if not is_distributed():
-        return None
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_group()
+    return _parallel_state("get_tensor_model_parallel_group", None)
 
 
 def ep_world() -> int:
     """Expert-parallel size (megatron's expert-model-parallel group; 1 without a process group)."""
-    if not is_distributed():
-        return 1
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_world_size()
+    return _parallel_state("get_expert_model_parallel_world_size", 1)
 
 
 def ep_rank() -> int:
-    if not is_distributed():
-        return 0
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_rank()
+    return _parallel_state("get_expert_model_parallel_rank", 0)
 
 
 def ep_group():
-    if not is_distributed():
-        return None
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_group()
+    return _parallel_state("get_expert_model_parallel_group", None)
