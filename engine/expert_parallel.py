@@ -2,7 +2,7 @@
 
 Layout: rank ``r`` of ``ep`` holds experts ``[r*L, (r+1)*L)`` (``L = n_routed_experts / ep``) under their
 GLOBAL native names (``experts.linear_fc1.weight{e}``), so a rank's names are a subset of the weight contract:
-loading skips the other ranks' experts (:func:`foreign_expert`), and full views gather them back
+loading skips the other ranks' experts (:func:`expert_banks`), and full views gather them back
 (``engine.loading.full_native_state``). Everything else is replicated; each EP rank trains on its own tokens
 (the ranks form a data-parallel group), so replicated gradients are averaged over the group by the caller.
 
@@ -21,7 +21,7 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertDispatch", "all_to_all", "expert_name", "foreign_expert"]
+__all__ = ["ExpertDispatch", "all_to_all", "expert_banks", "expert_name"]
 
 _EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.weight)(\d+)$")
 
@@ -32,12 +32,10 @@ def expert_name(name: str):
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def foreign_expert(name: str, held_names: Iterable[str]) -> bool:
-    """True when ``name`` is a routed-expert weight of a bank this model holds, but of another EP rank."""
-    parsed = expert_name(name)
-    if parsed is None:
-        return False
-    return any(n.startswith(parsed[0]) and n[len(parsed[0]):].isdigit() for n in held_names)
+def expert_banks(names: Iterable[str]) -> set:
+    """The bank prefixes (``...experts.linear_fc1.weight``) among ``names``: a routed-expert name of one of
+    these banks that a model does not hold belongs to another EP rank."""
+    return {parsed[0] for parsed in map(expert_name, names) if parsed is not None}
 
 
 class _AllToAll(torch.autograd.Function):
@@ -61,9 +59,7 @@ def _exchange(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
     """Autograd-aware exchange of ``x``'s rows (``send[r]`` consecutive rows go to rank ``r``)."""
-    if x.requires_grad:
-        return _AllToAll.apply(x, send, recv, group)
-    return _exchange(x, send, recv, group)
+    return _AllToAll.apply(x, send, recv, group)
 
 
 class ExpertDispatch:

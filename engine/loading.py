@@ -13,7 +13,7 @@ from typing import Dict, Iterable, Iterator, Tuple
 import torch
 from torch import nn
 
-from .expert_parallel import expert_name, foreign_expert
+from .expert_parallel import expert_banks, expert_name
 from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
 from .tp import gather_tensor, shard_tensor, tp_spec
 
@@ -38,12 +38,13 @@ def load_native_tensors(model: nn.Module, items: Iterable[Tuple[str, torch.Tenso
     exist in the model."""
     targets = native_tensors(model)
     rank, world = tp_rank(), tp_world()
-    sharded_experts = ep_world() > 1
+    held_banks = expert_banks(targets) if ep_world() > 1 else set()
     done = []
     for name, full in items:
         dst = targets.get(name)
         if dst is None:
-            if sharded_experts and foreign_expert(name, targets):
+            parsed = expert_name(name)
+            if parsed is not None and parsed[0] in held_banks:  # another EP rank's expert
                 continue
             if strict:
                 raise KeyError(f"native tensor {name!r} has no place in the model")
@@ -121,11 +122,11 @@ def _with_every_expert(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
         if parsed is None:
             out[n] = t
             continue
-        prefix, e = parsed
-        ids = sorted(banks[prefix])
-        if e != ids[0]:
-            continue  # the whole bank goes out with its first local expert
-        local = torch.stack([named[f"{prefix}{i}"] for i in ids])
+        ids = banks.pop(parsed[0], None)
+        if ids is None:
+            continue  # its bank already went out with the bank's first expert
+        prefix = parsed[0]
+        local = torch.stack([named[f"{prefix}{i}"] for i in sorted(ids)])
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local.contiguous(), group=group)
         for r, part in enumerate(parts):
