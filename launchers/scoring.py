@@ -135,14 +135,13 @@ def _ep_worker(rank: int, ep: int, port: int, checkpoint_dir: str, impl: str, dt
     target = CpuTarget()
     target.init_process_group(rank, ep, ep=ep, port=port)
     try:
-        config = _checkpoint_config(checkpoint_dir)
+        ratios = [r for r in _checkpoint_config(checkpoint_dir).compress_ratios if r]
         mine = list(sequences[rank::ep])
-        ids, cu, kept = pack_stream(mine, [r for r in config.compress_ratios if r])
-        if ids.numel() == 0:  # nothing to score here, but this rank's experts serve the others
-            ids, cu, kept = pack_stream([[0]], [r for r in config.compress_ratios if r])
+        # a rank with nothing to score runs a pad stream: its experts serve the other ranks' tokens
+        ids, cu, kept = pack_stream(mine or [[0]], ratios)
         lp = _stream_logprobs(checkpoint_dir, impl, 1, 1, dtype, ids, cu, ep)
         parts = [None] * ep
-        dist.all_gather_object(parts, _split(lp, cu, mine, kept)[:len(mine)])
+        dist.all_gather_object(parts, _split(lp, cu, mine, kept))
         if rank == 0:
             torch.save(parts, out_path)
     finally:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train.bench_train import H200_BF16_DENSE_TFLOPS, active_params, bench_config, config_summary, step_flops
+from train.bench_train import (H200_BF16_DENSE_TFLOPS, active_params, bench_config, bench_run_config, config_summary,
+                               step_flops)
 
 DEFAULT_LAYOUTS = "miles:tp1,miles:tp2,miles:cp2,megatron:cp1,megatron:cp2"
 
@@ -54,17 +55,6 @@ def parse_layout(text: str) -> dict:
         raise ValueError(f"layout {text!r}: impl must be miles or megatron")
     world = sizes["tp"] * sizes["cp"] * sizes["ep"]
     return {"impl": impl, **sizes, "world": world, "name": text}
-
-
-def _run_config(layout, c, hardware: str):
-    from core.run_config import Choices, normalize
-    from launchers.builtin_plugins import make_host
-
-    fmt = "thd" if layout["cp"] > 1 or layout["impl"] == "megatron" else "bshd"
-    kernels = "triton" if hardware == "nvidia" else "none"
-    return normalize(Choices(impl=layout["impl"], kernel_backend=kernels, hardware=hardware, model=c,
-                             tp=layout["tp"], cp=layout["cp"], ep=layout["ep"], qkv_format=fmt),
-                     make_host(third_party=False), model_name="bench")
 
 
 def _loss_fn(m, layout, ids):
@@ -162,7 +152,9 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
         from megatron.core import parallel_state as ps
 
         c = model_config(model)
-        rc = _run_config(layout, c, hardware)
+        fmt = "thd" if layout["cp"] > 1 or layout["impl"] == "megatron" else "bshd"
+        rc = bench_run_config(layout["impl"], c, hardware=hardware, tp=layout["tp"], cp=layout["cp"],
+                              ep=layout["ep"], qkv_format=fmt)
         device = target.device(torch.cuda.current_device() if hardware == "nvidia" else 0)
         if layout["impl"] == "miles":
             from backends.miles.impl import build_model

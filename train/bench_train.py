@@ -119,11 +119,14 @@ def step_flops(c, seq: int, batch: int, n_active: int) -> dict:
 # ------------------------------------------------------------------ models
 
 
-def _run_config(impl, c):
+def bench_run_config(impl, c, *, hardware: str = "nvidia", **choices):
+    """The normalized run configuration of a benchmark run: triton kernels on nvidia, the reference kernels on
+    the CPU; ``choices``: further ``Choices`` fields (parallel sizes, qkv format)."""
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl=impl, kernel_backend="triton", hardware="nvidia", model=c),
+    kernels = "triton" if hardware == "nvidia" else "none"
+    return normalize(Choices(impl=impl, kernel_backend=kernels, hardware=hardware, model=c, **choices),
                      make_host(third_party=False), model_name="bench")
 
 
@@ -131,7 +134,7 @@ def make_miles(c, ids):
     from backends.miles.impl import build_model
 
     torch.manual_seed(0)
-    m = build_model(c, _run_config("miles", c), params_dtype=torch.bfloat16).cuda()
+    m = build_model(c, bench_run_config("miles", c), params_dtype=torch.bfloat16).cuda()
 
     def loss_fn():
         logits = m(ids)  # [B, S, V]
@@ -144,7 +147,7 @@ def make_megatron(c, ids):
     from backends.megatron.impl import build_model
 
     torch.manual_seed(0)
-    m = build_model(c, _run_config("megatron", c), params_dtype=torch.bfloat16).cuda()
+    m = build_model(c, bench_run_config("megatron", c), params_dtype=torch.bfloat16).cuda()
     flat = ids.reshape(-1)
     B, S = ids.shape
     cu = torch.arange(0, B + 1, device=ids.device, dtype=torch.int32) * S
