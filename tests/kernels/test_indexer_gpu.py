@@ -7,26 +7,13 @@ Top-k: the reference scores of the picked ids equal the reference top-k values (
 On a machine without a CUDA GPU, or without a backend's package, that backend's cases skip (with the reason).
 """
 
-import importlib
-import importlib.util
-
 import pytest
 import torch
 
-BACKENDS = ["triton", "tilelang"]
-pytestmark = [pytest.mark.gpu, pytest.mark.parametrize("backend", BACKENDS)]
+from ._backends import PER_BACKEND, backend_module
 
+pytestmark = PER_BACKEND
 
-@pytest.fixture(autouse=True)
-def _needs_backend(backend):
-    """Skip the case (with the reason) when CUDA or the backend's package is missing."""
-    if not torch.cuda.is_available() or importlib.util.find_spec(backend) is None:
-        pytest.skip(f"needs a CUDA GPU and {backend}")
-
-
-def _module(backend, name):
-    """``kernels.<backend>.<name>``."""
-    return importlib.import_module(f"kernels.{backend}.{name}")
 
 def _inputs(T, H, D, N, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -48,7 +35,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scores_match_reference(backend, dtype):
-    indexer_scores_thd = _module(backend, "indexer").indexer_scores_thd
+    indexer_scores_thd = backend_module(backend, "indexer").indexer_scores_thd
     q, k, w = _inputs(300, 64, 128, 1000, dtype=dtype)
 
     got = indexer_scores_thd(q, k, w)
@@ -57,7 +44,7 @@ def test_scores_match_reference(backend, dtype):
 
 
 def test_causal_and_segment_ranges(backend):
-    indexer_scores_thd = _module(backend, "indexer").indexer_scores_thd
+    indexer_scores_thd = backend_module(backend, "indexer").indexer_scores_thd
 
     # two packed segments of 200 and 312 tokens; compressed keys laid out per segment (50 + 78)
     lens = [200, 312]
@@ -79,7 +66,7 @@ def test_causal_and_segment_ranges(backend):
 
 
 def test_topk_picks_reference_best(backend):
-    indexer = _module(backend, "indexer")
+    indexer = backend_module(backend, "indexer")
     indexer_scores_thd, indexer_topk = indexer.indexer_scores_thd, indexer.indexer_topk
 
     T, N, topk = 2048, 512, 128
@@ -101,7 +88,7 @@ def test_topk_picks_reference_best(backend):
 
 def test_batched_api_matches_reference_op(backend):
     from kernels.reference.indexer import indexer_scores as ref
-    ops = _module(backend, "backend").ops
+    ops = backend_module(backend, "backend").ops
 
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(2, 128, 64, 128, device="cuda", generator=g).bfloat16()

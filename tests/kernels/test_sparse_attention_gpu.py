@@ -10,26 +10,13 @@ Bounds (bf16 output rounding is ~4e-3 relative; P and dS enter the gradient matm
 On a machine without a CUDA GPU, or without a backend's package, that backend's cases skip (with the reason).
 """
 
-import importlib
-import importlib.util
-
 import pytest
 import torch
 
-BACKENDS = ["triton", "tilelang"]
-pytestmark = [pytest.mark.gpu, pytest.mark.parametrize("backend", BACKENDS)]
+from ._backends import PER_BACKEND, backend_module
 
+pytestmark = PER_BACKEND
 
-@pytest.fixture(autouse=True)
-def _needs_backend(backend):
-    """Skip the case (with the reason) when CUDA or the backend's package is missing."""
-    if not torch.cuda.is_available() or importlib.util.find_spec(backend) is None:
-        pytest.skip(f"needs a CUDA GPU and {backend}")
-
-
-def _module(backend, name):
-    """``kernels.<backend>.<name>``."""
-    return importlib.import_module(f"kernels.{backend}.{name}")
 
 BOUNDS = dict(o=1e-2, dq=2e-2, dkv=2e-2, dsink=2e-2)
 LSE_ABS = 2e-3
@@ -75,7 +62,7 @@ def _ref(q, kv, idx, sink, scale, do):
 
 
 def _run(backend, q, kv, idx, sink, scale, do):
-    sparse_attention_with_sink_thd = _module(backend, "attention").sparse_attention_with_sink_thd
+    sparse_attention_with_sink_thd = backend_module(backend, "attention").sparse_attention_with_sink_thd
 
     q = q.detach().requires_grad_()
     kv = kv.detach().requires_grad_()
@@ -190,7 +177,7 @@ def test_determinism(backend):
 
 def test_batched_api_matches_reference_op(backend):
     from kernels.reference.attention import sparse_attention_with_sink as ref
-    ops = _module(backend, "backend").ops
+    ops = backend_module(backend, "backend").ops
 
     B, S, H, D, N = 2, 96, 64, 512, 160
     g = torch.Generator(device="cuda").manual_seed(6)

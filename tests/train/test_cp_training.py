@@ -11,7 +11,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from core.config import preset
 
@@ -51,14 +50,6 @@ def assert_first_step_equal(got, want):
     assert abs(got["loss"] - want["loss"]) <= TOL, (got["loss"], want["loss"])
     assert abs(got["grad_norm"] - want["grad_norm"]) <= TOL * max(1.0, want["grad_norm"]), (
         got["grad_norm"], want["grad_norm"])
-
-
-@pytest.fixture(autouse=True)
-def _two_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(min(n, 2))
-    yield
-    torch.set_num_threads(n)
 
 
 def _grpo(impl, root, cp, mtp_coef, **kw):

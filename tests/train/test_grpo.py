@@ -84,20 +84,14 @@ def test_replay_changes_routing_of_a_drifted_model_and_never_touches_hash_or_mtp
     """A training model whose weights drifted from the engine's routes differently on its own; with
     replay it uses exactly the rollout's experts. Hash layers and MTP never reach the seam."""
     from kernels.reference.moe import routing_hook
-    from train.engines import ReferenceEngine, SamplingParams
     from train.model import build_train_model
     from train.replay import routing_match
-    from train.weight_sync import sync_weights
+
+    from ._replay import synced_rollout
 
     c = small_config()
     model = build_train_model(c, seed=1)
-    engine = ReferenceEngine(c)
-    assert sync_weights(model, engine, version=1).ok
-    s = engine.generate([[0, 5, 6, 7, 8]], SamplingParams(max_new_tokens=6), n=2, seed=0)[0]
-    ids = torch.tensor([x.prompt_ids + x.response_ids for x in s])
-    routed = torch.full((2, ids.shape[1], c.n_layers, c.n_activated_experts), -1)
-    for i, x in enumerate(s):
-        routed[i, :x.routed_experts.shape[0]] = x.routed_experts
+    ids, routed = synced_rollout(model, c)
     assert (routed[:, :, 0] == -1).all()            # layer 0 is hash-routed: nothing recorded
     with torch.no_grad():                            # drift the routers
         for layer in (1, 2):

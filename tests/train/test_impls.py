@@ -39,14 +39,6 @@ def write_data(path, n=8):
     return str(path)
 
 
-@pytest.fixture(autouse=True)
-def _two_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(min(n, 2))
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-{p[1] or 'default'}")
 def grpo_run(request, tmp_path_factory):
     from train.metrics import read_metrics
@@ -189,20 +181,14 @@ def test_train_impl_defaults_to_the_runs_implementation_and_reference_stays_expl
 def test_replay_overrides_the_routing_of_a_drifted_implementation(impl):
     """Engine rollout from the implementation's synced weights; then the implementation's routers drift:
     on its own it routes differently, with replay it uses exactly the rollout's experts."""
-    from train.engines import ReferenceEngine, SamplingParams
     from train.model import build_train_model
     from train.replay import routing_match
-    from train.weight_sync import sync_weights
+
+    from ._replay import synced_rollout
 
     c = small_config()
     m = build_train_model(c, run_config(impl, c), seed=1)
-    engine = ReferenceEngine(c)
-    assert sync_weights(m, engine, version=1).ok
-    s = engine.generate([[0, 5, 6, 7, 8]], SamplingParams(max_new_tokens=6), n=2, seed=0)[0]
-    ids = torch.tensor([x.prompt_ids + x.response_ids for x in s])
-    routed = torch.full((2, ids.shape[1], c.n_layers, c.n_activated_experts), -1)
-    for i, x in enumerate(s):
-        routed[i, :x.routed_experts.shape[0]] = x.routed_experts
+    ids, routed = synced_rollout(m, c)
     with torch.no_grad():
         assert routing_match(m.forward_train(ids).routing_used, routed) == 1.0   # synced: same routing
         for layer in (1, 2):

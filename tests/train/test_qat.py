@@ -31,14 +31,6 @@ def run_config(impl: str, config, quant: str = "bf16"):
                      model_name="small")
 
 
-@pytest.fixture(autouse=True)
-def _two_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(min(n, 2))
-    yield
-    torch.set_num_threads(n)
-
-
 def _ids(config, B=2, S=24, seed=3):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.vocab_size, (B, S), generator=g)

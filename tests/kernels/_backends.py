@@ -1,0 +1,25 @@
+"""The GPU kernel backends these tests run once each (a ``backend`` parameter), and their modules."""
+
+import importlib
+import importlib.util
+
+import pytest
+import torch
+
+BACKENDS = ["triton", "tilelang"]
+
+# pytestmark of a per-backend test file: GPU-marked, one case per backend, skipped (with the reason) where
+# CUDA or the backend's package is missing.
+PER_BACKEND = [pytest.mark.gpu, pytest.mark.parametrize("backend", BACKENDS), pytest.mark.usefixtures("needs_backend")]
+
+
+def backend_module(backend: str, name: str):
+    """``kernels.<backend>.<name>``."""
+    return importlib.import_module(f"kernels.{backend}.{name}")
+
+
+def missing(backend: str):
+    """Why ``backend``'s cases cannot run here, or None."""
+    if not torch.cuda.is_available() or importlib.util.find_spec(backend) is None:
+        return f"needs a CUDA GPU and {backend}"
+    return None
