@@ -18,14 +18,10 @@ LP_TOL, GRAD_TOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from tests.thd_impl._common import official_weights, single_process_group
+    from tests.thd_impl._common import saved_official_weights, single_process_group
 
     single_process_group()
-    tmp = tmp_path_factory.mktemp("ep")
-    official = official_weights(tmp)
-    path = tmp / "official.pt"
-    torch.save(official, path)
-    return official, path
+    return saved_official_weights(tmp_path_factory.mktemp("ep"))
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,11 @@ def _free_port() -> int:
 def setup(tmp_path_factory):
     """The single-GPU process (cuda:0, world size 1) and the perturbed tiny weights every run loads."""
     from backends.nvidia.target import NvidiaTarget
-    from tests.thd_impl._common import official_weights
+    from tests.thd_impl._common import saved_official_weights
 
     NvidiaTarget().init_process_group(0, 1, tp=1)
     tmp = tmp_path_factory.mktemp("multigpu")
-    official = official_weights(tmp)
-    weights = tmp / "official.pt"
-    torch.save(official, weights)
+    official, weights = saved_official_weights(tmp)
     return {"tmp": tmp, "official": official, "weights": weights, "dev": torch.device("cuda", 0)}
 
 

@@ -51,6 +51,14 @@ def official_weights(tmp_path) -> dict:
     return perturb(dict(open_checkpoint(ckpt).iter_tensors(dtype=torch.float32, progress=False)))
 
 
+def saved_official_weights(tmp_path) -> tuple:
+    """``(official weights, path of their torch.save copy)``: what spawned workers load."""
+    official = official_weights(tmp_path)
+    path = tmp_path / "official.pt"
+    torch.save(official, path)
+    return official, path
+
+
 def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, ep: int = 1, qkv_format: str | None = None,
           indexer_coeff: float | None = None, hardware: str = "cpu"):
     """A model of ``impl`` with the official-name weights (process already set up by the hardware target;

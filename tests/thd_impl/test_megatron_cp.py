@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from backends.cpu.megatron_shims import free_port
 
 from . import _cp_worker
-from ._common import build, cu_seqlens, grads_official, official_weights, packed_loss, single_process_group, stream
+from ._common import build, cu_seqlens, grads_official, saved_official_weights, packed_loss, single_process_group, stream
 
 LP_TOL = 1e-5
 GRAD_TOL = 1e-6
@@ -21,9 +21,7 @@ GRAD_TOL = 1e-6
 def setup(tmp_path_factory):
     single_process_group()
     tmp = tmp_path_factory.mktemp("megatron_cp")
-    official = official_weights(tmp)
-    weights = tmp / "official.pt"
-    torch.save(official, weights)
+    official, weights = saved_official_weights(tmp)
     m = build("megatron", official, qkv_format="thd")
     cu, ids = cu_seqlens(), stream()
     with torch.no_grad():
