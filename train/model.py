@@ -269,6 +269,12 @@ class ImplTrainModel(_TrainModelBase):
     def _has_mtp(self) -> bool:
         return hasattr(self.module, "mtp_logits") and self.config.n_mtp_layers > 0
 
+    def _check_replay_reached(self, routing_replay, hook) -> None:
+        """A replayed forward of a model with learned-routing layers must have gone through the routing seam."""
+        if routing_replay is not None and not hook.used and self.config.n_layers > self.config.n_hash_layers:
+            raise NotImplementedError(f"--impl {self.impl}: its router does not call "
+                                      f"kernels.reference.moe.apply_routing_hook, so routing replay cannot work")
+
     @property
     def packs_streams(self) -> bool:
         """True for THD: ``forward_train(..., lengths=...)`` packs the real tokens into one stream."""
@@ -311,9 +317,7 @@ class ImplTrainModel(_TrainModelBase):
             if with_mtp:
                 with detached_weights(self.module):
                     mtp = [lg.to(input_ids.device) for lg in self._mtp(ids, x, cu, streams)]
-        if routing_replay is not None and not hook.used and self.config.n_layers > self.config.n_hash_layers:
-            raise NotImplementedError(f"--impl {self.impl}: its router does not call "
-                                      f"kernels.reference.moe.apply_routing_hook, so routing replay cannot work")
+        self._check_replay_reached(routing_replay, hook)
         logits = logits.reshape(B, S, -1).to(input_ids.device)
         if aux is not None:
             aux = aux.to(input_ids.device)
@@ -359,9 +363,7 @@ class ImplTrainModel(_TrainModelBase):
                         raw_mtp = self.module.mtp_logits(x, streams, cu_seqlens=cu)
                     else:
                         raw_mtp = self.module.mtp_logits(x, cu)
-        if routing_replay is not None and not hook.used and self.config.n_layers > self.config.n_hash_layers:
-            raise NotImplementedError(f"--impl {self.impl}: its router does not call "
-                                      f"kernels.reference.moe.apply_routing_hook, so routing replay cannot work")
+        self._check_replay_reached(routing_replay, hook)
         lg = logits.reshape(n, -1).float()
         if temperature != 1.0:
             lg = lg / temperature
