@@ -99,9 +99,7 @@ def spawn_training(run_config, model_source, mode: str, steps: int, run_dir, res
 
     from backends.cpu.megatron_shims import free_port
 
-    cp = int(run_config.cp)
-    if int(getattr(run_config, "tp", 1)) * int(getattr(run_config, "ep", 1)) != 1:
-        raise ValueError("training runs tp 1 / ep 1 with --cp > 1 (context parallel only)")
+    cp = int(run_config.cp)  # --tp / --ep > 1 were refused by run_training already
     if getattr(run_config, "qkv_format", None) != "thd":
         raise ValueError(f"training with --cp {cp} needs --qkv-format thd (packed micro-batches are split over "
                          f"the CP ranks)")
