@@ -232,6 +232,7 @@ class ThdLayout:
         set_(self, "positions", rows - starts)
         set_(self, "segment_starts", starts)
         set_(self, "segment_ends", cu[seg + 1])
+        set_(self, "_derived", {})  # see _memo; a plain attribute so torch.compile traces the lookups
 
     @classmethod
     def for_cp_rank(cls, cu_seqlens: Tensor, cp: int, rank: int) -> "ThdLayout":
@@ -248,7 +249,7 @@ class ThdLayout:
     # graph instead of kept: a tensor made by a compiled graph belongs to it (with CUDA graphs, the next
     # replay overwrites it), so only eagerly built tensors and host values are cached.
     def _memo(self, key, build, tensor: bool = True):
-        memo = self.__dict__.setdefault("_derived", {})
+        memo = self._derived
         if key in memo:
             return memo[key]
         if tensor and torch.compiler.is_compiling():

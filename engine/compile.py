@@ -45,19 +45,26 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def compile_blocks(model: nn.Module, cuda_graphs: bool = False) -> nn.Module:
+def compile_blocks(model: nn.Module, cuda_graphs: bool = False, backend: str = "inductor") -> nn.Module:
     """Compile ``model``'s blocks in place (see the module docstring) and return the model.
 
     ``cuda_graphs``: Inductor's ``reduce-overhead`` mode, which also records every compiled forward and
     backward graph as a CUDA graph and replays it (launch overhead of the fused kernels gone; graphs it
     cannot record run as plain compiled code). Call ``torch.compiler.cudagraph_mark_step_begin()`` at the
-    start of each training step."""
+    start of each training step. ``backend``: the ``torch.compile`` backend; tests pass ``"eager"`` to check
+    tracing (graph breaks, recompiles) without paying for code generation."""
     ops = getattr(model, "ops", None)
     if ops is not None:
         opaque = opaque_kernel_ops(ops)
         for m in model.modules():
             if getattr(m, "ops", None) is ops:
                 m.ops = opaque
-    for block in block_modules(model):
-        block.compile(dynamic=None, mode="reduce-overhead" if cuda_graphs else None)
+    blocks = block_modules(model)
+    # blocks share their code: a block's layer-specific constants (compress ratio, routing kind, layer id)
+    # make one compiled variant per layer, and past dynamo's default limit of 8 the rest would run eagerly
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(blocks) + 8)
+    mode = {"mode": "reduce-overhead"} if cuda_graphs else {}
+    for block in blocks:
+        block.compile(dynamic=None, backend=backend, **mode)
     return model

@@ -268,6 +268,7 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``q [T,H,D]``, ``kv [T,D]``, ``x [T,C]``, ``cq [T,q_lora]`` -> ``(o [T,H,D], indexer KL or None)``."""
         T = q.shape[0]
+        want_kl = self.ratio == 4 and self.training and indexer_loss_enabled(self.config)
         idx = layout.window_indices(self.window)                                # [T, W] stream rows
         kv_all = kv
         kl = None
@@ -276,11 +277,14 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
             comp = _qat_kv(self, comp.to(kv.dtype), self.config.qk_pos_emb_head_dim)
             kv_all = torch.cat((kv, comp), dim=0)
             if self.ratio == 4:
-                xd, cqd = x.detach(), cq.detach()                               # no gradient to the trunk
-                scores = self.indexer.scores(xd, cqd, layout, inv_freq, cos, sin)    # [T, G]
+                # the indexer sees detached inputs; its own parameters get gradients only from the KL loss,
+                # so without it the scores build no autograd graph (none to keep alive, none to free)
+                with torch.set_grad_enabled(torch.is_grad_enabled() and want_kl):
+                    xd, cqd = x.detach(), cq.detach()                           # no gradient to the trunk
+                    scores = self.indexer.scores(xd, cqd, layout, inv_freq, cos, sin)    # [T, G]
                 top = self.indexer.topk_indices(scores, layout)
                 cidx = torch.where(top >= 0, top + T, top)
-                if self.training and indexer_loss_enabled(self.config):
+                if want_kl:
                     kl = self._indexer_loss(q, kv_all, idx, scores, top, layout)
             else:
                 cidx = layout.compressed_visible_indices(self.ratio, offset=T)
