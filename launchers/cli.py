@@ -289,7 +289,7 @@ def training_options(func):
         ("--lr", dict(type=float, default=None, help="Learning rate.")),
         ("--seed", dict(type=int, default=None, help="Seed of data order and sampling.")),
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
-        ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape compiles once).")),
+        ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
     )):
         func = click.option(decl, **kwargs)(func)
     return func

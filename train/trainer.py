@@ -98,7 +98,7 @@ class TrainConfig:
     train_impl: Optional[str] = None
     train_dtype: str = "fp32"
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
-    # new batch shape recompiles once, so it pays off for long runs of steady shapes
+    # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
     compile_blocks: bool = False
     # dynamic batching: pack SFT sequences / GRPO samples into THD micro-batches of at most this many
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
