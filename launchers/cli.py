@@ -24,7 +24,7 @@ from core.config import ConfigError
 from core.errors import UserInputError
 from core.not_built import NotBuiltError
 from core.plugins import PluginError, UnknownBackendError
-from core.records import AXES, QKV_FORMATS
+from core.records import QKV_FORMATS
 from core.run_config import Choices, availability_problems, normalize
 from launchers import stages
 from launchers.builtin_plugins import make_host

@@ -69,7 +69,7 @@ class ModelSource:
 
 def model_config(spec: str) -> ModelSource:
     """Resolve `--model`: an existing directory is a checkpoint, else a preset name."""
-    from core.config import ModelConfig, PRESETS, ConfigError, preset
+    from core.config import PRESETS, ConfigError, preset
 
     path = user_path(spec)
     if path.is_dir():
@@ -233,10 +233,9 @@ def build_impl_model(run, checkpoint: Path):
 
     ``checkpoint`` is an HF checkpoint (official names; any weight format) or a
     native one (recognized by its metadata; refused if written under
-    pre-contract names). One process: tensor/context parallel scoring runs
-    several processes and is not built into the CLI yet.
+    pre-contract names). One process: parallel scoring (``dsv4 logprobs --tp/--cp/--ep``) runs several
+    processes through ``launchers.scoring``.
     """
-    import torch
     import torch.distributed as dist
 
     from core.native_checkpoint import is_native_checkpoint, load_native

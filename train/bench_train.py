@@ -10,9 +10,10 @@ Implementations, all on the same small DeepSeek-V4 config and the same token bat
   implementation), config from ``tests.reference.hf_mapping.hf_config_from``.
 
 One step = forward, next-token cross-entropy (fp32 logits), backward, AdamW step, zero_grad. Weights are
-randomly initialized in bf16. megatron's indexer KL loss is off (``dsa_indexer_loss_coeff=None``, its default),
-so like the others it trains on the language-model loss alone. Warm-up steps (triton and torch.compile compilation, CUDA-graph recording,
-allocator) run before the timed steps; ``torch.cuda.synchronize()`` brackets the timed region.
+randomly initialized in bf16. megatron's indexer KL loss is off (``dsa_indexer_loss_coeff=None``, its
+default), so like the others it trains on the language-model loss alone. Warm-up steps (triton and
+torch.compile compilation, CUDA-graph recording, allocator) run before the timed steps;
+``torch.cuda.synchronize()`` brackets the timed region.
 
 Modes of miles / megatron (``--compile on|off|both``, ``--cuda-graph on|off``): eager; compiled
 (``engine.compile.compile_blocks``: every block through ``torch.compile``, the kernel backend's kernels

@@ -140,4 +140,3 @@ def pack(lengths: List[int], model_config, cp: int, max_tokens_per_rank: Optiona
         max_tokens_per_rank = -(-(sum(lengths) + m) // cp) + m + min_rank
     return pack_micro_batches(lengths, int(max_tokens_per_rank), cp=cp, pad_multiple=mult,
                               min_tokens_per_rank=min_rank)
-

@@ -268,7 +268,7 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``q [T,H,D]``, ``kv [T,D]``, ``x [T,C]``, ``cq [T,q_lora]`` -> ``(o [T,H,D], indexer KL or None)``."""
         T = q.shape[0]
-        want_kl = self.ratio == 4 and self.training and indexer_loss_enabled(self.config)
+        want_kl = self._wants_indexer_loss()
         idx = layout.window_indices(self.window)                                # [T, W] stream rows
         kv_all = kv
         kl = None
@@ -297,7 +297,7 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
                    inv_freq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Context-parallel forward: ``q [L,H,D]``, ``kv [L,D]``, ``x [L,C]``, ``cq [L,q_lora]`` of this rank."""
-        want_kl = self.ratio == 4 and self.training and indexer_loss_enabled(self.config)
+        want_kl = self._wants_indexer_loss()
         kl = None
         T = ctx.total_tokens
         idx = ctx.window_indices(self.window).to(q.device)                     # [L, W] stream rows
@@ -324,6 +324,11 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
         o = self.ops.sparse_attention_with_sink(q.unsqueeze(0), kv_all.unsqueeze(0), idx.unsqueeze(0),
                                                 self.attn_sink, self.scale).squeeze(0)
         return o, kl
+
+    def _wants_indexer_loss(self) -> bool:
+        """Whether this forward computes the indexer KL loss: a CSA layer, training, coefficient set. Only then
+        do the indexer's scores build an autograd graph (its parameters learn from that loss alone)."""
+        return self.ratio == 4 and self.training and indexer_loss_enabled(self.config)
 
     def _kl_mask(self, top: torch.Tensor, layout: ThdLayout):
         """``(flat [T, Gw] sequence-major visible ids, mask [T, Gw])``: every visible compressed entry, or only

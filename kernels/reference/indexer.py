@@ -16,7 +16,6 @@ current context, ``hook(indexer_module, picks [B,S,k]) -> picks``, called with t
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

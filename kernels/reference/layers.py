@@ -112,7 +112,6 @@ class _HalfInputFp32Linear(torch.autograd.Function):
         return dy, dw
 
 
-
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w^T`` in fp32 (fp64 if either operand is fp64): the GEMMs whose result DeepSeek-V4 keeps in fp32
     (compressor projections, logits). For bf16 / fp16 ``x`` and ``w`` of one dtype this is one tensor-core

@@ -18,7 +18,6 @@ implementations call :func:`apply_routing_hook` at the same point of their route
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -14,7 +14,6 @@ Conventions (they reproduce the reference numbers exactly):
 
 from __future__ import annotations
 
-
 from .model import DeepseekV4Model
 
 __all__ = ["COMPONENTS", "component_of", "count_parameters"]

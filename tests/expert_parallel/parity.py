@@ -2,9 +2,10 @@
 
 Four sequences of 140 tokens (past the 128 window; every path of the tiny model runs). At EP size 1 one
 process takes them all; at EP size ``ep`` rank ``r`` takes sequences ``r, r+ep, ...`` (the EP ranks form a
-data-parallel group), holds ``1/ep`` of every layer's experts, and assignments travel by all-to-all. Each rank's loss is its tokens'
-share of the mean next-token NLL over BOTH sequences, so summing the replicated parameters' gradients over the
-ranks gives the EP-1 gradient; experts' gradients are complete on their owner (the exchange's backward)."""
+data-parallel group), holds ``1/ep`` of every layer's experts, and assignments travel by all-to-all. Each
+rank's loss is its tokens' share of the mean next-token NLL over ALL the sequences, so summing the replicated
+parameters' gradients over the ranks gives the EP-1 gradient; experts' gradients are complete on their owner
+(the exchange's backward)."""
 
 from __future__ import annotations
 

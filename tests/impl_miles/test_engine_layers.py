@@ -36,7 +36,6 @@ def test_grouped_linear_matches_per_group_linear():
     assert not dw[[0, 2, 5]].any()
 
 
-
 def test_fp32_logits_half_operands_match_fp32_math():
     """bf16 hidden states and head: fp32 logits equal to the upcast fp32 GEMM (same exact products),
     gradients equal to the fp32 autograd ones up to bf16 rounding of the logit gradient, in the operands' dtypes."""

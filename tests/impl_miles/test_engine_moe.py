@@ -93,4 +93,3 @@ def test_expert_bias_selects_only():
     assert (i1 == 0).any(dim=-1).all()
     torch.testing.assert_close(w1.sum(-1), torch.full((6,), c.route_scale))
     assert isinstance(m.router.tid2eid if m.router.hash else m.router.expert_bias, torch.Tensor)
-
