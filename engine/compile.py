@@ -51,8 +51,13 @@ def compile_blocks(model: nn.Module, cuda_graphs: bool = False, backend: str = "
     ``cuda_graphs``: Inductor's ``reduce-overhead`` mode, which also records every compiled forward and
     backward graph as a CUDA graph and replays it (launch overhead of the fused kernels gone; graphs it
     cannot record run as plain compiled code). Call ``torch.compiler.cudagraph_mark_step_begin()`` at the
-    start of each training step. ``backend``: the ``torch.compile`` backend; tests pass ``"eager"`` to check
-    tracing (graph breaks, recompiles) without paying for code generation."""
+    start of each training step. A model that cannot be replayed as CUDA graphs says why in its
+    ``cuda_graphs_refusal()``; then ``cuda_graphs=True`` raises with that reason instead of running slowly.
+    ``backend``: the ``torch.compile`` backend; tests pass ``"eager"`` to check tracing (graph breaks,
+    recompiles) without paying for code generation."""
+    refusal = getattr(model, "cuda_graphs_refusal", lambda: None)() if cuda_graphs else None
+    if refusal:
+        raise ValueError(f"compile_blocks(cuda_graphs=True): {refusal}")
     ops = getattr(model, "ops", None)
     if ops is not None:
         opaque = opaque_kernel_ops(ops)

@@ -11,7 +11,9 @@ Implementations, all on the same small DeepSeek-V4 config and the same token bat
 
 One step = forward, next-token cross-entropy (fp32 logits), backward, AdamW step, zero_grad. Weights are
 randomly initialized in bf16. megatron's indexer KL loss is off (``dsa_indexer_loss_coeff=None``, its
-default), so like the others it trains on the language-model loss alone. Warm-up steps (triton and
+default), so like the others it trains on the language-model loss alone; ``--indexer-loss-coeff C`` turns it
+on (the step's loss is then LM + C x summed indexer KL, and the indexer trains); CUDA graphs refuse such a
+model (``engine.compile``), so pair it with ``--cuda-graph off``. Warm-up steps (triton and
 torch.compile compilation, CUDA-graph recording, allocator) run before the timed steps;
 ``torch.cuda.synchronize()`` brackets the timed region.
 
@@ -145,11 +147,12 @@ def make_miles(c, ids):
     return m, loss_fn
 
 
-def make_megatron(c, ids):
+def make_megatron(c, ids, indexer_loss_coeff=None):
     from backends.megatron.impl import build_model
 
     torch.manual_seed(0)
-    m = build_model(c, bench_run_config("megatron", c), params_dtype=torch.bfloat16).cuda()
+    m = build_model(c, bench_run_config("megatron", c), params_dtype=torch.bfloat16,
+                    dsa_indexer_loss_coeff=indexer_loss_coeff).cuda()
     flat = ids.reshape(-1)
     B, S = ids.shape
     cu = torch.arange(0, B + 1, device=ids.device, dtype=torch.int32) * S
@@ -161,8 +164,9 @@ def make_megatron(c, ids):
     layout = m.layout_for(flat, cu)  # built once: its index tensors are reused by every step
 
     def loss_fn():
-        logits = m(flat, layout=layout)  # [T, V]
-        return F.cross_entropy(logits.index_select(0, rows).float(), labels)
+        logits, kl = m(flat, layout=layout, return_indexer_loss=True)  # [T, V]; kl None when the loss is off
+        lm = F.cross_entropy(logits.index_select(0, rows).float(), labels)
+        return lm if kl is None else lm + kl
 
     return m, loss_fn
 
@@ -192,10 +196,12 @@ def make_transformers(c, ids):
 MAKERS = {"miles": make_miles, "megatron": make_megatron, "transformers": make_transformers}
 
 
-def bench_one(impl, c, ids, warmup, steps, budget_s=None, profile=False, compile_blocks=False, cuda_graph=False):
+def bench_one(impl, c, ids, warmup, steps, budget_s=None, profile=False, compile_blocks=False, cuda_graph=False,
+              indexer_loss_coeff=None):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model, loss_fn = MAKERS[impl](c, ids)
+    extra = {"indexer_loss_coeff": indexer_loss_coeff} if impl == "megatron" else {}
+    model, loss_fn = MAKERS[impl](c, ids, **extra)
     if compile_blocks:
         from engine.compile import compile_blocks as _compile
 
@@ -286,6 +292,8 @@ def main(argv=None):
                     help="compiled blocks also as CUDA graphs (Inductor's reduce-overhead mode; engine.compile)")
     ap.add_argument("--compile", choices=("on", "off", "both"), default="on",
                     help="run miles / megatron with their blocks torch.compile'd (engine.compile), eagerly, or both")
+    ap.add_argument("--indexer-loss-coeff", type=float, default=None,
+                    help="megatron: train the indexer with its KL loss at this weight (default: off); needs --cuda-graph off")
     args = ap.parse_args(argv)
 
     from backends.nvidia.target import NvidiaTarget
@@ -313,12 +321,13 @@ def main(argv=None):
         graphed = compiled and args.cuda_graph == "on"
         row = dict(impl=impl, kernel_backend="triton" if impl != "transformers" else "eager", compiled=compiled,
                    cuda_graph=graphed,
+                   indexer_loss_coeff=args.indexer_loss_coeff if impl == "megatron" else None,
                    tokens_per_s=None, mfu=None, step_ms=None, peak_mem_gb=None, date=date, device=device,
                    config=summary, flops_per_step=fl["total"], flops_note=flop_note,
                    peak_tflops=H200_BF16_DENSE_TFLOPS)
         try:
             r = bench_one(impl, c, ids, args.warmup, args.steps, args.budget_s, impl in args.profile.split(","), compiled,
-                          graphed)
+                          graphed, args.indexer_loss_coeff)
             row.update(r)
             row["tokens_per_s"] = seq * batch / (r["step_ms"] / 1e3)
             row["mfu"] = fl["total"] / (r["step_ms"] / 1e3) / (H200_BF16_DENSE_TFLOPS * 1e12)

@@ -224,15 +224,18 @@ def indexer_teacher_probs(q: torch.Tensor, kv_all: torch.Tensor, window_idx: tor
 def indexer_kl_loss(teacher: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``mean_t KL(p_t || softmax(I_t))`` over the ``mask``-ed columns, averaged over rows with at least one
     masked-in column (0 when there is none). ``teacher [T,K]`` (rows sum to 1 over ``mask``),
-    ``student_logits [T,K]``, ``mask [T,K]`` bool."""
-    rows = mask.any(dim=-1)
-    if not bool(rows.any()):
-        return student_logits.sum() * 0.0
-    logits = student_logits.masked_fill(~mask, float("-inf"))[rows]
-    p = teacher.to(logits.dtype)[rows] * mask[rows]
-    log_q = torch.log_softmax(logits, dim=-1).masked_fill(~mask[rows], 0.0)
-    kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
-    return kl.mean()
+    ``student_logits [T,K]``, ``mask [T,K]`` bool.
+
+    Written without host reads or data-dependent shapes (rows with nothing masked in contribute 0 instead
+    of being dropped), so a compiled step traces it in one graph: a graph break here made dynamo recompile
+    the rest of the layer at every step, and CUDA graphs re-record."""
+    rows = mask.any(dim=-1, keepdim=True)                                   # [T, 1]
+    logits = student_logits.masked_fill(~mask, float("-inf"))
+    logits = torch.where(rows, logits, torch.zeros_like(logits))            # no all -inf row: no NaN
+    p = teacher.to(logits.dtype) * mask
+    log_q = torch.log_softmax(logits, dim=-1).masked_fill(~mask, 0.0)
+    kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)                        # 0 on rows without entries
+    return kl.sum() / rows.sum().clamp(min=1)
 
 
 def _qat_kv(module, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -352,7 +355,7 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
             p = indexer_teacher_probs(q.detach(), kv_all.detach(), window_idx, comp_rows,
                                       self.attn_sink.detach(), self.scale)
         student = scores.gather(1, flat.clamp(min=0))
-        local_rows = int(mask.any(dim=-1).sum())
+        local_rows = mask.any(dim=-1).sum()                                  # a tensor: no host read
         cu = lay.host_cu_seqlens()
         seen = sum(max(0, b - a - 3) for a, b in zip(cu[:-1], cu[1:]))    # rows at position >= 3
         return indexer_kl_loss(p, student, mask) * (local_rows / max(seen, 1))

@@ -4,10 +4,12 @@ Blocks share their code, and a block's layer-specific constants (compress ratio,
 routing replay looks up) make dynamo compile one variant per layer. Past dynamo's default limit of 8
 variants the remaining layers would silently run uncompiled (V4-Flash has 43 layers), so
 ``compile_blocks`` raises the limit to the number of blocks. Checked by tracing only (``backend="eager"``),
-with dynamo told to fail instead of falling back."""
+with dynamo told to fail instead of falling back. With the indexer KL loss on: steps after the first trace
+nothing new, and CUDA graphs are refused."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.impl_megatron.conftest import run_config
@@ -30,3 +32,58 @@ def test_every_block_of_a_deep_model_compiles(tiny_config):
         compile_blocks(compiled, backend="eager")
         out = compiled(ids, cu)
     torch.testing.assert_close(out, eager(ids, cu), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_steps_with_the_indexer_kl_loss_trace_once(tiny_config):
+    """With the indexer KL loss on, the steps after the first compile nothing new, and give eager's losses.
+
+    The KL loss once read a host value (``bool(rows.any())``) and indexed rows by a boolean mask: dynamo
+    broke the graph there and compiled the rest of the layer again on a later step (on the GPU at every
+    step: the compiled + CUDA-graph step was 14x slower with the loss on than off)."""
+    from torch._dynamo.utils import counters
+
+    from backends.megatron.impl import build_model
+    from engine.compile import compile_blocks
+
+    c = tiny_config.replace(n_mtp_layers=0, compress_ratios=tiny_config.compress_ratios[:tiny_config.n_layers])
+    assert 4 in c.compress_ratios
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build_model(c, run_config(c), dsa_indexer_loss_coeff=0.1).train())
+    eager, compiled = models
+    ids = torch.randint(0, c.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    layout = compiled.layout_for(ids, torch.tensor([0, 50, 96]))
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(compiled, backend="eager")
+    graphs = []
+    for step in range(3):
+        for m in (eager, compiled):
+            logits, kl = m(ids, layout=layout, return_indexer_loss=True)
+            (logits.logsumexp(-1).mean() + kl).backward()
+        torch.testing.assert_close(compiled.last_indexer_loss, eager.last_indexer_loss, atol=1e-6, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 2, f"graphs compiled after steps 1, 2, 3: {graphs}"
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+        if "indexer" in name:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_cuda_graphs_are_refused_with_the_indexer_kl_loss_on(tiny_config):
+    """With the KL loss on, CUDA-graph trees record the step again at every step (14x slower on an H200):
+    ``compile_blocks(cuda_graphs=True)`` refuses and names both ways out, before compiling anything."""
+    from backends.megatron.impl import build_model
+    from engine.compile import compile_blocks
+
+    c = tiny_config.replace(n_mtp_layers=0, compress_ratios=tiny_config.compress_ratios[:tiny_config.n_layers])
+    assert build_model(c, run_config(c)).cuda_graphs_refusal() is None
+    model = build_model(c, run_config(c), dsa_indexer_loss_coeff=0.5)
+    with pytest.raises(ValueError) as err:
+        compile_blocks(model, cuda_graphs=True)
+    assert str(err.value) == (
+        "compile_blocks(cuda_graphs=True): the megatron model trains its indexer with the KL loss "
+        "(dsa_indexer_loss_coeff=0.5), and CUDA-graph trees record such a step again at every step; compile "
+        "without CUDA graphs (compile_blocks(model, cuda_graphs=False)) or turn the indexer loss off "
+        "(dsa_indexer_loss_coeff=None)")
+    assert not any(getattr(b, "_compiled_call_impl", None) for b in model.decoder.layers)

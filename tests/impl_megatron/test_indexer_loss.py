@@ -77,6 +77,21 @@ def test_kl_is_zero_when_the_indexer_matches_the_teacher():
     assert indexer_kl_loss(p, student, torch.zeros_like(mask)).item() == 0.0  # nothing visible
 
 
+def test_kl_loss_traces_as_one_graph():
+    """No host read, no data-dependent shape: ``fullgraph`` tracing refuses a graph break."""
+    g = torch.Generator().manual_seed(2)
+    T, G = 9, 4
+    mask = torch.arange(G)[None, :] < (torch.arange(T)[:, None] + 1) // 3   # the first rows see nothing
+    p = torch.softmax(torch.randn(T, G, generator=g).masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    student = torch.randn(T, G, generator=g, requires_grad=True)
+    traced = torch.compile(indexer_kl_loss, fullgraph=True, backend="eager")
+    loss = traced(p, student, mask)
+    torch.testing.assert_close(loss, indexer_kl_loss(p, student, mask))
+    loss.backward()
+    assert torch.isfinite(student.grad).all() and (student.grad[~mask] == 0).all()
+    assert traced(p, student, torch.zeros_like(mask)).item() == 0.0
+
+
 def test_model_loss_matches_an_independent_computation(tiny_config, tiny_checkpoint, ids, monkeypatch):
     """The layers' losses, recomputed from the captured inputs with the loop teacher and F.kl_div."""
     meg = _model(tiny_config, tiny_checkpoint, 0.5)
