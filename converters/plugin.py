@@ -21,18 +21,21 @@ def dsv4_quant_schemes():
             name="fp8",
             description="FP8 e4m3 weights in 128x128 blocks (ue8m0 or fp32 scales); dequantized to train, re-quantized to publish",
             factory="converters.schemes:fp8",
+            publish_format="fp8",
         ),
         QuantScheme(
             name="mxfp4-fp8",
             description="MXFP4 routed experts converted losslessly to FP8 128x128 blocks at prepare time",
             factory="converters.schemes:mxfp4_fp8",
             prepare_stage="prepare-fp8",
+            publish_format="fp8",
         ),
         QuantScheme(
             name="nvfp4",
             description="NVFP4 routed experts only (1x16 e4m3 scales + fp32 global); shared experts stay high precision",
             factory="converters.schemes:nvfp4",
             hardware={"nvidia", "cpu"},
+            publish_format="nvfp4",
         ),
         QuantScheme(
             name="qat",

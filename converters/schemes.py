@@ -3,7 +3,12 @@
 Each factory returns a small object describing its scheme (``name``,
 ``publish_format``) with the operations that exist in code:
 
-* ``bf16()`` -> None: weights are used as loaded (identity).
+Every scheme satisfies ``core.protocols.Scheme``: ``publish(named_tensors)``
+(the bucket the rollout engine loads, in ``publish_format``) and
+``prepare_training(model)`` (what the scheme changes in a model that trains
+under it: QAT's fake quantization; nothing for the others).
+
+* ``bf16()`` -> :class:`BF16Scheme`: weights are used and published as they are.
 * ``fp8()`` -> :class:`FP8Scheme`: ``.publish(named_tensors)`` (128x128 e4m3,
   ue8m0 scales by default), ``.quantize(name, tensor)``.
 * ``mxfp4_fp8()`` -> :class:`MXFP4ToFP8Scheme`: ``.prepare(in_dir, out_dir)``
@@ -14,8 +19,8 @@ Each factory returns a small object describing its scheme (``name``,
   FP8 KV nope dims) and ``.install(model)`` / ``.remove(model)``, which switch a
   built ``miles`` / ``megatron`` model's forward to fake-quant training (routed
   experts and KV nope dims only; straight-through gradients to the bf16/fp32
-  master weights). A QAT run publishes the master weights as bf16
-  (``launchers.stages.PUBLISH_SCHEME``).
+  master weights). A QAT run publishes the master weights as bf16 (its
+  record's ``publish_format``).
 
 Every module is imported lazily so listing plugins never imports torch.
 """
@@ -25,13 +30,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def bf16():
-    """bf16 needs no conversion: the scheme is the identity on weights."""
-    return None
+class _TrainsAsLoaded:
+    """Schemes that change nothing in a training model (they quantize at publish or prepare time only)."""
+
+    def prepare_training(self, model) -> None:
+        return None
 
 
 @dataclass(frozen=True)
-class FP8Scheme:
+class BF16Scheme(_TrainsAsLoaded):
+    """bf16 needs no conversion: weights are trained and published as they are."""
+
+    name: str = "bf16"
+    publish_format: str = "bf16"
+
+    def publish(self, named_tensors):
+        from .publish import publish_bucket
+        return publish_bucket(named_tensors, "bf16")
+
+
+def bf16():
+    return BF16Scheme()
+
+
+@dataclass(frozen=True)
+class FP8Scheme(_TrainsAsLoaded):
     name: str = "fp8"
     scale_format: str = "ue8m0"          # or "fp32"
 
@@ -60,7 +83,7 @@ class MXFP4ToFP8Scheme(FP8Scheme):
 
 
 @dataclass(frozen=True)
-class NVFP4Scheme:
+class NVFP4Scheme(_TrainsAsLoaded):
     name: str = "nvfp4"
     publish_format: str = "nvfp4"
 
@@ -78,6 +101,16 @@ class QATScheme:
     name: str = "qat"
     expert_format: str = "mxfp4"          # or "nvfp4"
     kv_block: int = 64
+    # the engine runs the trained master weights unquantized
+    publish_format: str = "bf16"
+
+    def publish(self, named_tensors):
+        from .publish import publish_bucket
+        return publish_bucket(named_tensors, "bf16")
+
+    def prepare_training(self, model) -> None:
+        """Fake-quant training (:meth:`install`)."""
+        self.install(model)
 
     def fake_quant_expert(self, weight):
         from .fake_quant import fake_quant_mxfp4, fake_quant_nvfp4

@@ -14,20 +14,28 @@ keeps what passes every rule: that list drives the Bazel test matrix
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from core.records import (
     ATTENTION,
+    AXIS_OPTION,
     HARDWARE,
     KERNEL,
     QUANT,
+    ROLLOUT,
     AttentionImpl,
+    BackendRecord,
     HardwareTarget,
     KernelBackend,
     QuantScheme,
+    RolloutEngine,
 )
+
+# The jobs whose own limits the table checks (Selection.job); None = only what every job shares.
+JOBS = ("score", "train")
 
 
 class InvalidCombination(ValueError):
@@ -36,7 +44,7 @@ class InvalidCombination(ValueError):
 
 @dataclass(frozen=True)
 class Selection:
-    """The four records chosen for a run plus the layout/parallel choices."""
+    """The five records chosen for a run plus the dtype, layout and parallel choices."""
 
     impl: AttentionImpl
     kernel: KernelBackend
@@ -46,6 +54,10 @@ class Selection:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    rollout: Optional[RolloutEngine] = None
+    dtype: str = "fp32"
+    # What the run does ("score", "train"; None = checks every job shares only).
+    job: Optional[str] = None
     # Model facts, known once the model config is (None = not checked yet).
     o_groups: Optional[int] = None
     n_routed_experts: Optional[int] = None
@@ -214,9 +226,89 @@ def _quant_kernel(sel: Selection, host) -> Optional[str]:
     )
 
 
+_FIELD = {ATTENTION: "impl", KERNEL: "kernel", QUANT: "quant", HARDWARE: "hardware", ROLLOUT: "rollout"}
+
+
+def _runnable(sel: Selection, host) -> Optional[str]:
+    """A record that is declared but not built (or rules only) is refused with its own reason; the fix
+    names the records of its axis that would make the whole selection valid (else every runnable one)."""
+    problems = []
+    for record in (sel.impl, sel.kernel, sel.quant, sel.hardware, sel.rollout):
+        if record is None or record.not_runnable is None:
+            continue
+        option, field = AXIS_OPTION[record.axis], _FIELD[record.axis]
+        runnable = [r for r in host.records(record.axis) if r.not_runnable is None]
+        fits = [r.name for r in runnable if not violations(dataclasses.replace(sel, **{field: r}), host)]
+        problems.append(f"{option} {record.name} is declared but cannot run: {record.not_runnable}. "
+                        f"Fix: choose {option} {_join(fits or [r.name for r in runnable])}.")
+    return " ".join(problems) or None
+
+
+def _kernel_dtype(sel: Selection, host) -> Optional[str]:
+    kernel = sel.kernel
+    if _accepts(kernel.dtypes, sel.dtype):
+        return None
+    options = [k.name for k in host.records(KERNEL)
+               if _accepts(k.dtypes, sel.dtype) and _accepts(k.hardware, sel.hardware.name)
+               and _accepts(k.impls, sel.impl.name) and k.not_runnable is None]
+    return (f"--kernel-backend {kernel.name} computes in {_join(kernel.dtypes)} only (got --dtype {sel.dtype}). "
+            f"Fix: use --dtype {_join(kernel.dtypes)}" + (f", or --kernel-backend {_join(options)}" if options else "")
+            + ".")
+
+
+def _cp_thd(sel: Selection, host) -> Optional[str]:
+    """Context parallelism splits one packed (THD) stream across ranks."""
+    if sel.cp <= 1 or sel.qkv_format == "thd":
+        return None
+    return f"--cp {sel.cp} splits a packed stream across ranks: it needs --qkv-format thd (got {sel.qkv_format}). " \
+           f"Fix: add --qkv-format thd, or use --cp 1."
+
+
+def _packing_thd(sel: Selection, host) -> Optional[str]:
+    if sel.max_tokens_per_rank is None or sel.qkv_format == "thd" or sel.job != "train":
+        return None
+    return (f"--max-tokens-per-rank packs training samples into THD micro-batches (got --qkv-format "
+            f"{sel.qkv_format}). Fix: add --qkv-format thd, or drop --max-tokens-per-rank.")
+
+
+def _rollout_hardware(sel: Selection, host) -> Optional[str]:
+    engine = sel.rollout
+    if engine is None or not engine.gpu or sel.hardware.gpu:
+        return None
+    options = [e.name for e in host.records(ROLLOUT) if not e.gpu and e.not_runnable is None]
+    return (f"--rollout-engine {engine.name} needs a GPU (got --hardware {sel.hardware.name}). "
+            f"Fix: use a GPU --hardware, or --rollout-engine {_join(options)}.")
+
+
+def _rollout_publish(sel: Selection, host) -> Optional[str]:
+    engine, fmt = sel.rollout, sel.quant.publish_format
+    if engine is None or _accepts(engine.publish_formats, fmt):
+        return None
+    options = [q.name for q in host.records(QUANT) if _accepts(engine.publish_formats, q.publish_format)]
+    return (f"--rollout-engine {engine.name} loads {_join(engine.publish_formats)} weights, and --quant "
+            f"{sel.quant.name} publishes {fmt}. Fix: choose --quant {_join(options)}, or another --rollout-engine.")
+
+
+def _train_parallel(sel: Selection, host) -> Optional[str]:
+    """The trainer starts one process, or one per context-parallel rank; tensor- and expert-parallel training
+    is not built in it (the models run both: `dsv4 logprobs --tp/--ep` and the multi-GPU benchmark)."""
+    if sel.job != "train" or sel.tp * sel.ep == 1:
+        return None
+    return (f"dsv4 train starts ranks for --cp only: training with --tp {sel.tp} --ep {sel.ep} is not built "
+            f"(tensor and expert parallel scoring is: dsv4 logprobs --tp/--ep). Fix: train with --tp 1 --ep 1.")
+
+
+def _train_cp_hardware(sel: Selection, host) -> Optional[str]:
+    if sel.job != "train" or sel.cp <= 1 or not sel.hardware.gpu:
+        return None
+    return (f"dsv4 train --cp {sel.cp} starts local gloo processes: it runs on --hardware cpu only "
+            f"(got {sel.hardware.name}). Fix: use --hardware cpu, or --cp 1.")
+
+
 # The table: (rule name, what it checks, rule). Order matters only for which
 # message is shown first; every failing rule is reported.
 RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...] = (
+    ("runnable", "every chosen backend is built (not declared only)", _runnable),
     ("impl-kernel", "the implementation accepts the kernel backend", _impl_kernel),
     ("impl-tensor-parallel", "the implementation supports the tensor-parallel size", _impl_tp),
     ("tensor-parallel-groups", "the tensor-parallel size divides o_groups", _tp_groups),
@@ -229,6 +321,13 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),
     ("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     ("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),
+    ("kernel-dtype", "the kernel backend computes in the run's dtype", _kernel_dtype),
+    ("context-parallel-thd", "context parallelism runs the packed (THD) layout", _cp_thd),
+    ("packing-thd", "training with a packing budget runs the packed (THD) layout", _packing_thd),
+    ("rollout-hardware", "the rollout engine runs on the hardware target", _rollout_hardware),
+    ("rollout-publish-format", "the rollout engine loads the scheme's published weights", _rollout_publish),
+    ("train-parallel", "the trainer starts the requested tensor- and expert-parallel ranks", _train_parallel),
+    ("train-context-parallel-hardware", "the trainer's context-parallel ranks run on the hardware", _train_cp_hardware),
 )
 
 
@@ -263,13 +362,28 @@ def supported_combinations(host) -> list[Combination]:
     """All (impl, kernel, quant, hardware) choices that pass the table.
 
     Layout and parallel sizes take their defaults (the impl's first qkv format,
-    tp = cp = 1): those axes are checked per run, not enumerated.
+    tp = cp = 1), and the dtype the hardware's default (bf16 on GPUs, fp32 on
+    the CPU): those axes are checked per run, not enumerated. A backend that is
+    declared but not runnable is in no supported row (``declared_not_runnable``
+    lists it).
     """
     out = []
     for impl, kernel, quant, hw in itertools.product(
         host.records(ATTENTION), host.records(KERNEL), host.records(QUANT), host.records(HARDWARE)
     ):
-        sel = Selection(impl, kernel, quant, hw, qkv_format=impl.qkv_formats[0])
+        sel = Selection(impl, kernel, quant, hw, qkv_format=impl.qkv_formats[0], dtype=default_dtype(hw))
         if not violations(sel, host):
             out.append(Combination(impl.name, kernel.name, quant.name, hw.name, gpu=hw.gpu))
     return out
+
+
+def default_dtype(hardware: HardwareTarget) -> str:
+    """The run dtype when ``--dtype`` is not given: bf16 on a GPU target, fp32 on the CPU."""
+    return "bf16" if hardware.gpu else "fp32"
+
+
+def declared_not_runnable(host) -> list[BackendRecord]:
+    """The records that are declared but cannot run (``not_runnable`` set), every axis, by axis and name."""
+    from core.records import AXES
+
+    return [r for axis in AXES for r in host.records(axis) if r.not_runnable is not None]

@@ -198,6 +198,9 @@ class PluginHost:
                 "distribution": r.provider,
                 "factory": r.factory,
                 "capabilities": r.capabilities(),
+                # declared but not built (or rules only): in no supported row, refused with this reason
+                "runnable": r.not_runnable is None,
+                "not_runnable_reason": r.not_runnable,
             }
             if probe:
                 reason = r.unavailable_reason()

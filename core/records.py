@@ -37,6 +37,9 @@ AXIS_OPTION = {
 
 QKV_FORMATS = ("bshd", "thd")
 
+# The run's compute dtype (``--dtype``): fp32 is the CPU default, bf16 the GPU default.
+DTYPES = ("fp32", "bf16")
+
 
 def _frozen(values) -> Optional[frozenset]:
     """None means "no restriction"; anything else becomes a frozenset of names."""
@@ -56,6 +59,10 @@ class BackendRecord:
     registered the record ("dsv4" for built-ins), so duplicates can name both.
     ``availability`` is an optional "module:function" returning None when the
     backend can run on this machine, or a sentence saying why it cannot.
+    ``not_runnable`` is None for a backend that is built; for one that is declared
+    but cannot run anywhere yet (its kernels are not written, or a target defines
+    rules only), the sentence saying why. The combination table refuses it with
+    that reason and generates no supported test row for it.
     """
 
     name: str
@@ -63,6 +70,7 @@ class BackendRecord:
     factory: str
     availability: Optional[str] = None
     provider: str = "dsv4"
+    not_runnable: Optional[str] = None
 
     axis: ClassVar[str] = ""
 
@@ -93,7 +101,7 @@ class BackendRecord:
         """The capability fields as JSON-friendly data (sorted lists, None = any)."""
         out = {}
         for f in dataclasses.fields(self):
-            if f.name in ("name", "description", "factory", "availability", "provider"):
+            if f.name in ("name", "description", "factory", "availability", "provider", "not_runnable"):
                 continue
             value = getattr(self, f.name)
             out[f.name] = sorted(value) if isinstance(value, frozenset) else value
@@ -136,11 +144,15 @@ class KernelBackend(BackendRecord):
 
     hardware: hardware targets it runs on (None = any). impls: attention
     implementations whose op interface it implements (None = all, as the
-    reference ops do). deterministic: whether it claims bit-reproducible results.
+    reference ops do). dtypes: the run dtypes (``--dtype``: fp32, bf16) its
+    kernels compute in (None = any); a run in another dtype is refused at parse
+    time, and its kernels refuse such inputs at run time instead of handing them
+    to another backend. deterministic: whether it claims bit-reproducible results.
     """
 
     hardware: Optional[frozenset] = _set(default=None)
     impls: Optional[frozenset] = _set(default=None)
+    dtypes: Optional[frozenset] = _set(default=None)
     deterministic: bool = False
 
     axis: ClassVar[str] = KERNEL
@@ -152,11 +164,14 @@ class QuantScheme(BackendRecord):
 
     hardware / kernel_backends: where it can run (None = any).
     prepare_stage: the launcher stage that converts checkpoints for it, if any.
+    publish_format: the weight format the trainer publishes to the rollout
+    engine under this scheme (core/converters publish formats).
     """
 
     hardware: Optional[frozenset] = _set(default=None)
     kernel_backends: Optional[frozenset] = _set(default=None)
     prepare_stage: Optional[str] = None
+    publish_format: str = "bf16"
 
     axis: ClassVar[str] = QUANT
 

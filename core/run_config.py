@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from core.combinations import Selection, check
-from core.records import ATTENTION, HARDWARE, KERNEL, QUANT, QKV_FORMATS
+from core.combinations import JOBS, Selection, check, default_dtype
+from core.records import ATTENTION, DTYPES, HARDWARE, KERNEL, QKV_FORMATS, QUANT, ROLLOUT
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,18 @@ class Choices:
     qkv_format: Optional[str] = None
     model: Optional[object] = dataclasses.field(default=None, repr=False)  # core.config.ModelConfig
     max_tokens_per_rank: Optional[int] = None  # packing budget per context-parallel rank (None = not given)
+    rollout_engine: str = "reference"
+    dtype: Optional[str] = None  # fp32 | bf16; None = the hardware's default (bf16 on GPUs, fp32 on the CPU)
+    job: Optional[str] = None    # "score" | "train": also check that job's own limits
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The resolved, validated configuration every job runs from."""
+    """The resolved, validated configuration every job runs from.
+
+    ``selection`` holds the five chosen records (implementation, kernel backend, quantization scheme,
+    hardware target, rollout engine); :func:`core.assembly.assemble` turns them into the objects that run.
+    The name fields repeat the records' names for printing and saving."""
 
     impl: str
     kernel_backend: str
@@ -50,6 +57,10 @@ class RunConfig:
     ep: int
     selection: Selection = dataclasses.field(repr=False, compare=False)
     model: Optional[object] = dataclasses.field(default=None, repr=False, compare=False)
+    rollout_engine: str = "reference"
+    dtype: str = "fp32"
+    max_tokens_per_rank: Optional[int] = None
+    job: Optional[str] = None
 
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("selection", "model")}
@@ -58,8 +69,16 @@ class RunConfig:
             "kernel_backend": self.selection.kernel.provider,
             "quant": self.selection.quant.provider,
             "hardware": self.selection.hardware.provider,
+            "rollout_engine": self.selection.rollout.provider,
         }
         return out
+
+    @property
+    def torch_dtype(self):
+        """The run dtype as a ``torch.dtype`` (imports torch)."""
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
 
 
 def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunConfig:
@@ -81,9 +100,15 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
     kernel = host.get(KERNEL, choices.kernel_backend)
     quant = host.get(QUANT, choices.quant)
     hardware = host.get(HARDWARE, choices.hardware)
+    rollout = host.get(ROLLOUT, choices.rollout_engine)
     qkv_format = choices.qkv_format or impl.qkv_formats[0]
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"unknown --qkv-format {qkv_format!r}; valid choices: {', '.join(QKV_FORMATS)}")
+    dtype = choices.dtype or default_dtype(hardware)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {dtype!r}; valid choices: {', '.join(DTYPES)}")
+    if choices.job is not None and choices.job not in JOBS:
+        raise ValueError(f"unknown job {choices.job!r}; valid jobs: {', '.join(JOBS)}")
     model = choices.model
     selection = Selection(
         impl,
@@ -98,6 +123,9 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         n_routed_experts=getattr(model, "n_routed_experts", None),
         compress_ratios=tuple(getattr(model, "compress_ratios", ()) or ()) or None,
         max_tokens_per_rank=choices.max_tokens_per_rank,
+        rollout=rollout,
+        dtype=dtype,
+        job=choices.job,
     )
     check(selection, host)
     return RunConfig(
@@ -113,7 +141,19 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         ep=choices.ep,
         selection=selection,
         model=model,
+        rollout_engine=rollout.name,
+        dtype=dtype,
+        max_tokens_per_rank=choices.max_tokens_per_rank,
+        job=choices.job,
     )
+
+
+def revalidated(run: RunConfig, host, **changes) -> RunConfig:
+    """``run`` with some of its checked fields changed (``max_tokens_per_rank`` once a packed stream's
+    length is known, ``job``), checked again against the table; every other choice is kept as it was."""
+    selection = dataclasses.replace(run.selection, **changes)
+    check(selection, host)
+    return dataclasses.replace(run, selection=selection, **changes)
 
 
 def availability_problems(run: RunConfig) -> list[str]:
@@ -129,6 +169,7 @@ def availability_problems(run: RunConfig) -> list[str]:
         ("--kernel-backend", sel.kernel),
         ("--quant", sel.quant),
         ("--hardware", sel.hardware),
+        ("--rollout-engine", sel.rollout),
     ):
         reason = record.unavailable_reason()
         if reason:

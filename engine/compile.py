@@ -18,22 +18,22 @@ the throughput benchmark) and is off by default.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
 __all__ = ["compile_blocks", "block_modules", "opaque_kernel_ops"]
 
 
-def opaque_kernel_ops(ops: SimpleNamespace) -> SimpleNamespace:
-    """A copy of a kernel backend's ops namespace whose own kernels (every op not taken from
-    ``kernels.reference``) run eagerly when called from compiled code; reference ops stay traceable."""
-    out = {}
-    for name, fn in vars(ops).items():
+def opaque_kernel_ops(ops):
+    """A copy of a kernel backend's op table (:class:`core.kernel_ops.OpTable`) whose own kernels (every op
+    not taken from ``kernels.reference``) run eagerly when called from compiled code; reference ops stay
+    traceable."""
+
+    def opaque(name, fn):
         module = getattr(fn, "__module__", "") or ""
-        out[name] = fn if module.startswith("kernels.reference") else torch.compiler.disable(fn, recursive=True)
-    return SimpleNamespace(**out)
+        return fn if module.startswith("kernels.reference") else torch.compiler.disable(fn, recursive=True)
+
+    return ops.map(opaque)
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:

@@ -137,3 +137,16 @@ def _with_every_expert(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
 
 def iter_native_state(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     yield from full_native_state(model).items()
+
+
+def load_weights(model: nn.Module, checkpoint, config) -> None:
+    """``checkpoint`` into ``model``: a native checkpoint (``dsv4 convert``, recognized by its metadata; one
+    written under pre-contract names is refused) or an HF one (official names, any weight format). Each
+    rank keeps its own tensor- and expert-parallel share."""
+    from core.native_checkpoint import is_native_checkpoint, load_native
+
+    if is_native_checkpoint(checkpoint):
+        state, _meta = load_native(checkpoint, config=config)
+        load_native_tensors(model, state.items())
+    else:
+        load_hf_checkpoint(model, checkpoint, config)

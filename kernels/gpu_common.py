@@ -8,16 +8,17 @@ The backends never import each other; each one passes its raw kernel launchers t
   (same contract as ``kernels.reference.attention.sparse_attention_with_sink``) over a backend's
   ``sparse_attention_fwd`` / ``sparse_attention_bwd``;
 * :func:`indexer_scores_batched`, :func:`indexer_topk`: the indexer's batched entry point and top-k;
-* :func:`make_ops`: the ops namespace of a backend (its kernels + the reference ops it delegates to).
+* :func:`make_ops`: the op table of a backend (its kernels + the reference ops it names for the rest).
 
 Only torch is imported here (no triton, no tilelang).
 """
 
 import types
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
+
+from core.kernel_ops import OpTable
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -71,6 +72,7 @@ def make_attention_api(fwd: Callable, bwd: Callable, kernel_supports: Callable, 
     ``kernel_supports(q, kv)`` says whether batched inputs run the kernels (else the reference op);
     ``module`` (the backend module's ``__name__``) becomes the ``__module__`` of what is returned.
     Returns ``(SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink)``."""
+    backend = module.split(".")[1] if module.startswith("kernels.") else module
 
     class SparseAttentionWithSink(torch.autograd.Function):
         """autograd wrapper over the THD kernels: ``(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale)``
@@ -106,13 +108,12 @@ def make_attention_api(fwd: Callable, bwd: Callable, kernel_supports: Callable, 
         ``q [B,S,H,D]``, ``kv [B,N,D]``, ``indices [B,S,K]`` or ``[S,K]`` (``-1`` = ignore), ``sink [H]``.
 
         Inputs the kernels take (bf16/fp16, power-of-two head dim >= 32; the backend says which) run them,
-        batch flattened to THD with row ids offset by ``b*N``; anything else delegates to the reference op."""
+        batch flattened to THD with row ids offset by ``b*N``; anything else is refused (:func:`refusal`):
+        the reference op is a backend of its own (``--kernel-backend none``), never a silent stand-in."""
         B, S, H, D = q.shape
         N = kv.shape[1]
         if not kernel_supports(q, kv):
-            from kernels.reference.attention import sparse_attention_with_sink as ref
-
-            return ref(q, kv, indices, sink, scale)
+            raise refusal(backend, "sparse attention", q, kv)
         if indices.dim() == 2:
             indices = indices.unsqueeze(0).expand(B, -1, -1)
         idx = indices.to(torch.int64)
@@ -126,6 +127,14 @@ def make_attention_api(fwd: Callable, bwd: Callable, kernel_supports: Callable, 
         obj.__module__ = module
         obj.__qualname__ = obj.__name__
     return SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink
+
+
+def refusal(backend: str, what: str, q: torch.Tensor, kv: torch.Tensor) -> ValueError:
+    """The error a GPU backend raises for inputs its kernels do not take (instead of handing them on)."""
+    return ValueError(
+        f"the {backend} {what} kernels take bf16/fp16 CUDA tensors with a power-of-two head dim >= 32; got "
+        f"{q.dtype} / {kv.dtype}, head dim {q.shape[-1]}, on {q.device}. Fix: run with --dtype bf16 on a GPU "
+        f"target, or choose --kernel-backend none (the PyTorch reference ops) for this input")
 
 
 def half_pow2_head_dim(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -146,6 +155,14 @@ def indexer_scores_batched(scores_thd: Callable, q: torch.Tensor, k: torch.Tenso
         q.new_empty(0, S, k.shape[1], dtype=torch.float32)
 
 
+def refuse_grad(backend: str, *tensors: torch.Tensor) -> None:
+    """The indexer kernels have no backward: refuse inputs that want a gradient rather than drop it."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(f"the {backend} indexer kernel has no backward, and its inputs require a gradient (a "
+                         f"trained indexer: megatron's indexer KL loss). Fix: train the indexer with "
+                         f"--kernel-backend none, or keep it frozen (no indexer KL loss)")
+
+
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """``torch.topk`` over the last dim of fp32 scores; ``-1`` where the picked score is ``-inf``
     (invisible). Returns int32 ``[..., min(topk, N)]``."""
@@ -155,14 +172,16 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# ops namespace
+# op table
 # ----------------------------------------------------------------------------------------------
 
+GPU_DTYPES = ("bf16", "fp16")
 
-def make_ops(attention, indexer) -> SimpleNamespace:
-    """The ops namespace of a backend: its ``attention`` / ``indexer`` modules' kernels, by the reference
-    op names plus the THD extras, and the reference ops for everything it has no kernel for."""
-    from kernels.reference import backend as reference
+
+def make_ops(backend: str, attention, indexer) -> OpTable:
+    """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
+    op names plus the THD extras; the reference ops (backend ``none``) for every op it has no kernel for."""
+    from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
         sparse_attention_with_sink=attention.sparse_attention_with_sink,
@@ -171,4 +190,5 @@ def make_ops(attention, indexer) -> SimpleNamespace:
         indexer_scores_thd=indexer.indexer_scores_thd,
         indexer_topk=indexer.indexer_topk,
     )
-    return SimpleNamespace(**{**vars(reference.ops()), **own})
+    delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
+    return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES)

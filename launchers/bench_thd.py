@@ -50,21 +50,24 @@ def bshd_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
-def _setup():
-    import torch.distributed as dist
-
-    from backends.cpu.target import CpuTarget
-
-    if not dist.is_initialized():
-        CpuTarget().init_process_group(0, 1, tp=1)
-
-
-def _model(impl: str, fmt: str, config):
+def _run_config(impl: str, fmt: str, config):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    run = normalize(Choices(impl=impl, qkv_format=fmt, model=config), make_host(third_party=False), model_name="tiny")
-    return run.selection.impl.load()(config, run)
+    return normalize(Choices(impl=impl, qkv_format=fmt, model=config), make_host(third_party=False), model_name="tiny")
+
+
+def _setup():
+    from core.assembly import assemble
+    from core.config import preset
+
+    assemble(_run_config("miles", "thd", preset("tiny"))).setup_process()
+
+
+def _model(impl: str, fmt: str, config):
+    from core.assembly import assemble
+
+    return assemble(_run_config(impl, fmt, config)).build_model(config)
 
 
 def _nll_thd(model, impl: str, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from core.config import ConfigError
 from core.errors import UserInputError
 from core.not_built import NotBuiltError
 from core.plugins import PluginError, UnknownBackendError
-from core.records import QKV_FORMATS
+from core.records import DTYPES, QKV_FORMATS
 from core.run_config import Choices, availability_problems, normalize
 from launchers import stages
 from launchers.builtin_plugins import make_host
@@ -43,6 +43,8 @@ _RUN_OPTIONS = (
     ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size (1 only, for now).")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
+    ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),
+    ("--rollout-engine", dict(help="Rollout engine plugin (reference, sglang); `dsv4 plugins` lists them. Default: reference.")),
     ("--model", dict(help="Model: a preset (tiny, flash-4layer, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
     ("--max-tokens-per-rank", dict(type=click.IntRange(min=1), help="Packing budget per context-parallel rank (THD dynamic batching).")),
     ("--qkv-format", dict(type=click.Choice(QKV_FORMATS), help="Activation layout; defaults to the implementation's first format (miles: bshd, megatron: thd).")),
@@ -75,7 +77,7 @@ def _host(opts: dict):
     )
 
 
-def _choices(opts: dict, model=None) -> Choices:
+def _choices(opts: dict, model=None, job=None) -> Choices:
     return Choices(
         impl=opts.get("impl") or _DEFAULTS.impl,
         kernel_backend=opts.get("kernel_backend") or _DEFAULTS.kernel_backend,
@@ -88,6 +90,9 @@ def _choices(opts: dict, model=None) -> Choices:
         qkv_format=opts.get("qkv_format"),
         model=model,
         max_tokens_per_rank=opts.get("max_tokens_per_rank"),
+        rollout_engine=opts.get("rollout_engine") or _DEFAULTS.rollout_engine,
+        dtype=opts.get("dtype"),
+        job=job,
     )
 
 
@@ -96,13 +101,14 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
-def resolve(opts: dict, *, probe: bool = True):
-    """Plugin host + validated RunConfig, or exit with the reason."""
+def resolve(opts: dict, *, probe: bool = True, job=None):
+    """Plugin host + validated RunConfig, or exit with the reason. ``job`` ("score", "train") also checks
+    that job's own limits in the combination table."""
     try:
         model_name = opts.get("model") or stages.DEFAULT_MODEL
         model = stages.model_config(model_name).config
         host = _host(opts)
-        run = normalize(_choices(opts, model), host, model_name=model_name)
+        run = normalize(_choices(opts, model, job), host, model_name=model_name)
     except (InvalidCombination, UnknownBackendError, ValueError) as exc:
         _fail(str(exc), EXIT_INVALID)
     except PluginError as exc:
@@ -148,7 +154,7 @@ def main(ctx: click.Context, **opts):
     """
     ctx.obj = {k: v for k, v in opts.items() if v is not None}
     if ctx.invoked_subcommand is None:
-        _host_obj, run = resolve(ctx.obj)
+        _host_obj, run = resolve(ctx.obj, job="train")
         try:
             stages.main_job(run)
         except NotBuiltError as exc:
@@ -204,13 +210,13 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
     if as_json:
         click.echo(json.dumps([c.__dict__ for c in combos], indent=2))
     elif not (write_bzl or write_readme):
-        click.echo(generated.combinations_markdown(combos))
+        click.echo(generated.combinations_markdown(combos) + generated.not_runnable_markdown(host))
 
 
 @subcommand("prepare")
 @click.option("--preset", default="tiny", show_default=True, help="Model preset to materialize.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
+@click.option("--weight-format", "dtype", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weights.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint made with other inputs.")
 def prepare_cmd(opts, preset: str, out: str, dtype: str, seed: int, overwrite: bool):
@@ -234,7 +240,7 @@ def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json:
 @click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF or native checkpoint directory.")
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False), help="JSON file: a list of token-id lists.")
 def logprobs_cmd(opts, checkpoint: str, tokens: str):
-    """Score token sequences with the chosen implementation (fp32).
+    """Score token sequences with the chosen implementation, kernels and --dtype.
 
     stdout carries only JSON: for each sequence, the list of
     log P(token_t | tokens before t) for t = 1..n-1. Logs go to stderr.
@@ -245,7 +251,7 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     comparable.
     """
     opts = {**opts, "model": opts.get("model") or checkpoint}
-    run = resolve(opts)[1]
+    run = resolve(opts, job="score")[1]
     stages.logprobs(run, checkpoint=stages.user_path(checkpoint), tokens=stages.user_path(tokens))
 
 
@@ -285,7 +291,6 @@ def training_options(func):
         ("--run-dir", dict(type=click.Path(file_okay=False), default=None, help="Run folder (metrics.jsonl, TensorBoard events, checkpoints, plots). Default: dsv4-runs/IMPL-MODE-TIME.")),
         ("--resume", dict(is_flag=True, help="Continue the run in --run-dir from its last complete step.")),
         ("--data", dict(type=click.Path(dir_okay=False), default=None, help="JSONL data (prompt + response, or prompt + reward spec). Default: the built-in task.")),
-        ("--rollout-engine", dict(default="reference", show_default=True, help="Rollout engine plugin (reference, sglang).")),
         ("--lr", dict(type=float, default=None, help="Learning rate.")),
         ("--seed", dict(type=int, default=None, help="Seed of data order and sampling.")),
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
@@ -295,14 +300,7 @@ def training_options(func):
     return func
 
 
-def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, seed, save_every, compile) -> dict:
-    from core.records import ROLLOUT
-
-    host = _host({})
-    try:
-        host.get(ROLLOUT, rollout_engine)
-    except UnknownBackendError as exc:
-        _fail(str(exc), EXIT_INVALID)
+def _train_kwargs(run, mode, steps, run_dir, resume, data, lr, seed, save_every, compile) -> dict:
     if resume and not run_dir:
         _fail("--resume needs --run-dir (the run to continue)", EXIT_INVALID)
     overrides = {k: v for k, v in (("data", data), ("lr", lr), ("seed", seed), ("save_every", save_every)) if v is not None}
@@ -315,7 +313,6 @@ def _train_kwargs(run, mode, steps, run_dir, resume, data, rollout_engine, lr, s
         steps=steps,
         run_dir=stages.user_path(run_dir) if run_dir else stages.default_run_dir(run, mode),
         resume=resume,
-        rollout_engine=rollout_engine,
         **overrides,
     )
 
@@ -335,8 +332,7 @@ def train_cmd(opts, **kw):
     real export path (quantized per --quant), checks them, generates, and
     trains on the implementation's own log-probabilities.
     """
-    run = resolve(opts)[1]
-    stages.publish_scheme(run)  # a choice training cannot honour fails before any work
+    run = resolve(opts, job="train")[1]
     stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw), **_packing_kwargs(opts))
 
 
@@ -344,8 +340,7 @@ def train_cmd(opts, **kw):
 @training_options
 def full_train_cmd(opts, **kw):
     """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
-    run = resolve(opts)[1]
-    stages.publish_scheme(run)  # a choice training cannot honour fails before any work
+    run = resolve(opts, job="train")[1]
     stages.full_train(run, **_train_kwargs(run, **kw), **_packing_kwargs(opts))
 
 

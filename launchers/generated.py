@@ -56,6 +56,19 @@ def combinations_markdown(combos) -> str:
     return "\n".join(rows) + "\n"
 
 
+def not_runnable_markdown(host) -> str:
+    """The records that are declared but cannot run, with the reason (they are in no row above)."""
+    from core.combinations import declared_not_runnable
+    from core.records import AXIS_OPTION
+
+    records = declared_not_runnable(host)
+    if not records:
+        return ""
+    lines = ["", "Declared but not runnable (refused at parse time with this reason; no test row):", ""]
+    lines += [f"- `{AXIS_OPTION[r.axis]} {r.name}`: {r.not_runnable}" for r in records]
+    return "\n".join(lines) + "\n"
+
+
 def quant_schemes_markdown(host) -> str:
     """Each quantization scheme with where it runs, from its plugin record."""
     from core.records import QUANT
@@ -81,7 +94,7 @@ def _replace_between(text: str, begin: str, end: str, body: str) -> str:
 
 def replace_readme_tables(text: str, combos, host) -> str:
     """The README with both generated tables rewritten."""
-    text = _replace_between(text, README_BEGIN, README_END, combinations_markdown(combos))
+    text = _replace_between(text, README_BEGIN, README_END, combinations_markdown(combos) + not_runnable_markdown(host))
     return _replace_between(text, QUANT_BEGIN, QUANT_END, quant_schemes_markdown(host))
 
 

@@ -1,15 +1,18 @@
 """Scoring token sequences packed into one THD stream, with either implementation, tensor, context or
 expert parallel.
 
-``score_packed(checkpoint_dir, sequences, *, impl, cp=1, tp=1, ep=1, dtype="float32") -> list[list[float]]``
+``score_packed(checkpoint_dir, sequences, run) -> list[list[float]]``: ``run`` is the normalized
+:class:`core.run_config.RunConfig` of the command (implementation, kernel backend, hardware target, dtype,
+parallel sizes); every process builds its model from it through the assembly step (``core.assembly``).
 
 * All sequences are packed, in order, into **one** stream (``core.packing``): each sequence is a
   segment of ``cu_seqlens``, the stream is padded at its end (a pad segment of its own) to the multiple
   ``core.packing.required_pad_multiple(cp, ratios, tp)`` and to at least
   ``required_min_tokens_per_rank(cp, ratios)`` tokens per CP rank.
-* ``cp * tp == 1`` runs in this process (setting up a one-process gloo group through the cpu hardware
-  target if none exists). Otherwise ``cp * tp`` local processes are spawned (gloo on the CPU); CP rank
-  ``r`` gets the contiguous slice ``r`` of the stream; log-probs are all-gathered over CP.
+* ``cp * tp == 1`` runs in this process (setting up a one-process group through the run's hardware
+  target if none exists). Otherwise ``cp * tp`` local processes are spawned, each set up by the run's
+  hardware target (gloo on the CPU, NCCL on GPUs); CP rank ``r`` gets the contiguous slice ``r`` of the
+  stream; log-probs are all-gathered over CP.
 * ``ep > 1`` spawns ``ep`` processes that each hold ``1/ep`` of every layer's routed experts
   (``engine.expert_parallel``) and score their own share of the sequences (sequence ``i`` on rank
   ``i % ep``, packed into that rank's stream; a rank with none scores a pad stream, since every rank takes
@@ -18,8 +21,9 @@ expert parallel.
   values ``log P(t_{i+1} | t_{<=i})``; ``[]`` for sequences shorter than 2 tokens. So the two are
   directly comparable.
 
-The run configuration is normalized through the combination table (``--qkv-format thd``, the CP
-tokens-per-rank rule), so an impossible request fails with the same message as the CLI.
+Once the stream's length is known, the run is checked again against the combination table with that
+packing budget (the CP tokens-per-rank rule), every other choice as the user made it, so an impossible
+request fails with the same message as the CLI.
 """
 
 from __future__ import annotations
@@ -58,63 +62,53 @@ def pack_stream(sequences: Sequence[Sequence[int]], ratios, *, cp: int = 1, tp: 
     return ids, mb.cu_seqlens, kept
 
 
-def _run_config(config, impl: str, cp: int, tp: int, tokens_per_rank: int, ep: int = 1):
-    from core.run_config import Choices, normalize
+def _with_budget(run, tokens_per_rank):
+    """``run`` checked again with the stream's tokens per CP rank as its packing budget."""
+    from core.run_config import revalidated
     from launchers.builtin_plugins import make_host
 
-    choices = Choices(impl=impl, tp=tp, cp=cp, ep=ep, qkv_format="thd", model=config,
-                      max_tokens_per_rank=tokens_per_rank)
-    return normalize(choices, make_host(third_party=False), model_name="checkpoint")
+    return revalidated(run, make_host(third_party=False), max_tokens_per_rank=tokens_per_rank)
 
 
-def _checkpoint_config(checkpoint_dir):
-    from launchers.stages import checkpoint_config
-
-    return checkpoint_config(Path(checkpoint_dir))
-
-
-def _load_weights(model, checkpoint_dir, config) -> None:
-    """HF (official names) or native checkpoint; each rank keeps its tensor-parallel shard."""
-    from core.native_checkpoint import is_native_checkpoint, load_native
-    from engine.loading import load_hf_checkpoint, load_native_tensors
-
-    if is_native_checkpoint(checkpoint_dir):
-        state, _ = load_native(checkpoint_dir, config=config)
-        load_native_tensors(model, state.items())
-    else:
-        load_hf_checkpoint(model, checkpoint_dir, config)
-
-
-def _stream_logprobs(checkpoint_dir, impl: str, cp: int, tp: int, dtype: str, ids, cu, ep: int = 1) -> torch.Tensor:
+def _stream_logprobs(run, checkpoint_dir, ids, cu) -> torch.Tensor:
     """``[T]`` log-probs of the whole stream on every rank of this (already set up) process group."""
+    from core.assembly import assemble
+    from engine.loading import load_weights
     from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 
-    config = _checkpoint_config(checkpoint_dir)
-    run = _run_config(config, impl, cp, tp, ids.numel() // cp, ep)
-    model = run.selection.impl.load()(config, run, params_dtype=getattr(torch, dtype))
-    _load_weights(model, checkpoint_dir, config)
-    model.eval()
+    parts = assemble(run)
+    device = parts.target.device(torch.cuda.current_device() if run.selection.hardware.gpu else 0)
+    model = parts.build_model()
+    load_weights(model, checkpoint_dir, run.model)
+    model.to(device).eval()
     have_cp, rank, group = cp_group_info()
-    ctx = ThdContext.build(cu, cp=have_cp, cp_rank=rank, group=group)
+    ctx = ThdContext.build(cu.to(device), cp=have_cp, cp_rank=rank, group=group)
     start, n = ctx.layout.global_start, ctx.local_len
     with torch.no_grad():
-        lp = model.logprobs(ids[start:start + n], cu).reshape(-1).float()
-        return gather_sequence_cp(lp, ctx)
+        lp = model.logprobs(ids[start:start + n].to(device), cu.to(device)).reshape(-1).float()
+        return gather_sequence_cp(lp, ctx).cpu()
 
 
-def _worker(rank: int, world: int, port: int, checkpoint_dir: str, impl: str, cp: int, tp: int, dtype: str,
-            ids, cu, out_path: str) -> None:
-    from backends.cpu.megatron_shims import destroy_cpu_process_group
-    from backends.cpu.target import CpuTarget
+def _set_up_rank(run, rank: int, world: int, port: int):
+    """This spawned process as rank ``rank`` of ``world``, through the run's hardware target."""
+    from core.assembly import assemble
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    CpuTarget().init_process_group(rank, world, tp=tp, cp=cp, port=port)
+    target = assemble(run).target
+    if not run.selection.hardware.gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    target.init_process_group(rank, world, tp=run.tp, cp=run.cp, ep=run.ep, port=port)
+    return target
+
+
+def _worker(rank: int, port: int, run, checkpoint_dir: str, ids, cu, out_path: str) -> None:
+    """One tensor- or context-parallel rank of the stream's scoring."""
+    target = _set_up_rank(run, rank, run.cp * run.tp, port)
     try:
-        lp = _stream_logprobs(checkpoint_dir, impl, cp, tp, dtype, ids, cu)
+        lp = _stream_logprobs(run, checkpoint_dir, ids, cu)
         if rank == 0:
             torch.save(lp, out_path)
     finally:
-        destroy_cpu_process_group()
+        target.destroy_process_group()
 
 
 def _split(lp: torch.Tensor, cu, sequences, kept) -> list[list[float]]:
@@ -124,22 +118,18 @@ def _split(lp: torch.Tensor, cu, sequences, kept) -> list[list[float]]:
             for seq, seg in zip(sequences, kept)]
 
 
-def _ep_worker(rank: int, ep: int, port: int, checkpoint_dir: str, impl: str, dtype: str, sequences,
-               out_path: str) -> None:
+def _ep_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_path: str) -> None:
     """One expert-parallel rank: scores sequences ``rank, rank + ep, ...`` in its own stream."""
     import torch.distributed as dist
 
-    from backends.cpu.target import CpuTarget
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep))
-    target = CpuTarget()
-    target.init_process_group(rank, ep, ep=ep, port=port)
+    ep = run.ep
+    target = _set_up_rank(run, rank, ep, port)
     try:
-        ratios = [r for r in _checkpoint_config(checkpoint_dir).compress_ratios if r]
+        ratios = [r for r in run.model.compress_ratios if r]
         mine = list(sequences[rank::ep])
         # a rank with nothing to score runs a pad stream: its experts serve the other ranks' tokens
         ids, cu, kept = pack_stream(mine or [[0]], ratios)
-        lp = _stream_logprobs(checkpoint_dir, impl, 1, 1, dtype, ids, cu, ep)
+        lp = _stream_logprobs(run, checkpoint_dir, ids, cu)
         parts = [None] * ep
         dist.all_gather_object(parts, _split(lp, cu, mine, kept))
         if rank == 0:
@@ -148,51 +138,38 @@ def _ep_worker(rank: int, ep: int, port: int, checkpoint_dir: str, impl: str, dt
         target.destroy_process_group()
 
 
-def _score_expert_parallel(checkpoint_dir, sequences, impl: str, ep: int, dtype: str) -> list[list[float]]:
+def _spawn(worker, nprocs: int, *args) -> object:
+    """Run ``worker(rank, free port, *args, out_path)`` on ``nprocs`` local processes; rank 0's result."""
     import torch.multiprocessing as mp
 
-    from backends.cpu.megatron_shims import free_port
+    from core.ports import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "logprobs.pt"
-        mp.spawn(_ep_worker, args=(ep, free_port(), str(checkpoint_dir), impl, dtype,
-                                   [list(map(int, s)) for s in sequences], str(out)), nprocs=ep, join=True)
-        parts = torch.load(out)
-    return [parts[i % ep][i // ep] for i in range(len(sequences))]
+        out = Path(tmp) / "result.pt"
+        mp.spawn(worker, args=(free_port(), *args, str(out)), nprocs=nprocs, join=True)
+        return torch.load(out, weights_only=True)
 
 
-def _in_process(checkpoint_dir, impl, dtype, ids, cu) -> torch.Tensor:
-    import torch.distributed as dist
-
-    from backends.cpu.target import CpuTarget
-
-    if not dist.is_initialized():
-        CpuTarget().init_process_group(0, 1, tp=1)
-    return _stream_logprobs(checkpoint_dir, impl, 1, 1, dtype, ids, cu)
-
-
-def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], *, impl: str, cp: int = 1, tp: int = 1,
-                 ep: int = 1, dtype: str = "float32") -> list[list[float]]:
+def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], run) -> list[list[float]]:
     """Per-token log-probs of each sequence, all packed into one THD stream (see the module docstring)."""
-    config = _checkpoint_config(checkpoint_dir)
-    ratios = [r for r in config.compress_ratios if r]
-    if ep > 1:
-        _run_config(config, impl, cp, tp, None, ep)  # fail fast, in the caller, with the table's message
-        return _score_expert_parallel(checkpoint_dir, sequences, impl, ep, dtype)
-    ids, cu, kept = pack_stream(sequences, ratios, cp=cp, tp=tp)
+    ratios = [r for r in run.model.compress_ratios if r]
+    if run.ep > 1:
+        parts = _spawn(_ep_worker, run.ep, run, str(checkpoint_dir), [list(map(int, s)) for s in sequences])
+        return [parts[i % run.ep][i // run.ep] for i in range(len(sequences))]
+    ids, cu, kept = pack_stream(sequences, ratios, cp=run.cp, tp=run.tp)
     if ids.numel() == 0:
         return [[] for _ in sequences]
-    _run_config(config, impl, cp, tp, ids.numel() // cp)  # fail fast, in the caller, with the table's message
-    if cp * tp == 1:
-        lp = _in_process(checkpoint_dir, impl, dtype, ids, cu)
+    run = _with_budget(run, ids.numel() // run.cp)  # fail fast, in the caller, with the table's message
+    if run.cp * run.tp == 1:
+        assemble_in_process(run)
+        lp = _stream_logprobs(run, checkpoint_dir, ids, cu)
     else:
-        import torch.multiprocessing as mp
-
-        from backends.cpu.megatron_shims import free_port
-
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "logprobs.pt"
-            mp.spawn(_worker, args=(cp * tp, free_port(), str(checkpoint_dir), impl, cp, tp, dtype, ids, cu, str(out)),
-                     nprocs=cp * tp, join=True)
-            lp = torch.load(out)
+        lp = _spawn(_worker, run.cp * run.tp, run, str(checkpoint_dir), ids, cu)
     return _split(lp, cu, sequences, kept)
+
+
+def assemble_in_process(run) -> None:
+    """This process set up for ``run`` (a one-rank group when none exists)."""
+    from core.assembly import assemble
+
+    assemble(run).setup_process()

@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.table import Table
 
 from core.errors import UserInputError
-from core.not_built import NotBuiltError
 from core.records import AXES, AXIS_OPTION
 
 # Pipes and CI logs get a wide console instead of rich's 80-column default.
@@ -50,10 +49,6 @@ STAGES = (
     Stage("export", "a run's last checkpoint -> HF checkpoint", True),
     Stage("plot", "PNG curves of a run's metrics", True),
 )
-
-# What --quant means for publishing weights to the rollout engine. qat (fake-quant
-# training) publishes the trained master weights as bf16: the engine runs them unquantized.
-PUBLISH_SCHEME = {"bf16": "bf16", "fp8": "fp8", "mxfp4-fp8": "fp8", "nvfp4": "nvfp4", "qat": "bf16"}
 
 DEFAULT_MODEL = "tiny"
 
@@ -124,7 +119,9 @@ def print_plugins(data: dict) -> None:
         for column in ("name", "distribution", "usable here", "description"):
             table.add_column(column, overflow="fold")
         for entry in data[axis]:
-            if "available" in entry:
+            if not entry["runnable"]:
+                usable = f"no (declared, not runnable): {entry['not_runnable_reason']}"
+            elif "available" in entry:
                 usable = "yes" if entry["available"] else f"no: {entry['unavailable_reason']}"
             else:
                 usable = "not probed"
@@ -229,31 +226,20 @@ def _load_tokens(path: Path, vocab_size: int) -> list[list[int]]:
 
 
 def build_impl_model(run, checkpoint: Path):
-    """The run's implementation, set up by its hardware target, loaded from ``checkpoint``.
+    """The run's implementation, assembled from the run (``core.assembly``: its hardware target, kernel ops
+    and dtype), loaded from ``checkpoint``.
 
-    ``checkpoint`` is an HF checkpoint (official names; any weight format) or a
-    native one (recognized by its metadata; refused if written under
-    pre-contract names). One process: parallel scoring (``dsv4 logprobs --tp/--cp/--ep``) runs several
-    processes through ``launchers.scoring``.
+    ``checkpoint`` is an HF checkpoint (official names; any weight format) or a native one (recognized by
+    its metadata; refused if written under pre-contract names). One process: parallel scoring
+    (``dsv4 logprobs --tp/--cp/--ep``) runs several processes through ``launchers.scoring``.
     """
-    import torch.distributed as dist
+    from core.assembly import assemble
+    from engine.loading import load_weights
 
-    from core.native_checkpoint import is_native_checkpoint, load_native
-    from engine.loading import load_hf_checkpoint, load_native_tensors
-
-    if run.tp * run.cp * run.ep > 1:
-        raise NotBuiltError(f"one-process model building with --tp {run.tp} --cp {run.cp} --ep {run.ep} "
-                            f"(logprobs runs these as several processes; training over several processes)", "issue #6")
-    target = run.selection.hardware.load()()
-    target.setup()
-    if not dist.is_initialized():
-        target.init_process_group(0, 1, tp=1)
-    model = run.selection.impl.load()(run.model, run)
-    if is_native_checkpoint(checkpoint):
-        state, _meta = load_native(checkpoint, impl=run.impl, config=run.model)
-        load_native_tensors(model, state.items())
-    else:
-        load_hf_checkpoint(model, checkpoint, run.model)
+    parts = assemble(run)
+    target = parts.setup_process()
+    model = parts.build_model()
+    load_weights(model, checkpoint, run.model)
     return model.to(target.device()).eval()
 
 
@@ -285,10 +271,14 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
 
 
 def logprobs(run, checkpoint: Path, tokens: Path) -> None:
+    """Print the per-token log-probabilities of each sequence as JSON (stdout carries nothing else); the
+    kernels that ran go to the log."""
     from core.checkpoint import open_checkpoint
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
     from core.native_checkpoint import is_native_checkpoint
 
     sequences = _load_tokens(tokens, run.model.vocab_size)
+    reset_kernels_ran()
     if run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed
 
@@ -298,9 +288,13 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
                else "packed into one THD stream")
         log.print(f"scoring {len(sequences)} sequence(s) {how}, --impl {run.impl} --tp {run.tp} --cp {run.cp} "
                   f"--ep {run.ep}")
-        print(json.dumps(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp, ep=run.ep)))
-        return
-    print(json.dumps(score(run, checkpoint, sequences)))
+        result = score_packed(checkpoint, sequences, run)
+    else:
+        result = score(run, checkpoint, sequences)
+    ran = kernels_ran()
+    if ran:  # several-process runs count in their workers; this process saw none of those calls
+        log.print("kernels ran: " + ", ".join(f"{k} x{v}" for k, v in sorted(ran.items())))
+    print(json.dumps(result))
 
 
 def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
@@ -324,13 +318,6 @@ def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
     return out
 
 
-def publish_scheme(run) -> str:
-    """The weight format published to the rollout engine for ``--quant`` (see PUBLISH_SCHEME)."""
-    if run.quant not in PUBLISH_SCHEME:  # a third-party scheme the trainer has no publisher for
-        raise NotBuiltError(f"publishing weights for --quant {run.quant} during training", "the scheme's plugin")
-    return PUBLISH_SCHEME[run.quant]
-
-
 def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume: bool, **overrides) -> dict:
     """SFT or GRPO on the run's implementation, from an HF or native checkpoint."""
     from train import run_training
@@ -342,8 +329,6 @@ def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume:
         steps=steps,
         run_dir=run_dir,
         resume=resume,
-        train_impl=run.impl,
-        publish_scheme=publish_scheme(run),
         **overrides,
     )
     log.print(f"run folder: {run_dir}")
@@ -379,7 +364,7 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
     from converters.staging import run_stage
 
     hf = model_checkpoint(run)
-    if run.quant == "mxfp4-fp8":
+    if run.selection.quant.prepare_stage == "prepare-fp8":  # MXFP4 experts -> FP8 before anything loads them
         fp4 = prepare("tiny", cache_dir() / "tiny-mxfp4-seed0", "mxfp4-experts", 0) if hf.name == "tiny-bf16-seed0" else hf
         hf = prepare_fp8(fp4, fp4.parent / f"{fp4.name}-fp8")
     native = hf.parent / f"{hf.name}-native-{run.impl}"
@@ -392,7 +377,6 @@ def main_job(run, steps: int = 20) -> None:
     """The default job: full-train GRPO on the embedded tiny model, then plots."""
     from train import plot_run
 
-    publish_scheme(run)
     print_run_config(run)
     run_dir = default_run_dir(run, "grpo")
     result = full_train(run, mode="grpo", steps=steps, run_dir=run_dir, resume=False)

@@ -131,19 +131,16 @@ def _export_throughput(m, c, rank: int, device) -> dict:
     return out
 
 
-def _target(hardware: str):
-    if hardware == "nvidia":
-        from backends.nvidia.target import NvidiaTarget
-
-        return NvidiaTarget()
-    from backends.cpu.target import CpuTarget
-
-    return CpuTarget()
-
-
 def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: int, out_path: str,
             hardware: str, model: str) -> None:
-    target = _target(hardware)
+    from core.assembly import assemble
+
+    c = model_config(model)
+    fmt = "thd" if layout["cp"] > 1 or layout["impl"] == "megatron" else "bshd"
+    rc = bench_run_config(layout["impl"], c, hardware=hardware, tp=layout["tp"], cp=layout["cp"],
+                          ep=layout["ep"], qkv_format=fmt)
+    parts = assemble(rc)
+    target = parts.target
     if hardware == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // layout["world"]))
     target.init_process_group(rank, layout["world"], tp=layout["tp"], cp=layout["cp"], ep=layout["ep"],
@@ -151,18 +148,9 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
     try:
         from megatron.core import parallel_state as ps
 
-        c = model_config(model)
-        fmt = "thd" if layout["cp"] > 1 or layout["impl"] == "megatron" else "bshd"
-        rc = bench_run_config(layout["impl"], c, hardware=hardware, tp=layout["tp"], cp=layout["cp"],
-                              ep=layout["ep"], qkv_format=fmt)
         device = target.device(torch.cuda.current_device() if hardware == "nvidia" else 0)
-        if layout["impl"] == "miles":
-            from backends.miles.impl import build_model
-        else:
-            from backends.megatron.impl import build_model
         torch.manual_seed(0)
-        dtype = torch.bfloat16 if hardware == "nvidia" else torch.float32
-        m = build_model(c, rc, params_dtype=dtype).to(device).train()
+        m = parts.build_model(c).to(device).train()   # the run's dtype: bf16 on nvidia, fp32 on the CPU
         seed = ps.get_expert_model_parallel_rank() if layout["ep"] > 1 else 0  # ep: its own sequence per rank
         ids = torch.randint(0, c.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seed)).to(device)
         loss_fn = _loss_fn(m, layout, ids)
@@ -220,7 +208,7 @@ def run_layout(layout: dict, seq: int, warmup: int, steps: int, hardware: str = 
                model: str = "bench") -> dict:
     import torch.multiprocessing as mp
 
-    from backends.cpu.megatron_shims import free_port
+    from core.ports import free_port
 
     if hardware == "nvidia" and layout["world"] > torch.cuda.device_count():
         raise RuntimeError(f"{layout['name']} needs {layout['world']} GPUs; {torch.cuda.device_count()} visible")

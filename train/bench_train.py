@@ -135,10 +135,10 @@ def bench_run_config(impl, c, *, hardware: str = "nvidia", **choices):
 
 
 def make_miles(c, ids):
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
 
     torch.manual_seed(0)
-    m = build_model(c, bench_run_config("miles", c), params_dtype=torch.bfloat16).cuda()
+    m = assemble(bench_run_config("miles", c)).build_model(c, params_dtype=torch.bfloat16).cuda()
 
     def loss_fn():
         logits = m(ids)  # [B, S, V]
@@ -148,11 +148,11 @@ def make_miles(c, ids):
 
 
 def make_megatron(c, ids, indexer_loss_coeff=None):
-    from backends.megatron.impl import build_model
+    from core.assembly import assemble
 
     torch.manual_seed(0)
-    m = build_model(c, bench_run_config("megatron", c), params_dtype=torch.bfloat16,
-                    dsa_indexer_loss_coeff=indexer_loss_coeff).cuda()
+    m = assemble(bench_run_config("megatron", c)).build_model(c, params_dtype=torch.bfloat16,
+                                                              dsa_indexer_loss_coeff=indexer_loss_coeff).cuda()
     flat = ids.reshape(-1)
     B, S = ids.shape
     cu = torch.arange(0, B + 1, device=ids.device, dtype=torch.int32) * S
@@ -296,10 +296,10 @@ def main(argv=None):
                     help="megatron: train the indexer with its KL loss at this weight (default: off); needs --cuda-graph off")
     args = ap.parse_args(argv)
 
-    from backends.nvidia.target import NvidiaTarget
+    from core.assembly import assemble
 
-    NvidiaTarget().init_process_group(0, 1, tp=1)
     c = bench_config()
+    assemble(bench_run_config("miles", c)).setup_process()
     seq, batch = args.seq, args.batch
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (batch, seq), generator=g).cuda()

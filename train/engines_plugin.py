@@ -51,22 +51,3 @@ def dsv4_rollout_engines():
             publish_formats=("bf16", "fp8", "nvfp4"),
         ),
     ]
-
-
-def make_engine(name: str, config, **kwargs):
-    """Build the rollout engine ``name`` through the plugin records (built-ins plus third-party ones)."""
-    from core.records import ROLLOUT
-
-    try:
-        from launchers.builtin_plugins import make_host
-
-        host = make_host()
-    except ImportError:  # train/ used without the launcher
-        from core.plugins import PluginHost
-
-        host = PluginHost(["train.engines_plugin"])
-    record = host.get(ROLLOUT, name)
-    reason = record.unavailable_reason()
-    if reason:
-        raise RuntimeError(f"--rollout-engine {name} is not usable here: {reason}")
-    return record.load()(config, **kwargs)

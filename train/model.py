@@ -15,7 +15,7 @@ The trainer never touches an implementation's internals. It needs (``TrainModel`
 
 :class:`ReferenceTrainModel` wraps the reference model (official names inside; native names through
 :mod:`core.weight_contract`). :class:`ImplTrainModel` wraps a module from an implementation's factory
-(the run's plugin record, ``run_config.selection.impl.load()``; native names already; BSHD or THD packed
+(built by the assembly step, ``core.assembly``; native names already; BSHD or THD packed
 per the run's ``qkv_format``; routing replay works because the shared router ``engine.moe.DSv4Router``
 calls :func:`kernels.reference.moe.apply_routing_hook`). :func:`build_train_model` is the ONE place
 where an implementation is plugged in (the run's implementation by default; ``"reference"`` only when
@@ -243,7 +243,7 @@ def _reuse_hidden_streams(module: nn.Module):
 
 
 class ImplTrainModel(_TrainModelBase):
-    """A module built by an implementation's factory (``run_config.selection.impl.load()``), native names.
+    """A module built by an implementation's factory (through ``core.assembly``), native names.
 
     Layouts: ``qkv_format="bshd"`` runs ``module(ids [B, S])``; ``"thd"`` packs the rows into one stream
     (:func:`pack_rows`) and runs ``module(stream [T], cu_seqlens=cu)``; logits come back per row either
@@ -444,41 +444,33 @@ class ImplTrainModel(_TrainModelBase):
 
 
 def setup_process(run_config):
-    """What a one-process job does before building a model: its hardware target sets the process up
-    (on the CPU: megatron-core's shims) and starts a one-rank process group with megatron's parallel
-    state. Returns the target. tp / cp / ep > 1 need the ranks started (and their groups initialized)
-    first: :func:`train.distributed.spawn_training` does that for cp (``run_training`` calls it)."""
+    """What a job does before building a model: the run's hardware target (``core.assembly``) sets the
+    process up (on the CPU: megatron-core's shims) and, when no process group exists, starts a one-rank
+    group with megatron's parallel state. Several-rank runs start their groups first
+    (:func:`train.distributed.spawn_training`). Returns the target."""
+    from core.assembly import assemble
+    from engine.thd_attention import cp_group_info
+
     import torch.distributed as dist
 
-    target = run_config.selection.hardware.load()()
-    target.setup()
-    if dist.is_initialized() and run_config.cp > 1:
-        from engine.thd_attention import cp_group_info
-
-        if cp_group_info()[0] != run_config.cp:
-            raise ValueError(f"--cp {run_config.cp}: this process's context-parallel group has "
-                             f"{cp_group_info()[0]} ranks (train.distributed.spawn_training starts them)")
-    if not dist.is_initialized():
-        if run_config.tp * run_config.cp * run_config.ep > 1:
-            raise ValueError(f"training with --tp {run_config.tp} --cp {run_config.cp} --ep {run_config.ep} "
-                             f"needs one process per rank; the trainer runs one process (use 1)")
-        target.init_process_group(0, 1, tp=1)
-    return target
+    if dist.is_initialized() and cp_group_info()[0] != run_config.cp:
+        raise ValueError(f"--cp {run_config.cp}: this process's context-parallel group has "
+                         f"{cp_group_info()[0]} ranks (train.distributed.spawn_training starts them)")
+    return assemble(run_config).setup_process()
 
 
 def build_train_model(model_config, run_config=None, *, impl: Optional[str] = None,
-                      dtype: torch.dtype = torch.float32, seed: int = 0,
+                      dtype: Optional[torch.dtype] = None, seed: int = 0,
                       dsa_indexer_loss_coeff: Optional[float] = None,
                       compile_blocks: bool = False) -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
-    config), or ``"reference"`` explicitly (the reference model: for tests of the loop itself), or the
-    run's implementation by name. An implementation's module comes from the run's plugin record
-    (``run_config.selection.impl.load()``, its factory ``build_model(model_config, run_config, ...)``),
-    after the run's hardware target has set the process up. ``dsa_indexer_loss_coeff``: weight of the
-    indexer KL loss, for an implementation whose factory takes it (megatron); ``None`` = off.
-    ``compile_blocks``: ``torch.compile`` the implementation's blocks in place (``engine.compile``).
+    config), or ``"reference"`` explicitly (the reference model: for tests of the loop itself). An
+    implementation's module comes from the assembly step (``core.assembly``: the run's implementation,
+    kernel ops, hardware target and quantization scheme), in ``dtype`` (default: the run's ``--dtype``).
+    ``dsa_indexer_loss_coeff``: weight of the indexer KL loss, for an implementation whose factory takes it
+    (megatron); ``None`` = off. ``compile_blocks``: ``torch.compile`` the blocks in place (``engine.compile``).
     """
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
@@ -487,25 +479,21 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                              "the reference training model has none: drop --compile or train --impl miles|megatron")
         if dsa_indexer_loss_coeff is not None:
             raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
-        return ReferenceTrainModel(model_config, dtype=dtype, seed=seed)
+        return ReferenceTrainModel(model_config, dtype=dtype or torch.float32, seed=seed)
     if run_config is None:
         raise ValueError(f"--impl {impl}: building an implementation's training model needs the run config")
     if impl != run_config.impl:
         raise ValueError(f"train_impl {impl!r} is not the run's implementation ({run_config.impl!r}); "
                          f"use the run's or 'reference'")
+    from core.assembly import assemble
+
+    parts = assemble(run_config)
     target = setup_process(run_config)
-    factory = run_config.selection.impl.load()
-    kwargs = {"params_dtype": dtype}
-    if dsa_indexer_loss_coeff is not None:
-        if "dsa_indexer_loss_coeff" not in inspect.signature(factory).parameters:
-            raise ValueError(f"dsa_indexer_loss_coeff: --impl {impl} has no indexer KL loss")
-        kwargs["dsa_indexer_loss_coeff"] = float(dsa_indexer_loss_coeff)
+    options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
-    module = factory(model_config, run_config, **kwargs)
-    if getattr(run_config, "quant", None) == "qat":      # fake-quant training (converters.schemes.QATScheme)
-        from converters.schemes import qat
-        qat().install(module)
-    device = target.device(0) if hasattr(target, "device") else torch.device("cpu")
+    module = parts.build_model(model_config, params_dtype=dtype, **options)
+    parts.scheme.prepare_training(module)            # QAT: fake quantization; the other schemes: nothing
+    device = target.device(torch.cuda.current_device() if run_config.selection.hardware.gpu else 0)
     module.to(device)
     if compile_blocks:
         from engine.compile import compile_blocks as compile_in_place

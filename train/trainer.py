@@ -55,7 +55,6 @@ from .weight_sync import sync_weights
 MODES = ("sft", "grpo")
 CONFIG_FILE = "train_config.json"
 KILL_ENV = "DSV4_TRAIN_KILL_AT"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -72,13 +71,11 @@ class TrainConfig:
     batch_size: int = 8                      # SFT: sequences per step
     prompts_per_step: int = 2                # GRPO: prompts per step
     group_size: int = 4                      # GRPO: samples per prompt
-    # rollout
-    rollout_engine: str = "reference"
+    # rollout (the engine, its dtype and the published weight format are the run's choices:
+    # --rollout-engine, --dtype, --quant)
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    publish_scheme: str = "bf16"             # bf16 | fp8 | fp8-fp32 | mxfp4-fp8 | nvfp4
-    engine_dtype: str = "fp32"               # fp32 | bf16
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
     # GRPO loss
@@ -96,7 +93,6 @@ class TrainConfig:
     # model: None = the run's implementation (run_config.impl; "reference" without a run config);
     # "reference" = the reference model (tests of the loop itself)
     train_impl: Optional[str] = None
-    train_dtype: str = "fp32"
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
     # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
     compile_blocks: bool = False
@@ -165,34 +161,32 @@ class _Run:
         self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
         self.examples = D.load_data(cfg.data, mode)
         torch.manual_seed(cfg.seed)
+        # the run's dtype (--dtype); the reference loop of tests without a run config trains in fp32
+        self.dtype = run_config.torch_dtype if run_config is not None else torch.float32
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
-                                       dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed,
+                                       dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
                                        compile_blocks=cfg.compile_blocks)
         self.dist = CpGroup.current()
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
+        # the layout rules (packing and --cp need --qkv-format thd) are the combination table's
         self.packed = bool(getattr(self.model, "packs_streams", False)) and (
             self.dist.cp > 1 or self.max_tokens_per_rank is not None)
-        if self.max_tokens_per_rank is not None and not self.packed:
-            raise ValueError(f"max_tokens_per_rank {self.max_tokens_per_rank}: dynamic batching packs THD "
-                             f"micro-batches; the training model runs the bshd layout (use --qkv-format thd)")
-        if self.dist.cp > 1 and not self.packed:
-            raise ValueError(f"training with --cp {self.dist.cp} needs a THD training model (--qkv-format thd)")
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.ref_model = None
         if mode == "grpo" and cfg.kl_coef > 0:
             self.ref_model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
-                                               dtype=_DTYPES[cfg.train_dtype], seed=cfg.seed)
+                                               dtype=self.dtype, seed=cfg.seed)
             load_model_source(self.ref_model, self.ckpt_source)
             self.ref_model.load_native_state({n: t.detach().clone() for n, t in self.model.native_tensors()})
             self.ref_model.eval().requires_grad_(False)
         self.engine = None
+        # the weight format published to the engine: the run's --quant scheme's
+        self.publish_format = run_config.selection.quant.publish_format if run_config is not None else "bf16"
         if mode == "grpo" and self.dist.is_main:     # rank 0 alone runs the rollout engine
-            from .engines_plugin import make_engine
-
-            self.engine = make_engine(cfg.rollout_engine, self.model_config, dtype=_DTYPES[cfg.engine_dtype])
+            self.engine = _rollout_engine(run_config, self.model_config, self.dtype)
         self.start_step = 0
         self._write_or_check_config(resume, model_source)
 
@@ -341,8 +335,8 @@ class _Run:
         _maybe_kill(step, "update_weights")
         self.model.eval()
         if self.dist.is_main:
-            rep = sync_weights(self.model, self.engine, version=step, scheme=cfg.publish_scheme,
-                               engine_dtype=_DTYPES[cfg.engine_dtype], max_bucket_bytes=cfg.max_bucket_bytes,
+            rep = sync_weights(self.model, self.engine, version=step, scheme=self.publish_format,
+                               engine_dtype=self.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
                                check=cfg.check_weights)
             if rep.check is not None and not rep.check.ok:
                 raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
@@ -545,20 +539,16 @@ class _Run:
         return result
 
 
-def _refuse_unbuilt_parallelism(run_config) -> None:
-    """The trainer starts ranks for context parallelism only; the models also run tensor parallel (miles)
-    and expert parallel (both), which the multi-GPU benchmark trains, but the trainer does not start them."""
+def _rollout_engine(run_config, model_config, dtype):
+    """The run's rollout engine (``core.assembly``), in the run's dtype. Without a run config (tests of the
+    loop itself on the reference model) the built-in reference engine."""
     if run_config is None:
-        return
-    tp, ep = int(getattr(run_config, "tp", 1)), int(getattr(run_config, "ep", 1))
-    if tp * ep > 1:
-        from core.not_built import NotBuiltError
+        from .engines import make_reference_engine
 
-        raise NotBuiltError(
-            f"dsv4 train with --tp {tp} --ep {ep}",
-            f"issue #9: the trainer starts ranks for --cp only, while the models run tensor parallel (miles) and "
-            f"expert parallel (both), as `python -m train.bench_parallel --layouts "
-            f"{run_config.impl}:{'tp' if tp > 1 else 'ep'}{max(tp, ep)}` does on GPUs. Fix: train with --tp 1 --ep 1")
+        return make_reference_engine(model_config, dtype=dtype)
+    from core.assembly import assemble
+
+    return assemble(run_config).rollout_engine(model_config, dtype=dtype)
 
 
 def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, resume: bool = False,
@@ -572,7 +562,6 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     loop on ``cp`` spawned local processes (:mod:`train.distributed`).
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
-    _refuse_unbuilt_parallelism(run_config)
     if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
         return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
     return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

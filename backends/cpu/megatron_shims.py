@@ -51,7 +51,7 @@ import torch
 __all__ = [
     "apply_megatron_cpu_shims", "remove_megatron_cpu_shims", "shims_applied", "is_triton_stub",
     "CpuRNGStatesTracker", "model_parallel_cpu_manual_seed", "init_cpu_process_group",
-    "destroy_cpu_process_group", "free_port",
+    "destroy_cpu_process_group",
 ]
 
 _STATE = {"applied": False, "orig_current_device": None, "stubbed_triton": False}
@@ -325,13 +325,7 @@ def shims_applied() -> bool:
     return _STATE["applied"]
 
 
-def free_port() -> int:
-    """A free TCP port on localhost (for ``MASTER_PORT``)."""
-    import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, pp: int = 1, cp: int = 1,

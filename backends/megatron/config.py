@@ -68,12 +68,6 @@ class DSv4NativeConfig(MLATransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.tensor_model_parallel_size != 1:
-            raise ValueError("the megatron implementation requires tensor-model-parallel-size 1 "
-                             f"(got {self.tensor_model_parallel_size})")
-        if self.dsa_kernel_backend == "tilelang":
-            raise ValueError("the megatron implementation does not support --dsa-kernel-backend tilelang; "
-                             "use 'cudnn' for fused kernels or 'none' for the PyTorch fallback")
         if self.csa_compress_ratios is None:
             raise ValueError("csa_compress_ratios is required (one entry per trunk layer and MTP layer)")
         want = self.num_layers + (self.mtp_num_layers or 0)

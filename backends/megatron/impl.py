@@ -2,8 +2,9 @@
 
 Public API:
 
-* ``build_model(model_config, run_config, *, params_dtype=torch.float32, dsa_indexer_loss_coeff=None,
-  **config_overrides) -> DSv4NativeModel``
+* ``build_model(model_config, run_config, *, ops, params_dtype=torch.float32, dsa_indexer_loss_coeff=None,
+  **config_overrides) -> DSv4NativeModel``; ``ops`` is the run's kernel op table, handed in by the
+  assembly step (``core.assembly``).
 * ``load_hf_checkpoint(model, path)``: an official (HF) checkpoint into the native names, through
   ``core.weight_contract.hf_to_native``.
 * ``native_state(model)``: ``{native name: tensor}`` (parameters + persistent buffers).
@@ -21,45 +22,29 @@ import torch
 __all__ = ["build_model", "load_hf_checkpoint", "native_state"]
 
 
-def _check_run_config(run_config) -> None:
-    """Defensive: core/combinations.py refuses these at parse time; a RunConfig from normalize() never gets here."""
-    tp = int(getattr(run_config, "tp", 1) or 1)
-    if tp != 1:
-        raise ValueError(f"--impl megatron requires tensor-model-parallel-size 1 (got --tp {tp}); "
-                         "use --impl miles for tensor parallelism")
-    cp = int(getattr(run_config, "cp", 1) or 1)
+def _check_cp_group(run_config) -> None:
+    """megatron's context-parallel group (set up by the hardware target) must match the run's ``--cp``."""
     from engine.thd_attention import cp_group_info
 
+    cp = int(getattr(run_config, "cp", 1) or 1)
     if cp_group_info()[0] != cp:
         raise ValueError(f"the run asks for context-parallel size {cp} but megatron is initialized with "
                          f"{cp_group_info()[0]}; call the hardware target's init_process_group(..., cp={cp})")
-    fmt = getattr(run_config, "qkv_format", "thd")
-    if fmt not in (None, "thd"):
-        raise ValueError(f"--impl megatron is THD only (got --qkv-format {fmt})")
-    kb = getattr(run_config, "kernel_backend", "none")
-    if kb == "tilelang":
-        raise ValueError("--impl megatron does not support --kernel-backend tilelang; use 'cudnn' for fused "
-                         "kernels or 'none' for the PyTorch fallback")
 
 
-def _kernel_ops(run_config):
-    """The op namespace of the run's kernel backend (core.run_config.RunConfig.selection)."""
-    return run_config.selection.kernel.load()()
-
-
-def build_model(model_config, run_config, *, params_dtype: torch.dtype = torch.float32,
+def build_model(model_config, run_config, *, ops, params_dtype: torch.dtype = torch.float32,
                 dsa_indexer_loss_coeff: Optional[float] = None, **config_overrides):
     """Build the Megatron-native DeepSeek-V4 model for ``run_config`` (tensor parallel 1, THD).
 
     ``dsa_indexer_loss_coeff``: weight of the indexer KL loss (``None`` = off: no loss is computed)."""
-    _check_run_config(run_config)
+    _check_cp_group(run_config)
     from .config import native_config
     from .model import DSv4NativeModel
 
     config_overrides.setdefault("dsa_kernel_backend", run_config.kernel_backend)
     cfg = native_config(model_config, run_config, params_dtype=params_dtype,
                         dsa_indexer_loss_coeff=dsa_indexer_loss_coeff, **config_overrides)
-    return DSv4NativeModel(cfg, ops=_kernel_ops(run_config))
+    return DSv4NativeModel(cfg, ops=ops)
 
 
 def native_state(model) -> Dict[str, torch.Tensor]:

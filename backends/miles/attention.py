@@ -54,9 +54,7 @@ from engine.thd_attention import (
 from engine.tp import mark_keep_in_fp32, mark_tp
 from kernels.reference.attention import compressed_visible_indices, window_indices
 from kernels.reference.compressor import Compressor as _RefCompressor
-from kernels.reference.compressor import hadamard_transform
 from kernels.reference.indexer import Indexer as _RefIndexer
-from kernels.reference.indexer import indexer_scores
 from kernels.reference.layers import compute_dtype
 from kernels.reference.layers import rms_normalize
 from kernels.reference.rope import apply_rope, layer_inv_freq, rope_cos_sin
@@ -171,6 +169,8 @@ class DeepSeekV4Attention(nn.Module):
             c.o_groups * c.o_lora_rank, c.dim, config=tconfig, init_method=init, bias=False,
             input_is_parallel=True, skip_bias_add=False, tp_group=tp_group())
         self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype)
+        if self.ratio == 4:
+            self.core_attention.indexer.ops = ops   # the run's indexer kernels, BSHD and THD alike
         if freeze_indexer and self.ratio == 4:
             for p in self.core_attention.indexer.parameters():
                 p.requires_grad_(False)
@@ -233,13 +233,13 @@ class DeepSeekV4Attention(nn.Module):
         frozen = not any(p.requires_grad for p in ind.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
             xi, cqi = (x.detach(), cq.detach()) if frozen else (x, cq)
-            k_rm = compressed_kv([ind.compressor], xi, thd, 4, inv_freq, hadamard_transform)[0]
+            k_rm = compressed_kv([ind.compressor], xi, thd, 4, inv_freq, self.ops.hadamard_transform)[0]
             k = k_rm.index_select(1, thd.seq_to_rank(4).to(x.device))            # [B, G, c_I] sequence-major
             ct = compute_dtype(xi)
             qi = apply_rope(ind.wq_b(cqi).view(B, L, ind.n_heads, ind.head_dim), cos, sin)
-            qi = hadamard_transform(qi.to(ct))
+            qi = self.ops.hadamard_transform(qi.to(ct))
             w = ind.weights_proj(xi).to(ct) * (ind.head_dim * ind.n_heads) ** -0.5
-            scores = indexer_scores(qi, k.to(ct), w)                                 # [B, L, G]
+            scores = self.ops.indexer_scores(qi, k.to(ct), w)                        # [B, L, G]
             visible = indexer_visible_mask(thd, scores.shape[-1], x.device)
             scores = scores.masked_fill(~visible[None], float("-inf"))
             return indexer_topk(scores, thd, ind.topk)
@@ -263,7 +263,7 @@ class DeepSeekV4Attention(nn.Module):
         kv_all = all_gather_cp(kv, thd, dim=1)                               # [B, T, D] whole stream
         idx = thd.window_indices(self.window).to(x.device).unsqueeze(0).expand(B, -1, -1)
         if self.ratio:
-            comp = compressed_kv([ca.compressor], x, thd, self.ratio, inv_freq, hadamard_transform)[0]
+            comp = compressed_kv([ca.compressor], x, thd, self.ratio, inv_freq, self.ops.hadamard_transform)[0]
             if self.ratio == 4:
                 cidx = picks_to_rows(self._indexer_picks(x, cq, thd, inv_freq, cos, sin), thd, 4, T)
             else:

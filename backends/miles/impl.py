@@ -1,10 +1,11 @@
 """Model construction for the `miles` implementation (megatron-core modules).
 
-``build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_indexer=True)``
+``build_model(model_config, run_config, *, ops, params_dtype=torch.float32, freeze_indexer=True)``
 returns a :class:`backends.miles.model.DeepSeekV4MilesModel` for this process's TP rank.
 
-* Kernel ops come from the run config's kernel record: ``run_config.selection.kernel.load()()``
-  (the reference ops for the ``none`` backend); ``run_config`` is a normalized RunConfig.
+* ``ops``: the run's kernel op table, handed in by the assembly step (``core.assembly``); every
+  DeepSeek-V4 op of the model (sparse attention, indexer scores, mHC, Hadamard) goes through it.
+  ``run_config`` is a normalized RunConfig.
 * The hardware target must have set the process up first (``target.init_process_group(rank,
   world, tp=...)``; on the CPU that also applies megatron-core's shims): megatron's
   model-parallel state must exist for ``run_config.tp``.
@@ -20,11 +21,6 @@ from __future__ import annotations
 import torch
 
 
-def _ops(run_config):
-    """The op namespace of the run's kernel backend (core.run_config.RunConfig.selection)."""
-    return run_config.selection.kernel.load()()
-
-
 def _check_cp(cp: int) -> None:
     """megatron's context-parallel group must match the run's ``--cp``."""
     from engine.thd_attention import cp_group_info
@@ -35,7 +31,7 @@ def _check_cp(cp: int) -> None:
                          f"call the hardware target's init_process_group(rank, world, tp=..., cp={cp})")
 
 
-def build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_indexer: bool = True,
+def build_model(model_config, run_config, *, ops, params_dtype=torch.float32, freeze_indexer: bool = True,
                 init_std: float = 0.02):
     """Build the miles DeepSeek-V4 model on megatron-core for ``run_config``."""
     from engine.config import make_transformer_config, parallel_sizes
@@ -48,10 +44,8 @@ def build_model(model_config, run_config, *, params_dtype=torch.float32, freeze_
     if model_config is None:
         raise ValueError("build_model needs a ModelConfig")
     p = parallel_sizes(run_config)
-    if getattr(run_config, "qkv_format", "bshd") not in (None, "bshd", "thd"):
-        raise ValueError(f"the miles model runs the bshd and thd layouts (got {run_config.qkv_format})")
     ensure_parallel_state(p["tp"], p["ep"])
     _check_cp(p["cp"])
     tconfig = make_transformer_config(model_config, run_config, params_dtype=params_dtype,
                                       init_method_std=init_std)
-    return DeepSeekV4MilesModel(model_config, tconfig, _ops(run_config), params_dtype, init_std, freeze_indexer)
+    return DeepSeekV4MilesModel(model_config, tconfig, ops, params_dtype, init_std, freeze_indexer)

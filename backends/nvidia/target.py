@@ -12,8 +12,8 @@ called explicitly by the job (as on the CPU target, ``backends/cpu/target.py``):
   ``cuda:(rank % device_count)``, starts an NCCL process group and megatron's model-parallel groups,
   and seeds megatron's CUDA RNG tracker (``model_parallel_cuda_manual_seed``).
 
-Transformer Engine is optional: linear layers / FP8 training use it only where it is installed
-(:func:`transformer_engine_missing` says whether it is; the plugin record's description repeats it).
+Linear layers are plain torch / megatron-core ones: Transformer Engine is not used by this target (FP8
+training of the linears through it is not built).
 """
 
 import os
@@ -21,33 +21,16 @@ from typing import Optional
 
 import torch
 
+from core.ports import free_port
+
 
 def unavailable_reason() -> Optional[str]:
-    """None when a CUDA device is visible, else why not (Transformer Engine is not required)."""
+    """None when a CUDA device is visible, else why not."""
     if torch.version.cuda is None:
         return f"this torch build ({torch.__version__}) has no CUDA support"
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
-
-
-def transformer_engine_missing() -> Optional[str]:
-    """None when Transformer Engine is importable here, else a sentence saying what runs without it."""
-    from core.probes import python_package_missing
-
-    reason = python_package_missing("transformer_engine")
-    if reason:
-        return (f"{reason}: Transformer Engine is optional on the nvidia target; without it the models use "
-                "plain torch / megatron-core linears and FP8 training through TE is off")
-    return None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NvidiaTarget:
@@ -87,7 +70,7 @@ class NvidiaTarget:
                 if world_size != 1:
                     raise ValueError("NvidiaTarget.init_process_group: pass port= (or set MASTER_PORT) "
                                      "for world_size > 1")
-                os.environ["MASTER_PORT"] = str(_free_port())
+                os.environ["MASTER_PORT"] = str(free_port())
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device(local))
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,

@@ -14,10 +14,12 @@ def dsv4_hardware_targets():
     return [
         HardwareTarget(
             name="rocm",
-            description="AMD GPUs over RCCL (torch's nccl backend on HIP); no cuDNN; rules only, untested on hardware",
+            description="AMD GPUs over RCCL (torch's nccl backend on HIP); no cuDNN; declares which kernels and schemes could run there",
             factory="backends.rocm.target:RocmTarget",
             availability="backends.rocm.target:unavailable_reason",
             distributed_backend="nccl",
             gpu=True,
+            not_runnable=("rules only: the rocm target has no device setup or process groups yet, and no AMD GPU "
+                          "is available to test one"),
         )
     ]

@@ -14,5 +14,7 @@ def dsv4_kernel_backends():
             availability="kernels.cudnn.backend:unavailable_reason",
             hardware={"nvidia"},
             impls={"megatron"},
+            dtypes={"bf16"},
+            not_runnable="not built: the cuDNN-frontend sparse-attention kernels are not written",
         )
     ]

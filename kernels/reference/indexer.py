@@ -40,7 +40,12 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
 
 
 class Indexer(nn.Module):
-    """``attn.indexer``: ``wq_b [H_I*c_I, q_lora]``, ``weights_proj [H_I, d]``, ``compressor``."""
+    """``attn.indexer``: ``wq_b [H_I*c_I, q_lora]``, ``weights_proj [H_I, d]``, ``compressor``.
+
+    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``indexer_scores`` and
+    ``hadamard_transform`` the forward calls; None (the reference model) = this module's functions."""
+
+    ops = None
 
     def __init__(self, config):
         c = config
@@ -61,9 +66,10 @@ class Indexer(nn.Module):
         k = self.compressor(x, inv_freq).to(ct)  # [B, nb, c_I]
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(S, device=x.device))
         q = apply_rope(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        q = hadamard_transform(q.to(ct))
+        ops = self.ops
+        q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct))
         w = self.weights_proj(x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
-        scores = indexer_scores(q, k, w)  # [B, S, nb]
+        scores = (indexer_scores if ops is None else ops.indexer_scores)(q, k, w)  # [B, S, nb]
         limit = (torch.arange(S, device=x.device) + 1) // self.ratio  # visible: j < limit[t]
         invisible = torch.arange(nb, device=x.device)[None, :] >= limit[:, None]
         scores = scores.masked_fill(invisible, float("-inf"))

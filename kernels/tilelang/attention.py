@@ -304,6 +304,6 @@ def _kernel_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 # autograd wrapper, THD and batched entry points (bf16/fp16 CUDA inputs with a power-of-two head dim >= 32
-# run the TileLang kernels; anything else, fp32/fp64, odd head dims, CPU tensors, delegates to the reference op)
+# run the TileLang kernels; anything else, fp32/fp64, odd head dims, CPU tensors, is refused with the fix)
 SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
     lambda *a: sparse_attention_fwd(*a), lambda *a: sparse_attention_bwd(*a), _kernel_supports, __name__)

@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+from core.kernel_ops import OpTable  # noqa: F401 (the return type)
 from core.probes import python_package_missing
 
 
@@ -9,7 +10,7 @@ def unavailable_reason() -> Optional[str]:
     return python_package_missing("tilelang")
 
 
-def ops():
+def ops() -> "OpTable":
     """Return the tilelang implementations of the DeepSeek-V4 ops, by the reference op names.
 
     TileLang kernels (CUDA tensors; ``kernels/tilelang/attention.py``, ``indexer.py``; compiled on first
@@ -17,12 +18,12 @@ def ops():
 
     * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
       bf16/fp16 CUDA inputs with a power-of-two head dim >= 32; other dtypes (fp32/fp64), head dims or
-      CPU tensors delegate to the reference op.
-    * ``indexer_scores(q, k, w)``: fp32 scores for bf16/fp16 inputs (the reference returns the input
-      dtype); fp32/fp64 inputs are computed by an fp32 torch einsum.
+      CPU tensors are refused with the fix.
+    * ``indexer_scores(q, k, w)``: fp32 scores for bf16/fp16 CUDA inputs (the reference returns the input
+      dtype); other inputs, and inputs that require a gradient (no backward), are refused.
 
-    Delegated to the reference ops (no TileLang kernel): ``hadamard_transform``, ``sinkhorn``,
-    ``hc_pre``, ``hc_post``, ``hc_head``.
+    Named from the reference set (backend ``none``; no TileLang kernel): ``hadamard_transform``,
+    ``sinkhorn``, ``hc_pre``, ``hc_post``, ``hc_head``.
 
     Extra names beyond the reference set (THD entry points, same as the triton backend):
     ``sparse_attention_with_sink_thd`` (``return_lse=True`` also gives the natural-log LSE),
@@ -31,4 +32,4 @@ def ops():
     from kernels import gpu_common
     from kernels.tilelang import attention, indexer
 
-    return gpu_common.make_ops(attention, indexer)
+    return gpu_common.make_ops("tilelang", attention, indexer)

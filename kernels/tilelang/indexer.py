@@ -69,17 +69,6 @@ def indexer_kernel(H: int, D: int, dtype: str, has_range: bool, BT: int = 64, BN
     return _compile(indexer_scores_fwd)
 
 
-def _torch_scores(q, k, w, ks=None, ke=None):
-    qf, kf, wf = q.double() if q.dtype == torch.float64 else q.float(), k.float(), w.float()
-    kf = kf.to(qf.dtype)
-    out = (torch.relu(torch.einsum("thd,nd->thn", qf, kf)) * wf.to(qf.dtype)[:, :, None]).sum(1).float()
-    if ks is not None:
-        j = torch.arange(k.shape[0], device=q.device)[None, :]
-        vis = (j >= ks.long()[:, None]) & (j < ke.long()[:, None])
-        out = out.masked_fill(~vis, float("-inf"))
-    return out
-
-
 def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                        ks: Optional[torch.Tensor] = None, ke: Optional[torch.Tensor] = None,
                        config: Optional[dict] = None) -> torch.Tensor:
@@ -93,13 +82,10 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
         raise ValueError("give both ks and ke, or neither")
     dt = torch.promote_types(q.dtype, k.dtype)
     if dt not in _DTYPES or not q.is_cuda or D < 16 or D & (D - 1):
-        with torch.autocast("cuda", enabled=False):
-            prev = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = False
-            try:
-                return _torch_scores(q, k, w, ks, ke)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = prev
+        raise ValueError(f"the tilelang indexer kernel takes bf16/fp16 CUDA tensors with a power-of-two head dim "
+                         f">= 16; got {dt}, head dim {D}, on {q.device}. Fix: run with --dtype bf16 on a GPU "
+                         f"target, or choose --kernel-backend none for this input")
+    gpu_common.refuse_grad("tilelang", q, k, w)
     cfg = {**INDEXER_CONFIG, **(config or {})}
     q, k = q.to(dt).contiguous(), k.to(dt).contiguous()
     w = w.float().contiguous()

@@ -269,7 +269,7 @@ def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[
 
 
 # autograd wrapper, THD and batched entry points (bf16/fp16 with a power-of-two head dim >= 32 run the
-# triton kernels; anything else, e.g. fp32/fp64 tests or odd head dims, delegates to the reference op)
+# triton kernels; anything else, e.g. fp32/fp64 or odd head dims, is refused with the fix)
 SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
     lambda *a: sparse_attention_fwd(*a), lambda *a: sparse_attention_bwd(*a), gpu_common.half_pow2_head_dim,
     __name__)

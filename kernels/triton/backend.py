@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+from core.kernel_ops import OpTable  # noqa: F401 (the return type)
 from core.probes import python_package_missing
 
 
@@ -9,18 +10,20 @@ def unavailable_reason() -> Optional[str]:
     return python_package_missing("triton")
 
 
-def ops():
+def ops() -> "OpTable":
     """Return the triton implementations of the DeepSeek-V4 ops, by the reference op names.
 
     Triton kernels (CUDA tensors; ``kernels/triton/attention.py``, ``indexer.py``):
 
     * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
-      bf16/fp16 inputs with a power-of-two head dim; other dtypes (fp32/fp64) delegate to the
-      reference op.
-    * ``indexer_scores(q, k, w)``: fp32 scores (the reference returns the input dtype).
+      bf16/fp16 inputs with a power-of-two head dim; other inputs are refused with the fix (the run's
+      ``--dtype`` is checked against the backend's dtypes at parse time already).
+    * ``indexer_scores(q, k, w)``: fp32 scores (the reference returns the input dtype); no backward, so
+      inputs that require a gradient are refused.
 
-    Delegated to the reference ops (no Triton kernel yet): ``hadamard_transform``, ``sinkhorn``,
-    ``hc_pre``, ``hc_post``, ``hc_head``.
+    Named from the reference set (backend ``none``; no Triton kernel yet): ``hadamard_transform``,
+    ``sinkhorn``, ``hc_pre``, ``hc_post``, ``hc_head``; :func:`core.kernel_ops.kernels_ran` counts them
+    under ``none.``.
 
     Extra names beyond the reference set (THD entry points): ``sparse_attention_with_sink_thd``
     (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
@@ -29,4 +32,4 @@ def ops():
     from kernels import gpu_common
     from kernels.triton import attention, indexer
 
-    return gpu_common.make_ops(attention, indexer)
+    return gpu_common.make_ops("triton", attention, indexer)

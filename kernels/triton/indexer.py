@@ -84,6 +84,7 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
         raise ValueError("give both ks and ke, or neither")
     if os.environ.get("TRITON_INTERPRET", "0") != "1" and not q.is_cuda:
         raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    gpu_common.refuse_grad("triton", q, k, w)
     cfg = {**INDEXER_CONFIG, **(config or {})}
     dt = torch.promote_types(q.dtype, k.dtype)
     q, k = q.to(dt).contiguous(), k.to(dt).contiguous()

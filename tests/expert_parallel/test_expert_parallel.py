@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from backends.cpu.megatron_shims import free_port
+from core.ports import free_port
 
 from . import _worker
 from .parity import ep_results

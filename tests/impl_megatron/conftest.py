@@ -89,13 +89,14 @@ def apply_official(ref_model, megatron_model, tensors: dict) -> None:
 
 def load_pair(config, ckpt, *, dsa_indexer_loss_coeff=None, perturb=True):
     """(reference model, megatron model), both loaded from the same checkpoint (fp32)."""
-    from backends.megatron.impl import build_model, load_hf_checkpoint
+    from backends.megatron.impl import load_hf_checkpoint
+    from core.assembly import assemble
     from core.checkpoint import load_into, open_checkpoint
     from kernels.reference.model import DeepseekV4Model
 
     ref = DeepseekV4Model(config)
     load_into(ref, open_checkpoint(ckpt))
-    meg = build_model(config, run_config(config), dsa_indexer_loss_coeff=dsa_indexer_loss_coeff)
+    meg = assemble(run_config(config)).build_model(config, dsa_indexer_loss_coeff=dsa_indexer_loss_coeff)
     load_hf_checkpoint(meg, ckpt)
     if perturb:
         apply_official(ref, meg, perturbation(config))

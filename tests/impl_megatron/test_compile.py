@@ -16,15 +16,15 @@ from tests.impl_megatron.conftest import run_config
 
 
 def test_every_block_of_a_deep_model_compiles(tiny_config):
-    from backends.megatron.impl import build_model
+    from core.assembly import assemble
     from engine.compile import compile_blocks
 
     n = 12  # more layers than dynamo's default recompile limit of 8
     c = tiny_config.replace(n_layers=n, compress_ratios=(0, 0) + (4, 128) * 5, n_hash_layers=2, n_mtp_layers=0)
     torch.manual_seed(0)
-    eager = build_model(c, run_config(c))
+    eager = assemble(run_config(c)).build_model(c)
     torch.manual_seed(0)
-    compiled = build_model(c, run_config(c))
+    compiled = assemble(run_config(c)).build_model(c)
     ids = torch.randint(0, c.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 50, 96])
     torch._dynamo.reset()
@@ -42,7 +42,7 @@ def test_compiled_steps_with_the_indexer_kl_loss_trace_once(tiny_config):
     step: the compiled + CUDA-graph step was 14x slower with the loss on than off)."""
     from torch._dynamo.utils import counters
 
-    from backends.megatron.impl import build_model
+    from core.assembly import assemble
     from engine.compile import compile_blocks
 
     c = tiny_config.replace(n_mtp_layers=0, compress_ratios=tiny_config.compress_ratios[:tiny_config.n_layers])
@@ -50,7 +50,7 @@ def test_compiled_steps_with_the_indexer_kl_loss_trace_once(tiny_config):
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(build_model(c, run_config(c), dsa_indexer_loss_coeff=0.1).train())
+        models.append(assemble(run_config(c)).build_model(c, dsa_indexer_loss_coeff=0.1).train())
     eager, compiled = models
     ids = torch.randint(0, c.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
     layout = compiled.layout_for(ids, torch.tensor([0, 50, 96]))
@@ -73,12 +73,12 @@ def test_compiled_steps_with_the_indexer_kl_loss_trace_once(tiny_config):
 def test_cuda_graphs_are_refused_with_the_indexer_kl_loss_on(tiny_config):
     """With the KL loss on, CUDA-graph trees record the step again at every step (14x slower on an H200):
     ``compile_blocks(cuda_graphs=True)`` refuses and names both ways out, before compiling anything."""
-    from backends.megatron.impl import build_model
+    from core.assembly import assemble
     from engine.compile import compile_blocks
 
     c = tiny_config.replace(n_mtp_layers=0, compress_ratios=tiny_config.compress_ratios[:tiny_config.n_layers])
-    assert build_model(c, run_config(c)).cuda_graphs_refusal() is None
-    model = build_model(c, run_config(c), dsa_indexer_loss_coeff=0.5)
+    assert assemble(run_config(c)).build_model(c).cuda_graphs_refusal() is None
+    model = assemble(run_config(c)).build_model(c, dsa_indexer_loss_coeff=0.5)
     with pytest.raises(ValueError) as err:
         compile_blocks(model, cuda_graphs=True)
     assert str(err.value) == (

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.megatron.impl import build_model, native_state
+from backends.megatron.impl import native_state
+from core.assembly import assemble
 from core.weight_contract import BUFFER, FROZEN_PARAMETER, holder, keeps_fp32, native_names, native_to_hf
 
 from .conftest import run_config
@@ -13,7 +14,7 @@ from .conftest import run_config
 
 @pytest.fixture(scope="module")
 def model(tiny_config):
-    return build_model(tiny_config, run_config(tiny_config))
+    return assemble(run_config(tiny_config)).build_model(tiny_config)
 
 
 def test_names_and_shapes_equal_the_contract(model, tiny_config):
@@ -54,7 +55,7 @@ def test_holders_and_dtypes(model, tiny_config):
 
 
 def test_fp32_tensors_survive_a_bf16_cast(tiny_config):
-    m = build_model(tiny_config, run_config(tiny_config)).to(torch.bfloat16)
+    m = assemble(run_config(tiny_config)).build_model(tiny_config).to(torch.bfloat16)
     state = native_state(m)
     for name, t in state.items():
         if keeps_fp32(name):
@@ -70,12 +71,16 @@ def test_native_state_exports_to_the_official_names(model, tiny_config):
     assert names == official
 
 
-def test_tensor_parallel_and_tilelang_are_refused(tiny_config):
-    from types import SimpleNamespace
+def test_tensor_parallel_tilelang_and_bshd_are_refused_by_the_table(tiny_config):
+    """The megatron implementation's limits live in the combination table alone (core/combinations.py)."""
+    from core.combinations import InvalidCombination
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
 
-    with pytest.raises(ValueError, match="tensor-model-parallel-size 1"):
-        build_model(tiny_config, SimpleNamespace(tp=2, qkv_format="thd", kernel_backend="none", selection=None))
-    with pytest.raises(ValueError, match="does not support --kernel-backend tilelang"):
-        build_model(tiny_config, SimpleNamespace(tp=1, qkv_format="thd", kernel_backend="tilelang", selection=None))
-    with pytest.raises(ValueError, match="THD only"):
-        build_model(tiny_config, SimpleNamespace(tp=1, qkv_format="bshd", kernel_backend="none", selection=None))
+    host = make_host(third_party=False)
+    cases = ((dict(tp=2), "tensor-parallel size must be 1 for the megatron implementation"),
+             (dict(kernel_backend="tilelang", hardware="nvidia"), "does not serve --impl megatron"),
+             (dict(qkv_format="bshd"), "supports only --qkv-format thd"))
+    for choices, message in cases:
+        with pytest.raises(InvalidCombination, match=message):
+            normalize(Choices(impl="megatron", model=tiny_config, **choices), host)

@@ -60,10 +60,10 @@ def reference_model(official: dict):
 
 
 def miles_model(official: dict, tp: int = 1, hardware: str = "cpu"):
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
     from engine.loading import load_hf_state_dict
 
-    m = build_model(TINY, run_config(tp, hardware))
+    m = assemble(run_config(tp, hardware)).build_model(TINY)
     load_hf_state_dict(m, official.items(), TINY)
     return m
 

@@ -39,14 +39,14 @@ def run_native(rank: int, world: int, port: int, native_in: str, native_out: str
     torch.set_num_threads(1)
     CpuTarget().init_process_group(rank, world, tp=world, port=port)
     try:
-        from backends.miles.impl import build_model
+        from core.assembly import assemble
         from core.native_checkpoint import load_native, save_native
         from engine.loading import full_native_state, load_native_tensors
 
         from ._helpers import TINY, run_config, token_ids
 
         state, _ = load_native(native_in, impl="miles", config=TINY)
-        m = build_model(TINY, run_config(world))
+        m = assemble(run_config(world)).build_model(TINY)
         load_native_tensors(m, state.items())
         with torch.no_grad():
             lps = {S: m.logprobs(token_ids(2, S, 300 + S)) for S in (37, 140)}

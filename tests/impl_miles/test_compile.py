@@ -14,10 +14,10 @@ SMALL = TINY.replace(n_layers=3, compress_ratios=(0, 4, 128), n_hash_layers=1, n
 
 
 def _model():
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
 
     torch.manual_seed(0)
-    return build_model(SMALL, run_config())
+    return assemble(run_config()).build_model(SMALL)
 
 
 def test_compiled_blocks_match_eager():
@@ -45,18 +45,17 @@ def test_compiled_blocks_match_eager():
 
 def test_backend_kernels_stay_eager():
     """Ops a kernel backend brings itself run eagerly from compiled code; reference ops stay traceable."""
-    from types import SimpleNamespace
-
+    from core.kernel_ops import OpTable
     from engine.compile import opaque_kernel_ops
-    from kernels.reference import backend as reference
-
-    ref = reference.ops()
+    from kernels.reference.backend import reference_functions
 
     def own_kernel(x):
         return x
 
     own_kernel.__module__ = "kernels.triton.attention"
-    ops = opaque_kernel_ops(SimpleNamespace(**{**vars(ref), "sparse_attention_with_sink": own_kernel}))
+    ref = OpTable("triton", {"sparse_attention_with_sink": own_kernel},
+                  delegated={n: ("none", f) for n, f in reference_functions().items()})
+    ops = opaque_kernel_ops(ref)
     assert ops.hc_pre is ref.hc_pre
     assert ops.sparse_attention_with_sink is not own_kernel
     assert ops.sparse_attention_with_sink(3) == 3

@@ -14,9 +14,9 @@ from ._helpers import TINY, run_config
 
 @pytest.fixture(scope="module")
 def model():
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
 
-    return build_model(TINY, run_config(1))
+    return assemble(run_config(1)).build_model(TINY)
 
 
 def test_names_and_shapes_equal_contract(model):
@@ -60,9 +60,9 @@ def test_holders(model):
 
 
 def test_fp32_kept_after_bf16_cast():
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
 
-    m = build_model(TINY, run_config(1)).to(torch.bfloat16)
+    m = assemble(run_config(1)).build_model(TINY).to(torch.bfloat16)
     tensors = dict(m.named_parameters())
     tensors.update(dict(m.named_buffers()))
     for n, t in tensors.items():
@@ -82,11 +82,11 @@ def test_build_through_run_config():
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
 
     rc = normalize(Choices(impl="miles", kernel_backend="none", hardware="cpu", model=TINY), make_host(third_party=False),
                    model_name="tiny")
-    m = build_model(TINY, rc)
+    m = assemble(rc).build_model(TINY)
     import kernels.reference.attention as ref_attn
 
     assert m.ops.sparse_attention_with_sink is ref_attn.sparse_attention_with_sink

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from backends.cpu.megatron_shims import free_port
+from core.ports import free_port
 from core.checkpoint import prepare_checkpoint
 from core.native_checkpoint import load_native, save_native
 from core.weight_contract import hf_to_native

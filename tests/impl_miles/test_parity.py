@@ -28,12 +28,12 @@ def official(ckpt):
 
 
 def test_logprobs_from_checkpoint(ckpt):
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
     from engine.loading import load_hf_checkpoint
 
     ref = DeepseekV4Model(TINY)
     load_into(ref, open_checkpoint(ckpt))
-    m = build_model(TINY, run_config(1))
+    m = assemble(run_config(1)).build_model(TINY)
     load_hf_checkpoint(m, ckpt)
     for S in SEQS:
         ids = token_ids(2, S, S)

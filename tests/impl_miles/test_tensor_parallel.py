@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from backends.cpu.megatron_shims import free_port
+from core.ports import free_port
 from core.checkpoint import prepare_checkpoint
 
 from . import _tp_worker

@@ -58,7 +58,7 @@ def ckpt(tmp_path_factory, tiny):
 
 
 def _model(ckpt, tiny, backend, dtype):
-    from backends.miles.impl import build_model
+    from core.assembly import assemble
     from core.run_config import Choices, normalize
     from engine.loading import load_hf_checkpoint
     from launchers.builtin_plugins import make_host
@@ -66,7 +66,7 @@ def _model(ckpt, tiny, backend, dtype):
     rc = normalize(Choices(impl="miles", kernel_backend=backend, hardware="nvidia", model=tiny),
                    make_host(third_party=False), model_name="tiny")
     torch.manual_seed(0)
-    m = build_model(tiny, rc)
+    m = assemble(rc).build_model(tiny)
     load_hf_checkpoint(m, ckpt)
     return m.to(device="cuda", dtype=dtype)
 

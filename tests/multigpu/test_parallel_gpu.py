@@ -30,7 +30,7 @@ LP_TOL, LOSS_TOL, GRAD_REL_TOL, NORM_REL_TOL = 1e-4, 1e-4, 1e-4, 1e-5
 
 
 def _free_port() -> int:
-    from backends.nvidia.target import _free_port as free
+    from core.ports import free_port as free
 
     return free()
 

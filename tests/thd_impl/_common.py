@@ -68,13 +68,13 @@ def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, ep: int = 1, q
 
     rc = run_config(impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware)
     if impl == "miles":
-        from backends.miles.impl import build_model
+        from core.assembly import assemble
 
-        m = build_model(TINY, rc)
+        m = assemble(rc).build_model(TINY)
     else:
-        from backends.megatron.impl import build_model
+        from core.assembly import assemble
 
-        m = build_model(TINY, rc, dsa_indexer_loss_coeff=indexer_coeff)
+        m = assemble(rc).build_model(TINY, dsa_indexer_loss_coeff=indexer_coeff)
     load_hf_state_dict(m, official.items(), TINY)
     return m
 

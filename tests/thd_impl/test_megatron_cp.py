@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from backends.cpu.megatron_shims import free_port
+from core.ports import free_port
 
 from . import _cp_worker
 from ._common import build, cu_seqlens, grads_official, saved_official_weights, packed_loss, single_process_group, stream

@@ -23,13 +23,21 @@ def test_rollout_engines_are_a_plugin_axis():
         RolloutEngine(name="x", description="d", factory="a:b", weight_update=("ftp",))
 
 
-def test_make_engine_builds_the_reference_engine_and_refuses_sglang_here():
-    from train.engines import ReferenceEngine
-    from train.engines_plugin import make_engine
+def _run(rollout_engine: str, hardware: str = "cpu"):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
 
-    assert isinstance(make_engine("reference", CFG), ReferenceEngine)
+    return normalize(Choices(rollout_engine=rollout_engine, hardware=hardware, model=CFG),
+                     make_host(third_party=False))
+
+
+def test_the_assembly_builds_the_runs_reference_engine_and_refuses_sglang_here():
+    from core.assembly import assemble
+    from train.engines import ReferenceEngine
+
+    assert isinstance(assemble(_run("reference")).rollout_engine(CFG), ReferenceEngine)
     with pytest.raises(RuntimeError, match="--rollout-engine sglang is not usable here"):
-        make_engine("sglang", CFG)
+        assemble(_run("sglang", "nvidia")).rollout_engine(CFG)
 
 
 @pytest.mark.parametrize("scheme,bound", [("bf16", 0.0), ("fp8", 0.08), ("nvfp4", 0.25)])

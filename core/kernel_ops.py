@@ -1,0 +1,109 @@
+"""A kernel backend's ops as one typed table, and the record of which kernels ran.
+
+Why a table of its own rather than a namespace: the models call ``ops.sparse_attention_with_sink(...)``
+without knowing which backend answers, so the answer must be visible somewhere else. Every op in an
+:class:`OpTable` is wrapped once, when the table is built, to count its eager calls under
+``"<backend>.<op>"`` (the backend that really provides the op: a GPU backend's table names ``none``
+for the ops it takes from the reference set). Tests and ``dsv4`` read the counts with
+:func:`kernels_ran`; a test that claims a backend ran asserts it there.
+
+Counting happens outside ``torch.compile`` tracing only: a kernel backend's own kernels run eagerly
+even inside compiled blocks (``engine.compile``) and are counted on every call; reference ops traced
+into a compiled graph are counted while the graph is recorded, not on replays.
+
+Only the standard library is imported at module level (listing plugins never imports torch).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Callable, Iterable, Mapping, Optional
+
+__all__ = ["OP_NAMES", "OpTable", "kernels_ran", "reset_kernels_ran"]
+
+# Every op a kernel backend provides (the reference set; a GPU backend answers the ones it has kernels for
+# and names the reference op for the rest). The THD entry points are optional extras.
+OP_NAMES = (
+    "sparse_attention_with_sink",
+    "indexer_scores",
+    "hadamard_transform",
+    "sinkhorn",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
+)
+THD_OP_NAMES = ("sparse_attention_with_sink_thd", "indexer_scores_thd", "indexer_topk")
+
+_RAN: collections.Counter = collections.Counter()
+
+
+def kernels_ran() -> dict:
+    """``{"<backend>.<op>": eager calls}`` since the last :func:`reset_kernels_ran` (a copy)."""
+    return dict(_RAN)
+
+
+def reset_kernels_ran() -> None:
+    _RAN.clear()
+
+
+def _compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _counted(key: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)  # keeps __module__: engine.compile tells reference ops from kernels by it
+    def op(*args, **kwargs):
+        if not _compiling():
+            _RAN[key] += 1
+        return fn(*args, **kwargs)
+
+    op.counted_as = key
+    return op
+
+
+class OpTable:
+    """The ops of one kernel backend, by op name, each counted (see the module docstring).
+
+    ``backend``: the backend's name; ``dtypes``: the compute dtypes its own kernels serve (``None`` =
+    any); ``own``: its own ops; ``delegated``: ops it takes from another backend (``{name: (backend,
+    fn)}``: the reference set, for a GPU backend without a kernel for that op).
+    """
+
+    def __init__(self, backend: str, own: Mapping[str, Callable], *,
+                 delegated: Optional[Mapping[str, tuple]] = None, dtypes: Optional[Iterable[str]] = None):
+        self.backend = backend
+        self.dtypes = None if dtypes is None else frozenset(dtypes)
+        self.provider: dict[str, str] = {}
+        self._ops: dict[str, Callable] = {}
+        for name, (who, fn) in {**(delegated or {}), **{n: (backend, f) for n, f in own.items()}}.items():
+            self.provider[name] = who
+            self._ops[name] = fn if getattr(fn, "counted_as", None) else _counted(f"{who}.{name}", fn)
+        missing = [n for n in OP_NAMES if n not in self._ops]
+        if missing:
+            raise TypeError(f"kernel backend {backend!r}: its op table lacks {', '.join(missing)}")
+
+    def __getattr__(self, name: str) -> Callable:
+        ops = self.__dict__.get("_ops", {})
+        if name in ops:
+            return ops[name]
+        raise AttributeError(f"kernel backend {self.__dict__.get('backend')!r} has no op {name!r}")
+
+    def names(self) -> list[str]:
+        return list(self._ops)
+
+    def items(self):
+        return self._ops.items()
+
+    def map(self, wrap: Callable[[str, Callable], Callable]) -> "OpTable":
+        """A table of the same backend whose op ``name`` is ``wrap(name, op)`` (counting kept)."""
+        out = OpTable.__new__(OpTable)
+        out.backend, out.dtypes, out.provider = self.backend, self.dtypes, dict(self.provider)
+        out._ops = {name: wrap(name, fn) for name, fn in self._ops.items()}
+        return out
+
+    def __repr__(self) -> str:
+        own = sorted(n for n, who in self.provider.items() if who == self.backend)
+        return f"OpTable({self.backend!r}, own={own})"
