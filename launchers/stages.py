@@ -35,7 +35,7 @@ class Stage:
 
 
 # The launcher's stages and whether each exists yet: the main job prints this,
-# and the README's status section mirrors it.
+# and docs/cli.md lists them.
 STAGES = (
     Stage("plugins", "list the backends of every axis", True),
     Stage("validate", "resolve choices against the combination table", True),

@@ -5,7 +5,8 @@ tolerances are fp32 ones: only the reduction order differs (NCCL sums, split GEM
 per-token log-probs and loss within 1e-4 absolute; every gradient within 1e-4 of its own largest entry;
 gradient norm within 1e-5 relative; miles' loss after one Adam step within 1e-4.
 
-``DSV4_MULTIGPU_REPORT=path.json`` also writes every measured difference there (the README's record)."""
+``DSV4_MULTIGPU_REPORT=path.json`` also writes every measured difference there (the recorded run:
+bench/results/multigpu-parity-h200x2.json, summarized in docs/parallelism.md)."""
 
 from __future__ import annotations
 
