@@ -76,12 +76,17 @@ def _accepts(allowed, name) -> bool:
     return allowed is None or name in allowed
 
 
+def _runnable_records(host, axis) -> list:
+    """The records of ``axis`` a fix may name: declared-but-not-runnable ones never are."""
+    return [r for r in host.records(axis) if r.not_runnable is None]
+
+
 def _impl_kernel(sel: Selection, host) -> Optional[str]:
     impl, kernel = sel.impl, sel.kernel
     if _accepts(kernel.impls, impl.name):
         return None
     hw = sel.hardware.name
-    serving = [k.name for k in host.records(KERNEL) if _accepts(k.impls, impl.name) and _accepts(k.hardware, hw)]
+    serving = [k.name for k in _runnable_records(host, KERNEL) if _accepts(k.impls, impl.name) and _accepts(k.hardware, hw)]
     return (
         f"--kernel-backend {kernel.name} does not serve --impl {impl.name} (it serves: {', '.join(sorted(kernel.impls))}). "
         f"Fix: use --impl {_join(kernel.impls)}, or with --impl {impl.name} on {hw} choose --kernel-backend {_join(serving)}."
@@ -94,7 +99,7 @@ def _impl_tp(sel: Selection, host) -> Optional[str]:
         return None
     others = [
         i.name
-        for i in host.records(ATTENTION)
+        for i in _runnable_records(host, ATTENTION)
         if i.name != impl.name and (i.max_tensor_parallel is None or sel.tp <= i.max_tensor_parallel)
     ]
     fix = f"use --tp {impl.max_tensor_parallel}"
@@ -198,7 +203,7 @@ def _kernel_hardware(sel: Selection, host) -> Optional[str]:
         return None
     options = [
         k.name
-        for k in host.records(KERNEL)
+        for k in _runnable_records(host, KERNEL)
         if _accepts(k.hardware, hw.name) and _accepts(k.impls, sel.impl.name)
     ]
     fix = f"on {hw.name} choose --kernel-backend {_join(options)}" if options else f"choose --hardware {_join(kernel.hardware)}"
@@ -209,7 +214,7 @@ def _quant_hardware(sel: Selection, host) -> Optional[str]:
     quant, hw = sel.quant, sel.hardware
     if _accepts(quant.hardware, hw.name):
         return None
-    options = [q.name for q in host.records(QUANT) if _accepts(q.hardware, hw.name)]
+    options = [q.name for q in _runnable_records(host, QUANT) if _accepts(q.hardware, hw.name)]
     return (
         f"--quant {quant.name} cannot run on --hardware {hw.name} (it runs on: {', '.join(sorted(quant.hardware))}). "
         f"Fix: on {hw.name} choose --quant {_join(options)}."
@@ -246,8 +251,8 @@ def _runnable(sel: Selection, host) -> Optional[str]:
 
 def _kernel_dtype(sel: Selection, host) -> Optional[str]:
     kernel = sel.kernel
-    if _accepts(kernel.dtypes, sel.dtype):
-        return None
+    if _accepts(kernel.dtypes, sel.dtype) or kernel.not_runnable or not _accepts(kernel.hardware, sel.hardware.name):
+        return None  # (a backend that cannot run here at all is refused by its own rule)
     options = [k.name for k in host.records(KERNEL)
                if _accepts(k.dtypes, sel.dtype) and _accepts(k.hardware, sel.hardware.name)
                and _accepts(k.impls, sel.impl.name) and k.not_runnable is None]

@@ -84,11 +84,9 @@ class OpTable:
         missing = [n for n in OP_NAMES if n not in self._ops]
         if missing:
             raise TypeError(f"kernel backend {backend!r}: its op table lacks {', '.join(missing)}")
+        self.__dict__.update(self._ops)   # plain attributes: protocol checks (getattr_static) see them
 
-    def __getattr__(self, name: str) -> Callable:
-        ops = self.__dict__.get("_ops", {})
-        if name in ops:
-            return ops[name]
+    def __getattr__(self, name: str) -> Callable:  # only reached for a name that is not an op
         raise AttributeError(f"kernel backend {self.__dict__.get('backend')!r} has no op {name!r}")
 
     def names(self) -> list[str]:
@@ -102,6 +100,7 @@ class OpTable:
         out = OpTable.__new__(OpTable)
         out.backend, out.dtypes, out.provider = self.backend, self.dtypes, dict(self.provider)
         out._ops = {name: wrap(name, fn) for name, fn in self._ops.items()}
+        out.__dict__.update(out._ops)
         return out
 
     def __repr__(self) -> str:

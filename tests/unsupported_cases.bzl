@@ -14,7 +14,7 @@ UNSUPPORTED_CASES = [
     struct(
         name = "megatron_tilelang",
         args = ["--impl", "megatron", "--kernel-backend", "tilelang", "--hardware", "nvidia"],
-        message = "--kernel-backend tilelang does not serve --impl megatron (it serves: miles). Fix: use --impl miles, or with --impl megatron on nvidia choose --kernel-backend cudnn, none or triton.",
+        message = "--kernel-backend tilelang does not serve --impl megatron (it serves: miles). Fix: use --impl miles, or with --impl megatron on nvidia choose --kernel-backend none or triton.",
     ),
     struct(
         name = "megatron_bshd",
@@ -24,12 +24,12 @@ UNSUPPORTED_CASES = [
     struct(
         name = "miles_cudnn",
         args = ["--impl", "miles", "--kernel-backend", "cudnn", "--hardware", "nvidia"],
-        message = "--kernel-backend cudnn does not serve --impl miles (it serves: megatron). Fix: use --impl megatron, or with --impl miles on nvidia choose --kernel-backend none, tilelang or triton.",
+        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none, tilelang or triton.\n--kernel-backend cudnn does not serve --impl miles (it serves: megatron). Fix: use --impl megatron, or with --impl miles on nvidia choose --kernel-backend none, tilelang or triton.",
     ),
     struct(
         name = "rocm_cudnn",
         args = ["--impl", "megatron", "--kernel-backend", "cudnn", "--hardware", "rocm"],
-        message = "--kernel-backend cudnn does not run on --hardware rocm (it runs on: nvidia). Fix: on rocm choose --kernel-backend none or triton.",
+        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none, tilelang or triton. --hardware rocm is declared but cannot run: rules only: the rocm target has no device setup or process groups yet, and no AMD GPU is available to test one. Fix: choose --hardware cpu or nvidia.\n--kernel-backend cudnn does not run on --hardware rocm (it runs on: nvidia). Fix: on rocm choose --kernel-backend none or triton.",
     ),
     struct(
         name = "cpu_triton",
@@ -44,12 +44,12 @@ UNSUPPORTED_CASES = [
     struct(
         name = "cpu_cudnn",
         args = ["--impl", "megatron", "--kernel-backend", "cudnn", "--hardware", "cpu"],
-        message = "--kernel-backend cudnn does not run on --hardware cpu (it runs on: nvidia). Fix: on cpu choose --kernel-backend none.",
+        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none.\n--kernel-backend cudnn does not run on --hardware cpu (it runs on: nvidia). Fix: on cpu choose --kernel-backend none.",
     ),
     struct(
         name = "rocm_nvfp4",
         args = ["--hardware", "rocm", "--quant", "nvfp4"],
-        message = "--quant nvfp4 cannot run on --hardware rocm (it runs on: cpu, nvidia). Fix: on rocm choose --quant bf16, fp8, mxfp4-fp8 or qat.",
+        message = "--hardware rocm is declared but cannot run: rules only: the rocm target has no device setup or process groups yet, and no AMD GPU is available to test one. Fix: choose --hardware cpu or nvidia.\n--quant nvfp4 cannot run on --hardware rocm (it runs on: cpu, nvidia). Fix: on rocm choose --quant bf16, fp8, mxfp4-fp8 or qat.",
     ),
     struct(
         name = "unknown_kernel_backend",
@@ -83,7 +83,32 @@ UNSUPPORTED_CASES = [
     ),
     struct(
         name = "context_parallel_too_few_tokens_per_rank",
-        args = ["--cp", "2", "--max-tokens-per-rank", "64"],
+        args = ["--cp", "2", "--qkv-format", "thd", "--max-tokens-per-rank", "64"],
         message = "--cp 2 with --max-tokens-per-rank 64 gives each context-parallel rank fewer tokens than the compressor boundary width 128 of compress ratio 128 (each rank takes that many rows from the previous rank). Fix: use --max-tokens-per-rank 128 or more, or --cp 1.",
+    ),
+    struct(
+        name = "cudnn_not_built",
+        args = ["--impl", "megatron", "--kernel-backend", "cudnn", "--hardware", "nvidia"],
+        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none or triton.",
+    ),
+    struct(
+        name = "rocm_rules_only",
+        args = ["--hardware", "rocm"],
+        message = "--hardware rocm is declared but cannot run: rules only: the rocm target has no device setup or process groups yet, and no AMD GPU is available to test one. Fix: choose --hardware cpu or nvidia.",
+    ),
+    struct(
+        name = "triton_fp32",
+        args = ["--impl", "megatron", "--kernel-backend", "triton", "--hardware", "nvidia", "--dtype", "fp32"],
+        message = "--kernel-backend triton computes in bf16 only (got --dtype fp32). Fix: use --dtype bf16, or --kernel-backend none.",
+    ),
+    struct(
+        name = "context_parallel_bshd",
+        args = ["--cp", "2", "--qkv-format", "bshd"],
+        message = "--cp 2 splits a packed stream across ranks: it needs --qkv-format thd (got bshd). Fix: add --qkv-format thd, or use --cp 1.",
+    ),
+    struct(
+        name = "sglang_on_cpu",
+        args = ["--rollout-engine", "sglang"],
+        message = "--rollout-engine sglang needs a GPU (got --hardware cpu). Fix: use a GPU --hardware, or --rollout-engine reference.",
     ),
 ]

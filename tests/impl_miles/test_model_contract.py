@@ -89,7 +89,8 @@ def test_build_through_run_config():
     m = assemble(rc).build_model(TINY)
     import kernels.reference.attention as ref_attn
 
-    assert m.ops.sparse_attention_with_sink is ref_attn.sparse_attention_with_sink
+    assert m.ops.backend == "none" and m.ops.provider["sparse_attention_with_sink"] == "none"
+    assert m.ops.sparse_attention_with_sink.__wrapped__ is ref_attn.sparse_attention_with_sink
     ids = torch.randint(0, TINY.vocab_size, (1, 9))
     with torch.no_grad():
         assert m.logprobs(ids).shape == (1, 8)

@@ -56,19 +56,18 @@ def test_linear_fp32_cuda_half_operands():
 
 
 def _build(impl):
+    from core.assembly import assemble
     from core.config import preset
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    from backends.nvidia.target import NvidiaTarget
-
-    NvidiaTarget().init_process_group(0, 1, tp=1)
     c = preset("tiny")
     rc = normalize(Choices(impl=impl, kernel_backend="triton", hardware="nvidia", model=c),
                    make_host(third_party=False), model_name="tiny")
-    build = __import__(f"backends.{impl}.impl", fromlist=["build_model"]).build_model
+    parts = assemble(rc)
+    parts.setup_process()
     torch.manual_seed(0)
-    return c, build(c, rc, params_dtype=torch.bfloat16).cuda()
+    return c, parts.build_model(c).cuda()   # the run's dtype: bf16 on nvidia
 
 
 def _losses(impl, compiled, steps=3):

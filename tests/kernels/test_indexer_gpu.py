@@ -38,6 +38,10 @@ def test_scores_match_reference(backend, dtype):
     indexer_scores_thd = backend_module(backend, "indexer").indexer_scores_thd
     q, k, w = _inputs(300, 64, 128, 1000, dtype=dtype)
 
+    if backend == "tilelang" and dtype == torch.float32:   # no fp32 TileLang kernel: refused, not handed on
+        with pytest.raises(ValueError, match="--kernel-backend none"):
+            indexer_scores_thd(q, k, w)
+        return
     got = indexer_scores_thd(q, k, w)
     assert got.dtype == torch.float32
     assert _rel(got, _ref(q, k, w)) <= 1e-4
@@ -97,3 +101,11 @@ def test_batched_api_matches_reference_op(backend):
     got = ops().indexer_scores(q, k, w)
     assert got.shape == (2, 128, 32)
     assert _rel(got, ref(q.float(), k.float(), w)) <= 1e-4
+
+
+def test_inputs_that_want_a_gradient_are_refused(backend):
+    """The indexer kernels have no backward: a trained indexer's inputs are refused, not silently cut off."""
+    indexer_scores_thd = backend_module(backend, "indexer").indexer_scores_thd
+    q, k, w = _inputs(64, 64, 128, 32)
+    with pytest.raises(ValueError, match="no backward"):
+        indexer_scores_thd(q.requires_grad_(), k, w)

@@ -189,6 +189,6 @@ def test_batched_api_matches_reference_op(backend):
     want = ref(q.float(), kv.float(), idx, sink, D ** -0.5)
     assert o.shape == (B, S, H, D) and o.dtype == torch.bfloat16
     assert _rel(o, want) <= BOUNDS["o"]
-    # fp32 inputs delegate to the reference op
-    o32 = ops().sparse_attention_with_sink(q.float(), kv.float(), idx, sink, D ** -0.5)
-    assert torch.equal(o32, want)
+    # fp32 inputs are refused with the fix (no silent hand-off to the reference op)
+    with pytest.raises(ValueError, match="--kernel-backend none"):
+        ops().sparse_attention_with_sink(q.float(), kv.float(), idx, sink, D ** -0.5)

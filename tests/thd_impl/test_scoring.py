@@ -27,6 +27,16 @@ def case(tmp_path_factory):
     return ckpt, seqs, want
 
 
+def _run(impl: str, ckpt, **sizes):
+    """The normalized run of `dsv4 logprobs --impl IMPL --qkv-format thd ...` on the checkpoint's config."""
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+    from launchers.stages import checkpoint_config
+
+    return normalize(Choices(impl=impl, qkv_format="thd", model=checkpoint_config(ckpt), job="score", **sizes),
+                     make_host(third_party=False))
+
+
 def _close(got, want):
     assert [len(x) for x in got] == [len(x) for x in want]
     for a, b in zip(got, want):
@@ -39,14 +49,14 @@ def test_packed_scores_match_unpacked(case, impl):
     from launchers.scoring import score_packed
 
     ckpt, seqs, want = case
-    _close(score_packed(ckpt, seqs, impl=impl), want)
+    _close(score_packed(ckpt, seqs, _run(impl, ckpt)), want)
 
 
 def test_packed_scores_over_cp2(case):
     from launchers.scoring import score_packed
 
     ckpt, seqs, want = case
-    _close(score_packed(ckpt, seqs, impl="miles", cp=2), want)
+    _close(score_packed(ckpt, seqs, _run("miles", ckpt, cp=2)), want)
 
 
 @pytest.mark.parametrize("impl", ["miles", "megatron"])
@@ -56,7 +66,7 @@ def test_scores_over_ep2(case, impl):
     from launchers.scoring import score_packed
 
     ckpt, seqs, want = case
-    _close(score_packed(ckpt, seqs, impl=impl, ep=2), want)
+    _close(score_packed(ckpt, seqs, _run(impl, ckpt, ep=2)), want)
 
 
 def test_ep_scoring_with_an_idle_rank(case):
@@ -64,7 +74,7 @@ def test_ep_scoring_with_an_idle_rank(case):
     from launchers.scoring import score_packed
 
     ckpt, seqs, want = case
-    _close(score_packed(ckpt, seqs[3:4], impl="miles", ep=4), want[3:4])
+    _close(score_packed(ckpt, seqs[3:4], _run("miles", ckpt, ep=4)), want[3:4])
 
 
 def test_pack_stream_pads_for_cp():

@@ -173,7 +173,7 @@ def test_train_impl_defaults_to_the_runs_implementation_and_reference_stays_expl
     assert isinstance(build_train_model(c), ReferenceTrainModel)
     with pytest.raises(ValueError, match="not the run's implementation"):
         build_train_model(c, run_config("miles", c), impl="megatron")
-    with pytest.raises(ValueError, match="no indexer KL loss"):
+    with pytest.raises(ValueError, match="--impl miles does not take dsa_indexer_loss_coeff"):
         build_train_model(c, run_config("miles", c), dsa_indexer_loss_coeff=0.1)
 
 
@@ -217,20 +217,20 @@ def test_compile_option_compiles_the_blocks_in_place(impl):
         build_train_model(c, None, impl="reference", compile_blocks=True)
 
 
-def test_trainer_refuses_tensor_and_expert_parallel_runs_before_any_work(tmp_path):
-    """The models run --tp (miles) and --ep (both), the trainer starts ranks for --cp only: a run asking for
-    more stops with the reason and the fix, before it prepares anything."""
-    from core.not_built import NotBuiltError
+@pytest.mark.parametrize("impl,choices,message", [
+    ("megatron", dict(ep=2), "dsv4 train starts ranks for --cp only: training with --tp 1 --ep 2 is not built"),
+    ("miles", dict(tp=2), "dsv4 train starts ranks for --cp only: training with --tp 2 --ep 1 is not built"),
+    ("miles", dict(cp=2, qkv_format="thd", hardware="nvidia"), "dsv4 train --cp 2 starts local gloo processes"),
+])
+def test_training_layouts_the_trainer_does_not_start_are_refused_by_the_table(impl, choices, message):
+    """The models run --tp (miles) and --ep (both), the trainer starts ranks for --cp only (on the CPU): a
+    training run asking for more is refused at parse time by the combination table, naming the fix; the
+    same layout is valid for scoring."""
+    from core.combinations import InvalidCombination
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
-    from train.trainer import run_training
 
-    rc = normalize(Choices(impl="megatron", ep=2, model=small_config()), make_host(third_party=False),
-                   model_name="test")
-    with pytest.raises(NotBuiltError) as err:
-        run_training(rc, small_config(), mode="sft", steps=1, run_dir=tmp_path / "run")
-    assert str(err.value) == (
-        "dsv4 train with --tp 1 --ep 2 is not built yet (issue #9: the trainer starts ranks for --cp only, while "
-        "the models run tensor parallel (miles) and expert parallel (both), as `python -m train.bench_parallel "
-        "--layouts megatron:ep2` does on GPUs. Fix: train with --tp 1 --ep 1); nothing was run.")
-    assert not (tmp_path / "run").exists()
+    host = make_host(third_party=False)
+    with pytest.raises(InvalidCombination, match=message):
+        normalize(Choices(impl=impl, model=small_config(), job="train", **choices), host)
+    normalize(Choices(impl=impl, model=small_config(), job="score", **choices), host)

@@ -174,10 +174,13 @@ def test_install_refuses_a_model_without_switches():
 
 
 def test_publish_scheme_of_qat_is_bf16():
-    from launchers.stages import publish_scheme
+    """A QAT run publishes its trained master weights unquantized: the scheme's record says so, and the
+    assembled scheme installs the fake quantization in a training model."""
+    from core.assembly import assemble
 
     c = small_config()
-    assert publish_scheme(run_config("miles", c, "qat")) == "bf16"
+    run = run_config("miles", c, "qat")
+    assert run.selection.quant.publish_format == "bf16" and assemble(run).scheme.publish_format == "bf16"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -191,7 +194,7 @@ def test_two_qat_training_steps(impl, tmp_path):
                                         "reward": {"type": "valid_bytes"}}) + "\n" for i in range(8)))
     run_training(run_config(impl, c, "qat"), c, mode="grpo", steps=2, run_dir=tmp_path / "run", data=str(data),
                  max_new_tokens=3, prompts_per_step=1, group_size=3, lr=1e-3, mtp_coef=0.3,
-                 publish_scheme="bf16", export_at_end=False, progress=False)
+                 export_at_end=False, progress=False)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
