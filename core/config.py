@@ -14,6 +14,13 @@ Presets (see ``PRESETS``):
   layers with ratios ``0 0 4 128``, 3 hash layers and **no MTP layer**
   (``n_mtp_layers=0``; the reference system's ``compress_ratios`` list has 4
   entries). That is what makes its parameter count 27,390,526,557.
+* ``flash-shaped``: the real V4-Flash *layer* dimensions (hidden 4096, 64 heads
+  x 512 with rope 64, q_lora 1024, 8 output groups x 1024, indexer 64 x 128
+  top-k 512, window 128, expert width 2048 top-6, hc_mult 4, vocab 129280,
+  3 hash layers) with 4 trunk layers (ratios ``0 0 4 128``), Flash's one MTP
+  layer (ratio 0) and only 32 routed experts + 1 shared: every tensor has a
+  real Flash shape, the expert count is cut so the model stays small enough
+  for interop tests (upstream name lists, checkpoint formats).
 * ``tiny``: CPU-sized model with every layer kind (window / CSA / HCA trunk
   layers, hash and learned routing, one window-only MTP layer).
 """
@@ -431,10 +438,13 @@ _TINY = _FLASH.replace(
     compress_ratios=(0, 4, 128, 4, 0),
 )
 
+_FLASH_SHAPED = _FLASH.replace(n_layers=4, n_mtp_layers=1, n_routed_experts=32, compress_ratios=(0, 0, 4, 128, 0))
+
 PRESETS: dict[str, ModelConfig] = {
     "flash": _FLASH,
     "pro": _PRO,
     "flash-4layer": _FLASH_4LAYER,
+    "flash-shaped": _FLASH_SHAPED,
     "tiny": _TINY,
 }
 

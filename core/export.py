@@ -5,8 +5,7 @@
   size-bounded buckets. A bucket never splits an atomic export group
   (:data:`core.weight_contract.ATOMIC_EXPORT_GROUPS`): SGLang fuses
   wq_a+wkv and concatenates the compressor wkv+wgate halves as they arrive, the
-  packed ``hc_*_scale`` needs all three alphas, ``linear_fc1`` yields w1+w3
-  and ``eh_proj`` yields e_proj+h_proj.
+  packed ``hc_*_scale`` needs all three alphas and ``linear_fc1`` yields w1+w3.
 * :func:`check_weights` compares the tensors an engine would hold with the
   expected ones and names every problem, including the two the reference
   system shipped: an all-zero / all-(-1) ``tid2eid`` (a buffer that weight

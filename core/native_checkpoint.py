@@ -15,8 +15,11 @@ atomically: into a temporary sibling, renamed into place once complete
 Loading **refuses** (:class:`StaleCheckpointError`, with the re-conversion
 command) a folder without ``dsv4_native.json``, one written under another
 contract version, and one holding pre-contract names such as
-``decoder.layers.0.self_attention.wq_a.weight``; the names are checked from
-the DCP metadata before any tensor is read.
+``decoder.layers.0.self_attention.wq_a.weight`` or contract v1's
+``mapping_proj.bias`` / ``mtp.layers.K.transformer_layer.`` / ``eh_proj``; the
+names are checked from the DCP metadata before any tensor is read. Routed experts
+stored in Megatron-Bridge's ``mlp.experts.local_experts.E.linear_fc{1,2}.weight``
+form load under the contract's ``linear_fc{1,2}.weightE``.
 
 Safety: DCP stores tensors in its own format and reads them with
 ``torch.load(weights_only=True)``; its ``.metadata`` file is a pickle, which
@@ -172,7 +175,7 @@ def assert_checkpoint_is_current(path, *, impl: Optional[str] = None) -> Dict[st
             f"(contract_version={ver!r}, this code reads v{wc.CONTRACT_VERSION}); "
             f"{_reconvert(impl or meta.get('impl'))}")
     md = _read_dcp_metadata(p)
-    stale = [(n, wc.stale_reason(n)) for n in md.state_dict_metadata]
+    stale = [(n, wc.stale_reason(wc.canonical_native_name(n))) for n in md.state_dict_metadata]
     stale = [(n, why) for n, why in stale if why]
     if stale:
         shown = "; ".join(f"{n!r} ({why})" for n, why in stale[:3])
@@ -290,9 +293,14 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
     md = _read_dcp_metadata(p)
     want = wc.native_names(saved_cfg)
     state: Dict[str, torch.Tensor] = {}
-    for name, item in md.state_dict_metadata.items():
+    stored: Dict[str, str] = {}  # contract name -> name in the file (Megatron-Bridge's local_experts form)
+    for stored_name, item in md.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
-            raise NativeCheckpointError(f"{p}: entry {name!r} is not a tensor; refusing to unpickle it")
+            raise NativeCheckpointError(f"{p}: entry {stored_name!r} is not a tensor; refusing to unpickle it")
+        name = wc.canonical_native_name(stored_name)
+        if name in stored:
+            raise NativeCheckpointError(f"{p}: {stored_name!r} and {stored[name]!r} are the same tensor {name!r}")
+        stored[name] = stored_name
         if name not in want:
             raise StaleCheckpointError(f"{p}: tensor {name!r} is not in the model's contract; "
                                        f"{_reconvert(impl or meta.get('impl'))}")
@@ -307,8 +315,9 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
 
     import torch.distributed.checkpoint as dcp
 
+    by_stored = {stored[n]: t for n, t in state.items()}
     with _quiet_single_process():
-        dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
+        dcp.load(by_stored, storage_reader=_make_reader(p), no_dist=True)
     meta = dict(meta)
     meta["loaded_by"] = impl
     return state, meta

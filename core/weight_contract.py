@@ -15,7 +15,7 @@ scope      official prefix             native prefix
 =========  ==========================  ==========================================
 global     (none)                      (none)
 block      ``layers.N.``               ``decoder.layers.N.``
-           ``mtp.K.``                  ``mtp.layers.K.transformer_layer.``
+           ``mtp.K.``                  ``mtp.layers.K.mtp_model_layer.``
 mtp        ``mtp.K.``                  ``mtp.layers.K.``
 =========  ==========================  ==========================================
 
@@ -27,9 +27,17 @@ parts along ``Rule.dim``:
   ``alpha_res`` (``[1]`` each) on import and re-packed ``[pre, post, res]`` on
   export;
 * routed / shared expert ``linear_fc1`` is ``cat(w1, w3)`` along dim 0 (gate
-  rows first, then up);
-* MTP ``eh_proj`` is ``cat(e_proj, h_proj)`` along dim 1 (its input is
-  ``cat(e, h)``).
+  rows first, then up).
+
+The native names are upstream Megatron's own (NVIDIA Megatron-LM ``dev``:
+``HyperConnectionModule`` keeps its static bias as ``<site>.bias``, the MTP block
+lives under ``mtp.layers.K.mtp_model_layer``, MTP ``e_proj`` / ``h_proj`` are
+separate when hyper-connections are on); ``docs/interop.md`` lists the upstream
+commits and ``tests/contract/data/upstream_names_*.json`` the upstream names.
+Contract v1 names (``mapping_proj.bias``, ``mtp.layers.K.transformer_layer.``,
+the fused ``eh_proj``) are refused as stale. Megatron-Bridge's sequential-expert
+form ``mlp.experts.local_experts.E.linear_fc{1,2}.weight`` is accepted on import
+(:func:`canonical_native_name`).
 
 The names below are the official reference names (``official_tensor_specs``),
 the *logical* (dequantised) tensors: ``.scale`` entries are not part of the
@@ -67,7 +75,7 @@ from core.errors import UserInputError
 
 #: Bumped whenever a native name, a split/cat layout or a dtype rule changes.
 #: Native checkpoints record it; a different version is refused.
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
 
 GLOBAL, BLOCK, MTP = "global", "block", "mtp"
 PARAMETER, FROZEN_PARAMETER, BUFFER = "parameter", "frozen_parameter", "buffer"
@@ -135,11 +143,11 @@ TABLE: Tuple[Rule, ...] = (
     _r(BLOCK, "attn_norm.weight", "input_layernorm.weight"),
     _r(BLOCK, "ffn_norm.weight", "pre_mlp_layernorm.weight"),
     _r(BLOCK, "hc_attn_fn", _HCA + "mapping_proj.weight", fp32=True),
-    _r(BLOCK, "hc_attn_base", _HCA + "mapping_proj.bias", fp32=True),
+    _r(BLOCK, "hc_attn_base", _HCA + "bias", fp32=True),
     _r(BLOCK, "hc_attn_scale", (_HCA + "alpha_pre", _HCA + "alpha_post", _HCA + "alpha_res"),
        fp32=True, group="self_attention_hc_alphas"),
     _r(BLOCK, "hc_ffn_fn", _HCF + "mapping_proj.weight", fp32=True),
-    _r(BLOCK, "hc_ffn_base", _HCF + "mapping_proj.bias", fp32=True),
+    _r(BLOCK, "hc_ffn_base", _HCF + "bias", fp32=True),
     _r(BLOCK, "hc_ffn_scale", (_HCF + "alpha_pre", _HCF + "alpha_post", _HCF + "alpha_res"),
        fp32=True, group="mlp_hc_alphas"),
     # ------------------------------------------------------- block: attention
@@ -178,7 +186,8 @@ TABLE: Tuple[Rule, ...] = (
     # ------------------------------------------------------------- MTP only
     _r(MTP, "enorm.weight", "enorm.weight"),
     _r(MTP, "hnorm.weight", "hnorm.weight"),
-    _r(MTP, ("e_proj.weight", "h_proj.weight"), "eh_proj.weight", dim=1, group="eh_proj"),
+    _r(MTP, "e_proj.weight", "e_proj.weight"),
+    _r(MTP, "h_proj.weight", "h_proj.weight"),
     _r(MTP, "norm.weight", "final_layernorm.weight"),
     _r(MTP, "hc_head_fn", "hc_head_fn", fp32=True),
     _r(MTP, "hc_head_base", "hc_head_base", fp32=True),
@@ -241,7 +250,7 @@ _NATIVE_INDEX = _Index("native")
 _RX_OFF_LAYER = re.compile(r"layers\.(\d+)\.(.+)\Z", re.S)
 _RX_OFF_MTP = re.compile(r"mtp\.(\d+)\.(.+)\Z", re.S)
 _RX_NAT_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\Z", re.S)
-_RX_NAT_MTP_BLOCK = re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\.(.+)\Z", re.S)
+_RX_NAT_MTP_BLOCK = re.compile(r"mtp\.layers\.(\d+)\.mtp_model_layer\.(.+)\Z", re.S)
 _RX_NAT_MTP = re.compile(r"mtp\.layers\.(\d+)\.(.+)\Z", re.S)
 
 
@@ -281,7 +290,7 @@ def _official_candidates(name: str):
     if m:
         k = m.group(1)
         return m.group(2), [(MTP, f"mtp.{k}.", f"mtp.layers.{k}."),
-                            (BLOCK, f"mtp.{k}.", f"mtp.layers.{k}.transformer_layer.")]
+                            (BLOCK, f"mtp.{k}.", f"mtp.layers.{k}.mtp_model_layer.")]
     return name, [(GLOBAL, "", "")]
 
 
@@ -293,7 +302,7 @@ def _native_candidates(name: str):
     m = _RX_NAT_MTP_BLOCK.match(name)
     if m:
         k = m.group(1)
-        return m.group(2), [(BLOCK, f"mtp.{k}.", f"mtp.layers.{k}.transformer_layer.")]
+        return m.group(2), [(BLOCK, f"mtp.{k}.", f"mtp.layers.{k}.mtp_model_layer.")]
     m = _RX_NAT_MTP.match(name)
     if m:
         k = m.group(1)
@@ -490,9 +499,30 @@ _LEGACY_PATTERNS: Tuple[Tuple["re.Pattern", str], ...] = tuple((re.compile(p), w
      "pre-contract HCHeadParams name (now decoder.hc_head_fn / hc_head_base / hc_head_scale)"),
     (r"(^|\.)(compressor|indexer\.compressor)\.(wkv|wgate)\.",
      "pre-contract compressor name (now linear_wkv / linear_wgate)"),
-    (r"(^|\.)mtp_model_layer\.", "MTP block must be under mtp.layers.K.transformer_layer."),
+    (r"(^|\.)mtp\.layers\.\d+\.transformer_layer\.",
+     "contract v1 MTP block name (now mtp.layers.K.mtp_model_layer., as in upstream Megatron)"),
+    (r"_hyper_connection\.mapping_proj\.bias$",
+     "contract v1 hyper-connection bias (now <site>_hyper_connection.bias, as in upstream Megatron)"),
+    (r"(^|\.)mtp\.layers\.\d+\.eh_proj\.",
+     "contract v1 fused MTP projection (now separate mtp.layers.K.e_proj / h_proj, as in upstream Megatron)"),
     (r"^module\.", "wrapper prefix (DDP / Float16Module 'module.') must be stripped"),
 ))
+
+
+_RX_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight\Z", re.S)
+
+
+def canonical_native_name(name: str) -> str:
+    """The contract's spelling of a native name written by another Megatron setup.
+
+    Megatron-Bridge / megatron-core with sequential (non-grouped) experts hold routed expert
+    ``E`` as ``...mlp.experts.local_experts.E.linear_fc1.weight``; the contract (and the
+    grouped-GEMM experts of upstream's DeepSeek-V4 spec) spell it ``...mlp.experts.linear_fc1.weightE``.
+    Every other name is returned unchanged."""
+    m = _RX_LOCAL_EXPERT.match(name)
+    if m:
+        return f"{m.group(1)}{m.group(3)}.weight{int(m.group(2))}"
+    return name
 
 
 def _legacy_reason(name: str) -> Optional[str]:
@@ -589,8 +619,7 @@ def hf_to_native(name_tensor_iter: Iterable[Tuple[str, torch.Tensor]], config) -
     """Official ``(name, tensor)`` pairs -> native ``(name, tensor)`` pairs, streaming.
 
     Renames; splits ``hc_*_scale`` into the three alphas; concatenates w1/w3
-    into ``linear_fc1`` and e_proj/h_proj into ``eh_proj`` as soon as both
-    halves have arrived (only incomplete halves are held). fp32-kept tensors
+    into ``linear_fc1`` as soon as both halves have arrived (only incomplete halves are held). fp32-kept tensors
     are upcast to fp32 (lossless); nothing else changes dtype. Raises
     :class:`WeightContractError` naming the tensor on an unknown / duplicate
     name, a wrong shape, a float ``tid2eid``, or a group left incomplete.
@@ -624,7 +653,7 @@ def native_to_hf(native_iter: Iterable[Tuple[str, torch.Tensor]], config, *,
 
     Inverse of :func:`hf_to_native`: the three alphas are packed into
     ``hc_*_scale`` once all three have arrived; ``linear_fc1`` is split into
-    w1/w3 and ``eh_proj`` into e_proj/h_proj. Dtypes are kept (fp32 stays
+    w1/w3. Dtypes are kept (fp32 stays
     fp32) unless ``official_dtypes=True``, which casts every tensor to the
     official checkpoint's logical dtype (bf16 for linears and norms, int64 for
     tid2eid) for writing an HF checkpoint. Raises like :func:`hf_to_native`.
@@ -722,7 +751,8 @@ def module_tensors(module: torch.nn.Module, config=None) -> Iterator[Tuple[str, 
 
 __all__ = [
     "ATOMIC_EXPORT_GROUPS", "BUFFER", "Binding", "CONTRACT_VERSION", "CONVERT_HINT", "FROZEN_PARAMETER",
-    "PARAMETER", "Rule", "TABLE", "WeightContractError", "check_native_state", "export_unit", "hf_to_native",
+    "PARAMETER", "Rule", "TABLE", "WeightContractError", "canonical_native_name", "check_native_state",
+    "export_unit", "hf_to_native",
     "holder", "is_integer_tensor", "module_tensors", "is_stale_name", "is_trainable", "iter_bindings", "keeps_fp32",
     "native_names", "native_to_hf", "native_to_official_names", "official_specs", "official_to_native_names",
     "rule_for", "stale_reason",

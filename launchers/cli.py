@@ -45,7 +45,7 @@ _RUN_OPTIONS = (
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
     ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),
     ("--rollout-engine", dict(help="Rollout engine plugin (reference, sglang); `dsv4 plugins` lists them. Default: reference.")),
-    ("--model", dict(help="Model: a preset (tiny, flash-4layer, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
+    ("--model", dict(help="Model: a preset (tiny, flash-4layer, flash-shaped, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
     ("--max-tokens-per-rank", dict(type=click.IntRange(min=1), help="Packing budget per context-parallel rank (THD dynamic batching).")),
     ("--qkv-format", dict(type=click.Choice(QKV_FORMATS), help="Activation layout; defaults to the implementation's first format (miles: bshd, megatron: thd).")),
     ("--strict-plugins", dict(is_flag=True, default=None, help="Fail when a third-party plugin cannot be loaded (default: warn and skip it).")),
@@ -228,7 +228,7 @@ def prepare_cmd(opts, preset: str, out: str, dtype: str, seed: int, overwrite: b
 
 
 @subcommand("inspect")
-@click.option("--preset", default=None, help="Model preset (flash, pro, flash-4layer, tiny).")
+@click.option("--preset", default=None, help="Model preset (flash, pro, flash-4layer, flash-shaped, tiny).")
 @click.option("--checkpoint", type=click.Path(file_okay=False), default=None, help="HF checkpoint directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json: bool):
@@ -281,6 +281,21 @@ def prepare_fp8_cmd(opts, in_dir, out, overwrite):
     Safe to run concurrently and to interrupt; a rerun is skipped.
     """
     stages.prepare_fp8(stages.user_path(in_dir), stages.user_path(out), overwrite=overwrite)
+
+
+@subcommand("dequantize")
+@click.option("--in", "in_dir", required=True, type=click.Path(file_okay=False), help="FP8 (or MXFP4-experts) checkpoint.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for the BF16 checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output made from other inputs.")
+def dequantize_cmd(opts, in_dir, out, overwrite):
+    """Dequantize an FP8 checkpoint (128x128 blocks, e8m0 or fp32 scales) to BF16.
+
+    MXFP4 routed experts are dequantized too; scale tensors are dropped,
+    every other tensor is copied unchanged and the quantization entries leave
+    config.json. Streams one shard at a time. Safe to run concurrently and to
+    interrupt; a rerun is skipped.
+    """
+    stages.dequantize(stages.user_path(in_dir), stages.user_path(out), overwrite=overwrite)
 
 
 def training_options(func):

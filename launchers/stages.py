@@ -44,6 +44,7 @@ STAGES = (
     Stage("logprobs", "score token sequences with the chosen implementation", True),
     Stage("convert", "HF -> native checkpoint through the weight contract", True),
     Stage("prepare-fp8", "MXFP4 routed experts -> FP8, lossless (checked per tile)", True),
+    Stage("dequantize", "FP8 (e8m0 or fp32 scales) / MXFP4 checkpoint -> BF16, streaming", True),
     Stage("train", "SFT / GRPO training with a rollout engine, replay, checkpoints", True),
     Stage("full-train", "prepare -> prepare-fp8 -> convert -> train, skipping completed stages", True),
     Stage("export", "a run's last checkpoint -> HF checkpoint", True),
@@ -187,6 +188,17 @@ def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
     from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
 
     return convert_mxfp4_to_fp8(in_dir, out, overwrite=overwrite)
+
+
+def dequantize(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
+    """FP8 / MXFP4 checkpoint -> BF16, one shard at a time, as a safe stage."""
+    from converters.fp8_to_bf16 import convert_fp8_to_bf16
+    from converters.staging import StageConflict
+
+    try:
+        return convert_fp8_to_bf16(in_dir, out, overwrite=overwrite)
+    except StageConflict as exc:
+        raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
 
 
 def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) -> None:

@@ -79,7 +79,7 @@ UNSUPPORTED_CASES = [
     struct(
         name = "unknown_model",
         args = ["--model", "gigantic"],
-        message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, pro, tiny",
+        message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, flash-shaped, pro, tiny",
     ),
     struct(
         name = "context_parallel_too_few_tokens_per_rank",

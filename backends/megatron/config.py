@@ -16,25 +16,36 @@ o_groups              o_groups
 o_lora_rank           o_lora_rank
 hc_mult               num_residual_streams
 hc_sinkhorn_iters     mhc_sinkhorn_iterations
-hc_eps                mhc_eps
+hc_eps                (none: upstream hard-codes 1e-6; :func:`mhc_eps` reads the model config)
 n_hash_layers         moe_n_hash_layers
+vocab_size            vocab_size, actual_vocab_size (the hash router's ``tid2eid`` rows)
 index_n_heads         dsa_indexer_n_heads
 index_head_dim        dsa_indexer_head_dim
 index_topk            dsa_indexer_topk
 (training knob)       dsa_indexer_loss_coeff (None = off)
+(fixed)               experimental_attention_variant = "dsv4_hybrid", enable_hyper_connections = True
+(init knob)           mhc_init_gating_factor (initial alpha_pre/post/res; upstream default 0.01)
 ====================  ==================================
+
+Every DeepSeek-V4 field name here is upstream Megatron-LM's (``dev``, see ``docs/interop.md``), so a
+config dumped from one side reads on the other. megatron-core 0.19.2 (the pinned version) does not
+know ``"dsv4_hybrid"`` in its ``experimental_attention_variant`` literal; this class declares the
+field with the wider type and handles the variant itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-__all__ = ["DSv4NativeConfig", "native_config", "indexer_loss_enabled"]
+__all__ = ["DSv4NativeConfig", "native_config", "indexer_loss_enabled", "mhc_eps", "MHC_EPS"]
+
+#: upstream's ``_MHC_SINKHORN_EPS`` / ``_MHC_COMPUTE_H_EPS`` (hard-coded there; the official ``hc_eps``).
+MHC_EPS = 1e-6
 
 
 @dataclass
@@ -57,7 +68,17 @@ class DSv4NativeConfig(MLATransformerConfig):
     """mHC streams (``hc_mult``)."""
 
     mhc_sinkhorn_iterations: int = 20
-    mhc_eps: float = 1e-6
+
+    enable_hyper_connections: bool = True
+    """Always on for DeepSeek-V4 (upstream's switch for ``HyperConnectionTransformerLayer``)."""
+
+    mhc_init_gating_factor: float = 0.01
+    """Initial value of the three alphas of every ``HyperConnectionModule`` (upstream's default)."""
+
+    experimental_attention_variant: Optional[Literal["gated_delta_net", "dsa", "dsv4_hybrid"]] = "dsv4_hybrid"
+
+    actual_vocab_size: Optional[int] = None
+    """Rows of the hash router's ``tid2eid`` table (the tokenizer's vocabulary)."""
 
     moe_n_hash_layers: int = 0
     """The first ``moe_n_hash_layers`` trunk layers route by the frozen ``tid2eid`` table."""
@@ -67,7 +88,19 @@ class DSv4NativeConfig(MLATransformerConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        super().__post_init__()
+        variant = self.experimental_attention_variant
+        if variant not in (None, "dsv4_hybrid"):
+            raise ValueError(f"experimental_attention_variant must be 'dsv4_hybrid', got {variant!r}")
+        # megatron-core 0.19.2 validates only the variants it knows: hide ours from its post-init
+        self.experimental_attention_variant = None
+        try:
+            super().__post_init__()
+        finally:
+            self.experimental_attention_variant = "dsv4_hybrid"
+        if not self.enable_hyper_connections:
+            raise ValueError("DeepSeek-V4 requires enable_hyper_connections=True")
+        if self.moe_n_hash_layers and not self.actual_vocab_size:
+            raise ValueError("actual_vocab_size must be set when moe_n_hash_layers > 0 (the tid2eid table rows)")
         if self.csa_compress_ratios is None:
             raise ValueError("csa_compress_ratios is required (one entry per trunk layer and MTP layer)")
         want = self.num_layers + (self.mtp_num_layers or 0)
@@ -83,6 +116,13 @@ class DSv4NativeConfig(MLATransformerConfig):
 
     def is_hash_layer(self, layer_id: int) -> bool:
         return layer_id < min(self.moe_n_hash_layers, self.num_layers)
+
+
+def mhc_eps(config) -> float:
+    """The mHC epsilon (Sinkhorn and ``pre``/head gates): the model config's ``hc_eps`` when the
+    config carries one (``native_config`` attaches it), else upstream's hard-coded value."""
+    mc = getattr(config, "dsv4_model_config", None)
+    return float(mc.hc_eps) if mc is not None else MHC_EPS
 
 
 def indexer_loss_enabled(config) -> bool:
@@ -118,8 +158,9 @@ def native_config(model_config, run_config=None, *, params_dtype: torch.dtype = 
         dsa_indexer_topk=c.index_topk, dsa_indexer_loss_coeff=dsa_indexer_loss_coeff,
         csa_window_size=c.window_size, csa_compress_ratios=list(c.compress_ratios),
         csa_compress_rotary_base=c.compress_rope_theta, o_groups=c.o_groups, o_lora_rank=c.o_lora_rank,
-        num_residual_streams=c.hc_mult, mhc_sinkhorn_iterations=c.hc_sinkhorn_iters, mhc_eps=c.hc_eps,
-        moe_n_hash_layers=c.n_hash_layers, vocab_size=c.vocab_size,
+        num_residual_streams=c.hc_mult, mhc_sinkhorn_iterations=c.hc_sinkhorn_iters,
+        enable_hyper_connections=True, experimental_attention_variant="dsv4_hybrid",
+        moe_n_hash_layers=c.n_hash_layers, vocab_size=c.vocab_size, actual_vocab_size=c.vocab_size,
         max_sequence_length=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
     )
     kw.update({k: v for k, v in overrides.items() if k in _OWN_FIELDS})

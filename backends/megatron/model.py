@@ -3,7 +3,7 @@
 Module tree (names = ``core.weight_contract`` native names)::
 
     embedding.word_embeddings.weight                     megatron LanguageModelEmbedding
-    decoder.layers.N.self_attention_hyper_connection.*   HyperConnectionModule (mapping_proj, alpha_*)
+    decoder.layers.N.self_attention_hyper_connection.*   HyperConnectionModule (mapping_proj, bias, alpha_*)
     decoder.layers.N.input_layernorm.weight
     decoder.layers.N.self_attention.*                    DSv4HybridAttention (attention.py)
     decoder.layers.N.mlp_hyper_connection.*
@@ -11,7 +11,7 @@ Module tree (names = ``core.weight_contract`` native names)::
     decoder.layers.N.mlp.*                               engine.moe.DSv4MoE (shared with `miles`)
     decoder.final_layernorm.weight, decoder.hc_head_{fn,base,scale}
     output_layer.weight                                  megatron ColumnParallelLinear
-    mtp.layers.K.{enorm,hnorm,eh_proj,final_layernorm,hc_head_*}, mtp.layers.K.transformer_layer.*
+    mtp.layers.K.{enorm,hnorm,e_proj,h_proj,final_layernorm,hc_head_*}, mtp.layers.K.mtp_model_layer.*
 
 Forward (one packed stream ``input_ids [T]`` with ``cu_seqlens``)::
 
@@ -103,8 +103,9 @@ class DSv4TransformerBlock(KeepFP32Module, MegatronModule):
 
 
 class DSv4MTPLayer(KeepFP32Module, MegatronModule):
-    """``mtp.layers.K``: ``enorm``, ``hnorm``, ``eh_proj [C, 2C]`` (input ``cat(e, h)``), a window-only
-    ``transformer_layer``, ``final_layernorm`` and its own ``hc_head_*``."""
+    """``mtp.layers.K``: ``enorm``, ``hnorm``, ``e_proj [C, C]`` and ``h_proj [C, C]`` (separate, as upstream
+    builds them with hyper-connections on), a window-only ``mtp_model_layer``, ``final_layernorm`` and its
+    own ``hc_head_*``."""
 
     def __init__(self, config, k: int, ops):
         super().__init__(config=config)
@@ -112,21 +113,23 @@ class DSv4MTPLayer(KeepFP32Module, MegatronModule):
         self.ops = ops
         self.enorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
         self.hnorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
-        self.eh_proj = tensor_parallel.ColumnParallelLinear(
-            2 * c.hidden_size, c.hidden_size, config=c, init_method=c.init_method, bias=False,
+        self.e_proj = tensor_parallel.ColumnParallelLinear(
+            c.hidden_size, c.hidden_size, config=c, init_method=c.init_method, bias=False,
             gather_output=True, skip_bias_add=True)
-        self.transformer_layer = DSv4TransformerLayer(c, c.num_layers + k, ops)
+        self.h_proj = tensor_parallel.ColumnParallelLinear(
+            c.hidden_size, c.hidden_size, config=c, init_method=c.init_method, bias=False,
+            gather_output=True, skip_bias_add=True)
+        self.mtp_model_layer = DSv4TransformerLayer(c, c.num_layers + k, ops)
         self.final_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
         register_head_params(self, c)
 
     def forward(self, streams: torch.Tensor, emb: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
         """``streams [T,1,n,C]`` previous depth, ``emb [T,1,C]`` embedding of the next tokens."""
-        n = streams.shape[2]
-        e = self.enorm(emb).unsqueeze(2).expand(-1, -1, n, -1)
-        eh = torch.cat((e, self.hnorm(streams)), dim=-1)                       # [T, 1, n, 2C]
-        # megatron's linear backward takes at most [s, b, h] inputs: run it on [T, n, 2C]
-        x = self.eh_proj(eh.flatten(1, 2))[0].view(*eh.shape[:-1], -1)
-        x, _ = self.transformer_layer(x, layout, input_ids)
+        e = self.e_proj(self.enorm(emb))[0].unsqueeze(2)                       # [T, 1, 1, C]
+        h = self.hnorm(streams)                                                # [T, 1, n, C]
+        # megatron's linear backward takes at most [s, b, h] inputs: run it on [T, n, C]
+        x = e + self.h_proj(h.flatten(1, 2))[0].view(*h.shape[:-1], -1)
+        x, _ = self.mtp_model_layer(x, layout, input_ids)
         return x
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,13 @@ Layout (names exactly as ``core.weight_contract.native_names``)::
     embedding.word_embeddings.weight                 megatron VocabParallelEmbedding (vocab split)
     decoder.layers.N.input_layernorm / pre_mlp_layernorm
     decoder.layers.N.self_attention.*                backends.miles.attention.DeepSeekV4Attention
-    decoder.layers.N.self_attention_hyper_connection.{mapping_proj.weight, mapping_proj.bias,
+    decoder.layers.N.self_attention_hyper_connection.{mapping_proj.weight, bias,
                                                       alpha_pre, alpha_post, alpha_res}   (fp32)
     decoder.layers.N.mlp.*                           engine.moe.DSv4MoE
     decoder.layers.N.mlp_hyper_connection.*
     decoder.final_layernorm, decoder.hc_head_{fn,base,scale}
     output_layer.weight                              megatron ColumnParallelLinear (vocab split)
-    mtp.layers.K.{enorm, hnorm, eh_proj, final_layernorm, hc_head_*}, mtp.layers.K.transformer_layer.*
+    mtp.layers.K.{enorm, hnorm, e_proj, h_proj, final_layernorm, hc_head_*}, mtp.layers.K.mtp_model_layer.*
 
 Activations are batch-first (BSHD): residual streams ``[B, S, hc_mult, d]``. The mHC math is the
 kernel backend's ``hc_pre`` / ``hc_post`` / ``hc_head`` with ``scale = cat(alpha_pre, alpha_post,
@@ -55,13 +55,12 @@ def _fp32_param(shape, fill=None, std=0.02):
 
 
 class MappingProj(KeepFP32Module):
-    """``mapping_proj``: ``weight [(2+n)n, n d]`` rows [pre(n), post(n), res(n^2)], ``bias``; fp32."""
+    """``mapping_proj``: ``weight [(2+n)n, n d]`` rows [pre(n), post(n), res(n^2)]; fp32, no bias (the
+    static bias is the site's own ``bias`` Parameter, as in upstream Megatron)."""
 
     def __init__(self, n: int, dim: int, std: float = 0.02):
         super().__init__()
-        mix = (2 + n) * n
-        self.weight = _fp32_param((mix, n * dim), std=std)
-        self.bias = _fp32_param((mix,), fill=0.0)
+        self.weight = _fp32_param(((2 + n) * n, n * dim), std=std)
 
 
 class HyperConnection(KeepFP32Module):
@@ -75,13 +74,14 @@ class HyperConnection(KeepFP32Module):
         self.alpha_pre = _fp32_param((1,), fill=1.0)
         self.alpha_post = _fp32_param((1,), fill=1.0)
         self.alpha_res = _fp32_param((1,), fill=1.0)
+        self.bias = _fp32_param(((2 + c.hc_mult) * c.hc_mult,), fill=0.0)
 
     def scale(self) -> torch.Tensor:
         return torch.cat((self.alpha_pre, self.alpha_post, self.alpha_res))
 
     def pre(self, x: torch.Tensor):
         """``x [B,S,n,d]`` -> ``(layer input [B,S,d], post [B,S,n], comb [B,S,n,n])``."""
-        return self.ops.hc_pre(x, self.mapping_proj.weight, self.scale(), self.mapping_proj.bias,
+        return self.ops.hc_pre(x, self.mapping_proj.weight, self.scale(), self.bias,
                                self.norm_eps, self.hc_eps, self.iters)
 
     def post(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ class HyperConnection(KeepFP32Module):
 
 
 class DeepSeekV4Layer(nn.Module):
-    """One block (``decoder.layers.N`` / ``mtp.layers.K.transformer_layer``)."""
+    """One block (``decoder.layers.N`` / ``mtp.layers.K.mtp_model_layer``)."""
 
     def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float = 0.02,
                  freeze_indexer: bool = True):
@@ -144,9 +144,8 @@ class DeepSeekV4Decoder(_HCHead):
 
 
 class DeepSeekV4MTPLayer(_HCHead):
-    """``mtp.layers.K``: ``enorm``, ``hnorm``, ``eh_proj [d, 2d]`` (= cat(e_proj, h_proj) on the
-    input dim), ``transformer_layer`` (window-only block ``n_layers + K``), ``final_layernorm``,
-    ``hc_head_*``."""
+    """``mtp.layers.K``: ``enorm``, ``hnorm``, ``e_proj [d, d]``, ``h_proj [d, d]``, ``mtp_model_layer``
+    (window-only block ``n_layers + K``), ``final_layernorm``, ``hc_head_*``."""
 
     def __init__(self, c, tconfig, k: int, ops, params_dtype=torch.float32, std: float = 0.02,
                  freeze_indexer=True):
@@ -154,8 +153,9 @@ class DeepSeekV4MTPLayer(_HCHead):
         self.ops, self.norm_eps, self.hc_eps, self.dim = ops, c.norm_eps, c.hc_eps, c.dim
         self.enorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
         self.hnorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
-        self.eh_proj = Linear(2 * c.dim, c.dim, params_dtype, std)
-        self.transformer_layer = DeepSeekV4Layer(c, tconfig, c.n_layers + k, ops, params_dtype, std,
+        self.e_proj = Linear(c.dim, c.dim, params_dtype, std)
+        self.h_proj = Linear(c.dim, c.dim, params_dtype, std)
+        self.mtp_model_layer = DeepSeekV4Layer(c, tconfig, c.n_layers + k, ops, params_dtype, std,
                                                  freeze_indexer)
         self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
         self._init_hc_head(c, std)
@@ -164,11 +164,10 @@ class DeepSeekV4MTPLayer(_HCHead):
                 thd: ThdContext | None = None) -> torch.Tensor:
         """``h [B,L,n,d]`` previous streams, ``embedded [B,L,d]`` embeddings of ``input_ids``."""
         e = self.enorm(embedded)
-        w = self.eh_proj.weight
-        x = F.linear(e, w[:, : self.dim].to(e.dtype)).unsqueeze(2)
+        x = F.linear(e, self.e_proj.weight.to(e.dtype)).unsqueeze(2)
         hn = self.hnorm(h)
-        x = x + F.linear(hn, w[:, self.dim:].to(hn.dtype))
-        return self.transformer_layer(x, input_ids, thd)
+        x = x + F.linear(hn, self.h_proj.weight.to(hn.dtype))
+        return self.mtp_model_layer(x, input_ids, thd)
 
 
 class DeepSeekV4MTP(nn.Module):

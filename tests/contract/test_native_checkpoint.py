@@ -111,6 +111,47 @@ def test_pre_contract_names_are_refused(native, tmp_path):
     assert "decoder.layers.0.self_attention.wq_a.weight" in msg and "dsv4 convert --impl megatron" in msg
 
 
+def _v1_name(n: str) -> str:
+    """Contract v1's spelling of a v2 name (before the names became upstream Megatron's)."""
+    n = n.replace(".mtp_model_layer.", ".transformer_layer.")
+    return n[:-len("_hyper_connection.bias")] + "_hyper_connection.mapping_proj.bias" \
+        if n.endswith("_hyper_connection.bias") else n
+
+
+def test_a_contract_v1_checkpoint_is_refused_naming_the_fix(native, tmp_path):
+    cfg, state = native
+    out = nc.save_native(tmp_path / "v2", state, impl="megatron", config=cfg)
+    meta = json.loads((out / nc.META_FILE).read_text())
+    _write_legacy_dcp(tmp_path / "v1", {_v1_name(n): t for n, t in state.items()})
+    (tmp_path / "v1" / nc.META_FILE).write_text(json.dumps({**meta, "contract_version": 1}))
+    with pytest.raises(nc.StaleCheckpointError, match=r"older weight contract.*dsv4 convert --impl megatron"):
+        nc.load_native(tmp_path / "v1")
+    # v1 names under a v2 stamp: each old spelling is named with the upstream name that replaced it
+    (tmp_path / "v1" / nc.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(nc.StaleCheckpointError, match=r"mtp_model_layer|_hyper_connection\.bias"):
+        nc.load_native(tmp_path / "v1")
+
+
+def test_bridge_local_experts_names_load_under_contract_names(native, tmp_path):
+    cfg, state = native
+    out = nc.save_native(tmp_path / "c", state, impl="megatron", config=cfg)
+    meta = (out / nc.META_FILE).read_text()
+    rx = __import__("re").compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+    def bridge(n):
+        m = rx.match(n)
+        return f"{m.group(1)}local_experts.{m.group(3)}.{m.group(2)}.weight" if m else n
+
+    renamed = {bridge(n): t for n, t in state.items()}
+    assert any(".local_experts.7.linear_fc1.weight" in n for n in renamed)
+    _write_legacy_dcp(tmp_path / "bridge", renamed)
+    (tmp_path / "bridge" / nc.META_FILE).write_text(meta)
+    got, _ = nc.load_native(tmp_path / "bridge", config=cfg)
+    assert got.keys() == state.keys()
+    for n, t in state.items():
+        assert torch.equal(got[n], t), n
+
+
 @pytest.mark.parametrize("version", [None, 0, wc.CONTRACT_VERSION + 1, "1"])
 def test_other_or_missing_contract_version_is_refused(native, tmp_path, version):
     cfg, state = native

@@ -61,7 +61,7 @@ def test_native_names_spot_checks():
     L = "decoder.layers.3."  # CSA layer (ratio 4), learned routing
     for suffix in [
         "input_layernorm.weight", "pre_mlp_layernorm.weight",
-        "self_attention_hyper_connection.mapping_proj.weight", "self_attention_hyper_connection.mapping_proj.bias",
+        "self_attention_hyper_connection.mapping_proj.weight", "self_attention_hyper_connection.bias",
         "self_attention_hyper_connection.alpha_pre", "mlp_hyper_connection.alpha_res",
         "self_attention.linear_q_down_proj.weight", "self_attention.q_layernorm.weight",
         "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_proj.weight",
@@ -86,13 +86,13 @@ def test_native_names_spot_checks():
     assert nn[L + "mlp.experts.linear_fc1.weight3"] == ((2 * I, d), torch.bfloat16)
     assert nn[L + "self_attention_hyper_connection.alpha_post"] == ((1,), torch.float32)
     assert nn[L + "self_attention.core_attention.compressor.norm.weight"][1] == torch.float32
-    assert nn["mtp.layers.0.eh_proj.weight"] == ((d, 2 * d), torch.bfloat16)
+    assert nn["mtp.layers.0.e_proj.weight"] == nn["mtp.layers.0.h_proj.weight"] == ((d, d), torch.bfloat16)
     for k in ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
               "decoder.hc_head_fn", "decoder.hc_head_base", "decoder.hc_head_scale",
               "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight",
               "mtp.layers.0.hc_head_fn", "mtp.layers.0.hc_head_base", "mtp.layers.0.hc_head_scale",
-              "mtp.layers.0.transformer_layer.self_attention.linear_o_group_proj",
-              "mtp.layers.0.transformer_layer.mlp.router.expert_bias"]:
+              "mtp.layers.0.mtp_model_layer.self_attention.linear_o_group_proj",
+              "mtp.layers.0.mtp_model_layer.mlp.router.expert_bias"]:
         assert k in nn, k
 
 
@@ -123,7 +123,7 @@ def test_atomic_groups_declared():
     assert g["self_attention_hc_alphas"]["official"] == ("hc_attn_scale",)
     assert len(g["mlp_hc_alphas"]["native"]) == 3
     assert g["experts_fc1"]["official"] == ("ffn.experts.{e}.w1.weight", "ffn.experts.{e}.w3.weight")
-    assert g["eh_proj"]["official"] == ("e_proj.weight", "h_proj.weight")
+    assert "eh_proj" not in g  # e_proj / h_proj are separate native tensors now (contract v2)
     key, members, official = wc.export_unit("decoder.layers.1.self_attention.linear_kv_proj.weight", TINY)
     assert members == ("decoder.layers.1.self_attention.linear_q_down_proj.weight",
                        "decoder.layers.1.self_attention.linear_kv_proj.weight")
@@ -204,7 +204,7 @@ def test_alpha_split_and_pack_are_exact():
 def test_mtp_alpha_split():
     scale = torch.tensor([1.0, 2.0, 3.0])
     out = dict(wc.hf_to_native([("mtp.0.hc_attn_scale", scale)], TINY))
-    p = "mtp.layers.0.transformer_layer.self_attention_hyper_connection."
+    p = "mtp.layers.0.mtp_model_layer.self_attention_hyper_connection."
     assert [out[p + s].item() for s in ("alpha_pre", "alpha_post", "alpha_res")] == [1.0, 2.0, 3.0]
 
 
@@ -228,20 +228,18 @@ def test_fc1_cat_and_split_are_exact():
     assert back["layers.3.ffn.experts.6.w1.weight"].is_contiguous()
 
 
-def test_shared_expert_and_eh_proj_layouts():
+def test_shared_expert_and_mtp_projection_layouts():
     I, d = TINY.moe_inter_dim * TINY.n_shared_experts, TINY.dim
     w1, w3 = torch.full((I, d), 1.0), torch.full((I, d), 3.0)
     (n, fc1), = wc.hf_to_native([("mtp.0.ffn.shared_experts.w3.weight", w3),
                                  ("mtp.0.ffn.shared_experts.w1.weight", w1)], TINY)
-    assert n == "mtp.layers.0.transformer_layer.mlp.shared_experts.linear_fc1.weight"
+    assert n == "mtp.layers.0.mtp_model_layer.mlp.shared_experts.linear_fc1.weight"
     assert torch.equal(fc1, torch.cat([w1, w3]))  # gate (w1) first whatever the arrival order
     e, h = torch.randn(d, d), torch.randn(d, d)
-    (n, eh), = wc.hf_to_native([("mtp.0.e_proj.weight", e), ("mtp.0.h_proj.weight", h)], TINY)
-    assert n == "mtp.layers.0.eh_proj.weight" and eh.shape == (d, 2 * d)
-    x_e, x_h = torch.randn(3, d), torch.randn(3, d)
-    # eh_proj applied to cat(e, h) == e_proj(e) + h_proj(h)
-    torch.testing.assert_close(torch.cat([x_e, x_h], -1) @ eh.T, x_e @ e.T + x_h @ h.T, atol=1e-4, rtol=1e-4)
-    back = dict(wc.native_to_hf([(n, eh)], TINY))
+    out = dict(wc.hf_to_native([("mtp.0.e_proj.weight", e), ("mtp.0.h_proj.weight", h)], TINY))
+    assert list(out) == ["mtp.layers.0.e_proj.weight", "mtp.layers.0.h_proj.weight"]  # renames, no fusing
+    assert torch.equal(out["mtp.layers.0.e_proj.weight"], e) and torch.equal(out["mtp.layers.0.h_proj.weight"], h)
+    back = dict(wc.native_to_hf(out.items(), TINY))
     assert torch.equal(back["mtp.0.e_proj.weight"], e) and torch.equal(back["mtp.0.h_proj.weight"], h)
 
 
@@ -291,16 +289,34 @@ def test_stale_names():
     for n in ["decoder.layers.0.self_attention.wq_a.weight", "decoder.layers.3.hc_attn_fn",
               "decoder.layers.3.hc_ffn_scale", "decoder.hc_head_params.hc_head_fn",
               "decoder.layers.1.self_attention.attn_sink", "decoder.layers.1.self_attention.compressor.wkv.weight",
-              "mtp.layers.0.mtp_model_layer.input_layernorm.weight", "module.decoder.final_layernorm.weight",
+              "mtp.layers.0.transformer_layer.input_layernorm.weight", "mtp.layers.0.eh_proj.weight",
+              "decoder.layers.0.mlp_hyper_connection.mapping_proj.bias", "module.decoder.final_layernorm.weight",
               "layers.0.attn.wq_a.weight", "something.else"]:
         assert wc.is_stale_name(n), n
         assert wc.stale_reason(n)
     assert "core_attention" in wc.stale_reason("decoder.layers.1.self_attention.attn_sink")
+    # contract v1 names are refused with the upstream name to use instead
+    assert "mtp_model_layer" in wc.stale_reason("mtp.layers.0.transformer_layer.input_layernorm.weight")
+    assert "e_proj" in wc.stale_reason("mtp.layers.0.eh_proj.weight")
+    assert "_hyper_connection.bias" in wc.stale_reason("decoder.layers.0.mlp_hyper_connection.mapping_proj.bias")
+    assert not wc.is_stale_name("mtp.layers.0.mtp_model_layer.input_layernorm.weight", TINY)
     assert not wc.is_stale_name("decoder.layers.1.self_attention.core_attention.attn_sink")
     assert not wc.is_stale_name("decoder.layers.99.input_layernorm.weight")  # structurally fine ...
     assert wc.is_stale_name("decoder.layers.99.input_layernorm.weight", TINY)  # ... but not in this model
     with pytest.raises(wc.WeightContractError, match=r"self_attention\.wq_a\.weight"):
         wc.check_native_state(["decoder.layers.0.self_attention.wq_a.weight"], TINY)
+
+
+def test_bridge_local_experts_names_are_accepted_on_import():
+    c = wc.canonical_native_name
+    assert c("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight") == \
+        "decoder.layers.3.mlp.experts.linear_fc1.weight7"
+    assert c("mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.0.linear_fc2.weight") == \
+        "mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc2.weight0"
+    for n in ["decoder.layers.3.mlp.shared_experts.linear_fc1.weight", "decoder.final_layernorm.weight"]:
+        assert c(n) == n
+    assert wc.is_stale_name("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight")  # not a contract name
+    assert not wc.is_stale_name(c("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight"), TINY)
 
 
 def _toy_model(tid2eid_as_buffer=False, sink_dtype=torch.float32):

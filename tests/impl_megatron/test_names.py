@@ -47,10 +47,12 @@ def test_holders_and_dtypes(model, tiny_config):
         t = params.get(name, buffers.get(name))
         if keeps_fp32(name):
             assert t.dtype == torch.float32, name
-    # the three alphas are separate [1] parameters, mapping_proj is a Linear with bias
+    # the three alphas are separate [1] parameters; mapping_proj has no bias, the static bias is its own
+    # Parameter (upstream Megatron's HyperConnectionModule)
     hc = model.decoder.layers[0].self_attention_hyper_connection
     assert [tuple(getattr(hc, a).shape) for a in ("alpha_pre", "alpha_post", "alpha_res")] == [(1,)] * 3
-    assert hc.mapping_proj.bias.shape == (tiny_config.hc_mult * (tiny_config.hc_mult + 2),)
+    assert hc.bias.shape == (tiny_config.hc_mult * (tiny_config.hc_mult + 2),)
+    assert not hasattr(hc.mapping_proj, "bias")
     assert isinstance(model.decoder.layers[0].self_attention.linear_o_group_proj, torch.nn.Parameter)
 
 
@@ -84,3 +86,27 @@ def test_tensor_parallel_tilelang_and_bshd_are_refused_by_the_table(tiny_config)
     for choices, message in cases:
         with pytest.raises(InvalidCombination, match=message):
             normalize(Choices(impl="megatron", model=tiny_config, **choices), host)
+
+
+def test_module_names_equal_upstream_megatron(model):
+    """Parameters + contract buffers == upstream Megatron-LM's state names (tests/contract/data)."""
+    from tests.contract.upstream_names import load
+
+    have = {n for n, _ in model.named_parameters()} | set(native_state(model))
+    assert sorted(have) == sorted(load("tiny")["names"])
+
+
+def test_config_uses_upstream_field_names(model, tiny_config):
+    """The DeepSeek-V4 fields upstream Megatron-LM reads are set under its names; ``mhc_eps`` is none of them."""
+    import dataclasses
+
+    c = model.config
+    fields = {f.name for f in dataclasses.fields(c)}
+    assert "mhc_eps" not in fields
+    assert c.experimental_attention_variant == "dsv4_hybrid"
+    assert c.enable_hyper_connections is True
+    assert c.actual_vocab_size == tiny_config.vocab_size
+    assert c.mhc_init_gating_factor == 0.01
+    assert c.num_residual_streams == tiny_config.hc_mult
+    assert list(c.csa_compress_ratios) == list(tiny_config.compress_ratios)
+    assert c.moe_n_hash_layers == tiny_config.n_hash_layers

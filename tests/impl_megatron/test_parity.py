@@ -68,7 +68,7 @@ def test_parity_is_sensitive_to_the_alpha_split(pair):
 
 
 def test_mtp_logits_parity(pair):
-    """The MTP block (window-only layer, eh_proj = cat(e_proj, h_proj)) on one sequence and on a packed stream."""
+    """The MTP block (window-only layer, separate e_proj and h_proj) on one sequence and on a packed stream."""
     ref, meg = pair
     g = torch.Generator().manual_seed(13)
     a, b = torch.randint(0, 1024, (37,), generator=g), torch.randint(0, 1024, (20,), generator=g)

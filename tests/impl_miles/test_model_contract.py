@@ -94,3 +94,11 @@ def test_build_through_run_config():
     ids = torch.randint(0, TINY.vocab_size, (1, 9))
     with torch.no_grad():
         assert m.logprobs(ids).shape == (1, 8)
+
+
+def test_module_names_equal_upstream_megatron(model):
+    """Parameters + contract buffers == upstream Megatron-LM's state names (tests/contract/data)."""
+    from tests.contract.upstream_names import load
+
+    have = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if not wc.stale_reason(n)}
+    assert sorted(have) == sorted(load("tiny")["names"])
