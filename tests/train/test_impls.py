@@ -231,6 +231,6 @@ def test_trainer_refuses_tensor_and_expert_parallel_runs_before_any_work(tmp_pat
         run_training(rc, small_config(), mode="sft", steps=1, run_dir=tmp_path / "run")
     assert str(err.value) == (
         "dsv4 train with --tp 1 --ep 2 is not built yet (issue #9: the trainer starts ranks for --cp only, while "
-        "the models run tensor parallel (miles) and expert parallel (both), as `python -m train.bench_parallel "
+        "the models run tensor parallel (miles) and expert parallel (both), as `python -m bench.parallel "
         "--layouts megatron:ep2` does on GPUs. Fix: train with --tp 1 --ep 1); nothing was run.")
     assert not (tmp_path / "run").exists()
