@@ -44,6 +44,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from core.atomic import write_text_atomically
+
 from . import data as D
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
@@ -238,9 +240,7 @@ class _Run:
             if not resume and (self.run_dir / "metrics.jsonl").exists():
                 raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
                                       f"a new --run-dir")
-            tmp = p.with_name(p.name + ".tmp")
-            tmp.write_text(json.dumps(desc, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, p)
+            write_text_atomically(p, json.dumps(desc, indent=2, sort_keys=True) + "\n")
             if self.ref_model is not None:
                 torch.save({n: t.detach().clone() for n, t in self.ref_model.native_tensors()},
                            self.run_dir / "ref_model.pt")
