@@ -44,6 +44,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from core import weight_contract as wc
+from core.atomic import fsync_dir, write_text_atomically
 from core.errors import UserInputError
 
 META_FILE = "dsv4_native.json"
@@ -236,11 +237,7 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
             "num_tensors": len(state),
             "complete": bool(complete),
         }
-        mf = tmp / META_FILE
-        with open(mf, "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        write_text_atomically(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True))
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
@@ -248,14 +245,7 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)
-        try:
-            fd = os.open(out.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

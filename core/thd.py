@@ -49,6 +49,9 @@ nothing, keeps no per-sample divisibility constraint, and lets packing fill the 
 Public API
 ----------
 * ``WINDOW = 128``
+* ``CpConfigError(ValueError)``; ``cp_local_range(total_tokens, cp, rank) -> (global_start, local_len)``
+  (rank ``r`` of ``cp`` holds the contiguous slice ``[r*T/cp, (r+1)*T/cp)``; :mod:`core.thd_cp`
+  re-exports both)
 * ``validate_cu_seqlens(cu_seqlens) -> Tensor`` (int64, checked)
 * ``segment_ids(cu_seqlens, rows) -> Tensor``: segment of each global row.
 * ``has_overlap(ratio) -> bool``: True for ratio 4 (the overlapping CSA compressor).
@@ -82,10 +85,12 @@ from torch import Tensor
 __all__ = [
     "WINDOW",
     "CompressedGroups",
+    "CpConfigError",
     "ThdLayout",
     "compressed_cu_seqlens",
     "compressed_groups",
     "compressed_visible_indices",
+    "cp_local_range",
     "has_overlap",
     "indexer_ranges",
     "segment_ids",
@@ -94,6 +99,23 @@ __all__ = [
 ]
 
 WINDOW = 128
+
+
+class CpConfigError(ValueError):
+    """An invalid context-parallel configuration (raised at parse time or when building maps)."""
+
+
+def cp_local_range(total_tokens: int, cp: int, rank: int) -> tuple[int, int]:
+    """``(global_start, local_len)`` of ``rank``'s contiguous slice of a stream of ``total_tokens`` rows."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise CpConfigError(f"need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
+    if total_tokens % cp:
+        raise CpConfigError(
+            f"packed stream of {total_tokens} tokens does not split evenly over cp={cp} ranks; "
+            f"pad the stream to a multiple of {cp} (core.packing does this)"
+        )
+    local = total_tokens // cp
+    return rank * local, local
 
 
 def validate_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
@@ -237,8 +259,6 @@ class ThdLayout:
     @classmethod
     def for_cp_rank(cls, cu_seqlens: Tensor, cp: int, rank: int) -> "ThdLayout":
         """Rank ``rank`` of ``cp`` holds the contiguous slice ``[rank*T/cp, (rank+1)*T/cp)``."""
-        from core.thd_cp import cp_local_range  # local import: thd_cp imports this module
-
         cu = validate_cu_seqlens(cu_seqlens)
         start, length = cp_local_range(int(cu[-1]), cp, rank)
         return cls(cu, start, length)

@@ -33,8 +33,8 @@ Rules
 
 Public API
 ----------
-* ``CpConfigError(ValueError)``
-* ``cp_local_range(total_tokens, cp, rank) -> (global_start, local_len)``
+* ``CpConfigError(ValueError)``, ``cp_local_range(total_tokens, cp, rank) -> (global_start, local_len)``
+  (defined in :mod:`core.thd`, which needs them for ``ThdLayout.for_cp_rank``; re-exported here)
 * ``compressor_boundary_width(ratio) -> int`` (8 for ratio 4, ``ratio`` otherwise)
 * ``check_cp_config(tokens_per_rank, cp, ratios) -> None`` (parse-time check, raises CpConfigError)
 * ``group_owner(groups: CompressedGroups, local_len) -> Tensor [G]``
@@ -62,7 +62,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.thd import CompressedGroups, compressed_groups, has_overlap, validate_cu_seqlens
+from core.thd import (  # CpConfigError and cp_local_range live in core.thd (ThdLayout.for_cp_rank uses them)
+    CompressedGroups,
+    CpConfigError,
+    compressed_groups,
+    cp_local_range,
+    has_overlap,
+    validate_cu_seqlens,
+)
 
 __all__ = [
     "CompactPlan",
@@ -82,23 +89,6 @@ __all__ = [
     "seq_major_from_rank_major",
     "to_rank_major",
 ]
-
-
-class CpConfigError(ValueError):
-    """An invalid context-parallel configuration (raised at parse time or when building maps)."""
-
-
-def cp_local_range(total_tokens: int, cp: int, rank: int) -> tuple[int, int]:
-    """``(global_start, local_len)`` of ``rank``'s contiguous slice of a stream of ``total_tokens`` rows."""
-    if cp < 1 or not 0 <= rank < cp:
-        raise CpConfigError(f"need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
-    if total_tokens % cp:
-        raise CpConfigError(
-            f"packed stream of {total_tokens} tokens does not split evenly over cp={cp} ranks; "
-            f"pad the stream to a multiple of {cp} (core.packing does this)"
-        )
-    local = total_tokens // cp
-    return rank * local, local
 
 
 def compressor_boundary_width(ratio: int) -> int:

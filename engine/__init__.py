@@ -17,7 +17,7 @@
   compressors on compacted slots, per-segment indexer top-k).
 * :mod:`launchers.scoring` - ``score_packed``: sequences packed into one THD stream, optionally over CP /
   TP / EP gloo processes (imports the plugin host and the cpu target lazily, at call time).
-* :mod:`launchers.bench_thd` - ``python -m launchers.bench_thd --out FILE.json``: THD vs padded BSHD tokens/s.
+* :mod:`bench.thd` - ``python -m bench.thd --out FILE.json``: THD vs padded BSHD tokens/s.
 
 Import of this package does not import megatron; the submodules that need it call
 ``engine.runtime.ensure_megatron()`` first.

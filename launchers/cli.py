@@ -196,17 +196,18 @@ def validate_cmd(opts, as_json: bool, probe: bool):
 @click.option("--write-readme", type=click.Path(dir_okay=False, exists=True), help="Rewrite the combinations table in this README.")
 def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme: Optional[str]):
     """Print the table of supported combinations (derived from the plugins)."""
+    from core.atomic import write_text_atomically
     from launchers import generated
 
     host = _host({**opts, "no_third_party_plugins": True})
     combos = supported_combinations(host)
     if write_bzl:
-        generated.write_atomically(stages.user_path(write_bzl), generated.combinations_bzl(combos))
+        write_text_atomically(stages.user_path(write_bzl), generated.combinations_bzl(combos))
     if write_readme:
         path = stages.user_path(write_readme)
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        generated.write_atomically(path, generated.replace_readme_tables(text, combos, host))
+        write_text_atomically(path, generated.replace_readme_tables(text, combos, host))
     if as_json:
         click.echo(json.dumps([c.__dict__ for c in combos], indent=2))
     elif not (write_bzl or write_readme):

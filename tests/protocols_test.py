@@ -90,7 +90,7 @@ def _load_calls(path: Path) -> list[int]:
 
 
 def test_the_assembly_is_the_only_product_caller_of_record_load():
-    product = [p for pkg in ("core", "backends", "kernels", "converters", "engine", "train", "launchers")
+    product = [p for pkg in ("core", "backends", "kernels", "converters", "engine", "train", "launchers", "bench")
                for p in (ROOT / pkg).rglob("*.py")]
     callers = {str(p.relative_to(ROOT)): lines for p in product if (lines := _load_calls(p))}
     assert set(callers) == {"core/assembly.py"}, callers

@@ -60,6 +60,7 @@ def set_rng_state(st: Dict) -> None:
 
 def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[Dict] = None,
                     keep_last: int = 2) -> Path:
+    from core.atomic import write_text_atomically
     from core.native_checkpoint import save_native
 
     root = Path(run_dir) / CKPT_DIR
@@ -89,10 +90,7 @@ def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    lt = root / f".{LATEST}.tmp-{os.getpid()}"
-    lt.write_text(name + "\n")
-    os.replace(lt, root / LATEST)
-    _fsync_dir(root)
+    write_text_atomically(root / LATEST, name + "\n")
     _prune(root, keep_last, keep=name)
     return final
 

@@ -2,7 +2,7 @@
 
 Design (``run_training`` with ``run_config.cp > 1``):
 
-* :func:`spawn_training` starts ``cp`` processes with ``torch.multiprocessing.spawn`` (like
+* :func:`train.trainer.spawn_training` starts ``cp`` processes with ``torch.multiprocessing.spawn`` (like
   ``launchers.scoring.score_packed``); each is set up by the run's hardware target
   (``init_process_group(rank, cp, tp=1, cp=cp, port=...)``), builds the model, loads the same weights
   and runs the same loop. Every rank feeds its contiguous slice of each packed micro-batch
@@ -18,8 +18,6 @@ Design (``run_training`` with ``run_config.cp > 1``):
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any, List, Optional
 
 import torch
@@ -72,40 +70,6 @@ class CpGroup:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)
-
-
-def _worker(rank: int, world: int, port: int, run_config, model_source, mode, steps, run_dir, resume, cfg,
-            progress, out_path: str) -> None:
-    from core.assembly import assemble
-
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    target = assemble(run_config).target
-    target.init_process_group(rank, world, tp=1, cp=world, port=port)
-    try:
-        from .trainer import _Run
-
-        result = _Run(run_config, model_source, mode, steps, run_dir, resume, cfg,
-                      progress and rank == 0).run()
-        if rank == 0:
-            torch.save(result, out_path)
-    finally:
-        target.destroy_process_group()
-
-
-def spawn_training(run_config, model_source, mode: str, steps: int, run_dir, resume: bool, cfg,
-                   progress: bool) -> dict:
-    """Run the training loop on ``run_config.cp`` local processes; returns rank 0's result."""
-    import torch.multiprocessing as mp
-
-    from core.ports import free_port
-
-    cp = int(run_config.cp)  # the layout (thd, tp = ep = 1, the cpu target) is the combination table's to check
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.pt"
-        mp.spawn(_worker, args=(cp, free_port(), run_config, model_source, mode, steps, str(run_dir), resume, cfg,
-                                progress, str(out)), nprocs=cp, join=True)
-        return torch.load(out, weights_only=True)
 
 
 def needs_spawn(run_config) -> bool:

@@ -15,6 +15,8 @@ from typing import Optional
 
 from core import weight_contract as wc
 
+CONFIG_FILE = "train_config.json"  # in a run folder: every knob of the run (written by train.trainer)
+
 
 def export_model(train_model, out_dir, *, weight_format: str = "bf16", tokenizer=None,
                  overwrite: bool = True) -> Path:
@@ -36,7 +38,6 @@ def export_hf(run_dir, out_dir, *, step: Optional[int] = None, weight_format: st
     from .checkpointing import CKPT_DIR, latest_checkpoint, load_checkpoint
     from .data import tokenizer_for
     from .model import build_train_model
-    from .trainer import CONFIG_FILE
 
     run = Path(run_dir)
     desc = json.loads((run / CONFIG_FILE).read_text())

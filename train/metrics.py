@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Dict, List
 
+from core.atomic import write_text_atomically
+
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 REQUIRED_KEYS = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
@@ -43,13 +45,7 @@ def truncate_after(run_dir, step: int) -> None:
     if not p.exists():
         return
     keep = [r for r in read_metrics(run_dir) if int(r.get("step", 0)) <= step]
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w") as f:
-        for r in keep:
-            f.write(json.dumps(r, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    write_text_atomically(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
 
 
 def _clean(v):

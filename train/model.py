@@ -447,7 +447,7 @@ def setup_process(run_config):
     """What a job does before building a model: the run's hardware target (``core.assembly``) sets the
     process up (on the CPU: megatron-core's shims) and, when no process group exists, starts a one-rank
     group with megatron's parallel state. Several-rank runs start their groups first
-    (:func:`train.distributed.spawn_training`). Returns the target."""
+    (:func:`train.trainer.spawn_training`). Returns the target."""
     from core.assembly import assemble
     from engine.thd_attention import cp_group_info
 
@@ -455,7 +455,7 @@ def setup_process(run_config):
 
     if dist.is_initialized() and cp_group_info()[0] != run_config.cp:
         raise ValueError(f"--cp {run_config.cp}: this process's context-parallel group has "
-                         f"{cp_group_info()[0]} ranks (train.distributed.spawn_training starts them)")
+                         f"{cp_group_info()[0]} ranks (train.trainer.spawn_training starts them)")
     return assemble(run_config).setup_process()
 
 

@@ -17,9 +17,10 @@ last complete checkpoint. With ``export_at_end`` the final weights are written a
 ``RUN_DIR/hf``.
 
 Context parallel (``run_config.cp > 1``, THD): ``run_training`` spawns one local process per CP rank
-(:mod:`train.distributed`); every rank runs the loop on its slice of each packed micro-batch, gradients are
-summed over the CP group before the optimizer step (equal to the cp=1 gradient); rank 0 alone runs the
-rollout engine (its samples are broadcast) and does all file I/O (config, metrics, checkpoints, export).
+(:func:`spawn_training`; the CP group and packing in :mod:`train.distributed`); every rank runs the loop on
+its slice of each packed micro-batch, gradients are summed over the CP group before the optimizer step
+(equal to the cp=1 gradient); rank 0 alone runs the rollout engine (its samples are broadcast) and does all
+file I/O (config, metrics, checkpoints, export).
 Dynamic batching (``max_tokens_per_rank``, THD): SFT sequences / GRPO samples are packed in order into
 micro-batches with :func:`core.packing.pack_micro_batches` (never split; the run's CP size and the
 model's pad rule), gradients accumulated; metrics ``packing_efficiency`` (real / padded tokens) and
@@ -35,6 +36,7 @@ import dataclasses
 import json
 import os
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,18 +44,20 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from core.atomic import write_text_atomically
+
 from . import data as D
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
 from .losses import group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
 from .metrics import MetricsLogger, summary_line, truncate_after
-from .distributed import CpGroup, needs_spawn, spawn_training
+from .distributed import CpGroup, needs_spawn
+from .export import CONFIG_FILE, export_model
 from .model import build_train_model, load_model_source
 from .replay import routing_match
 from .weight_sync import sync_weights
 
 MODES = ("sft", "grpo")
-CONFIG_FILE = "train_config.json"
 KILL_ENV = "DSV4_TRAIN_KILL_AT"
 
 
@@ -236,9 +240,7 @@ class _Run:
             if not resume and (self.run_dir / "metrics.jsonl").exists():
                 raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
                                       f"a new --run-dir")
-            tmp = p.with_name(p.name + ".tmp")
-            tmp.write_text(json.dumps(desc, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, p)
+            write_text_atomically(p, json.dumps(desc, indent=2, sort_keys=True) + "\n")
             if self.ref_model is not None:
                 torch.save({n: t.detach().clone() for n, t in self.ref_model.native_tensors()},
                            self.run_dir / "ref_model.pt")
@@ -533,10 +535,40 @@ class _Run:
         result = {"run_dir": str(self.run_dir), "start_step": self.start_step, "steps": self.steps,
                   "last": last_row}
         if self.cfg.export_at_end and self.start_step < self.steps:
-            from .export import export_model
-
             result["hf_export"] = str(export_model(self.model, self.run_dir / "hf", tokenizer=self.tok))
         return result
+
+
+def _cp_worker(rank: int, world: int, port: int, run_config, model_source, mode, steps, run_dir, resume, cfg,
+               progress, out_path: str) -> None:
+    from core.assembly import assemble
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    target = assemble(run_config).target
+    target.init_process_group(rank, world, tp=1, cp=world, port=port)
+    try:
+        result = _Run(run_config, model_source, mode, steps, run_dir, resume, cfg,
+                      progress and rank == 0).run()
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        target.destroy_process_group()
+
+
+def spawn_training(run_config, model_source, mode: str, steps: int, run_dir, resume: bool, cfg,
+                   progress: bool) -> dict:
+    """Run the training loop on ``run_config.cp`` local processes; returns rank 0's result."""
+    import torch.multiprocessing as mp
+
+    from core.ports import free_port
+
+    cp = int(run_config.cp)  # the layout (thd, tp = ep = 1, the cpu target) is the combination table's to check
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.pt"
+        mp.spawn(_cp_worker, args=(cp, free_port(), run_config, model_source, mode, steps, str(run_dir), resume,
+                                   cfg, progress, str(out)), nprocs=cp, join=True)
+        return torch.load(out, weights_only=True)
 
 
 def _rollout_engine(run_config, model_config, dtype):

@@ -1,4 +1,4 @@
-"""converters.bench runs end to end (tiny sizes) and writes the documented JSON."""
+"""bench.convert runs end to end (tiny sizes) and writes the documented JSON."""
 
 import json
 import os
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_bench_cli_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "converters.bench", "--out", str(out), "--size-mb", "2",
+    r = subprocess.run([sys.executable, "-m", "bench.convert", "--out", str(out), "--size-mb", "2",
                         "--min-seconds", "0.01"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160"))
     assert r.returncode == 0, r.stderr

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from train.bench_parallel import main, parse_layout
+from bench.parallel import main, parse_layout
 
 
 def test_layout_parsing_and_refusal():

@@ -1,6 +1,6 @@
 """Throughput of the quantization converters on synthetic tensors.
 
-    python -m converters.bench --out bench.json [--device cuda] [--size-mb 64] [--min-seconds 0.5]
+    python -m bench.convert --out bench.json [--device cuda] [--size-mb 64] [--min-seconds 0.5]
 
 For each converter it reports ``bytes`` (stored bytes read + stored bytes
 written by one call: the memory traffic lower bound), ``seconds`` (median of
@@ -58,12 +58,12 @@ def _time(fn: Callable[[], object], device, min_seconds: float, max_reps: int = 
 def _cases(device: torch.device, size_mb: float):
     """(name, fn, bytes) for each converter, on ``size_mb`` MiB of logical bf16 weight."""
     from core.checkpoint.formats import fp4_quantize, fp8_block_quantize
-    from .fake_quant import fake_quant_fp8_act, fake_quant_mxfp4, fake_quant_nvfp4
-    from .fp8_quantizer import quantize_for_publish
-    from .fp8_to_bf16 import dequantize_fp8_weight
-    from .mxfp4_to_fp8 import cast_mxfp4_to_fp8
-    from .nvfp4 import nvfp4_quantize
-    from .publish import publish_bucket
+    from converters.fake_quant import fake_quant_fp8_act, fake_quant_mxfp4, fake_quant_nvfp4
+    from converters.fp8_quantizer import quantize_for_publish
+    from converters.fp8_to_bf16 import dequantize_fp8_weight
+    from converters.mxfp4_to_fp8 import cast_mxfp4_to_fp8
+    from converters.nvfp4 import nvfp4_quantize
+    from converters.publish import publish_bucket
 
     cols = 4096
     rows = max(128, int(size_mb * 2**20 / 2 / cols) // 128 * 128)
@@ -95,7 +95,7 @@ def _file_case(device: torch.device, tmp: Path):
     """End-to-end MXFP4 -> FP8 checkpoint conversion of the tiny preset (disk included)."""
     from core.checkpoint import prepare_checkpoint
     from core.config import preset
-    from .mxfp4_to_fp8 import convert_mxfp4_to_fp8
+    from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
     src = prepare_checkpoint(tmp / "mx", preset("tiny"), dtype="mxfp4-experts", seed=0, progress=False)
     nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     k = [0]
@@ -167,7 +167,7 @@ def print_table(results: List[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m converters.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--size-mb", type=float, default=64.0, help="logical bf16 MiB per synthetic tensor")

@@ -1,8 +1,8 @@
 """Benchmark of the triton kernels against the PyTorch reference ops, on one GPU.
 
-    python -m kernels.triton.bench --out FILE.json [--no-sweep] [--no-reference]
+    python -m bench.kernels_triton --out FILE.json [--no-sweep] [--no-reference]
 
-Shapes, inputs, FLOP conventions and timing: ``kernels/bench_common.py``. The indexer's ``tflops`` for the
+Shapes, inputs, FLOP conventions and timing: ``bench/kernels_common.py``. The indexer's ``tflops`` for the
 causal run counts only the visible half (``2*H*D*sum_t ke[t]``). The reference rows time
 ``kernels.reference`` (gather + fp32 einsum/softmax; backward = fp32 autograd of it).
 """
@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from kernels.bench_common import D, DEVICE, S, SHAPES, WINDOW  # noqa: F401  (the bench's shapes)
-from kernels import bench_common as bc
+from bench.kernels_common import D, DEVICE, S, SHAPES, WINDOW  # noqa: F401  (the bench's shapes)
+from bench import kernels_common as bc
 
 FWD_SWEEP = [
     dict(BK=64, num_stages=2, num_warps=8),

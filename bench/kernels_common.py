@@ -1,4 +1,4 @@
-"""Benchmark harness shared by ``kernels/triton/bench.py`` and ``kernels/tilelang/bench.py``.
+"""Benchmark harness shared by ``bench/kernels_triton.py`` and ``bench/kernels_tilelang.py``.
 
 Shapes (S = 4096 query tokens, head dim 512, window 128 + top-k compressed = K slots per query):
 

@@ -1,6 +1,6 @@
 """Training-throughput benchmark (issue #7): tokens/s and MFU of one training step on one GPU.
 
-``python -m train.bench_train --out bench/results/train-h200.json``
+``python -m bench.train_step --out bench/results/train-h200.json``
 
 Implementations, all on the same small DeepSeek-V4 config and the same token batch, in one process:
 

@@ -1,9 +1,9 @@
 """Benchmark of the TileLang kernels, on one GPU (same shapes, FLOP conventions and timing as
-``kernels/triton/bench.py``, so the rows sit next to the triton rows of ``bench/results/kernels-h200.json``).
+``bench/kernels_triton.py``, so the rows sit next to the triton rows of ``bench/results/kernels-h200.json``).
 
-    python -m kernels.tilelang.bench --out FILE.json [--no-sweep] [--jobs N]
+    python -m bench.kernels_tilelang --out FILE.json [--no-sweep] [--jobs N]
 
-Shapes, inputs, FLOP conventions and timing: ``kernels/bench_common.py`` (the causal indexer row counts
+Shapes, inputs, FLOP conventions and timing: ``bench/kernels_common.py`` (the causal indexer row counts
 the full grid too: the TileLang indexer does not skip invisible tiles).
 
 Timing: ``triton.testing.do_bench`` (CUDA events, median, L2 flushed between reps). With the sweep on
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from kernels.bench_common import D, DEVICE, S, SHAPES, WINDOW  # noqa: F401  (the bench's shapes)
-from kernels import bench_common as bc
+from bench.kernels_common import D, DEVICE, S, SHAPES, WINDOW  # noqa: F401  (the bench's shapes)
+from bench import kernels_common as bc
 
 FWD_SWEEP = [
     dict(BK=64, num_stages=1),

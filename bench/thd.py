@@ -1,6 +1,6 @@
 """Benchmark: packed sequences (THD) against padded batches (BSHD) on the same sample lengths (CPU).
 
-    python -m launchers.bench_thd --out FILE.json [--samples 12] [--seed 0] [--budget 768] [--mode train]
+    python -m bench.thd --out FILE.json [--samples 12] [--seed 0] [--budget 768] [--mode train]
 
 One sample-length distribution (log-uniform lengths in ``[8, 384]``, seeded), the ``tiny`` preset,
 fp32, reference kernels, one process:

@@ -1,0 +1,81 @@
+"""Atomic writes of single files: readers see the old content or the new one, never a torn file.
+
+The new content goes to a temporary file beside the destination (same folder, so the rename stays on one
+file system), which is flushed and fsynced, renamed over the destination (``os.replace``), and then the
+folder is fsynced so that the rename itself survives a crash. On an error the temporary file is removed; a
+killed process leaves at most a hidden ``.NAME.<pid>-<hex>.tmp`` beside the destination. The file is
+created with the process's usual permissions (``0o666`` less the umask).
+
+* :func:`write_text_atomically` / :func:`write_bytes_atomically`: the whole content at once;
+* :func:`atomic_path`: a context manager yielding the temporary path, for writers that want a path
+  (``torch.save``, ``safetensors.save_file``, a stream of lines);
+* :func:`fsync_dir`: fsync a folder (after renaming something into it).
+
+Directory staging (a temporary folder filled, then renamed into place) stays with its callers
+(``core/checkpoint/io.py``, ``core/native_checkpoint.py``, ``converters/staging.py``,
+``train/checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = ["atomic_path", "fsync_dir", "write_bytes_atomically", "write_text_atomically"]
+
+
+def fsync_dir(path: PathLike) -> None:
+    """fsync the folder ``path`` (its entries: a rename into it, a new file). A file system that cannot
+    (some network or FUSE mounts refuse to open or fsync a folder) is skipped silently."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``path``; write the new content there. When the block ends
+    without an error the file is fsynced and renamed over ``path`` and the folder fsynced; on an error (or
+    if nothing was written there) ``path`` is untouched and the temporary file removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomically(path: PathLike, data: bytes) -> Path:
+    """Replace ``path``'s content with ``data`` atomically (see the module); returns ``path``."""
+    with atomic_path(path) as tmp, open(tmp, "xb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_text_atomically(path: PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Replace ``path``'s content with ``text`` atomically (see the module); returns ``path``."""
+    return write_bytes_atomically(path, text.encode(encoding))
