@@ -1,5 +1,10 @@
-"""A short GRPO job on CPU: finite metrics, train/rollout log-prob agreement, routing replay, weight
-sync checks, TensorBoard events, plots and the HF export."""
+"""A short GRPO job on CPU for both implementations (``miles``: BSHD, ``megatron``: THD packed; fp32, built
+from a run config): finite metrics, train/rollout log-prob agreement, routing replay, weight sync checks,
+TensorBoard events, plots, the HF export and the refusal to overwrite a run without --resume.
+
+Plus two checks of the reference training model (``train_impl="reference"``, still a choice of the
+trainer) that the implementation tests (tests/train/test_impls.py) do not cover: its routing-replay seam
+(hash layers and MTP bypass it) and its indexer-replay seam."""
 
 import json
 import math
@@ -13,6 +18,9 @@ REQUIRED = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_roll
             "tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights")
 
 
+IMPLS = ("miles", "megatron")
+
+
 def small_config():
     # 3 trunk layers (layer 0 hash-routed, 1-2 learned; layer 1 CSA with an indexer) + 1 MTP layer
     return preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
@@ -24,22 +32,31 @@ def write_data(path, n=16):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory):
+def run_config(impl: str):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    return normalize(Choices(impl=impl, model=small_config()), make_host(third_party=False), model_name="small")
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def grpo_run(request, tmp_path_factory):
     from train.trainer import run_training
 
-    root = tmp_path_factory.mktemp("grpo")
+    rc = run_config(request.param)
+    assert rc.qkv_format == {"miles": "bshd", "megatron": "thd"}[request.param]
+    root = tmp_path_factory.mktemp(f"grpo_{request.param}")
     data = write_data(root / "data.jsonl")
-    result = run_training(None, small_config(), mode="grpo", steps=3, run_dir=root / "run", data=data,
+    result = run_training(rc, small_config(), mode="grpo", steps=3, run_dir=root / "run", data=data,
                           max_new_tokens=4, prompts_per_step=2, group_size=4, save_every=2, lr=1e-3,
                           mtp_coef=0.3, kl_coef=0.05, progress=False)
-    return root / "run", result
+    return root / "run", result, rc
 
 
 def test_metrics_are_complete_and_finite(grpo_run):
     from train.metrics import read_metrics
 
-    run, _ = grpo_run
+    run = grpo_run[0]
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -70,7 +87,7 @@ def test_tensorboard_plots_and_export(grpo_run):
     from train.metrics import tensorboard_scalars
     from train.plot import plot_run
 
-    run, result = grpo_run
+    run, result, _ = grpo_run
     tb = tensorboard_scalars(run)
     assert [s for s, _ in tb["train/loss"]] == [1, 2, 3]
     pngs = {p.name for p in plot_run(run)}
@@ -80,7 +97,7 @@ def test_tensorboard_plots_and_export(grpo_run):
     assert "layers.0.ffn.gate.tid2eid" in reader.weight_map
 
 
-def test_replay_changes_routing_of_a_drifted_model_and_never_touches_hash_or_mtp():
+def test_reference_model_replay_changes_routing_of_a_drifted_model_and_never_touches_hash_or_mtp():
     """A training model whose weights drifted from the engine's routes differently on its own; with
     replay it uses exactly the rollout's experts. Hash layers and MTP never reach the seam."""
     from kernels.reference.moe import routing_hook
@@ -107,7 +124,7 @@ def test_replay_changes_routing_of_a_drifted_model_and_never_touches_hash_or_mtp
     assert routing_match(replayed.routing_used, routed) == 1.0
 
 
-def test_indexer_replay_seam_is_off_by_default_and_replays_when_on():
+def test_reference_model_indexer_replay_seam_is_off_by_default_and_replays_when_on():
     from train.model import build_train_model
     from train.replay import IndexerRecorder, IndexerReplayer
 
@@ -131,7 +148,7 @@ def test_export_hf_from_the_run_folder_matches_the_end_of_run_export(grpo_run, t
     from core.checkpoint import open_checkpoint
     from train.export import export_hf
 
-    run, result = grpo_run
+    run, result, _ = grpo_run
     out = export_hf(run, tmp_path / "hf")
     a = dict(open_checkpoint(out).iter_tensors(progress=False))
     b = dict(open_checkpoint(result["hf_export"]).iter_tensors(progress=False))
@@ -142,4 +159,4 @@ def test_an_existing_run_needs_resume(grpo_run):
     from train.trainer import run_training
 
     with pytest.raises(FileExistsError, match="--resume"):
-        run_training(None, small_config(), mode="grpo", steps=1, run_dir=grpo_run[0], progress=False)
+        run_training(grpo_run[2], small_config(), mode="grpo", steps=1, run_dir=grpo_run[0], progress=False)

@@ -1,9 +1,11 @@
 """The training loop on the two real implementations (``miles``: BSHD, ``megatron``: THD packed) on the CPU.
 
-Per implementation: a short fp32 GRPO job (the reference rollout engine holds the exported trained
-weights; the training model is the implementation built from the run config's plugin record) with
-finite metrics, train/rollout log-prob agreement, routing replay matching the rollout's routing and an
-MTP loss; one SFT step (megatron: with its indexer KL loss). Plus: the MTP loss sends no gradient to
+The GRPO job of each implementation in its default layout is tests/train/test_grpo.py (SFT lowering the
+loss: test_sft.py; kill -9 and resume: test_resume.py). Here: a short fp32 GRPO job of miles in the THD
+layout (the reference rollout engine holds the exported trained weights; the training model is the
+implementation built from the run config's plugin record) with finite metrics, train/rollout log-prob
+agreement, routing replay matching the rollout's routing and an MTP loss; per implementation, one SFT step
+(megatron: with its indexer KL loss). Plus: the MTP loss sends no gradient to
 the word embedding or the output head; the shared router's routing seam (learned trunk layers only)."""
 
 import json
@@ -15,7 +17,7 @@ import torch
 from core.config import preset
 
 IMPLS = ("miles", "megatron")
-LAYOUTS = (("miles", None), ("megatron", None), ("miles", "thd"))   # None: the implementation's default
+LAYOUTS = (("miles", "thd"),)   # the default layouts run in test_grpo.py
 ROW_KEYS = ("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
             "mtp_loss", "tokens_per_s")
 

@@ -1,11 +1,15 @@
 """kill -9 in the middle of a step, then --resume: the following steps' metrics equal those of an
-uninterrupted run (same data order, same sampling, no optimizer step lost)."""
+uninterrupted run (same data order, same sampling, no optimizer step lost), for both implementations
+(``miles``: BSHD, ``megatron``: THD packed; fp32 GRPO, built from a run config in the training process)."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
+IMPLS = ("miles", "megatron")
 
 CFG = dict(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
 KW = dict(max_new_tokens=3, prompts_per_step=2, group_size=3, save_every=2, lr=1e-3, export_at_end=False)
@@ -13,10 +17,15 @@ TIMING = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_u
           "wall_time")
 SCRIPT = """
 import sys
+import torch
 from core.config import preset
+from core.run_config import Choices, normalize
+from launchers.builtin_plugins import make_host
 from train.trainer import run_training
+torch.set_num_threads(1)
 c = preset("tiny").replace(**{cfg})
-run_training(None, c, mode="grpo", steps={steps}, run_dir=sys.argv[1], data=sys.argv[2], resume={resume},
+rc = normalize(Choices(impl={impl!r}, model=c), make_host(third_party=False), model_name="small")
+run_training(rc, c, mode="grpo", steps={steps}, run_dir=sys.argv[1], data=sys.argv[2], resume={resume},
              progress=False, **{kw})
 """
 
@@ -28,12 +37,12 @@ def _data(tmp_path):
     return str(p)
 
 
-def _run(run_dir, data, steps, resume, kill_at=None, **kw):
+def _run(impl, run_dir, data, steps, resume, kill_at=None, **kw):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.pop("DSV4_TRAIN_KILL_AT", None)
     if kill_at:
         env["DSV4_TRAIN_KILL_AT"] = kill_at
-    code = SCRIPT.format(cfg=CFG, steps=steps, resume=resume, kw={**KW, **kw})
+    code = SCRIPT.format(impl=impl, cfg=CFG, steps=steps, resume=resume, kw={**KW, **kw})
     return subprocess.run([sys.executable, "-c", code, str(run_dir), data], env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -42,21 +51,22 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def test_kill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, impl):
     from train.checkpointing import latest_checkpoint
     from train.metrics import read_metrics
 
     data = _data(tmp_path)
     ref = tmp_path / "ref"
-    p = _run(ref, data, 4, False)
+    p = _run(impl, ref, data, 4, False)
     assert p.returncode == 0, p.stderr[-3000:]
 
     run = tmp_path / "run"
-    p = _run(run, data, 4, False, kill_at="3:train")     # dies in step 3 after rollout and logprobs
+    p = _run(impl, run, data, 4, False, kill_at="3:train")     # dies in step 3 after rollout and logprobs
     assert p.returncode == -9, (p.returncode, p.stderr[-3000:])
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
     assert latest_checkpoint(run)[0] == 2
-    p = _run(run, data, 4, True)
+    p = _run(impl, run, data, 4, True)
     assert p.returncode == 0, p.stderr[-3000:]
 
     got, want = _strip(read_metrics(run)), _strip(read_metrics(ref))
@@ -66,10 +76,11 @@ def test_kill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 
 def test_a_kill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path):
+    # the checkpoint writer does not depend on the implementation: one is enough
     from train.checkpointing import latest_checkpoint
 
     data = _data(tmp_path)
     run = tmp_path / "run"
-    p = _run(run, data, 2, False, kill_at="2:checkpoint", save_every=1)
+    p = _run("megatron", run, data, 2, False, kill_at="2:checkpoint", save_every=1)
     assert p.returncode == -9
     assert latest_checkpoint(run)[0] == 1
