@@ -55,7 +55,9 @@ def _logprobs(impl, config, load):
     from launchers.stages import sequence_logprobs
 
     run = run_config(config) if impl == "megatron" else _miles_run(config)
-    model = run.selection.impl.load()(config, run)
+    from core.assembly import assemble
+
+    model = assemble(run).build_model(config)
     load(model)
     model.eval()
     seqs = [[0, 72, 105, 33, 5, 9, 11, 200, 3], [0, 50, 7]]
