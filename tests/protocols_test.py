@@ -94,3 +94,9 @@ def test_the_assembly_is_the_only_product_caller_of_record_load():
                for p in (ROOT / pkg).rglob("*.py")]
     callers = {str(p.relative_to(ROOT)): lines for p in product if (lines := _load_calls(p))}
     assert set(callers) == {"core/assembly.py"}, callers
+
+
+if __name__ == "__main__":
+    from tests.runner import main as run_tests
+
+    run_tests(__file__)
