@@ -307,8 +307,20 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
 
     import torch.distributed.checkpoint as dcp
 
-    with _quiet_single_process():
-        dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
+    except NativeCheckpointError:
+        raise
+    except Exception as e:  # a truncated / damaged .distcp file: DCP wraps the reader's error
+        first = str(e).strip().splitlines()
+        raise NativeCheckpointError(
+            f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "
+            f"files are truncated or damaged; {_reconvert(impl or meta.get('impl'))}") from e
+    from core.finite import check_finite
+
+    check_finite(state.items(), where=str(p),
+                 fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
     meta = dict(meta)
     meta["loaded_by"] = impl
     return state, meta

@@ -286,6 +286,7 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
 
 def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     from core.checkpoint import open_checkpoint
+    from core.finite import finite_json
     from core.native_checkpoint import is_native_checkpoint
 
     sequences = _load_tokens(tokens, run.model.vocab_size)
@@ -298,9 +299,9 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
                else "packed into one THD stream")
         log.print(f"scoring {len(sequences)} sequence(s) {how}, --impl {run.impl} --tp {run.tp} --cp {run.cp} "
                   f"--ep {run.ep}")
-        print(json.dumps(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp, ep=run.ep)))
+        print(finite_json(score_packed(checkpoint, sequences, impl=run.impl, cp=run.cp, tp=run.tp, ep=run.ep), what="log-probabilities"))
         return
-    print(json.dumps(score(run, checkpoint, sequences)))
+    print(finite_json(score(run, checkpoint, sequences), what="log-probabilities"))
 
 
 def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from core import weight_contract as wc
+from core.finite import checked
 
 
 def export_model(train_model, out_dir, *, weight_format: str = "bf16", tokenizer=None,
@@ -22,7 +23,8 @@ def export_model(train_model, out_dir, *, weight_format: str = "bf16", tokenizer
     from core.checkpoint.tokenizer import TOKENIZER_FILE
 
     config = train_model.config
-    native = ((n, t.detach().cpu()) for n, t in train_model.native_tensors())
+    native = checked(((n, t.detach().cpu()) for n, t in train_model.native_tensors()), where="export",
+                     fix="the weights diverged; export an earlier checkpoint (--step)")
     official = wc.native_to_hf(native, config, official_dtypes=True)
     extra = {TOKENIZER_FILE: tokenizer.to_json()} if tokenizer is not None and hasattr(tokenizer, "to_json") else None
     return write_checkpoint(out_dir, config, official, weight_format=weight_format, quantize=True,

@@ -51,6 +51,7 @@ from .distributed import CpGroup, needs_spawn, spawn_training
 from .model import build_train_model, load_model_source
 from .replay import routing_match
 from .weight_sync import sync_weights
+from . import step_guard
 
 MODES = ("sft", "grpo")
 CONFIG_FILE = "train_config.json"
@@ -289,7 +290,9 @@ class _Run:
         """Sum the gradients over the CP group (no-op for cp 1), clip, step; returns the grad norm."""
         self.dist.all_reduce_grads(self.params)
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        step_guard.check_gradients(self.model, gnorm)     # before the update: NaN/inf stops the run
         self.opt.step()
+        step_guard.check_parameters(self.model)           # the update itself blew up (e.g. lr=inf)
         return gnorm
 
     def _micro_batches(self, lengths: List[int]):
@@ -517,7 +520,12 @@ class _Run:
                 task = prog.add_task(f"{self.mode} ({self.source_desc})", total=self.steps, completed=self.start_step)
                 for step in range(self.start_step + 1, self.steps + 1):
                     t0 = time.perf_counter()
-                    row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+                    try:
+                        row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+                        step_guard.check_loss(row)
+                    except step_guard.NonFiniteError as exc:
+                        found = latest_checkpoint(self.run_dir)
+                        raise step_guard.diverged(step, exc, self.run_dir, found and found[0], self.cfg.lr) from None
                     dt = time.perf_counter() - t0
                     row["step"] = step
                     row["time_step"] = dt
