@@ -51,10 +51,11 @@ from .distributed import CpGroup, needs_spawn, spawn_training
 from .model import build_train_model, load_model_source
 from .replay import routing_match
 from .weight_sync import sync_weights
-from . import step_guard
+from . import state_io, step_guard
 
 MODES = ("sft", "grpo")
 CONFIG_FILE = "train_config.json"
+REF_MODEL_FILE = "ref_model.safetensors"     # the KL reference policy's weights (safetensors: never unpickled)
 KILL_ENV = "DSV4_TRAIN_KILL_AT"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -218,7 +219,7 @@ class _Run:
         if folder is not None:
             load_checkpoint(folder, self.model, self.opt)
             if self.ref_model is not None:
-                self.ref_model.load_native_state(torch.load(self.run_dir / "ref_model.pt", weights_only=True))
+                self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         self.start_step = int(step)
         return None
 
@@ -237,8 +238,7 @@ class _Run:
             st = load_checkpoint(folder, self.model, self.opt)
             self.start_step = int(st["step"])
             if self.ref_model is not None:
-                ref_folder = self.run_dir / "ref_model.pt"
-                self.ref_model.load_native_state(torch.load(ref_folder, weights_only=True))
+                self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         else:
             if not resume and (self.run_dir / "metrics.jsonl").exists():
                 raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
@@ -247,8 +247,7 @@ class _Run:
             tmp.write_text(json.dumps(desc, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, p)
             if self.ref_model is not None:
-                torch.save({n: t.detach().clone() for n, t in self.ref_model.native_tensors()},
-                           self.run_dir / "ref_model.pt")
+                state_io.save_tensors(self.run_dir / REF_MODEL_FILE, dict(self.ref_model.native_tensors()))
         truncate_after(self.run_dir, self.start_step)
 
     # -- steps -------------------------------------------------------------
