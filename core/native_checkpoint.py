@@ -48,7 +48,7 @@ FORMAT = "dsv4-native-dcp"
 KNOWN_IMPLS = ("miles", "megatron")
 
 __all__ = ["META_FILE", "KNOWN_IMPLS", "NativeCheckpointError", "StaleCheckpointError", "save_native",
-           "load_native", "read_native_metadata", "is_native_checkpoint", "assert_checkpoint_is_current"]
+           "load_native", "read_native_metadata", "native_model_config", "is_native_checkpoint", "assert_checkpoint_is_current"]
 
 
 class NativeCheckpointError(UserInputError):
@@ -180,6 +180,30 @@ def assert_checkpoint_is_current(path, *, impl: Optional[str] = None) -> Dict[st
             f"{p}: {len(stale)} tensor name(s) predate weight contract v{wc.CONTRACT_VERSION}, e.g. {shown}; "
             f"{_reconvert(impl or meta.get('impl'))}")
     return meta
+
+
+def native_model_config(path):
+    """The ModelConfig recorded in a native checkpoint, held to the tensor sizes in its DCP metadata.
+
+    Why: the config decides how much memory the model takes; a config claiming sizes the files do not
+    hold (edited, or from another model) must be refused before anything is allocated, not discovered
+    after a model of that size was built."""
+    from core.config import ConfigError, ModelConfig
+
+    p = Path(path)
+    meta = assert_checkpoint_is_current(p)
+    try:
+        config = ModelConfig.from_hf_dict(meta.get("model_config"))
+    except ConfigError as e:
+        raise NativeCheckpointError(f"{p}/{META_FILE}: invalid model_config: {e}") from None
+    want = wc.native_names(config)
+    for name, item in _read_dcp_metadata(p).state_dict_metadata.items():
+        size = tuple(getattr(item, "size", ()))
+        if name in want and size != tuple(want[name][0]):
+            raise NativeCheckpointError(f"{p}: {META_FILE} describes a model whose tensor {name!r} has shape "
+                                        f"{tuple(want[name][0])}, but the checkpoint holds {size}; the config "
+                                        f"does not belong to these files")
+    return config
 
 
 def _architecture(config) -> dict:

@@ -84,10 +84,10 @@ def model_config(spec: str) -> ModelSource:
 def checkpoint_config(path: Path):
     """The ModelConfig of an HF checkpoint (config.json) or a native one (its metadata)."""
     from core.config import ModelConfig
-    from core.native_checkpoint import is_native_checkpoint, read_native_metadata
+    from core.native_checkpoint import is_native_checkpoint, native_model_config
 
     if is_native_checkpoint(path):
-        return ModelConfig.from_hf_dict(read_native_metadata(path)["model_config"])
+        return native_model_config(path)  # held to the tensor sizes on disk before anything is allocated
     return ModelConfig.from_json(path / "config.json")
 
 

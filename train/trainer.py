@@ -110,6 +110,11 @@ class TrainConfig:
     keep_last: int = 2
     export_at_end: bool = True
 
+    def __post_init__(self) -> None:
+        from .config_checks import validate
+
+        validate(self)  # ranges: one error naming the key and the allowed range
+
     def to_json(self) -> Dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
@@ -134,10 +139,10 @@ def _resolve_model_config(run_config, model_source):
         return model_source, None
     if model_source is not None and Path(str(model_source)).is_dir():
         from core.checkpoint import open_checkpoint
-        from core.native_checkpoint import is_native_checkpoint, read_native_metadata
+        from core.native_checkpoint import is_native_checkpoint, native_model_config
 
         if is_native_checkpoint(model_source):
-            native_cfg = ModelConfig.from_hf_dict(read_native_metadata(model_source)["model_config"])
+            native_cfg = native_model_config(model_source)
             return (native_cfg if cfg is None else cfg), str(model_source)
         reader = open_checkpoint(model_source, config=cfg)
         return reader.config if cfg is None else cfg, str(model_source)
