@@ -105,6 +105,14 @@ def _read_dcp_metadata(path: Path):
         raise NativeCheckpointError(f"{path}/.metadata: cannot read DCP metadata safely: {e}") from e
     if not isinstance(md, Metadata):
         raise NativeCheckpointError(f"{path}/.metadata: not DCP metadata ({type(md).__name__})")
+    from core.path_safety import inside_folder
+
+    for info in (getattr(md, "storage_data", None) or {}).values():  # data files must lie inside the folder
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or os.path.isabs(rel) or Path(rel).name != rel:
+            raise NativeCheckpointError(f"{path}/.metadata names the data file {rel!r}, which is not a plain "
+                                        f"file name inside the checkpoint folder")
+        inside_folder(path, rel, what="data file")
     return md
 
 
@@ -244,6 +252,9 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
     import torch.distributed.checkpoint as dcp
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    from core.stale_temps import remove_stale
+
+    remove_stale(out.parent)  # temporaries of writers killed earlier
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -263,7 +274,7 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
             f.flush()
             os.fsync(f.fileno())
         if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
             os.rename(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
@@ -334,9 +345,9 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
-    except NativeCheckpointError:
+    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # a truncated / damaged .distcp file: DCP wraps the reader's error
+    except BaseException as e:  # a truncated / damaged .distcp: DCP's CheckpointException is a BaseException
         first = str(e).strip().splitlines()
         raise NativeCheckpointError(
             f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "

@@ -52,6 +52,12 @@ def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[
 
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
+    from converters.staging import check_disk_space
+    from core.stale_temps import remove_stale
+
+    remove_stale(root)  # temporaries of a run killed earlier
+    params = sum(p.numel() * p.element_size() for p in train_model.parameters())
+    check_disk_space(root, 3 * params)  # weights + two Adam moments, before anything is written
     name = f"step_{step:06d}"
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -52,6 +52,8 @@ from .model import build_train_model, load_model_source
 from .replay import routing_match
 from .weight_sync import sync_weights
 from . import state_io, step_guard
+from .run_folder import cleanup_failed_start, config_differences, has_progress
+from core.errors import UserInputError
 
 MODES = ("sft", "grpo")
 CONFIG_FILE = "train_config.json"
@@ -235,19 +237,22 @@ class _Run:
         found = latest_checkpoint(self.run_dir)
         if resume and found is not None:
             saved = json.loads(p.read_text()) if p.is_file() else None
-            if saved is not None and (saved["mode"], saved["train"], saved["model_config"]) != (
-                    desc["mode"], desc["train"], desc["model_config"]):
-                raise ValueError(f"{self.run_dir}: --resume with a different configuration than the run was "
-                                 f"started with (see {p})")
+            keys = ("mode", "train", "model_config")
+            diff = [] if saved is None else config_differences({k: saved.get(k) for k in keys},
+                                                                {k: desc[k] for k in keys})
+            if diff:
+                raise UserInputError(f"{self.run_dir}: --resume with options that differ from the run's "
+                                     f"({'; '.join(diff[:6])}{'; ...' if len(diff) > 6 else ''}); resume with "
+                                     f"the original options (see {p}) or start a new --run-dir")
             step, folder = found
             st = load_checkpoint(folder, self.model, self.opt)
             self.start_step = int(st["step"])
             if self.ref_model is not None:
                 self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         else:
-            if not resume and (self.run_dir / "metrics.jsonl").exists():
-                raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
-                                      f"a new --run-dir")
+            if not resume and has_progress(self.run_dir):
+                raise UserInputError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
+                                     f"a new --run-dir")
             tmp = p.with_name(p.name + ".tmp")
             tmp.write_text(json.dumps(desc, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, p)
@@ -585,6 +590,7 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     _refuse_unbuilt_parallelism(run_config)
-    if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
-        return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
-    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()
+    with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
+        if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
+            return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
+        return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

@@ -358,6 +358,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
     still be valid JSON).
     """
     from core.config import ConfigError, ModelConfig
+    from core.path_safety import inside_folder
 
     ckpt = Path(path)
     if not ckpt.is_dir():
@@ -403,6 +404,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
         if not p.is_file():
             some = next(n for n, v in weight_map.items() if v == fname)
             raise CheckpointError("shard listed in the index does not exist", tensor=some, file=fname)
+        inside_folder(ckpt, fname, what="shard")  # a symlink out of the folder is not followed
         headers[fname] = read_safetensors_header(p)
     if weight_map is None:
         weight_map = {n: SINGLE_FILE for n in headers[SINGLE_FILE]}
@@ -572,6 +574,9 @@ def write_checkpoint(out_dir, config, tensors: Union[Mapping[str, torch.Tensor],
             raise ValueError(f"extra file name {fn!r} is not allowed")
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    from core.stale_temps import remove_stale
+
+    remove_stale(out.parent)  # temporaries of writers killed earlier
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
