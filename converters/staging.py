@@ -35,9 +35,13 @@ directory is renamed aside (``.<dest>.old-*``) and the new one renamed in, so
 a crash in between leaves *no* ``dest_dir`` (never a mixed one) and the next
 run rebuilds.
 
-An existing ``dest_dir`` without a sentinel (not made by a completed stage),
-or with a sentinel of different inputs, raises :class:`StageConflict` unless
-``overwrite=True``.
+An existing ``dest_dir`` with a sentinel of different inputs raises
+:class:`StageConflict` unless ``overwrite=True``. One without a sentinel (not
+made by a completed stage: possibly the user's own data) always raises, with
+``overwrite=True`` too: ``--overwrite`` replaces only what dsv4 wrote. An
+empty folder counts as free. Concurrent writers with ``overwrite=True``
+build once: a result completed after a writer started counts as done for it
+(``StageResult.built`` False, so exactly one process reports "wrote").
 """
 
 from __future__ import annotations
@@ -241,6 +245,7 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
     """
     dest = normalize_dest(dest_dir)
     want = _canon(inputs)
+    started = time.time()
 
     s = read_sentinel(dest)
     if _matches(s, name, want) and not overwrite:
@@ -261,10 +266,18 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
                              f"({lp})") from None
     try:
         s = read_sentinel(dest)
-        if _matches(s, name, want) and not overwrite:
+        # overwrite=True replaces an older result, not one a concurrent writer finished while we waited
+        fresh = s is not None and float(s.get("created_unix", 0)) >= started
+        if _matches(s, name, want) and (not overwrite or fresh):
             if verbose:
                 _log(f"{name}: {dest} was completed by another process")
             return StageResult(dest, False, s)
+        if s is None and dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()):
+            dest.rmdir()  # an empty folder (made by the user, or by a failed start) is free to use
+        if overwrite and s is None and dest.exists():
+            raise StageConflict(f"{name}: {dest} was not written by dsv4 (no {SENTINEL}); refusing to replace "
+                                f"it even with --overwrite, which only replaces dsv4's own outputs. Fix: choose "
+                                f"another output folder, or remove this one yourself")
         if dest.exists() and not overwrite:
             if s is None:
                 raise StageConflict(f"{name}: {dest} exists but is not a completed stage result "
@@ -276,6 +289,10 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
             if verbose:
                 _log(f"{name}: removing stale temporary {p}")
             shutil.rmtree(p, ignore_errors=True)
+        if dest.parent.is_dir():
+            from core.stale_temps import remove_stale
+
+            remove_stale(dest.parent)  # other writers' temporaries (save_native, write_checkpoint) of dead pids
 
         dest.parent.mkdir(parents=True, exist_ok=True)
         check_disk_space(dest.parent, required_bytes)
@@ -288,7 +305,7 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
                 _log(f"{name}: building {dest}")
             build_fn(tmp)
             _maybe_pause("before-sentinel")
-            sentinel = {"complete": True, "stage": name, "inputs": want,
+            sentinel = {"complete": True, "stage": name, "inputs": want, "created_unix": time.time(),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 3),
                         "host": socket.gethostname(), "pid": os.getpid()}
             (tmp / SENTINEL).write_text(json.dumps(sentinel, indent=2, sort_keys=True) + "\n")

@@ -175,6 +175,7 @@ class ModelConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             object.__setattr__(self, f.name, _coerce(f.name, v))
+        _check_ranges(self)
         cr = self.compress_ratios
         if len(cr) != self.n_layers + self.n_mtp_layers:
             raise ConfigError(
@@ -395,6 +396,62 @@ def _coerce(name: str, v: Any) -> Any:
                 pass
         raise ConfigError(f"config key 'quantization_config' must be a dict, got {type(v).__name__}")
     return v
+
+
+# ----------------------------------------------------------------- ranges
+# key -> (lowest, highest) accepted value, both inclusive. The upper bounds are far above any released
+# DeepSeek model (V4-Pro: vocab 129,280, dim 7,168, 61 layers, 384 experts) but keep a config from
+# claiming sizes whose allocation alone exhausts memory (a vocab of 10**12 is refused here, before any
+# tensor exists); the checkpoint readers then hold the config to the tensor shapes in the files.
+# A string bound names another key of the same config.
+_INT_RANGES: dict[str, tuple[Any, Any]] = {
+    "vocab_size": (1, 1 << 22),
+    "dim": (1, 1 << 16),
+    "n_layers": (1, 1024),
+    "n_mtp_layers": (0, 16),
+    "n_heads": (1, 4096),
+    "head_dim": (2, 8192),
+    "rope_head_dim": (0, 8192),
+    "q_lora_rank": (1, 1 << 16),
+    "o_groups": (1, "n_heads"),
+    "o_lora_rank": (1, 1 << 16),
+    "window_size": (1, 1 << 20),
+    "index_n_heads": (1, 4096),
+    "index_head_dim": (1, 8192),
+    "index_topk": (1, 1 << 20),
+    "n_routed_experts": (1, 1 << 16),
+    "n_shared_experts": (0, 64),
+    "n_activated_experts": (1, "n_routed_experts"),
+    "moe_inter_dim": (1, 1 << 18),
+    "n_hash_layers": (0, "n_layers"),
+    "hc_mult": (1, 64),
+    "hc_sinkhorn_iters": (1, 10_000),
+    "original_seq_len": (0, 1 << 26),
+    "max_position_embeddings": (1, 1 << 26),
+    "bos_token_id": (0, "vocab_size"),
+    "eos_token_id": (0, "vocab_size"),
+}
+# key -> why it must be > 0 (the float fields are already known finite)
+_POSITIVE_FLOATS = ("hc_eps", "norm_eps", "route_scale", "rope_theta", "compress_rope_theta", "rope_factor")
+_MAX_COMPRESS_RATIO = 1 << 16
+
+
+def _check_ranges(c: "ModelConfig") -> None:
+    """Every size in range (errors name the key and the accepted range)."""
+    for key, (lo, hi) in _INT_RANGES.items():
+        v = getattr(c, key)
+        hi_v = getattr(c, hi) - (1 if key.endswith("_token_id") else 0) if isinstance(hi, str) else hi
+        if not lo <= v <= hi_v:
+            hi_s = f"{hi_v:,} (= {hi}{' - 1' if key.endswith('_token_id') else ''})" if isinstance(hi, str) else f"{hi:,}"
+            raise ConfigError(f"config key {key!r} = {v:,} is out of range: allowed {lo:,} .. {hi_s}")
+    for key in _POSITIVE_FLOATS:
+        v = getattr(c, key)
+        if not v > 0:
+            raise ConfigError(f"config key {key!r} = {v} is out of range: must be > 0 (and finite)")
+    for r in c.compress_ratios:
+        if r > _MAX_COMPRESS_RATIO:
+            raise ConfigError(f"config key 'compress_ratios': ratio {r:,} is out of range: allowed 0, 2 .. "
+                              f"{_MAX_COMPRESS_RATIO:,}")
 
 
 # ---------------------------------------------------------------- presets

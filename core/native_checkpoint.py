@@ -52,7 +52,7 @@ FORMAT = "dsv4-native-dcp"
 KNOWN_IMPLS = ("miles", "megatron")
 
 __all__ = ["META_FILE", "KNOWN_IMPLS", "NativeCheckpointError", "StaleCheckpointError", "save_native",
-           "load_native", "read_native_metadata", "is_native_checkpoint", "assert_checkpoint_is_current"]
+           "load_native", "read_native_metadata", "native_model_config", "is_native_checkpoint", "assert_checkpoint_is_current"]
 
 
 class NativeCheckpointError(UserInputError):
@@ -109,6 +109,14 @@ def _read_dcp_metadata(path: Path):
         raise NativeCheckpointError(f"{path}/.metadata: cannot read DCP metadata safely: {e}") from e
     if not isinstance(md, Metadata):
         raise NativeCheckpointError(f"{path}/.metadata: not DCP metadata ({type(md).__name__})")
+    from core.path_safety import inside_folder
+
+    for info in (getattr(md, "storage_data", None) or {}).values():  # data files must lie inside the folder
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or os.path.isabs(rel) or Path(rel).name != rel:
+            raise NativeCheckpointError(f"{path}/.metadata names the data file {rel!r}, which is not a plain "
+                                        f"file name inside the checkpoint folder")
+        inside_folder(path, rel, what="data file")
     return md
 
 
@@ -186,6 +194,30 @@ def assert_checkpoint_is_current(path, *, impl: Optional[str] = None) -> Dict[st
     return meta
 
 
+def native_model_config(path):
+    """The ModelConfig recorded in a native checkpoint, held to the tensor sizes in its DCP metadata.
+
+    Why: the config decides how much memory the model takes; a config claiming sizes the files do not
+    hold (edited, or from another model) must be refused before anything is allocated, not discovered
+    after a model of that size was built."""
+    from core.config import ConfigError, ModelConfig
+
+    p = Path(path)
+    meta = assert_checkpoint_is_current(p)
+    try:
+        config = ModelConfig.from_hf_dict(meta.get("model_config"))
+    except ConfigError as e:
+        raise NativeCheckpointError(f"{p}/{META_FILE}: invalid model_config: {e}") from None
+    want = wc.native_names(config)
+    for name, item in _read_dcp_metadata(p).state_dict_metadata.items():
+        size = tuple(getattr(item, "size", ()))
+        if name in want and size != tuple(want[name][0]):
+            raise NativeCheckpointError(f"{p}: {META_FILE} describes a model whose tensor {name!r} has shape "
+                                        f"{tuple(want[name][0])}, but the checkpoint holds {size}; the config "
+                                        f"does not belong to these files")
+    return config
+
+
 def _architecture(config) -> dict:
     """The config without the checkpoint-storage fields: native tensors are dequantized, so
     ``expert_dtype`` / ``quantization_config`` of the HF source do not make a model different."""
@@ -224,6 +256,9 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
     import torch.distributed.checkpoint as dcp
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    from core.stale_temps import remove_stale
+
+    remove_stale(out.parent)  # temporaries of writers killed earlier
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -239,7 +274,7 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
         }
         write_text_atomically(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True))
         if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
             os.rename(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
@@ -306,8 +341,20 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
     import torch.distributed.checkpoint as dcp
 
     by_stored = {stored[n]: t for n, t in state.items()}
-    with _quiet_single_process():
-        dcp.load(by_stored, storage_reader=_make_reader(p), no_dist=True)
+    try:
+        with _quiet_single_process():
+            dcp.load(by_stored, storage_reader=_make_reader(p), no_dist=True)
+    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a truncated / damaged .distcp: DCP's CheckpointException is a BaseException
+        first = str(e).strip().splitlines()
+        raise NativeCheckpointError(
+            f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "
+            f"files are truncated or damaged; {_reconvert(impl or meta.get('impl'))}") from e
+    from core.finite import check_finite
+
+    check_finite(state.items(), where=str(p),
+                 fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
     meta = dict(meta)
     meta["loaded_by"] = impl
     return state, meta

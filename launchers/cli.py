@@ -120,6 +120,24 @@ def resolve(opts: dict, *, probe: bool = True, job=None):
     return host, run
 
 
+def _guarded(func, *args, **kwargs):
+    """Run a command; an expected failure is one line ``error: ...`` (launchers.errors), unless --debug."""
+    from launchers.errors import debug_enabled, one_line
+
+    try:
+        return func(*args, **kwargs)
+    except (SystemExit, KeyboardInterrupt, click.exceptions.Exit, click.ClickException, click.Abort):
+        raise
+    except NotBuiltError as exc:
+        if debug_enabled():
+            raise
+        _fail(str(exc), EXIT_NOT_BUILT)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if debug_enabled() or isinstance(exc, (GeneratorExit,)):
+            raise
+        _fail(one_line(exc, expected=(UserInputError, ConfigError)), EXIT_FAILED)
+
+
 def subcommand(name: str, **kwargs):
     """A subcommand with the shared options whose NotBuiltError becomes exit 3."""
 
@@ -131,12 +149,7 @@ def subcommand(name: str, **kwargs):
         def command(ctx, **params):
             run_keys = {decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS}
             opts = _merged(ctx, {k: params.pop(k) for k in list(params) if k in run_keys})
-            try:
-                return func(opts, **params)
-            except NotBuiltError as exc:
-                _fail(str(exc), EXIT_NOT_BUILT)
-            except (UserInputError, ConfigError) as exc:
-                _fail(str(exc), EXIT_FAILED)
+            return _guarded(func, opts, **params)
 
         return command
 
@@ -145,20 +158,21 @@ def subcommand(name: str, **kwargs):
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @run_options
+@click.option("--debug", is_flag=True, help="Show the full traceback of a failure (default: one line `error: ...`).")
 @click.pass_context
-def main(ctx: click.Context, **opts):
+def main(ctx: click.Context, debug: bool = False, **opts):
     """Train DeepSeek-V4 (V4-Flash, V4-Pro, tiny test models) for RL and SFT.
 
     With no subcommand, runs the main job on the embedded tiny model on the CPU.
     Every choice is explicit; invalid combinations fail before any work starts.
     """
+    from launchers.errors import set_debug
+
+    set_debug(debug)
     ctx.obj = {k: v for k, v in opts.items() if v is not None}
     if ctx.invoked_subcommand is None:
         _host_obj, run = resolve(ctx.obj, job="train")
-        try:
-            stages.main_job(run)
-        except NotBuiltError as exc:
-            _fail(str(exc), EXIT_NOT_BUILT)
+        _guarded(stages.main_job, run)
 
 
 @subcommand("plugins")
@@ -365,12 +379,14 @@ def full_train_cmd(opts, **kw):
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory to write.")
 @click.option("--step", type=int, default=None, help="Checkpoint step (default: the last complete one).")
 @click.option("--weight-format", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
-def export_cmd(opts, run_dir, out, step, weight_format):
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export (only a folder dsv4 wrote).")
+def export_cmd(opts, run_dir, out, step, weight_format, overwrite):
     """Write a run's checkpoint as an official-format HF checkpoint."""
-    from train import export_hf
+    from launchers.outputs import export_run
 
-    path = export_hf(stages.user_path(run_dir), stages.user_path(out), step=step, weight_format=weight_format)
-    stages.log.print(f"wrote {path}")
+    path = stages.user_path(out)
+    built = export_run(stages.user_path(run_dir), path, step=step, weight_format=weight_format, overwrite=overwrite)
+    stages.log.print(f"{'wrote' if built else 'already exported:'} {path}")
 
 
 @subcommand("plot")

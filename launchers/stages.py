@@ -80,10 +80,10 @@ def model_config(spec: str) -> ModelSource:
 def checkpoint_config(path: Path):
     """The ModelConfig of an HF checkpoint (config.json) or a native one (its metadata)."""
     from core.config import ModelConfig
-    from core.native_checkpoint import is_native_checkpoint, read_native_metadata
+    from core.native_checkpoint import is_native_checkpoint, native_model_config
 
     if is_native_checkpoint(path):
-        return ModelConfig.from_hf_dict(read_native_metadata(path)["model_config"])
+        return native_model_config(path)  # held to the tensor sizes on disk before anything is allocated
     return ModelConfig.from_json(path / "config.json")
 
 
@@ -186,7 +186,9 @@ def prepare(preset: str, out: Path, dtype: str, seed: int, overwrite: bool = Fal
 def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
     """MXFP4 routed experts -> FP8 128x128 blocks, losslessly, as a safe stage."""
     from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
+    from core.path_safety import refuse_overlap
 
+    refuse_overlap(out, [in_dir])
     return convert_mxfp4_to_fp8(in_dir, out, overwrite=overwrite)
 
 
@@ -286,6 +288,7 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     """Print the per-token log-probabilities of each sequence as JSON (stdout carries nothing else); the
     kernels that ran go to the log."""
     from core.checkpoint import open_checkpoint
+    from core.finite import finite_json
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from core.native_checkpoint import is_native_checkpoint
 
@@ -306,34 +309,47 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     ran = kernels_ran()
     if ran:  # several-process runs count in their workers; this process saw none of those calls
         log.print("kernels ran: " + ", ".join(f"{k} x{v}" for k, v in sorted(ran.items())))
-    print(json.dumps(result))
+    print(finite_json(result, what="log-probabilities"))
 
 
 def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
-    """HF checkpoint -> native checkpoint through the weight contract (atomic)."""
+    """HF checkpoint -> native checkpoint through the weight contract, as a safe stage (launchers.outputs)."""
+    from core.checkpoint import open_checkpoint
+    from launchers.outputs import native_bytes, real, staged_output
+
+    reader = open_checkpoint(hf_dir)
+    built = staged_output(out, lambda tmp: convert_into(run, hf_dir, tmp), name="convert",
+                          inputs={"hf": real(hf_dir), "impl": run.impl}, input_paths=[hf_dir],
+                          required_bytes=native_bytes(reader.config), overwrite=overwrite)
+    log.print(f"{'wrote' if built else 'already converted:'} native checkpoint (written by --impl {run.impl}) at {out}")
+    return out
+
+
+def convert_into(run, hf_dir: Path, out: Path) -> Path:
+    """The conversion itself: write the native checkpoint into the (empty) folder ``out``."""
+    import shutil
+
     import torch
 
     from core.checkpoint import open_checkpoint
+    from core.checkpoint.tokenizer import TOKENIZER_FILE
     from core.native_checkpoint import save_native
     from core.weight_contract import hf_to_native
 
-    import shutil
-
-    from core.checkpoint.tokenizer import TOKENIZER_FILE
-
     reader = open_checkpoint(hf_dir)
     state = dict(hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.bfloat16), reader.config))
-    save_native(out, state, impl=run.impl, config=reader.config, overwrite=overwrite)
+    save_native(out, state, impl=run.impl, config=reader.config, overwrite=True)
     if (Path(hf_dir) / TOKENIZER_FILE).is_file():  # the training data's tokenizer travels with the weights
         shutil.copy2(Path(hf_dir) / TOKENIZER_FILE, Path(out) / TOKENIZER_FILE)
-    log.print(f"wrote native checkpoint ({len(state)} tensors, written by --impl {run.impl}) to {out}")
     return out
 
 
 def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume: bool, **overrides) -> dict:
     """SFT or GRPO on the run's implementation, from an HF or native checkpoint."""
+    from core.path_safety import refuse_overlap
     from train import run_training
 
+    refuse_overlap(run_dir, [model_dir, overrides.get("data")], out_option="--run-dir")
     result = run_training(
         run,
         model_dir,
@@ -380,7 +396,7 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
         fp4 = prepare("tiny", cache_dir() / "tiny-mxfp4-seed0", "mxfp4-experts", 0) if hf.name == "tiny-bf16-seed0" else hf
         hf = prepare_fp8(fp4, fp4.parent / f"{fp4.name}-fp8")
     native = hf.parent / f"{hf.name}-native-{run.impl}"
-    run_stage(native, lambda tmp: convert(run, hf, tmp, overwrite=True), name="convert",
+    run_stage(native, lambda tmp: convert_into(run, hf, tmp), name="convert",
               inputs={"hf": str(hf), "impl": run.impl}, verbose=False)
     return train(run, native, mode=mode, steps=steps, run_dir=run_dir, resume=resume, **overrides)
 

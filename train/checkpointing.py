@@ -4,22 +4,22 @@ Layout::
 
     RUN_DIR/checkpoints/step_000004/
         model/          native checkpoint (core.native_checkpoint.save_native: contract names, DCP)
-        optim.pt        optimizer state_dict
-        rng.pt          torch CPU RNG state (+ CUDA states when present) and Python's random state
+        optim.safetensors + optim.json   optimizer state (train.state_io: tensors + JSON, no pickle)
+        rng.safetensors + rng.json       torch CPU RNG state (+ CUDA states when present), Python's random state
         state.json      {"step": 4, "complete": true, ...}  (written last, inside the folder)
     RUN_DIR/checkpoints/latest   "step_000004"  (replaced atomically after the folder is in place)
 
 A checkpoint folder is assembled under a temporary name and renamed into place, so a kill at any
 moment leaves either the previous complete checkpoint or the new one. Data order and sampling seeds
 are functions of (seed, step) (see :mod:`train.data`), so the step number restores them; the RNG states
-are saved as well for anything that draws from the global generators.
+are saved as well for anything that draws from the global generators. Nothing here is ever unpickled: a run
+folder may come from anywhere, and unpickling runs code (pickles of older versions are refused by name).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import uuid
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
+
+from . import state_io
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
@@ -44,20 +46,6 @@ def _fsync_dir(p: Path) -> None:
         pass
 
 
-def rng_state() -> Dict:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: Dict) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
 def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[Dict] = None,
                     keep_last: int = 2) -> Path:
     from core.atomic import write_text_atomically
@@ -65,6 +53,12 @@ def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[
 
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
+    from converters.staging import check_disk_space
+    from core.stale_temps import remove_stale
+
+    remove_stale(root)  # temporaries of a run killed earlier
+    params = sum(p.numel() * p.element_size() for p in train_model.parameters())
+    check_disk_space(root, 3 * params)  # weights + two Adam moments, before anything is written
     name = f"step_{step:06d}"
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -73,8 +67,8 @@ def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[
         native = {n: t.detach() for n, t in train_model.native_tensors()}
         save_native(tmp / "model", native, impl=getattr(train_model, "impl", "reference"),
                     config=train_model.config)
-        torch.save(optimizer.state_dict(), tmp / "optim.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
+        state_io.save_optimizer(tmp, optimizer)
+        state_io.save_rng(tmp)
         with open(tmp / "state.json", "w") as f:
             json.dump({"step": step, "complete": True, **(extra or {})}, f, indent=2, sort_keys=True)
             f.flush()
@@ -141,7 +135,7 @@ def load_checkpoint(folder, train_model, optimizer=None, *, restore_rng: bool = 
     state, _meta = load_native(folder / "model", config=train_model.config)
     train_model.load_native_state(state)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(folder / "optim.pt", weights_only=False))
+        state_io.load_optimizer(folder, optimizer)
     if restore_rng:
-        set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+        state_io.load_rng(folder)
     return json.loads((folder / "state.json").read_text())

@@ -33,13 +33,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from core.errors import UserInputError
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUILTIN_DATA = DATA_DIR / "arith.jsonl"
 BUILTIN_SEED = 1234
 BUILTIN_SIZE = 256
 
 
-class DataError(ValueError):
+class DataError(UserInputError, ValueError):
     """A data file or reward spec is invalid (names the file and line)."""
 
 
@@ -55,9 +57,14 @@ RewardFn = Callable[[str, Sequence[int], Dict], float]
 REWARDS: Dict[str, RewardFn] = {}
 
 
-def register_reward(name: str, fn: RewardFn) -> None:
-    """``fn(response_text, response_ids, spec) -> float``; ``response_ids`` excludes the final eos."""
+REWARD_KEYS: Dict[str, tuple] = {}
+
+
+def register_reward(name: str, fn: RewardFn, required: tuple = ()) -> None:
+    """``fn(response_text, response_ids, spec) -> float``; ``response_ids`` excludes the final eos.
+    ``required``: keys a spec of this type must have (checked when the data file is read)."""
     REWARDS[name] = fn
+    REWARD_KEYS[name] = tuple(required)
 
 
 def _exact_match(text: str, ids: Sequence[int], spec: Dict) -> float:
@@ -84,9 +91,9 @@ def _valid_bytes(text: str, ids: Sequence[int], spec: Dict) -> float:
     return sum(1 for i in ids if lo <= int(i) < hi) / max(1, len(ids))
 
 
-register_reward("exact_match", _exact_match)
+register_reward("exact_match", _exact_match, required=("answer",))
 register_reward("valid_bytes", _valid_bytes)
-register_reward("exact_match_partial", _exact_match_with_partial_credit)
+register_reward("exact_match_partial", _exact_match_with_partial_credit, required=("answer",))
 
 
 def compute_reward(text: str, ids: Sequence[int], spec: Optional[Dict]) -> float:
@@ -95,7 +102,10 @@ def compute_reward(text: str, ids: Sequence[int], spec: Optional[Dict]) -> float
     kind = spec.get("type", "exact_match")
     if kind not in REWARDS:
         raise DataError(f"unknown reward type {kind!r}; known: {sorted(REWARDS)}")
-    return float(REWARDS[kind](text, ids, spec))
+    try:
+        return float(REWARDS[kind](text, ids, spec))
+    except KeyError as e:  # a spec that reached here without a key its reward needs
+        raise DataError(f"reward type {kind!r}: the spec {spec!r} has no {e.args[0]!r}") from None
 
 
 # --------------------------------------------------------------- the files
@@ -105,7 +115,11 @@ def load_jsonl(path, mode: Optional[str] = None) -> List[Example]:
     if not p.is_file():
         raise DataError(f"{p}: data file not found")
     out: List[Example] = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{p}: cannot read the data file ({e})") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         if not s or s.startswith("#"):
             continue
@@ -121,8 +135,13 @@ def load_jsonl(path, mode: Optional[str] = None) -> List[Example]:
         if reward is not None:
             if not isinstance(reward, dict):
                 raise DataError(f"{p}:{lineno}: 'reward' must be an object like {{\"type\": \"exact_match\", ...}}")
-            if reward.get("type", "exact_match") not in REWARDS:
+            kind = reward.get("type", "exact_match")
+            if kind not in REWARDS:
                 raise DataError(f"{p}:{lineno}: unknown reward type {reward.get('type')!r}; known: {sorted(REWARDS)}")
+            missing = [k for k in REWARD_KEYS.get(kind, ()) if k not in reward]
+            if missing:
+                raise DataError(f"{p}:{lineno}: reward type {kind!r} needs {', '.join(repr(k) for k in missing)}, "
+                                f"e.g. {{\"type\": \"{kind}\", \"answer\": \"19\"}}")
         if mode == "sft" and resp is None:
             raise DataError(f"{p}:{lineno}: SFT data needs a 'response'")
         if mode == "grpo" and reward is None:

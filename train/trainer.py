@@ -56,8 +56,12 @@ from .export import CONFIG_FILE, export_model
 from .model import build_train_model, load_model_source
 from .replay import routing_match
 from .weight_sync import sync_weights
+from . import state_io, step_guard
+from .run_folder import cleanup_failed_start, config_differences, has_progress
+from core.errors import UserInputError
 
 MODES = ("sft", "grpo")
+REF_MODEL_FILE = "ref_model.safetensors"     # the KL reference policy's weights (safetensors: never unpickled)
 KILL_ENV = "DSV4_TRAIN_KILL_AT"
 
 
@@ -108,6 +112,11 @@ class TrainConfig:
     keep_last: int = 2
     export_at_end: bool = True
 
+    def __post_init__(self) -> None:
+        from .config_checks import validate
+
+        validate(self)  # ranges: one error naming the key and the allowed range
+
     def to_json(self) -> Dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
@@ -132,10 +141,10 @@ def _resolve_model_config(run_config, model_source):
         return model_source, None
     if model_source is not None and Path(str(model_source)).is_dir():
         from core.checkpoint import open_checkpoint
-        from core.native_checkpoint import is_native_checkpoint, read_native_metadata
+        from core.native_checkpoint import is_native_checkpoint, native_model_config
 
         if is_native_checkpoint(model_source):
-            native_cfg = ModelConfig.from_hf_dict(read_native_metadata(model_source)["model_config"])
+            native_cfg = native_model_config(model_source)
             return (native_cfg if cfg is None else cfg), str(model_source)
         reader = open_checkpoint(model_source, config=cfg)
         return reader.config if cfg is None else cfg, str(model_source)
@@ -215,7 +224,7 @@ class _Run:
         if folder is not None:
             load_checkpoint(folder, self.model, self.opt)
             if self.ref_model is not None:
-                self.ref_model.load_native_state(torch.load(self.run_dir / "ref_model.pt", weights_only=True))
+                self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         self.start_step = int(step)
         return None
 
@@ -226,24 +235,25 @@ class _Run:
         found = latest_checkpoint(self.run_dir)
         if resume and found is not None:
             saved = json.loads(p.read_text()) if p.is_file() else None
-            if saved is not None and (saved["mode"], saved["train"], saved["model_config"]) != (
-                    desc["mode"], desc["train"], desc["model_config"]):
-                raise ValueError(f"{self.run_dir}: --resume with a different configuration than the run was "
-                                 f"started with (see {p})")
+            keys = ("mode", "train", "model_config")
+            diff = [] if saved is None else config_differences({k: saved.get(k) for k in keys},
+                                                                {k: desc[k] for k in keys})
+            if diff:
+                raise UserInputError(f"{self.run_dir}: --resume with options that differ from the run's "
+                                     f"({'; '.join(diff[:6])}{'; ...' if len(diff) > 6 else ''}); resume with "
+                                     f"the original options (see {p}) or start a new --run-dir")
             step, folder = found
             st = load_checkpoint(folder, self.model, self.opt)
             self.start_step = int(st["step"])
             if self.ref_model is not None:
-                ref_folder = self.run_dir / "ref_model.pt"
-                self.ref_model.load_native_state(torch.load(ref_folder, weights_only=True))
+                self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         else:
-            if not resume and (self.run_dir / "metrics.jsonl").exists():
-                raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
-                                      f"a new --run-dir")
+            if not resume and has_progress(self.run_dir):
+                raise UserInputError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
+                                     f"a new --run-dir")
             write_text_atomically(p, json.dumps(desc, indent=2, sort_keys=True) + "\n")
             if self.ref_model is not None:
-                torch.save({n: t.detach().clone() for n, t in self.ref_model.native_tensors()},
-                           self.run_dir / "ref_model.pt")
+                state_io.save_tensors(self.run_dir / REF_MODEL_FILE, dict(self.ref_model.native_tensors()))
         truncate_after(self.run_dir, self.start_step)
 
     # -- steps -------------------------------------------------------------
@@ -285,7 +295,9 @@ class _Run:
         """Sum the gradients over the CP group (no-op for cp 1), clip, step; returns the grad norm."""
         self.dist.all_reduce_grads(self.params)
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        step_guard.check_gradients(self.model, gnorm)     # before the update: NaN/inf stops the run
         self.opt.step()
+        step_guard.check_parameters(self.model)           # the update itself blew up (e.g. lr=inf)
         return gnorm
 
     def _micro_batches(self, lengths: List[int]):
@@ -513,7 +525,12 @@ class _Run:
                 task = prog.add_task(f"{self.mode} ({self.source_desc})", total=self.steps, completed=self.start_step)
                 for step in range(self.start_step + 1, self.steps + 1):
                     t0 = time.perf_counter()
-                    row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+                    try:
+                        row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+                        step_guard.check_loss(row)
+                    except step_guard.NonFiniteError as exc:
+                        found = latest_checkpoint(self.run_dir)
+                        raise step_guard.diverged(step, exc, self.run_dir, found and found[0], self.cfg.lr) from None
                     dt = time.perf_counter() - t0
                     row["step"] = step
                     row["time_step"] = dt
@@ -594,6 +611,7 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     loop on ``cp`` spawned local processes (:mod:`train.distributed`).
     """
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
-    if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
-        return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
-    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()
+    with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
+        if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
+            return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
+        return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

@@ -22,6 +22,7 @@ from typing import Dict, Optional
 import torch
 
 from core import weight_contract as wc
+from core.finite import check_finite
 from core.export import WeightCheckReport, check_weights, export_buckets, tensor_nbytes
 
 from .engines import decode_published
@@ -67,6 +68,7 @@ def sync_weights(train_model, engine, *, version: int, scheme: str = "bf16",
         native = ((n, t.detach()) for n, t in train_model.native_tensors())
         for bucket in export_buckets(native, config, max_bucket_bytes=max_bucket_bytes, dtype=export_dtype,
                                      expect_complete=True):
+            check_finite(bucket, where=f"weight sync to the rollout engine (version {version})")
             published = publish_bucket(bucket, scheme)
             engine.load_bucket(published)
             n_buckets += 1

@@ -212,6 +212,14 @@ def _check_index_entry(name: str, fname, ckpt: Path, index_file: str) -> None:
                               f"plain file names in {ckpt}", tensor=name, file=fname)
 
 
+def _finite(name: str, t: torch.Tensor, where: Path) -> torch.Tensor:
+    """Every tensor read from a checkpoint is refused if it holds NaN/inf (core.finite)."""
+    from core.finite import check_finite_tensor
+
+    return check_finite_tensor(name, t, where=str(where),
+                               fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
+
+
 class CheckpointReader:
     """A validated checkpoint folder. Holds no open files.
 
@@ -307,7 +315,7 @@ class CheckpointReader:
                 for n in names_here:
                     t = f.get_tensor(n)
                     if not dequantize:
-                        yield n, t
+                        yield n, _finite(n, t, self.path / fname)
                         continue
                     spec = self.specs[n]
                     td = target_dtype(n)
@@ -321,7 +329,7 @@ class CheckpointReader:
                             t = fp4_dequantize(t, sc, dtype=out_dtype)
                     elif td is not None and t.is_floating_point() and t.dtype != torch.float32:
                         t = t.to(td)
-                    yield n, t
+                    yield n, _finite(n, t, self.path / fname)
 
     def get_tensor(self, name: str, dequantize: bool = True, dtype: DtypeArg = torch.bfloat16) -> torch.Tensor:
         """One tensor (opens at most two shards, one after the other)."""
@@ -350,6 +358,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
     still be valid JSON).
     """
     from core.config import ConfigError, ModelConfig
+    from core.path_safety import inside_folder
 
     ckpt = Path(path)
     if not ckpt.is_dir():
@@ -395,6 +404,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
         if not p.is_file():
             some = next(n for n, v in weight_map.items() if v == fname)
             raise CheckpointError("shard listed in the index does not exist", tensor=some, file=fname)
+        inside_folder(ckpt, fname, what="shard")  # a symlink out of the folder is not followed
         headers[fname] = read_safetensors_header(p)
     if weight_map is None:
         weight_map = {n: SINGLE_FILE for n in headers[SINGLE_FILE]}
@@ -564,6 +574,9 @@ def write_checkpoint(out_dir, config, tensors: Union[Mapping[str, torch.Tensor],
             raise ValueError(f"extra file name {fn!r} is not allowed")
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    from core.stale_temps import remove_stale
+
+    remove_stale(out.parent)  # temporaries of writers killed earlier
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:

@@ -1,0 +1,91 @@
+"""Nothing in a run folder is unpickled (issue #21, item 1): a planted pickle whose loading would
+create a marker file is never opened; an old-format checkpoint is refused with a clear error."""
+
+import os
+import pickle
+
+import pytest
+
+SMALL = dict(n_layers=2, compress_ratios=(0, 0, 0), n_hash_layers=1)
+KW = dict(batch_size=2, lr=1e-3, save_every=1, export_at_end=False, progress=False)
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, "w")``: the proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker):
+    with open(path, "wb") as f:
+        pickle.dump(_Payload(marker), f)
+
+
+def _run(tmp_path, steps, resume):
+    from core.config import preset
+    from train.trainer import run_training
+
+    c = preset("tiny").replace(**SMALL)
+    return run_training(None, c, mode="sft", steps=steps, run_dir=tmp_path / "run", resume=resume, **KW)
+
+
+def test_resume_never_unpickles_a_planted_file(tmp_path):
+    from train.checkpointing import latest_checkpoint
+
+    _run(tmp_path, 1, False)
+    step, folder = latest_checkpoint(tmp_path / "run")
+    assert not list(folder.glob("*.pt")), "training state must not be pickled"
+    marker = tmp_path / "pwned"
+    for name in ("optim.pt", "rng.pt"):            # where the old code read pickles
+        _plant(folder / name, marker)
+    _plant(tmp_path / "run" / "ref_model.pt", marker)
+    _run(tmp_path, 2, True)
+    assert not marker.exists()
+    assert latest_checkpoint(tmp_path / "run")[0] == 2
+
+
+def test_an_old_pickle_checkpoint_is_refused_by_name_without_loading_it(tmp_path):
+    from train.checkpointing import latest_checkpoint
+    from train.state_io import OPTIM_JSON, OPTIM_TENSORS, RNG_JSON, RNG_TENSORS, TrainingStateError
+
+    _run(tmp_path, 1, False)
+    _step, folder = latest_checkpoint(tmp_path / "run")
+    for name in (OPTIM_JSON, OPTIM_TENSORS, RNG_JSON, RNG_TENSORS):  # what an older version wrote instead
+        os.remove(folder / name)
+    marker = tmp_path / "pwned"
+    _plant(folder / "optim.pt", marker)
+    _plant(folder / "rng.pt", marker)
+    with pytest.raises(TrainingStateError, match=r"optim\.pt.*never loaded.*--model"):
+        _run(tmp_path, 2, True)
+    assert not marker.exists()
+
+
+def test_optimizer_and_rng_state_round_trip(tmp_path):
+    import random
+
+    import torch
+
+    from train import state_io
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state_io.save_optimizer(tmp_path, opt)
+    state_io.save_rng(tmp_path)
+    want_t, want_py = torch.rand(3), random.random()
+
+    m2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1.0)
+    state_io.load_optimizer(tmp_path, opt2)
+    state_io.load_rng(tmp_path)
+    assert torch.equal(torch.rand(3), want_t) and random.random() == want_py
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for i in a["state"]:
+        for k, v in a["state"][i].items():
+            assert torch.equal(v, b["state"][i][k])
