@@ -125,12 +125,9 @@ def _reader(path: Path):
 def _ensure_process_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return
-    from backends.cpu.megatron_shims import apply_megatron_cpu_shims, free_port
-
-    apply_megatron_cpu_shims()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if not dist.is_initialized():  # the hardware target sets processes up (converters sit below backends)
+        raise RuntimeError("writing a torch_dist checkpoint needs a process group: set the process up through the "
+                           "run's hardware target first (core.assembly.assemble(run).setup_process())")
 
 
 def _sharded_state_dict(native: Mapping[str, torch.Tensor], config) -> dict:

@@ -261,12 +261,13 @@ def _kernel_dtype(sel: Selection, host) -> Optional[str]:
             + ".")
 
 
-def _cp_thd(sel: Selection, host) -> Optional[str]:
-    """Context parallelism splits one packed (THD) stream across ranks."""
-    if sel.cp <= 1 or sel.qkv_format == "thd":
+def _train_cp_thd(sel: Selection, host) -> Optional[str]:
+    """The trainer's context parallelism splits packed (THD) micro-batches across ranks (the miles model also
+    runs BSHD context parallel, for scoring)."""
+    if sel.job != "train" or sel.cp <= 1 or sel.qkv_format == "thd":
         return None
-    return f"--cp {sel.cp} splits a packed stream across ranks: it needs --qkv-format thd (got {sel.qkv_format}). " \
-           f"Fix: add --qkv-format thd, or use --cp 1."
+    return f"dsv4 train --cp {sel.cp} splits packed micro-batches across ranks: it needs --qkv-format thd " \
+           f"(got {sel.qkv_format}). Fix: add --qkv-format thd, or use --cp 1."
 
 
 def _packing_thd(sel: Selection, host) -> Optional[str]:
@@ -313,6 +314,10 @@ def _train_cp_hardware(sel: Selection, host) -> Optional[str]:
 # The table: (rule name, what it checks, rule). Order matters only for which
 # message is shown first; every failing rule is reported.
 RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...] = (
+    # the training job's own limits first: a refusal for every job then reads last
+    ("train-parallel", "the trainer starts the requested tensor- and expert-parallel ranks", _train_parallel),
+    ("train-context-parallel-hardware", "the trainer's context-parallel ranks run on the hardware", _train_cp_hardware),
+    ("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
     ("runnable", "every chosen backend is built (not declared only)", _runnable),
     ("impl-kernel", "the implementation accepts the kernel backend", _impl_kernel),
     ("impl-tensor-parallel", "the implementation supports the tensor-parallel size", _impl_tp),
@@ -327,12 +332,9 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     ("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),
     ("kernel-dtype", "the kernel backend computes in the run's dtype", _kernel_dtype),
-    ("context-parallel-thd", "context parallelism runs the packed (THD) layout", _cp_thd),
     ("packing-thd", "training with a packing budget runs the packed (THD) layout", _packing_thd),
     ("rollout-hardware", "the rollout engine runs on the hardware target", _rollout_hardware),
     ("rollout-publish-format", "the rollout engine loads the scheme's published weights", _rollout_publish),
-    ("train-parallel", "the trainer starts the requested tensor- and expert-parallel ranks", _train_parallel),
-    ("train-context-parallel-hardware", "the trainer's context-parallel ranks run on the hardware", _train_cp_hardware),
 )
 
 

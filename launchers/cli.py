@@ -231,15 +231,15 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
 @subcommand("prepare")
 @click.option("--preset", default="tiny", show_default=True, help="Model preset to materialize.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
-@click.option("--weight-format", "dtype", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
+@click.option("--weight-format", "weight_format", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weights.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint made with other inputs.")
-def prepare_cmd(opts, preset: str, out: str, dtype: str, seed: int, overwrite: bool):
+def prepare_cmd(opts, preset: str, out: str, weight_format: str, seed: int, overwrite: bool):
     """Write a deterministic official-format HF checkpoint for a preset.
 
     Safe to run concurrently and to interrupt; a rerun with the same inputs is skipped.
     """
-    stages.prepare(preset=preset, out=stages.user_path(out), dtype=dtype, seed=seed, overwrite=overwrite)
+    stages.prepare(preset=preset, out=stages.user_path(out), dtype=weight_format, seed=seed, overwrite=overwrite)
 
 
 @subcommand("inspect")

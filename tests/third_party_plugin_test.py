@@ -58,7 +58,8 @@ def test_installed_plugin_is_listed_with_its_distribution(plugin_site):
     assert proc.returncode == 0, proc.stderr
     kernels = {e["name"]: e for e in json.loads(proc.stdout)["kernel_backend"]}
     assert kernels["example-ref"]["distribution"] == "dsv4-example-plugin"
-    assert kernels["example-ref"]["capabilities"] == {"deterministic": False, "hardware": ["cpu"], "impls": ["miles"]}
+    assert kernels["example-ref"]["capabilities"] == {"deterministic": False, "dtypes": None, "hardware": ["cpu"],
+                                                     "impls": ["miles"]}
     assert kernels["none"]["distribution"] == "dsv4"
 
 

@@ -102,11 +102,6 @@ UNSUPPORTED_CASES = [
         message = "--kernel-backend triton computes in bf16 only (got --dtype fp32). Fix: use --dtype bf16, or --kernel-backend none.",
     ),
     struct(
-        name = "context_parallel_bshd",
-        args = ["--cp", "2", "--qkv-format", "bshd"],
-        message = "--cp 2 splits a packed stream across ranks: it needs --qkv-format thd (got bshd). Fix: add --qkv-format thd, or use --cp 1.",
-    ),
-    struct(
         name = "sglang_on_cpu",
         args = ["--rollout-engine", "sglang"],
         message = "--rollout-engine sglang needs a GPU (got --hardware cpu). Fix: use a GPU --hardware, or --rollout-engine reference.",

@@ -38,7 +38,6 @@ def export_source(run_dir, step: Optional[int] = None) -> Tuple[int, Path]:
     from core.errors import UserInputError
 
     from .checkpointing import CKPT_DIR, _complete, latest_checkpoint
-    from .trainer import CONFIG_FILE
 
     run = Path(run_dir)
     if not (run / CONFIG_FILE).is_file():

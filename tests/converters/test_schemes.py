@@ -9,7 +9,7 @@ from core.config import preset
 
 
 def test_bf16_is_identity():
-    assert schemes.bf16() is None
+    assert schemes.bf16().publish_format == "bf16"
 
 
 def test_fp8_publish():

@@ -158,5 +158,7 @@ def test_export_hf_from_the_run_folder_matches_the_end_of_run_export(grpo_run, t
 def test_an_existing_run_needs_resume(grpo_run):
     from train.trainer import run_training
 
-    with pytest.raises(FileExistsError, match="--resume"):
+    from core.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="--resume"):
         run_training(grpo_run[2], small_config(), mode="grpo", steps=1, run_dir=grpo_run[0], progress=False)

@@ -101,10 +101,10 @@ def test_export_and_weight_sync_refuse_nan_weights(tmp_path):
         export_model(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
-    from train.engines_plugin import make_engine
+    from train.engines import make_reference_engine
     from train.weight_sync import sync_weights
 
-    engine = make_engine("reference", model.config, dtype=torch.float32)
+    engine = make_reference_engine(model.config, dtype=torch.float32)
     try:
         with pytest.raises(NonFiniteError, match="weight sync"):
             sync_weights(model, engine, version=1)
