@@ -395,9 +395,12 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
     if run.selection.quant.prepare_stage == "prepare-fp8":  # MXFP4 experts -> FP8 before anything loads them
         fp4 = prepare("tiny", cache_dir() / "tiny-mxfp4-seed0", "mxfp4-experts", 0) if hf.name == "tiny-bf16-seed0" else hf
         hf = prepare_fp8(fp4, fp4.parent / f"{fp4.name}-fp8")
-    native = hf.parent / f"{hf.name}-native-{run.impl}"
+    from core.weight_contract import CONTRACT_VERSION
+
+    # one folder per contract version: a checkpoint converted under older names is never picked up again
+    native = hf.parent / f"{hf.name}-native-v{CONTRACT_VERSION}-{run.impl}"
     run_stage(native, lambda tmp: convert_into(run, hf, tmp), name="convert",
-              inputs={"hf": str(hf), "impl": run.impl}, verbose=False)
+              inputs={"hf": str(hf), "impl": run.impl, "contract_version": CONTRACT_VERSION}, verbose=False)
     return train(run, native, mode=mode, steps=steps, run_dir=run_dir, resume=resume, **overrides)
 
 

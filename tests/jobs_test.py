@@ -174,7 +174,7 @@ def test_full_train_skips_completed_stages(tmp_path, impl):
     env = {"DSV4_CACHE": str(tmp_path / "cache")}
     first = dsv4_here("--impl", impl, "full-train", "--steps", "1", "--run-dir", str(tmp_path / "run1"), env=env)
     assert first.exit_code == 0, first.output
-    natives = list((tmp_path / "cache").glob(f"*-native-{impl}"))
+    natives = list((tmp_path / "cache").glob(f"*-native-v*-{impl}"))
     assert len(natives) == 1 and (natives[0] / ".dsv4-complete.json").exists()
     stamp = (natives[0] / ".dsv4-complete.json").stat().st_mtime_ns
     second = dsv4_here("--impl", impl, "full-train", "--steps", "1", "--run-dir", str(tmp_path / "run2"), env=env)
