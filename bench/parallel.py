@@ -148,7 +148,7 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
     try:
         from megatron.core import parallel_state as ps
 
-        device = target.device(torch.cuda.current_device() if hardware == "nvidia" else 0)
+        device = parts.device()
         torch.manual_seed(0)
         m = parts.build_model(c).to(device).train()   # the run's dtype: bf16 on nvidia, fp32 on the CPU
         seed = ps.get_expert_model_parallel_rank() if layout["ep"] > 1 else 0  # ep: its own sequence per rank

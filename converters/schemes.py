@@ -30,23 +30,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-class _TrainsAsLoaded:
-    """Schemes that change nothing in a training model (they quantize at publish or prepare time only)."""
+class _SchemeBase:
+    """What every scheme shares: it publishes in its ``publish_format``, and by default changes nothing in a
+    training model (it quantizes at publish or prepare time only; QAT overrides ``prepare_training``)."""
+
+    def publish(self, named_tensors):
+        from .publish import publish_bucket
+        return publish_bucket(named_tensors, self.publish_format)
 
     def prepare_training(self, model) -> None:
         return None
 
 
 @dataclass(frozen=True)
-class BF16Scheme(_TrainsAsLoaded):
+class BF16Scheme(_SchemeBase):
     """bf16 needs no conversion: weights are trained and published as they are."""
 
     name: str = "bf16"
     publish_format: str = "bf16"
-
-    def publish(self, named_tensors):
-        from .publish import publish_bucket
-        return publish_bucket(named_tensors, "bf16")
 
 
 def bf16():
@@ -54,7 +55,7 @@ def bf16():
 
 
 @dataclass(frozen=True)
-class FP8Scheme(_TrainsAsLoaded):
+class FP8Scheme(_SchemeBase):
     name: str = "fp8"
     scale_format: str = "ue8m0"          # or "fp32"
 
@@ -65,10 +66,6 @@ class FP8Scheme(_TrainsAsLoaded):
     def quantize(self, name, tensor):
         from .fp8_quantizer import quantize_for_publish
         return quantize_for_publish(name, tensor, self.scale_format)
-
-    def publish(self, named_tensors):
-        from .publish import publish_bucket
-        return publish_bucket(named_tensors, self.publish_format)
 
 
 @dataclass(frozen=True)
@@ -83,13 +80,9 @@ class MXFP4ToFP8Scheme(FP8Scheme):
 
 
 @dataclass(frozen=True)
-class NVFP4Scheme(_TrainsAsLoaded):
+class NVFP4Scheme(_SchemeBase):
     name: str = "nvfp4"
     publish_format: str = "nvfp4"
-
-    def publish(self, named_tensors):
-        from .publish import publish_bucket
-        return publish_bucket(named_tensors, "nvfp4")
 
     def fake_quant_experts(self, gate, up):
         from .fake_quant import fake_quant_nvfp4_pair
@@ -97,16 +90,12 @@ class NVFP4Scheme(_TrainsAsLoaded):
 
 
 @dataclass(frozen=True)
-class QATScheme:
+class QATScheme(_SchemeBase):
     name: str = "qat"
     expert_format: str = "mxfp4"          # or "nvfp4"
     kv_block: int = 64
     # the engine runs the trained master weights unquantized
     publish_format: str = "bf16"
-
-    def publish(self, named_tensors):
-        from .publish import publish_bucket
-        return publish_bucket(named_tensors, "bf16")
 
     def prepare_training(self, model) -> None:
         """Fake-quant training (:meth:`install`)."""

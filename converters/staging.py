@@ -60,6 +60,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from filelock import FileLock, Timeout
 
+from core.atomic import fsync_dir
 from core.errors import UserInputError
 
 SENTINEL = ".dsv4-complete.json"
@@ -132,24 +133,11 @@ def _matches(sentinel: Optional[dict], name: str, inputs: dict) -> bool:
     return sentinel is not None and sentinel.get("stage") == name and sentinel.get("inputs") == inputs
 
 
-def _fsync(p: Path) -> None:
-    try:
-        fd = os.open(str(p), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         for f in filenames:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
+            fsync_dir(Path(dirpath) / f)
+        fsync_dir(Path(dirpath))
 
 
 def _maybe_pause(phase: str) -> None:
@@ -315,7 +303,7 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
                 _replace_dir(tmp, dest)
             else:
                 os.replace(tmp, dest)
-            _fsync(dest.parent)
+            fsync_dir(dest.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -84,42 +84,20 @@ _PLANNER_CLASSES = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
                     "LoadItemType"}
 
 
+# the allow-listed metadata reader of native checkpoints, plus the planner classes above
+_EXTRA_GLOBALS = {"torch.distributed.checkpoint.planner": _PLANNER_CLASSES}
+
+
 def _read_metadata(path: Path):
-    import pickle
+    from core.native_checkpoint import _read_dcp_metadata
 
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from core.native_checkpoint import _MetadataUnpickler
-
-    class _Unpickler(_MetadataUnpickler):
-        def find_class(self, module, name):
-            if module == "torch.distributed.checkpoint.planner" and name in _PLANNER_CLASSES:
-                return pickle.Unpickler.find_class(self, module, name)
-            return super().find_class(module, name)
-
-    try:
-        with open(path / ".metadata", "rb") as f:
-            md = _Unpickler(f).load()
-    except Exception as e:  # corrupt file or a global outside the allow-list
-        raise TorchDistError(f"{path}/.metadata: cannot read DCP metadata safely: {e}") from e
-    if not isinstance(md, Metadata):
-        raise TorchDistError(f"{path}/.metadata: not DCP metadata ({type(md).__name__})")
-    return md
+    return _read_dcp_metadata(path, _EXTRA_GLOBALS)
 
 
 def _reader(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from core.native_checkpoint import _make_reader
 
-    class _SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            md = _read_metadata(Path(self.path))
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            return md
-
-    return _SafeReader(str(path))
+    return _make_reader(path, _EXTRA_GLOBALS)
 
 
 def _ensure_process_group() -> None:

@@ -69,6 +69,12 @@ class Assembly:
             target.init_process_group(0, 1, tp=1)
         return target
 
+    def device(self):
+        """This process's device on the run's target (the current CUDA device on a GPU target)."""
+        import torch
+
+        return self.target.device(torch.cuda.current_device() if self.selection.hardware.gpu else 0)
+
     def build_model(self, model_config=None, *, params_dtype=None, **options) -> Any:
         """The run's implementation, with the run's kernel ops, in ``params_dtype`` (default: the run's
         ``--dtype``), for this process's ranks. ``options`` go to the implementation's factory (e.g.

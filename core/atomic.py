@@ -26,12 +26,12 @@ from typing import Iterator, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["atomic_path", "fsync_dir", "write_bytes_atomically", "write_text_atomically"]
+__all__ = ["atomic_path", "fsync_dir", "fsync_file", "write_bytes_atomically", "write_text_atomically"]
 
 
 def fsync_dir(path: PathLike) -> None:
-    """fsync the folder ``path`` (its entries: a rename into it, a new file). A file system that cannot
-    (some network or FUSE mounts refuse to open or fsync a folder) is skipped silently."""
+    """fsync the folder ``path`` (its entries: a rename into it, a new file; a file path works too). A file
+    system that cannot (some network or FUSE mounts refuse to open or fsync a folder) is skipped silently."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -44,7 +44,8 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: PathLike) -> None:
+    """fsync one file's data; an error is raised (the data must be on disk before a rename publishes it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,7 +62,7 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

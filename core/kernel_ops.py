@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping, Optional
 __all__ = ["OP_NAMES", "OpTable", "kernels_ran", "reset_kernels_ran"]
 
 # Every op a kernel backend provides (the reference set; a GPU backend answers the ones it has kernels for
-# and names the reference op for the rest). The THD entry points are optional extras.
+# and names the reference op for the rest). A backend may add extras (the GPU backends' THD entry points).
 OP_NAMES = (
     "sparse_attention_with_sink",
     "indexer_scores",
@@ -33,7 +33,6 @@ OP_NAMES = (
     "hc_post",
     "hc_head",
 )
-THD_OP_NAMES = ("sparse_attention_with_sink_thd", "indexer_scores_thd", "indexer_topk")
 
 _RAN: collections.Counter = collections.Counter()
 
@@ -91,9 +90,6 @@ class OpTable:
 
     def names(self) -> list[str]:
         return list(self._ops)
-
-    def items(self):
-        return self._ops.items()
 
     def map(self, wrap: Callable[[str, Callable], Callable]) -> "OpTable":
         """A table of the same backend whose op ``name`` is ``wrap(name, op)`` (counting kept)."""

@@ -89,20 +89,27 @@ _SAFE_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the names DCP metadata is made of (dataclasses, dtypes, sizes, paths)."""
+    """Resolves only the names DCP metadata is made of (dataclasses, dtypes, sizes, paths), plus
+    ``extra_globals`` (``{module: {names}}``) a caller's writer is known to store."""
+
+    def __init__(self, f, extra_globals: Optional[dict] = None):
+        super().__init__(f)
+        self.extra_globals = extra_globals or {}
 
     def find_class(self, module, name):
-        if name in _SAFE_GLOBALS.get(module, ()):
+        if name in _SAFE_GLOBALS.get(module, ()) or name in self.extra_globals.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
 
 
-def _read_dcp_metadata(path: Path):
+def _read_dcp_metadata(path: Path, extra_globals: Optional[dict] = None):
+    """A DCP folder's ``.metadata``, unpickled through the allow-list only; its data files must lie inside the
+    folder. ``extra_globals``: further names the writer stores (see :class:`_MetadataUnpickler`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
         with open(path / ".metadata", "rb") as f:
-            md = _MetadataUnpickler(f).load()
+            md = _MetadataUnpickler(f, extra_globals).load()
     except FileNotFoundError:
         raise NativeCheckpointError(f"{path}: no DCP .metadata file; not a native checkpoint") from None
     except Exception as e:  # corrupt file or a global outside the allow-list
@@ -120,13 +127,14 @@ def _read_dcp_metadata(path: Path):
     return md
 
 
-def _make_reader(path: Path):
+def _make_reader(path: Path, extra_globals: Optional[dict] = None):
+    """A DCP ``FileSystemReader`` whose metadata goes through :func:`_read_dcp_metadata`."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            md = _read_dcp_metadata(Path(self.path))
+            md = _read_dcp_metadata(Path(self.path), extra_globals)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id

@@ -70,16 +70,15 @@ def _with_budget(run, tokens_per_rank):
     return revalidated(run, make_host(third_party=False), max_tokens_per_rank=tokens_per_rank)
 
 
-def _stream_logprobs(run, checkpoint_dir, ids, cu) -> torch.Tensor:
-    """``[T]`` log-probs of the whole stream on every rank of this (already set up) process group."""
-    from core.assembly import assemble
+def _stream_logprobs(parts, checkpoint_dir, ids, cu) -> torch.Tensor:
+    """``[T]`` log-probs of the whole stream on every rank of this (already set up) process group;
+    ``parts``: the run's assembly (``core.assembly``)."""
     from engine.loading import load_weights
     from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 
-    parts = assemble(run)
-    device = parts.target.device(torch.cuda.current_device() if run.selection.hardware.gpu else 0)
+    device = parts.device()
     model = parts.build_model()
-    load_weights(model, checkpoint_dir, run.model)
+    load_weights(model, checkpoint_dir, parts.run.model)
     model.to(device).eval()
     have_cp, rank, group = cp_group_info()
     ctx = ThdContext.build(cu.to(device), cp=have_cp, cp_rank=rank, group=group)
@@ -90,25 +89,26 @@ def _stream_logprobs(run, checkpoint_dir, ids, cu) -> torch.Tensor:
 
 
 def _set_up_rank(run, rank: int, world: int, port: int):
-    """This spawned process as rank ``rank`` of ``world``, through the run's hardware target."""
+    """This spawned process as rank ``rank`` of ``world``, through the run's hardware target; returns the
+    run's assembly."""
     from core.assembly import assemble
 
-    target = assemble(run).target
+    parts = assemble(run)
     if not run.selection.hardware.gpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    target.init_process_group(rank, world, tp=run.tp, cp=run.cp, ep=run.ep, port=port)
-    return target
+    parts.target.init_process_group(rank, world, tp=run.tp, cp=run.cp, ep=run.ep, port=port)
+    return parts
 
 
 def _worker(rank: int, port: int, run, checkpoint_dir: str, ids, cu, out_path: str) -> None:
     """One tensor- or context-parallel rank of the stream's scoring."""
-    target = _set_up_rank(run, rank, run.cp * run.tp, port)
+    parts = _set_up_rank(run, rank, run.cp * run.tp, port)
     try:
-        lp = _stream_logprobs(run, checkpoint_dir, ids, cu)
+        lp = _stream_logprobs(parts, checkpoint_dir, ids, cu)
         if rank == 0:
             torch.save(lp, out_path)
     finally:
-        target.destroy_process_group()
+        parts.target.destroy_process_group()
 
 
 def _split(lp: torch.Tensor, cu, sequences, kept) -> list[list[float]]:
@@ -123,19 +123,19 @@ def _ep_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
     import torch.distributed as dist
 
     ep = run.ep
-    target = _set_up_rank(run, rank, ep, port)
+    parts = _set_up_rank(run, rank, ep, port)
     try:
         ratios = [r for r in run.model.compress_ratios if r]
         mine = list(sequences[rank::ep])
         # a rank with nothing to score runs a pad stream: its experts serve the other ranks' tokens
         ids, cu, kept = pack_stream(mine or [[0]], ratios)
-        lp = _stream_logprobs(run, checkpoint_dir, ids, cu)
-        parts = [None] * ep
-        dist.all_gather_object(parts, _split(lp, cu, mine, kept))
+        lp = _stream_logprobs(parts, checkpoint_dir, ids, cu)
+        scored = [None] * ep
+        dist.all_gather_object(scored, _split(lp, cu, mine, kept))
         if rank == 0:
-            torch.save(parts, out_path)
+            torch.save(scored, out_path)
     finally:
-        target.destroy_process_group()
+        parts.target.destroy_process_group()
 
 
 def _spawn(worker, nprocs: int, *args) -> object:
@@ -161,15 +161,11 @@ def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], run) -> lis
         return [[] for _ in sequences]
     run = _with_budget(run, ids.numel() // run.cp)  # fail fast, in the caller, with the table's message
     if run.cp * run.tp == 1:
-        assemble_in_process(run)
-        lp = _stream_logprobs(run, checkpoint_dir, ids, cu)
+        from core.assembly import assemble
+
+        parts = assemble(run)
+        parts.setup_process()      # a one-rank group when none exists
+        lp = _stream_logprobs(parts, checkpoint_dir, ids, cu)
     else:
         lp = _spawn(_worker, run.cp * run.tp, run, str(checkpoint_dir), ids, cu)
     return _split(lp, cu, sequences, kept)
-
-
-def assemble_in_process(run) -> None:
-    """This process set up for ``run`` (a one-rank group when none exists)."""
-    from core.assembly import assemble
-
-    assemble(run).setup_process()

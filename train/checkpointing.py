@@ -28,6 +28,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from core.atomic import fsync_dir, write_text_atomically
+
 from . import state_io
 
 CKPT_DIR = "checkpoints"
@@ -35,20 +37,8 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[Dict] = None,
                     keep_last: int = 2) -> Path:
-    from core.atomic import write_text_atomically
     from core.native_checkpoint import save_native
 
     root = Path(run_dir) / CKPT_DIR
@@ -80,7 +70,7 @@ def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[
         if final.exists():  # a leftover from an earlier run that got past this step: replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

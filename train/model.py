@@ -443,20 +443,20 @@ class ImplTrainModel(_TrainModelBase):
                                                                            progress=False), self.config)))
 
 
-def setup_process(run_config):
-    """What a job does before building a model: the run's hardware target (``core.assembly``) sets the
-    process up (on the CPU: megatron-core's shims) and, when no process group exists, starts a one-rank
-    group with megatron's parallel state. Several-rank runs start their groups first
-    (:func:`train.trainer.spawn_training`). Returns the target."""
-    from core.assembly import assemble
+def setup_process(parts):
+    """What a job does before building a model: the run's hardware target (``parts``, the run's
+    ``core.assembly.Assembly``) sets the process up (on the CPU: megatron-core's shims) and, when no process
+    group exists, starts a one-rank group with megatron's parallel state. Several-rank runs start their
+    groups first (:func:`train.trainer.spawn_training`). Returns the target."""
     from engine.thd_attention import cp_group_info
 
     import torch.distributed as dist
 
-    if dist.is_initialized() and cp_group_info()[0] != run_config.cp:
-        raise ValueError(f"--cp {run_config.cp}: this process's context-parallel group has "
+    cp = parts.run.cp
+    if dist.is_initialized() and cp_group_info()[0] != cp:
+        raise ValueError(f"--cp {cp}: this process's context-parallel group has "
                          f"{cp_group_info()[0]} ranks (train.trainer.spawn_training starts them)")
-    return assemble(run_config).setup_process()
+    return parts.setup_process()
 
 
 def build_train_model(model_config, run_config=None, *, impl: Optional[str] = None,
@@ -488,12 +488,12 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     from core.assembly import assemble
 
     parts = assemble(run_config)
-    target = setup_process(run_config)
+    setup_process(parts)
     options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
     module = parts.build_model(model_config, params_dtype=dtype, **options)
     parts.scheme.prepare_training(module)            # QAT: fake quantization; the other schemes: nothing
-    device = target.device(torch.cuda.current_device() if run_config.selection.hardware.gpu else 0)
+    device = parts.device()
     module.to(device)
     if compile_blocks:
         from engine.compile import compile_blocks as compile_in_place

@@ -46,6 +46,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from core.atomic import fsync_file
+
 from .errors import CheckpointError
 from .formats import fp4_dequantize, fp4_quantize, fp8_block_dequantize, fp8_block_quantize
 from .official_tensors import (
@@ -490,14 +492,6 @@ def load_into(model: torch.nn.Module, reader: CheckpointReader, *,
 # Writer
 # ---------------------------------------------------------------------------
 
-def _fsync_path(p: Path) -> None:
-    fd = os.open(str(p), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
     if t.device.type != "cpu":
@@ -640,8 +634,8 @@ def write_checkpoint(out_dir, config, tensors: Union[Mapping[str, torch.Tensor],
             data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
             (tmp / fn).write_bytes(data)
         for p in tmp.iterdir():
-            _fsync_path(p)
-        _fsync_path(tmp)
+            fsync_file(p)
+        fsync_file(tmp)
 
         old = None
         if out.exists():
@@ -651,7 +645,7 @@ def write_checkpoint(out_dir, config, tensors: Union[Mapping[str, torch.Tensor],
             else:
                 out.rmdir()
         os.replace(tmp, out)
-        _fsync_path(out.parent)
+        fsync_file(out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
