@@ -54,6 +54,8 @@ class Selection:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    # Number of ranks of the run (None = tp x cp x ep: one data-parallel group per expert-parallel rank).
+    world: Optional[int] = None
     rollout: Optional[RolloutEngine] = None
     dtype: str = "fp32"
     # What the run does ("score", "train"; None = checks every job shares only).
@@ -295,28 +297,38 @@ def _rollout_publish(sel: Selection, host) -> Optional[str]:
             f"{sel.quant.name} publishes {fmt}. Fix: choose --quant {_join(options)}, or another --rollout-engine.")
 
 
-def _train_parallel(sel: Selection, host) -> Optional[str]:
-    """The trainer starts one process, or one per context-parallel rank; tensor- and expert-parallel training
-    is not built in it (the models run both: `dsv4 logprobs --tp/--ep` and the multi-GPU benchmark)."""
-    if sel.job != "train" or sel.tp * sel.ep == 1:
-        return None
-    return (f"dsv4 train starts ranks for --cp only: training with --tp {sel.tp} --ep {sel.ep} is not built "
-            f"(tensor and expert parallel scoring is: dsv4 logprobs --tp/--ep). Fix: train with --tp 1 --ep 1.")
+def layout_world(sel) -> int:
+    """The run's number of ranks: the given world size, or ``tp x cp x ep`` (each expert-parallel rank its own
+    data-parallel rank)."""
+    return sel.world if sel.world is not None else sel.tp * sel.cp * sel.ep
 
 
-def _train_cp_hardware(sel: Selection, host) -> Optional[str]:
-    if sel.job != "train" or sel.cp <= 1 or not sel.hardware.gpu:
+def _train_layout(sel: Selection, host) -> Optional[str]:
+    """The trainer's ranks: ``world = dp x tp x cp``; expert parallelism runs inside data parallelism (its ranks
+    train on their own samples), so ``ep`` divides ``dp``."""
+    if sel.job != "train":
         return None
-    return (f"dsv4 train --cp {sel.cp} starts local gloo processes: it runs on --hardware cpu only "
-            f"(got {sel.hardware.name}). Fix: use --hardware cpu, or --cp 1.")
+    world = layout_world(sel)
+    mp = sel.tp * sel.cp
+    if world < 1 or world % mp:
+        return (f"{world} ranks do not split into --tp {sel.tp} x --cp {sel.cp} groups (the rest is data parallel). "
+                f"Fix: use a rank count (--nproc-per-node x nodes) that is a multiple of {mp}.")
+    dp = world // mp
+    if sel.ep > 1 and sel.max_tokens_per_rank is not None:
+        return (f"--ep {sel.ep} with --max-tokens-per-rank: expert-parallel ranks exchange tokens in every forward, "
+                f"so they must run the same number of micro-batches, and packing gives each rank its own count. "
+                f"Fix: drop --max-tokens-per-rank, or use --ep 1.")
+    if dp % sel.ep:
+        return (f"--ep {sel.ep} runs over data-parallel ranks, and {world} ranks with --tp {sel.tp} --cp {sel.cp} "
+                f"give {dp}. Fix: use --ep {_divisors(dp)}, or {sel.ep * mp} x N ranks.")
+    return None
 
 
 # The table: (rule name, what it checks, rule). Order matters only for which
 # message is shown first; every failing rule is reported.
 RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...] = (
     # the training job's own limits first: a refusal for every job then reads last
-    ("train-parallel", "the trainer starts the requested tensor- and expert-parallel ranks", _train_parallel),
-    ("train-context-parallel-hardware", "the trainer's context-parallel ranks run on the hardware", _train_cp_hardware),
+    ("train-layout", "the run's ranks split into tensor x context x data parallel, expert parallel inside data", _train_layout),
     ("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
     ("runnable", "every chosen backend is built (not declared only)", _runnable),
     ("impl-kernel", "the implementation accepts the kernel backend", _impl_kernel),

@@ -366,3 +366,61 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
     meta = dict(meta)
     meta["loaded_by"] = impl
     return state, meta
+
+
+# ------------------------------------------------------- plain tensor folders
+def save_tensor_folder(path, tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write ``tensors`` (name -> tensor) as a DCP folder at ``path`` (a new folder inside the caller's staging
+    folder: the caller publishes it atomically). Tensors only, so reading it back never unpickles anything."""
+    import torch.distributed.checkpoint as dcp
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=False)
+    state = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise NativeCheckpointError(f"tensor {name!r}: only tensors can be saved, got {type(t).__name__}")
+        state[name] = t.detach().contiguous().cpu()
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out), sync_files=True), no_dist=True)
+    return out
+
+
+def tensor_folder_names(path) -> Dict[str, Tuple[tuple, torch.dtype]]:
+    """``name -> (shape, dtype)`` of a folder written by :func:`save_tensor_folder` (metadata only)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    p = Path(path)
+    md = _read_dcp_metadata(p)
+    out = {}
+    for name, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise NativeCheckpointError(f"{p}: entry {name!r} is not a tensor; refusing to unpickle it")
+        out[name] = (tuple(item.size), item.properties.dtype)
+    return out
+
+
+def load_tensor_folder(path, names=None) -> Dict[str, torch.Tensor]:
+    """Read ``names`` (default: all) from a folder written by :func:`save_tensor_folder`: only those tensors'
+    bytes are read, through the allow-listed metadata reader; damaged files are one :class:`NativeCheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+
+    p = Path(path)
+    have = tensor_folder_names(p)
+    wanted = list(have) if names is None else list(names)
+    missing = [n for n in wanted if n not in have]
+    if missing:
+        raise NativeCheckpointError(f"{p}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    state = {n: torch.empty(have[n][0], dtype=have[n][1]) for n in wanted}
+    if not state:
+        return state
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
+    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        first = str(e).strip().splitlines()
+        raise NativeCheckpointError(f"{p}: cannot read the tensor data ({type(e).__name__}: "
+                                    f"{first[0] if first else ''}); the .distcp files are truncated or damaged") from e
+    return state

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from core.combinations import JOBS, Selection, check, default_dtype
+from core.combinations import JOBS, Selection, check, default_dtype, layout_world
 from core.records import ATTENTION, DTYPES, HARDWARE, KERNEL, QKV_FORMATS, QUANT, ROLLOUT
 
 
@@ -35,6 +35,7 @@ class Choices:
     rollout_engine: str = "reference"
     dtype: Optional[str] = None  # fp32 | bf16; None = the hardware's default (bf16 on GPUs, fp32 on the CPU)
     job: Optional[str] = None    # "score" | "train": also check that job's own limits
+    world: Optional[int] = None  # ranks of the run (torchrun's WORLD_SIZE, --nproc-per-node); None = tp x cp x ep
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class RunConfig:
     dtype: str = "fp32"
     max_tokens_per_rank: Optional[int] = None
     job: Optional[str] = None
+    world: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ranks left after tensor and context parallelism (pipeline parallel is 1)."""
+        return self.world // (self.tp * self.cp)
 
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("selection", "model")}
@@ -92,6 +99,8 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         value = getattr(choices, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive integer (got {value!r})")
+    if choices.world is not None and (not isinstance(choices.world, int) or choices.world < 1):
+        raise ValueError(f"the number of ranks must be a positive integer (got {choices.world!r})")
     if choices.pp != 1:
         raise ValueError(
             f"--pp {choices.pp}: pipeline parallelism is not supported by either implementation yet. Fix: use --pp 1."
@@ -126,6 +135,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         rollout=rollout,
         dtype=dtype,
         job=choices.job,
+        world=choices.world,
     )
     check(selection, host)
     return RunConfig(
@@ -145,6 +155,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         dtype=dtype,
         max_tokens_per_rank=choices.max_tokens_per_rank,
         job=choices.job,
+        world=layout_world(selection),
     )
 
 

@@ -18,7 +18,7 @@ from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
 from .tp import gather_tensor, shard_tensor, tp_spec
 
 __all__ = ["native_tensors", "load_native_tensors", "load_hf_checkpoint", "load_hf_state_dict",
-           "full_native_state", "full_native_grads"]
+           "full_native_state", "full_native_grads", "with_every_expert"]
 
 
 def native_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -84,7 +84,7 @@ def full_native_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     the TP and EP groups)."""
     group = tp_group()
     local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in native_tensors(model).items()}
-    return _with_every_expert(local)
+    return with_every_expert(local)
 
 
 def full_native_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -99,10 +99,10 @@ def full_native_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
             grad = torch.zeros_like(p)
         if grad is not None:
             out[n] = gather_tensor(grad, tp_spec(p), group)
-    return _with_every_expert(out)
+    return with_every_expert(out)
 
 
-def _with_every_expert(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def with_every_expert(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Under expert parallelism, replace each bank's local experts by every rank's (all-gather over the EP
     group; ranks hold equal, contiguous expert ranges), in global expert order."""
     import torch.distributed as dist

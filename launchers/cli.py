@@ -77,7 +77,7 @@ def _host(opts: dict):
     )
 
 
-def _choices(opts: dict, model=None, job=None) -> Choices:
+def _choices(opts: dict, model=None, job=None, world=None) -> Choices:
     return Choices(
         impl=opts.get("impl") or _DEFAULTS.impl,
         kernel_backend=opts.get("kernel_backend") or _DEFAULTS.kernel_backend,
@@ -93,6 +93,7 @@ def _choices(opts: dict, model=None, job=None) -> Choices:
         rollout_engine=opts.get("rollout_engine") or _DEFAULTS.rollout_engine,
         dtype=opts.get("dtype"),
         job=job,
+        world=world,
     )
 
 
@@ -101,14 +102,14 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
-def resolve(opts: dict, *, probe: bool = True, job=None):
+def resolve(opts: dict, *, probe: bool = True, job=None, world=None):
     """Plugin host + validated RunConfig, or exit with the reason. ``job`` ("score", "train") also checks
-    that job's own limits in the combination table."""
+    that job's own limits in the combination table; ``world``: the run's number of ranks (None = tp x cp x ep)."""
     try:
         model_name = opts.get("model") or stages.DEFAULT_MODEL
         model = stages.model_config(model_name).config
         host = _host(opts)
-        run = normalize(_choices(opts, model, job), host, model_name=model_name)
+        run = normalize(_choices(opts, model, job, world), host, model_name=model_name)
     except (InvalidCombination, UnknownBackendError, ValueError) as exc:
         _fail(str(exc), EXIT_INVALID)
     except PluginError as exc:
@@ -325,6 +326,7 @@ def training_options(func):
         ("--seed", dict(type=int, default=None, help="Seed of data order and sampling.")),
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
         ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
+        ("--nproc-per-node", dict(type=click.IntRange(min=1), default=None, help="Ranks to start on this machine (torch.distributed's elastic launcher; one GPU each on a GPU --hardware). Default: tp x cp x ep. Under torchrun / srun the launcher's WORLD_SIZE is used instead.")),
     )):
         func = click.option(decl, **kwargs)(func)
     return func
@@ -353,6 +355,31 @@ def _packing_kwargs(opts: dict) -> dict:
     return {} if budget is None else {"max_tokens_per_rank": int(budget)}
 
 
+def _train_world(nproc_per_node) -> int | None:
+    """The run's number of ranks: the launcher's ``WORLD_SIZE`` under torchrun / srun, else
+    ``--nproc-per-node`` (None: the layout's default, tp x cp x ep)."""
+    import os
+
+    from train.launch import env_world_size
+
+    world = env_world_size()
+    if world is None:
+        return nproc_per_node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if nproc_per_node is not None and nproc_per_node != local:
+        _fail(f"--nproc-per-node {nproc_per_node} differs from the launcher's {local} ranks on this node. "
+              f"Fix: leave --nproc-per-node out under torchrun / srun", EXIT_INVALID)
+    return world
+
+
+def _check_launched_run_dir(run_dir) -> None:
+    """Ranks started by torchrun / srun each compute their defaults: the run folder must be named."""
+    from train.launch import env_world_size
+
+    if (env_world_size() or 1) > 1 and not run_dir:
+        _fail("a run started by torchrun / srun needs --run-dir (every rank must use the same folder)", EXIT_INVALID)
+
+
 @subcommand("train")
 @training_options
 def train_cmd(opts, **kw):
@@ -362,7 +389,9 @@ def train_cmd(opts, **kw):
     real export path (quantized per --quant), checks them, generates, and
     trains on the implementation's own log-probabilities.
     """
-    run = resolve(opts, job="train")[1]
+    world = _train_world(kw.pop("nproc_per_node"))
+    _check_launched_run_dir(kw.get("run_dir"))
+    run = resolve(opts, job="train", world=world)[1]
     stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw), **_packing_kwargs(opts))
 
 
@@ -370,7 +399,9 @@ def train_cmd(opts, **kw):
 @training_options
 def full_train_cmd(opts, **kw):
     """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
-    run = resolve(opts, job="train")[1]
+    world = _train_world(kw.pop("nproc_per_node"))
+    _check_launched_run_dir(kw.get("run_dir"))
+    run = resolve(opts, job="train", world=world)[1]
     stages.full_train(run, **_train_kwargs(run, **kw), **_packing_kwargs(opts))
 
 

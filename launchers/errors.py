@@ -39,6 +39,8 @@ _OS_FIX = {
 
 def set_debug(on: bool) -> None:
     _DEBUG["on"] = bool(on)
+    if on:  # ranks started by the trainer (train.launch) inherit it
+        os.environ["DSV4_DEBUG"] = "1"
 
 
 def debug_enabled() -> bool:

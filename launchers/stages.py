@@ -359,7 +359,8 @@ def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume:
         resume=resume,
         **overrides,
     )
-    log.print(f"run folder: {run_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.print(f"run folder: {run_dir}")
     return result
 
 

@@ -1,84 +1,135 @@
-"""Context-parallel (CP) training: one local process per CP rank (gloo on the CPU).
+"""The trainer's ranks: data, tensor, context and expert parallel groups, and how work splits over them.
 
-Design (``run_training`` with ``run_config.cp > 1``):
+Layout (``world = dp x tp x cp``; pipeline parallel is 1; checked at parse time by the combination table's
+``train-layout`` rule): the hardware target starts megatron-core's parallel state (``initialize_model_parallel``),
+and :class:`ParallelGroups` reads it back:
 
-* :func:`train.trainer.spawn_training` starts ``cp`` processes with ``torch.multiprocessing.spawn`` (like
-  ``launchers.scoring.score_packed``); each is set up by the run's hardware target
-  (``init_process_group(rank, cp, tp=1, cp=cp, port=...)``), builds the model, loads the same weights
-  and runs the same loop. Every rank feeds its contiguous slice of each packed micro-batch
-  (:meth:`train.model.ImplTrainModel.forward_train` with ``lengths``).
-* Log-probs (and MTP logits) of the local rows are all-gathered so that every rank computes the SAME
-  full loss; the gather's backward keeps only this rank's rows, so each rank's parameter gradients are
-  its tokens' share and the implementations' autograd-aware CP collectives carry the cross-rank terms.
-  :meth:`CpGroup.all_reduce_grads` SUMS the replicated parameters' gradients over the CP group, which
-  gives exactly the cp=1 gradient (a parameter no rank touched keeps ``grad None``, as with cp=1).
-* Rank 0 alone owns the rollout engine and all file I/O (run config, metrics, checkpoints, export);
-  the rollout samples are broadcast to the other ranks (``broadcast_object_list``).
+* **data parallel** (``dp``): each data-parallel rank trains on its own share of the step's samples (SFT
+  sequences, GRPO prompt groups: contiguous chunks, so the global order is the same for every layout).
+  Losses are normalized by the step's GLOBAL token count and gradients are SUMMED over data parallel, so the
+  update equals the one-rank update (:mod:`train.optim`).
+* **expert parallel** (``ep``): runs inside data parallel (megatron's expert-model-parallel groups): the routed
+  experts are split over ``ep`` data-parallel ranks, whose tokens travel to their expert's rank and back
+  (``engine.expert_parallel``); expert gradients are summed over the expert-data-parallel group.
+* **tensor and context parallel** (``tp``, ``cp``; the "model-parallel" ranks of one data-parallel rank): every
+  rank of the group sees the same samples (generated once, by the group's leader, and broadcast). Context
+  parallel splits each packed (THD) micro-batch contiguously; log-probs are all-gathered so that every CP rank
+  computes the SAME full loss, the gather's backward keeps only this rank's rows, and the replicated
+  parameters' gradients are summed over the CP group too (megatron's data-parallel-with-context group).
+
+The leader of each data-parallel rank (tensor- and context-parallel rank 0) owns a rollout engine; global rank 0
+alone does file I/O (run config, metrics, checkpoints, export).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 
-class CpGroup:
-    """This process's place in the CP group (``cp == 1``: a no-op stand-in)."""
+class ParallelGroups:
+    """This process's place in the run's layout (one process: every size 1, no communication)."""
 
-    def __init__(self, cp: int = 1, rank: int = 0, group: Any = None):
-        self.cp, self.rank, self.group = cp, rank, group
+    def __init__(self, *, rank: int = 0, world: int = 1, dp: int = 1, dp_rank: int = 0, tp: int = 1,
+                 tp_rank: int = 0, cp: int = 1, cp_rank: int = 0, ep: int = 1, groups: Optional[dict] = None):
+        self.rank, self.world = rank, world
+        self.dp, self.dp_rank, self.tp, self.tp_rank = dp, dp_rank, tp, tp_rank
+        self.cp, self.cp_rank, self.ep = cp, cp_rank, ep
+        self._groups = groups or {}
 
     @classmethod
-    def current(cls) -> "CpGroup":
-        """From megatron's parallel state (set up by the hardware target); cp 1 without a process group."""
-        if not (dist.is_available() and dist.is_initialized()):
+    def current(cls) -> "ParallelGroups":
+        """From megatron's parallel state (set up by the hardware target); all ones without a process group."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
-        from engine.thd_attention import cp_group_info
+        from megatron.core import parallel_state as ps
 
-        return cls(*cp_group_info())
+        groups = {
+            "dp": ps.get_data_parallel_group(),
+            "cp": ps.get_context_parallel_group(),
+            "tp_cp": ps.get_tensor_and_context_parallel_group(),
+        }
+        return cls(rank=dist.get_rank(), world=dist.get_world_size(),
+                   dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                   tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                   cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                   ep=ps.get_expert_model_parallel_world_size(), groups=groups)
 
+    # -- roles -------------------------------------------------------------
     @property
     def is_main(self) -> bool:
+        """Global rank 0: the one process that writes the run folder."""
         return self.rank == 0
 
-    def broadcast(self, obj):
-        """Rank 0's ``obj`` on every rank."""
-        if self.cp == 1:
+    @property
+    def is_leader(self) -> bool:
+        """Tensor- and context-parallel rank 0 of its data-parallel rank: owns a rollout engine."""
+        return self.tp_rank == 0 and self.cp_rank == 0
+
+    def share(self, items: Sequence) -> list:
+        """This data-parallel rank's contiguous share of the step's ``items`` (the count divides evenly:
+        checked when the run starts, :func:`check_divisible`)."""
+        n = len(items) // self.dp
+        return list(items[self.dp_rank * n:(self.dp_rank + 1) * n])
+
+    # -- communication -------------------------------------------------------
+    def broadcast_world(self, obj):
+        """Global rank 0's ``obj`` on every rank."""
+        if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def broadcast_from_leader(self, obj):
+        """The leader's ``obj`` on every rank of its tensor x context group (the ranks sharing samples)."""
+        if self.tp * self.cp == 1:
+            return obj
+        group = self._groups["tp_cp"]
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
+    def sum_over_dp(self, values: List[float]) -> List[float]:
+        """Elementwise sum of per-rank floats over data parallel (fp64 on the CPU: exact for counts)."""
+        if self.dp == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, group=self._groups["dp"])
+        return t.tolist()
+
+    def gather_over_dp(self, values: List[float]) -> List[float]:
+        """Every data-parallel rank's list (equal lengths), concatenated in rank order."""
+        if self.dp == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        parts = [torch.empty_like(t) for _ in range(self.dp)]
+        dist.all_gather(parts, t, group=self._groups["dp"])
+        return torch.cat(parts).tolist()
+
     def barrier(self) -> None:
-        if self.cp > 1:
-            dist.barrier(group=self.group)
+        if self.world > 1:
+            dist.barrier()
 
-    def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
-
-    def all_reduce_grads(self, params: List[torch.nn.Parameter]) -> None:
-        """Sum the gradients over the CP group (each rank holds its tokens' share)."""
-        if self.cp == 1 or not params:
-            return
-        have = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
-        dist.all_reduce(have, group=self.group)
-        for p, h in zip(params, have.tolist()):
-            if h == 0:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.group)
+    @staticmethod
+    def _device() -> torch.device:
+        """NCCL collectives need CUDA tensors; gloo takes CPU ones."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
-def needs_spawn(run_config) -> bool:
-    """True when ``run_config`` asks for CP and this process is not already one of its ranks."""
-    if run_config is None or int(getattr(run_config, "cp", 1)) <= 1:
-        return False
-    from engine.thd_attention import cp_group_info
+def check_divisible(groups: ParallelGroups, mode: str, cfg) -> None:
+    """The step's samples split evenly over data parallel: one error naming the key and the fix."""
+    from core.errors import UserInputError
 
-    return not (dist.is_available() and dist.is_initialized() and cp_group_info()[0] == int(run_config.cp))
+    key, n = ("batch_size", cfg.batch_size) if mode == "sft" else ("prompts_per_step", cfg.prompts_per_step)
+    if n % groups.dp:
+        raise UserInputError(f"{key}={n} does not split over {groups.dp} data-parallel ranks "
+                             f"(world {groups.world} / tp {groups.tp} / cp {groups.cp}). Fix: use a multiple of "
+                             f"{groups.dp} for {key}, or fewer ranks.")
 
 
 def pad_rule(model_config, cp: int) -> tuple:
@@ -99,3 +150,6 @@ def pack(lengths: List[int], model_config, cp: int, max_tokens_per_rank: Optiona
         max_tokens_per_rank = -(-(sum(lengths) + m) // cp) + m + min_rank
     return pack_micro_batches(lengths, int(max_tokens_per_rank), cp=cp, pad_multiple=mult,
                               min_tokens_per_rank=min_rank)
+
+
+__all__: List[Any] = ["ParallelGroups", "check_divisible", "pad_rule", "pack"]

@@ -367,15 +367,16 @@ class ImplTrainModel(_TrainModelBase):
         lg = logits.reshape(n, -1).float()
         if temperature != 1.0:
             lg = lg / temperature
-        lp_local = torch.log_softmax(lg, dim=-1).gather(-1, labels[:, None]).squeeze(-1).to(input_ids.device)
-        lp = gather_rows(lp_local, cp, rank, group)                                          # [T]
+        lp_local = torch.log_softmax(lg, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+        # gathered on the model's device (NCCL needs it), then brought next to the ids
+        lp = gather_rows(lp_local, cp, rank, group).to(input_ids.device)                     # [T]
         lp_rows = torch.zeros(B * S, dtype=lp.dtype).index_copy(0, rows, lp[:real]).reshape(B, S)[:, :-1]
         lens = torch.tensor(lengths)
         valid = torch.arange(S - 1)[None, :] < (lens[:, None] - 1)
         lp_rows = torch.where(valid, lp_rows, torch.zeros((), dtype=lp_rows.dtype))
         used = {}
         for layer, idx in _used(hook).items():
-            full = gather_rows(idx.reshape(n, -1), cp, rank, group, grad=False)
+            full = gather_rows(idx.reshape(n, -1).to(dev), cp, rank, group, grad=False).to(input_ids.device)
             u = torch.full((B * S, full.shape[-1]), -1, dtype=full.dtype)
             u[rows] = full[:real]
             used[layer] = u.reshape(B, S, -1)
@@ -392,15 +393,15 @@ class ImplTrainModel(_TrainModelBase):
                     full = torch.zeros(B * W, lg.shape[-1], dtype=lg.dtype).index_copy(0, dst, lg[src])
                     mtp.append(full.reshape(B, W, -1))
                     continue
-                m = gather_rows(m.reshape(n, -1), cp, rank, group).to(input_ids.device)
+                m = gather_rows(m.reshape(n, -1).to(dev), cp, rank, group).to(input_ids.device)
                 full = torch.zeros(B * S, m.shape[-1], dtype=m.dtype).index_copy(0, rows, m[:real])
                 mtp.append(full.reshape(B, S, -1)[:, :W])
         if aux is not None:
-            aux = aux.to(input_ids.device)
             if cp > 1:  # this rank's share: the value becomes the stream's total, the gradient stays the share's
                 total = aux.detach().clone()
                 torch.distributed.all_reduce(total, group=group)
                 aux = aux + (total - aux.detach())
+            aux = aux.to(input_ids.device)
         return TrainForward(lp_rows, mtp, used, aux)
 
     def _mtp(self, ids, x, cu, streams) -> List[torch.Tensor]:
@@ -427,13 +428,28 @@ class ImplTrainModel(_TrainModelBase):
         return wc.module_tensors(self.module, self.config)
 
     def load_native_state(self, state):
+        """FULL native tensors (any layout's checkpoint) -> this rank's share: its tensor-parallel slices and,
+        under expert parallelism, its experts (``engine.loading.load_native_tensors``)."""
+        from engine.loading import load_native_tensors
+
         targets = dict(self.native_tensors())
-        missing = sorted(set(targets) - set(state))
+        held = set(targets)
+        missing = sorted(n for n in held if n not in state)
         if missing:
             raise ValueError(f"native state lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        with torch.no_grad():
-            for n, t in targets.items():
-                t.copy_(state[n].to(t.device, t.dtype))
+        load_native_tensors(self.module, ((n, t) for n, t in state.items() if n in held or _other_rank_expert(n)),
+                            strict=False)
+
+    def full_native_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
+        experts): a collective over the tensor- and expert-parallel groups."""
+        from engine.loading import with_every_expert
+        from engine.runtime import tp_group
+        from engine.tp import gather_tensor, tp_spec
+
+        group = tp_group()
+        local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in self.native_tensors()}
+        return with_every_expert(local)
 
     def load_checkpoint(self, path) -> None:
         from core.checkpoint import open_checkpoint
@@ -443,11 +459,36 @@ class ImplTrainModel(_TrainModelBase):
                                                                            progress=False), self.config)))
 
 
+def _other_rank_expert(name: str) -> bool:
+    from engine.expert_parallel import expert_name
+
+    return expert_name(name) is not None
+
+
+class _FullView:
+    """A training model's FULL native tensors, gathered once (what weight sync, checkpoints and export read)."""
+
+    def __init__(self, model, tensors: Dict[str, torch.Tensor]):
+        self.config = model.config
+        self.impl = getattr(model, "impl", REFERENCE)
+        self._tensors = tensors
+
+    def native_tensors(self):
+        return iter(self._tensors.items())
+
+
+def full_view(model, groups=None):
+    """``model`` itself on one rank; on several, a view of its full tensors (collective: every rank calls it)."""
+    if groups is None or groups.world == 1 or not hasattr(model, "full_native_tensors"):
+        return model
+    return _FullView(model, model.full_native_tensors())
+
+
 def setup_process(parts):
     """What a job does before building a model: the run's hardware target (``parts``, the run's
     ``core.assembly.Assembly``) sets the process up (on the CPU: megatron-core's shims) and, when no process
     group exists, starts a one-rank group with megatron's parallel state. Several-rank runs start their
-    groups first (:func:`train.trainer.spawn_training`). Returns the target."""
+    groups first (:func:`train.launch.init_rank`). Returns the target."""
     from engine.thd_attention import cp_group_info
 
     import torch.distributed as dist
@@ -455,7 +496,7 @@ def setup_process(parts):
     cp = parts.run.cp
     if dist.is_initialized() and cp_group_info()[0] != cp:
         raise ValueError(f"--cp {cp}: this process's context-parallel group has "
-                         f"{cp_group_info()[0]} ranks (train.trainer.spawn_training starts them)")
+                         f"{cp_group_info()[0]} ranks (train.launch starts them)")
     return parts.setup_process()
 
 

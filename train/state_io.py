@@ -1,18 +1,17 @@
-"""Training state (optimizer, RNG, reference weights) as safetensors + JSON, never pickle.
+"""Training state other than the weights and the optimizer (RNG, reference weights) as safetensors + JSON,
+never pickle.
 
 Why: a run folder is data a user may have copied from anywhere; ``--resume``
 used to ``torch.load(weights_only=False)`` its ``optim.pt`` and ``rng.pt``,
 so a crafted file in a run folder ran code. Here every tensor goes into a
 ``.safetensors`` file (a JSON header plus raw bytes: nothing is executed on
-read) and everything else (hyper-parameters, step counters, Python's
-``random`` state) into a ``.json`` file. Loading checks the structure against
-the live optimizer and raises :class:`TrainingStateError` (a user-facing
-error) naming the file when it does not fit.
+read) and everything else (Python's ``random`` state) into a ``.json`` file;
+the optimizer state is a DCP tensor folder (:mod:`train.checkpointing`).
+Loading raises :class:`TrainingStateError` (a user-facing error) naming the
+file when it does not fit.
 
-Files written per checkpoint (next to ``model/`` and ``state.json``)::
+Files written per checkpoint (next to ``model/``, ``optim/`` and ``state.json``)::
 
-    optim.safetensors   "state.<param index>.<key>" -> tensor (AdamW: step, exp_avg, exp_avg_sq)
-    optim.json          {"format", "param_groups", "scalars": {"<index>.<key>": number}}
     rng.safetensors     "torch" (CPU generator), "cuda.<i>" (one per visible GPU)
     rng.json            {"format", "python": [version, [625 ints], gauss_next]}
 
@@ -34,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from core.errors import UserInputError
 
 FORMAT = "dsv4-train-state-v1"
-OPTIM_TENSORS, OPTIM_JSON = "optim.safetensors", "optim.json"
+OPTIM_JSON = "optim.json"   # the optimizer record (train.checkpointing); its presence marks a current checkpoint
 RNG_TENSORS, RNG_JSON = "rng.safetensors", "rng.json"
 LEGACY_PICKLES = ("optim.pt", "rng.pt")
 
@@ -84,51 +83,6 @@ def refuse_legacy(folder: Path) -> None:
             f"{folder}: the training state is stored as pickle ({', '.join(old)}), which is never loaded "
             f"(unpickling can run code); resume is not possible from this checkpoint. Fix: start a new run "
             f"from its weights with --model {Path(folder) / 'model'}")
-
-
-# ----------------------------------------------------------------- optimizer
-def save_optimizer(folder: Path, optimizer) -> None:
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, st in sd["state"].items():
-        for key, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = v
-            elif isinstance(v, (int, float, bool)):
-                scalars[f"{idx}.{key}"] = v
-            else:
-                raise TrainingStateError(f"optimizer state {idx}.{key}: cannot store a {type(v).__name__}")
-    save_tensors(Path(folder) / OPTIM_TENSORS, tensors)
-    _write_json(Path(folder) / OPTIM_JSON, {"format": FORMAT, "param_groups": sd["param_groups"],
-                                            "scalars": scalars})
-
-
-def load_optimizer(folder: Path, optimizer) -> None:
-    folder = Path(folder)
-    refuse_legacy(folder)
-    meta = _read_json(folder / OPTIM_JSON)
-    tensors = load_tensors(folder / OPTIM_TENSORS)
-    groups = meta.get("param_groups")
-    live = optimizer.state_dict()["param_groups"]
-    if not isinstance(groups, list) or len(groups) != len(live) or any(
-            not isinstance(g, dict) or len(g.get("params", ())) != len(h["params"]) for g, h in zip(groups, live)):
-        raise TrainingStateError(f"{folder / OPTIM_JSON}: the optimizer's parameter groups do not match this "
-                                 f"model (a checkpoint of another model?)")
-    for g, h in zip(groups, live):
-        for key, v in h.items():            # JSON turned tuples into lists: restore the live types
-            if isinstance(v, tuple) and isinstance(g.get(key), list):
-                g[key] = tuple(g[key])
-    state: Dict[int, Dict] = {}
-    for name, t in tensors.items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = t
-    for name, v in (meta.get("scalars") or {}).items():
-        idx, key = name.split(".", 1)
-        state.setdefault(int(idx), {})[key] = v
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, KeyError, TypeError) as e:
-        raise TrainingStateError(f"{folder}: the optimizer state does not fit this run ({e})") from None
 
 
 # ----------------------------------------------------------------------- rng

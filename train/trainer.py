@@ -16,11 +16,12 @@ is the run's implementation (``train_impl`` None; see :func:`train.model.build_t
 last complete checkpoint. With ``export_at_end`` the final weights are written as an HF checkpoint to
 ``RUN_DIR/hf``.
 
-Context parallel (``run_config.cp > 1``, THD): ``run_training`` spawns one local process per CP rank
-(:func:`spawn_training`; the CP group and packing in :mod:`train.distributed`); every rank runs the loop on
-its slice of each packed micro-batch, gradients are summed over the CP group before the optimizer step
-(equal to the cp=1 gradient); rank 0 alone runs the rollout engine (its samples are broadcast) and does all
-file I/O (config, metrics, checkpoints, export).
+Ranks (``run_config.world > 1``; :mod:`train.launch` starts or joins them, :mod:`train.distributed` holds the
+layout): each data-parallel rank trains on its share of the step's samples, its leader's rollout engine
+generating them; losses are divided by the step's global token count and gradients summed
+(:mod:`train.optim`: megatron-core's distributed optimizer on GPUs), so every layout takes the one-rank step.
+Context-parallel ranks run their slice of each packed (THD) micro-batch. Global rank 0 does all file I/O
+(config, metrics, checkpoints, export); checkpoints gather the full state (:mod:`train.checkpointing`).
 Dynamic batching (``max_tokens_per_rank``, THD): SFT sequences / GRPO samples are packed in order into
 micro-batches with :func:`core.packing.pack_micro_batches` (never split; the run's CP size and the
 model's pad rule), gradients accumulated; metrics ``packing_efficiency`` (real / padded tokens) and
@@ -32,6 +33,7 @@ checkpoint) SIGKILLs the process at that point of that step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,9 +53,10 @@ from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
 from .losses import group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
 from .metrics import MetricsLogger, summary_line, truncate_after
-from .distributed import CpGroup, needs_spawn
+from .distributed import ParallelGroups, check_divisible
 from .export import CONFIG_FILE, export_model
-from .model import build_train_model, load_model_source
+from .model import build_train_model, full_view, load_model_source
+from .optim import build_optimizer
 from .replay import routing_match
 from .weight_sync import sync_weights
 from . import state_io, step_guard
@@ -133,6 +136,12 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 65_537 + 11) % (2 ** 63)
 
 
+def _prompt_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of the step's ``index``-th prompt: the same on every layout (data-parallel ranks
+    generate different prompts of the step)."""
+    return (_step_seed(seed, step) + index * 7_919) % (2 ** 63)
+
+
 def _resolve_model_config(run_config, model_source):
     from core.config import ModelConfig, preset
 
@@ -180,14 +189,14 @@ class _Run:
                                        dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
                                        compile_blocks=cfg.compile_blocks)
-        self.dist = CpGroup.current()
+        self.dist = ParallelGroups.current()
+        check_divisible(self.dist, mode, cfg)
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
         # the layout rules (packing and --cp need --qkv-format thd) are the combination table's
         self.packed = bool(getattr(self.model, "packs_streams", False)) and (
             self.dist.cp > 1 or self.max_tokens_per_rank is not None)
         self.source_desc = load_model_source(self.model, self.ckpt_source)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.optim = build_optimizer(self.model, cfg, run_config)
         self.ref_model = None
         if mode == "grpo" and cfg.kl_coef > 0:
             self.ref_model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
@@ -198,15 +207,15 @@ class _Run:
         self.engine = None
         # the weight format published to the engine: the run's --quant scheme's
         self.publish_format = run_config.selection.quant.publish_format if run_config is not None else "bf16"
-        if mode == "grpo" and self.dist.is_main:     # rank 0 alone runs the rollout engine
+        if mode == "grpo" and self.dist.is_leader:   # one engine per data-parallel rank
             self.engine = _rollout_engine(run_config, self.model_config, self.dtype)
         self.start_step = 0
         self._write_or_check_config(resume, model_source)
 
     # -- config / resume ---------------------------------------------------
     def _write_or_check_config(self, resume: bool, model_source) -> None:
-        """Rank 0 writes / checks the run folder; the other CP ranks load the same checkpoint."""
-        if self.dist.cp == 1:
+        """Rank 0 writes / checks the run folder; every other rank loads the same checkpoint (its share)."""
+        if self.dist.world == 1:
             return self._write_or_check_config_main(resume, model_source)
         if self.dist.is_main:
             try:
@@ -214,15 +223,15 @@ class _Run:
                 found = latest_checkpoint(self.run_dir) if self.start_step else None
                 msg = (self.start_step, None if found is None else str(found[1]), None)
             except Exception as exc:
-                self.dist.broadcast((0, None, f"{type(exc).__name__}: {exc}"))
+                self.dist.broadcast_world((0, None, f"{type(exc).__name__}: {exc}"))
                 raise
-            self.dist.broadcast(msg)
+            self.dist.broadcast_world(msg)
             return None
-        step, folder, err = self.dist.broadcast(None)
+        step, folder, err = self.dist.broadcast_world(None)
         if err is not None:
             raise RuntimeError(f"rank 0 failed: {err}")
         if folder is not None:
-            load_checkpoint(folder, self.model, self.opt)
+            load_checkpoint(folder, self.model, self.optim)
             if self.ref_model is not None:
                 self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         self.start_step = int(step)
@@ -243,7 +252,7 @@ class _Run:
                                      f"({'; '.join(diff[:6])}{'; ...' if len(diff) > 6 else ''}); resume with "
                                      f"the original options (see {p}) or start a new --run-dir")
             step, folder = found
-            st = load_checkpoint(folder, self.model, self.opt)
+            st = load_checkpoint(folder, self.model, self.optim)
             self.start_step = int(st["step"])
             if self.ref_model is not None:
                 self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
@@ -259,7 +268,7 @@ class _Run:
     # -- steps -------------------------------------------------------------
     def sft_step(self, step: int) -> Dict[str, Any]:
         cfg, tok = self.cfg, self.tok
-        batch = D.batch_for_step(self.examples, cfg.seed, step, cfg.batch_size)
+        batch = self.dist.share(D.batch_for_step(self.examples, cfg.seed, step, cfg.batch_size))  # this DP rank's
         seqs, masks = [], []
         for ex in batch:
             p, r = D.encode_prompt(tok, ex.prompt), D.encode_response(tok, ex.response)
@@ -269,36 +278,45 @@ class _Run:
         mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
         t0 = time.perf_counter()
         self.model.train()
-        self.opt.zero_grad(set_to_none=True)
+        self.optim.zero_grad()
         _maybe_kill(step, "train")
+        # every rank divides by the step's GLOBAL response-token count: the summed gradient is the token mean
+        n_local = float(mask.sum())
+        n_global = max(self.dist.sum_over_dp([n_local])[0], 1.0)
         if self.packed:
-            return self._sft_packed(ids, mask, [len(q) for q in seqs], t0)
+            return self._sft_packed(ids, mask, [len(q) for q in seqs], t0, n_global)
         fwd = self.model.forward_train(ids, with_mtp=cfg.mtp_coef > 0)
-        loss_sum, n_tok = sft_loss_sum(fwd.logprobs, mask)
-        loss = loss_sum / n_tok.clamp(min=1)
+        loss_sum, _n = sft_loss_sum(fwd.logprobs, mask)
+        loss = loss_sum / n_global
+        frac = n_local / n_global
         total = loss
         mtp = mtp_loss(fwd.mtp_logits, ids, mask) if cfg.mtp_coef > 0 else None
         if mtp is not None:
-            total = total + cfg.mtp_coef * mtp
+            total = total + cfg.mtp_coef * mtp * frac
         if fwd.aux_loss is not None:
-            total = total + fwd.aux_loss
+            total = total + fwd.aux_loss * frac
         total.backward()
         gnorm = self._clip_and_step()
         t_train = time.perf_counter() - t0
-        return {"loss": float(loss.detach()), "mtp_loss": None if mtp is None else float(mtp.detach()), "grad_norm": gnorm,
-                "indexer_loss": None if fwd.aux_loss is None else float(fwd.aux_loss.detach()),
+        loss_g, mtp_g, aux_g, tokens = self.dist.sum_over_dp([
+            float(loss.detach()), 0.0 if mtp is None else float(mtp.detach()) * frac,
+            0.0 if fwd.aux_loss is None else float(fwd.aux_loss.detach()) * frac, float(ids.numel())])
+        return {"loss": loss_g, "mtp_loss": None if mtp is None else mtp_g, "grad_norm": gnorm,
+                "indexer_loss": None if fwd.aux_loss is None else aux_g,
                 "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
                 "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
-                "tokens": int(ids.numel()), "response_tokens": int(mask.sum())}
+                "tokens": int(tokens), "response_tokens": int(n_global)}
 
     def _clip_and_step(self) -> float:
-        """Sum the gradients over the CP group (no-op for cp 1), clip, step; returns the grad norm."""
-        self.dist.all_reduce_grads(self.params)
-        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
-        step_guard.check_gradients(self.model, gnorm)     # before the update: NaN/inf stops the run
-        self.opt.step()
+        """Reduce the gradients over data (and context) parallel, clip, step (``train.optim``: a non-finite
+        gradient norm stops the run before the update); returns the pre-clip global gradient norm."""
+        gnorm = self.optim.step()
         step_guard.check_parameters(self.model)           # the update itself blew up (e.g. lr=inf)
         return gnorm
+
+    def _accumulating(self, k: int, n: int):
+        """Every backward of the step but the last accumulates without reducing (``train.optim``)."""
+        return self.optim.no_sync() if k < n - 1 else contextlib.nullcontext()
 
     def _micro_batches(self, lengths: List[int]):
         """``([sample indices per micro-batch], packing efficiency)`` (core.packing; samples never split)."""
@@ -307,15 +325,15 @@ class _Run:
         pr = pack(lengths, self.model_config, self.dist.cp, self.max_tokens_per_rank)
         return [list(mb.sample_indices) for mb in pr.micro_batches], pr.efficiency
 
-    def _sft_packed(self, ids, mask, lengths: List[int], t0: float) -> Dict[str, Any]:
+    def _sft_packed(self, ids, mask, lengths: List[int], t0: float, n_global: float) -> Dict[str, Any]:
         """SFT over packed micro-batches: each adds its response tokens' NLL sum / the batch's response
         tokens (so the total is the batch's token-mean NLL); MTP and aux terms weighted by token share."""
         cfg = self.cfg
-        n_total = max(float(mask.sum()), 1.0)
+        n_total = n_global
         mbs, eff = self._micro_batches(lengths)
         loss_acc = mtp_acc = aux_acc = 0.0
         have_mtp = have_aux = False
-        for idx in mbs:
+        for k, idx in enumerate(mbs):
             Sm = max(lengths[i] for i in idx)
             sub_ids, sub_mask = ids[idx, :Sm], mask[idx, :Sm - 1]
             fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, lengths=[lengths[i] for i in idx])
@@ -333,23 +351,27 @@ class _Run:
                 total = total + fwd.aux_loss * frac
                 aux_acc += float(fwd.aux_loss.detach()) * frac
                 have_aux = True
-            total.backward()
+            with self._accumulating(k, len(mbs)):
+                total.backward()
         gnorm = self._clip_and_step()
+        loss_acc, mtp_acc, aux_acc = self.dist.sum_over_dp([loss_acc, mtp_acc, aux_acc])
         return {"loss": loss_acc, "mtp_loss": mtp_acc if have_mtp else None, "grad_norm": gnorm,
                 "indexer_loss": aux_acc if have_aux else None,
                 "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
                 "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": time.perf_counter() - t0,
-                "time_update_weights": 0.0, "tokens": int(sum(lengths)), "response_tokens": int(mask.sum()),
+                "time_update_weights": 0.0, "tokens": int(self.dist.sum_over_dp([float(sum(lengths))])[0]),
+                "response_tokens": int(n_global),
                 "packing_efficiency": eff, "micro_batches": len(mbs)}
 
     def grpo_step(self, step: int) -> Dict[str, Any]:
         cfg, tok = self.cfg, self.tok
         out: Dict[str, Any] = {}
-        # update_weights
+        # update_weights: every rank takes part in gathering the full weights; each engine loads them
         _maybe_kill(step, "update_weights")
         self.model.eval()
-        if self.dist.is_main:
-            rep = sync_weights(self.model, self.engine, version=step, scheme=self.publish_format,
+        view = full_view(self.model, self.dist)
+        if self.dist.is_leader:
+            rep = sync_weights(view, self.engine, version=step, scheme=self.publish_format,
                                engine_dtype=self.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
                                check=cfg.check_weights)
             if rep.check is not None and not rep.check.ok:
@@ -357,16 +379,22 @@ class _Run:
             out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
                        weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
                        weight_quant_max_rel_err=rep.max_quant_rel_err)
-        # rollout (rank 0's engine; the samples are broadcast to the other CP ranks)
+        del view
+        # rollout: this data-parallel rank's prompts, on its leader's engine (broadcast to its TP x CP ranks);
+        # each prompt's sampling seed is a function of (seed, step, prompt index), whatever the layout
         _maybe_kill(step, "rollout")
         t0 = time.perf_counter()
-        batch = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
+        every = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
+        batch = self.dist.share(every)
+        first = self.dist.dp_rank * len(batch)
         prompts = [D.encode_prompt(tok, ex.prompt) for ex in batch]
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,))
         groups = None
-        if self.dist.is_main:
-            groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step))
-        groups = self.dist.broadcast(groups)
+        if self.dist.is_leader:
+            groups = [self.engine.generate([p], params, n=cfg.group_size,
+                                           seed=_prompt_seed(cfg.seed, step, first + i))[0]
+                      for i, p in enumerate(prompts)]
+        groups = self.dist.broadcast_from_leader(groups)
         rewards, items = [], []
         for ex, samples in zip(batch, groups):
             r = []
@@ -400,19 +428,22 @@ class _Run:
                 if it["routed"] is not None:
                     matches.append(routing_match(fwd.routing_used, it["routed"]))
         out["time_logprobs"] = time.perf_counter() - t0
-        n_samples = sum(w)
-        out["train_rollout_logprob_abs_diff"] = sum(d * n for d, n in zip(diffs, w)) / n_samples
-        out["train_rollout_kl"] = sum(k * n for k, n in zip(kls, w)) / n_samples
-        out["routing_replay_match"] = (sum(matches) / len(matches)) if matches else None
-        # train
+        n_samples, diff_sum, kl_sum, match_sum, match_n = self.dist.sum_over_dp([
+            float(sum(w)), sum(d * n for d, n in zip(diffs, w)), sum(k * n for k, n in zip(kls, w)),
+            float(sum(matches)), float(len(matches))])
+        out["train_rollout_logprob_abs_diff"] = diff_sum / n_samples
+        out["train_rollout_kl"] = kl_sum / n_samples
+        out["routing_replay_match"] = (match_sum / match_n) if match_n else None
+        # train: every rank divides by the step's GLOBAL response-token count (gradients are summed)
         _maybe_kill(step, "train")
         t0 = time.perf_counter()
         self.model.train()
-        self.opt.zero_grad(set_to_none=True)
-        total_tokens = float(sum(int(it["mask"].sum()) for it in items))
+        self.optim.zero_grad()
+        local_tokens = float(sum(int(it["mask"].sum()) for it in items))
+        total_tokens = self.dist.sum_over_dp([local_tokens])[0]
         loss_acc = pg_acc = kl_acc = clip_acc = mtp_acc = aux_acc = 0.0
         have_aux = False
-        for it in items:
+        for i, it in enumerate(items):
             fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                            with_mtp=cfg.mtp_coef > 0, **lkw(it))
             pg_sum, clipped, _n = policy_loss(fwd.logprobs, it["old"], it["adv"], it["mask"],
@@ -436,18 +467,21 @@ class _Run:
                 loss = loss + fwd.aux_loss * frac
                 aux_acc += float(fwd.aux_loss.detach()) * frac
                 have_aux = True
-            loss.backward()
+            with self._accumulating(i, len(items)):
+                loss.backward()
             loss_acc += float(loss.detach())
         gnorm = self._clip_and_step()
         out["time_train"] = time.perf_counter() - t0
-        allr = torch.cat(rewards)
+        loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc, tokens = self.dist.sum_over_dp([
+            loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc,
+            float(sum(it["ids"].numel() for it in items))])
+        allr = torch.tensor(self.dist.gather_over_dp(torch.cat(rewards).tolist()))
         out.update(loss=loss_acc, pg_loss=pg_acc, kl_loss=kl_acc if self.ref_model is not None else None,
                    mtp_loss=mtp_acc if cfg.mtp_coef > 0 else None, grad_norm=gnorm,
                    indexer_loss=aux_acc if have_aux else None,
                    pg_clipfrac=clip_acc / max(total_tokens, 1.0), reward_mean=float(allr.mean()),
-                   reward_std=float(allr.std(unbiased=False)), response_len_mean=float(
-                       sum(int(it["mask"].sum()) for it in items) / n_samples),
-                   tokens=int(sum(it["ids"].numel() for it in items)), response_tokens=int(total_tokens))
+                   reward_std=float(allr.std(unbiased=False)), response_len_mean=total_tokens / n_samples,
+                   tokens=int(tokens), response_tokens=int(total_tokens))
         return out
 
     def _group_tensors(self, samples, rewards: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -502,26 +536,22 @@ class _Run:
         return out, eff
 
     # -- loop --------------------------------------------------------------
-    def _run_follower(self) -> Dict[str, Any]:
-        """A CP rank other than 0: the same steps (collectives), no engine, no file I/O."""
-        for step in range(self.start_step + 1, self.steps + 1):
-            self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
-        return {}
-
     def run(self) -> Dict[str, Any]:
+        """Every rank runs the steps (their collectives); global rank 0 alone prints and writes the run
+        folder; checkpoints and the final export gather the full state from every rank."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        if not self.dist.is_main:
-            return self._run_follower()
-        console = Console(stderr=True, quiet=not self.progress)
+        main = self.dist.is_main
+        console = Console(stderr=True, quiet=not (self.progress and main))
         if self.start_step >= self.steps:
             console.print(f"[bold]{self.run_dir}[/]: already at step {self.start_step} >= --steps {self.steps}")
-        logger = MetricsLogger(self.run_dir, start_step=self.start_step)
+        logger = MetricsLogger(self.run_dir, start_step=self.start_step) if main else None
         last_row: Dict[str, Any] = {}
         try:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), console=console, disable=not self.progress, transient=False) as prog:
+                          TimeElapsedColumn(), console=console, disable=not (self.progress and main),
+                          transient=False) as prog:
                 task = prog.add_task(f"{self.mode} ({self.source_desc})", total=self.steps, completed=self.start_step)
                 for step in range(self.start_step + 1, self.steps + 1):
                     t0 = time.perf_counter()
@@ -537,55 +567,33 @@ class _Run:
                     row["tokens_per_s"] = row["tokens"] / dt if dt > 0 else 0.0
                     row["lr"] = self.cfg.lr
                     row["wall_time"] = time.time()
-                    logger.log(row)
+                    row["world_size"] = self.dist.world
                     last_row = row
-                    prog.console.print(summary_line(row, self.steps), soft_wrap=True, highlight=False)
+                    if logger is not None:
+                        logger.log(row)
+                        prog.console.print(summary_line(row, self.steps), soft_wrap=True, highlight=False)
                     prog.advance(task)
                     if step % self.cfg.save_every == 0 or step == self.steps:
                         _maybe_kill(step, "checkpoint")
-                        save_checkpoint(self.run_dir, step, self.model, self.opt, keep_last=self.cfg.keep_last,
-                                        extra={"mode": self.mode})
+                        save_checkpoint(self.run_dir, step, self.model, self.optim, keep_last=self.cfg.keep_last,
+                                        extra={"mode": self.mode, "layout": self._layout()}, groups=self.dist)
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
             if self.engine is not None:
                 self.engine.shutdown()
         result = {"run_dir": str(self.run_dir), "start_step": self.start_step, "steps": self.steps,
                   "last": last_row}
         if self.cfg.export_at_end and self.start_step < self.steps:
-            result["hf_export"] = str(export_model(self.model, self.run_dir / "hf", tokenizer=self.tok))
+            view = full_view(self.model, self.dist)
+            if main:
+                result["hf_export"] = str(export_model(view, self.run_dir / "hf", tokenizer=self.tok))
+            self.dist.barrier()
         return result
 
-
-def _cp_worker(rank: int, world: int, port: int, run_config, model_source, mode, steps, run_dir, resume, cfg,
-               progress, out_path: str) -> None:
-    from core.assembly import assemble
-
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    target = assemble(run_config).target
-    target.init_process_group(rank, world, tp=1, cp=world, port=port)
-    try:
-        result = _Run(run_config, model_source, mode, steps, run_dir, resume, cfg,
-                      progress and rank == 0).run()
-        if rank == 0:
-            torch.save(result, out_path)
-    finally:
-        target.destroy_process_group()
-
-
-def spawn_training(run_config, model_source, mode: str, steps: int, run_dir, resume: bool, cfg,
-                   progress: bool) -> dict:
-    """Run the training loop on ``run_config.cp`` local processes; returns rank 0's result."""
-    import torch.multiprocessing as mp
-
-    from core.ports import free_port
-
-    cp = int(run_config.cp)  # the layout (thd, tp = ep = 1, the cpu target) is the combination table's to check
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.pt"
-        mp.spawn(_cp_worker, args=(cp, free_port(), run_config, model_source, mode, steps, str(run_dir), resume,
-                                   cfg, progress, str(out)), nprocs=cp, join=True)
-        return torch.load(out, weights_only=True)
+    def _layout(self) -> Dict[str, int]:
+        d = self.dist
+        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "optimizer": self.optim.kind}
 
 
 def _rollout_engine(run_config, model_config, dtype):
@@ -607,11 +615,28 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     ``run_config``: a :class:`core.run_config.RunConfig` (or None); ``model_source``: an HF-format
     checkpoint folder, a preset name (random init) or a ModelConfig; ``mode``: "sft" | "grpo";
     ``config``: a :class:`TrainConfig`, with ``overrides`` (field=value) applied on top. Returns a dict
-    with the run folder, the start step and the last metrics row. ``run_config.cp > 1`` (THD) runs the
-    loop on ``cp`` spawned local processes (:mod:`train.distributed`).
+    with the run folder, the start step and the last metrics row.
+
+    Ranks (:mod:`train.launch`): inside torchrun / srun (torch.distributed's environment) this process is one
+    rank of ``run_config.world``; otherwise a run of several ranks starts them here as local workers through
+    torch.distributed's elastic launcher and returns rank 0's result.
     """
+    from .launch import joined_ranks, launch_local_ranks
+
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    world = 1 if run_config is None else run_config.world
     with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
-        if needs_spawn(run_config):          # --cp N: N local processes (train.distributed)
-            return spawn_training(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
-        return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()
+        if world > 1 and not joined_ranks():
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            return launch_local_ranks(run_config, _rank_main, (run_config, model_source, mode, steps, str(run_dir),
+                                                               resume, cfg, progress))
+        return _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
+
+
+def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, progress) -> Dict[str, Any]:
+    """One rank's run: join the run's process groups (torchrun's environment), train."""
+    from .launch import init_rank
+
+    if run_config is not None and run_config.world > 1:
+        init_rank(run_config)
+    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

@@ -8,8 +8,8 @@ called explicitly by the job (as on the CPU target, ``backends/cpu/target.py``):
   reference to fp32 rounding; bf16 / fp16 work is unaffected. Sets ``CUDA_DEVICE_MAX_CONNECTIONS=1``
   (megatron-core's requirement for overlapping TP communication) if unset. No megatron-core shim is
   needed on a CUDA host (triton is real there).
-* ``init_process_group(rank, world_size, tp=, cp=, ep=, port=, seed=)``: binds this process to
-  ``cuda:(rank % device_count)``, starts an NCCL process group and megatron's model-parallel groups,
+* ``init_process_group(rank, world_size, tp=, cp=, ep=, port=, seed=, master_addr=, local_rank=)``: binds
+  this process to ``cuda:LOCAL_RANK``, starts an NCCL process group and megatron's model-parallel groups,
   and seeds megatron's CUDA RNG tracker (``model_parallel_cuda_manual_seed``).
 
 Linear layers are plain torch / megatron-core ones: Transformer Engine is not used by this target (FP8
@@ -48,22 +48,27 @@ class NvidiaTarget:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
-                           port: Optional[int] = None, seed: int = 1234, master_addr: str = "127.0.0.1") -> None:
+                           port: Optional[int] = None, seed: int = 1234, master_addr: Optional[str] = None,
+                           local_rank: Optional[int] = None) -> None:
         """NCCL process group plus megatron's model-parallel groups for this rank (idempotent for the
-        same world). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port."""
+        same world). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port;
+        ``MASTER_ADDR`` from ``master_addr``, the environment, or this machine. The device is
+        ``cuda:local_rank`` (default: ``LOCAL_RANK``, else ``rank % device_count``)."""
         import torch.distributed as dist
 
         self.setup()
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(f"the nvidia target cannot run here: {reason}")
-        local = rank % torch.cuda.device_count()
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        local = local_rank
         torch.cuda.set_device(local)
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
         if not dist.is_initialized():
-            os.environ["MASTER_ADDR"] = master_addr
+            os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
             if port is not None:
                 os.environ["MASTER_PORT"] = str(port)
             elif "MASTER_PORT" not in os.environ:

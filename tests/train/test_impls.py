@@ -220,14 +220,14 @@ def test_compile_option_compiles_the_blocks_in_place(impl):
 
 
 @pytest.mark.parametrize("impl,choices,message", [
-    ("megatron", dict(ep=2), "dsv4 train starts ranks for --cp only: training with --tp 1 --ep 2 is not built"),
-    ("miles", dict(tp=2), "dsv4 train starts ranks for --cp only: training with --tp 2 --ep 1 is not built"),
-    ("miles", dict(cp=2, qkv_format="thd", hardware="nvidia"), "dsv4 train --cp 2 starts local gloo processes"),
+    ("miles", dict(tp=2, world=3), r"3 ranks do not split into --tp 2 x --cp 1 groups .* Fix: use a rank count"),
+    ("megatron", dict(ep=4, world=2), r"--ep 4 runs over data-parallel ranks, and 2 ranks .* give 2\. Fix: use --ep 1 or 2"),
+    ("miles", dict(ep=2, qkv_format="thd", max_tokens_per_rank=512),
+     r"--ep 2 with --max-tokens-per-rank: .* Fix: drop --max-tokens-per-rank, or use --ep 1"),
 ])
-def test_training_layouts_the_trainer_does_not_start_are_refused_by_the_table(impl, choices, message):
-    """The models run --tp (miles) and --ep (both), the trainer starts ranks for --cp only (on the CPU): a
-    training run asking for more is refused at parse time by the combination table, naming the fix; the
-    same layout is valid for scoring."""
+def test_training_layouts_that_do_not_split_are_refused_by_the_table(impl, choices, message):
+    """A training layout is checked against the run's rank count at parse time (rule train-layout), naming the
+    fix; the same choices without the training job's limits are valid for scoring."""
     from core.combinations import InvalidCombination
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
@@ -236,3 +236,17 @@ def test_training_layouts_the_trainer_does_not_start_are_refused_by_the_table(im
     with pytest.raises(InvalidCombination, match=message):
         normalize(Choices(impl=impl, model=small_config(), job="train", **choices), host)
     normalize(Choices(impl=impl, model=small_config(), job="score", **choices), host)
+
+
+@pytest.mark.parametrize("impl,choices,world,dp", [
+    ("miles", dict(tp=2), 2, 1), ("miles", dict(ep=2), 2, 2), ("megatron", dict(cp=2), 2, 1),
+    ("megatron", dict(ep=2, world=4), 4, 4), ("miles", dict(tp=2, world=4), 4, 2),
+])
+def test_training_layouts_resolve_their_rank_count(impl, choices, world, dp):
+    """The rank count defaults to tp x cp x ep; data parallel is what tensor and context parallel leave."""
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    fmt = {"qkv_format": "thd"} if choices.get("cp", 1) > 1 else {}
+    run = normalize(Choices(impl=impl, model=small_config(), job="train", **fmt, **choices), make_host(third_party=False))
+    assert (run.world, run.dp) == (world, dp)

@@ -89,17 +89,23 @@ def test_checker_catches_an_engine_that_drops_tid2eid_and_downcasts_fp32_tensors
 def test_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path):
     from train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
     from train.model import build_train_model
+    from train.optim import TorchOptimizer
+    from train.trainer import TrainConfig
 
     m = build_train_model(CFG, seed=0)
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+    opt = TorchOptimizer(m, TrainConfig(lr=1e-3))
     m.logprobs(torch.randint(2, 258, (1, 6))).sum().backward()
     opt.step()
     save_checkpoint(tmp_path, 1, m, opt)
     m2 = build_train_model(CFG, seed=5)
-    opt2 = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-3)
+    opt2 = TorchOptimizer(m2, TrainConfig(lr=1e-3))
     step, folder = latest_checkpoint(tmp_path)
     assert step == 1
     load_checkpoint(folder, m2, opt2)
     for (a, x), (b, y) in zip(m.model.state_dict().items(), m2.model.state_dict().items()):
         assert a == b and torch.equal(x, y), a
-    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    updated = [p for p in opt.params if p in opt.opt.state]
+    assert updated
+    for p, q in zip(opt.params, opt2.params):
+        if p in opt.opt.state:
+            assert opt2.opt.state[q]["exp_avg"].equal(opt.opt.state[p]["exp_avg"])

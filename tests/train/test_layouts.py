@@ -1,0 +1,93 @@
+"""`dsv4 train` across ranks on the CPU (gloo), through the CLI: the product path of issue #17.
+
+Every layout (data parallel, expert parallel, tensor parallel, context parallel) starts its ranks with
+torch.distributed's elastic launcher (``--nproc-per-node`` or the layout's default) and must take the SAME step
+as one process: on the CPU the run is fp32, so the first step's loss and gradient norm agree to fp32 rounding.
+A run whose ranks are SIGKILLed mid-step resumes on another layout and continues exactly like a run that was
+never interrupted (the checkpoint holds full tensors; each rank keeps its share).
+The same test on GPUs (NCCL, bf16, megatron-core's distributed optimizer): tests/multigpu/test_train_gpu.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train(run_dir, *args, env=None, check=True):
+    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--run-dir", str(run_dir), *args]
+    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
+    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+SFT = ("--mode", "sft", "--steps", "1", "--lr", "1e-3")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """One-process SFT step of each implementation: the reference every layout must reproduce."""
+    out = {}
+    for impl in ("miles", "megatron"):
+        d = tmp_path_factory.mktemp(f"one-{impl}")
+        _train(d / "run", "--impl", impl, *SFT)
+        out[impl] = _rows(d / "run")[0]
+    return out
+
+
+@pytest.mark.parametrize("impl,layout", [
+    ("miles", ("--nproc-per-node", "2")),                          # data parallel 2
+    ("miles", ("--ep", "2")),                                      # expert parallel inside data parallel
+    ("miles", ("--tp", "2")),                                      # tensor parallel
+    ("megatron", ("--cp", "2")),                                   # context parallel (THD)
+    ("megatron", ("--ep", "2")),
+])
+def test_every_layout_takes_the_one_rank_step(tmp_path, one_rank, impl, layout):
+    _train(tmp_path / "run", "--impl", impl, *layout, *SFT)
+    got, want = _rows(tmp_path / "run")[0], one_rank[impl]
+    assert got["world_size"] == 2
+    assert got["response_tokens"] == want["response_tokens"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_killed_ranks_resume_on_another_layout(tmp_path):
+    """GRPO with --ep 2: every rank is SIGKILLed in step 3's training phase; the run resumes with --tp 2
+    from step 2's checkpoint and steps 3-4 equal an uninterrupted one-process run's."""
+    grpo = ("--impl", "miles", "--mode", "grpo", "--steps", "4", "--save-every", "1", "--lr", "1e-3")
+    killed = _train(tmp_path / "run", *grpo, "--ep", "2", env={"DSV4_TRAIN_KILL_AT": "3:train"}, check=False)
+    assert killed.returncode == 1, killed.stderr[-2000:]
+    assert "error: rank" in killed.stderr and "Traceback" not in killed.stderr
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["layout"]["ep"] == 2 and state["layout"]["world"] == 2
+    _train(tmp_path / "run", *grpo, "--tp", "2", "--resume")
+    _train(tmp_path / "straight", *grpo)
+    resumed, straight = _rows(tmp_path / "run"), _rows(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed[2:], straight[2:]):
+        for key in ("loss", "grad_norm", "reward_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), (a["step"], key)
+        # fp32 rounding noise of another layout's sums (~1e-7), not a difference of the weights
+        assert a["train_rollout_logprob_abs_diff"] == pytest.approx(b["train_rollout_logprob_abs_diff"], abs=1e-6)
+
+
+def test_a_rank_count_that_does_not_fit_is_refused_before_anything_starts(tmp_path):
+    proc = _train(tmp_path / "run", "--impl", "miles", "--tp", "2", "--nproc-per-node", "3", *SFT, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: 3 ranks do not split into --tp 2")
+    assert not (tmp_path / "run").exists()

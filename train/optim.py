@@ -1,0 +1,378 @@
+"""The trainer's optimizer: gradient reduction over data parallel, clipping and AdamW, in two builds.
+
+* :class:`MegatronOptimizer` (GPU targets): megatron-core's ``DistributedDataParallel`` (gradients accumulated
+  in fp32 in contiguous buckets and reduced bucket by bucket) and its ``DistributedOptimizer`` (fp32 master
+  weights and Adam moments sharded over the data-parallel ranks; the bf16 model weights are refreshed from
+  the masters after each step). Gradients are SUMMED, not averaged (``calculate_per_token_loss``): the trainer
+  divides every loss by the step's global token count, so the sum is the one-rank gradient. The reduce runs
+  after the last backward of the step (``overlap_grad_reduce`` off): some parameters get no gradient in some
+  steps (the miles indexer without its loss, experts no token reached), and an overlapped reduce waits for
+  every parameter of a bucket.
+* :class:`TorchOptimizer` (the CPU target; megatron-core's optimizer allocates CUDA tensors): the same
+  reduction written with ``torch.distributed`` (one coalesced all-reduce per group: dense parameters over
+  data x context parallel, routed experts over the expert-data-parallel group), the global gradient norm
+  (tensor-parallel shards and expert-parallel banks summed once), clipping and ``torch.optim.AdamW`` on the
+  model's own parameters (fp32, the CPU default).
+
+Both return the pre-clip global gradient norm from :meth:`step`, refuse a non-finite norm BEFORE updating
+(``train.step_guard``), and give their state as FULL tensors under the model's parameter names
+(:meth:`full_state`, collective; rank 0 gets the tensors), so a checkpoint resumes onto any layout:
+:meth:`load_full_state` takes this rank's share (tensor-parallel slice, its experts, its master range).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from engine.expert_parallel import expert_name
+from engine.tp import gather_tensor, shard_tensor, tp_spec
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER = "master"          # the fp32 master weights (kept when the model computes in bf16)
+
+
+def _is_expert(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "expert_parallel", False))
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _full_tensors(named: Dict[str, torch.Tensor], params: Dict[str, torch.nn.Parameter]) -> Dict[str, torch.Tensor]:
+    """Per parameter name, this rank's tensor shaped like its parameter -> the full tensor (all-gather over
+    tensor parallel, every expert-parallel rank's experts): collective, every rank gets them."""
+    if not _initialized():
+        return dict(named)
+    from engine.loading import with_every_expert
+    from engine.runtime import tp_group
+
+    group = tp_group()
+    local = {n: gather_tensor(t, tp_spec(params[n]), group) for n, t in named.items()}
+    return with_every_expert(local)
+
+
+def _local_share(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's tensor-parallel slice of a full tensor shaped like the full parameter."""
+    if not _initialized():
+        return full
+    from engine.runtime import tp_rank, tp_world
+
+    return shard_tensor(full, tp_spec(p), tp_rank(), tp_world())
+
+
+class _Base:
+    def __init__(self, model, cfg):
+        self.model, self.cfg = model, cfg
+        self.named = dict(_named_parameters(model))
+        self.params = list(self.named.values())
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def no_sync(self):
+        """Context for every backward of the step but the last (gradient accumulation)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def grad_tensors(self) -> Iterable[Tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _check(self, gnorm: float) -> None:
+        """A non-finite gradient norm stops the run before the update, naming the first bad tensor."""
+        from core.finite import check_finite, check_finite_number
+
+        if math.isfinite(gnorm):
+            return
+        check_finite(self.grad_tensors(), where="gradient")
+        check_finite_number("the gradient norm", gnorm, where="gradient")
+
+
+def _named_parameters(model) -> List[Tuple[str, torch.nn.Parameter]]:
+    """Trainable parameters under the names checkpoints use: the implementation module's own (native) names,
+    or the reference model's official ones."""
+    inner = getattr(model, "module", None)
+    inner = inner if isinstance(inner, torch.nn.Module) else getattr(model, "model", model)
+    return [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+
+
+class TorchOptimizer(_Base):
+    """``torch.optim.AdamW`` with the trainer's gradient reduction (see the module docstring)."""
+
+    kind = "torch"
+
+    def __init__(self, model, cfg):
+        super().__init__(model, cfg)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def grad_tensors(self):
+        return ((n, p.grad) for n, p in self.named.items() if p.grad is not None)
+
+    def _reduce(self) -> None:
+        if not _initialized():
+            return
+        ps = _ps()
+        dense = [p for p in self.params if not _is_expert(p)]
+        experts = [p for p in self.params if _is_expert(p)]
+        _all_reduce_sum(dense, ps.get_data_parallel_group(with_context_parallel=True))
+        _all_reduce_sum(experts, ps.get_expert_data_parallel_group())
+
+    def _global_norm(self) -> float:
+        """sqrt of the sum of squares of the FULL model's gradients: replicated tensors counted once, tensor-
+        parallel shards summed over tensor parallel, expert banks over expert parallel."""
+        replicated = torch.zeros((), dtype=torch.float64)
+        tp_sharded = torch.zeros((), dtype=torch.float64)
+        experts = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if _is_expert(p):
+                experts += sq
+            elif tp_spec(p) is not None:
+                tp_sharded += sq
+            else:
+                replicated += sq
+        if _initialized():
+            ps = _ps()
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                dist.all_reduce(tp_sharded, group=ps.get_tensor_model_parallel_group())
+            # expert banks: split over expert parallel, and (as tensors) over the expert tensor-parallel group
+            if ps.get_expert_model_parallel_world_size() > 1:
+                dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
+            if ps.get_expert_tensor_parallel_world_size() > 1:
+                dist.all_reduce(experts, group=ps.get_expert_tensor_parallel_group())
+        return float((replicated + tp_sharded + experts).sqrt())
+
+    def step(self) -> float:
+        self._reduce()
+        gnorm = self._global_norm()
+        self._check(gnorm)
+        clip = self.cfg.grad_clip
+        if clip > 0:
+            coef = clip / (gnorm + 1e-6)
+            if coef < 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coef)
+        self.opt.step()
+        return gnorm
+
+    # -- checkpoints -----------------------------------------------------------
+    def full_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+        """``({"<param>/<key>": full tensor}, {param: Adam step count})``; collective (every rank takes part).
+        A parameter that never had a gradient has zero moments and step 0."""
+        steps = {}
+        per_key = {k: {} for k in STATE_KEYS}
+        for n, p in self.named.items():
+            st = self.opt.state.get(p, {})
+            steps[n] = int(st["step"]) if "step" in st else 0
+            for k in STATE_KEYS:
+                per_key[k][n] = st[k].detach() if k in st else torch.zeros_like(p)
+        out = {}
+        for k, named in per_key.items():
+            for n, t in _full_tensors(named, self.named).items():
+                out[f"{n}/{k}"] = t
+        return out, _every_rank_steps(steps)
+
+    def load_full_state(self, read, steps: Dict[str, int]) -> None:
+        """``read(names) -> {name: full tensor}``: this rank's parameters' state from the full tensors."""
+        names = [f"{n}/{k}" for n in self.named for k in STATE_KEYS]
+        full = read(names)
+        for n, p in self.named.items():
+            if not steps.get(n):
+                self.opt.state.pop(p, None)    # never updated: AdamW starts its state on the first gradient
+                continue
+            self.opt.state[p] = {"step": torch.tensor(float(steps[n])),
+                                 **{k: _local_share(full[f"{n}/{k}"], p).to(p.device, p.dtype).clone()
+                                    for k in STATE_KEYS}}
+
+
+def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
+    """Merge the step counts of every expert-parallel rank (each holds other experts)."""
+    from engine.runtime import ep_group, ep_world
+
+    if not _initialized() or ep_world() == 1:
+        return steps
+    parts = [None] * ep_world()
+    dist.all_gather_object(parts, steps, group=ep_group())
+    merged: Dict[str, int] = {}
+    for part in parts:
+        for n, v in part.items():
+            merged[n] = max(merged.get(n, 0), v)
+    return merged
+
+
+def _max_step(step: int) -> int:
+    if not _initialized():
+        return step
+    t = torch.tensor([step], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def out_names(state: Dict[str, torch.Tensor]) -> List[str]:
+    """The parameter names of a full optimizer state (keys ``<param>/<key>``)."""
+    return sorted({k.rsplit("/", 1)[0] for k in state})
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _all_reduce_sum(params: List[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group``, one flat all-reduce per dtype (a parameter without a
+    gradient counts as zeros, so every rank sends the same layout)."""
+    if not params or _group_size(group) == 1:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: Dict[torch.dtype, list] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group_params in by_dtype.values():
+        grads = [p.grad for p in group_params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+class MegatronOptimizer(_Base):
+    """megatron-core DDP + DistributedOptimizer (see the module docstring)."""
+
+    kind = "megatron-distributed"
+
+    def __init__(self, model, cfg, *, dtype: torch.dtype):
+        super().__init__(model, cfg)
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+
+        inner = model.module
+        for p in self.params:
+            if _is_expert(p):
+                p.allreduce = False          # megatron-core: reduced over the expert-data-parallel group
+        bf16 = dtype == torch.bfloat16
+        tconfig = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1, bf16=bf16,
+                                    params_dtype=dtype, calculate_per_token_loss=True)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=True, bucket_size=40_000_000)
+        self.ddp = DistributedDataParallel(tconfig, ddp_config, inner)
+        beta1, beta2 = tuple(cfg.betas)
+        oconfig = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
+                                  use_distributed_optimizer=True, clip_grad=cfg.grad_clip)
+        self.opt = get_megatron_optimizer(oconfig, [self.ddp])
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def grad_tensors(self):
+        return ((n, p.main_grad) for n, p in self.named.items() if getattr(p, "main_grad", None) is not None)
+
+    def step(self) -> float:
+        self.ddp.finish_grad_sync()                # bucketed reduce-scatter of the fp32 gradients
+        self.opt.prepare_grads()
+        gnorm = float(self.opt.get_grad_norm())
+        self._check(gnorm)
+        if self.cfg.grad_clip > 0:
+            self.opt.clip_grad_norm(self.cfg.grad_clip)
+        if not self.opt.step_with_ready_grads():
+            raise RuntimeError("megatron-core's optimizer skipped the step")
+        return gnorm
+
+    # -- checkpoints -----------------------------------------------------------
+    def _groups(self, p):
+        ps = _ps()
+        if _is_expert(p):
+            return ps.get_expert_data_parallel_group()
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    def _flat_full(self, p, local: Optional[torch.Tensor], start: int, end: int) -> torch.Tensor:
+        """This rank's range of a parameter's flat state -> the whole (tensor-parallel-local) parameter's
+        state: the data-parallel ranks' ranges are disjoint, so a sum is the gather."""
+        flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if local is not None:
+            flat[start:end] = local.detach().float().reshape(-1)
+        group = self._groups(p)
+        if _group_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        return flat.view(p.shape)
+
+    def _ranges(self, p):
+        if p not in self.opt.model_param_gbuf_map:
+            return None
+        r = self.opt._get_model_param_range_map(p)["param"]
+        return r.start, r.end
+
+    def full_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+        step = 0
+        per_key = {k: {} for k in (MASTER, *STATE_KEYS)}
+        for n, p in self.named.items():
+            rng = self._ranges(p)
+            st = self.opt._get_main_param_and_optimizer_states(p) if rng is not None else {}
+            if "step" in st:
+                step = max(step, int(st["step"]))
+            start, end = rng if rng is not None else (0, 0)
+            per_key[MASTER][n] = self._flat_full(p, st.get("param"), start, end)
+            for k in STATE_KEYS:
+                per_key[k][n] = self._flat_full(p, st.get(k), start, end)
+        out = {}
+        for k, named in per_key.items():
+            for n, t in _full_tensors(named, self.named).items():
+                out[f"{n}/{k}"] = t.cpu()
+        step = _max_step(step)        # one Adam over the data-parallel shards: every parameter steps together
+        return out, {n: step for n in out_names(out)}
+
+    def load_full_state(self, read, steps: Dict[str, int]) -> None:
+        step = max(steps.values(), default=0)
+        keys = (MASTER, *STATE_KEYS)
+        full = read([f"{n}/{k}" for n in self.named for k in keys])
+        self.opt._init_optimizer_states_with_dummy_values()
+        for n, p in self.named.items():
+            rng = self._ranges(p)
+            if rng is None:
+                continue
+            start, end = rng
+            dst = self.opt._get_main_param_and_optimizer_states(p)
+            tensors = {}
+            for k in dst:
+                if k == "step":
+                    tensors[k] = torch.full_like(dst[k], float(step))
+                    continue
+                src = full[f"{n}/{MASTER if k == 'param' else k}"]
+                tensors[k] = _local_share(src, p).reshape(-1)[start:end].to(dst[k].device, dst[k].dtype)
+            self.opt._set_main_param_and_optimizer_states(p, tensors)
+
+
+def build_optimizer(model, cfg, run_config=None):
+    """The run's optimizer: megatron-core's distributed optimizer on a GPU target, else torch's AdamW."""
+    gpu = run_config is not None and run_config.selection.hardware.gpu and hasattr(model, "module")
+    if gpu:
+        return MegatronOptimizer(model, cfg, dtype=run_config.torch_dtype)
+    return TorchOptimizer(model, cfg)
