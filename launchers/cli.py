@@ -252,7 +252,7 @@ def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json:
 
 
 @subcommand("logprobs")
-@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF or native checkpoint directory.")
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF, native or megatron-core torch_dist checkpoint directory.")
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False), help="JSON file: a list of token-id lists.")
 def logprobs_cmd(opts, checkpoint: str, tokens: str):
     """Score token sequences with the chosen implementation, kernels and --dtype.
@@ -272,16 +272,21 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
 
 @subcommand("convert")
 @click.option("--hf", "hf_dir", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Native checkpoint directory to write.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing native checkpoint.")
-def convert_cmd(opts, hf_dir, out, overwrite):
-    """Convert an HF checkpoint into a native checkpoint (torch.distributed.checkpoint).
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
+@click.option("--format", "fmt", type=click.Choice(stages.CONVERT_FORMATS), default="native", show_default=True,
+              help="native: dsv4's DCP checkpoint; torch_dist: megatron-core dist_checkpointing under upstream Megatron names.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint that dsv4 wrote.")
+def convert_cmd(opts, hf_dir, out, fmt, overwrite):
+    """Convert an HF checkpoint into a native or a megatron-core torch_dist checkpoint.
 
     Names follow the one weight contract, so the result loads into either
-    implementation; its metadata records the contract version and the writer.
+    implementation. A native checkpoint's metadata records the contract
+    version and the writer; a torch_dist one is written by megatron-core's own
+    dist_checkpointing.save under upstream Megatron's sharded keys, with the
+    HF config.json beside it. `--checkpoint` / `--model` accept all three.
     """
     run = resolve({**opts, "model": opts.get("model") or hf_dir})[1]
-    stages.convert(run, stages.user_path(hf_dir), stages.user_path(out), overwrite=overwrite)
+    stages.convert(run, stages.user_path(hf_dir), stages.user_path(out), overwrite=overwrite, fmt=fmt)
 
 
 @subcommand("prepare-fp8")
