@@ -229,17 +229,37 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
 
 
 @subcommand("prepare")
-@click.option("--preset", default="tiny", show_default=True, help="Model preset to materialize.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
-@click.option("--weight-format", "weight_format", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weights.")
+@click.option("--preset", default=None, help="Model preset to materialize (default: tiny).")
+@click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint directory to write (with --hf-repo, default: DSV4_CACHE/hf/ORG--NAME--REVISION).")
+@click.option("--weight-format", "weight_format", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default=None, help="Weight format of the checkpoint (default: bf16).")
+@click.option("--seed", type=int, default=None, help="Seed of the deterministic weights (default: 0).")
+@click.option("--hf-repo", default=None, help="Download this Hugging Face Hub repository (ORG/NAME, e.g. deepseek-ai/DeepSeek-V4-Flash) instead of writing a preset.")
+@click.option("--hf-revision", default=None, help="Branch, tag or commit of --hf-repo (default: main).")
+@click.option("--hf-endpoint", default=None, help="Hub endpoint (a mirror); default: HF_ENDPOINT, else huggingface.co.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint made with other inputs.")
-def prepare_cmd(opts, preset: str, out: str, weight_format: str, seed: int, overwrite: bool):
-    """Write a deterministic official-format HF checkpoint for a preset.
+def prepare_cmd(opts, preset: Optional[str], out: Optional[str], weight_format: Optional[str], seed: Optional[int],
+                hf_repo: Optional[str], hf_revision: Optional[str], hf_endpoint: Optional[str], overwrite: bool):
+    """Write a deterministic official-format HF checkpoint for a preset, or download one (--hf-repo).
 
-    Safe to run concurrently and to interrupt; a rerun with the same inputs is skipped.
+    A download goes through huggingface_hub (HF_TOKEN or `hf auth login` for
+    gated repositories) and is verified as an official-format checkpoint.
+    Safe to run concurrently and to interrupt; a rerun with the same inputs is
+    skipped, and a rerun after a failed download fetches only what is missing.
     """
-    stages.prepare(preset=preset, out=stages.user_path(out), dtype=weight_format, seed=seed, overwrite=overwrite)
+    if hf_repo:
+        given = [o for o, v in (("--preset", preset), ("--weight-format", weight_format), ("--seed", seed)) if v is not None]
+        if given:
+            _fail(f"--hf-repo downloads a checkpoint as published: {', '.join(given)} do not apply", EXIT_INVALID)
+        stages.prepare_hub(hf_repo, stages.user_path(out) if out else None, revision=hf_revision,
+                           endpoint=hf_endpoint, overwrite=overwrite)
+        return
+    given = [o for o, v in (("--hf-revision", hf_revision), ("--hf-endpoint", hf_endpoint)) if v is not None]
+    if given:
+        _fail(f"{', '.join(given)} only apply with --hf-repo", EXIT_INVALID)
+    if not out:
+        _fail("prepare --preset needs --out DIR", EXIT_INVALID)
+    stages.prepare(preset=preset or "tiny", out=stages.user_path(out), dtype=weight_format or "bf16",
+                   seed=0 if seed is None else seed, overwrite=overwrite)
 
 
 @subcommand("inspect")

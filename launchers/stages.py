@@ -39,7 +39,7 @@ class Stage:
 STAGES = (
     Stage("plugins", "list the backends of every axis", True),
     Stage("validate", "resolve choices against the combination table", True),
-    Stage("prepare", "write a deterministic official-format tiny checkpoint", True),
+    Stage("prepare", "write a deterministic official-format checkpoint, or download one from the Hub", True),
     Stage("inspect", "parameter counts by component", True),
     Stage("logprobs", "score token sequences with the chosen implementation", True),
     Stage("convert", "HF -> native checkpoint through the weight contract", True),
@@ -200,6 +200,18 @@ def prepare(preset: str, out: Path, dtype: str, seed: int, overwrite: bool = Fal
         raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
     what = "wrote" if result.built else "already prepared:"
     log.print(f"{what} {preset} checkpoint ({dtype}, seed {seed}) at {out}")
+    return out
+
+
+def prepare_hub(repo: str, out: Optional[Path], *, revision: Optional[str], endpoint: Optional[str],
+                overwrite: bool = False) -> Path:
+    """Download an official-format checkpoint from the Hugging Face Hub into the prepare cache (``out``,
+    default ``<DSV4_CACHE>/hf/ORG--NAME--REVISION``), as a safe stage (``launchers.hub``)."""
+    from launchers.hub import default_out, prepare_from_hub
+
+    out = out if out is not None else default_out(cache_dir(), repo, revision or "main")
+    built = prepare_from_hub(repo, out, revision=revision, endpoint=endpoint, overwrite=overwrite)
+    log.print(f"{'downloaded' if built else 'already prepared:'} {repo} (revision {revision or 'main'}) at {out}")
     return out
 
 
