@@ -264,11 +264,27 @@ def prepare_cmd(opts, preset: Optional[str], out: Optional[str], weight_format: 
 
 @subcommand("inspect")
 @click.option("--preset", default=None, help="Model preset (flash, pro, flash-4layer, flash-shaped, tiny).")
-@click.option("--checkpoint", type=click.Path(file_okay=False), default=None, help="HF checkpoint directory.")
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None, help="HF, native or torch_dist checkpoint directory.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None, help="GPUs per node of the layout (default: the fewest the --tp/--cp/--ep layout needs).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes of the layout.")
+@click.option("--seq", type=click.IntRange(min=1), default=4096, show_default=True, help="Sequence length of the activation estimate.")
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per micro-batch of the activation estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json: bool):
-    """Print the parameter count of a model by component, and the total."""
-    stages.inspect(preset=preset, checkpoint=stages.user_path(checkpoint) if checkpoint else None, as_json=as_json)
+def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], nproc_per_node: Optional[int], nnodes: int,
+                seq: int, micro_batch_size: int, as_json: bool):
+    """Print the parameter count of a model by component, and the memory per GPU of training it.
+
+    The estimate is for the layout of --tp, --cp, --ep (and --pp 1) on
+    --nproc-per-node x --nnodes GPUs, in --dtype (default bf16), with
+    Megatron's DistributedOptimizer: weights, fp32 gradients, optimizer state
+    sharded over the data-parallel ranks, and a lower bound of the activations
+    (docs/training.md, "Memory per GPU").
+    """
+    world = None if nproc_per_node is None else nproc_per_node * nnodes
+    layout = dict(tp=opts.get("tp") or 1, cp=opts.get("cp") or 1, ep=opts.get("ep") or 1, pp=opts.get("pp") or 1,
+                  world=world, dtype=opts.get("dtype") or "bf16", seq=seq, micro_batch=micro_batch_size)
+    stages.inspect(preset=preset, checkpoint=stages.user_path(checkpoint) if checkpoint else None, as_json=as_json,
+                   layout=layout)
 
 
 @subcommand("logprobs")

@@ -235,22 +235,49 @@ def dequantize(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
         raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
 
 
-def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) -> None:
+def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool, *, layout: Optional[dict] = None) -> None:
+    """Parameter counts by component, and the per-GPU memory of training under ``layout`` (``core.memory``:
+    ``tp``, ``cp``, ``ep``, ``pp``, ``world``, ``dtype``, ``seq``, ``micro_batch``)."""
     from core.config import preset as get_preset
+    from core.memory import estimate_memory
     from kernels.reference.params import count_parameters
 
     if (preset is None) == (checkpoint is None):
         raise UserInputError("give exactly one of --preset or --checkpoint")
     config = get_preset(preset) if preset else checkpoint_config(Path(checkpoint))
     counts = count_parameters(config)
+    memory = estimate_memory(config, **(layout or {}))
     if as_json:
-        print(json.dumps(counts, indent=2))
+        print(json.dumps({**counts, "memory_per_gpu": memory.as_dict()}, indent=2))
         return
     table = Table(title=f"parameters of {preset or checkpoint}")
     table.add_column("component")
     table.add_column("parameters", justify="right")
     for name, value in counts.items():
         table.add_row(name, f"{value:,}")
+    out.print(table)
+    print_memory(memory)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def print_memory(m) -> None:
+    """The per-GPU memory estimate as a table (formulas: docs/training.md, "Memory per GPU")."""
+    master = "fp32 master copy + " if m.dtype != "fp32" else ""
+    table = Table(title=(f"memory per GPU (estimate): tp {m.tp}, cp {m.cp}, ep {m.ep}, pp {m.pp} on {m.world} GPU(s) "
+                         f"(data parallel {m.dp}), {m.dtype}, {m.seq} tokens x {m.micro_batch}"), title_justify="left")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("how")
+    table.add_row("weights", _gib(m.weights), f"{m.parameters:,} elements on this GPU; fp32-kept tensors in fp32")
+    table.add_row("gradients", _gib(m.gradients), "fp32 main gradients of every trainable weight held")
+    table.add_row("optimizer", _gib(m.optimizer),
+                  f"{master}Adam m, v (fp32), sharded over {m.dense_shards} (dense) / {m.expert_shards} (experts) GPUs")
+    table.add_row("activations", _gib(m.activations),
+                  f"lower bound, full recomputation: block inputs + fp32 logits of {m.tokens_per_rank:,} tokens")
+    table.add_row("total", _gib(m.total), "plus the recomputed block's intermediates, buffers, allocator slack")
     out.print(table)
 
 
