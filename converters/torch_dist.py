@@ -36,7 +36,7 @@ from core import weight_contract as wc
 from core.errors import UserInputError
 
 __all__ = ["TorchDistError", "is_torch_dist_checkpoint", "save_torch_dist", "load_torch_dist",
-           "upstream_key", "CONFIG_FILE", "cpu_save_context"]
+           "check_torch_dist", "torch_dist_model_config", "upstream_key", "CONFIG_FILE", "cpu_save_context"]
 
 CONFIG_FILE = "config.json"  # the HF config of the model, written next to the checkpoint
 _RX_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)\Z")
@@ -161,33 +161,35 @@ def save_torch_dist(path, native_state: Mapping[str, torch.Tensor], config, *, o
     return out
 
 
-def load_torch_dist(path, config=None):
-    """Read a torch_dist checkpoint (upstream names) -> ``(native state dict, ModelConfig)``.
-
-    ``config``: the model; default: the folder's ``config.json``. Every contract tensor must be
-    present with its contract shape; extra tensors (optimizer state, ...) are ignored, non-tensor
-    entries (TE ``_extra_state``) are never unpickled."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+def torch_dist_model_config(path):
+    """The ModelConfig of a torch_dist checkpoint: its ``config.json`` (written by :func:`save_torch_dist`).
+    A checkpoint written by Megatron itself has none: the model must then be named (``--model``)."""
     from core.config import ModelConfig
-    from core.native_checkpoint import _quiet_single_process
 
     p = Path(path)
+    if not (p / CONFIG_FILE).is_file():
+        raise TorchDistError(f"{p}: a torch_dist checkpoint without {CONFIG_FILE}; name its model with "
+                             f"--model PRESET (or an HF checkpoint directory of the same model)")
+    return ModelConfig.from_json(p / CONFIG_FILE)
+
+
+def _require(p: Path) -> None:
     if not is_torch_dist_checkpoint(p):
         raise TorchDistError(f"{p}: not a megatron-core torch_dist checkpoint (metadata.json with "
                              f"sharded_backend 'torch_dist' and a DCP .metadata file)")
-    if config is None:
-        try:
-            config = ModelConfig.from_hf_dict(json.loads((p / CONFIG_FILE).read_text()))
-        except OSError:
-            raise TorchDistError(f"{p}: no {CONFIG_FILE}; give the model (--model PRESET or HF directory)") from None
-    md = _read_metadata(p)
-    items = md.state_dict_metadata
-    want = wc.native_names(config)
+
+
+def _plan(p: Path, config) -> Dict[str, torch.Tensor]:
+    """``upstream key -> empty tensor`` to read, checked against ``config`` from the DCP metadata alone:
+    every contract tensor present, a tensor, with the contract's shape (experts: ``[E, ...]``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _require(p)
+    items = _read_metadata(p).state_dict_metadata
     E = config.n_routed_experts
     request: Dict[str, torch.Tensor] = {}
     problems = []
-    for name, (shape, dt) in want.items():
+    for name, (shape, _dt) in wc.native_names(config).items():
         key, e = upstream_key(name)
         full = tuple(shape) if e is None else (E, *shape)
         if key in request:
@@ -206,12 +208,37 @@ def load_torch_dist(path, config=None):
     if problems:
         raise TorchDistError(f"{p}: does not hold this model's tensors under upstream Megatron names: "
                              + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    return request
+
+
+def check_torch_dist(path, config=None):
+    """Validate a torch_dist checkpoint against ``config`` (default: its ``config.json``) from its metadata,
+    reading no tensor; returns the config."""
+    p = Path(path)
+    _require(p)
+    config = config if config is not None else torch_dist_model_config(p)
+    _plan(p, config)
+    return config
+
+
+def load_torch_dist(path, config=None):
+    """Read a torch_dist checkpoint (upstream names) -> ``(native state dict, ModelConfig)``.
+
+    ``config``: the model; default: the folder's ``config.json``. Every contract tensor must be
+    present with its contract shape; extra tensors (optimizer state, ...) are ignored, non-tensor
+    entries (TE ``_extra_state``) are never unpickled."""
+    from core.native_checkpoint import _quiet_single_process
+
+    p = Path(path)
+    _require(p)
+    config = config if config is not None else torch_dist_model_config(p)
+    request = _plan(p, config)
     import torch.distributed.checkpoint as dcp
 
     with _quiet_single_process():
         dcp.load(request, storage_reader=_reader(p), no_dist=True)
     state: Dict[str, torch.Tensor] = {}
-    for name, (shape, dt) in want.items():
+    for name, (shape, dt) in wc.native_names(config).items():
         key, e = upstream_key(name)
         t = request[key] if e is None else request[key][e]
         if not dt.is_floating_point:

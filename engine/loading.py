@@ -141,12 +141,17 @@ def iter_native_state(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
 
 def load_weights(model: nn.Module, checkpoint, config) -> None:
     """``checkpoint`` into ``model``: a native checkpoint (``dsv4 convert``, recognized by its metadata; one
-    written under pre-contract names is refused) or an HF one (official names, any weight format). Each
-    rank keeps its own tensor- and expert-parallel share."""
+    written under pre-contract names is refused), a megatron-core torch_dist one (upstream names,
+    ``converters.torch_dist``) or an HF one (official names, any weight format). Each rank keeps its own
+    tensor- and expert-parallel share."""
+    from converters.torch_dist import is_torch_dist_checkpoint, load_torch_dist
     from core.native_checkpoint import is_native_checkpoint, load_native
 
     if is_native_checkpoint(checkpoint):
         state, _meta = load_native(checkpoint, config=config)
+        load_native_tensors(model, state.items())
+    elif is_torch_dist_checkpoint(checkpoint):
+        state, _config = load_torch_dist(checkpoint, config)
         load_native_tensors(model, state.items())
     else:
         load_hf_checkpoint(model, checkpoint, config)

@@ -230,30 +230,66 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
 
 
 @subcommand("prepare")
-@click.option("--preset", default="tiny", show_default=True, help="Model preset to materialize.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
-@click.option("--weight-format", "weight_format", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default="bf16", show_default=True, help="Weight format of the checkpoint.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weights.")
+@click.option("--preset", default=None, help="Model preset to materialize (default: tiny).")
+@click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint directory to write (with --hf-repo, default: DSV4_CACHE/hf/ORG--NAME--REVISION).")
+@click.option("--weight-format", "weight_format", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default=None, help="Weight format of the checkpoint (default: bf16).")
+@click.option("--seed", type=int, default=None, help="Seed of the deterministic weights (default: 0).")
+@click.option("--hf-repo", default=None, help="Download this Hugging Face Hub repository (ORG/NAME, e.g. deepseek-ai/DeepSeek-V4-Flash) instead of writing a preset.")
+@click.option("--hf-revision", default=None, help="Branch, tag or commit of --hf-repo (default: main).")
+@click.option("--hf-endpoint", default=None, help="Hub endpoint (a mirror); default: HF_ENDPOINT, else huggingface.co.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint made with other inputs.")
-def prepare_cmd(opts, preset: str, out: str, weight_format: str, seed: int, overwrite: bool):
-    """Write a deterministic official-format HF checkpoint for a preset.
+def prepare_cmd(opts, preset: Optional[str], out: Optional[str], weight_format: Optional[str], seed: Optional[int],
+                hf_repo: Optional[str], hf_revision: Optional[str], hf_endpoint: Optional[str], overwrite: bool):
+    """Write a deterministic official-format HF checkpoint for a preset, or download one (--hf-repo).
 
-    Safe to run concurrently and to interrupt; a rerun with the same inputs is skipped.
+    A download goes through huggingface_hub (HF_TOKEN or `hf auth login` for
+    gated repositories) and is verified as an official-format checkpoint.
+    Safe to run concurrently and to interrupt; a rerun with the same inputs is
+    skipped, and a rerun after a failed download fetches only what is missing.
     """
-    stages.prepare(preset=preset, out=stages.user_path(out), dtype=weight_format, seed=seed, overwrite=overwrite)
+    if hf_repo:
+        given = [o for o, v in (("--preset", preset), ("--weight-format", weight_format), ("--seed", seed)) if v is not None]
+        if given:
+            _fail(f"--hf-repo downloads a checkpoint as published: {', '.join(given)} do not apply", EXIT_INVALID)
+        stages.prepare_hub(hf_repo, stages.user_path(out) if out else None, revision=hf_revision,
+                           endpoint=hf_endpoint, overwrite=overwrite)
+        return
+    given = [o for o, v in (("--hf-revision", hf_revision), ("--hf-endpoint", hf_endpoint)) if v is not None]
+    if given:
+        _fail(f"{', '.join(given)} only apply with --hf-repo", EXIT_INVALID)
+    if not out:
+        _fail("prepare --preset needs --out DIR", EXIT_INVALID)
+    stages.prepare(preset=preset or "tiny", out=stages.user_path(out), dtype=weight_format or "bf16",
+                   seed=0 if seed is None else seed, overwrite=overwrite)
 
 
 @subcommand("inspect")
 @click.option("--preset", default=None, help="Model preset (flash, pro, flash-4layer, flash-shaped, tiny).")
-@click.option("--checkpoint", type=click.Path(file_okay=False), default=None, help="HF checkpoint directory.")
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None, help="HF, native or torch_dist checkpoint directory.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None, help="GPUs per node of the layout (default: the fewest the --tp/--cp/--ep layout needs).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes of the layout.")
+@click.option("--seq", type=click.IntRange(min=1), default=4096, show_default=True, help="Sequence length of the activation estimate.")
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per micro-batch of the activation estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], as_json: bool):
-    """Print the parameter count of a model by component, and the total."""
-    stages.inspect(preset=preset, checkpoint=stages.user_path(checkpoint) if checkpoint else None, as_json=as_json)
+def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], nproc_per_node: Optional[int], nnodes: int,
+                seq: int, micro_batch_size: int, as_json: bool):
+    """Print the parameter count of a model by component, and the memory per GPU of training it.
+
+    The estimate is for the layout of --tp, --cp, --ep (and --pp 1) on
+    --nproc-per-node x --nnodes GPUs, in --dtype (default bf16), with
+    Megatron's DistributedOptimizer: weights, fp32 gradients, optimizer state
+    sharded over the data-parallel ranks, and a lower bound of the activations
+    (docs/training.md, "Memory per GPU").
+    """
+    world = None if nproc_per_node is None else nproc_per_node * nnodes
+    layout = dict(tp=opts.get("tp") or 1, cp=opts.get("cp") or 1, ep=opts.get("ep") or 1, pp=opts.get("pp") or 1,
+                  world=world, dtype=opts.get("dtype") or "bf16", seq=seq, micro_batch=micro_batch_size)
+    stages.inspect(preset=preset, checkpoint=stages.user_path(checkpoint) if checkpoint else None, as_json=as_json,
+                   layout=layout)
 
 
 @subcommand("logprobs")
-@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF or native checkpoint directory.")
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="HF, native or megatron-core torch_dist checkpoint directory.")
 @click.option("--tokens", required=True, type=click.Path(dir_okay=False), help="JSON file: a list of token-id lists.")
 def logprobs_cmd(opts, checkpoint: str, tokens: str):
     """Score token sequences with the chosen implementation, kernels and --dtype.
@@ -273,16 +309,21 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
 
 @subcommand("convert")
 @click.option("--hf", "hf_dir", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Native checkpoint directory to write.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing native checkpoint.")
-def convert_cmd(opts, hf_dir, out, overwrite):
-    """Convert an HF checkpoint into a native checkpoint (torch.distributed.checkpoint).
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
+@click.option("--format", "fmt", type=click.Choice(stages.CONVERT_FORMATS), default="native", show_default=True,
+              help="native: dsv4's DCP checkpoint; torch_dist: megatron-core dist_checkpointing under upstream Megatron names.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint that dsv4 wrote.")
+def convert_cmd(opts, hf_dir, out, fmt, overwrite):
+    """Convert an HF checkpoint into a native or a megatron-core torch_dist checkpoint.
 
     Names follow the one weight contract, so the result loads into either
-    implementation; its metadata records the contract version and the writer.
+    implementation. A native checkpoint's metadata records the contract
+    version and the writer; a torch_dist one is written by megatron-core's own
+    dist_checkpointing.save under upstream Megatron's sharded keys, with the
+    HF config.json beside it. `--checkpoint` / `--model` accept all three.
     """
     run = resolve({**opts, "model": opts.get("model") or hf_dir})[1]
-    stages.convert(run, stages.user_path(hf_dir), stages.user_path(out), overwrite=overwrite)
+    stages.convert(run, stages.user_path(hf_dir), stages.user_path(out), overwrite=overwrite, fmt=fmt)
 
 
 @subcommand("prepare-fp8")

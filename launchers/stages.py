@@ -39,7 +39,7 @@ class Stage:
 STAGES = (
     Stage("plugins", "list the backends of every axis", True),
     Stage("validate", "resolve choices against the combination table", True),
-    Stage("prepare", "write a deterministic official-format tiny checkpoint", True),
+    Stage("prepare", "write a deterministic official-format checkpoint, or download one from the Hub", True),
     Stage("inspect", "parameter counts by component", True),
     Stage("logprobs", "score token sequences with the chosen implementation", True),
     Stage("convert", "HF -> native checkpoint through the weight contract", True),
@@ -78,13 +78,33 @@ def model_config(spec: str) -> ModelSource:
 
 
 def checkpoint_config(path: Path):
-    """The ModelConfig of an HF checkpoint (config.json) or a native one (its metadata)."""
+    """The ModelConfig of an HF checkpoint (config.json), a native one (its metadata) or a megatron-core
+    torch_dist one (the config.json `dsv4 convert --format torch_dist` writes beside it)."""
+    from converters.torch_dist import is_torch_dist_checkpoint, torch_dist_model_config
     from core.config import ModelConfig
     from core.native_checkpoint import is_native_checkpoint, native_model_config
 
     if is_native_checkpoint(path):
         return native_model_config(path)  # held to the tensor sizes on disk before anything is allocated
+    if is_torch_dist_checkpoint(path):
+        return torch_dist_model_config(path)
     return ModelConfig.from_json(path / "config.json")
+
+
+def check_checkpoint(checkpoint: Path, config) -> None:
+    """Validate a checkpoint against the run's model before anything is built or spawned: an HF one's
+    names, shapes and shards, a torch_dist one's tensors from its metadata (a native one is checked as it
+    loads)."""
+    from converters.torch_dist import check_torch_dist, is_torch_dist_checkpoint
+    from core.checkpoint import open_checkpoint
+    from core.native_checkpoint import is_native_checkpoint
+
+    if is_native_checkpoint(checkpoint):
+        return
+    if is_torch_dist_checkpoint(checkpoint):
+        check_torch_dist(checkpoint, config)
+        return
+    open_checkpoint(checkpoint)
 
 
 # A few token sequences the main job scores on the embedded tiny model.
@@ -183,6 +203,18 @@ def prepare(preset: str, out: Path, dtype: str, seed: int, overwrite: bool = Fal
     return out
 
 
+def prepare_hub(repo: str, out: Optional[Path], *, revision: Optional[str], endpoint: Optional[str],
+                overwrite: bool = False) -> Path:
+    """Download an official-format checkpoint from the Hugging Face Hub into the prepare cache (``out``,
+    default ``<DSV4_CACHE>/hf/ORG--NAME--REVISION``), as a safe stage (``launchers.hub``)."""
+    from launchers.hub import default_out, prepare_from_hub
+
+    out = out if out is not None else default_out(cache_dir(), repo, revision or "main")
+    built = prepare_from_hub(repo, out, revision=revision, endpoint=endpoint, overwrite=overwrite)
+    log.print(f"{'downloaded' if built else 'already prepared:'} {repo} (revision {revision or 'main'}) at {out}")
+    return out
+
+
 def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
     """MXFP4 routed experts -> FP8 128x128 blocks, losslessly, as a safe stage."""
     from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
@@ -203,22 +235,49 @@ def dequantize(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
         raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
 
 
-def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool) -> None:
+def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool, *, layout: Optional[dict] = None) -> None:
+    """Parameter counts by component, and the per-GPU memory of training under ``layout`` (``core.memory``:
+    ``tp``, ``cp``, ``ep``, ``pp``, ``world``, ``dtype``, ``seq``, ``micro_batch``)."""
     from core.config import preset as get_preset
+    from core.memory import estimate_memory
     from kernels.reference.params import count_parameters
 
     if (preset is None) == (checkpoint is None):
         raise UserInputError("give exactly one of --preset or --checkpoint")
     config = get_preset(preset) if preset else checkpoint_config(Path(checkpoint))
     counts = count_parameters(config)
+    memory = estimate_memory(config, **(layout or {}))
     if as_json:
-        print(json.dumps(counts, indent=2))
+        print(json.dumps({**counts, "memory_per_gpu": memory.as_dict()}, indent=2))
         return
     table = Table(title=f"parameters of {preset or checkpoint}")
     table.add_column("component")
     table.add_column("parameters", justify="right")
     for name, value in counts.items():
         table.add_row(name, f"{value:,}")
+    out.print(table)
+    print_memory(memory)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def print_memory(m) -> None:
+    """The per-GPU memory estimate as a table (formulas: docs/training.md, "Memory per GPU")."""
+    master = "fp32 master copy + " if m.dtype != "fp32" else ""
+    table = Table(title=(f"memory per GPU (estimate): tp {m.tp}, cp {m.cp}, ep {m.ep}, pp {m.pp} on {m.world} GPU(s) "
+                         f"(data parallel {m.dp}), {m.dtype}, {m.seq} tokens x {m.micro_batch}"), title_justify="left")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("how")
+    table.add_row("weights", _gib(m.weights), f"{m.parameters:,} elements on this GPU; fp32-kept tensors in fp32")
+    table.add_row("gradients", _gib(m.gradients), "fp32 main gradients of every trainable weight held")
+    table.add_row("optimizer", _gib(m.optimizer),
+                  f"{master}Adam m, v (fp32), sharded over {m.dense_shards} (dense) / {m.expert_shards} (experts) GPUs")
+    table.add_row("activations", _gib(m.activations),
+                  f"lower bound, full recomputation: block inputs + fp32 logits of {m.tokens_per_rank:,} tokens")
+    table.add_row("total", _gib(m.total), "plus the recomputed block's intermediates, buffers, allocator slack")
     out.print(table)
 
 
@@ -272,11 +331,7 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
     """Per-token log-probabilities of each sequence under the run's implementation."""
     import torch
 
-    from core.checkpoint import open_checkpoint
-    from core.native_checkpoint import is_native_checkpoint
-
-    if not is_native_checkpoint(checkpoint):
-        open_checkpoint(checkpoint)  # validate names, shapes and shards before building anything
+    check_checkpoint(checkpoint, run.model)
     model = build_impl_model(run, checkpoint)
     log.print(f"scoring {len(sequences)} sequence(s) with --impl {run.impl} ({run.qkv_format}) from {checkpoint}")
     device = next(model.parameters()).device
@@ -287,18 +342,15 @@ def score(run, checkpoint: Path, sequences: list[list[int]]) -> list[list[float]
 def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     """Print the per-token log-probabilities of each sequence as JSON (stdout carries nothing else); the
     kernels that ran go to the log."""
-    from core.checkpoint import open_checkpoint
     from core.finite import finite_json
     from core.kernel_ops import kernels_ran, reset_kernels_ran
-    from core.native_checkpoint import is_native_checkpoint
 
     sequences = _load_tokens(tokens, run.model.vocab_size)
     reset_kernels_ran()
     if run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed
 
-        if not is_native_checkpoint(checkpoint):
-            open_checkpoint(checkpoint)  # validate before spawning anything
+        check_checkpoint(checkpoint, run.model)  # validate before spawning anything
         how = (f"each of {run.ep} expert-parallel ranks packing its share into one THD stream" if run.ep > 1
                else "packed into one THD stream")
         log.print(f"scoring {len(sequences)} sequence(s) {how}, --impl {run.impl} --tp {run.tp} --cp {run.cp} "
@@ -312,33 +364,52 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     print(finite_json(result, what="log-probabilities"))
 
 
-def convert(run, hf_dir: Path, out: Path, overwrite: bool = False) -> Path:
-    """HF checkpoint -> native checkpoint through the weight contract, as a safe stage (launchers.outputs)."""
+CONVERT_FORMATS = ("native", "torch_dist")
+
+
+def convert(run, hf_dir: Path, out: Path, overwrite: bool = False, fmt: str = "native") -> Path:
+    """HF checkpoint -> native checkpoint (``fmt="native"``) or megatron-core torch_dist checkpoint under
+    upstream names (``fmt="torch_dist"``) through the weight contract, as a safe stage (launchers.outputs)."""
     from core.checkpoint import open_checkpoint
     from launchers.outputs import native_bytes, real, staged_output
 
+    if fmt not in CONVERT_FORMATS:
+        raise UserInputError(f"unknown --format {fmt!r}; valid choices: {', '.join(CONVERT_FORMATS)}")
     reader = open_checkpoint(hf_dir)
-    built = staged_output(out, lambda tmp: convert_into(run, hf_dir, tmp), name="convert",
-                          inputs={"hf": real(hf_dir), "impl": run.impl}, input_paths=[hf_dir],
-                          required_bytes=native_bytes(reader.config), overwrite=overwrite)
-    log.print(f"{'wrote' if built else 'already converted:'} native checkpoint (written by --impl {run.impl}) at {out}")
+    inputs = {"hf": real(hf_dir), "impl": run.impl}
+    if fmt != "native":  # a native output's sentinel keeps its earlier inputs: its reruns stay skipped
+        inputs["format"] = fmt
+    built = staged_output(out, lambda tmp: convert_into(run, hf_dir, tmp, fmt=fmt), name="convert",
+                          inputs=inputs, input_paths=[hf_dir], required_bytes=native_bytes(reader.config),
+                          overwrite=overwrite)
+    what = ("megatron-core torch_dist checkpoint (upstream names)" if fmt == "torch_dist"
+            else f"native checkpoint (written by --impl {run.impl})")
+    log.print(f"{'wrote' if built else 'already converted:'} {what} at {out}")
     return out
 
 
-def convert_into(run, hf_dir: Path, out: Path) -> Path:
-    """The conversion itself: write the native checkpoint into the (empty) folder ``out``."""
+def convert_into(run, hf_dir: Path, out: Path, fmt: str = "native") -> Path:
+    """The conversion itself: write the checkpoint into the (empty) folder ``out``."""
     import shutil
 
     import torch
 
     from core.checkpoint import open_checkpoint
     from core.checkpoint.tokenizer import TOKENIZER_FILE
-    from core.native_checkpoint import save_native
     from core.weight_contract import hf_to_native
 
     reader = open_checkpoint(hf_dir)
     state = dict(hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.bfloat16), reader.config))
-    save_native(out, state, impl=run.impl, config=reader.config, overwrite=True)
+    if fmt == "torch_dist":
+        from converters.torch_dist import save_torch_dist
+        from core.assembly import assemble
+
+        assemble(run).setup_process()  # megatron-core's writer needs a process group (one rank here)
+        save_torch_dist(out, state, reader.config, overwrite=True)
+    else:
+        from core.native_checkpoint import save_native
+
+        save_native(out, state, impl=run.impl, config=reader.config, overwrite=True)
     if (Path(hf_dir) / TOKENIZER_FILE).is_file():  # the training data's tokenizer travels with the weights
         shutil.copy2(Path(hf_dir) / TOKENIZER_FILE, Path(out) / TOKENIZER_FILE)
     return out

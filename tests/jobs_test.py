@@ -152,7 +152,12 @@ def test_inspect_reads_a_checkpoint_config(tiny):
 
     proc = dsv4("inspect", "--checkpoint", str(tiny), "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == count_parameters(preset("tiny"))
+    report = json.loads(proc.stdout)
+    memory = report.pop("memory_per_gpu")
+    assert report == count_parameters(preset("tiny"))
+    from core.memory import estimate_memory
+
+    assert memory == estimate_memory(preset("tiny")).as_dict()  # one GPU, bf16, 4096 tokens
 
 
 def test_the_main_job_trains_the_embedded_model_with_grpo(tmp_path):

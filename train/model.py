@@ -547,17 +547,23 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
 def load_model_source(model: _TrainModelBase, source) -> str:
     """Initialise weights from ``source``: an HF-format checkpoint folder (``config.json`` +
     safetensors), a native checkpoint folder (``dsv4 convert``; refused if written under
-    pre-contract names) or ``None`` (deterministic init, already done). Returns a description."""
+    pre-contract names), a megatron-core torch_dist folder (upstream names) or ``None``
+    (deterministic init, already done). Returns a description."""
     if source is None:
         return "random init"
     p = Path(str(source))
     if p.is_dir():
+        from converters.torch_dist import is_torch_dist_checkpoint, load_torch_dist
         from core.native_checkpoint import is_native_checkpoint, load_native
 
         if is_native_checkpoint(p):
             state, meta = load_native(p, config=model.config)
             model.load_native_state(state)
             return f"native checkpoint {p} (written by --impl {meta['impl']})"
+        if is_torch_dist_checkpoint(p):
+            state, _config = load_torch_dist(p, model.config)
+            model.load_native_state(state)
+            return f"megatron-core torch_dist checkpoint {p}"
         model.load_checkpoint(p)
         return f"checkpoint {p}"
     raise FileNotFoundError(f"model source {source!r}: not a checkpoint folder")

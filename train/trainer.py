@@ -155,6 +155,10 @@ def _resolve_model_config(run_config, model_source):
         if is_native_checkpoint(model_source):
             native_cfg = native_model_config(model_source)
             return (native_cfg if cfg is None else cfg), str(model_source)
+        from converters.torch_dist import check_torch_dist, is_torch_dist_checkpoint
+
+        if is_torch_dist_checkpoint(model_source):
+            return check_torch_dist(model_source, cfg), str(model_source)
         reader = open_checkpoint(model_source, config=cfg)
         return reader.config if cfg is None else cfg, str(model_source)
     if isinstance(model_source, str):

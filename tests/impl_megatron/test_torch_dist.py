@@ -8,6 +8,7 @@ megatron-core's ``dist_checkpointing.load``."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -117,3 +118,104 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, tiny_config, hf_nati
         load_torch_dist(out, other)
     with pytest.raises(TorchDistError, match="not a megatron-core torch_dist checkpoint"):
         load_torch_dist(tmp_path)
+
+
+# -- through the CLI -------------------------------------------------------------------------------------------
+
+SEQS = [[0, 72, 105, 33, 5, 9, 11, 200, 3], [0, 50, 7], [4]]
+
+
+def _dsv4(*args):
+    """The CLI in this process (the session's one-rank gloo group is reused)."""
+    from click.testing import CliRunner
+
+    from launchers.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _cli_logprobs(tmp_path, checkpoint, impl, *extra):
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(SEQS))
+    res = _dsv4("logprobs", "--impl", impl, "--checkpoint", checkpoint, "--tokens", tokens, *extra)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def megatron_written(tmp_path_factory, tiny_config, hf_native):
+    """A checkpoint written by megatron-core's own ``dist_checkpointing.save`` from upstream's sharded state
+    dict: no config.json beside it, as Megatron writes it."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = tmp_path_factory.mktemp("mcore") / "ckpt"
+    ckpt.mkdir()
+    with cpu_save_context():
+        dist_checkpointing.save(_upstream_sharded_state_dict(hf_native, tiny_config), str(ckpt))
+    return ckpt
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_dsv4_logprobs_from_torch_dist_equal_the_hf_checkpoints(tmp_path, tiny_checkpoint, tiny_config, hf_native,
+                                                                 megatron_written, impl):
+    want = _cli_logprobs(tmp_path, tiny_checkpoint, impl)
+    assert [len(x) for x in want] == [8, 2, 0]
+    # megatron-core wrote it (no config.json): the model is named with --model
+    assert _cli_logprobs(tmp_path, megatron_written, impl, "--model", "tiny") == want
+    # save_torch_dist wrote it (megatron-core's save, config.json beside it): --checkpoint alone
+    ours = save_torch_dist(tmp_path / "ours", hf_native, tiny_config)
+    assert _cli_logprobs(tmp_path, ours, impl) == want
+    # packed into one THD stream, the same path the several-process scorers take
+    packed = _cli_logprobs(tmp_path, ours, impl, "--qkv-format", "thd")
+    assert all(abs(a - b) <= 1e-5 for x, y in zip(packed, want) for a, b in zip(x, y))
+
+
+def test_a_megatron_written_checkpoint_without_a_model_is_refused_with_the_fix(tmp_path, megatron_written):
+    tokens = tmp_path / "t.json"
+    tokens.write_text("[[0, 1, 2]]")
+    res = _dsv4("logprobs", "--checkpoint", megatron_written, "--tokens", tokens)
+    assert res.exit_code == 1
+    assert "without config.json" in res.output and "--model PRESET" in res.output
+    wrong = _dsv4("logprobs", "--checkpoint", megatron_written, "--tokens", tokens, "--model", "flash-shaped")
+    assert wrong.exit_code == 1 and "does not hold this model's tensors" in wrong.output
+
+
+def test_convert_format_torch_dist_loads_with_megatron_core(tmp_path, tiny_checkpoint, tiny_config, hf_native):
+    from megatron.core import dist_checkpointing
+
+    out = tmp_path / "tdist"
+    res = _dsv4("convert", "--format", "torch_dist", "--hf", tiny_checkpoint, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert is_torch_dist_checkpoint(out) and (out / "config.json").is_file()
+    assert (out / "dsv4_byte_tokenizer.json").is_file()  # the tokenizer travels with the weights
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".dsv4-locks"]
+    assert not left  # no temporaries left beside it
+    loaded = dist_checkpointing.load(_upstream_sharded_state_dict(hf_native, tiny_config, empty=True), str(out))
+    for n, t in hf_native.items():
+        assert torch.equal(loaded[n].to(t.dtype), t), n  # the HF file's bf16 values, exactly
+    again = _dsv4("convert", "--format", "torch_dist", "--hf", tiny_checkpoint, "--out", out)
+    assert again.exit_code == 0 and "already converted" in again.output
+    # a native conversion into the same folder is another stage's output: refused, nothing replaced
+    other = _dsv4("convert", "--hf", tiny_checkpoint, "--out", out)
+    assert other.exit_code == 1 and "--overwrite" in other.output and is_torch_dist_checkpoint(out)
+    # inspect reads its config
+    res = _dsv4("inspect", "--checkpoint", out, "--json")
+    assert json.loads(res.stdout)["total"] == json.loads(_dsv4("inspect", "--preset", "tiny", "--json").stdout)["total"]
+
+
+def test_train_starts_from_a_torch_dist_checkpoint(tmp_path, tiny_checkpoint, tiny_config, hf_native):
+    """`dsv4 train --model TORCH_DIST_DIR`: the first step's loss is the HF checkpoint's."""
+    import subprocess
+    import sys
+
+    ours = save_torch_dist(tmp_path / "ours", hf_native, tiny_config)
+
+    def first_loss(model, run_dir):
+        proc = subprocess.run([sys.executable, "-m", "launchers.cli", "train", "--impl", "megatron", "--mode", "sft",
+                               "--steps", "1", "--model", str(model), "--run-dir", str(run_dir)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "torch_dist" in proc.stderr if model == ours else True
+        return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+    assert first_loss(ours, tmp_path / "r1") == first_loss(tiny_checkpoint, tmp_path / "r2")
