@@ -177,6 +177,7 @@ class TorchOptimizer(_Base):
         return gnorm
 
     # -- checkpoints -----------------------------------------------------------
+    @torch.no_grad()
     def full_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
         """``({"<param>/<key>": full tensor}, {param: Adam step count})``; collective (every rank takes part).
         A parameter that never had a gradient has zero moments and step 0."""
@@ -193,6 +194,7 @@ class TorchOptimizer(_Base):
                 out[f"{n}/{k}"] = t
         return out, _every_rank_steps(steps)
 
+    @torch.no_grad()
     def load_full_state(self, read, steps: Dict[str, int]) -> None:
         """``read(names) -> {name: full tensor}``: this rank's parameters' state from the full tensors."""
         names = [f"{n}/{k}" for n in self.named for k in STATE_KEYS]
@@ -299,14 +301,39 @@ class MegatronOptimizer(_Base):
         self.ddp.finish_grad_sync()                # bucketed reduce-scatter of the fp32 gradients
         self.opt.prepare_grads()
         gnorm = float(self.opt.get_grad_norm())
-        self._check(gnorm)
-        if self.cfg.grad_clip > 0:
-            self.opt.clip_grad_norm(self.cfg.grad_clip)
-        if not self.opt.step_with_ready_grads():
+        self._check(gnorm)                         # before anything is updated
+        ok, _norm, _zeros = self.opt.step()        # clip by the global norm, Adam on the fp32 shards, copy back
+        if not ok:
             raise RuntimeError("megatron-core's optimizer skipped the step")
         return gnorm
 
-    # -- checkpoints -----------------------------------------------------------
+    def _parts(self):
+        """The distributed optimizers megatron-core built (a ChainedOptimizer holds several)."""
+        return list(getattr(self.opt, "chained_optimizers", None) or [self.opt])
+
+    def _main_map(self) -> Dict[torch.nn.Parameter, tuple]:
+        """model parameter -> ``(part, fp32 main shard, start, end)``: the pairing megatron-core itself uses to
+        copy masters back into the model (``model_*_groups`` beside ``shard_fp32_*_groups``); the torch
+        optimizer's state is keyed by the main shard, ``[start, end)`` is its range of the flat parameter."""
+        if getattr(self, "_mains", None) is None:
+            mains = {}
+            for part in self._parts():
+                pairs = [(part.model_float16_groups, part.shard_fp32_from_float16_groups),
+                         (part.model_fp32_groups, part.shard_fp32_groups)]
+                for model_groups, main_groups in pairs:
+                    for model_group, main_group in zip(model_groups, main_groups):
+                        for model_param, main in zip(model_group, main_group):
+                            r = part._get_model_param_range_map(model_param)["param"]
+                            if main.numel() != r.end - r.start:
+                                raise RuntimeError(f"megatron-core's optimizer shard of a {tuple(model_param.shape)} "
+                                                   f"parameter has {main.numel()} elements, its range {r.start}:{r.end}")
+                            mains[model_param] = (part, main, r.start, r.end)
+            self._mains = mains
+        return self._mains
+
+    def _ranges(self, p):
+        return self._main_map().get(p)
+
     def _groups(self, p):
         ps = _ps()
         if _is_expert(p):
@@ -324,21 +351,22 @@ class MegatronOptimizer(_Base):
             dist.all_reduce(flat, group=group)
         return flat.view(p.shape)
 
-    def _ranges(self, p):
-        if p not in self.opt.model_param_gbuf_map:
-            return None
-        r = self.opt._get_model_param_range_map(p)["param"]
-        return r.start, r.end
+    def _states(self, p) -> Dict[str, torch.Tensor]:
+        """``{"param": fp32 main shard, "exp_avg", "exp_avg_sq", "step"}`` of this rank's range of ``p``."""
+        part, main, _s, _e = self._main_map()[p]
+        return {"param": main, **{k: v for k, v in part.optimizer.state.get(main, {}).items()
+                                  if isinstance(v, torch.Tensor)}}
 
+    @torch.no_grad()
     def full_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
         step = 0
         per_key = {k: {} for k in (MASTER, *STATE_KEYS)}
         for n, p in self.named.items():
             rng = self._ranges(p)
-            st = self.opt._get_main_param_and_optimizer_states(p) if rng is not None else {}
+            st = self._states(p) if rng is not None else {}
             if "step" in st:
                 step = max(step, int(st["step"]))
-            start, end = rng if rng is not None else (0, 0)
+            start, end = rng[2:] if rng is not None else (0, 0)
             per_key[MASTER][n] = self._flat_full(p, st.get("param"), start, end)
             for k in STATE_KEYS:
                 per_key[k][n] = self._flat_full(p, st.get(k), start, end)
@@ -349,25 +377,25 @@ class MegatronOptimizer(_Base):
         step = _max_step(step)        # one Adam over the data-parallel shards: every parameter steps together
         return out, {n: step for n in out_names(out)}
 
+    @torch.no_grad()
     def load_full_state(self, read, steps: Dict[str, int]) -> None:
         step = max(steps.values(), default=0)
         keys = (MASTER, *STATE_KEYS)
         full = read([f"{n}/{k}" for n in self.named for k in keys])
-        self.opt._init_optimizer_states_with_dummy_values()
+        for part in self._parts():
+            part._init_optimizer_states_with_dummy_values()
         for n, p in self.named.items():
             rng = self._ranges(p)
             if rng is None:
                 continue
-            start, end = rng
-            dst = self.opt._get_main_param_and_optimizer_states(p)
-            tensors = {}
+            _part, _main, start, end = rng
+            dst = self._states(p)
             for k in dst:
                 if k == "step":
-                    tensors[k] = torch.full_like(dst[k], float(step))
+                    dst[k].fill_(float(step))
                     continue
                 src = full[f"{n}/{MASTER if k == 'param' else k}"]
-                tensors[k] = _local_share(src, p).reshape(-1)[start:end].to(dst[k].device, dst[k].dtype)
-            self.opt._set_main_param_and_optimizer_states(p, tensors)
+                dst[k].copy_(_local_share(src, p).reshape(-1)[start:end].to(dst[k].device, dst[k].dtype))
 
 
 def build_optimizer(model, cfg, run_config=None):
