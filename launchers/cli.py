@@ -12,9 +12,11 @@ Exit codes: 0 success, 1 runtime failure, 2 invalid choices, 3 stage not built.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import click
@@ -38,7 +40,7 @@ _RUN_OPTIONS = (
     ("--impl", dict(help="Attention implementation: miles (the plugin path) or megatron (the Megatron-native design); `dsv4 plugins` shows what each supports. Default: miles.")),
     ("--kernel-backend", dict(help="Kernel backend: none (PyTorch reference), triton, tilelang, cudnn.")),
     ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
-    ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm.")),
+    ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm. Default: train and full-train detect it (nvidia when torch sees a CUDA device, else cpu) and say so; other commands: cpu.")),
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
     ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size (1 only, for now).")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
@@ -52,6 +54,25 @@ _RUN_OPTIONS = (
     ("--no-third-party-plugins", dict(is_flag=True, default=None, help="Load built-in plugins only.")),
 )
 _DEFAULTS = Choices()
+RUN_KEYS = frozenset(decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS)
+_OUTPUT = {"quiet": False, "verbose": False}
+
+
+def output_options(func):
+    """-q / -v, accepted before or after the subcommand name."""
+    func = click.option("-v", "--verbose", is_flag=True, help="Also show debug lines (every metric of every step) and the known library warnings that are hidden by default.")(func)
+    return click.option("-q", "--quiet", is_flag=True, help="Print only errors and the final result.")(func)
+
+
+def _configure_output(quiet: bool, verbose: bool) -> None:
+    """What reaches stderr (launchers.console)."""
+    from launchers.console import configure
+
+    if quiet and verbose:
+        _fail("give at most one of -q/--quiet and -v/--verbose", EXIT_INVALID)
+    _OUTPUT.update(quiet=quiet, verbose=verbose)
+    configure(quiet=quiet, verbose=verbose)
+    stages.log.quiet = quiet
 
 
 def run_options(func):
@@ -145,11 +166,13 @@ def subcommand(name: str, **kwargs):
     def wrap(func):
         @main.command(name, **kwargs)
         @run_options
+        @output_options
         @click.pass_context
         @functools.wraps(func)
-        def command(ctx, **params):
-            run_keys = {decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS}
-            opts = _merged(ctx, {k: params.pop(k) for k in list(params) if k in run_keys})
+        def command(ctx, quiet=False, verbose=False, **params):
+            if quiet or verbose:
+                _configure_output(quiet or _OUTPUT["quiet"], verbose or _OUTPUT["verbose"])
+            opts = _merged(ctx, {k: params.pop(k) for k in list(params) if k in RUN_KEYS})
             return _guarded(func, opts, **params)
 
         return command
@@ -159,9 +182,10 @@ def subcommand(name: str, **kwargs):
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @run_options
+@output_options
 @click.option("--debug", is_flag=True, help="Show the full traceback of a failure (default: one line `error: ...`).")
 @click.pass_context
-def main(ctx: click.Context, debug: bool = False, **opts):
+def main(ctx: click.Context, debug: bool = False, quiet: bool = False, verbose: bool = False, **opts):
     """Train DeepSeek-V4 (V4-Flash, V4-Pro, tiny test models) for RL and SFT.
 
     With no subcommand, runs the main job on the embedded tiny model on the CPU.
@@ -170,6 +194,7 @@ def main(ctx: click.Context, debug: bool = False, **opts):
     from launchers.errors import set_debug
 
     set_debug(debug)
+    _configure_output(quiet, verbose)
     ctx.obj = {k: v for k, v in opts.items() if v is not None}
     if ctx.invoked_subcommand is None:
         _host_obj, run = resolve(ctx.obj, job="train")
@@ -356,11 +381,12 @@ def dequantize_cmd(opts, in_dir, out, overwrite):
 
 
 def training_options(func):
-    """Options shared by `train` and `full-train`."""
+    """Options shared by `train` and `full-train`; every other setting is a KEY=VALUE argument or a key of
+    --config (launchers.config_file)."""
     for decl, kwargs in reversed((
         ("--mode", dict(type=click.Choice(["sft", "grpo"]), default="grpo", show_default=True, help="SFT on responses, or GRPO with a verifiable reward.")),
         ("--steps", dict(type=click.IntRange(min=1), default=8, show_default=True, help="Total optimizer steps (a resumed run counts the steps already done).")),
-        ("--run-dir", dict(type=click.Path(file_okay=False), default=None, help="Run folder (metrics.jsonl, TensorBoard events, checkpoints, plots). Default: dsv4-runs/IMPL-MODE-TIME.")),
+        ("--run-dir", dict(type=click.Path(file_okay=False), default=None, help="Run folder (metrics.jsonl, train.log, TensorBoard events, checkpoints, plots). Default: dsv4-runs/IMPL-MODE-TIME.")),
         ("--resume", dict(is_flag=True, help="Continue the run in --run-dir from its last complete step.")),
         ("--data", dict(type=click.Path(dir_okay=False), default=None, help="JSONL data (prompt + response, or prompt + reward spec). Default: the built-in task.")),
         ("--lr", dict(type=float, default=None, help="Learning rate.")),
@@ -368,32 +394,91 @@ def training_options(func):
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
         ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
         ("--nproc-per-node", dict(type=click.IntRange(min=1), default=None, help="Ranks to start on this machine (torch.distributed's elastic launcher; one GPU each on a GPU --hardware). Default: tp x cp x ep. Under torchrun / srun the launcher's WORLD_SIZE is used instead.")),
+        ("--config", dict(type=click.Path(dir_okay=False), default=None, help="TOML or JSON file of settings: any option above or below (without the dashes) and every training knob; a run folder's train_config.json repeats that run. Options given on the command line win over the file, KEY=VALUE arguments over both.")),
+        ("--print-config", dict(is_flag=True, help="Print every setting this command resolved, as a TOML file --config reads, and exit without training.")),
     )):
         func = click.option(decl, **kwargs)(func)
-    return func
+    return click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")(func)
 
 
-def _train_kwargs(run, mode, steps, run_dir, resume, data, lr, seed, save_every, compile) -> dict:
-    if resume and not run_dir:
+_JOB_KEYS = ("mode", "steps", "run_dir", "resume", "nproc_per_node")
+
+
+@dataclass(frozen=True)
+class _Training:
+    """What `train` / `full-train` resolved from the defaults, --config, the command line and KEY=VALUE."""
+
+    opts: dict        # the run's choices, for resolve()
+    mode: str
+    steps: int
+    run_dir: Optional[str]
+    resume: bool
+    fields: dict      # TrainConfig fields given anywhere
+    print_config: bool
+    nproc_per_node: Optional[int] = None
+
+
+def _training(opts: dict, kw: dict) -> _Training:
+    from click.core import ParameterSource
+
+    from launchers import config_file
+    from launchers.console import detect_hardware
+
+    ctx = click.get_current_context()
+    config, print_config, overrides = kw.pop("config"), kw.pop("print_config"), kw.pop("overrides")
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    cli = {**opts, **{k: v for k, v in kw.items() if ctx.get_parameter_source(k) in given}}
+    try:
+        values = config_file.resolve(ctx.command, config=stages.user_path(config) if config else None, cli=cli,
+                                     overrides=overrides)
+    except config_file.ConfigFileError as exc:
+        _fail(str(exc), EXIT_INVALID)
+    run_opts = {k: v for k, v in values.items() if k in RUN_KEYS and v is not None}
+    if "hardware" not in run_opts:
+        run_opts["hardware"] = detect_hardware()
+    knobs = {f.name for f in dataclasses.fields(config_file.train_config_type())}
+    fields = {k: v for k, v in values.items() if k in knobs}
+    if run_opts.get("max_tokens_per_rank") is not None:   # the run's packing budget is the trainer's too
+        fields["max_tokens_per_rank"] = int(run_opts["max_tokens_per_rank"])
+    if fields.get("data"):
+        fields["data"] = str(stages.user_path(fields["data"]))
+    job = {k: values.get(k, kw[k]) for k in _JOB_KEYS}
+    if job["resume"] and not job["run_dir"]:
         _fail("--resume needs --run-dir (the run to continue)", EXIT_INVALID)
-    overrides = {k: v for k, v in (("data", data), ("lr", lr), ("seed", seed), ("save_every", save_every)) if v is not None}
-    if data:
-        overrides["data"] = str(stages.user_path(data))
-    if compile:
-        overrides["compile_blocks"] = True
-    return dict(
-        mode=mode,
-        steps=steps,
-        run_dir=stages.user_path(run_dir) if run_dir else stages.default_run_dir(run, mode),
-        resume=resume,
-        **overrides,
-    )
+    return _Training(run_opts, job["mode"], job["steps"], job["run_dir"], job["resume"], fields, print_config,
+                     job["nproc_per_node"])
 
 
-def _packing_kwargs(opts: dict) -> dict:
-    """The global --max-tokens-per-rank as the trainer's dynamic-batching budget (THD micro-batches)."""
-    budget = opts.get("max_tokens_per_rank")
-    return {} if budget is None else {"max_tokens_per_rank": int(budget)}
+def _train_config(t: _Training):
+    """The TrainConfig of the settings; an out-of-range knob is one line before any work starts."""
+    from launchers import config_file
+
+    return config_file.train_config_type()(**t.fields)
+
+
+def _print_config(run, t: _Training) -> None:
+    """The resolved settings as TOML on stdout (`--print-config`)."""
+    from launchers import config_file
+
+    cfg = _train_config(t)
+    choices = {k: v for k, v in run.as_dict().items() if k not in ("providers", "job", "model_name")}
+    choices["model"] = run.model_name
+    choices.update({k: v for k, v in t.opts.items() if k in ("strict_plugins", "no_third_party_plugins")})
+    job = {"mode": t.mode, "steps": t.steps, "resume": t.resume}
+    if t.run_dir:
+        job["run_dir"] = str(stages.user_path(t.run_dir))
+    # a field that is also a run choice (max_tokens_per_rank) stands once, under [run]
+    train = {**job, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in choices}}
+    click.echo(config_file.to_toml({"run": choices, "train": train}, header=(
+        "dsv4 train --config FILE: every setting, as this command resolved it.",
+        "Precedence: defaults < this file < options on the command line < KEY=VALUE arguments.",
+        '"none" stands for an unset optional value.')), nl=False)
+
+
+def _train_kwargs(run, t: _Training) -> dict:
+    return dict(mode=t.mode, steps=t.steps,
+                run_dir=stages.user_path(t.run_dir) if t.run_dir else stages.default_run_dir(run, t.mode),
+                resume=t.resume, progress=not _OUTPUT["quiet"], **t.fields)
 
 
 def _train_world(nproc_per_node) -> int | None:
@@ -428,22 +513,33 @@ def train_cmd(opts, **kw):
 
     Every step publishes the trained weights to the rollout engine through the
     real export path (quantized per --quant), checks them, generates, and
-    trains on the implementation's own log-probabilities.
+    trains on the implementation's own log-probabilities. Every training knob
+    is a KEY=VALUE argument (e.g. `lr=1e-3 group_size=8`) or a key of --config;
+    --print-config lists them.
     """
-    world = _train_world(kw.pop("nproc_per_node"))
-    _check_launched_run_dir(kw.get("run_dir"))
-    run = resolve(opts, job="train", world=world)[1]
-    stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, **kw), **_packing_kwargs(opts))
+    t = _training(opts, kw)
+    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
+    if t.print_config:
+        return _print_config(run, t)
+    _train_config(t)
+    _check_launched_run_dir(t.run_dir)
+    stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, t))
 
 
 @subcommand("full-train")
 @training_options
 def full_train_cmd(opts, **kw):
-    """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages."""
-    world = _train_world(kw.pop("nproc_per_node"))
-    _check_launched_run_dir(kw.get("run_dir"))
-    run = resolve(opts, job="train", world=world)[1]
-    stages.full_train(run, **_train_kwargs(run, **kw), **_packing_kwargs(opts))
+    """Run prepare -> (prepare-fp8) -> convert -> train, skipping completed stages.
+
+    Takes the settings of `train` (--config, KEY=VALUE, --print-config).
+    """
+    t = _training(opts, kw)
+    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
+    if t.print_config:
+        return _print_config(run, t)
+    _train_config(t)
+    _check_launched_run_dir(t.run_dir)
+    stages.full_train(run, **_train_kwargs(run, t))
 
 
 @subcommand("export")
@@ -463,11 +559,13 @@ def export_cmd(opts, run_dir, out, step, weight_format, overwrite):
 
 @subcommand("plot")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
-def plot_cmd(opts, run_dir):
-    """Write PNG curves (reward, loss, log-prob diff, KL, tokens/s) of a run."""
+@click.option("--smoothing", type=click.FloatRange(0, 1, max_open=True), default=0.6, show_default=True, help="Weight of the past in the exponential moving average drawn over each raw curve (TensorBoard's smoothing; 0: raw curves only).")
+def plot_cmd(opts, run_dir, smoothing):
+    """Write PNG curves of a run, axes labelled with units: reward, loss, grad norm, learning rate,
+    log-prob diff, KL, groups with all-equal rewards, tokens/s, time per phase, and a summary."""
     from train import plot_run
 
-    for path in plot_run(stages.user_path(run_dir)):
+    for path in plot_run(stages.user_path(run_dir), smoothing=smoothing):
         click.echo(str(path))
 
 

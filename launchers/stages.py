@@ -23,7 +23,7 @@ from core.records import AXES, AXIS_OPTION
 
 # Pipes and CI logs get a wide console instead of rich's 80-column default.
 out = Console(width=None if sys.stdout.isatty() else 150)
-log = Console(stderr=True)
+log = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
 @dataclass(frozen=True)
@@ -430,8 +430,12 @@ def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume:
         resume=resume,
         **overrides,
     )
-    if int(os.environ.get("RANK", "0")) == 0:
-        log.print(f"run folder: {run_dir}")
+    if int(os.environ.get("RANK", "0")) != 0:     # one line per run, not per torchrun rank
+        return result
+    last = result.get("last") or {}
+    done = "".join(f"  {k} {last[k]:.4g}" for k in ("loss", "reward_mean") if isinstance(last.get(k), float))
+    # the final result: shown with -q too
+    print(f"run folder: {run_dir}" + (f" (step {last['step']}/{steps}{done})" if last else ""), file=sys.stderr)
     return result
 
 

@@ -10,7 +10,8 @@ Modules: :mod:`.data` (JSONL data, built-in task, rewards, tokenization), :mod:`
 ``TrainModel`` protocol and the adapters; ``build_train_model`` is where an implementation plugs in),
 :mod:`.engines` (rollout-engine protocol + the built-in reference engine), :mod:`.sglang_engine`
 (SGLang server adapter), :mod:`.weight_sync`, :mod:`.losses`, :mod:`.replay` (routing replay R3 and the
-indexer-replay seam), :mod:`.metrics`, :mod:`.checkpointing`.
+indexer-replay seam), :mod:`.metrics`, :mod:`.run_log` (what a run prints: configuration, step lines, progress,
+``RUN_DIR/train.log``), :mod:`.checkpointing`.
 
 Importing this package imports nothing heavy; the functions below import lazily.
 """

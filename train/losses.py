@@ -37,6 +37,18 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     return a
 
 
+def zero_variance_group_frac(groups) -> float:
+    """Fraction of GRPO prompt groups whose rewards are all equal (0.0 for no groups).
+
+    Such a group has zero advantage for every sample (``group_advantages``), so it adds nothing to the
+    policy loss or its gradient; a step where every group is like that does not learn at all."""
+    groups = list(groups)
+    if not groups:
+        return 0.0
+    flat = sum(1 for r in groups if bool((r == r.reshape(-1)[0]).all()))
+    return flat / len(groups)
+
+
 def k3(logp_sampler: torch.Tensor, logp_other: torch.Tensor, clamp: float = KL_CLAMP) -> torch.Tensor:
     """Per-token k3 estimate of KL(sampler || other) for tokens drawn from the sampler."""
     r = (logp_other - logp_sampler).clamp(-clamp, clamp)

@@ -2,8 +2,10 @@
 
 Every line has at least :data:`REQUIRED_KEYS`. Values that do not apply to a mode are ``null`` (SFT has
 no reward or rollout). Time per phase is in seconds: ``time_rollout``, ``time_logprobs``, ``time_train``,
-``time_update_weights`` (and ``time_step``). On resume, :func:`truncate_after` drops the lines of steps
-after the checkpoint (they are recomputed) and the TensorBoard writer purges events past that step.
+``time_update_weights`` (and ``time_step``). GRPO rows also hold ``zero_variance_group_frac``, the
+fraction of prompt groups whose rewards were all equal and so gave no gradient (``train.losses``). On
+resume, :func:`truncate_after` drops the lines of steps after the checkpoint (they are recomputed) and the
+TensorBoard writer purges events past that step.
 """
 
 from __future__ import annotations
@@ -92,7 +94,13 @@ def summary_line(row: Dict, total_steps: int) -> str:
         v = row.get(k)
         return "-" if v is None else fmt.format(v)
 
-    return (f"step {row['step']}/{total_steps}  loss {f('loss')}  reward {f('reward_mean')}  "
+    zero_var = row.get("zero_variance_group_frac")
+    flat = ""
+    if zero_var is not None:
+        flat = f"zero-var groups {zero_var:.0%}  "
+        if zero_var >= 1.0:
+            flat += "(no learning signal: every group's rewards are equal)  "
+    return (f"step {row['step']}/{total_steps}  loss {f('loss')}  reward {f('reward_mean')}  {flat}"
             f"|lp diff| {f('train_rollout_logprob_abs_diff', '{:.2e}')}  kl {f('train_rollout_kl', '{:.2e}')}  "
             f"gnorm {f('grad_norm')}  tok/s {f('tokens_per_s', '{:.0f}')}  "
             f"[rollout {f('time_rollout', '{:.2f}')}s logprobs {f('time_logprobs', '{:.2f}')}s "

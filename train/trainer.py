@@ -11,7 +11,7 @@ One GRPO step::
 One SFT step: a batch of (prompt, response) pairs, token-mean NLL on response tokens (+ MTP), one
 optimizer step. Both modes add the training model's own loss term when it has one (``TrainForward.aux_loss``:
 megatron's indexer KL loss with ``dsa_indexer_loss_coeff``; metric ``indexer_loss``). The training model
-is the run's implementation (``train_impl`` None; see :func:`train.model.build_train_model`). Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard; checkpoints every
+is the run's implementation (``train_impl`` None; see :func:`train.model.build_train_model`). Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard, the printed lines (resolved configuration, one line per step) also to ``RUN_DIR/train.log`` (:mod:`train.run_log`); checkpoints every
 ``save_every`` steps and at the end (:mod:`train.checkpointing`); ``resume=True`` continues after the
 last complete checkpoint. With ``export_at_end`` the final weights are written as an HF checkpoint to
 ``RUN_DIR/hf``.
@@ -51,8 +51,9 @@ from core.atomic import write_text_atomically
 from . import data as D
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
-from .losses import group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum
-from .metrics import MetricsLogger, summary_line, truncate_after
+from .losses import (group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum,
+                     zero_variance_group_frac)
+from .metrics import MetricsLogger, truncate_after
 from .distributed import ParallelGroups, check_divisible
 from .export import CONFIG_FILE, export_model
 from .model import build_train_model, full_view, load_model_source
@@ -244,7 +245,8 @@ class _Run:
     def _write_or_check_config_main(self, resume: bool, model_source) -> None:
         p = self.run_dir / CONFIG_FILE
         desc = {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
-                "model_source": self.ckpt_source}
+                "model_source": self.ckpt_source,  # "run": the run's choices (`dsv4 train --config` reads them)
+                "run": None if self.run_config is None else self.run_config.as_dict()}
         found = latest_checkpoint(self.run_dir)
         if resume and found is not None:
             saved = json.loads(p.read_text()) if p.is_file() else None
@@ -480,10 +482,13 @@ class _Run:
             loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc,
             float(sum(it["ids"].numel() for it in items))])
         allr = torch.tensor(self.dist.gather_over_dp(torch.cat(rewards).tolist()))
+        zero_var_groups, n_groups = self.dist.sum_over_dp([zero_variance_group_frac(rewards) * len(rewards),
+                                                           float(len(rewards))])
         out.update(loss=loss_acc, pg_loss=pg_acc, kl_loss=kl_acc if self.ref_model is not None else None,
                    mtp_loss=mtp_acc if cfg.mtp_coef > 0 else None, grad_norm=gnorm,
                    indexer_loss=aux_acc if have_aux else None,
                    pg_clipfrac=clip_acc / max(total_tokens, 1.0), reward_mean=float(allr.mean()),
+                   zero_variance_group_frac=zero_var_groups / max(n_groups, 1.0),
                    reward_std=float(allr.std(unbiased=False)), response_len_mean=total_tokens / n_samples,
                    tokens=int(tokens), response_tokens=int(total_tokens))
         return out
@@ -543,20 +548,20 @@ class _Run:
     def run(self) -> Dict[str, Any]:
         """Every rank runs the steps (their collectives); global rank 0 alone prints and writes the run
         folder; checkpoints and the final export gather the full state from every rank."""
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from . import run_log
 
         main = self.dist.is_main
-        console = Console(stderr=True, quiet=not (self.progress and main))
-        if self.start_step >= self.steps:
-            console.print(f"[bold]{self.run_dir}[/]: already at step {self.start_step} >= --steps {self.steps}")
         logger = MetricsLogger(self.run_dir, start_step=self.start_step) if main else None
         last_row: Dict[str, Any] = {}
         try:
-            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), console=console, disable=not (self.progress and main),
-                          transient=False) as prog:
-                task = prog.add_task(f"{self.mode} ({self.source_desc})", total=self.steps, completed=self.start_step)
+            with (run_log.file_log(self.run_dir) if main else contextlib.nullcontext()), run_log.step_progress(
+                    self.mode, self.steps, self.start_step, enabled=self.progress and main) as bar:
+                for line in (run_log.config_lines(self.run_config, self.cfg, mode=self.mode, steps=self.steps,
+                                                  start_step=self.start_step, run_dir=self.run_dir,
+                                                  source=self.source_desc) if main else ()):
+                    run_log.log.info(line)
+                if main and self.start_step >= self.steps:
+                    run_log.log.info(f"{self.run_dir}: already at step {self.start_step} >= --steps {self.steps}")
                 for step in range(self.start_step + 1, self.steps + 1):
                     t0 = time.perf_counter()
                     try:
@@ -575,8 +580,8 @@ class _Run:
                     last_row = row
                     if logger is not None:
                         logger.log(row)
-                        prog.console.print(summary_line(row, self.steps), soft_wrap=True, highlight=False)
-                    prog.advance(task)
+                        bar.step(row)
+                        run_log.log.debug("metrics " + json.dumps(row, sort_keys=True, default=str))
                     if step % self.cfg.save_every == 0 or step == self.steps:
                         _maybe_kill(step, "checkpoint")
                         save_checkpoint(self.run_dir, step, self.model, self.optim, keep_last=self.cfg.keep_last,

@@ -111,7 +111,8 @@ def test_cli_train_thd_cp2(tmp_path):
     runs = {}
     for cp, extra in ((1, ()), (2, ("--max-tokens-per-rank", "64"))):
         run_dir = tmp_path / f"cli-cp{cp}"
-        res = CliRunner().invoke(main, ["--qkv-format", "thd", "--cp", str(cp), *extra, "--model", str(ckpt),
+        res = CliRunner().invoke(main, ["--hardware", "cpu",         # gloo ranks on the CPU, on a GPU machine too
+                                        "--qkv-format", "thd", "--cp", str(cp), *extra, "--model", str(ckpt),
                                         "train", "--mode", "sft", "--steps", "2", "--run-dir", str(run_dir)])
         assert res.exit_code == 0, (res.output, res.exception)
         runs[cp] = rows_of(run_dir)
