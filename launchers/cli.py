@@ -461,10 +461,13 @@ def _print_config(run, t: _Training) -> None:
     from launchers import config_file
 
     cfg = _train_config(t)
-    choices = {k: v for k, v in run.as_dict().items() if k not in ("providers", "job", "model_name")}
+    # the rank count is the launcher's or --nproc-per-node's (below), not a choice of its own
+    choices = {k: v for k, v in run.as_dict().items() if k not in ("providers", "job", "model_name", "world")}
     choices["model"] = run.model_name
     choices.update({k: v for k, v in t.opts.items() if k in ("strict_plugins", "no_third_party_plugins")})
     job = {"mode": t.mode, "steps": t.steps, "resume": t.resume}
+    if t.nproc_per_node is not None:
+        job["nproc_per_node"] = t.nproc_per_node
     if t.run_dir:
         job["run_dir"] = str(stages.user_path(t.run_dir))
     # a field that is also a run choice (max_tokens_per_rank) stands once, under [run]

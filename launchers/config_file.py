@@ -267,7 +267,7 @@ def _saved_run(data: Mapping[str, Any]) -> Dict[str, Any]:
     """A run folder's ``train_config.json`` as settings: its mode, TrainConfig fields and run choices."""
     out = {"mode": data.get("mode"), **data["train"]}
     for key, value in (data.get("run") or {}).items():
-        if key in ("providers", "job"):
+        if key in ("providers", "job", "world"):   # the rank count: give --nproc-per-node (or torchrun) again
             continue
         out["model" if key == "model_name" else key] = value
     return {k: v for k, v in out.items() if v is not None or k in data["train"]}
