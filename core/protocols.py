@@ -95,7 +95,9 @@ class Engine(Protocol):
 
 @runtime_checkable
 class EngineFactory(Protocol):
-    """``make_engine(model_config, **options) -> Engine``."""
+    """``make_engine(model_config, **options) -> Engine``. The assembly passes ``device`` (this process's
+    device on the run's target) and the trainer ``dtype`` (the run's); an engine that places itself
+    (a server) ignores them."""
 
     def __call__(self, config: Any, **options: Any) -> Engine: ...
 

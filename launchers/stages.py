@@ -412,7 +412,8 @@ def main_job(run, steps: int = 20) -> None:
     run_dir = default_run_dir(run, "grpo")
     result = full_train(run, mode="grpo", steps=steps, run_dir=run_dir, resume=False)
     plots = plot_run(run_dir)
-    table = Table(title=f"GRPO on the embedded tiny model with --impl {run.impl} ({steps} steps)")
+    title = f"GRPO on the embedded tiny model with --impl {run.impl} ({steps} steps)"
+    table = Table(title=title, min_width=len(title))     # a narrow table would wrap its title
     for column in ("metric", "last step"):
         table.add_column(column)
     last = result.get("last") or {}

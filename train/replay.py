@@ -96,6 +96,7 @@ def routing_match(used: Dict[int, torch.Tensor], routed: torch.Tensor, valid: Op
     hits = total = 0
     for layer, idx in used.items():
         want = routed[:, :, layer]
+        idx = idx.to(want.device)                    # the model's device (a GPU) vs the samples' (CPU)
         ok_rows = (want >= 0).all(-1)
         if valid is not None:
             ok_rows &= valid

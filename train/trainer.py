@@ -84,6 +84,7 @@ class TrainConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0                           # 0 = off
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
     # GRPO loss
@@ -362,7 +363,7 @@ class _Run:
         t0 = time.perf_counter()
         batch = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
         prompts = [D.encode_prompt(tok, ex.prompt) for ex in batch]
-        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,))
+        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,), cfg.top_k)
         groups = None
         if self.dist.is_main:
             groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step))
