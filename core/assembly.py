@@ -92,11 +92,14 @@ class Assembly:
         return factory(config, self.run, ops=self.ops, params_dtype=dtype, **options)
 
     def rollout_engine(self, model_config, **options) -> Engine:
-        """The run's rollout engine for ``model_config`` (refused with the reason when it cannot run here)."""
+        """The run's rollout engine for ``model_config`` (refused with the reason when it cannot run here).
+        ``options`` go to the engine's factory; ``device`` defaults to this process's device on the run's
+        target (:meth:`device`: the current CUDA device on a GPU target)."""
         record = self.selection.rollout
         reason = record.unavailable_reason()
         if reason:
             raise RuntimeError(f"--rollout-engine {record.name} is not usable here: {reason}")
+        options.setdefault("device", self.device())
         return _checked(record.load()(model_config, **options), Engine, f"--rollout-engine {record.name}")
 
 

@@ -82,7 +82,8 @@ class Scheme(Protocol):
 class Engine(Protocol):
     """A rollout engine: generates from weights the trainer publishes to it in buckets."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Any, *, n: int, seed: int) -> list: ...
+    def generate(self, prompts: Sequence[Sequence[int]], params: Any, *, n: int, seed: int,
+                 first_prompt: int = 0) -> list: ...
 
     def begin_update(self, version: int) -> None: ...
 
@@ -95,7 +96,9 @@ class Engine(Protocol):
 
 @runtime_checkable
 class EngineFactory(Protocol):
-    """``make_engine(model_config, **options) -> Engine``."""
+    """``make_engine(model_config, **options) -> Engine``. The assembly passes ``device`` (this process's
+    device on the run's target) and the trainer ``dtype`` (the run's); an engine that places itself
+    (a server) ignores them."""
 
     def __call__(self, config: Any, **options: Any) -> Engine: ...
 

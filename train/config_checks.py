@@ -62,6 +62,7 @@ def validate(cfg) -> None:
     _int("max_new_tokens", cfg.max_new_tokens, 1, _BIG)
     _number("temperature", cfg.temperature, lo=0, lo_open=True)
     _number("top_p", cfg.top_p, lo=0, lo_open=True, hi=1)
+    _int("top_k", cfg.top_k, 0, _BIG)
     _int("max_bucket_bytes", cfg.max_bucket_bytes, 1, 1 << 40)
     for key in ("clip_low", "clip_high", "kl_coef", "mtp_coef"):
         _number(key, getattr(cfg, key), lo=0, lo_open=False)

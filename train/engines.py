@@ -1,4 +1,4 @@
-"""Rollout engines: the protocol, published-weight decoding, and the built-in reference engine.
+"""Rollout engines: the protocol, published-weight decoding, sampling, and the built-in reference engine.
 
 A rollout engine (the fifth plugin axis, ``dsv4_rollout_engines``; records in
 :mod:`train.engines_plugin`) generates samples and takes weight updates:
@@ -9,14 +9,27 @@ A rollout engine (the fifth plugin axis, ``dsv4_rollout_engines``; records in
   ``None`` when it cannot show them (a remote server);
 * ``shutdown()``.
 
-:class:`ReferenceEngine` generates with the reference model built from the EXPORTED, official-named
-(HF) weights it was sent - never from the trainer's module - so every step exercises the real weight
-sync path (export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It has no
-KV cache: each new token re-runs the prefix (fine for short tasks on small models). Sampling: temperature
-and top-p; the log-probability of a sampled token is taken under ``softmax(logits / temperature)`` (the
-full distribution, not the top-p truncated one), which is what the trainer recomputes. Routed experts
-of the learned-routing layers are recorded per token when the token is first fed (the prompt at
-prefill, each response token at the next decode step), like an engine with a KV cache does.
+:class:`ReferenceEngine` generates with the reference model built from the EXPORTED, official-named (HF)
+weights it was sent - never from the trainer's module - so every step exercises the real weight sync path
+(export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It runs on the device
+and in the dtype it is given (the assembly passes the run's: a GPU target's device, bf16 there).
+
+Generation (``kv_cache=True``, the default) is one batch of all prompts x ``n`` samples:
+:func:`kernels.reference.decode.prefill` runs each distinct prompt once (right-padded batch), its cache
+rows are copied to its ``n`` samples, and :func:`kernels.reference.decode.decode_step` then feeds one token
+per unfinished sample per step (finished samples leave the batch). ``kv_cache=False`` is the former
+engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the whole
+prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
+so they draw the same tokens.
+
+Sampling (on the model's device): temperature, then top-k (``top_k > 0``) and top-p truncation of the
+tempered distribution, then inverse-CDF sampling with one uniform per step from the sample's own
+``torch.Generator`` (seeded by :func:`sample_seed` from the call's ``seed``, the prompt's index and the
+sample's index; the uniforms are drawn on the CPU, so a sample does not depend on the device, on the other
+samples in the batch or on when they stop). The log-probability of a sampled token is taken under
+``softmax(logits / temperature)`` (the full distribution, not the truncated one), which is what the trainer
+recomputes. Routed experts of the learned-routing layers are recorded per token when the token is first
+fed (the prompt at prefill, each response token at the decode step that feeds it).
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from core import weight_contract as wc
 
 from .replay import RoutingRecorder, empty_routing, routing_context
 
@@ -35,6 +50,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 8
     stop_token_ids: Tuple[int, ...] = (1,)
+    top_k: int = 0                          # 0 = no top-k truncation
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -43,6 +59,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 = off)")
 
 
 @dataclass
@@ -56,6 +74,12 @@ class Sample:
 
 
 # ------------------------------------------------------- published weights
+def published_in_fp32(name: str) -> bool:
+    """Whether the official tensor ``name`` is published (and held by an engine) in fp32 whatever the run's
+    dtype: the weight contract's fp32-kept tensors and the router bias."""
+    return wc.keeps_fp32(name) or name.endswith("gate.bias")
+
+
 def decode_published(named: Iterable[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None
                      ) -> Dict[str, torch.Tensor]:
     """Published tensors (:func:`converters.publish.publish_bucket`) -> logical official tensors.
@@ -86,27 +110,53 @@ def decode_published(named: Iterable[Tuple[str, torch.Tensor]], dtype: Optional[
     return out
 
 
-def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``logits [N, V]`` -> (token ids [N], their log-probs under softmax(logits/T)) - fp32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+# ----------------------------------------------------------------- sampling
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of prompt ``prompt_index`` in a ``generate(..., seed=seed)`` call."""
+    return (int(seed) * 1_000_003 + prompt_index * 9973 + sample_index * 7919 + 1) % (2 ** 63)
+
+
+def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """``[len(seeds), steps]`` float64 uniforms in [0, 1): row ``i`` is the stream of a CPU
+    ``torch.Generator`` seeded with ``seeds[i]`` (column ``t`` draws the token of step ``t``)."""
+    out = torch.empty(len(seeds), steps, dtype=torch.float64)
+    for i, s in enumerate(seeds):
+        out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``logits [N, V]``, uniforms ``u [N]`` -> (token ids [N], their log-probs under softmax(logits/T) [N]),
+    on ``logits``' device.
+
+    The kept tokens (top-k, then the smallest prefix of the sorted distribution whose mass reaches top_p;
+    the top token always) are laid out in order (by probability when truncating, else by id) and the
+    token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums)."""
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     probs = logp.exp()
-    if top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True)
-        keep = (sp.cumsum(-1) - sp) < top_p          # always keeps the top token
-        sp = torch.where(keep, sp, torch.zeros_like(sp))
-        choice = torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=generator)
-        tok = si.gather(-1, choice).squeeze(-1)
-    else:
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    order = None
+    if params.top_p < 1.0 or params.top_k:
+        probs, order = probs.sort(dim=-1, descending=True)
+        keep = (probs.cumsum(-1) - probs) < params.top_p
+        if params.top_k:
+            keep[:, params.top_k:] = False
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    cdf = probs.double().cumsum(-1)
+    target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, target, right=True)
+    choice = torch.minimum(choice, cdf.argmax(-1, keepdim=True))   # the last token with mass (u*mass rounding)
+    tok = (choice if order is None else order.gather(-1, choice)).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class RolloutEngineBase:
     name = "base"
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int, seed: int
-                 ) -> List[List[Sample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
+        """``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a data-parallel rank
+        generates its share; seeds follow the index in the step, so every layout samples the same)."""
         raise NotImplementedError
 
     def begin_update(self, version: int) -> None:
@@ -126,18 +176,26 @@ class RolloutEngineBase:
 
 
 class ReferenceEngine(RolloutEngineBase):
-    """Generates with :class:`kernels.reference.model.DeepseekV4Model` from exported weights."""
+    """Generates with :class:`kernels.reference.model.DeepseekV4Model` from exported weights, on ``device`` in
+    ``dtype``; ``kv_cache=False`` re-runs the prefix for every token (the former engine; module docstring)."""
 
     name = "reference"
 
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
-                 device: str = "cpu"):
+                 device="cpu", kv_cache: bool = True):
         from kernels.reference.model import DeepseekV4Model
 
-        self.config, self.dtype, self.record_routing, self.device = config, dtype, record_routing, device
+        self.config, self.dtype, self.record_routing = config, dtype, record_routing
+        self.device, self.kv_cache = torch.device(device), kv_cache
+        self.positions_fed = 0        # token positions fed to the model by generate() (work done)
         self.model = DeepseekV4Model(config, device=device)
         if dtype != torch.float32:
             self.model.to(dtype)
+            # Hold each tensor in the dtype it is published in: the model also keeps its RMSNorm weights in
+            # fp32, but they arrive in `dtype` and an RMSNorm upcasts its weight anyway (same values).
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                if t.dtype == torch.float32 and not published_in_fp32(name):
+                    t.data = t.data.to(dtype)
         self.model.eval().requires_grad_(False)
         self.version: Optional[int] = None
         self._pending: Optional[Dict[str, torch.Tensor]] = None
@@ -180,54 +238,134 @@ class ReferenceEngine(RolloutEngineBase):
 
     # -- generation ------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int) -> List[List[Sample]]:
+    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
         if not self._loaded_once:
             raise RuntimeError("the reference engine has no weights yet (sync weights first)")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts or n < 1:
+            return [[] for _ in prompts]
+        seeds = [[sample_seed(seed, first_prompt + pi, j) for j in range(n)] for pi in range(len(prompts))]
+        if self.kv_cache:
+            return self._generate_cached(prompts, params, n, seeds)
+        return [self._generate_group(p, params, s) for p, s in zip(prompts, seeds)]
+
+    def _samples(self, prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
+                 routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
+        """Rows of ``tokens``/``logps [n, T]`` (CPU) and ``routed [n, >=, layers, k]`` as Samples."""
         out = []
-        for pi, prompt in enumerate(prompts):
-            g = torch.Generator().manual_seed((int(seed) * 1_000_003 + pi * 9973 + 1) % (2 ** 63))
-            out.append(self._generate_group(list(prompt), params, n, g))
+        P = len(prompt)
+        for i, R in enumerate(lengths):
+            resp = tokens[i, :R].tolist()
+            finish = "stop" if resp and resp[-1] in params.stop_token_ids else "length"
+            out.append(Sample(prompt, resp, logps[i, :R].clone(), finish,
+                              routed[i, :P + R - 1].clone() if routed is not None else None))
         return out
 
-    def _generate_group(self, prompt: List[int], params: SamplingParams, n: int, g: torch.Generator
-                        ) -> List[Sample]:
-        c = self.config
+    def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
+                         seeds: List[List[int]]) -> List[List[Sample]]:
+        """All prompts x n samples as one batch: prefill each distinct prompt once, then decode steps."""
+        from kernels.reference.decode import decode_step, prefill
+
+        c, dev, T = self.config, self.model.embed.weight.device, params.max_new_tokens
+        distinct: Dict[Tuple[int, ...], int] = {}
+        for p in prompts:
+            distinct.setdefault(tuple(p), len(distinct))
+        firsts = [list(p) for p in distinct]
+        src = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(n)])   # row -> prefill row
+        P = torch.tensor([len(p) for p in prompts for _ in range(n)])
+        B, S = len(src), max(len(p) for p in firsts)
+        u = sample_uniforms([s for row in seeds for s in row], T).to(dev)
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
+
+        rec = RoutingRecorder(len(firsts), S) if self.record_routing else None
+        with routing_context(rec):
+            cache, logits = prefill(self.model, firsts, max_len=S + T - 1)
+        self.positions_fed += len(firsts) * S
+        cache, logits = cache.select(src), logits[src.to(dev)]
+        routed = None
+        if rec is not None:   # [B, S + T, layers, k]; each row's prompt part, the rest filled while decoding
+            routed = empty_routing(S + T, c).unsqueeze(0).repeat(B, 1, 1, 1)
+            routed[:, :S] = rec.as_tensor(c)[src]
+            routed[:, :S][torch.arange(S)[None, :] >= P[:, None]] = -1      # padding
+        fed_rows, fed_pos, fed_routes = [], [], []      # per decode step: rows, positions, [rows, layers, k]
+
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        logps = torch.zeros(B, T, dtype=torch.float32, device=dev)
+        lengths = torch.full((B,), T, dtype=torch.long)
+        active = torch.arange(B)                        # the rows still generating, in cache order
+        for t in range(T):
+            rows = active.to(dev)
+            tok, lp = sample_tokens(logits, u[rows, t], params)
+            tokens[rows, t], logps[rows, t] = tok, lp
+            if t == T - 1:
+                break
+            stopped = torch.isin(tok, stops).cpu()
+            lengths[active[stopped]] = t + 1
+            if bool(stopped.all()):
+                break
+            if bool(stopped.any()):                     # finished samples leave the batch
+                keep = torch.nonzero(~stopped).flatten()
+                cache, tok, active = cache.select(keep), tok[keep.to(dev)], active[keep]
+            step_rec = RoutingRecorder(len(active), 1) if rec is not None else None
+            with routing_context(step_rec):
+                logits = decode_step(self.model, cache, tok)
+            self.positions_fed += len(active)
+            if step_rec is not None and step_rec.layers:  # response token t sits at position P + t
+                fed_rows.append(active)
+                fed_pos.append(P[active] + t)
+                fed_routes.append(torch.stack([step_rec.layers[k][:, 0] for k in sorted(step_rec.layers)], 1))
+        if fed_routes:                                  # one device -> host copy for the whole call
+            learned = torch.tensor(sorted(step_rec.layers))
+            routed[torch.cat(fed_rows)[:, None], torch.cat(fed_pos)[:, None], learned[None, :]] = \
+                torch.cat(fed_routes).cpu()
+
+        tokens, logps, lengths = tokens.cpu(), logps.cpu(), lengths.tolist()
+        out = []
+        for pi, prompt in enumerate(prompts):
+            r = slice(pi * n, (pi + 1) * n)
+            out.append(self._samples(prompt, tokens[r], logps[r], lengths[r],
+                                     None if routed is None else routed[r], params))
+        return out
+
+    def _generate_group(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
+        """The uncached path: one prompt's samples in lockstep, the whole prefix re-run for every token."""
+        c, dev, n, T = self.config, self.model.embed.weight.device, len(seeds), params.max_new_tokens
         P = len(prompt)
-        ids = torch.tensor([prompt] * n, dtype=torch.long, device=self.device)
-        routed = empty_routing(P + params.max_new_tokens, c).unsqueeze(0).repeat(n, 1, 1, 1)
-        lps = torch.zeros(n, params.max_new_tokens)
+        u = sample_uniforms(seeds, T).to(dev)
+        ids = torch.tensor([prompt] * n, dtype=torch.long, device=dev)
+        routed = empty_routing(P + T, c).unsqueeze(0).repeat(n, 1, 1, 1)
+        tokens = torch.zeros(n, T, dtype=torch.long)
+        lps = torch.zeros(n, T)
         done = torch.zeros(n, dtype=torch.bool)
-        lengths = torch.full((n,), params.max_new_tokens, dtype=torch.long)
+        lengths = torch.full((n,), T, dtype=torch.long)
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
         pad = params.stop_token_ids[0] if params.stop_token_ids else 0
-        for t in range(params.max_new_tokens):
+        for t in range(T):
             L = ids.shape[1]
             rec = RoutingRecorder(n, L) if self.record_routing else None
             with routing_context(rec):
                 logits = self.model(ids)[:, -1]
+            self.positions_fed += n * L
             if rec is not None:
                 first = 0 if t == 0 else L - 1   # positions fed for the first time in this forward
                 for layer, idx in rec.layers.items():
                     routed[:, first:L, layer] = idx[:, first:L].cpu()
-            tok, lp = top_p_sample(logits, params.temperature, params.top_p, g)
-            tok = torch.where(done, torch.full_like(tok, pad), tok.cpu())
-            lps[:, t] = torch.where(done, torch.zeros_like(lp), lp.cpu())
-            ids = torch.cat([ids, tok[:, None].to(ids.device)], dim=1)
+            tok, lp = sample_tokens(logits, u[:, t], params)
+            tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
+            tokens[:, t] = tok
+            lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
+            ids = torch.cat([ids, tok[:, None].to(dev)], dim=1)
             newly = (~done) & torch.isin(tok, stops)
             lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
             done |= newly
             if bool(done.all()):
                 break
-        samples = []
-        for i in range(n):
-            R = int(lengths[i])
-            resp = ids[i, P:P + R].tolist()
-            finish = "stop" if resp and resp[-1] in params.stop_token_ids else "length"
-            samples.append(Sample(prompt, resp, lps[i, :R].clone(), finish,
-                                  routed[i, :P + R - 1].clone() if self.record_routing else None))
-        return samples
+        return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
 
 
 def make_reference_engine(config, **kwargs) -> ReferenceEngine:
-    """Factory named by the ``reference`` RolloutEngine record."""
+    """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``kv_cache``, ...)."""
     return ReferenceEngine(config, **kwargs)

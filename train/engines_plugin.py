@@ -1,7 +1,7 @@
 """Built-in rollout engines (the fifth plugin axis, ``dsv4_rollout_engines``).
 
 * ``reference`` - :class:`train.engines.ReferenceEngine`: generates with the reference model from the
-  exported HF-named weights (CPU or any torch device; no server).
+  exported HF-named weights, KV-cached and batched, on the run's device (CPU or any torch device; no server).
 * ``sglang`` - :class:`train.sglang_engine.SGLangEngine`: starts and talks to an SGLang server
   (needs a GPU and the ``sglang`` package).
 """
@@ -33,7 +33,8 @@ def dsv4_rollout_engines():
     return [
         RolloutEngine(
             name="reference",
-            description="reference model generating from the exported HF-named weights (any device; no KV cache)",
+            description="reference model generating from the exported HF-named weights (KV-cached, batched; "
+                        "the run's device)",
             factory="train.engines:make_reference_engine",
             gpu=False,
             routed_experts=True,

@@ -96,10 +96,11 @@ def routing_match(used: Dict[int, torch.Tensor], routed: torch.Tensor, valid: Op
     hits = total = 0
     for layer, idx in used.items():
         want = routed[:, :, layer]
+        idx = idx.to(want.device)                    # the model's device (a GPU) vs the samples' (CPU)
         ok_rows = (want >= 0).all(-1)
         if valid is not None:
             ok_rows &= valid
-        same = (idx.to(want.device).sort(-1).values == want.sort(-1).values).all(-1)
+        same = (idx.sort(-1).values == want.sort(-1).values).all(-1)
         hits += int((same & ok_rows).sum())
         total += int(ok_rows.sum())
     return 1.0 if total == 0 else hits / total

@@ -188,6 +188,7 @@ class SGLangEngine(RolloutEngineBase):
         return {
             "input_ids": [list(map(int, prompt)) for _ in range(n)],
             "sampling_params": {"temperature": params.temperature, "top_p": params.top_p,
+                                "top_k": params.top_k if params.top_k else -1,
                                 "max_new_tokens": params.max_new_tokens,
                                 "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True,
                                 "skip_special_tokens": False},
@@ -223,7 +224,8 @@ class SGLangEngine(RolloutEngineBase):
                     routed[:, layer] = -1
         return Sample(list(map(int, prompt)), out_ids, logprobs, finish, routed)
 
-    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int) -> List[List[Sample]]:
+    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
         out = []
         for prompt in prompts:
             ans = self._post("/generate", self.generation_payload(prompt, params, n))
@@ -272,7 +274,8 @@ class SGLangEngine(RolloutEngineBase):
 def make_sglang_engine(config, *, server: Optional[SGLangServerConfig] = None, model_path: Optional[str] = None,
                        **kwargs) -> SGLangEngine:
     """Factory named by the ``sglang`` RolloutEngine record."""
-    kwargs.pop("dtype", None)
+    kwargs.pop("dtype", None)     # the server loads the checkpoint's dtype on its own GPUs
+    kwargs.pop("device", None)
     if server is None:
         if model_path is None:
             raise SGLangError("the sglang engine needs model_path (an HF checkpoint SGLang can load)")

@@ -88,6 +88,7 @@ class TrainConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0                           # 0 = off
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
     # GRPO loss
@@ -135,12 +136,6 @@ def _maybe_kill(step: int, phase: str) -> None:
 
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 65_537 + 11) % (2 ** 63)
-
-
-def _prompt_seed(seed: int, step: int, index: int) -> int:
-    """The sampling seed of the step's ``index``-th prompt: the same on every layout (data-parallel ranks
-    generate different prompts of the step)."""
-    return (_step_seed(seed, step) + index * 7_919) % (2 ** 63)
 
 
 def _resolve_model_config(run_config, model_source):
@@ -387,19 +382,18 @@ class _Run:
                        weight_quant_max_rel_err=rep.max_quant_rel_err)
         del view
         # rollout: this data-parallel rank's prompts, on its leader's engine (broadcast to its TP x CP ranks);
-        # each prompt's sampling seed is a function of (seed, step, prompt index), whatever the layout
+        # each sample's seed is a function of (seed, step, the prompt's index in the step), whatever the layout
         _maybe_kill(step, "rollout")
         t0 = time.perf_counter()
         every = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
         batch = self.dist.share(every)
         first = self.dist.dp_rank * len(batch)
         prompts = [D.encode_prompt(tok, ex.prompt) for ex in batch]
-        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,))
+        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,), cfg.top_k)
         groups = None
         if self.dist.is_leader:
-            groups = [self.engine.generate([p], params, n=cfg.group_size,
-                                           seed=_prompt_seed(cfg.seed, step, first + i))[0]
-                      for i, p in enumerate(prompts)]
+            groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step),
+                                          first_prompt=first)
         groups = self.dist.broadcast_from_leader(groups)
         rewards, items = [], []
         for ex, samples in zip(batch, groups):

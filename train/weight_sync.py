@@ -21,11 +21,10 @@ from typing import Dict, Optional
 
 import torch
 
-from core import weight_contract as wc
 from core.finite import check_finite
 from core.export import WeightCheckReport, check_weights, export_buckets, tensor_nbytes
 
-from .engines import decode_published
+from .engines import decode_published, published_in_fp32
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -47,7 +46,7 @@ class SyncReport:
 def _expected_dtype(name: str, t: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:
     if not t.is_floating_point():
         return t
-    if wc.keeps_fp32(name) or name.endswith("gate.bias"):
+    if published_in_fp32(name):
         return t.to(torch.float32)
     return t.to(engine_dtype)
 

@@ -99,7 +99,8 @@ def test_generate_request_and_response_parsing(server):
     path, req = st["requests"][-1]
     assert path == "/generate"
     assert req["input_ids"] == [[0, 5, 6], [0, 5, 6]]
-    assert req["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "stop_token_ids": [1],
+    assert req["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 3,
+                                      "stop_token_ids": [1],
                                       "no_stop_trim": True, "skip_special_tokens": False}
     assert req["return_logprob"] is True and req["return_routed_experts"] is True
     a, b = groups[0]

@@ -15,6 +15,7 @@ from core.config import ConfigError
     ("group_size", -1, r"1 \.\."),
     ("temperature", 0.0, "> 0"),
     ("top_p", 1.5, "<= 1"),
+    ("top_k", -1, r"0 \.\."),
     ("betas", (0.9, 1.0), "< 1"),
     ("grad_clip", 0.0, "> 0"),
     ("save_every", 0, r"1 \.\."),

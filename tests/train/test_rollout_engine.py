@@ -1,0 +1,185 @@
+"""The reference rollout engine: KV-cached batched generation against the former uncached engine.
+
+Both engines hold the same weights (synced from one training model through the real weight-sync path) and
+sample from the same per-sample streams, so they must draw the same tokens, with the same log-probabilities
+(to fp32 rounding), finish reasons and routed experts. The prompts are short enough (<= 32 tokens with the
+response) that the tiny indexer's top-k keeps every visible entry: exact score ties at the top-k boundary
+(common with its 4 indexer heads) would be broken differently by rows of different lengths
+(tests/reference/test_decode.py covers long sequences with a tie-free indexer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import preset
+
+CFG = preset("tiny")
+PROMPTS = [[0, 5, 6, 7, 8], [0, 9, 10], [0, 11, 12, 13, 14, 15, 16, 17, 18, 19], [0, 9, 10]]
+N = 3
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    model = build_train_model(CFG, seed=0)
+    out = {}
+    for kv in (True, False):
+        e = ReferenceEngine(CFG, kv_cache=kv)
+        assert sync_weights(model, e, version=1).ok
+        out[kv] = e
+    return out
+
+
+def _params(**kw):
+    from train.engines import SamplingParams
+
+    return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 12, **kw})
+
+
+def _same(a, b):
+    for ga, gb in zip(a, b, strict=True):
+        for x, y in zip(ga, gb, strict=True):
+            assert x.prompt_ids == y.prompt_ids
+            assert x.response_ids == y.response_ids
+            assert x.finish_reason == y.finish_reason
+            assert torch.allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5), (x.logprobs - y.logprobs).abs().max()
+            assert torch.equal(x.routed_experts, y.routed_experts)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(top_p=0.9, top_k=40, temperature=0.8),
+    # about one token in five stops: samples finish at different steps and leave the cached batch
+    dict(stop_token_ids=tuple(range(2, 1024, 5))),
+])
+def test_cached_engine_draws_the_uncached_engines_samples(engines, kw):
+    params = _params(**kw)
+    cached = engines[True].generate(PROMPTS, params, n=N, seed=7)
+    uncached = engines[False].generate(PROMPTS, params, n=N, seed=7)
+    _same(cached, uncached)
+    samples = [s for g in cached for s in g]
+    assert len(cached) == len(PROMPTS) and all(len(g) == N for g in cached)
+    for s in samples:
+        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, CFG.n_layers,
+                                          CFG.n_activated_experts)
+        assert (s.routed_experts[:, : CFG.n_hash_layers] == -1).all()      # hash layers: never replayed
+        assert (s.routed_experts[:, CFG.n_hash_layers:] >= 0).all()        # every fed token recorded
+    if "stop_token_ids" in kw:
+        lengths = {len(s.response_ids) for s in samples}
+        assert len(lengths) > 2 and any(s.finish_reason == "stop" for s in samples)
+        assert all(s.response_ids[-1] in params.stop_token_ids for s in samples if s.finish_reason == "stop")
+    # the repeated prompt (indices 1 and 3) gets its own samples: the streams are per prompt index
+    assert [s.response_ids for s in cached[1]] != [s.response_ids for s in cached[3]]
+
+
+def test_logprobs_are_the_trainers_recomputation(engines):
+    """A sample's log-probabilities are log softmax(logits / T) of the full forward at its positions."""
+    e = engines[True]
+    params = _params(temperature=0.7, top_p=0.8)
+    for s in (x for g in e.generate(PROMPTS[:3], params, n=2, seed=1) for x in g):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = e.model(ids)[0, len(s.prompt_ids) - 1: -1]
+        want = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        assert torch.allclose(s.logprobs, want, rtol=0, atol=1e-5)
+
+
+def test_a_samples_tokens_do_not_depend_on_the_rest_of_the_batch(engines):
+    """Per-sample streams and per-row caches: prompt 0's samples are the same alone and next to a longer
+    prompt (which pads the prefill) and with more samples per prompt."""
+    e = engines[True]
+    params = _params(top_p=0.95)
+    alone = e.generate(PROMPTS[:1], params, n=2, seed=3)[0]
+    batched = e.generate([PROMPTS[0], PROMPTS[2]], params, n=3, seed=3)[0]
+    for a, b in zip(alone, batched):
+        assert a.response_ids == b.response_ids
+        assert torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    again = e.generate(PROMPTS[:1], params, n=2, seed=3)[0]
+    assert [s.response_ids for s in again] == [s.response_ids for s in alone]
+    other = e.generate(PROMPTS[:1], params, n=2, seed=4)[0]
+    assert [s.response_ids for s in other] != [s.response_ids for s in alone]
+
+
+def test_top_k_one_decodes_greedily(engines):
+    e = engines[True]
+    s = e.generate(PROMPTS[:1], _params(top_k=1, max_new_tokens=6), n=2, seed=0)[0]
+    assert s[0].response_ids == s[1].response_ids
+    ids = list(PROMPTS[0])
+    with torch.no_grad():
+        for tok in s[0].response_ids:
+            assert tok == int(e.model(torch.tensor([ids]))[0, -1].argmax())
+            ids.append(tok)
+
+
+def test_the_cached_engine_does_not_recompute_prefixes(engines):
+    """Work counted by the engines: the cached one feeds each distinct prompt once (padded to the longest)
+    and one token per unfinished sample per step; the uncached one re-feeds every prefix."""
+    params = _params(max_new_tokens=10, stop_token_ids=())
+    cached, uncached = engines[True], engines[False]
+    cached.positions_fed = uncached.positions_fed = 0
+    cached.generate(PROMPTS, params, n=N, seed=0)
+    uncached.generate(PROMPTS, params, n=N, seed=0)
+    distinct = 3                                     # PROMPTS[1] == PROMPTS[3]
+    longest = max(len(p) for p in PROMPTS)
+    assert cached.positions_fed == distinct * longest + len(PROMPTS) * N * (params.max_new_tokens - 1)
+    assert uncached.positions_fed == sum(N * (len(p) + t) for p in PROMPTS for t in range(params.max_new_tokens))
+    assert cached.positions_fed * 4 < uncached.positions_fed
+
+
+def test_sample_tokens_inverse_cdf_with_top_p_and_top_k():
+    from train.engines import SamplingParams, sample_tokens
+
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
+    p = lambda **kw: SamplingParams(max_new_tokens=1, **kw)          # noqa: E731
+    pick = lambda u, **kw: int(sample_tokens(logits, torch.tensor([u]), p(**kw))[0])  # noqa: E731
+    # no truncation: intervals in id order [0, .1) [.1, .6) [.6, .85) [.85, 1)
+    assert [pick(u) for u in (0.05, 0.15, 0.65, 0.95)] == [0, 1, 2, 3]
+    # top-p 0.6 keeps ids 1 and 2 (mass 0.75), laid out by probability: [0, 2/3) -> 1, then 2
+    assert [pick(u, top_p=0.6) for u in (0.0, 0.6, 0.7, 0.99)] == [1, 1, 2, 2]
+    assert {pick(u / 10, top_k=1) for u in range(10)} == {1}
+    tok, lp = sample_tokens(logits, torch.tensor([0.99]), p(top_k=2, temperature=2.0))
+    assert int(tok) == 2
+    assert torch.allclose(lp, torch.log_softmax(logits / 2.0, -1)[0, tok])    # the full tempered distribution
+    with pytest.raises(ValueError, match="top_k"):
+        p(top_k=-1)
+
+
+def test_a_bf16_engine_passes_the_weight_check_and_follows_the_fp32_forward(engines):
+    """bf16 (a GPU run's default): the engine holds each tensor in the dtype it is published in (its RMSNorm
+    weights too, which the reference model would keep in fp32), so the checker passes; its samples' log-probs
+    stay close to the fp32 forward's."""
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    e = ReferenceEngine(CFG, dtype=torch.bfloat16)
+    rep = sync_weights(build_train_model(CFG, seed=0), e, version=1, engine_dtype=torch.bfloat16)
+    assert rep.ok, rep.check.summary()
+    assert e.model.layers[0].attn_norm.weight.dtype == torch.bfloat16
+    assert e.model.layers[0].hc_attn_fn.dtype == torch.float32
+    ref = engines[True].model
+    diffs = []
+    for s in (x for g in e.generate(PROMPTS[:2], _params(max_new_tokens=8, stop_token_ids=()), n=2, seed=0) for x in g):
+        with torch.no_grad():
+            logits = ref(torch.tensor([s.prompt_ids + s.response_ids]))[0, len(s.prompt_ids) - 1: -1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        diffs.append((s.logprobs - want).abs())
+    d = torch.cat(diffs)
+    assert float(d.mean()) <= 2e-2 and float(d.max()) <= 0.3
+
+
+def test_the_assembly_gives_the_engine_the_runs_device_and_dtype():
+    from core.assembly import assemble
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    run = normalize(Choices(rollout_engine="reference", hardware="cpu", model=CFG), make_host(third_party=False))
+    e = assemble(run).rollout_engine(CFG, dtype=torch.bfloat16)
+    assert e.device == assemble(run).device() == torch.device("cpu") and e.kv_cache
+    assert e.model.embed.weight.dtype == torch.bfloat16

@@ -1,0 +1,143 @@
+"""The reference rollout engine on a GPU (skipped without CUDA; tagged ``gpu`` in Bazel).
+
+    python -m pytest -q tests/train/test_rollout_gpu.py
+
+* fp32 on CUDA (TF32 off, as the nvidia target sets it): the KV-cached engine draws the uncached engine's
+  samples (tokens, finish reasons, routed experts equal; log-probabilities within 1e-5), and the CPU
+  engine's tokens (the sampling streams are CPU generators, so a sample does not depend on the device);
+* fp32 on CUDA, long sequences (tie-free 32-head indexer, as in tests/reference/test_decode.py): cached
+  logits equal the full forward's at every decoded position (max relative error 1e-5);
+* bf16 on CUDA (the run's default dtype there): the sampled tokens' log-probabilities agree with the fp32
+  full forward (mean |diff| <= 2e-2, max <= 0.3 nats: bf16 activations, a near-tie routing flip);
+* the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
+  run (miles, bf16) rolls out on it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.config import preset
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CFG = preset("tiny")
+PROMPTS = [[0, 5, 6, 7, 8], [0, 9, 10], [0, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.fixture(scope="module")
+def train_model():
+    from train.model import build_train_model
+
+    return build_train_model(CFG, seed=0)
+
+
+def _engine(model, device, dtype=torch.float32, kv_cache=True):
+    from train.engines import ReferenceEngine
+    from train.weight_sync import sync_weights
+
+    e = ReferenceEngine(CFG, dtype=dtype, device=device, kv_cache=kv_cache)
+    assert sync_weights(model, e, version=1, engine_dtype=dtype).ok
+    return e
+
+
+def _params(**kw):
+    from train.engines import SamplingParams
+
+    return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 12, "stop_token_ids": tuple(range(2, 1024, 5)),
+                             **kw})
+
+
+def test_cached_engine_on_cuda_draws_the_uncached_and_cpu_engines_samples(train_model):
+    params = _params(top_p=0.9, top_k=40)
+    got = _engine(train_model, "cuda").generate(PROMPTS, params, n=3, seed=7)
+    for other, atol in ((_engine(train_model, "cuda", kv_cache=False), 1e-5), (_engine(train_model, "cpu"), 1e-4)):
+        want = other.generate(PROMPTS, params, n=3, seed=7)
+        for ga, gb in zip(got, want):
+            for a, b in zip(ga, gb):
+                assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+                assert torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=atol)
+                if other.device.type == "cuda":
+                    assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_cached_logits_equal_the_full_forward_on_cuda():
+    from kernels.reference.decode import decode_step, prefill
+    from kernels.reference.model import DeepseekV4Model, init_weights
+
+    m = DeepseekV4Model(CFG.replace(index_n_heads=32)).eval()
+    init_weights(m, 0, std=0.05)
+    m.cuda()
+    g = torch.Generator().manual_seed(5)
+    lengths, steps = (3, 120, 131, 62), 14
+    seqs = [torch.randint(2, 1024, (L + steps,), generator=g).cuda() for L in lengths]
+    with torch.no_grad():
+        cache, logits = prefill(m, [s[:L].tolist() for s, L in zip(seqs, lengths)], max_len=max(lengths) + steps)
+        out = [logits]
+        for t in range(steps - 1):
+            out.append(decode_step(m, cache, torch.stack([s[L + t] for s, L in zip(seqs, lengths)])))
+        for b, (s, L) in enumerate(zip(seqs, lengths)):
+            full = m(s[None, : L + steps - 1])[0]
+            for t in range(steps):
+                want = full[L - 1 + t]
+                assert float((out[t][b] - want).abs().max() / want.abs().max()) <= 1e-5, (L, t)
+
+
+def test_bf16_engine_on_cuda_agrees_with_the_fp32_forward(train_model):
+    e = _engine(train_model, "cuda", dtype=torch.bfloat16)
+    assert e.model.embed.weight.dtype == torch.bfloat16 and e.model.embed.weight.is_cuda
+    ref = _engine(train_model, "cpu")
+    diffs = []
+    for s in (x for g in e.generate(PROMPTS, _params(max_new_tokens=16, stop_token_ids=()), n=4, seed=0) for x in g):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = ref.model(ids)[0, len(s.prompt_ids) - 1: -1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        diffs.append((s.logprobs - want).abs())
+    d = torch.cat(diffs)
+    print(f"bf16 cuda engine vs fp32 forward: mean |dlogp| {float(d.mean()):.2e}, max {float(d.max()):.2e}")
+    assert float(d.mean()) <= 2e-2 and float(d.max()) <= 0.3
+
+
+def _nvidia_run(rollout="reference", impl="miles"):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    return normalize(Choices(impl=impl, hardware="nvidia", rollout_engine=rollout, model=CFG),
+                     make_host(third_party=False), model_name="tiny")
+
+
+def test_the_nvidia_runs_engine_is_on_its_gpu_in_bf16():
+    from core.assembly import assemble
+
+    run = _nvidia_run()
+    e = assemble(run).rollout_engine(CFG, dtype=run.torch_dtype)
+    assert e.device == torch.device("cuda", torch.cuda.current_device())
+    assert run.torch_dtype == torch.bfloat16 and e.model.head.weight.dtype == torch.bfloat16
+
+
+def test_grpo_rolls_out_on_the_gpu(tmp_path):
+    from core.assembly import assemble
+    from train.metrics import read_metrics
+    from train.trainer import run_training
+
+    run = _nvidia_run()
+    assemble(run).setup_process()
+    run_training(run, CFG, mode="grpo", steps=2, run_dir=tmp_path / "run", max_new_tokens=6, prompts_per_step=2,
+                 group_size=4, top_k=50, progress=False, export_at_end=False)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["weight_check_ok"] is True and math.isfinite(r["train_rollout_logprob_abs_diff"])
+        assert r["train_rollout_logprob_abs_diff"] < 5e-2       # bf16 engine vs bf16 trainer
