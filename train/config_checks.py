@@ -70,5 +70,14 @@ def validate(cfg) -> None:
         _number("dsa_indexer_loss_coeff", cfg.dsa_indexer_loss_coeff, lo=0, lo_open=False)
     if cfg.max_tokens_per_rank is not None:
         _int("max_tokens_per_rank", cfg.max_tokens_per_rank, 1, 1 << 30)
+    if cfg.micro_batch_size is not None:
+        _int("micro_batch_size", cfg.micro_batch_size, 1, 1 << 16)
+        if cfg.max_tokens_per_rank is not None:
+            raise ConfigError("training options 'micro_batch_size' and 'max_tokens_per_rank' both size micro-batches "
+                              "(by samples, by tokens): give one of them")
+    from engine.recompute import MODES
+
+    if cfg.recompute not in MODES:
+        _fail("recompute", cfg.recompute, f"must be one of {', '.join(MODES)}")
     _int("save_every", cfg.save_every, 1, 1 << 30)
     _int("keep_last", cfg.keep_last, 1, 1 << 20)

@@ -503,7 +503,7 @@ def setup_process(parts):
 def build_train_model(model_config, run_config=None, *, impl: Optional[str] = None,
                       dtype: Optional[torch.dtype] = None, seed: int = 0,
                       dsa_indexer_loss_coeff: Optional[float] = None,
-                      compile_blocks: bool = False) -> _TrainModelBase:
+                      compile_blocks: bool = False, recompute: str = "none") -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
@@ -512,9 +512,13 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     kernel ops, hardware target and quantization scheme), in ``dtype`` (default: the run's ``--dtype``).
     ``dsa_indexer_loss_coeff``: weight of the indexer KL loss, for an implementation whose factory takes it
     (megatron); ``None`` = off. ``compile_blocks``: ``torch.compile`` the blocks in place (``engine.compile``).
+    ``recompute``: activation recomputation of the blocks (``engine.recompute``: none, selective, full).
     """
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
+        if recompute != "none":
+            raise ValueError(f"recompute={recompute!r} checkpoints the blocks of an implementation (miles, megatron); "
+                             f"the reference training model has none: use recompute=none or train --impl miles|megatron")
         if compile_blocks:
             raise ValueError("--compile compiles the blocks of an implementation (miles, megatron); "
                              "the reference training model has none: drop --compile or train --impl miles|megatron")
@@ -536,6 +540,9 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     parts.scheme.prepare_training(module)            # QAT: fake quantization; the other schemes: nothing
     device = parts.device()
     module.to(device)
+    from engine.recompute import apply_recompute
+
+    apply_recompute(module, recompute)               # before compiling: the compiled block calls the checkpoint
     if compile_blocks:
         from engine.compile import compile_blocks as compile_in_place
 

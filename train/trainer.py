@@ -109,6 +109,12 @@ class TrainConfig:
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
     # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
     compile_blocks: bool = False
+    # activation recomputation (engine.recompute): "none", "selective" (each block's attention) or "full"
+    recompute: str = "none"
+    # samples per forward/backward on each rank, gradients accumulated over the rank's share of the step;
+    # None = SFT: the rank's whole batch, GRPO: one prompt group (the global batch is batch_size, or
+    # prompts_per_step x group_size). Packed runs (max_tokens_per_rank) size micro-batches by tokens instead.
+    micro_batch_size: Optional[int] = None
     # dynamic batching: pack SFT sequences / GRPO samples into THD micro-batches of at most this many
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
     max_tokens_per_rank: Optional[int] = None
@@ -188,7 +194,7 @@ class _Run:
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
-                                       compile_blocks=cfg.compile_blocks)
+                                       compile_blocks=cfg.compile_blocks, recompute=cfg.recompute)
         self.dist = ParallelGroups.current()
         check_divisible(self.dist, mode, cfg)
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
@@ -286,24 +292,33 @@ class _Run:
         n_global = max(self.dist.sum_over_dp([n_local])[0], 1.0)
         if self.packed:
             return self._sft_packed(ids, mask, [len(q) for q in seqs], t0, n_global)
-        fwd = self.model.forward_train(ids, with_mtp=cfg.mtp_coef > 0)
-        loss_sum, _n = sft_loss_sum(fwd.logprobs, mask)
-        loss = loss_sum / n_global
-        frac = n_local / n_global
-        total = loss
-        mtp = mtp_loss(fwd.mtp_logits, ids, mask) if cfg.mtp_coef > 0 else None
-        if mtp is not None:
-            total = total + cfg.mtp_coef * mtp * frac
-        if fwd.aux_loss is not None:
-            total = total + fwd.aux_loss * frac
-        total.backward()
+        loss_acc = mtp_acc = aux_acc = 0.0
+        have_mtp = have_aux = False
+        chunks = self._row_chunks(ids.shape[0])
+        for k, rows in enumerate(chunks):             # micro-batches (micro_batch_size), gradients accumulated
+            sub_ids, sub_mask = ids[rows], mask[rows]
+            fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0)
+            loss_sum, _n = sft_loss_sum(fwd.logprobs, sub_mask)
+            loss = loss_sum / n_global
+            frac = float(sub_mask.sum()) / n_global
+            total = loss
+            mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
+            if mtp is not None:
+                total = total + cfg.mtp_coef * mtp * frac
+                mtp_acc += float(mtp.detach()) * frac
+                have_mtp = True
+            if fwd.aux_loss is not None:
+                total = total + fwd.aux_loss * frac
+                aux_acc += float(fwd.aux_loss.detach()) * frac
+                have_aux = True
+            with self._accumulating(k, len(chunks)):
+                total.backward()
+            loss_acc += float(loss.detach())
         gnorm = self._clip_and_step()
         t_train = time.perf_counter() - t0
-        loss_g, mtp_g, aux_g, tokens = self.dist.sum_over_dp([
-            float(loss.detach()), 0.0 if mtp is None else float(mtp.detach()) * frac,
-            0.0 if fwd.aux_loss is None else float(fwd.aux_loss.detach()) * frac, float(ids.numel())])
-        return {"loss": loss_g, "mtp_loss": None if mtp is None else mtp_g, "grad_norm": gnorm,
-                "indexer_loss": None if fwd.aux_loss is None else aux_g,
+        loss_g, mtp_g, aux_g, tokens = self.dist.sum_over_dp([loss_acc, mtp_acc, aux_acc, float(ids.numel())])
+        return {"loss": loss_g, "mtp_loss": mtp_g if have_mtp else None, "grad_norm": gnorm,
+                "indexer_loss": aux_g if have_aux else None, "micro_batches": len(chunks),
                 "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
                 "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
                 "tokens": int(tokens), "response_tokens": int(n_global)}
@@ -314,6 +329,11 @@ class _Run:
         gnorm = self.optim.step()
         step_guard.check_parameters(self.model)           # the update itself blew up (e.g. lr=inf)
         return gnorm
+
+    def _row_chunks(self, n: int) -> List[slice]:
+        """This rank's ``n`` rows in micro-batches of ``micro_batch_size`` rows (one when it is not set)."""
+        size = self.cfg.micro_batch_size or n
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
     def _accumulating(self, k: int, n: int):
         """Every backward of the step but the last accumulates without reducing (``train.optim``)."""
@@ -407,6 +427,9 @@ class _Run:
         out["time_rollout"] = time.perf_counter() - t0
         if self.packed:                  # dynamic batching: micro-batches of samples across groups
             items, out["packing_efficiency"] = self._packed_items(items)
+            out["micro_batches"] = len(items)
+        elif cfg.micro_batch_size is not None:   # micro-batches of micro_batch_size samples across groups
+            items = self._sample_items(items)
             out["micro_batches"] = len(items)
         lkw = (lambda it: {"lengths": it["lengths"]}) if self.packed else (lambda it: {})
         # logprobs
@@ -509,9 +532,23 @@ class _Run:
         return {"ids": ids, "mask": mask, "rollout_lp": rollout_lp, "routed": routed, "adv": adv,
                 "lengths": [len(q) for q in seqs]}
 
-    def _packed_items(self, items):
-        """The groups' samples regrouped into packed micro-batches (core.packing, in order, never split):
-        ``(items, packing efficiency)``; each item's rows are trimmed to its longest sample."""
+    def _sample_items(self, items):
+        """The groups' samples regrouped into micro-batches of ``micro_batch_size`` rows (in order; rows padded
+        to the longest sample of their micro-batch)."""
+        flat = self._flat_samples(items)
+        n = flat["ids"].shape[0]
+        out = []
+        for rows in self._row_chunks(n):
+            idx = list(range(n))[rows]
+            Sm = max(flat["lengths"][i] for i in idx)
+            out.append({"ids": flat["ids"][rows, :Sm], "mask": flat["mask"][rows, :Sm - 1],
+                        "rollout_lp": flat["rollout_lp"][rows, :Sm - 1], "adv": flat["adv"][rows],
+                        "routed": None if flat["routed"] is None else flat["routed"][rows, :Sm],
+                        "lengths": [flat["lengths"][i] for i in idx]})
+        return out
+
+    def _flat_samples(self, items):
+        """Every group's rows in one batch, padded to the longest sample."""
         S = max(it["ids"].shape[1] for it in items)
 
         def pad(t, width, fill):
@@ -523,11 +560,17 @@ class _Run:
         routed = None
         if all(it["routed"] is not None for it in items):
             routed = torch.cat([pad(it["routed"], S, -1) for it in items])
-        flat = {"ids": torch.cat([pad(it["ids"], S, self.tok.eos_token_id) for it in items]),
+        return {"ids": torch.cat([pad(it["ids"], S, self.tok.eos_token_id) for it in items]),
                 "mask": torch.cat([pad(it["mask"], S - 1, False) for it in items]),
                 "rollout_lp": torch.cat([pad(it["rollout_lp"], S - 1, 0.0) for it in items]),
-                "adv": torch.cat([it["adv"] for it in items])}
-        lengths = [n for it in items for n in it["lengths"]]
+                "adv": torch.cat([it["adv"] for it in items]), "routed": routed,
+                "lengths": [n for it in items for n in it["lengths"]]}
+
+    def _packed_items(self, items):
+        """The groups' samples regrouped into packed micro-batches (core.packing, in order, never split):
+        ``(items, packing efficiency)``; each item's rows are trimmed to its longest sample."""
+        flat = self._flat_samples(items)
+        lengths, routed = flat["lengths"], flat["routed"]
         mbs, eff = self._micro_batches(lengths)
         out = []
         for idx in mbs:

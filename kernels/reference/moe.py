@@ -25,7 +25,8 @@ from torch import nn
 from .layers import KeepFP32, Linear, compute_dtype
 from .seam import HookSeam
 
-__all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook"]
+__all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook",
+           "current_routing_hook"]
 
 _ROUTING = HookSeam("dsv4_routing_hook")
 
@@ -33,6 +34,11 @@ _ROUTING = HookSeam("dsv4_routing_hook")
 def routing_hook(hook):
     """Install ``hook(layer_id, idx) -> idx`` for learned-routing trunk layers in this context."""
     return _ROUTING.installed(hook)
+
+
+def current_routing_hook():
+    """The routing hook installed in this context, or None (activation recomputation replays through it)."""
+    return _ROUTING.current()
 
 
 def apply_routing_hook(layer_id: int, idx: torch.Tensor) -> torch.Tensor:
