@@ -39,8 +39,13 @@ _OS_FIX = {
 
 def set_debug(on: bool) -> None:
     _DEBUG["on"] = bool(on)
-    if on:  # ranks started by the trainer (train.launch) inherit it
+    # ranks started by the trainer (train.launch) inherit it through the environment; a later command in the
+    # same process (tests) without --debug takes it back
+    if on and "DSV4_DEBUG" not in os.environ:
         os.environ["DSV4_DEBUG"] = "1"
+        _DEBUG["env_set"] = True
+    elif not on and _DEBUG.pop("env_set", False):
+        os.environ.pop("DSV4_DEBUG", None)
 
 
 def debug_enabled() -> bool:
