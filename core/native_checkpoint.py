@@ -295,9 +295,12 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
     return out
 
 
-def load_native(path, *, impl: Optional[str] = None, config=None,
-                device: str = "cpu") -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def load_native(path, *, impl: Optional[str] = None, config=None, device: str = "cpu",
+                names=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Load a native checkpoint: ``(state_dict, metadata)``.
+
+    ``names``: only these contract tensors are read (a rank reads the tensors it holds: under expert
+    parallelism its own experts); the whole checkpoint is still checked against the contract.
 
     ``impl``: the implementation loading it (any; names are unified, so a
     checkpoint written by ``miles`` loads for ``megatron`` and vice versa);
@@ -342,6 +345,9 @@ def load_native(path, *, impl: Optional[str] = None, config=None,
                                         f"contract shape {want[name][0]}")
         state[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
     missing = [n for n in want if n not in state]
+    if names is not None:
+        keep = set(names)
+        state = {n: t for n, t in state.items() if n in keep}
     if missing and meta.get("complete", True):
         raise NativeCheckpointError(f"{p}: incomplete checkpoint, {len(missing)} contract tensor(s) missing, "
                                     f"e.g. {missing[:5]}")

@@ -148,7 +148,7 @@ def load_weights(model: nn.Module, checkpoint, config) -> None:
     from core.native_checkpoint import is_native_checkpoint, load_native
 
     if is_native_checkpoint(checkpoint):
-        state, _meta = load_native(checkpoint, config=config)
+        state, _meta = load_native(checkpoint, config=config, names=native_tensors(model))  # this rank's tensors
         load_native_tensors(model, state.items())
     elif is_torch_dist_checkpoint(checkpoint):
         state, _config = load_torch_dist(checkpoint, config)

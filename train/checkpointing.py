@@ -156,7 +156,8 @@ def load_checkpoint(folder, train_model, optimizer=None, *, restore_rng: bool = 
     from core.native_checkpoint import load_tensor_folder
 
     folder = Path(folder)
-    state, _meta = load_native(folder / "model", config=train_model.config)
+    held = getattr(train_model, "held_native_names", lambda: None)()
+    state, _meta = load_native(folder / "model", config=train_model.config, names=held)   # this rank's tensors
     train_model.load_native_state(state)
     del state
     if optimizer is not None:

@@ -149,6 +149,9 @@ class ReferenceTrainModel(_TrainModelBase):
             for n, t in official.items():
                 sd[n].copy_(t.to(sd[n].dtype))
 
+    def held_native_names(self):
+        return None                                  # one process holds everything
+
     def load_checkpoint(self, path) -> None:
         from core.checkpoint import load_into, open_checkpoint
 
@@ -440,6 +443,10 @@ class ImplTrainModel(_TrainModelBase):
         load_native_tensors(self.module, ((n, t) for n, t in state.items() if n in held or _other_rank_expert(n)),
                             strict=False)
 
+    def held_native_names(self) -> set:
+        """The contract tensors this rank holds (under expert parallelism: its experts): what it reads."""
+        return {n for n, _ in self.native_tensors()}
+
     def full_native_tensors(self) -> Dict[str, torch.Tensor]:
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
         experts): a collective over the tensor- and expert-parallel groups."""
@@ -564,7 +571,7 @@ def load_model_source(model: _TrainModelBase, source) -> str:
         from core.native_checkpoint import is_native_checkpoint, load_native
 
         if is_native_checkpoint(p):
-            state, meta = load_native(p, config=model.config)
+            state, meta = load_native(p, config=model.config, names=model.held_native_names())
             model.load_native_state(state)
             return f"native checkpoint {p} (written by --impl {meta['impl']})"
         if is_torch_dist_checkpoint(p):

@@ -207,8 +207,7 @@ class _Run:
         if mode == "grpo" and cfg.kl_coef > 0:
             self.ref_model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                                dtype=self.dtype, seed=cfg.seed)
-            load_model_source(self.ref_model, self.ckpt_source)
-            self.ref_model.load_native_state({n: t.detach().clone() for n, t in self.model.native_tensors()})
+            load_model_source(self.ref_model, self.ckpt_source)   # the starting weights (same seed, same source)
             self.ref_model.eval().requires_grad_(False)
         self.engine = None
         # the weight format published to the engine: the run's --quant scheme's
@@ -221,6 +220,25 @@ class _Run:
     # -- config / resume ---------------------------------------------------
     def _write_or_check_config(self, resume: bool, model_source) -> None:
         """Rank 0 writes / checks the run folder; every other rank loads the same checkpoint (its share)."""
+        self._write_or_check_run_folder(resume, model_source)
+        self._keep_reference_policy()
+
+    def _keep_reference_policy(self) -> None:
+        """The KL reference policy is the run's starting weights: written (full tensors) when the run starts,
+        read back on resume (each rank keeps its share), so a resumed run keeps its reference whatever its
+        layout or ``--model``."""
+        if self.ref_model is None:
+            return
+        path = self.run_dir / REF_MODEL_FILE
+        if self.start_step > 0:
+            self.ref_model.load_native_state(state_io.load_tensors(path))
+            return
+        view = full_view(self.ref_model, self.dist)
+        if self.dist.is_main:
+            state_io.save_tensors(path, dict(view.native_tensors()))
+        self.dist.barrier()
+
+    def _write_or_check_run_folder(self, resume: bool, model_source) -> None:
         if self.dist.world == 1:
             return self._write_or_check_config_main(resume, model_source)
         if self.dist.is_main:
@@ -238,8 +256,6 @@ class _Run:
             raise RuntimeError(f"rank 0 failed: {err}")
         if folder is not None:
             load_checkpoint(folder, self.model, self.optim)
-            if self.ref_model is not None:
-                self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         self.start_step = int(step)
         return None
 
@@ -261,15 +277,11 @@ class _Run:
             step, folder = found
             st = load_checkpoint(folder, self.model, self.optim)
             self.start_step = int(st["step"])
-            if self.ref_model is not None:
-                self.ref_model.load_native_state(state_io.load_tensors(self.run_dir / REF_MODEL_FILE))
         else:
             if not resume and has_progress(self.run_dir):
                 raise UserInputError(f"{self.run_dir} already holds a run; pass --resume to continue it or use "
                                      f"a new --run-dir")
             write_text_atomically(p, json.dumps(desc, indent=2, sort_keys=True) + "\n")
-            if self.ref_model is not None:
-                state_io.save_tensors(self.run_dir / REF_MODEL_FILE, dict(self.ref_model.native_tensors()))
         truncate_after(self.run_dir, self.start_step)
 
     # -- steps -------------------------------------------------------------
