@@ -8,37 +8,17 @@ agreement, routing replay matching the rollout's routing and an MTP loss; per im
 (megatron: with its indexer KL loss). Plus: the MTP loss sends no gradient to
 the word embedding or the output head; the shared router's routing seam (learned trunk layers only)."""
 
-import json
 import math
 
 import pytest
 import torch
 
-from core.config import preset
+from ._impl_helpers import run_config, small_config, write_data
 
 IMPLS = ("miles", "megatron")
 LAYOUTS = (("miles", "thd"),)   # the default layouts run in test_grpo.py
 ROW_KEYS = ("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
             "mtp_loss", "tokens_per_s")
-
-
-def small_config():
-    # 3 trunk layers (layer 0 hash-routed, 1-2 learned; layer 1 CSA with an indexer) + 1 MTP layer
-    return preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
-
-
-def run_config(impl: str, config, qkv_format=None):
-    from core.run_config import Choices, normalize
-    from launchers.builtin_plugins import make_host
-
-    return normalize(Choices(impl=impl, model=config, qkv_format=qkv_format), make_host(third_party=False),
-                     model_name="small")
-
-
-def write_data(path, n=8):
-    rows = [{"prompt": f"{i}+{i}=", "response": f"{2 * i}", "reward": {"type": "valid_bytes"}} for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-{p[1] or 'default'}")

@@ -7,7 +7,7 @@ accumulated gradients gives the same loss and gradient norm as one batch (fp32 o
 import pytest
 import torch
 
-from .test_impls import run_config, small_config, write_data
+from ._impl_helpers import run_config, small_config, write_data
 
 
 def _grads(impl, recompute, replay):
