@@ -626,6 +626,7 @@ class _Run:
                     row["lr"] = self.cfg.lr
                     row["wall_time"] = time.time()
                     row["world_size"] = self.dist.world
+                    row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_initialized() else None
                     last_row = row
                     if logger is not None:
                         logger.log(row)

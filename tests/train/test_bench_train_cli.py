@@ -1,0 +1,93 @@
+"""The `dsv4 train` benchmark (bench.train_cli) as a CPU smoke run: it starts the real command line (one rank;
+two ranks under torch.distributed.run, gloo) on the tiny model, and its JSON holds each layout's throughput,
+step time and scaling against the one-rank row; a layout the command refuses is a row with the command's error,
+added to the earlier result by --append."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.train_cli import main, parse_layout, resolve_model, subprocess_env, write_sft_data
+
+
+def test_layout_parsing_and_refusal():
+    assert parse_layout("miles:1") == {"name": "miles:1", "impl": "miles", "dp": 1, "tp": 1, "cp": 1, "ep": 1,
+                                       "world": 1}
+    assert parse_layout("miles:ep2")["dp"] == 2 and parse_layout("miles:ep2")["world"] == 2  # ep inside dp
+    assert parse_layout("megatron:cp2")["world"] == 2
+    assert parse_layout("miles:dp2+tp2")["world"] == 4
+    with pytest.raises(ValueError, match="expected SPEC 1, or dpN"):
+        parse_layout("miles:pp2")
+    with pytest.raises(ValueError, match="ep 4 must divide dp 2"):
+        parse_layout("miles:dp2+ep4")
+    with pytest.raises(ValueError, match="IMPL one of miles, megatron"):
+        parse_layout("transformers:1")
+
+
+def test_sft_data_is_exactly_the_requested_tokens(tmp_path):
+    from train import data as D
+
+    path = write_sft_data(tmp_path / "data.jsonl", 100, "tiny", 1024, n=5)
+    tok = D.tokenizer_for("tiny", 1024)
+    examples = D.load_jsonl(path, "sft")
+    assert len(examples) == 5 and len({e.response for e in examples}) == 5
+    for e in examples:
+        assert len(D.encode_prompt(tok, e.prompt)) + len(D.encode_response(tok, e.response)) == 100
+    with pytest.raises(ValueError, match="at least 4 tokens"):
+        write_sft_data(tmp_path / "short.jsonl", 3, "tiny", 1024)
+
+
+def test_a_preset_without_a_checkpoint_is_prepared_first(tmp_path, monkeypatch):
+    from launchers import stages
+
+    monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(stages, "DEFAULT_MODEL", "none")      # as if tiny were a preset dsv4 train refuses
+    model, config = resolve_model("tiny", subprocess_env())
+    assert model == str(tmp_path / "cache" / "tiny-bf16-seed0") and config.vocab_size == 1024
+    assert (tmp_path / "cache" / "tiny-bf16-seed0" / "config.json").is_file()
+
+
+def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "cache"))
+    out, work = tmp_path / "train-cli.json", tmp_path / "work"
+    args = ["--hardware", "cpu", "--model", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1",
+            "--out", str(out), "--work-dir", str(work)]
+    assert main(args + ["--layouts", "miles:1,miles:dp2,miles:ep2"]) == 0
+    res = json.loads(out.read_text())
+    assert res["machine"].startswith("CPU") and res["torch"] == torch.__version__ and res["date"]
+    assert res["command"].startswith("python -m bench.train_cli ") and "miles:1,miles:dp2,miles:ep2" in res["command"]
+    assert res["settings"]["seq"] == 64 and res["settings"]["model"] == "tiny"
+    assert "needs CUDA" in res["reference"]["skipped"]
+    rows = res["rows"]
+    assert [r["layout"] for r in rows] == ["miles:1", "miles:dp2", "miles:ep2"]
+    for r in rows:
+        assert "error" not in r, r.get("log_tail")
+        assert r["world_size"] == r["gpus"] and r["timed_steps"] == 1 and r["warmup_steps"] == 1
+        assert r["tokens_per_step"] == 64 * r["sequences_per_step"]   # one 64-token sequence per data rank
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / r["gpus"])
+        assert r["mfu"] is None and r["peak_mem_gib"] is None and r["flops_per_step"] > 0   # no MFU on the CPU
+        assert "-m launchers.dsv4 train --mode sft" in r["train_command"]
+        assert ("torch.distributed.run --standalone --nproc-per-node 2" in r["train_command"]) == (r["gpus"] == 2)
+        run = work / r["layout"].replace(":", "-") / "run"
+        assert not (run / "checkpoints").exists()                     # deleted once the metrics are read
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["peak_memory_gib"] for m in metrics] == [None, None]  # the trainer's row: None on the CPU
+    assert rows[0]["scaling_efficiency"] is None
+    assert "--ep 2" in rows[2]["train_command"] and "--ep" not in rows[1]["train_command"]
+    for r in rows[1:]:
+        assert r["scaling_baseline"] == "miles:1"
+        assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_s_per_gpu"] / rows[0]["tokens_per_s_per_gpu"])
+    table = capsys.readouterr().out
+    assert "miles:ep2" in table and "FAILED" not in table
+
+    # a layout dsv4 train refuses: a row with its error, the earlier rows kept
+    assert main(args + ["--layouts", "megatron:tp2", "--append"]) == 1
+    res = json.loads(out.read_text())
+    assert [r["layout"] for r in res["rows"]] == ["miles:1", "miles:dp2", "miles:ep2", "megatron:tp2"]
+    assert "tensor-parallel size must be 1" in res["rows"][-1]["error"] and len(res["commands"]) == 2
+    with pytest.raises(SystemExit, match="other settings"):
+        main(args[:5] + ["128"] + args[6:] + ["--layouts", "miles:1", "--append"])
