@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(run_dir, *args, env=None, check=True):
-    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--run-dir", str(run_dir), *args]
+    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--hardware", "cpu", "--run-dir", str(run_dir), *args]
     path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -51,7 +51,7 @@ def one_rank(tmp_path_factory):
 
 @pytest.mark.parametrize("impl,layout", [
     ("miles", ("--nproc-per-node", "2")),                          # data parallel 2
-    ("miles", ("--ep", "2")),                                      # expert parallel inside data parallel
+    ("miles", ("--nproc-per-node", "2", "--ep", "2")),             # expert parallel inside data parallel
     ("miles", ("--tp", "2")),                                      # tensor parallel
     ("megatron", ("--cp", "2")),                                   # context parallel (THD)
     ("megatron", ("--ep", "2")),
