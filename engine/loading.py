@@ -8,6 +8,7 @@ parallelism a rank holds its experts under their global names and the full views
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterable, Iterator, Tuple
 
 import torch
@@ -18,7 +19,7 @@ from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
 from .tp import gather_tensor, shard_tensor, tp_spec
 
 __all__ = ["native_tensors", "load_native_tensors", "load_hf_checkpoint", "load_hf_state_dict",
-           "full_native_state", "full_native_grads", "with_every_expert"]
+           "full_native_state", "full_native_grads", "with_every_expert", "held_official_names"]
 
 
 def native_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -70,13 +71,32 @@ def load_hf_state_dict(model: nn.Module, official: Iterable[Tuple[str, torch.Ten
 
 
 def load_hf_checkpoint(model: nn.Module, path, config=None, *, strict: bool = True) -> list:
-    """Load an official-format checkpoint directory (bf16 / fp8 / fp4; dequantised on read)."""
+    """Load an official-format checkpoint directory (bf16 / fp8 / fp4; dequantised on read); under expert
+    parallelism only this rank's experts are read (:func:`held_official_names`)."""
     from core.checkpoint import open_checkpoint
 
     reader = open_checkpoint(path)
     config = config or reader.config
-    return load_hf_state_dict(model, reader.iter_tensors(dequantize=True, dtype=torch.float32, progress=False),
-                              config, strict=strict)
+    names = held_official_names(native_tensors(model), reader.logical_specs())
+    return load_hf_state_dict(model, reader.iter_tensors(dequantize=True, dtype=torch.float32, progress=False,
+                                                         names=names), config, strict=strict)
+
+
+_OFFICIAL_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def held_official_names(held_native: Iterable[str], official: Iterable[str]):
+    """The official tensors a rank needs when it holds ``held_native``: every tensor but the routed experts
+    another expert-parallel rank holds (None: all of them, without expert parallelism)."""
+    if ep_world() == 1:
+        return None
+    experts = {parsed[1] for parsed in map(expert_name, held_native) if parsed is not None}
+    keep = []
+    for name in official:
+        m = _OFFICIAL_EXPERT.search(name)
+        if m is None or int(m.group(1)) in experts:
+            keep.append(name)
+    return keep
 
 
 def full_native_state(model: nn.Module) -> Dict[str, torch.Tensor]:

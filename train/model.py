@@ -461,9 +461,13 @@ class ImplTrainModel(_TrainModelBase):
     def load_checkpoint(self, path) -> None:
         from core.checkpoint import open_checkpoint
 
+        from engine.loading import held_official_names
+
         reader = open_checkpoint(path, config=self.config)
+        names = held_official_names(self.held_native_names(), reader.logical_specs())   # this rank's experts
         self.load_native_state(dict(wc.hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.float32,
-                                                                           progress=False), self.config)))
+                                                                           progress=False, names=names),
+                                                    self.config)))
 
 
 def _other_rank_expert(name: str) -> bool:
