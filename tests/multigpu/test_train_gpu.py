@@ -63,7 +63,12 @@ def one_gpu(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("impl,layout", LAYOUTS, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+def _layout_id(impl_layout) -> str:
+    impl, layout = impl_layout
+    return f"{impl}-{''.join(a.lstrip('-') for a in layout[:2]) or 'dp2'}"
+
+
+@pytest.mark.parametrize("impl,layout", LAYOUTS, ids=[_layout_id(x) for x in LAYOUTS])
 def test_torchrun_layout_matches_one_gpu_and_trains_five_grpo_steps(tmp_path, one_gpu, impl, layout):
     name = f"{impl}:{'+'.join(layout[::2]) or 'dp'}"
     _dsv4(tmp_path / "sft", "--impl", impl, *layout, *SFT, nproc=2)
