@@ -121,8 +121,9 @@ class ParallelGroups:
         return torch.device("cpu")
 
 
-def check_divisible(groups: ParallelGroups, mode: str, cfg) -> None:
-    """The step's samples split evenly over data parallel: one error naming the key and the fix."""
+def check_divisible(groups, mode: str, cfg) -> None:
+    """The step's samples split evenly over data parallel: one error naming the key and the fix. ``groups``: a
+    :class:`ParallelGroups` or a RunConfig (``dp``, ``world``, ``tp``, ``cp``)."""
     from core.errors import UserInputError
 
     key, n = ("batch_size", cfg.batch_size) if mode == "sft" else ("prompts_per_step", cfg.prompts_per_step)

@@ -684,6 +684,8 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
 
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     world = 1 if run_config is None else run_config.world
+    if run_config is not None:
+        check_divisible(run_config, mode, cfg)     # before any rank starts
     with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
         if world > 1 and not joined_ranks():
             Path(run_dir).mkdir(parents=True, exist_ok=True)
