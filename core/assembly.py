@@ -94,11 +94,16 @@ class Assembly:
     def rollout_engine(self, model_config, **options) -> Engine:
         """The run's rollout engine for ``model_config`` (refused with the reason when it cannot run here).
         ``options`` go to the engine's factory; ``device`` defaults to this process's device on the run's
-        target (:meth:`device`: the current CUDA device on a GPU target)."""
+        target (:meth:`device`: the current CUDA device on a GPU target). With ``--rollout-url`` (a server
+        engine) the factory gets ``url`` and nothing runs here: the engine's local probe does not apply."""
         record = self.selection.rollout
-        reason = record.unavailable_reason()
-        if reason:
-            raise RuntimeError(f"--rollout-engine {record.name} is not usable here: {reason}")
+        url = self.run.rollout_url
+        if url is None or not record.server:
+            reason = record.unavailable_reason()
+            if reason:
+                raise RuntimeError(f"--rollout-engine {record.name} is not usable here: {reason}")
+        else:
+            options.setdefault("url", url)
         options.setdefault("device", self.device())
         return _checked(record.load()(model_config, **options), Engine, f"--rollout-engine {record.name}")
 

@@ -66,6 +66,8 @@ class Selection:
     compress_ratios: Optional[tuple] = None
     # The run's packing budget (tokens per context-parallel rank), when known.
     max_tokens_per_rank: Optional[int] = None
+    # The URL of a running rollout server to connect to (--rollout-url; None = the engine runs or starts here).
+    rollout_url: Optional[str] = None
 
 
 def _join(names) -> str:
@@ -283,9 +285,33 @@ def _rollout_hardware(sel: Selection, host) -> Optional[str]:
     engine = sel.rollout
     if engine is None or not engine.gpu or sel.hardware.gpu:
         return None
+    if engine.server and sel.rollout_url is not None:
+        return None  # the server runs elsewhere: nothing of the engine runs on this target
     options = [e.name for e in host.records(ROLLOUT) if not e.gpu and e.not_runnable is None]
+    connect = f"connect to a running {engine.name} server with --rollout-url URL, " if engine.server else ""
     return (f"--rollout-engine {engine.name} needs a GPU (got --hardware {sel.hardware.name}). "
-            f"Fix: use a GPU --hardware, or --rollout-engine {_join(options)}.")
+            f"Fix: use a GPU --hardware, {connect}or --rollout-engine {_join(options)}.")
+
+
+def _rollout_url(sel: Selection, host) -> Optional[str]:
+    """``--rollout-url`` names one running server: only a server engine connects to it, and only one rollout
+    engine (one data-parallel rank of the trainer) may push its weights into it."""
+    engine, url = sel.rollout, sel.rollout_url
+    if engine is None or url is None:
+        return None
+    if not engine.server:
+        servers = [e.name for e in _runnable_records(host, ROLLOUT) if e.server]
+        fix = "drop --rollout-url" + (f", or use --rollout-engine {_join(servers)}" if servers else "")
+        return (f"--rollout-engine {engine.name} runs in the trainer's process and cannot connect to --rollout-url "
+                f"{url}. Fix: {fix}.")
+    mp = sel.tp * sel.cp
+    world = layout_world(sel)
+    if sel.job != "train" or world % mp or world // mp <= 1:
+        return None
+    ranks = f"{mp} rank{'s' if mp > 1 else ''}: --tp x --cp"
+    return (f"--rollout-url {url} is one server, and the run's {world // mp} data-parallel ranks each own a rollout "
+            f"engine (each would push its weights into it). Fix: run one data-parallel rank ({ranks}), or leave "
+            f"--rollout-url out to start one server per data-parallel rank.")
 
 
 def _rollout_publish(sel: Selection, host) -> Optional[str]:
@@ -345,7 +371,8 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),
     ("kernel-dtype", "the kernel backend computes in the run's dtype", _kernel_dtype),
     ("packing-thd", "training with a packing budget runs the packed (THD) layout", _packing_thd),
-    ("rollout-hardware", "the rollout engine runs on the hardware target", _rollout_hardware),
+    ("rollout-hardware", "the rollout engine runs on the hardware target (a server at --rollout-url runs elsewhere)", _rollout_hardware),
+    ("rollout-url", "--rollout-url names a server for a server engine, used by one data-parallel rank", _rollout_url),
     ("rollout-publish-format", "the rollout engine loads the scheme's published weights", _rollout_publish),
 )
 

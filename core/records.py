@@ -194,14 +194,19 @@ class HardwareTarget(BackendRecord):
 class RolloutEngine(BackendRecord):
     """An engine that generates rollouts from weights published by the trainer.
 
-    gpu: whether it needs an accelerator. routed_experts: whether it can return
-    the routed experts per token (routing replay, R3). weight_update: how it
-    takes new weights ("tensor", "disk"; the first is the default).
-    publish_formats: weight formats it loads (core/converters publish schemes;
-    None = any).
+    gpu: whether it needs an accelerator where it runs. routed_experts: whether
+    it can return the routed experts per token (routing replay, R3).
+    weight_update: how it takes new weights ("tensor", "disk"; the first is the
+    default). publish_formats: weight formats it loads (core/converters publish
+    schemes; None = any). server: whether it is a server the trainer talks to:
+    started by the trainer from the run's starting weights (the factory's
+    ``model_path``), or already running at ``--rollout-url`` (the factory's
+    ``url``; nothing of it then runs on this machine, so ``gpu`` does not
+    bind the run's hardware).
     """
 
     gpu: bool = False
+    server: bool = False
     routed_experts: bool = False
     weight_update: tuple = ("tensor",)
     publish_formats: Optional[frozenset] = _set(default=None)

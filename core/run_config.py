@@ -33,6 +33,7 @@ class Choices:
     model: Optional[object] = dataclasses.field(default=None, repr=False)  # core.config.ModelConfig
     max_tokens_per_rank: Optional[int] = None  # packing budget per context-parallel rank (None = not given)
     rollout_engine: str = "reference"
+    rollout_url: Optional[str] = None  # a running rollout server to connect to (None = the engine runs or starts here)
     dtype: Optional[str] = None  # fp32 | bf16; None = the hardware's default (bf16 on GPUs, fp32 on the CPU)
     job: Optional[str] = None    # "score" | "train": also check that job's own limits
     world: Optional[int] = None  # ranks of the run (torchrun's WORLD_SIZE, --nproc-per-node); None = tp x cp x ep
@@ -63,6 +64,7 @@ class RunConfig:
     max_tokens_per_rank: Optional[int] = None
     job: Optional[str] = None
     world: int = 1
+    rollout_url: Optional[str] = None
 
     @property
     def dp(self) -> int:
@@ -118,6 +120,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         raise ValueError(f"unknown --dtype {dtype!r}; valid choices: {', '.join(DTYPES)}")
     if choices.job is not None and choices.job not in JOBS:
         raise ValueError(f"unknown job {choices.job!r}; valid jobs: {', '.join(JOBS)}")
+    rollout_url = server_url(choices.rollout_url) if choices.rollout_url is not None else None
     model = choices.model
     selection = Selection(
         impl,
@@ -136,6 +139,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         dtype=dtype,
         job=choices.job,
         world=choices.world,
+        rollout_url=rollout_url,
     )
     check(selection, host)
     return RunConfig(
@@ -156,7 +160,24 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         max_tokens_per_rank=choices.max_tokens_per_rank,
         job=choices.job,
         world=layout_world(selection),
+        rollout_url=rollout_url,
     )
+
+
+def server_url(text: str) -> str:
+    """``--rollout-url``: ``http(s)://HOST:PORT`` (a trailing ``/`` dropped), or a ValueError naming the option."""
+    from urllib.parse import urlsplit
+
+    url = str(text).strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None \
+            or parts.path or parts.query or parts.fragment:
+        raise ValueError(f"--rollout-url must be http://HOST:PORT, the address of a running server (got {text!r})")
+    return url
 
 
 def revalidated(run: RunConfig, host, **changes) -> RunConfig:
@@ -172,17 +193,20 @@ def availability_problems(run: RunConfig) -> list[str]:
 
     Separate from the combination table: the table says what can work anywhere;
     this says what is installed and visible here (a GPU, cuDNN-frontend, ...).
+    A server rollout engine given ``--rollout-url`` runs nothing here, so its
+    probe does not apply (the engine checks the server when it starts).
     """
     problems = []
     sel = run.selection
+    connects = sel.rollout.server and run.rollout_url is not None
     for option, record in (
         ("--impl", sel.impl),
         ("--kernel-backend", sel.kernel),
         ("--quant", sel.quant),
         ("--hardware", sel.hardware),
-        ("--rollout-engine", sel.rollout),
+        ("--rollout-engine", None if connects else sel.rollout),
     ):
-        reason = record.unavailable_reason()
+        reason = record.unavailable_reason() if record is not None else None
         if reason:
             problems.append(f"{option} {record.name} is not usable on this machine: {reason}")
     return problems

@@ -184,6 +184,8 @@ def _option_parser(param) -> Tuple[Callable[[Any], Any], str]:
         return _bool, "true or false"
 
     def parse(v):
+        if param.default is None and _is_none(v):   # an option not given (`--print-config` writes "none")
+            return None
         return param.type.convert(v, param, None)
 
     return parse, f"a value of --{param.name.replace('_', '-')} ({param.type.name})"

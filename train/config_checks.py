@@ -12,6 +12,7 @@ the launcher prints as one line.
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from core.config import ConfigError
@@ -79,5 +80,15 @@ def validate(cfg) -> None:
 
     if cfg.recompute not in MODES:
         _fail("recompute", cfg.recompute, f"must be one of {', '.join(MODES)}")
+    if cfg.sglang_weight_sync not in ("tensors", "disk"):
+        _fail("sglang_weight_sync", cfg.sglang_weight_sync, "must be one of tensors, disk")
+    _int("sglang_tp_size", cfg.sglang_tp_size, 1, 1 << 10)
+    _int("sglang_port", cfg.sglang_port, 0, 65535)
+    _number("sglang_startup_timeout_s", cfg.sglang_startup_timeout_s, lo=0, lo_open=True)
+    try:
+        shlex.split(cfg.sglang_server_args)
+    except (ValueError, AttributeError):
+        _fail("sglang_server_args", cfg.sglang_server_args, "must be launch_server arguments as one shell-quoted "
+              "string (e.g. '--mem-fraction-static 0.7')")
     _int("save_every", cfg.save_every, 1, 1 << 30)
     _int("keep_last", cfg.keep_last, 1, 1 << 20)

@@ -366,6 +366,8 @@ class ReferenceEngine(RolloutEngineBase):
         return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
 
 
-def make_reference_engine(config, **kwargs) -> ReferenceEngine:
-    """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``kv_cache``, ...)."""
+def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
+    """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``kv_cache``, ...). The
+    trainer's ``settings``, ``run_dir`` and ``publish_format`` are not used: the engine holds the weights it is
+    sent, in any published format, in memory."""
     return ReferenceEngine(config, **kwargs)

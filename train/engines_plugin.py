@@ -2,8 +2,9 @@
 
 * ``reference`` - :class:`train.engines.ReferenceEngine`: generates with the reference model from the
   exported HF-named weights, KV-cached and batched, on the run's device (CPU or any torch device; no server).
-* ``sglang`` - :class:`train.sglang_engine.SGLangEngine`: starts and talks to an SGLang server
-  (needs a GPU and the ``sglang`` package).
+* ``sglang`` - :class:`train.sglang_engine.SGLangEngine`: starts an SGLang server from the run's starting
+  weights (a GPU target and the ``sglang`` package here), or connects to one at ``--rollout-url`` (any
+  target: the server runs elsewhere, so the probe below does not apply).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def dsv4_rollout_engines():
         ),
         RolloutEngine(
             name="sglang",
-            description="SGLang server (started by the trainer): generate, weight updates, routed experts",
+            description="SGLang server (started by the trainer, or at --rollout-url): generate, weight updates "
+                        "from tensors or disk, routed experts",
             factory="train.sglang_engine:make_sglang_engine",
             availability="train.engines_plugin:sglang_unavailable",
             gpu=True,
+            server=True,
             routed_experts=True,
             weight_update=("tensor", "disk"),
             publish_formats=("bf16", "fp8", "nvfp4"),

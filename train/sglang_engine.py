@@ -1,27 +1,44 @@
-"""SGLang rollout engine adapter: start an SGLang server and talk to it over HTTP.
+"""SGLang rollout engine: start an SGLang server or connect to one, and talk to it over HTTP.
 
-What it does (SGLang's native HTTP API):
+Two modes (``dsv4 train --rollout-engine sglang``; docs/training.md, "Rollout engines"):
 
-* start: ``python -m sglang.launch_server --model-path M --host H --port P --tp-size N
-  --trust-remote-code [--enable-return-routed-experts] ...`` (:func:`server_command`), then poll
-  ``GET /health`` until it answers 200;
-* generate: ``POST /generate`` with ``input_ids`` (the prompt repeated ``n`` times),
-  ``sampling_params`` (temperature, top_p, max_new_tokens, stop_token_ids, ``no_stop_trim`` so the
-  stop token is returned), ``return_logprob`` and ``return_routed_experts``; each answer's
-  ``output_ids``, ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples),
-  ``meta_info.finish_reason.type`` and ``meta_info.routed_experts`` (base64 of int32, ordered
-  token-major as ``[seq_len, n_moe_layers, topk]``) become :class:`train.engines.Sample` s;
-* weights from tensors: ``POST /update_weights_from_tensor`` with ``serialized_named_tensors`` (one
-  entry per TP rank) and ``flush_cache`` on the last bucket. The serializer is pluggable: by default
-  SGLang's ``MultiprocessingSerializer`` (CUDA IPC handles: the trainer must share the GPU host), in
-  tests a base64 ``torch.save`` stand-in understood by the fake server;
-* weights from disk: write an HF checkpoint (:mod:`core.checkpoint`) and ``POST
-  /update_weights_from_disk`` with ``model_path``;
-* check: ``POST /get_weights_by_name`` (``name``, ``truncate_size``) for spot checks of a few tensors.
+* **launch** (no ``--rollout-url``; a GPU ``--hardware``): the trainer writes the run's starting weights as
+  an HF checkpoint in the run's publish format (``RUN_DIR/sglang_init``, the factory's ``model_path``),
+  and the engine starts ``python -m sglang.launch_server --model-path RUN_DIR/sglang_init --host 127.0.0.1
+  --port P --tp-size N --trust-remote-code --skip-tokenizer-init --enable-return-routed-experts ...``
+  (:func:`server_command`) in its own process group, its output in ``RUN_DIR/sglang_server.log``. It polls
+  ``GET /health`` until the server answers 200 (a progress line every 30 s, at most
+  ``sglang_startup_timeout_s``) and stops the whole group when the run ends, fails, or the start fails.
+* **connect** (``--rollout-url http://HOST:PORT``): the server runs elsewhere, so any ``--hardware`` may
+  use it. At start the engine asks ``GET /health`` once (an unreachable URL is a one-line error naming the
+  URL and the fix) and, when the server reports it (``GET /get_server_info``), checks its ``tp_size``
+  against ``sglang_tp_size``. It never stops that server.
 
-It cannot run on a machine without a GPU. Its tests (tests/train/test_sglang_adapter.py) check the
-command line and the request/response handling against a fake HTTP server on 127.0.0.1 - they do NOT
-run SGLang.
+Then, either way (SGLang's native HTTP API):
+
+* generate: one ``POST /generate`` per call, with ``input_ids`` (each prompt ``n`` times) and one
+  ``sampling_params`` per sample (temperature, top_p, top_k, max_new_tokens, stop_token_ids,
+  ``no_stop_trim`` so the stop token is returned, and ``sampling_seed`` =
+  :func:`train.engines.sample_seed` of the call's seed, the prompt's index in the step and the sample's
+  index), ``return_logprob`` and ``return_routed_experts``. Each answer's ``output_ids``,
+  ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), ``meta_info.finish_reason``
+  and ``meta_info.routed_experts`` (base64 of int32, token-major ``[seq_len, n_layers, topk]``) become a
+  :class:`train.engines.Sample`; hash layers' entries are blanked (never replayed).
+* weights, ``sglang_weight_sync=tensors`` (default): ``POST /update_weights_from_tensor`` per bucket with
+  ``serialized_named_tensors`` (one entry per server TP rank), then ``POST /flush_cache``. The serializer
+  is SGLang's ``MultiprocessingSerializer`` (CUDA IPC handles / shared memory: the server must run on the
+  trainer's machine, and the sglang package must be installed there); tests substitute a base64
+  ``torch.save`` stand-in that their fake server reads.
+* weights, ``sglang_weight_sync=disk``: the buckets are decoded and written as an HF checkpoint
+  (``RUN_DIR/sglang_weights``, replaced each step; :mod:`core.checkpoint`) and ``POST
+  /update_weights_from_disk`` with ``model_path`` asks the server to reload from it (a remote server must
+  see that folder).
+* spot checks: ``POST /get_weights_by_name`` (``name``, ``truncate_size``).
+
+SGLang cannot run on the project's machines (no GPU there, no sglang package). The tests
+(tests/train/test_sglang_adapter.py, tests/train/test_sglang_training.py) run this module against fake
+HTTP servers on 127.0.0.1 - the request and answer formats above are SGLang's as documented and read from
+its source, not checked against a real server.
 """
 
 from __future__ import annotations
@@ -29,46 +46,73 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
+import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .engines import RolloutEngineBase, Sample, SamplingParams
+from core.errors import UserInputError
+
+from .engines import RolloutEngineBase, Sample, SamplingParams, sample_seed
+
+log = logging.getLogger("dsv4")
+
+INIT_DIR = "sglang_init"            # launch mode: the run's starting weights (written by the trainer)
+WEIGHTS_DIR = "sglang_weights"      # sglang_weight_sync=disk: the weights of the current step
+SERVER_LOG = "sglang_server.log"    # launch mode: the server's output
+WEIGHT_SYNC = {"tensors": "tensor", "disk": "disk"}    # the setting -> the record's weight_update names
+START_COMMAND = ("python -m sglang.launch_server --model-path HF_CHECKPOINT --port PORT --trust-remote-code "
+                 "--skip-tokenizer-init --enable-return-routed-experts")
 
 
 class SGLangError(RuntimeError):
     pass
 
 
+class SGLangSetupError(SGLangError, UserInputError):
+    """The engine cannot start with what it was given (an unreachable URL, a missing package); one line with
+    the fix."""
+
+
 @dataclass(frozen=True)
 class SGLangServerConfig:
-    model_path: str
+    model_path: Optional[str] = None             # launch mode: the HF checkpoint the server loads
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
     dtype: Optional[str] = None                  # e.g. "bfloat16"
     mem_fraction_static: Optional[float] = None
     return_routed_experts: bool = True
+    skip_tokenizer_init: bool = True             # dsv4 sends token ids; its byte tokenizer is not an HF one
     quantization: Optional[str] = None           # e.g. "fp8"
     python: str = sys.executable
     extra_args: Tuple[str, ...] = ()
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
+    url: Optional[str] = None                    # connect mode: the server's address (host / port unused)
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.url or f"http://{self.host}:{self.port}"
 
 
 def server_command(cfg: SGLangServerConfig) -> List[str]:
+    if not cfg.model_path:
+        raise SGLangError("starting an SGLang server needs model_path (an HF checkpoint it can load)")
     cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
            "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--trust-remote-code"]
+    if cfg.skip_tokenizer_init:
+        cmd += ["--skip-tokenizer-init"]
     if cfg.dtype:
         cmd += ["--dtype", cfg.dtype]
     if cfg.mem_fraction_static is not None:
@@ -95,8 +139,11 @@ def torch_b64_deserialize(s: str) -> List[Tuple[str, torch.Tensor]]:
 def sglang_serializer() -> Callable[[List[Tuple[str, torch.Tensor]]], str]:
     try:
         from sglang.srt.utils import MultiprocessingSerializer  # type: ignore
-    except ImportError as e:
-        raise SGLangError("update_weights_from_tensor needs the sglang package (MultiprocessingSerializer)") from e
+    except ImportError:
+        raise SGLangSetupError(
+            "sglang_weight_sync=tensors sends tensors with SGLang's MultiprocessingSerializer (CUDA IPC: the "
+            "server shares this machine), and the sglang package is not installed here. Fix: install sglang, "
+            f"or use sglang_weight_sync=disk (the server must be able to read RUN_DIR/{WEIGHTS_DIR})") from None
     return lambda named: MultiprocessingSerializer.serialize(named, output_str=True)
 
 
@@ -113,52 +160,143 @@ def encode_routed_experts(t: torch.Tensor) -> str:
     return base64.b64encode(t.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
+def _reason(exc: BaseException) -> str:
+    """The one-line reason of a failed request (``Connection refused``, ``timed out``, ...)."""
+    reason = getattr(exc, "reason", None) or exc
+    text = getattr(reason, "strerror", None) or str(reason)
+    return " ".join(str(text).split()) or type(exc).__name__
+
+
+def _exit_status(proc: subprocess.Popen) -> Optional[int]:
+    """The exit code of ``proc`` once it has exited, else None - without reaping it (``WNOWAIT``)."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll()
+    return None if info is None else info.si_status
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)   # the server is its group's leader (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 # ----------------------------------------------------------------- engine
 class SGLangEngine(RolloutEngineBase):
     name = "sglang"
 
     def __init__(self, config, server: SGLangServerConfig, *, launch: bool = True,
                  serializer: Optional[Callable] = None, weight_update: str = "tensor",
-                 disk_dir: Optional[str] = None, **_ignored):
+                 disk_dir: Optional[str] = None, disk_format: str = "bf16", log_file: Optional[str] = None,
+                 progress_every_s: float = 30.0, **_ignored):
+        if weight_update not in WEIGHT_SYNC.values():
+            raise SGLangError(f"weight_update must be one of {sorted(WEIGHT_SYNC.values())}, got {weight_update!r}")
         self.config, self.server = config, server
         self.serializer = serializer
         self.weight_update = weight_update
-        self.disk_dir = disk_dir
+        self.disk_dir, self.disk_format = disk_dir, disk_format
+        self.log_file, self.progress_every_s = log_file, progress_every_s
         self.proc: Optional[subprocess.Popen] = None
+        self._log_handle = None
         self._bucket_count = 0
-        self._disk_tensors: Optional[List[Tuple[str, torch.Tensor]]] = None
+        self._disk_tensors: Optional[Dict[str, torch.Tensor]] = None
         self.version: Optional[int] = None
         if launch:
             self.start()
 
     # -- process -----------------------------------------------------------
     def start(self) -> None:
-        self.proc = subprocess.Popen(server_command(self.server))
-        self.wait_ready()
+        """Launch mode: start the server in its own process group and wait for it; a failed start stops it."""
+        cmd = server_command(self.server)
+        log.info(f"sglang: starting {shlex.join(cmd)}" + (f" (output: {self.log_file})" if self.log_file else ""))
+        if self.log_file:
+            self._log_handle = open(self.log_file, "ab")
+        out = self._log_handle
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.server.startup_timeout_s
+        """Poll ``GET /health`` until the server answers 200 (a progress line every ``progress_every_s``)."""
+        url = self.server.base_url
+        t0 = time.monotonic()
+        deadline, next_note = t0 + self.server.startup_timeout_s, t0 + self.progress_every_s
+        where = f"; its output: {self.log_file}" if self.log_file else ""
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise SGLangError(f"SGLang server exited with code {self.proc.returncode} during start-up")
+            code = _exit_status(self.proc) if self.proc is not None else None
+            if code is not None:
+                raise SGLangError(f"the SGLang server exited with code {code} during start-up{where}")
             try:
-                with urllib.request.urlopen(self.server.base_url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
                     if r.status == 200:
+                        log.info(f"sglang: server at {url} ready after {time.monotonic() - t0:.0f} s")
                         return
             except (urllib.error.URLError, OSError):
                 pass
+            if time.monotonic() >= next_note:
+                log.info(f"sglang: waiting for {url}/health ({time.monotonic() - t0:.0f} s of "
+                         f"{self.server.startup_timeout_s:.0f} s)")
+                next_note += self.progress_every_s
             time.sleep(0.5)
-        raise SGLangError(f"SGLang server at {self.server.base_url} not healthy after "
-                          f"{self.server.startup_timeout_s:.0f}s")
+        raise SGLangError(f"the SGLang server at {url} did not answer /health within "
+                          f"{self.server.startup_timeout_s:.0f} s (sglang_startup_timeout_s){where}")
 
-    def shutdown(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc = None
+    def connect(self) -> None:
+        """Connect mode: the server at the URL must answer ``GET /health``; a server that answers but is not
+        ready yet (e.g. 503) is waited for like a started one. Its TP size is checked when it reports one."""
+        url = self.server.base_url
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                ready = r.status == 200
+        except urllib.error.HTTPError:
+            ready = False
+        except (urllib.error.URLError, OSError) as exc:
+            raise SGLangSetupError(
+                f"--rollout-url {url}: no SGLang server answers GET /health ({_reason(exc)}). Fix: start one there "
+                f"({START_COMMAND}) and wait until it answers, or leave --rollout-url out to let dsv4 start one "
+                f"(a GPU --hardware)") from None
+        if not ready:
+            self.wait_ready()
+        self._check_tp_size()
+        log.info(f"sglang: connected to {url}")
+
+    def _check_tp_size(self) -> None:
+        try:
+            with urllib.request.urlopen(self.server.base_url + "/get_server_info", timeout=10) as r:
+                info = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return                      # the server does not report its arguments: nothing to compare
+        tp = info.get("tp_size") if isinstance(info, dict) else None
+        if tp is not None and int(tp) != self.server.tp_size:
+            raise SGLangSetupError(f"--rollout-url {self.server.base_url}: the server runs --tp-size {tp}, and "
+                                   f"sglang_tp_size is {self.server.tp_size} (one serialized copy of each weight "
+                                   f"bucket per server TP rank). Fix: sglang_tp_size={tp}")
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop a server this engine started: SIGTERM to its process group, SIGKILL to what is left of the
+        group after ``grace_s`` or once the server itself has exited (SGLang's worker processes). The server
+        is reaped last, so its group id cannot have been reused. A connected server is left running."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.returncode is None:
+                _signal_group(proc, signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
+                while _exit_status(proc) is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+            log.info(f"sglang: stopped the server at {self.server.base_url}")
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
 
     # -- HTTP --------------------------------------------------------------
     def _post(self, path: str, payload: Dict, *, json_answer: bool = True):
@@ -168,9 +306,9 @@ class SGLangEngine(RolloutEngineBase):
             with urllib.request.urlopen(req, timeout=self.server.request_timeout_s) as r:
                 body = r.read()
         except urllib.error.HTTPError as e:
-            raise SGLangError(f"POST {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+            raise SGLangError(f"POST {self.server.base_url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
         except (urllib.error.URLError, OSError) as e:
-            raise SGLangError(f"POST {path}: {e}") from None
+            raise SGLangError(f"POST {self.server.base_url}{path}: {_reason(e)}") from None
         if not json_answer:
             return body.decode("utf-8", errors="replace")
         try:
@@ -184,17 +322,19 @@ class SGLangEngine(RolloutEngineBase):
             raise SGLangError(f"POST {path} failed: {ans.get('message', ans)}")
 
     # -- generation --------------------------------------------------------
-    def generation_payload(self, prompt: Sequence[int], params: SamplingParams, n: int) -> Dict:
-        return {
-            "input_ids": [list(map(int, prompt)) for _ in range(n)],
-            "sampling_params": {"temperature": params.temperature, "top_p": params.top_p,
-                                "top_k": params.top_k if params.top_k else -1,
-                                "max_new_tokens": params.max_new_tokens,
-                                "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True,
-                                "skip_special_tokens": False},
-            "return_logprob": True,
-            "return_routed_experts": self.server.return_routed_experts,
-        }
+    def generation_payload(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int, *,
+                           seed: int, first_prompt: int = 0) -> Dict:
+        """One request for every prompt x ``n`` samples, each sample with its own ``sampling_seed``."""
+        common = {"temperature": params.temperature, "top_p": params.top_p,
+                  "top_k": params.top_k if params.top_k else -1, "max_new_tokens": params.max_new_tokens,
+                  "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
+        input_ids, sampling = [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                input_ids.append(list(map(int, prompt)))
+                sampling.append({**common, "sampling_seed": sample_seed(seed, first_prompt + i, j)})
+        return {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
+                "return_routed_experts": self.server.return_routed_experts}
 
     def parse_answer(self, prompt: Sequence[int], ans: Dict, params: SamplingParams) -> Sample:
         meta = ans.get("meta_info") or {}
@@ -226,27 +366,32 @@ class SGLangEngine(RolloutEngineBase):
 
     def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
                  first_prompt: int = 0) -> List[List[Sample]]:
-        out = []
-        for prompt in prompts:
-            ans = self._post("/generate", self.generation_payload(prompt, params, n))
-            if isinstance(ans, dict):
-                ans = [ans]
-            if len(ans) != n:
-                raise SGLangError(f"/generate: asked for {n} samples, got {len(ans)}")
-            out.append([self.parse_answer(prompt, a, params) for a in ans])
-        return out
+        if not prompts:
+            return []
+        ans = self._post("/generate", self.generation_payload(prompts, params, n, seed=seed,
+                                                              first_prompt=first_prompt))
+        if isinstance(ans, dict):
+            ans = [ans]
+        if len(ans) != n * len(prompts):
+            raise SGLangError(f"/generate: asked for {len(prompts)} prompts x {n} samples, got {len(ans)} answers")
+        return [[self.parse_answer(prompt, a, params) for a in ans[i * n:(i + 1) * n]]
+                for i, prompt in enumerate(prompts)]
 
     # -- weights -----------------------------------------------------------
     def begin_update(self, version: int) -> None:
         self._bucket_count = 0
         self._next_version = version
-        self._disk_tensors = [] if self.weight_update == "disk" else None
+        self._disk_tensors = {} if self.weight_update == "disk" else None
 
     def load_bucket(self, bucket) -> None:
         if self.weight_update == "disk":
-            self._disk_tensors.extend(bucket)
+            from .engines import decode_published
+
+            self._disk_tensors.update(decode_published(bucket, torch.float32))
             return
-        ser = self.serializer or sglang_serializer()
+        if self.serializer is None:
+            self.serializer = sglang_serializer()
+        ser = self.serializer
         payload = {"serialized_named_tensors": [ser(bucket) for _ in range(self.server.tp_size)],
                    "load_format": None, "flush_cache": False}
         self._check_success("/update_weights_from_tensor", self._post("/update_weights_from_tensor", payload))
@@ -258,8 +403,9 @@ class SGLangEngine(RolloutEngineBase):
 
             if not self.disk_dir:
                 raise SGLangError("weight_update='disk' needs disk_dir")
-            path = write_checkpoint(self.disk_dir, self.config, self._disk_tensors, weight_format="bf16",
+            path = write_checkpoint(self.disk_dir, self.config, self._disk_tensors, weight_format=self.disk_format,
                                     quantize=True, overwrite=True, progress=False)
+            self._disk_tensors = None
             ans = self._post("/update_weights_from_disk", {"model_path": str(path)})
             self._check_success("/update_weights_from_disk", ans)
         else:
@@ -271,13 +417,59 @@ class SGLangEngine(RolloutEngineBase):
         return torch.tensor(ans, dtype=torch.float32).flatten().tolist()
 
 
-def make_sglang_engine(config, *, server: Optional[SGLangServerConfig] = None, model_path: Optional[str] = None,
+def _setting(settings, name: str):
+    """A ``sglang_*`` field of the trainer's settings (a TrainConfig), else its default there."""
+    if settings is not None and hasattr(settings, name):
+        return getattr(settings, name)
+    from .trainer import TrainConfig
+
+    return getattr(TrainConfig, name)
+
+
+def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optional[str] = None,
+                       settings=None, run_dir=None, publish_format: str = "bf16",
+                       server: Optional[SGLangServerConfig] = None, serializer: Optional[Callable] = None,
                        **kwargs) -> SGLangEngine:
-    """Factory named by the ``sglang`` RolloutEngine record."""
+    """Factory named by the ``sglang`` RolloutEngine record: connect to ``url`` (``--rollout-url``), or start a
+    server on ``model_path`` (the trainer's export of the starting weights). ``settings``: the trainer's
+    TrainConfig (``sglang_weight_sync``, ``sglang_port``, ``sglang_tp_size``, ``sglang_startup_timeout_s``,
+    ``sglang_server_args``); ``run_dir``: where the server log and the disk-sync weights go;
+    ``publish_format``: the format of the weights the trainer sends."""
+    from core.ports import free_port
+
+    from .export import checkpoint_format
+
     kwargs.pop("dtype", None)     # the server loads the checkpoint's dtype on its own GPUs
     kwargs.pop("device", None)
-    if server is None:
-        if model_path is None:
-            raise SGLangError("the sglang engine needs model_path (an HF checkpoint SGLang can load)")
-        server = SGLangServerConfig(model_path=model_path)
-    return SGLangEngine(config, server, **kwargs)
+    sync = _setting(settings, "sglang_weight_sync")
+    if sync not in WEIGHT_SYNC:
+        raise SGLangSetupError(f"sglang_weight_sync must be one of {', '.join(WEIGHT_SYNC)} (got {sync!r})")
+    run = Path(run_dir) if run_dir is not None else None
+    if sync == "disk":
+        if run is None:
+            raise SGLangError("sglang_weight_sync=disk needs the run folder (run_dir)")
+        kwargs.setdefault("disk_dir", str(run / WEIGHTS_DIR))
+        kwargs.setdefault("disk_format", checkpoint_format(publish_format, purpose="sglang_weight_sync=disk"))
+    timeout = float(_setting(settings, "sglang_startup_timeout_s"))
+    tp = int(_setting(settings, "sglang_tp_size"))
+    if url is not None:
+        server = server or SGLangServerConfig(url=url, tp_size=tp, startup_timeout_s=timeout)
+        engine = SGLangEngine(config, server, launch=False, serializer=serializer, weight_update=WEIGHT_SYNC[sync],
+                              **kwargs)
+        engine.connect()
+    else:
+        if server is None:
+            if model_path is None:
+                raise SGLangError("starting an SGLang server needs model_path (an HF checkpoint it can load)")
+            port = int(_setting(settings, "sglang_port")) or free_port()
+            server = SGLangServerConfig(model_path=str(model_path), port=port, tp_size=tp, startup_timeout_s=timeout,
+                                        extra_args=tuple(shlex.split(_setting(settings, "sglang_server_args"))))
+        if run is not None:
+            kwargs.setdefault("log_file", str(run / SERVER_LOG))
+        engine = SGLangEngine(config, server, launch=False, serializer=serializer, weight_update=WEIGHT_SYNC[sync],
+                              **kwargs)
+    if engine.weight_update == "tensor" and engine.serializer is None:
+        engine.serializer = sglang_serializer()   # before a server starts: a missing package is one line
+    if url is None:
+        engine.start()
+    return engine

@@ -8,6 +8,10 @@ One GRPO step::
                     the reference policy's when kl_coef > 0; rollout-vs-train diagnostics
     train           clipped policy loss (+ k3 KL penalty, + MTP loss), one optimizer step
 
+The rollout engine is the run's (``--rollout-engine``, :func:`_rollout_engine`), made once the run folder is
+checked and shut down however the run ends; a server engine (SGLang) is started on the run's starting weights
+(written to ``RUN_DIR/<engine>_init``) or connected to at ``--rollout-url``.
+
 One SFT step: a batch of (prompt, response) pairs, token-mean NLL on response tokens (+ MTP), one
 optimizer step. Both modes add the training model's own loss term when it has one (``TrainForward.aux_loss``:
 megatron's indexer KL loss with ``dsa_indexer_loss_coeff``; metric ``indexer_loss``). The training model
@@ -42,7 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 import torch
 
@@ -91,6 +95,16 @@ class TrainConfig:
     top_k: int = 0                           # 0 = off
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
+    # the SGLang engine (--rollout-engine sglang; train.sglang_engine): how each step's weights reach the
+    # server ("tensors": update_weights_from_tensor, the server on this machine; "disk": an HF checkpoint in
+    # RUN_DIR/sglang_weights that it reloads), the server's tensor-parallel size (a started server's --tp-size;
+    # with --rollout-url, checked against the server), and for a server the trainer starts: its port (0 = a
+    # free one), more `sglang.launch_server` arguments (one shell-quoted string), the seconds to wait for it
+    sglang_weight_sync: Literal["tensors", "disk"] = "tensors"
+    sglang_tp_size: int = 1
+    sglang_port: int = 0
+    sglang_server_args: str = ""
+    sglang_startup_timeout_s: float = 900.0
     # GRPO loss
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -212,10 +226,38 @@ class _Run:
         self.engine = None
         # the weight format published to the engine: the run's --quant scheme's
         self.publish_format = run_config.selection.quant.publish_format if run_config is not None else "bf16"
-        if mode == "grpo" and self.dist.is_leader:   # one engine per data-parallel rank
-            self.engine = _rollout_engine(run_config, self.model_config, self.dtype)
         self.start_step = 0
         self._write_or_check_config(resume, model_source)
+        # last, so a failure before it leaves no server running (run() stops the engine); none when no step is left
+        if mode == "grpo" and self.start_step < self.steps:
+            self.engine = self._start_rollout_engine()
+
+    def _start_rollout_engine(self):
+        """This data-parallel rank's rollout engine (on its leader; None elsewhere). A server engine that the
+        trainer starts (no ``--rollout-url``) loads the run's starting weights: every rank takes part in writing
+        them (:meth:`_export_starting_weights`), the leader's factory gets their folder as ``model_path``."""
+        run_config, options = self.run_config, {}
+        if run_config is not None:
+            record = run_config.selection.rollout
+            if record.server and run_config.rollout_url is None:
+                options["model_path"] = self._export_starting_weights(record.name)
+        if not self.dist.is_leader:
+            return None
+        return _rollout_engine(run_config, self.model_config, self.dtype, settings=self.cfg, run_dir=self.run_dir,
+                               publish_format=self.publish_format, **options)
+
+    def _export_starting_weights(self, engine: str) -> Path:
+        """The model's weights now (the starting or the resumed ones) as an HF checkpoint in the run's publish
+        format, with the tokenizer: ``RUN_DIR/<engine>_init`` (global rank 0 writes it)."""
+        from .export import checkpoint_format
+
+        fmt = checkpoint_format(self.publish_format, purpose=f"starting a --rollout-engine {engine} server")
+        path = self.run_dir / f"{engine}_init"
+        view = full_view(self.model, self.dist)
+        if self.dist.is_main:
+            export_model(view, path, weight_format=fmt, tokenizer=self.tok)
+        self.dist.barrier()
+        return path
 
     # -- config / resume ---------------------------------------------------
     def _write_or_check_config(self, resume: bool, model_source) -> None:
@@ -600,9 +642,10 @@ class _Run:
         from . import run_log
 
         main = self.dist.is_main
-        logger = MetricsLogger(self.run_dir, start_step=self.start_step) if main else None
+        logger = None
         last_row: Dict[str, Any] = {}
-        try:
+        try:                     # the engine is shut down however the run ends (a started server is stopped)
+            logger = MetricsLogger(self.run_dir, start_step=self.start_step) if main else None
             with (run_log.file_log(self.run_dir) if main else contextlib.nullcontext()), run_log.step_progress(
                     self.mode, self.steps, self.start_step, enabled=self.progress and main) as bar:
                 for line in (run_log.config_lines(self.run_config, self.cfg, mode=self.mode, steps=self.steps,
@@ -655,16 +698,18 @@ class _Run:
         return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "optimizer": self.optim.kind}
 
 
-def _rollout_engine(run_config, model_config, dtype):
-    """The run's rollout engine (``core.assembly``), in the run's dtype. Without a run config (tests of the
-    loop itself on the reference model) the built-in reference engine."""
+def _rollout_engine(run_config, model_config, dtype, **options):
+    """The run's rollout engine (``core.assembly``), in the run's dtype; ``options`` (the trainer's settings,
+    run folder, publish format, a started server's ``model_path``) go to its factory
+    (``core.protocols.EngineFactory``). Without a run config (tests of the loop itself on the reference
+    model) the built-in reference engine."""
     if run_config is None:
         from .engines import make_reference_engine
 
-        return make_reference_engine(model_config, dtype=dtype)
+        return make_reference_engine(model_config, dtype=dtype, **options)
     from core.assembly import assemble
 
-    return assemble(run_config).rollout_engine(model_config, dtype=dtype)
+    return assemble(run_config).rollout_engine(model_config, dtype=dtype, **options)
 
 
 def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, resume: bool = False,

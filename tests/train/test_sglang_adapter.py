@@ -1,150 +1,222 @@
-"""SGLang adapter WITHOUT SGLang: these tests check the server command line and the HTTP
-request/response handling against a fake server on 127.0.0.1. They do not run SGLang (it needs a
-GPU and the sglang package); nothing here says the adapter works against a real server."""
+"""SGLang adapter WITHOUT SGLang: the server command line, the HTTP request/response handling, connecting
+to a URL and starting (and stopping) a server process, all against the fake server of
+tests/train/_fake_sglang.py on 127.0.0.1. They do not run SGLang (it needs a GPU and the sglang package);
+nothing here says the adapter works against a real server. The trainer's use of it:
+tests/train/test_sglang_training.py."""
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import importlib.util
+import os
+import socket
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from core.config import preset
-from train.engines import SamplingParams
-from train.sglang_engine import (SGLangEngine, SGLangError, SGLangServerConfig, encode_routed_experts,
-                                 server_command, torch_b64_deserialize, torch_b64_serialize)
+from tests.train._fake_sglang import FakeSGLang, install_fake_launcher
+from train.engines import SamplingParams, sample_seed
+from train.sglang_engine import (SGLangEngine, SGLangError, SGLangServerConfig, SGLangSetupError,
+                                 make_sglang_engine, server_command, torch_b64_serialize)
+from train.trainer import TrainConfig
 
-CFG = preset("tiny")   # 4 trunk layers, layers 0-1 hash-routed, top-2
-
-
-class FakeSGLang(BaseHTTPRequestHandler):
-    state = {}
-
-    def log_message(self, *a):
-        pass
-
-    def _send(self, obj, code=200, raw=None):
-        body = raw.encode() if raw is not None else json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send({}) if self.path == "/health" else self._send({"error": "no"}, 404)
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        st = self.state
-        st.setdefault("requests", []).append((self.path, req))
-        if self.path == "/generate":
-            out = []
-            for k, ids in enumerate(req["input_ids"]):
-                n_out = 2 + k % 2
-                out_ids = [10 + k, 11][:1] + [1] if n_out == 2 else [10 + k, 12, 13]
-                routed = torch.arange((len(ids) + len(out_ids) - 1) * 4 * 2).view(-1, 4, 2) % 8
-                out.append({"text": "", "output_ids": out_ids, "meta_info": {
-                    "output_token_logprobs": [[-0.5 - j, t, None] for j, t in enumerate(out_ids)],
-                    "finish_reason": {"type": "stop" if out_ids[-1] == 1 else "length"},
-                    "routed_experts": encode_routed_experts(routed)}})
-            self._send(out)
-        elif self.path == "/update_weights_from_tensor":
-            for s in req["serialized_named_tensors"][:1]:
-                st.setdefault("weights", {}).update(dict(torch_b64_deserialize(s)))
-            self._send({"success": True, "message": "ok"})
-        elif self.path == "/update_weights_from_disk":
-            st["disk"] = req["model_path"]
-            self._send({"success": not st.get("fail_disk"), "message": "bad path" if st.get("fail_disk") else "ok"})
-        elif self.path == "/flush_cache":
-            self._send(None, raw="Cache flushed.")
-        elif self.path == "/get_weights_by_name":
-            self._send([[0.5, 0.25]])
-        else:
-            self._send({"error": "unknown"}, 404)
+CFG = preset("tiny")   # 4 trunk layers, layers 0-1 hash-routed, top-2 of 8 experts
 
 
-@pytest.fixture()
-def server():
-    FakeSGLang.state = {}
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeSGLang)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    yield httpd.server_address[1], FakeSGLang.state
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def _engine(port, **kw):
-    cfg = SGLangServerConfig(model_path="/m", port=port, tp_size=2, startup_timeout_s=5, request_timeout_s=5)
+def _engine(url, tp_size=2, **kw):
+    cfg = SGLangServerConfig(url=url, tp_size=tp_size, startup_timeout_s=5, request_timeout_s=5)
     e = SGLangEngine(CFG, cfg, launch=False, serializer=torch_b64_serialize, **kw)
-    e.wait_ready()
+    e.connect()
     return e
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_server_command_line():
     cmd = server_command(SGLangServerConfig(model_path="/ckpt", port=31000, tp_size=8, dtype="bfloat16",
                                             mem_fraction_static=0.7, extra_args=("--foo",), python="py"))
     assert cmd == ["py", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--host", "127.0.0.1",
-                   "--port", "31000", "--tp-size", "8", "--trust-remote-code", "--dtype", "bfloat16",
-                   "--mem-fraction-static", "0.7", "--enable-return-routed-experts", "--foo"]
+                   "--port", "31000", "--tp-size", "8", "--trust-remote-code", "--skip-tokenizer-init",
+                   "--dtype", "bfloat16", "--mem-fraction-static", "0.7", "--enable-return-routed-experts", "--foo"]
     assert "--enable-return-routed-experts" not in server_command(
         SGLangServerConfig(model_path="/c", return_routed_experts=False))
+    with pytest.raises(SGLangError, match="model_path"):
+        server_command(SGLangServerConfig(url="http://h:1"))
 
 
-def test_generate_request_and_response_parsing(server):
-    port, st = server
-    e = _engine(port)
-    groups = e.generate([[0, 5, 6]], SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=3), n=2, seed=0)
-    path, req = st["requests"][-1]
-    assert path == "/generate"
-    assert req["input_ids"] == [[0, 5, 6], [0, 5, 6]]
-    assert req["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 3,
-                                      "stop_token_ids": [1],
-                                      "no_stop_trim": True, "skip_special_tokens": False}
-    assert req["return_logprob"] is True and req["return_routed_experts"] is True
-    a, b = groups[0]
-    assert a.response_ids == [10, 1] and a.finish_reason == "stop"
-    assert b.response_ids == [11, 12, 13] and b.finish_reason == "length"
-    assert torch.allclose(b.logprobs, torch.tensor([-0.5, -1.5, -2.5]))
-    assert a.routed_experts.shape == (3 + 2 - 1, 4, 2)
-    assert (a.routed_experts[:, :2] == -1).all()          # hash layers blanked: never replayed
-    assert (a.routed_experts[:, 2:] >= 0).all()
+def test_generate_sends_one_request_with_a_seed_per_sample_and_parses_the_answers():
+    with FakeSGLang(CFG, tp_size=2) as fake:
+        e = _engine(fake.url)
+        params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=3)
+        groups = e.generate([[0, 5, 6], [0, 7]], params, n=2, seed=11, first_prompt=4)
+        req = fake.state["generate"][-1]
+    assert len(fake.state["generate"]) == 1 and req["inputs"] == 4          # 2 prompts x 2 samples, one request
+    seeds = [sample_seed(11, 4 + i, j) for i in range(2) for j in range(2)]
+    assert req["seeds"] == seeds and req["return_routed_experts"] is True
+    assert [len(g) for g in groups] == [2, 2]
+    for i, (prompt, group) in enumerate(zip([[0, 5, 6], [0, 7]], groups)):
+        for j, s in enumerate(group):
+            seed = seeds[2 * i + j]
+            assert s.prompt_ids == prompt
+            assert s.finish_reason == ("stop" if seed % 2 == 0 else "length")
+            assert (s.response_ids[-1] == 1) == (seed % 2 == 0)
+            assert torch.allclose(s.logprobs, torch.tensor([-0.25 - 0.01 * k for k in range(len(s.response_ids))]))
+            assert s.routed_experts.shape == (len(prompt) + len(s.response_ids) - 1, 4, 2)
+            assert (s.routed_experts[:, :2] == -1).all()       # hash layers blanked: never replayed
+            assert (s.routed_experts[:, 2:] >= 0).all() and (s.routed_experts < 8).all()
+    # the sampling parameters SGLang receives
+    payload = e.generation_payload([[0, 5]], params, 1, seed=3)
+    assert payload["input_ids"] == [[0, 5]]
+    assert payload["sampling_params"] == [{"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 3,
+                                           "stop_token_ids": [1], "no_stop_trim": True,
+                                           "skip_special_tokens": False, "sampling_seed": sample_seed(3, 0, 0)}]
+    assert payload["return_logprob"] is True
 
 
-def test_weight_update_from_tensors_and_flush(server):
-    port, st = server
-    e = _engine(port)
-    e.begin_update(7)
-    e.load_bucket([("embed.weight", torch.ones(2, 2))])
-    e.load_bucket([("head.weight", torch.zeros(3))])
-    e.finish_update()
-    assert e.version == 7
-    paths = [p for p, _ in st["requests"]]
-    assert paths == ["/update_weights_from_tensor", "/update_weights_from_tensor", "/flush_cache"]
-    assert len(st["requests"][0][1]["serialized_named_tensors"]) == 2    # one per TP rank
-    assert torch.equal(st["weights"]["embed.weight"], torch.ones(2, 2))
-    assert e.weights_by_name("embed.weight") == [0.5, 0.25]
+def test_weight_update_from_tensors_one_entry_per_tp_rank_then_flush():
+    with FakeSGLang(CFG, tp_size=2) as fake:
+        e = _engine(fake.url)
+        e.begin_update(7)
+        e.load_bucket([("embed.weight", torch.ones(2, 2))])
+        e.load_bucket([("head.weight", torch.zeros(3))])
+        e.finish_update()
+        assert e.version == 7
+        assert fake.state["tp_entries"] == [2, 2]
+        assert fake.state["versions"] == [{"how": "tensors", "shapes": {"embed.weight": [2, 2], "head.weight": [3]}}]
+        assert torch.equal(fake.tensors[0]["embed.weight"], torch.ones(2, 2))
+        assert e.weights_by_name("embed.weight") == [1.0, 1.0, 1.0, 1.0]
 
 
-def test_weight_update_from_disk_reports_server_failure(server, tmp_path):
+def test_weight_update_from_disk_writes_a_checkpoint_the_server_reloads(tmp_path):
     from core.export import export_buckets
+    from converters.publish import publish_bucket
     from train.model import build_train_model
 
-    port, st = server
-    e = _engine(port, weight_update="disk", disk_dir=str(tmp_path / "w"))
     m = build_train_model(CFG)
-    e.begin_update(1)
-    for b in export_buckets(m.native_tensors(), CFG, max_bucket_bytes=1 << 30):
-        e.load_bucket(b)
-    st["fail_disk"] = True
-    with pytest.raises(SGLangError, match="bad path"):
+    with FakeSGLang(CFG, tp_size=2) as fake:
+        e = _engine(fake.url, weight_update="disk", disk_dir=str(tmp_path / "w"), disk_format="fp8")
+        e.begin_update(1)
+        sent = {}
+        for b in export_buckets(m.native_tensors(), CFG, max_bucket_bytes=1 << 20):
+            sent.update({n: t.shape for n, t in b})
+            e.load_bucket(publish_bucket(b, "fp8"))
         e.finish_update()
-    assert st["disk"] == str(tmp_path / "w")
-    assert (tmp_path / "w" / "config.json").is_file()
+        version = fake.state["versions"][-1]
+        assert version["how"] == f"disk:{tmp_path / 'w'}"
+        assert version["shapes"] == {n: list(s) for n, s in sent.items()}
+        assert (tmp_path / "w" / "config.json").is_file()
+        # a server that refuses the update: its message is the error
+        fake.fail["/update_weights_from_disk"] = "bad path"
+        e.begin_update(2)
+        for b in export_buckets(m.native_tensors(), CFG, max_bucket_bytes=1 << 30):
+            e.load_bucket(b)
+        with pytest.raises(SGLangError, match="update_weights_from_disk failed: bad path"):
+            e.finish_update()
 
 
-def test_unreachable_server_is_a_clear_error():
-    e = SGLangEngine(CFG, SGLangServerConfig(model_path="/m", port=1, request_timeout_s=2), launch=False)
+def test_connect_checks_health_once_and_an_unreachable_url_is_one_line():
+    port = _closed_port()
+    e = SGLangEngine(CFG, SGLangServerConfig(url=f"http://127.0.0.1:{port}"), launch=False)
+    with pytest.raises(SGLangSetupError) as err:
+        e.connect()
+    msg = str(err.value)
+    assert "\n" not in msg and f"--rollout-url http://127.0.0.1:{port}" in msg and "Fix:" in msg
+    assert "python -m sglang.launch_server" in msg
     with pytest.raises(SGLangError, match="/generate"):
         e.generate([[0]], SamplingParams(), n=1, seed=0)
+
+
+def test_connect_waits_for_a_server_that_is_still_starting_and_checks_its_tp_size():
+    with FakeSGLang(CFG, tp_size=1, health_delay_s=1.0) as fake:
+        t0 = time.monotonic()
+        _engine(fake.url, tp_size=1)
+        assert time.monotonic() - t0 >= 0.9 and fake.state["health_calls"] >= 2
+        with pytest.raises(SGLangSetupError, match="runs --tp-size 1, and sglang_tp_size is 2.*sglang_tp_size=1"):
+            _engine(fake.url, tp_size=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="the sglang package is installed here")
+def test_tensor_sync_without_the_sglang_package_is_one_line_naming_the_fix(tmp_path):
+    with FakeSGLang(CFG) as fake:
+        with pytest.raises(SGLangSetupError, match="sglang package is not installed.*sglang_weight_sync=disk"):
+            make_sglang_engine(CFG, url=fake.url, settings=TrainConfig(), run_dir=tmp_path)
+        # disk sync needs no serializer
+        e = make_sglang_engine(CFG, url=fake.url, settings=TrainConfig(sglang_weight_sync="disk"), run_dir=tmp_path)
+        assert e.weight_update == "disk" and e.disk_dir == str(tmp_path / "sglang_weights")
+        with pytest.raises(Exception, match="nvfp4"):
+            make_sglang_engine(CFG, url=fake.url, settings=TrainConfig(sglang_weight_sync="disk"), run_dir=tmp_path,
+                               publish_format="nvfp4")
+
+
+# -- launch mode: `python -m sglang.launch_server` resolves to the fake (a package on the child's PYTHONPATH) --
+@pytest.fixture()
+def fake_launcher(tmp_path, monkeypatch):
+    return install_fake_launcher(tmp_path, monkeypatch)
+
+
+def _checkpoint(tmp_path) -> Path:
+    from train.export import export_model
+    from train.model import build_train_model
+
+    return export_model(build_train_model(CFG), tmp_path / "init")
+
+
+def test_launch_starts_the_server_on_the_checkpoint_waits_for_health_and_stops_its_process_group(
+        tmp_path, fake_launcher, caplog):
+    import json
+    import logging
+
+    init = _checkpoint(tmp_path)
+    settings = TrainConfig(sglang_weight_sync="disk", sglang_server_args="--fake-health-delay 1.5 --foo 'a b'",
+                           sglang_startup_timeout_s=60)
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        e = make_sglang_engine(CFG, model_path=init, settings=settings, run_dir=tmp_path, progress_every_s=0.5)
+    try:
+        info = json.loads(fake_launcher.read_text())["info"]
+        argv = info["argv"]
+        assert argv[:2] == ["--model-path", str(init)] and argv[argv.index("--port") + 1] == str(e.server.port)
+        assert argv[argv.index("--tp-size") + 1] == "1"
+        for flag in ("--trust-remote-code", "--skip-tokenizer-init", "--enable-return-routed-experts"):
+            assert flag in argv
+        assert argv[-4:] == ["--fake-health-delay", "1.5", "--foo", "a b"]       # sglang_server_args, shlex-split
+        assert any("sglang: waiting for" in r.message for r in caplog.records)     # progress while it starts
+        assert any("ready after" in r.message for r in caplog.records)
+        assert "fake sglang: serving" in (tmp_path / "sglang_server.log").read_text()
+        groups = e.generate([[0, 5]], SamplingParams(max_new_tokens=2), n=2, seed=1)
+        assert [len(g) for g in groups] == [2]
+    finally:
+        e.shutdown()
+    assert _gone(info["pid"]) and _gone(info["worker_pid"])     # the server and its worker are stopped
+    e.shutdown()                                                 # twice is fine
+
+
+def test_a_server_that_exits_or_never_answers_is_an_error_and_is_stopped(tmp_path, fake_launcher):
+    import json
+
+    settings = TrainConfig(sglang_weight_sync="disk")
+    with pytest.raises(SGLangError, match=r"exited with code 3 during start-up; its output: .*sglang_server.log"):
+        make_sglang_engine(CFG, model_path=tmp_path / "missing", settings=settings, run_dir=tmp_path)
+    assert "cannot load --model-path" in (tmp_path / "sglang_server.log").read_text()
+
+    init = _checkpoint(tmp_path)
+    settings = TrainConfig(sglang_weight_sync="disk", sglang_server_args="--fake-health-delay 600",
+                           sglang_startup_timeout_s=2)
+    with pytest.raises(SGLangError, match="did not answer /health within 2 s"):
+        make_sglang_engine(CFG, model_path=init, settings=settings, run_dir=tmp_path)
+    info = json.loads(fake_launcher.read_text())["info"]
+    assert _gone(info["pid"]) and _gone(info["worker_pid"])

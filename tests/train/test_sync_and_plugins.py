@@ -19,15 +19,16 @@ def test_rollout_engines_are_a_plugin_axis():
     ref = host.get(ROLLOUT, "reference")
     assert isinstance(ref, RolloutEngine) and ref.routed_experts and ref.unavailable_reason() is None
     assert host.get(ROLLOUT, "sglang").unavailable_reason()      # no GPU / sglang here
+    assert host.get(ROLLOUT, "sglang").server and not ref.server  # a server (started, or at --rollout-url)
     with pytest.raises(ValueError, match="weight_update"):
         RolloutEngine(name="x", description="d", factory="a:b", weight_update=("ftp",))
 
 
-def _run(rollout_engine: str, hardware: str = "cpu"):
+def _run(rollout_engine: str, hardware: str = "cpu", rollout_url=None):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(rollout_engine=rollout_engine, hardware=hardware, model=CFG),
+    return normalize(Choices(rollout_engine=rollout_engine, hardware=hardware, model=CFG, rollout_url=rollout_url),
                      make_host(third_party=False))
 
 
@@ -38,6 +39,22 @@ def test_the_assembly_builds_the_runs_reference_engine_and_refuses_sglang_here()
     assert isinstance(assemble(_run("reference")).rollout_engine(CFG), ReferenceEngine)
     with pytest.raises(RuntimeError, match="--rollout-engine sglang is not usable here"):
         assemble(_run("sglang", "nvidia")).rollout_engine(CFG)
+
+
+def test_a_server_at_rollout_url_is_assembled_on_the_cpu_without_the_local_probe(tmp_path):
+    from core.assembly import assemble
+    from core.combinations import InvalidCombination
+    from core.run_config import availability_problems
+    from tests.train._fake_sglang import FakeSGLang
+    from train.trainer import TrainConfig
+
+    with pytest.raises(InvalidCombination, match="--rollout-url URL"):
+        _run("sglang")                                      # starting a server needs a GPU target
+    with FakeSGLang(CFG) as fake:
+        run = _run("sglang", rollout_url=fake.url + "/")
+        assert run.rollout_url == fake.url and availability_problems(run) == []
+        e = assemble(run).rollout_engine(CFG, settings=TrainConfig(sglang_weight_sync="disk"), run_dir=tmp_path)
+        assert e.server.base_url == fake.url and e.proc is None and fake.state["health_calls"] == 1
 
 
 @pytest.mark.parametrize("scheme,bound", [("bf16", 0.0), ("fp8", 0.08), ("nvfp4", 0.25)])
