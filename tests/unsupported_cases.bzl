@@ -104,6 +104,6 @@ UNSUPPORTED_CASES = [
     struct(
         name = "sglang_on_cpu",
         args = ["--rollout-engine", "sglang"],
-        message = "--rollout-engine sglang needs a GPU (got --hardware cpu). Fix: use a GPU --hardware, or --rollout-engine reference.",
+        message = "--rollout-engine sglang needs a GPU (got --hardware cpu). Fix: use a GPU --hardware, connect to a running sglang server with --rollout-url URL, or --rollout-engine reference.",
     ),
 ]
