@@ -70,7 +70,7 @@ def _layout_id(impl_layout) -> str:
 
 @pytest.mark.parametrize("impl,layout", LAYOUTS, ids=[_layout_id(x) for x in LAYOUTS])
 def test_torchrun_layout_matches_one_gpu_and_trains_five_grpo_steps(tmp_path, one_gpu, impl, layout):
-    name = f"{impl}:{'+'.join(layout[::2]) or 'dp'}"
+    name = _layout_id((impl, layout))
     _dsv4(tmp_path / "sft", "--impl", impl, *layout, *SFT, nproc=2)
     got, want = _rows(tmp_path / "sft")[0], one_gpu[impl]
     assert got["world_size"] == 2
