@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from train.optim import all_reduce_grads
+
 from bench.train_step import (H200_BF16_DENSE_TFLOPS, active_params, bench_config, bench_run_config, config_summary,
                               step_flops)
 
@@ -84,22 +86,6 @@ def _loss_fn(m, layout, ids):
         def fwd():
             return m(local, layout=layout_obj)
     return lambda: F.cross_entropy(fwd().index_select(0, keep).float(), labels, reduction="sum") / (S - 1)
-
-
-def _all_reduce_grads(params, group, average: bool) -> None:
-    """One all-reduce per dtype over the flattened gradients (a parameter without one counts as zeros)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    by_dtype = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for ps in by_dtype.values():
-        flat = _flatten_dense_tensors([p.grad for p in ps])
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
-        for p, g in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
-            p.grad.copy_(g)
 
 
 def _sync(device) -> None:
@@ -167,7 +153,7 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
             loss = loss_fn()
             loss.backward()
             if sync is not None:
-                _all_reduce_grads(sync[2], sync[0], sync[1])
+                all_reduce_grads(sync[2], sync[0], sync[1])
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Dict, Mapping
 
@@ -142,22 +139,12 @@ def save_torch_dist(path, native_state: Mapping[str, torch.Tensor], config, *, o
     from megatron.core import dist_checkpointing
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    from core.atomic import atomic_folder
+
+    with atomic_folder(out) as tmp:
         with cpu_save_context():
             dist_checkpointing.save(_sharded_state_dict(native_state, config), str(tmp))
         (tmp / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

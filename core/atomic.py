@@ -9,16 +9,18 @@ created with the process's usual permissions (``0o666`` less the umask).
 * :func:`write_text_atomically` / :func:`write_bytes_atomically`: the whole content at once;
 * :func:`atomic_path`: a context manager yielding the temporary path, for writers that want a path
   (``torch.save``, ``safetensors.save_file``, a stream of lines);
+* :func:`atomic_folder`: the same for a folder: filled under a hidden ``.NAME.tmp-<pid>-<hex>`` sibling and
+  swapped into place (an existing folder is moved aside to ``.NAME.old-<pid>-<hex>`` and removed), so a
+  reader sees the old folder or the new one (what ``core.stale_temps`` cleans after a kill);
 * :func:`fsync_dir`: fsync a folder (after renaming something into it).
 
-Directory staging (a temporary folder filled, then renamed into place) stays with its callers
-(``core/checkpoint/io.py``, ``core/native_checkpoint.py``, ``converters/staging.py``,
-``train/checkpointing.py``).
+Staged outputs with a lock and a sentinel are ``converters/staging.py``'s.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +28,8 @@ from typing import Iterator, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["atomic_path", "fsync_dir", "fsync_file", "write_bytes_atomically", "write_text_atomically"]
+__all__ = ["atomic_folder", "atomic_path", "fsync_dir", "fsync_file", "write_bytes_atomically",
+           "write_text_atomically"]
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -80,3 +83,27 @@ def write_bytes_atomically(path: PathLike, data: bytes) -> Path:
 def write_text_atomically(path: PathLike, text: str, encoding: str = "utf-8") -> Path:
     """Replace ``path``'s content with ``text`` atomically (see the module); returns ``path``."""
     return write_bytes_atomically(path, text.encode(encoding))
+
+
+@contextmanager
+def atomic_folder(path: PathLike) -> Iterator[Path]:
+    """Yield a new, empty temporary folder beside ``path``; fill it. When the block ends without an error it
+    replaces ``path`` (an existing folder is moved aside, then removed) and the parent is fsynced; on an
+    error the temporary folder is removed and ``path`` is untouched."""
+    path = Path(path)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".{path.name}.tmp-{tag}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{tag}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -35,8 +35,6 @@ import json
 import os
 import pickle
 import re
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -44,7 +42,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from core import weight_contract as wc
-from core.atomic import fsync_dir, write_text_atomically
+from core.atomic import atomic_folder, write_text_atomically
 from core.errors import UserInputError
 
 META_FILE = "dsv4_native.json"
@@ -267,9 +265,7 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
     from core.stale_temps import remove_stale
 
     remove_stale(out.parent)  # temporaries of writers killed earlier
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_folder(out) as tmp:
         with _quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
         meta = {
@@ -281,17 +277,6 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
             "complete": bool(complete),
         }
         write_text_atomically(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

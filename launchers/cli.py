@@ -511,6 +511,19 @@ def _check_launched_run_dir(run_dir) -> None:
         _fail("a run started by torchrun / srun needs --run-dir (every rank must use the same folder)", EXIT_INVALID)
 
 
+def _prepared_training(opts: dict, kw: dict):
+    """`train` / `full-train` settings resolved and checked: ``(run, settings)``, or None after
+    ``--print-config`` printed them."""
+    t = _training(opts, kw)
+    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
+    if t.print_config:
+        _print_config(run, t)
+        return None
+    _train_config(t)
+    _check_launched_run_dir(t.run_dir)
+    return run, t
+
+
 @subcommand("train")
 @training_options
 def train_cmd(opts, **kw):
@@ -522,13 +535,10 @@ def train_cmd(opts, **kw):
     is a KEY=VALUE argument (e.g. `lr=1e-3 group_size=8`) or a key of --config;
     --print-config lists them.
     """
-    t = _training(opts, kw)
-    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
-    if t.print_config:
-        return _print_config(run, t)
-    _train_config(t)
-    _check_launched_run_dir(t.run_dir)
-    stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, t))
+    prepared = _prepared_training(opts, kw)
+    if prepared is not None:
+        run, t = prepared
+        stages.train(run, stages.model_checkpoint(run), **_train_kwargs(run, t))
 
 
 @subcommand("full-train")
@@ -538,13 +548,10 @@ def full_train_cmd(opts, **kw):
 
     Takes the settings of `train` (--config, KEY=VALUE, --print-config).
     """
-    t = _training(opts, kw)
-    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
-    if t.print_config:
-        return _print_config(run, t)
-    _train_config(t)
-    _check_launched_run_dir(t.run_dir)
-    stages.full_train(run, **_train_kwargs(run, t))
+    prepared = _prepared_training(opts, kw)
+    if prepared is not None:
+        run, t = prepared
+        stages.full_train(run, **_train_kwargs(run, t))
 
 
 @subcommand("export")

@@ -3,11 +3,9 @@ traceback; outputs never destroy inputs; --overwrite replaces only dsv4's own ou
 report "wrote" once; stale temporaries are cleaned; a failed start leaves nothing behind.
 docs/bad-inputs.md lists each case."""
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -31,19 +31,17 @@ import json
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-import torch
 
-from core.atomic import fsync_dir, write_text_atomically
+from core.atomic import fsync_file, write_text_atomically
 
 from . import state_io
 
 CKPT_DIR = "checkpoints"
 OPTIM_DIR = "optim"
-OPTIM_META = "optim.json"
+OPTIM_META = state_io.OPTIM_JSON      # one name: state_io.refuse_legacy looks for it
 OPTIM_FORMAT = "dsv4-optim-full-v1"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -65,10 +63,10 @@ def save_checkpoint(run_dir, step: int, train_model, optimizer, extra: Optional[
     return written
 
 
-def _write(run_dir, step, view, optimizer, optim_state, optim_step, extra, keep_last) -> Path:
+def _write(run_dir, step, train_model, optimizer, optim_state, optim_step, extra, keep_last) -> Path:
+    from core.atomic import atomic_folder
     from core.native_checkpoint import save_native, save_tensor_folder
 
-    train_model = view
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     from converters.staging import check_disk_space
@@ -80,9 +78,7 @@ def _write(run_dir, step, view, optimizer, optim_state, optim_step, extra, keep_
     check_disk_space(root, need)  # weights + optimizer state, before anything is written
     name = f"step_{step:06d}"
     final = root / name
-    tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    tmp.mkdir()
-    try:
+    with atomic_folder(final) as tmp:    # a leftover final folder (an earlier run got past this step) is replaced
         native = {n: t.detach() for n, t in train_model.native_tensors()}
         save_native(tmp / "model", native, impl=getattr(train_model, "impl", "reference"),
                     config=train_model.config)
@@ -97,15 +93,7 @@ def _write(run_dir, step, view, optimizer, optim_state, optim_step, extra, keep_
             os.fsync(f.fileno())
         for p in tmp.iterdir():
             if p.is_file():
-                with open(p, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if final.exists():  # a leftover from an earlier run that got past this step: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                fsync_file(p)
     write_text_atomically(root / LATEST, name + "\n")
     _prune(root, keep_last, keep=name)
     return final

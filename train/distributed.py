@@ -96,7 +96,7 @@ class ParallelGroups:
         """Elementwise sum of per-rank floats over data parallel (fp64 on the CPU: exact for counts)."""
         if self.dp == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        t = torch.tensor(values, dtype=torch.float64, device=collective_device())
         dist.all_reduce(t, group=self._groups["dp"])
         return t.tolist()
 
@@ -104,7 +104,7 @@ class ParallelGroups:
         """Every data-parallel rank's list (equal lengths), concatenated in rank order."""
         if self.dp == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        t = torch.tensor(values, dtype=torch.float64, device=collective_device())
         parts = [torch.empty_like(t) for _ in range(self.dp)]
         dist.all_gather(parts, t, group=self._groups["dp"])
         return torch.cat(parts).tolist()
@@ -113,12 +113,13 @@ class ParallelGroups:
         if self.world > 1:
             dist.barrier()
 
-    @staticmethod
-    def _device() -> torch.device:
-        """NCCL collectives need CUDA tensors; gloo takes CPU ones."""
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+
+
+def collective_device() -> torch.device:
+    """Where this process's collectives take their tensors: NCCL needs CUDA tensors, gloo takes CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_divisible(groups, mode: str, cfg) -> None:
@@ -153,4 +154,4 @@ def pack(lengths: List[int], model_config, cp: int, max_tokens_per_rank: Optiona
                               min_tokens_per_rank=min_rank)
 
 
-__all__: List[Any] = ["ParallelGroups", "check_divisible", "pad_rule", "pack"]
+__all__: List[Any] = ["ParallelGroups", "check_divisible", "collective_device", "pad_rule", "pack"]

@@ -435,13 +435,10 @@ class ImplTrainModel(_TrainModelBase):
         under expert parallelism, its experts (``engine.loading.load_native_tensors``)."""
         from engine.loading import load_native_tensors
 
-        targets = dict(self.native_tensors())
-        held = set(targets)
-        missing = sorted(n for n in held if n not in state)
+        missing = sorted(n for n in self.held_native_names() if n not in state)
         if missing:
             raise ValueError(f"native state lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        load_native_tensors(self.module, ((n, t) for n, t in state.items() if n in held or _other_rank_expert(n)),
-                            strict=False)
+        load_native_tensors(self.module, state.items(), strict=False)   # other ranks' experts are skipped there
 
     def held_native_names(self) -> set:
         """The contract tensors this rank holds (under expert parallelism: its experts): what it reads."""
@@ -468,12 +465,6 @@ class ImplTrainModel(_TrainModelBase):
         self.load_native_state(dict(wc.hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.float32,
                                                                            progress=False, names=names),
                                                     self.config)))
-
-
-def _other_rank_expert(name: str) -> bool:
-    from engine.expert_parallel import expert_name
-
-    return expert_name(name) is not None
 
 
 class _FullView:

@@ -28,7 +28,6 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from engine.expert_parallel import expert_name
 from engine.tp import gather_tensor, shard_tensor, tp_spec
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -132,8 +131,8 @@ class TorchOptimizer(_Base):
         ps = _ps()
         dense = [p for p in self.params if not _is_expert(p)]
         experts = [p for p in self.params if _is_expert(p)]
-        _all_reduce_sum(dense, ps.get_data_parallel_group(with_context_parallel=True))
-        _all_reduce_sum(experts, ps.get_expert_data_parallel_group())
+        all_reduce_grads(dense, ps.get_data_parallel_group(with_context_parallel=True))
+        all_reduce_grads(experts, ps.get_expert_data_parallel_group())
 
     def _global_norm(self) -> float:
         """sqrt of the sum of squares of the FULL model's gradients: replicated tensors counted once, tensor-
@@ -226,23 +225,16 @@ def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
 def _max_step(step: int) -> int:
     if not _initialized():
         return step
-    t = torch.tensor([step], dtype=torch.int64, device=_collective_device())
+    from .distributed import collective_device
+
+    t = torch.tensor([step], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
-def out_names(state: Dict[str, torch.Tensor]) -> List[str]:
-    """The parameter names of a full optimizer state (keys ``<param>/<key>``)."""
-    return sorted({k.rsplit("/", 1)[0] for k in state})
-
-
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _all_reduce_sum(params: List[torch.nn.Parameter], group) -> None:
-    """Sum the gradients of ``params`` over ``group``, one flat all-reduce per dtype (a parameter without a
-    gradient counts as zeros, so every rank sends the same layout)."""
+def all_reduce_grads(params: List[torch.nn.Parameter], group, average: bool = False) -> None:
+    """Sum (or average) the gradients of ``params`` over ``group``, one flat all-reduce per dtype (a parameter
+    without a gradient counts as zeros, so every rank sends the same layout)."""
     if not params or _group_size(group) == 1:
         return
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -255,7 +247,7 @@ def _all_reduce_sum(params: List[torch.nn.Parameter], group) -> None:
     for group_params in by_dtype.values():
         grads = [p.grad for p in group_params]
         flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
 
@@ -375,7 +367,7 @@ class MegatronOptimizer(_Base):
             for n, t in _full_tensors(named, self.named).items():
                 out[f"{n}/{k}"] = t.cpu()
         step = _max_step(step)        # one Adam over the data-parallel shards: every parameter steps together
-        return out, {n: step for n in out_names(out)}
+        return out, {n: step for n in self.named}
 
     @torch.no_grad()
     def load_full_state(self, read, steps: Dict[str, int]) -> None:

@@ -37,8 +37,7 @@ OPTIM_JSON = "optim.json"   # the optimizer record (train.checkpointing); its pr
 RNG_TENSORS, RNG_JSON = "rng.safetensors", "rng.json"
 LEGACY_PICKLES = ("optim.pt", "rng.pt")
 
-__all__ = ["TrainingStateError", "save_optimizer", "load_optimizer", "save_rng", "load_rng", "save_tensors",
-           "load_tensors", "refuse_legacy"]
+__all__ = ["TrainingStateError", "save_rng", "load_rng", "save_tensors", "load_tensors", "refuse_legacy"]
 
 
 class TrainingStateError(UserInputError):

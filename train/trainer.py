@@ -42,7 +42,6 @@ import dataclasses
 import json
 import os
 import signal
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,17 +343,25 @@ class _Run:
         # every rank divides by the step's GLOBAL response-token count: the summed gradient is the token mean
         n_local = float(mask.sum())
         n_global = max(self.dist.sum_over_dp([n_local])[0], 1.0)
-        if self.packed:
-            return self._sft_packed(ids, mask, [len(q) for q in seqs], t0, n_global)
+        lengths = [len(q) for q in seqs]
+        if self.packed:                  # dynamic batching: packed THD micro-batches (core.packing)
+            mbs, eff = self._micro_batches(lengths)
+        else:                            # micro_batch_size rows each (one micro-batch when it is not set)
+            mbs, eff = [list(range(ids.shape[0]))[rows] for rows in self._row_chunks(ids.shape[0])], None
         loss_acc = mtp_acc = aux_acc = 0.0
         have_mtp = have_aux = False
-        chunks = self._row_chunks(ids.shape[0])
-        for k, rows in enumerate(chunks):             # micro-batches (micro_batch_size), gradients accumulated
-            sub_ids, sub_mask = ids[rows], mask[rows]
-            fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0)
+        for k, idx in enumerate(mbs):    # each adds its response tokens' NLL sum / the step's response tokens
+            kw = {}
+            if self.packed:
+                Sm = max(lengths[i] for i in idx)
+                sub_ids, sub_mask = ids[idx, :Sm], mask[idx, :Sm - 1]
+                kw["lengths"] = [lengths[i] for i in idx]
+            else:
+                sub_ids, sub_mask = ids[idx], mask[idx]
+            fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, **kw)
             loss_sum, _n = sft_loss_sum(fwd.logprobs, sub_mask)
             loss = loss_sum / n_global
-            frac = float(sub_mask.sum()) / n_global
+            frac = float(sub_mask.sum()) / n_global     # MTP and aux terms weighted by token share
             total = loss
             mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
             if mtp is not None:
@@ -365,17 +372,21 @@ class _Run:
                 total = total + fwd.aux_loss * frac
                 aux_acc += float(fwd.aux_loss.detach()) * frac
                 have_aux = True
-            with self._accumulating(k, len(chunks)):
+            with self._accumulating(k, len(mbs)):
                 total.backward()
             loss_acc += float(loss.detach())
         gnorm = self._clip_and_step()
         t_train = time.perf_counter() - t0
-        loss_g, mtp_g, aux_g, tokens = self.dist.sum_over_dp([loss_acc, mtp_acc, aux_acc, float(ids.numel())])
-        return {"loss": loss_g, "mtp_loss": mtp_g if have_mtp else None, "grad_norm": gnorm,
-                "indexer_loss": aux_g if have_aux else None, "micro_batches": len(chunks),
-                "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
-                "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
-                "tokens": int(tokens), "response_tokens": int(n_global)}
+        tokens = float(sum(lengths)) if self.packed else float(ids.numel())
+        loss_g, mtp_g, aux_g, tokens = self.dist.sum_over_dp([loss_acc, mtp_acc, aux_acc, tokens])
+        row = {"loss": loss_g, "mtp_loss": mtp_g if have_mtp else None, "grad_norm": gnorm,
+               "indexer_loss": aux_g if have_aux else None, "micro_batches": len(mbs),
+               "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
+               "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
+               "tokens": int(tokens), "response_tokens": int(n_global)}
+        if eff is not None:
+            row["packing_efficiency"] = eff
+        return row
 
     def _clip_and_step(self) -> float:
         """Reduce the gradients over data (and context) parallel, clip, step (``train.optim``: a non-finite
@@ -399,44 +410,6 @@ class _Run:
 
         pr = pack(lengths, self.model_config, self.dist.cp, self.max_tokens_per_rank)
         return [list(mb.sample_indices) for mb in pr.micro_batches], pr.efficiency
-
-    def _sft_packed(self, ids, mask, lengths: List[int], t0: float, n_global: float) -> Dict[str, Any]:
-        """SFT over packed micro-batches: each adds its response tokens' NLL sum / the batch's response
-        tokens (so the total is the batch's token-mean NLL); MTP and aux terms weighted by token share."""
-        cfg = self.cfg
-        n_total = n_global
-        mbs, eff = self._micro_batches(lengths)
-        loss_acc = mtp_acc = aux_acc = 0.0
-        have_mtp = have_aux = False
-        for k, idx in enumerate(mbs):
-            Sm = max(lengths[i] for i in idx)
-            sub_ids, sub_mask = ids[idx, :Sm], mask[idx, :Sm - 1]
-            fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, lengths=[lengths[i] for i in idx])
-            loss_sum, _ = sft_loss_sum(fwd.logprobs, sub_mask)
-            loss = loss_sum / n_total
-            loss_acc += float(loss.detach())
-            total = loss
-            frac = float(sub_mask.sum()) / n_total
-            mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
-            if mtp is not None:
-                total = total + cfg.mtp_coef * mtp * frac
-                mtp_acc += float(mtp.detach()) * frac
-                have_mtp = True
-            if fwd.aux_loss is not None:
-                total = total + fwd.aux_loss * frac
-                aux_acc += float(fwd.aux_loss.detach()) * frac
-                have_aux = True
-            with self._accumulating(k, len(mbs)):
-                total.backward()
-        gnorm = self._clip_and_step()
-        loss_acc, mtp_acc, aux_acc = self.dist.sum_over_dp([loss_acc, mtp_acc, aux_acc])
-        return {"loss": loss_acc, "mtp_loss": mtp_acc if have_mtp else None, "grad_norm": gnorm,
-                "indexer_loss": aux_acc if have_aux else None,
-                "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
-                "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": time.perf_counter() - t0,
-                "time_update_weights": 0.0, "tokens": int(self.dist.sum_over_dp([float(sum(lengths))])[0]),
-                "response_tokens": int(n_global),
-                "packing_efficiency": eff, "micro_batches": len(mbs)}
 
     def grpo_step(self, step: int) -> Dict[str, Any]:
         cfg, tok = self.cfg, self.tok

@@ -108,7 +108,6 @@ def _tail_state(comp: Compressor, x: torch.Tensor, lengths: torch.Tensor, n_entr
     ``entries [B, >=, c]`` the prefill's pooled entries (None: none were pooled)."""
     B, S, _ = x.shape
     m, c = comp.ratio, comp.head_dim
-    kc = comp.wkv.weight.shape[0]
     ct = compute_dtype(x)
     start = (lengths // m) * m - (m if comp.overlap else 0)          # first position of the slots to fill
     slots = (m * 2) if comp.overlap else m

@@ -247,3 +247,15 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def process_gone(pid: int, within_s: float = 10.0) -> bool:
+    """True once process ``pid`` has exited (within ``within_s`` seconds): a started server was stopped."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

@@ -5,8 +5,6 @@ nothing here says the adapter works against a real server. The trainer's use of 
 tests/train/test_sglang_training.py."""
 
 import importlib.util
-import os
-import socket
 import time
 from pathlib import Path
 
@@ -14,7 +12,8 @@ import pytest
 import torch
 
 from core.config import preset
-from tests.train._fake_sglang import FakeSGLang, install_fake_launcher
+from core.ports import free_port
+from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
 from train.engines import SamplingParams, sample_seed
 from train.sglang_engine import (SGLangEngine, SGLangError, SGLangServerConfig, SGLangSetupError,
                                  make_sglang_engine, server_command, torch_b64_serialize)
@@ -28,23 +27,6 @@ def _engine(url, tp_size=2, **kw):
     e = SGLangEngine(CFG, cfg, launch=False, serializer=torch_b64_serialize, **kw)
     e.connect()
     return e
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gone(pid: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_server_command_line():
@@ -130,7 +112,7 @@ def test_weight_update_from_disk_writes_a_checkpoint_the_server_reloads(tmp_path
 
 
 def test_connect_checks_health_once_and_an_unreachable_url_is_one_line():
-    port = _closed_port()
+    port = free_port()   # nothing listens there
     e = SGLangEngine(CFG, SGLangServerConfig(url=f"http://127.0.0.1:{port}"), launch=False)
     with pytest.raises(SGLangSetupError) as err:
         e.connect()
@@ -201,7 +183,7 @@ def test_launch_starts_the_server_on_the_checkpoint_waits_for_health_and_stops_i
         assert [len(g) for g in groups] == [2]
     finally:
         e.shutdown()
-    assert _gone(info["pid"]) and _gone(info["worker_pid"])     # the server and its worker are stopped
+    assert process_gone(info["pid"]) and process_gone(info["worker_pid"])     # the server and its worker are stopped
     e.shutdown()                                                 # twice is fine
 
 
@@ -219,4 +201,4 @@ def test_a_server_that_exits_or_never_answers_is_an_error_and_is_stopped(tmp_pat
     with pytest.raises(SGLangError, match="did not answer /health within 2 s"):
         make_sglang_engine(CFG, model_path=init, settings=settings, run_dir=tmp_path)
     info = json.loads(fake_launcher.read_text())["info"]
-    assert _gone(info["pid"]) and _gone(info["worker_pid"])
+    assert process_gone(info["pid"]) and process_gone(info["worker_pid"])

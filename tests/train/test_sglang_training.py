@@ -15,16 +15,14 @@ test substitutes the base64 `torch.save` stand-in the fake reads (``train.sglang
 """
 
 import json
-import os
-import socket
-import time
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from core.config import preset
-from tests.train._fake_sglang import FakeSGLang, install_fake_launcher
+from core.ports import free_port
+from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
 from train import sglang_engine
 from train.engines import sample_seed
 from train.trainer import _step_seed
@@ -54,17 +52,6 @@ def _shapes(folder) -> dict:
     from core.checkpoint import open_checkpoint
 
     return {n: list(t.shape) for n, t in open_checkpoint(folder).iter_tensors(dequantize=True)}
-
-
-def _gone(pid: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_train_connects_to_rollout_url_on_the_cpu_pushes_weights_and_trains_on_its_samples(tmp_path, monkeypatch):
@@ -110,9 +97,7 @@ def test_train_connects_to_rollout_url_on_the_cpu_pushes_weights_and_trains_on_i
 
 
 def test_an_unreachable_rollout_url_is_one_line_and_leaves_no_run_folder(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()   # nothing listens there
     run = tmp_path / "run"
     line = one_line_error(dsv4("train", "--hardware", "cpu", "--rollout-engine", "sglang", "--rollout-url",
                                f"http://127.0.0.1:{port}", "--run-dir", run, "--steps", 1), code=1)
@@ -186,7 +171,7 @@ def test_train_starts_a_server_on_the_exported_weights_syncs_through_disk_and_st
     assert [r["step"] for r in rows] == [1, 2] and all(r["routing_replay_match"] is not None for r in rows)
     assert [r["response_tokens"] for r in rows] == [sum(g["output_lengths"]) for g in state["generate"]]
     assert "fake sglang: serving" in (run / "sglang_server.log").read_text()
-    assert _gone(info["pid"]) and _gone(info["worker_pid"])          # stopped at the end of the run
+    assert process_gone(info["pid"]) and process_gone(info["worker_pid"])          # stopped at the end of the run
 
 
 def test_a_failing_run_stops_the_server_it_started(tmp_path, monkeypatch):
@@ -196,5 +181,5 @@ def test_a_failing_run_stops_the_server_it_started(tmp_path, monkeypatch):
     with pytest.raises(SGLangError, match="/generate: HTTP 500.*boom"):
         _launch_run(tmp_path, sglang_server_args="--fake-fail /generate boom")
     info = json.loads(state_file.read_text())["info"]
-    assert _gone(info["pid"]) and _gone(info["worker_pid"])
+    assert process_gone(info["pid"]) and process_gone(info["worker_pid"])
     assert not (tmp_path / "run").exists()           # a start that fails before its first step leaves nothing
