@@ -367,7 +367,7 @@ class MegatronOptimizer(_Base):
             for n, t in _full_tensors(named, self.named).items():
                 out[f"{n}/{k}"] = t.cpu()
         step = _max_step(step)        # one Adam over the data-parallel shards: every parameter steps together
-        return out, {n: step for n in self.named}
+        return out, {k.rsplit("/", 1)[0]: step for k in out}   # every rank's parameters (all experts)
 
     @torch.no_grad()
     def load_full_state(self, read, steps: Dict[str, int]) -> None:
