@@ -292,13 +292,20 @@ def main(argv=None):
                     help="compiled blocks also as CUDA graphs (Inductor's reduce-overhead mode; engine.compile)")
     ap.add_argument("--compile", choices=("on", "off", "both"), default="on",
                     help="run miles / megatron with their blocks torch.compile'd (engine.compile), eagerly, or both")
+    ap.add_argument("--preset", default=None,
+                    help="a core.config preset (for example flash-shaped) instead of the small benchmark config")
     ap.add_argument("--indexer-loss-coeff", type=float, default=None,
                     help="megatron: train the indexer with its KL loss at this weight (default: off); needs --cuda-graph off")
     args = ap.parse_args(argv)
 
     from core.assembly import assemble
 
-    c = bench_config()
+    if args.preset:
+        from core.config import preset
+
+        c = preset(args.preset)
+    else:
+        c = bench_config()
     assemble(bench_run_config("miles", c)).setup_process()
     seq, batch = args.seq, args.batch
     g = torch.Generator().manual_seed(0)
