@@ -171,6 +171,14 @@ class RolloutEngineBase:
     def held_weights(self) -> Optional[Dict[str, torch.Tensor]]:
         return None
 
+    def release_memory(self) -> None:
+        """Colocated mode (``colocate``): give the device memory back while the trainer computes; the next
+        ``begin_update`` takes it again and the update that follows sends every tensor."""
+        raise NotImplementedError(f"the {self.name} rollout engine cannot release its memory: train without colocate")
+
+    def resume_memory(self) -> None:
+        raise NotImplementedError(f"the {self.name} rollout engine cannot release its memory: train without colocate")
+
     def shutdown(self) -> None:
         pass
 
@@ -198,40 +206,70 @@ class ReferenceEngine(RolloutEngineBase):
                     t.data = t.data.to(dtype)
         self.model.eval().requires_grad_(False)
         self.version: Optional[int] = None
-        self._pending: Optional[Dict[str, torch.Tensor]] = None
-        self._loaded_once = False
+        self._received: Optional[set] = None
+        self._loaded_once = self._complete_before = self._released = False
+        self._shapes: List[Tuple[torch.Tensor, Tuple[int, ...]]] = []
 
     # -- weights ---------------------------------------------------------
+    # An update is loaded IN PLACE, bucket by bucket, into the tensors the engine computes with: the engine
+    # never holds a second copy of the weights (which matters when it shares the trainer's GPU). While an
+    # update is under way, and after one that failed, the engine refuses to generate until an update
+    # completes; an update that follows a release (``release_memory``) must send every tensor.
     def begin_update(self, version: int) -> None:
-        self._pending = {}
+        self._received = set()
+        self._complete_before, self._loaded_once = self._loaded_once, False
         self._next_version = version
+        if self._released:
+            self.resume_memory()
 
     def load_bucket(self, bucket) -> None:
-        if self._pending is None:
+        if self._received is None:
             raise RuntimeError("load_bucket before begin_update")
-        for n, t in decode_published(bucket, self.dtype).items():
-            if n in self._pending:
-                raise ValueError(f"weight update: {n!r} arrived twice")
-            self._pending[n] = t
-
-    def finish_update(self) -> None:
-        got, self._pending = self._pending, None
-        if got is None:
-            raise RuntimeError("finish_update before begin_update")
         sd = self.model.state_dict()
-        missing = sorted(set(sd) - set(got))
-        extra = sorted(set(got) - set(sd))
-        if extra or (missing and not self._loaded_once):
-            raise ValueError(f"weight update does not fit the engine: missing {missing[:5]} "
-                             f"({len(missing)}), unexpected {extra[:5]} ({len(extra)})")
         with torch.no_grad():
-            for n, t in got.items():
+            for n, t in decode_published(bucket, self.dtype).items():
+                if n in self._received:
+                    raise ValueError(f"weight update: {n!r} arrived twice")
+                if n not in sd:
+                    raise ValueError(f"weight update does not fit the engine: unexpected {n!r}")
                 dst = sd[n]
                 if tuple(dst.shape) != tuple(t.shape):
                     raise ValueError(f"weight update: {n!r} has shape {tuple(t.shape)}, engine {tuple(dst.shape)}")
                 dst.copy_(t.to(dst.device, dst.dtype))
+                self._received.add(n)
+
+    def finish_update(self) -> None:
+        got, self._received = self._received, None
+        if got is None:
+            raise RuntimeError("finish_update before begin_update")
+        missing = sorted(set(self.model.state_dict()) - got)
+        if missing and not self._complete_before:
+            raise ValueError(f"weight update does not fit the engine: missing {missing[:5]} ({len(missing)})")
         self._loaded_once = True
         self.version = self._next_version
+
+    def release_memory(self) -> None:
+        """Colocated mode: free the weights while the trainer uses the device (the KV cache lives only inside
+        :meth:`generate`). The storage is given back; the next update (``begin_update``) allocates it again
+        and must send every tensor, since nothing is kept."""
+        if self._released:
+            return
+        for t in self.model.state_dict(keep_vars=True).values():
+            self._shapes.append((t, tuple(t.shape)))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._released, self._loaded_once = True, False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()     # give the blocks back to the driver: other processes may share the GPU
+
+    def resume_memory(self) -> None:
+        """Allocate the released weights again (uninitialized: an update fills them before any generate)."""
+        for t, shape in self._shapes:
+            t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+        self._shapes, self._released = [], False
+
+    def held_bytes(self) -> int:
+        """Bytes of weights the engine holds now (0 while released)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def held_weights(self):
         return dict(self.model.state_dict())

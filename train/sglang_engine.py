@@ -100,6 +100,7 @@ class SGLangServerConfig:
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
     url: Optional[str] = None                    # connect mode: the server's address (host / port unused)
+    enable_memory_saver: bool = False            # colocated: the server can release its weights and KV cache
 
     @property
     def base_url(self) -> str:
@@ -121,6 +122,8 @@ def server_command(cfg: SGLangServerConfig) -> List[str]:
         cmd += ["--quantization", cfg.quantization]
     if cfg.return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
+    if cfg.enable_memory_saver:
+        cmd += ["--enable-memory-saver"]
     return cmd + list(cfg.extra_args)
 
 
@@ -205,6 +208,7 @@ class SGLangEngine(RolloutEngineBase):
         self._bucket_count = 0
         self._disk_tensors: Optional[Dict[str, torch.Tensor]] = None
         self.version: Optional[int] = None
+        self._released = False
         if launch:
             self.start()
 
@@ -377,8 +381,22 @@ class SGLangEngine(RolloutEngineBase):
         return [[self.parse_answer(prompt, a, params) for a in ans[i * n:(i + 1) * n]]
                 for i, prompt in enumerate(prompts)]
 
+    # -- colocated mode ----------------------------------------------------
+    # SGLang's memory-occupation endpoints: release frees the server's weights and KV cache while the trainer
+    # uses the GPUs; the next update resumes them first and then sends every tensor (the trainer always does).
+    def release_memory(self) -> None:
+        if not self._released:
+            self._check_success("/release_memory_occupation", self._post("/release_memory_occupation", {}))
+            self._released = True
+
+    def resume_memory(self) -> None:
+        if self._released:
+            self._check_success("/resume_memory_occupation", self._post("/resume_memory_occupation", {}))
+            self._released = False
+
     # -- weights -----------------------------------------------------------
     def begin_update(self, version: int) -> None:
+        self.resume_memory()
         self._bucket_count = 0
         self._next_version = version
         self._disk_tensors = {} if self.weight_update == "disk" else None
@@ -463,7 +481,8 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
                 raise SGLangError("starting an SGLang server needs model_path (an HF checkpoint it can load)")
             port = int(_setting(settings, "sglang_port")) or free_port()
             server = SGLangServerConfig(model_path=str(model_path), port=port, tp_size=tp, startup_timeout_s=timeout,
-                                        extra_args=tuple(shlex.split(_setting(settings, "sglang_server_args"))))
+                                        extra_args=tuple(shlex.split(_setting(settings, "sglang_server_args"))),
+                                        enable_memory_saver=bool(_setting(settings, "colocate")))
         if run is not None:
             kwargs.setdefault("log_file", str(run / SERVER_LOG))
         engine = SGLangEngine(config, server, launch=False, serializer=serializer, weight_update=WEIGHT_SYNC[sync],

@@ -94,6 +94,10 @@ class TrainConfig:
     top_k: int = 0                           # 0 = off
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
+    # colocated mode: the rollout engine shares the trainer's devices and gives its memory back (weights and
+    # KV cache; SGLang: release/resume_memory_occupation) while the trainer computes log-probs and trains;
+    # the next step's weight update takes it again, in place (docs/rollout.md#colocated-mode)
+    colocate: bool = False
     # the SGLang engine (--rollout-engine sglang; train.sglang_engine): how each step's weights reach the
     # server ("tensors": update_weights_from_tensor, the server on this machine; "disk": an HF checkpoint in
     # RUN_DIR/sglang_weights that it reloads), the server's tensor-parallel size (a started server's --tp-size;
@@ -223,6 +227,7 @@ class _Run:
             load_model_source(self.ref_model, self.ckpt_source)   # the starting weights (same seed, same source)
             self.ref_model.eval().requires_grad_(False)
         self.engine = None
+        self._peak_bytes = 0             # the run's device-memory peak before the last reset (train phase)
         # the weight format published to the engine: the run's --quant scheme's
         self.publish_format = run_config.selection.quant.publish_format if run_config is not None else "bf16"
         self.start_step = 0
@@ -442,6 +447,9 @@ class _Run:
             groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step),
                                           first_prompt=first)
         groups = self.dist.broadcast_from_leader(groups)
+        if cfg.colocate and self.dist.is_leader:
+            self.engine.release_memory()
+        out.update(self._memory_phase_start())
         rewards, items = [], []
         for ex, samples in zip(batch, groups):
             r = []
@@ -522,6 +530,7 @@ class _Run:
             loss_acc += float(loss.detach())
         gnorm = self._clip_and_step()
         out["time_train"] = time.perf_counter() - t0
+        out.update(self._memory_phase_end())
         loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc, tokens = self.dist.sum_over_dp([
             loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc,
             float(sum(it["ids"].numel() for it in items))])
@@ -536,6 +545,31 @@ class _Run:
                    reward_std=float(allr.std(unbiased=False)), response_len_mean=total_tokens / n_samples,
                    tokens=int(tokens), response_tokens=int(total_tokens))
         return out
+
+    def _memory_phase_start(self) -> Dict[str, Any]:
+        """After the rollout: the bytes of weights the engine still holds (0 once released; engines that can
+        say), and on a GPU a fresh peak for the train phase (the run's peak so far is kept for
+        ``peak_memory_gib``)."""
+        out = {}
+        held = getattr(self.engine, "held_bytes", None) if self.dist.is_leader else None
+        if held is not None:
+            out["engine_memory_gib"] = held() / 2**30
+        if torch.cuda.is_initialized():
+            self._peak_bytes = max(self._peak_bytes, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    def _memory_phase_end(self) -> Dict[str, Any]:
+        """The peak allocated while computing log-probs and training (the number colocation lowers)."""
+        if not torch.cuda.is_initialized():
+            return {}
+        return {"train_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+    def _peak_memory_gib(self) -> Optional[float]:
+        """The run's peak allocated device memory so far (rank 0's device)."""
+        if not torch.cuda.is_initialized():
+            return None
+        return max(self._peak_bytes, torch.cuda.max_memory_allocated()) / 2**30
 
     def _group_tensors(self, samples, rewards: torch.Tensor) -> Dict[str, torch.Tensor]:
         c = self.model_config
@@ -642,7 +676,7 @@ class _Run:
                     row["lr"] = self.cfg.lr
                     row["wall_time"] = time.time()
                     row["world_size"] = self.dist.world
-                    row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_initialized() else None
+                    row["peak_memory_gib"] = self._peak_memory_gib()
                     last_row = row
                     if logger is not None:
                         logger.log(row)

@@ -104,7 +104,7 @@ class FakeSGLang:
         self.ready_at = time.monotonic() + health_delay_s
         self.lock = threading.Lock()
         self.state: Dict[str, Any] = {"health_calls": 0, "generate": [], "versions": [], "info": dict(info or {}),
-                                      "tp_entries": []}
+                                      "tp_entries": [], "calls": [], "released": False}
         self.pending: Dict[str, Any] = {}
         self.fail: Dict[str, str] = {}                # path -> the message of a refused request
         self.tensors: List[Dict[str, Any]] = []       # each version's tensors (in-process tests compare values)
@@ -141,6 +141,13 @@ class FakeSGLang:
             if path == "/generate":
                 return 500, {"error": {"message": self.fail[path]}}
             return 200, {"success": False, "message": self.fail[path]}
+        self.state["calls"].append(path)
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            # SGLang's memory-saver endpoints: the weights and KV cache are gone until resumed
+            self.state["released"] = path == "/release_memory_occupation"
+            return 200, {"success": True, "message": "ok"}
+        if self.state["released"] and path in ("/generate", "/update_weights_from_tensor", "/update_weights_from_disk"):
+            return 400, {"error": {"message": f"{path} while the memory is released (resume_memory_occupation first)"}}
         if path == "/generate":
             ids, sps = req["input_ids"], req["sampling_params"]
             if not isinstance(sps, list) or len(sps) != len(ids):
