@@ -181,23 +181,25 @@ class ReferenceEngine(RolloutEngineBase):
 
     ``max_slots``: how many samples decode at once (None: every sample of a call); more wait and take the
     slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
-    device; True elsewhere is refused)."""
+    device; True elsewhere is refused). ``prefill_batch``: at most this many prompts per prefill forward (None:
+    every admitted prompt in one; the reference prefill holds ``[rows, length, keys, head_dim]`` gathers)."""
 
     name = "reference"
 
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
                  device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None):
         from kernels.reference.model import DeepseekV4Model
 
         self.config, self.dtype, self.record_routing = config, dtype, record_routing
         self.device, self.kv_cache = torch.device(device), kv_cache
-        if max_slots is not None and (isinstance(max_slots, bool) or int(max_slots) < 1):
-            raise ValueError(f"max_slots must be an integer >= 1 or None (every sample at once), got {max_slots!r}")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, the engine is on {self.device} "
                              "(leave cuda_graphs unset or pass False)")
-        self.max_slots = max_slots
+        for name, v in (("max_slots", max_slots), ("prefill_batch", prefill_batch)):
+            if v is not None and (isinstance(v, bool) or int(v) < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None (no limit), got {v!r}")
+        self.max_slots, self.prefill_batch = max_slots, prefill_batch
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._decoder = None          # train.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)
@@ -281,6 +283,11 @@ class ReferenceEngine(RolloutEngineBase):
                               routed[i, :P + R - 1].clone() if routed is not None else None))
         return out
 
+    def reserve(self, slots: int, positions: int) -> None:
+        """Build the decode slots (and capture their CUDA graphs) for ``slots`` samples of up to ``positions``
+        fed tokens now, so that a timed ``generate`` within those sizes does not."""
+        self._decoder_for(slots, positions)
+
     def _decoder_for(self, slots: int, need_len: int):
         """The engine's :class:`~train.slot_decoder.SlotDecoder`, rebuilt (and its graphs recaptured) only when
         a call needs more slots or positions than it has; capacity is rounded up to 64 positions."""
@@ -348,8 +355,14 @@ class ReferenceEngine(RolloutEngineBase):
                 take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
                 slots = free[: len(take)]
                 dec = self._decoder_for(M, max(P) + T - 1)      # the last drawn token is never fed
-                cache, logits = self._prefill([prompts[items[s][0]] for s in take], dec.max_len, routed, take, P)
-                dec.cache.load(slots, cache, range(len(take)))
+                step = self.prefill_batch or len(take)
+                logits = []
+                for i in range(0, len(take), step):
+                    part = take[i: i + step]
+                    cache, lg = self._prefill([prompts[items[s][0]] for s in part], dec.max_len, routed, part, P)
+                    dec.cache.load(slots[i: i + step], cache, range(len(part)))
+                    logits.append(lg)
+                logits = torch.cat(logits)
                 ids = torch.tensor(take, device=dev)
                 tok, lp = sample_tokens(logits, u[ids, 0], params)
                 tokens[ids, 0], logps[ids, 0] = tok, lp

@@ -189,12 +189,12 @@ def test_the_assembly_gives_the_engine_the_runs_device_and_dtype():
 def test_continuous_batching_draws_the_all_at_once_samples(engines, slots):
     """More samples than slots: a waiting sample is prefilled into the slot of the next one to finish (prompts
     of 3 to 10 tokens, about one token in five a stop). Every sample equals its all-at-once draw, and the
-    uncached engine's."""
+    uncached engine's (5 slots: at most two prompts per prefill forward)."""
     from train.engines import ReferenceEngine
     from train.model import build_train_model
     from train.weight_sync import sync_weights
 
-    e = ReferenceEngine(CFG, max_slots=slots)
+    e = ReferenceEngine(CFG, max_slots=slots, prefill_batch=2 if slots == 5 else None)   # 5: two per prefill
     assert sync_weights(build_train_model(CFG, seed=0), e, version=1).ok
     params = _params(stop_token_ids=tuple(range(2, 1024, 5)), top_p=0.95)
     got = e.generate(PROMPTS, params, n=N, seed=11)
