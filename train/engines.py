@@ -14,10 +14,12 @@ weights it was sent - never from the trainer's module - so every step exercises 
 (export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It runs on the device
 and in the dtype it is given (the assembly passes the run's: a GPU target's device, bf16 there).
 
-Generation (``kv_cache=True``, the default) is one batch of all prompts x ``n`` samples:
-:func:`kernels.reference.decode.prefill` runs each distinct prompt once (right-padded batch), its cache
-rows are copied to its ``n`` samples, and :func:`kernels.reference.decode.decode_step` then feeds one token
-per unfinished sample per step (finished samples leave the batch). ``kv_cache=False`` is the former
+Generation (``kv_cache=True``, the default) runs the prompts x ``n`` samples through ``max_slots`` cache
+slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are admitted into free slots by
+:func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
+:func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
+replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
+one (continuous batching), and live slots are packed into the smallest bucket. ``kv_cache=False`` is the former
 engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the whole
 prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
 so they draw the same tokens.
