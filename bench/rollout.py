@@ -184,6 +184,8 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
             g = torch.Generator().manual_seed(seed + B)
             lengths = torch.randint(lo, hi + 1, (B,), generator=g).tolist()
             prompts = [torch.randint(2, config.vocab_size, (L,), generator=g).tolist() for L in lengths]
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             try:
                 if name == "transformers":
                     if lo != hi:
