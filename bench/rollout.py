@@ -1,25 +1,32 @@
-"""Benchmark: rollout tokens/s of the reference engine with the KV cache against without it.
+"""Benchmark: prefill and decode tokens/s of the reference engine, against transformers' ``generate``.
 
-    python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny] [--prompts 4] [--n 4]
-                            [--prompt-len 16 64] [--new-tokens 32] [--repeats 2] [--out FILE.json]
+    python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny|flash-shaped|bench]
+                            [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
+                            [--cuda-graphs on|off] [--prefill-tokens 16384] [--repeats 1] [--out FILE.json]
 
-One engine per row (:class:`train.engines.ReferenceEngine`), random weights (``init_weights``, seeded) loaded
-through the engine's weight-update calls, ``--prompts`` random prompts with lengths uniform in
-``--prompt-len`` (seeded), ``--n`` samples each, temperature 1, top-p 0.95, no stop token (every sample
-generates ``--new-tokens`` tokens, so both rows do the same sampling work):
+``--model bench`` is the training benchmark's small config (``bench.train_step.bench_config``); the others are
+``core.config`` presets. Random weights (``init_weights``, seeded) are loaded through the engine's
+weight-update calls; transformers' ``DeepseekV4ForCausalLM`` gets the same tensors through
+``tests.reference.hf_mapping.official_to_hf``. For each batch size ``B`` (sequences decoded together): ``B``
+random prompts of ``--prompt-len`` tokens (one sample each), temperature 1, top-p 0.95, no stop token, so
+every sequence generates ``--new-tokens`` tokens. Rows (``--rows``):
 
-* ``cached``: ``kv_cache=True``: one prefill of the distinct prompts, then one-token decode steps over all
-  samples (``kernels.reference.decode``);
-* ``uncached``: ``kv_cache=False``: one prompt's samples at a time, the whole prefix re-run per token (the
-  former engine).
+* ``cached``: ``ReferenceEngine`` (KV cache, static-slot decode step, CUDA graphs on CUDA unless
+  ``--cuda-graphs off``; at most ``--prefill-tokens`` prompt tokens per prefill forward);
+* ``uncached``: ``kv_cache=False``, the whole prefix re-run for every token (slow: small sizes only);
+* ``transformers``: ``model.generate(..., use_cache=True, do_sample=True)`` (eager attention, its
+  DeepSeek-V4 cache); skipped, with the reason recorded, when transformers lacks the model or fails.
 
-Each row times (best of ``--repeats``) one ``generate`` call after a short warm-up call. ``tokens`` counts
-generated tokens, ``positions_fed`` the token positions the model processed, ``tokens_per_s = tokens /
-seconds``. Both rows sample from the same per-sample streams; ``same_tokens`` says whether they drew the same
-tokens here (they can differ where the indexer's top-k has exact score ties, which rows of different lengths
-break differently, e.g. the ``tiny`` preset past 32 tokens, or in bf16 where the two paths round differently:
-docs/rollout.md#exactness). A table is printed and a JSON object (``date``, ``machine``, the settings and
-the rows) is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>.json``).
+Timing (best of ``--repeats``, ``torch.cuda.synchronize()`` around each call, after a warm-up call; the
+engine's slots and graphs are built by ``engine.reserve`` first): ``t_prefill`` is a call with one new token
+(prefill plus one draw), ``t_full`` one with ``--new-tokens``. prefill tokens/s = ``B x prompt-len /
+t_prefill``; decode tokens/s = ``B x (new-tokens - 1) / (t_full - t_prefill)``; total tokens/s = ``B x
+new-tokens / t_full``. At batch 1 on a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
+step / decode step time / HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the step time ``(t_full -
+t_prefill) / (new-tokens - 1)`` and the weight bytes those a token needs: every trunk tensor except the
+embedding (one row of it), the MTP block (not run) and the routed experts, of which ``k`` per layer count.
+KV-cache reads are not counted. A table is printed and a JSON object (``date``, ``machine``, settings, rows)
+is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HBM_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "b200": 8.0e12}
 
 
 def _machine(device: torch.device) -> str:
@@ -51,16 +59,33 @@ def _short_machine(device: torch.device) -> str:
     return next((k for k in ("h200", "h100", "b200", "a100") if k in name), "gpu")
 
 
-def _engine(config, device, dtype, kv_cache: bool, seed: int):
-    from kernels.reference.model import init_weights
-    from train.engines import ReferenceEngine
+def model_config(name: str):
+    if name == "bench":
+        from bench.train_step import bench_config
 
-    engine = ReferenceEngine(config, dtype=dtype, device=device, kv_cache=kv_cache)
-    init_weights(engine.model, seed)
-    engine.begin_update(1)              # the weight-update path, with the engine's own tensors
-    engine.load_bucket([(n, t.clone()) for n, t in engine.model.state_dict().items()])
-    engine.finish_update()
-    return engine
+        return bench_config()
+    from core.config import preset
+
+    return preset(name)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads for one token (module docstring)."""
+    c = model.config
+    total = 0.0
+    for name, t in model.state_dict().items():
+        size = t.numel() * t.element_size()
+        if name.startswith("mtp."):
+            continue
+        if name == "embed.weight":
+            total += t.shape[1] * t.element_size()
+        elif name.endswith("tid2eid"):
+            total += t.shape[1] * t.element_size()
+        elif ".ffn.experts." in name:
+            total += size * c.n_activated_experts / c.n_routed_experts
+        else:
+            total += size
+    return int(total)
 
 
 def _sync(device: torch.device) -> None:
@@ -68,91 +93,188 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", prompts: int = 4, n: int = 4,
-              prompt_len=(16, 64), new_tokens: int = 32, repeats: int = 2, seed: int = 0,
-              rows=("cached", "uncached")) -> dict:
-    from core.config import preset
+def _timed(fn, device, repeats):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _engine(config, device, dtype, seed, **kw):
+    from kernels.reference.model import init_weights
+    from train.engines import ReferenceEngine
+
+    engine = ReferenceEngine(config, dtype=dtype, device=device, **kw)
+    init_weights(engine.model, seed)
+    engine.begin_update(1)              # the weight-update path, with the engine's own tensors
+    engine.load_bucket([(n, t.clone()) for n, t in engine.model.state_dict().items()])
+    engine.finish_update()
+    return engine
+
+
+def _transformers_generate(config, weights, device, dtype):
+    """``(generate(ids, new_tokens) -> [B, new_tokens] ids, note)``, or raises with the reason it cannot run."""
+    import transformers
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.reference.hf_mapping import hf_config_from, official_to_hf
+
+    m = DeepseekV4ForCausalLM._from_config(hf_config_from(config), attn_implementation="eager", dtype=dtype)
+    missing, unexpected = m.load_state_dict(official_to_hf(weights), strict=False)
+    params = {n for n, _ in m.named_parameters()}
+    if unexpected or params & set(missing):
+        raise RuntimeError(f"weights do not map onto transformers' model: missing {sorted(params & set(missing))[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    m = m.to(device).eval()
+
+    @torch.no_grad()
+    def generate(ids, new_tokens):
+        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=0.95, top_k=0,
+                         use_cache=True, pad_token_id=0)
+        return out[:, ids.shape[1]:]
+
+    return generate, f"transformers {transformers.__version__}, attn eager, cache on"
+
+
+def _row(name, B, P, T, t_pre, t_full, generated, extra):
+    dec = max(t_full - t_pre, 1e-9)
+    row = dict(engine=name, batch=B, prompt_len=P, new_tokens=T, tokens=generated, prefill_s=round(t_pre, 4),
+               total_s=round(t_full, 4), prefill_tokens_per_s=round(B * P / t_pre, 1),
+               decode_tokens_per_s=round(B * (T - 1) / dec, 1) if T > 1 else None,
+               tokens_per_s=round(generated / t_full, 1), decode_step_ms=round(dec / max(T - 1, 1) * 1e3, 3))
+    row.update(extra)
+    return row
+
+
+def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
+              new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
+              cuda_graphs=None, prefill_tokens: int = 16384, hbm=None) -> dict:
     from train.engines import SamplingParams
 
-    config = preset(model)
+    config = model_config(model)
     dev = torch.device(device)
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = prompt_len
-    lengths = torch.randint(lo, hi + 1, (prompts,), generator=g).tolist()
-    batch = [torch.randint(2, config.vocab_size, (L,), generator=g).tolist() for L in lengths]
+    lo, hi = (prompt_len[0], prompt_len[-1])
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new_tokens, stop_token_ids=())
-    warm = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=2, stop_token_ids=())
-    out_rows, tokens_of = [], {}
+    one = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=1, stop_token_ids=())
+    hbm = hbm or (HBM_BYTES_PER_S.get(_short_machine(dev)) if dev.type == "cuda" else None)
+    out_rows, weights, wbytes = [], None, None
     for name in rows:
-        engine = _engine(config, dev, DTYPES[dtype], name == "cached", seed)
-        engine.generate(batch, warm, n=n, seed=seed)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        best, fed = float("inf"), 0
-        for _ in range(repeats):
-            engine.positions_fed = 0
-            _sync(dev)
-            t0 = time.perf_counter()
-            groups = engine.generate(batch, params, n=n, seed=seed)
-            _sync(dev)
-            best = min(best, time.perf_counter() - t0)
-            fed = engine.positions_fed
-        tokens_of[name] = [s.response_ids for grp in groups for s in grp]
-        generated = sum(len(t) for t in tokens_of[name])
-        row = dict(engine=name, tokens=generated, positions_fed=fed, seconds=round(best, 4),
-                   tokens_per_s=round(generated / best, 1))
-        if dev.type == "cuda":
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
-        out_rows.append(row)
-        del engine
-    same = tokens_of.get("cached") == tokens_of.get("uncached") if len(tokens_of) == 2 else None
+        if name == "transformers":
+            try:
+                gen, note = _transformers_generate(config, weights or _engine(config, "cpu", DTYPES[dtype],
+                                                                               seed).model.state_dict(),
+                                                   dev, DTYPES[dtype])
+            except Exception as e:          # recorded in the row: the table says why there is no number
+                out_rows.append(dict(engine=name, skipped=f"{type(e).__name__}: {e}"[:300]))
+                continue
+        else:
+            kw = dict(kv_cache=name == "cached")
+            if name == "cached":
+                kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi))
+            engine = _engine(config, dev, DTYPES[dtype], seed, **kw)
+            weights = weights or {n: t.detach().cpu() for n, t in engine.model.state_dict().items()}
+            wbytes = wbytes or weight_bytes_per_token(engine.model)
+            note = f"cuda graphs {'on' if engine.cuda_graphs else 'off'}" if name == "cached" else "no cache"
+        for B in batch:
+            g = torch.Generator().manual_seed(seed + B)
+            lengths = torch.randint(lo, hi + 1, (B,), generator=g).tolist()
+            prompts = [torch.randint(2, config.vocab_size, (L,), generator=g).tolist() for L in lengths]
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                if name == "transformers":
+                    if lo != hi:
+                        raise ValueError("the transformers row takes one prompt length (its batch is not padded)")
+                    ids = torch.tensor(prompts, device=dev)
+                    gen(ids, 2)
+                    t_pre, _ = _timed(lambda: gen(ids, 1), dev, repeats)
+                    t_full, got = _timed(lambda: gen(ids, new_tokens), dev, repeats)
+                    generated, extra = int(got.numel()), dict(note=note)
+                else:
+                    if name == "cached":
+                        engine.reserve(B, hi + new_tokens - 1)
+                    engine.generate(prompts, one, n=1, seed=seed)
+                    t_pre, _ = _timed(lambda: engine.generate(prompts, one, n=1, seed=seed), dev, repeats)
+                    engine.positions_fed = 0
+                    t_full, groups = _timed(lambda: engine.generate(prompts, params, n=1, seed=seed), dev, repeats)
+                    generated = sum(len(s.response_ids) for grp in groups for s in grp)
+                    extra = dict(note=note, positions_fed=engine.positions_fed // repeats)
+            except torch.cuda.OutOfMemoryError as e:
+                out_rows.append(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
+                torch.cuda.empty_cache()
+                continue
+            row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
+            if B == 1 and hbm and new_tokens > 1:
+                row["weight_bytes_per_step"] = wbytes
+                row["hbm_share"] = round(wbytes / (row["decode_step_ms"] / 1e3) / hbm, 4)
+            if dev.type == "cuda":
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
+            out_rows.append(row)
+        engine = gen = None
+    base = {r["batch"]: r for r in out_rows if r["engine"] == "transformers" and "skipped" not in r}
+    for r in out_rows:
+        if r["engine"] == "cached" and r.get("batch") in base:
+            r["speedup_vs_transformers"] = round(r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"], 2)
     return dict(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=_machine(dev),
-                model=model, device=str(dev), dtype=dtype, prompts=prompts, samples_per_prompt=n,
-                prompt_lengths=lengths, new_tokens=new_tokens, same_tokens=same, rows=out_rows)
+                model=model, device=str(dev), dtype=dtype, batch=list(batch), prompt_len=list(prompt_len),
+                new_tokens=new_tokens, hbm_bytes_per_s=hbm, weight_bytes_per_token=wbytes, rows=out_rows)
 
 
 def format_table(result: dict) -> str:
-    head = f"{'engine':<10}{'tokens':>8}{'fed':>9}{'seconds':>10}{'tokens/s':>11}"
-    lines = [f"{result['model']} on {result['machine']}, {result['dtype']}: {result['prompts']} prompts x "
-             f"{result['samples_per_prompt']} samples, {result['new_tokens']} new tokens", head, "-" * len(head)]
+    head = (f"{'engine':<13}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'total tok/s':>13}"
+            f"{'step ms':>10}{'HBM share':>11}{'vs HF':>8}")
+    lines = [f"{result['model']} on {result['machine']}, {result['dtype']}: prompt {result['prompt_len']} + "
+             f"{result['new_tokens']} new tokens", head, "-" * len(head)]
     for r in result["rows"]:
-        lines.append(f"{r['engine']:<10}{r['tokens']:>8}{r['positions_fed']:>9}{r['seconds']:>10.3f}"
-                     f"{r['tokens_per_s']:>11.1f}")
-    by = {r["engine"]: r for r in result["rows"]}
-    if "cached" in by and "uncached" in by:
-        lines.append(f"cached/uncached speed-up: {by['cached']['tokens_per_s'] / by['uncached']['tokens_per_s']:.2f}x"
-                     f" (same tokens: {result['same_tokens']})")
-        if result["same_tokens"] is False:
-            lines.append("(tokens can differ where the indexer's top-k has exact score ties, which rows of "
-                         "different lengths break differently, or in bf16 where rounding flips a draw: "
-                         "docs/rollout.md#exactness)")
+        if "skipped" in r:
+            lines.append(f"{r['engine']:<13}{r.get('batch', ''):>6}  skipped: {r['skipped']}")
+            continue
+        share = f"{r['hbm_share']:.1%}" if "hbm_share" in r else "-"
+        vs = f"{r['speedup_vs_transformers']:.1f}x" if "speedup_vs_transformers" in r else "-"
+        dec = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"
+        lines.append(f"{r['engine']:<13}{r['batch']:>6}{r['prefill_tokens_per_s']:>15.1f}{dec:>14}"
+                     f"{r['tokens_per_s']:>13.1f}{r['decode_step_ms']:>10.2f}{share:>11}{vs:>8}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="core.config preset")
+    p.add_argument("--model", default="tiny", help="core.config preset, or 'bench' (bench.train_step.bench_config)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--n", type=int, default=4, help="samples per prompt")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2, help="timed calls per row (the best is kept)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="sequences decoded together (one row each)")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[32], metavar="LEN",
+                   help="prompt length, or MIN MAX (uniform; not for the transformers row)")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--rows", default="cached,transformers", help="comma list of cached, uncached, transformers")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default=None, help="default: on for cuda")
+    p.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens per prefill forward (at most)")
+    p.add_argument("--hbm", type=float, default=None, help="HBM bytes/s (default: 4.8e12 on an H200)")
+    p.add_argument("--repeats", type=int, default=1, help="timed calls per number (the best is kept)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=("cached", "uncached"), default=None, help="run one row")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared host)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/rollout-MACHINE.json)")
     a = p.parse_args(argv)
+    rows = tuple(r.strip() for r in a.rows.split(",") if r.strip())
+    bad = sorted(set(rows) - {"cached", "uncached", "transformers"})
+    if bad or len(a.prompt_len) > 2:
+        p.error(f"--rows takes cached, uncached, transformers (got {bad}); --prompt-len takes LEN or MIN MAX")
     torch.set_num_threads(a.threads)
     if a.device.startswith("cuda"):                 # the nvidia target's setting: no TF32 in fp32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
     dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
-    result = run_bench(model=a.model, device=a.device, dtype=dtype, prompts=a.prompts, n=a.n,
+    graphs = None if a.cuda_graphs is None else a.cuda_graphs == "on"
+    result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
                        prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
-                       rows=(a.only,) if a.only else ("cached", "uncached"))
+                       rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm)
     print(format_table(result))
-    out = a.out or Path(__file__).parent / "results" / f"rollout-{_short_machine(torch.device(a.device))}.json"
+    machine = _short_machine(torch.device(a.device))
+    out = a.out or Path(__file__).parent / "results" / f"rollout-{machine}{'' if a.model == 'tiny' else '-' + a.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -14,10 +14,12 @@ weights it was sent - never from the trainer's module - so every step exercises 
 (export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It runs on the device
 and in the dtype it is given (the assembly passes the run's: a GPU target's device, bf16 there).
 
-Generation (``kv_cache=True``, the default) is one batch of all prompts x ``n`` samples:
-:func:`kernels.reference.decode.prefill` runs each distinct prompt once (right-padded batch), its cache
-rows are copied to its ``n`` samples, and :func:`kernels.reference.decode.decode_step` then feeds one token
-per unfinished sample per step (finished samples leave the batch). ``kv_cache=False`` is the former
+Generation (``kv_cache=True``, the default) runs the prompts x ``n`` samples through ``max_slots`` cache
+slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are admitted into free slots by
+:func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
+:func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
+replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
+one (continuous batching), and live slots are packed into the smallest bucket. ``kv_cache=False`` is the former
 engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the whole
 prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
 so they draw the same tokens.
@@ -41,7 +43,7 @@ import torch
 
 from core import weight_contract as wc
 
-from .replay import RoutingRecorder, empty_routing, routing_context
+from .replay import RoutingRecorder, empty_routing, learned_layers, routing_context
 
 
 @dataclass(frozen=True)
@@ -185,16 +187,31 @@ class RolloutEngineBase:
 
 class ReferenceEngine(RolloutEngineBase):
     """Generates with :class:`kernels.reference.model.DeepseekV4Model` from exported weights, on ``device`` in
-    ``dtype``; ``kv_cache=False`` re-runs the prefix for every token (the former engine; module docstring)."""
+    ``dtype``; ``kv_cache=False`` re-runs the prefix for every token (the former engine; module docstring).
+
+    ``max_slots``: how many samples decode at once (None: every sample of a call); more wait and take the
+    slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
+    device; True elsewhere is refused). ``prefill_batch``: at most this many prompts per prefill forward (None:
+    every admitted prompt in one; the reference prefill holds ``[rows, length, keys, head_dim]`` gathers)."""
 
     name = "reference"
 
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
-                 device="cpu", kv_cache: bool = True):
+                 device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
+                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None):
         from kernels.reference.model import DeepseekV4Model
 
         self.config, self.dtype, self.record_routing = config, dtype, record_routing
         self.device, self.kv_cache = torch.device(device), kv_cache
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, the engine is on {self.device} "
+                             "(leave cuda_graphs unset or pass False)")
+        for name, v in (("max_slots", max_slots), ("prefill_batch", prefill_batch)):
+            if v is not None and (isinstance(v, bool) or int(v) < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None (no limit), got {v!r}")
+        self.max_slots, self.prefill_batch = max_slots, prefill_batch
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self._decoder = None          # train.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)
         self.model = DeepseekV4Model(config, device=device)
         if dtype != torch.float32:
@@ -205,6 +222,10 @@ class ReferenceEngine(RolloutEngineBase):
                 if t.dtype == torch.float32 and not published_in_fp32(name):
                     t.data = t.data.to(dtype)
         self.model.eval().requires_grad_(False)
+        if kv_cache:              # the decode step reads each layer's experts as one stacked tensor
+            from kernels.reference.slots import stack_expert_weights
+
+            stack_expert_weights(self.model)
         self.version: Optional[int] = None
         self._received: Optional[set] = None
         self._loaded_once = self._complete_before = self._released = False
@@ -302,65 +323,140 @@ class ReferenceEngine(RolloutEngineBase):
                               routed[i, :P + R - 1].clone() if routed is not None else None))
         return out
 
-    def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
-                         seeds: List[List[int]]) -> List[List[Sample]]:
-        """All prompts x n samples as one batch: prefill each distinct prompt once, then decode steps."""
-        from kernels.reference.decode import decode_step, prefill
+    def reserve(self, slots: int, positions: int) -> None:
+        """Build the decode slots (and capture their CUDA graphs) for ``slots`` samples of up to ``positions``
+        fed tokens now, so that a timed ``generate`` within those sizes does not."""
+        self._decoder_for(slots, positions)
 
-        c, dev, T = self.config, self.model.embed.weight.device, params.max_new_tokens
+    def _decoder_for(self, slots: int, need_len: int):
+        """The engine's :class:`~train.slot_decoder.SlotDecoder`, rebuilt (and its graphs recaptured) only when
+        a call needs more slots or positions than it has; capacity is rounded up to 64 positions."""
+        from kernels.reference.decode import prefill
+        from train.slot_decoder import SlotDecoder
+
+        dec = self._decoder
+        if dec is None or not dec.fits(slots, need_len):
+            if dec is not None:
+                slots, need_len = max(slots, dec.slots), max(need_len, dec.max_len)
+                self._decoder = dec = None
+            cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # a template: shapes only
+            dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs)
+        return dec
+
+    def _prefill(self, prompts: List[List[int]], max_len: int, routed=None, ids=(), P=()):
+        """Prefill each distinct prompt once; the cache rows and last logits of ``prompts`` in order. With
+        ``routed``, samples ``ids`` (prompt lengths ``P[id]``) get their prompts' routed experts."""
+        from kernels.reference.decode import prefill
+
         distinct: Dict[Tuple[int, ...], int] = {}
         for p in prompts:
             distinct.setdefault(tuple(p), len(distinct))
         firsts = [list(p) for p in distinct]
-        src = torch.tensor([distinct[tuple(p)] for p in prompts for _ in range(n)])   # row -> prefill row
-        P = torch.tensor([len(p) for p in prompts for _ in range(n)])
-        B, S = len(src), max(len(p) for p in firsts)
-        u = sample_uniforms([s for row in seeds for s in row], T).to(dev)
-        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
-
-        rec = RoutingRecorder(len(firsts), S) if self.record_routing else None
+        src = torch.tensor([distinct[tuple(p)] for p in prompts])
+        S = max(len(p) for p in firsts)
+        rec = RoutingRecorder(len(firsts), S) if routed is not None else None
         with routing_context(rec):
-            cache, logits = prefill(self.model, firsts, max_len=S + T - 1)
+            cache, logits = prefill(self.model, firsts, max_len=max_len)
         self.positions_fed += len(firsts) * S
-        cache, logits = cache.select(src), logits[src.to(dev)]
+        if rec is not None:
+            got = rec.as_tensor(self.config)[src]                              # [rows, S, layers, k]
+            got[torch.arange(S)[None, :] >= torch.tensor([P[i] for i in ids])[:, None]] = -1   # padding
+            routed[list(ids), :S] = got
+        return cache.select(src), logits[src.to(logits.device)]
+
+    def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
+                         seeds: List[List[int]]) -> List[List[Sample]]:
+        """Every prompt's ``n`` samples through the slots (continuous batching, module docstring)."""
+        c, dev, T = self.config, self.model.embed.weight.device, params.max_new_tokens
+        items = [(pi, j) for pi in range(len(prompts)) for j in range(n)]       # sample id -> (prompt, j)
+        P = [len(prompts[pi]) for pi, _ in items]
+        M = min(self.max_slots or len(items), len(items))
+        u = sample_uniforms([seeds[pi][j] for pi, j in items], T).to(dev)
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
+        tokens = torch.zeros(len(items), T, dtype=torch.long, device=dev)
+        logps = torch.zeros(len(items), T, dtype=torch.float32, device=dev)
+        lengths = [T] * len(items)
         routed = None
-        if rec is not None:   # [B, S + T, layers, k]; each row's prompt part, the rest filled while decoding
-            routed = empty_routing(S + T, c).unsqueeze(0).repeat(B, 1, 1, 1)
-            routed[:, :S] = rec.as_tensor(c)[src]
-            routed[:, :S][torch.arange(S)[None, :] >= P[:, None]] = -1      # padding
-        fed_rows, fed_pos, fed_routes = [], [], []      # per decode step: rows, positions, [rows, layers, k]
+        if self.record_routing:
+            routed = empty_routing(max(P) + T, c).unsqueeze(0).repeat(len(items), 1, 1, 1)
+        fed_ids, fed_pos, fed_routes = [], [], []     # per decode step: samples, positions, [rows, layers, k]
 
-        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        logps = torch.zeros(B, T, dtype=torch.float32, device=dev)
-        lengths = torch.full((B,), T, dtype=torch.long)
-        active = torch.arange(B)                        # the rows still generating, in cache order
-        for t in range(T):
-            rows = active.to(dev)
-            tok, lp = sample_tokens(logits, u[rows, t], params)
-            tokens[rows, t], logps[rows, t] = tok, lp
-            if t == T - 1:
-                break
-            stopped = torch.isin(tok, stops).cpu()
-            lengths[active[stopped]] = t + 1
-            if bool(stopped.all()):
-                break
-            if bool(stopped.any()):                     # finished samples leave the batch
-                keep = torch.nonzero(~stopped).flatten()
-                cache, tok, active = cache.select(keep), tok[keep.to(dev)], active[keep]
-            step_rec = RoutingRecorder(len(active), 1) if rec is not None else None
-            with routing_context(step_rec):
-                logits = decode_step(self.model, cache, tok)
-            self.positions_fed += len(active)
-            if step_rec is not None and step_rec.layers:  # response token t sits at position P + t
-                fed_rows.append(active)
-                fed_pos.append(P[active] + t)
-                fed_routes.append(torch.stack([step_rec.layers[k][:, 0] for k in sorted(step_rec.layers)], 1))
-        if fed_routes:                                  # one device -> host copy for the whole call
-            learned = torch.tensor(sorted(step_rec.layers))
-            routed[torch.cat(fed_rows)[:, None], torch.cat(fed_pos)[:, None], learned[None, :]] = \
-                torch.cat(fed_routes).cpu()
+        def stopped(tok):                             # the one host sync per step (none without stop tokens)
+            return torch.isin(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
 
-        tokens, logps, lengths = tokens.cpu(), logps.cpu(), lengths.tolist()
+        waiting = list(range(len(items)))[::-1]       # popped from the end: in sample order
+        sample_of = [-1] * M                          # slot -> sample id (-1: free)
+        drawn = [0] * M                               # slot -> index of its sample's last drawn token
+        last = torch.zeros(M, dtype=torch.long, device=dev)   # slot -> the token it feeds next
+        dec, view = None, None                        # view: device index tensors of the live slots
+        while True:
+            free = [s for s in range(M) if sample_of[s] < 0]
+            if waiting and free:                      # admit the next samples: prefill them into free slots
+                take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
+                slots = free[: len(take)]
+                dec = self._decoder_for(M, max(P) + T - 1)      # the last drawn token is never fed
+                step = self.prefill_batch or len(take)
+                logits = []
+                for i in range(0, len(take), step):
+                    part = take[i: i + step]
+                    cache, lg = self._prefill([prompts[items[s][0]] for s in part], dec.max_len, routed, part, P)
+                    dec.cache.load(slots[i: i + step], cache, range(len(part)))
+                    logits.append(lg)
+                logits = torch.cat(logits)
+                ids = torch.tensor(take, device=dev)
+                tok, lp = sample_tokens(logits, u[ids, 0], params)
+                tokens[ids, 0], logps[ids, 0] = tok, lp
+                last[torch.tensor(slots, device=dev)] = tok
+                for s, slot, stop in zip(take, slots, stopped(tok)):
+                    if stop:
+                        lengths[s] = 1
+                    elif T > 1:
+                        sample_of[slot], drawn[slot] = s, 0
+                view = None
+                continue
+            live = [s for s in range(M) if sample_of[s] >= 0]
+            if not live:
+                break
+            b = dec.bucket(len(live))
+            if live[-1] >= b:                         # pack the live slots into the first b
+                src = [s for s in live if s >= b]
+                dst = [s for s in range(b) if sample_of[s] < 0][: len(src)]
+                dec.cache.move(src, dst)
+                last[torch.tensor(dst, device=dev)] = last[torch.tensor(src, device=dev)]
+                for s, d in zip(src, dst):
+                    sample_of[d], drawn[d], sample_of[s] = sample_of[s], drawn[s], -1
+                live, view = [s for s in range(M) if sample_of[s] >= 0], None
+            if view is None:
+                mask = torch.zeros(b, dtype=torch.bool)
+                mask[live] = True
+                view = (torch.tensor(live, device=dev), mask.to(dev),
+                        torch.tensor([sample_of[s] for s in live], device=dev),
+                        torch.tensor([drawn[s] for s in live], device=dev))
+            rows, mask, ids, t = view
+            logits, routes = dec.step(b, last[:b], mask)
+            self.positions_fed += len(live)
+            if routed is not None:                    # the fed token (index drawn) sits at position P + drawn
+                fed_ids.append([sample_of[s] for s in live])
+                fed_pos.append([P[sample_of[s]] + drawn[s] for s in live])
+                fed_routes.append(routes.index_select(0, rows))
+            t = t + 1
+            tok, lp = sample_tokens(logits.index_select(0, rows), u[ids, t], params)
+            tokens[ids, t], logps[ids, t] = tok, lp
+            last[rows] = tok
+            view = (rows, mask, ids, t)
+            for s, stop in zip(live, stopped(tok)):
+                drawn[s] += 1
+                if stop:
+                    lengths[sample_of[s]] = drawn[s] + 1
+                if stop or drawn[s] == T - 1:
+                    sample_of[s], view = -1, None
+        if fed_routes:                                # one device -> host copy for the whole call
+            learned = torch.tensor(learned_layers(c))
+            rows = torch.tensor([i for step in fed_ids for i in step])
+            pos = torch.tensor([p for step in fed_pos for p in step])
+            routed[rows[:, None], pos[:, None], learned[None, :]] = torch.cat(fed_routes).cpu()
+
+        tokens, logps = tokens.cpu(), logps.cpu()
         out = []
         for pi, prompt in enumerate(prompts):
             r = slice(pi * n, (pi + 1) * n)

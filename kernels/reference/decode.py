@@ -266,13 +266,27 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     return torch.where(top >= limit, torch.full_like(top, -1), top)
 
 
-def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.Tensor:
-    """``Attention.forward`` for one new token per row: ``x [B, 1, d]`` (attn_norm-ed) -> ``[B, 1, d]``."""
+def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
+    """``attn.inv_freq`` (a CPU float64 attribute) on ``dev``, copied once per device and kept on the module:
+    a CUDA-graph capture cannot record a copy from host memory."""
+    got = getattr(attn, "_inv_freq_on", None)
+    if got is None or got.device != dev:
+        got = attn._inv_freq_on = attn.inv_freq.to(dev)
+    return got
+
+
+def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=None) -> torch.Tensor:
+    """``Attention.forward`` for one new token per row: ``x [B, 1, d]`` (attn_norm-ed) -> ``[B, 1, d]``.
+
+    ``pos``: the rows' positions, on the host (this module's steps) or on the device (``slots``'s static
+    step); ``compress(comp, x, cache, pos, inv_freq)`` adds the token to a compressor (default
+    :func:`_compress_step`, which needs host positions)."""
+    compress = compress or _compress_step
     B = x.shape[0]
     H, D, W = attn.n_heads, attn.head_dim, attn.window
     dev = x.device
     pos_d = pos.to(dev)
-    inv_freq = attn.inv_freq.to(dev)
+    inv_freq = device_inv_freq(attn, dev)
     cos, sin = rope_cos_sin(inv_freq, pos_d[:, None])                      # [B, 1, r/2]
 
     cq = attn.q_norm(attn.wq_a(x))
@@ -285,10 +299,10 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.T
     idx = torch.where(s < (pos_d[:, None] + 1).clamp(max=W), s, torch.full_like(s, -1))   # [B, W]
     kv_all = lc.window
     if attn.ratio:
-        _compress_step(attn.compressor, x, lc.compressor, pos, inv_freq)
+        compress(attn.compressor, x, lc.compressor, pos, inv_freq)
         entries = lc.compressor.entries
         if attn.ratio == 4:
-            _compress_step(attn.indexer.compressor, x, lc.indexer, pos, inv_freq)
+            compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq)
             cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
         else:
             j = torch.arange(entries.shape[1], device=dev)[None, :]

@@ -183,3 +183,31 @@ def test_the_assembly_gives_the_engine_the_runs_device_and_dtype():
     e = assemble(run).rollout_engine(CFG, dtype=torch.bfloat16)
     assert e.device == assemble(run).device() == torch.device("cpu") and e.kv_cache
     assert e.model.embed.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("slots", [1, 2, 5])
+def test_continuous_batching_draws_the_all_at_once_samples(engines, slots):
+    """More samples than slots: a waiting sample is prefilled into the slot of the next one to finish (prompts
+    of 3 to 10 tokens, about one token in five a stop). Every sample equals its all-at-once draw, and the
+    uncached engine's (5 slots: at most two prompts per prefill forward)."""
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    e = ReferenceEngine(CFG, max_slots=slots, prefill_batch=2 if slots == 5 else None)   # 5: two per prefill
+    assert sync_weights(build_train_model(CFG, seed=0), e, version=1).ok
+    params = _params(stop_token_ids=tuple(range(2, 1024, 5)), top_p=0.95)
+    got = e.generate(PROMPTS, params, n=N, seed=11)
+    assert e._decoder.slots == slots
+    _same(got, engines[True].generate(PROMPTS, params, n=N, seed=11))
+    _same(got, engines[False].generate(PROMPTS, params, n=N, seed=11))
+    assert len({len(s.response_ids) for g in got for s in g}) > 2       # samples finish at different steps
+
+
+def test_bad_engine_options_are_refused():
+    from train.engines import ReferenceEngine
+
+    with pytest.raises(ValueError, match="max_slots"):
+        ReferenceEngine(CFG, max_slots=0)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        ReferenceEngine(CFG, cuda_graphs=True)

@@ -9,6 +9,12 @@
   logits equal the full forward's at every decoded position (max relative error 1e-5);
 * bf16 on CUDA (the run's default dtype there): the sampled tokens' log-probabilities agree with the fp32
   full forward (mean |diff| <= 2e-2, max <= 0.3 nats: bf16 activations, a near-tie routing flip);
+* CUDA graphs (the default on CUDA) against the eager static step: fp32 tokens, finish reasons and routed
+  experts equal, log-probabilities within 1e-5; bf16: every sample's log-probabilities agree within 5e-2 nats
+  up to its first differing token (graph buckets are powers of two, eager ones every size, so GEMM shapes and
+  their bf16 rounding differ), and at least half the samples are identical;
+* continuous batching on the GPU (3 slots for 9 samples, early stops, graphs on) draws the all-at-once
+  samples;
 * the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
   run (miles, bf16) rolls out on it.
 """
@@ -43,11 +49,11 @@ def train_model():
     return build_train_model(CFG, seed=0)
 
 
-def _engine(model, device, dtype=torch.float32, kv_cache=True):
+def _engine(model, device, dtype=torch.float32, kv_cache=True, **kw):
     from train.engines import ReferenceEngine
     from train.weight_sync import sync_weights
 
-    e = ReferenceEngine(CFG, dtype=dtype, device=device, kv_cache=kv_cache)
+    e = ReferenceEngine(CFG, dtype=dtype, device=device, kv_cache=kv_cache, **kw)
     assert sync_weights(model, e, version=1, engine_dtype=dtype).ok
     return e
 
@@ -70,6 +76,52 @@ def test_cached_engine_on_cuda_draws_the_uncached_and_cpu_engines_samples(train_
                 assert torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=atol)
                 if other.device.type == "cuda":
                     assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def _pairs(a, b):
+    return [(x, y) for ga, gb in zip(a, b, strict=True) for x, y in zip(ga, gb, strict=True)]
+
+
+def test_cuda_graph_decode_equals_eager_decode_fp32(train_model):
+    params = _params(top_p=0.9)
+    graphs = _engine(train_model, "cuda")
+    assert graphs.cuda_graphs
+    got = graphs.generate(PROMPTS, params, n=4, seed=3)
+    assert graphs._decoder._graphs                     # the step was replayed from graphs
+    want = _engine(train_model, "cuda", cuda_graphs=False).generate(PROMPTS, params, n=4, seed=3)
+    for a, b in _pairs(got, want):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_cuda_graph_decode_follows_eager_decode_bf16(train_model):
+    params = _params(max_new_tokens=16, stop_token_ids=())
+    got = _engine(train_model, "cuda", dtype=torch.bfloat16).generate(PROMPTS, params, n=4, seed=0)
+    want = _engine(train_model, "cuda", dtype=torch.bfloat16, cuda_graphs=False).generate(PROMPTS, params, n=4,
+                                                                                          seed=0)
+    same, worst = 0, 0.0
+    for a, b in _pairs(got, want):
+        k = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y),
+                 len(a.response_ids))
+        same += k == len(a.response_ids)
+        k = min(k + 1, len(a.response_ids))           # the first differing draw still saw the same prefix
+        worst = max(worst, float((a.logprobs[:k] - b.logprobs[:k]).abs().max()))
+    print(f"bf16 graphs vs eager: {same}/{len(_pairs(got, want))} samples identical, max |dlogp| {worst:.2e}")
+    assert worst <= 5e-2 and same * 2 >= len(_pairs(got, want))
+
+
+def test_continuous_batching_on_cuda(train_model):
+    params = _params(top_k=40)
+    few = _engine(train_model, "cuda", max_slots=3)
+    got = few.generate(PROMPTS, params, n=3, seed=9)
+    assert few._decoder.slots == 3 and few.cuda_graphs
+    want = _engine(train_model, "cuda").generate(PROMPTS, params, n=3, seed=9)
+    for a, b in _pairs(got, want):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+    assert len({len(s.response_ids) for g in got for s in g}) > 1
 
 
 def test_cached_logits_equal_the_full_forward_on_cuda():

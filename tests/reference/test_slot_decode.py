@@ -1,0 +1,127 @@
+"""The static-slot decode step (``kernels.reference.slots``) against the dynamic one (``decode.decode_step``).
+
+Same model as tests/reference/test_decode.py (tiny preset, fp32, non-trivial sinks / ape / mHC bases, 32
+indexer heads so the indexer's top-k has no exact ties). Three prompts of 3, 120 and 62 tokens are prefilled
+once; the dynamic path decodes them as one batch, the static path from slots 4, 0 and 2 of six (slots 1, 3
+and 5 are inactive: they hold zeros and must not disturb the others or advance), teacher-forced for 12 steps
+(the 120-token row completes an HCA block, every row completes CSA blocks while decoding). The prompt of 3
+tokens is retired after 5 steps on both paths. Logits, next-token log-probabilities, greedy tokens and the
+learned-routing experts must agree (fp32: |d logp| <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import preset
+from kernels.reference.decode import decode_step, prefill
+from kernels.reference.model import DeepseekV4Model, init_weights
+from kernels.reference.moe import routing_hook
+from kernels.reference.slots import SlotCache, moe_decode, stack_expert_weights, static_decode_step
+
+LENGTHS = (3, 120, 62)
+SLOTS = (4, 0, 2)
+STEPS = 12
+RETIRE = 5            # row 0 stops being fed after this many decode steps
+ATOL = 1e-5
+
+
+def _model(dtype=torch.float32):
+    m = DeepseekV4Model(preset("tiny").replace(index_n_heads=32)).eval()
+    init_weights(m, 0, std=0.05)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for name, t in m.named_parameters():
+            if name.endswith(("attn_sink", ".ape", "_base")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    return m.to(dtype).requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = _model()
+    stack_expert_weights(m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def seqs():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 1024, (L + STEPS,), generator=g) for L in LENGTHS]
+
+
+class _Routes:
+    def __init__(self):
+        self.calls = {}
+
+    def __call__(self, layer, idx):
+        self.calls.setdefault(layer, []).append(idx.clone())
+        return idx
+
+
+def test_static_slots_equal_the_dynamic_step(model, seqs):
+    c = model.config
+    learned = [i for i in range(c.n_layers) if not c.is_hash_layer(i)]
+    max_len = max(LENGTHS) + STEPS
+    with torch.no_grad():
+        dyn, logits0 = prefill(model, [s[:L].tolist() for s, L in zip(seqs, LENGTHS)], max_len=max_len)
+        slots = SlotCache.like(dyn, 6)
+        slots.load(SLOTS, dyn, range(len(LENGTHS)))
+        rows = list(range(len(LENGTHS)))
+        for t in range(STEPS - 1):
+            if t == RETIRE:                                   # row 0 finished: it leaves the dynamic batch
+                dyn, rows = dyn.select([1, 2]), [1, 2]
+            fed = torch.stack([seqs[r][LENGTHS[r] + t] for r in rows])
+            routes = _Routes()
+            with routing_hook(routes):
+                want = decode_step(model, dyn, fed)
+            tokens = torch.zeros(6, dtype=torch.long)
+            active = torch.zeros(6, dtype=torch.bool)
+            for r, tok in zip(rows, fed):
+                tokens[SLOTS[r]], active[SLOTS[r]] = tok, True
+            got, got_routes = static_decode_step(model, slots, tokens, active)
+            pick = torch.tensor([SLOTS[r] for r in rows])
+            got = got[pick]
+            nxt = torch.stack([seqs[r][LENGTHS[r] + t + 1] for r in rows])[:, None]
+            lp_got = torch.log_softmax(got, -1).gather(-1, nxt)
+            lp_want = torch.log_softmax(want, -1).gather(-1, nxt)
+            assert float((lp_got - lp_want).abs().max()) <= ATOL, t
+            assert float((got - want).abs().max() / want.abs().max()) <= ATOL, t
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            assert torch.equal(got_routes[pick], torch.stack([routes.calls[i][0] for i in learned], 1)), t
+        assert slots.pos[list(SLOTS)].tolist() == [LENGTHS[0] + RETIRE] + [L + STEPS - 1 for L in LENGTHS[1:]]
+        assert slots.pos[[1, 3, 5]].tolist() == [0, 0, 0]                  # inactive slots never advanced
+    del logits0
+
+
+def test_grouped_moe_equals_dense_and_the_reference_moe():
+    """The two sync-free MoE paths against ``MoE.forward`` (bf16: the grouped path's dtype; runs on the CPU
+    build of ``torch._grouped_mm``)."""
+    m = _model(torch.bfloat16)
+    stack_expert_weights(m)
+    moe = m.layers[3].ffn                                   # a learned-routing layer
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 1, m.config.dim, generator=g).to(torch.bfloat16)
+    ids = torch.randint(2, 1024, (16, 1), generator=g)
+    with torch.no_grad():
+        want = moe(x, ids).float()
+        for path in ("grouped", "dense"):
+            got, idx = moe_decode(moe, x, ids, path)
+            assert idx.shape == (16, m.config.n_activated_experts)
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            assert err <= 1e-2, (path, err)                 # bf16 rounding of differently ordered sums
+
+
+def test_unstacked_experts_and_routing_hooks_are_refused(seqs):
+    m = _model()
+    with torch.no_grad():
+        dyn, _ = prefill(m, [seqs[0][:3].tolist()], max_len=8)
+        slots = SlotCache.like(dyn, 1)
+        with pytest.raises(RuntimeError, match="stack_expert_weights"):
+            static_decode_step(m, slots, torch.tensor([5]), torch.tensor([True]))
+        stack_expert_weights(m)
+        with routing_hook(lambda layer, idx: idx), pytest.raises(RuntimeError, match="routing hook"):
+            static_decode_step(m, slots, torch.tensor([5]), torch.tensor([True]))
+        with pytest.raises(ValueError, match="max_len=8"):
+            SlotCache.like(dyn, 1).load([0], prefill(m, [[2, 3]], max_len=9)[0], [0])

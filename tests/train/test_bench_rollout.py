@@ -1,0 +1,32 @@
+"""``bench.rollout`` on the CPU: a small run gives every row its numbers, and the table and the weight-byte
+count follow their definitions (the H200 numbers are in docs/rollout.md)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_a_small_rollout_bench_runs_and_counts_what_it_says():
+    from bench.rollout import format_table, run_bench, weight_bytes_per_token
+    from core.config import preset
+    from kernels.reference.model import DeepseekV4Model
+
+    torch.set_num_threads(1)
+    res = run_bench(model="tiny", batch=(1, 2), prompt_len=(12,), new_tokens=4, rows=("cached", "uncached"),
+                    hbm=1e12)
+    rows = {(r["engine"], r["batch"]): r for r in res["rows"]}
+    assert set(rows) == {("cached", 1), ("cached", 2), ("uncached", 1), ("uncached", 2)}
+    for (name, B), r in rows.items():
+        assert r["tokens"] == B * 4 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert ("hbm_share" in r) == (B == 1)
+    assert rows[("cached", 2)]["positions_fed"] == 2 * 12 + 2 * 3          # prompts once, then one token a step
+    assert "decode tok/s" in format_table(res)
+
+    c = preset("tiny")
+    m = DeepseekV4Model(c, device="meta")
+    per_expert = 3 * c.dim * c.moe_inter_dim * 4
+    dense = sum(t.numel() * 4 for n, t in m.state_dict().items()
+                if not n.startswith("mtp.") and ".experts." not in n and n != "embed.weight"
+                and not n.endswith("tid2eid"))
+    want = dense + c.n_layers * c.n_activated_experts * per_expert + c.dim * 4 + c.n_hash_layers * c.n_activated_experts * 8
+    assert weight_bytes_per_token(m) == want
