@@ -270,11 +270,15 @@ class ReferenceEngine(RolloutEngineBase):
         self.version = self._next_version
 
     def release_memory(self) -> None:
-        """Colocated mode: free the weights while the trainer uses the device (the KV cache lives only inside
-        :meth:`generate`). The storage is given back; the next update (``begin_update``) allocates it again
-        and must send every tensor, since nothing is kept."""
+        """Colocated mode: free the weights, the decode slots' KV cache and their CUDA graphs while the trainer
+        uses the device. The storage is given back; the next update (``begin_update``) allocates the weights
+        again and must send every tensor, since nothing is kept; the next generate builds the slots again (and
+        captures their graphs: they hold the addresses of the tensors they read)."""
         if self._released:
             return
+        self._decoder = None
+        for layer in self.model.layers:               # the decode MoE's stacked experts (kernels.reference.slots)
+            layer.ffn.__dict__.pop("_expert_stacks", None)
         for t in self.model.state_dict(keep_vars=True).values():
             self._shapes.append((t, tuple(t.shape)))
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
@@ -287,10 +291,23 @@ class ReferenceEngine(RolloutEngineBase):
         for t, shape in self._shapes:
             t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
         self._shapes, self._released = [], False
+        if self.kv_cache:
+            from kernels.reference.slots import stack_expert_weights
+
+            stack_expert_weights(self.model)
 
     def held_bytes(self) -> int:
-        """Bytes of weights the engine holds now (0 while released)."""
-        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        """Device bytes the engine holds now: its weights and its decode slots' KV cache (0 while released)."""
+        seen, total = set(), 0
+        tensors = list(self.model.state_dict().values())
+        if self._decoder is not None:
+            tensors += self._decoder.cache_tensors()
+        for t in tensors:                             # expert weights are views of one stack: count storage once
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     def held_weights(self):
         return dict(self.model.state_dict())

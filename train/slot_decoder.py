@@ -16,6 +16,7 @@ is harmless. Weight updates copy into the same parameter tensors, so the graphs 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -94,6 +95,21 @@ class SlotDecoder:
         g, logits, routes = self._graphs[b]
         g.replay()
         return logits, routes
+
+    def cache_tensors(self) -> List[torch.Tensor]:
+        """Every tensor of the slots' caches (for memory accounting)."""
+        out: List[torch.Tensor] = [self.cache.pos, self.tokens, self.active]
+
+        def walk(obj):
+            for v in vars(obj).values():
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+                elif dataclasses.is_dataclass(v):
+                    walk(v)
+
+        for lc in self.cache.layers:
+            walk(lc)
+        return out
 
     def fits(self, slots: int, max_len: int, cuda_graphs: Optional[bool] = None) -> bool:
         return slots <= self.slots and max_len <= self.max_len and cuda_graphs in (None, self.cuda_graphs)

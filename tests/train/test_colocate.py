@@ -51,15 +51,16 @@ def test_a_released_engine_holds_nothing_and_samples_the_same_after_the_next_upd
 
     engine, model = _engine_and_model()
     before = _flat(_generate(engine))
-    held = engine.held_bytes()
-    assert held > 0
+    held = engine.held_bytes()                          # the weights and the decode slots' KV cache
+    assert held > sum(t.numel() * t.element_size() for t in engine.held_weights().values())
     engine.release_memory()
     assert engine.held_bytes() == 0
     with pytest.raises(RuntimeError, match="no weights"):
         _generate(engine)
     assert sync_weights(model, engine, version=2).ok      # the trainer's next sync: in place, every tensor
-    assert engine.held_bytes() == held and engine.version == 2
+    assert engine.version == 2
     after = _flat(_generate(engine))
+    assert engine.held_bytes() == held                  # weights and the decode slots' cache, built again
     for (ra, la, ea), (rb, lb, eb) in zip(before, after, strict=True):
         assert ra == rb and torch.equal(la, lb) and torch.equal(ea, eb)
 
