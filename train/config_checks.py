@@ -19,7 +19,7 @@ from core.config import ConfigError
 
 __all__ = ["validate"]
 
-_OPTION = {"lr": "--lr", "seed": "--seed", "save_every": "--save-every", "data": "--data",
+_OPTION = {"tracker": "--tracker", "lr": "--lr", "seed": "--seed", "save_every": "--save-every", "data": "--data",
            "max_tokens_per_rank": "--max-tokens-per-rank"}
 _BIG = 1 << 20
 
@@ -45,6 +45,17 @@ def _number(key: str, v: Any, *, lo: float, lo_open: bool, hi: float = math.inf,
 def _int(key: str, v: Any, lo: int, hi: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         _fail(key, v, f"must be an integer in {lo:,} .. {hi:,}")
+
+
+def _trackers(names: Any) -> None:
+    from .trackers import TRACKERS
+
+    allowed = f"a list of {', '.join(TRACKERS)} (each at most once; none alone)"
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+        _fail("tracker", names, allowed)
+    if any(n not in TRACKERS for n in names) or len(set(names)) != len(names) or (
+            "none" in names and len(names) > 1):
+        _fail("tracker", names, allowed)
 
 
 def validate(cfg) -> None:
@@ -90,5 +101,6 @@ def validate(cfg) -> None:
     except (ValueError, AttributeError):
         _fail("sglang_server_args", cfg.sglang_server_args, "must be launch_server arguments as one shell-quoted "
               "string (e.g. '--mem-fraction-static 0.7')")
+    _trackers(cfg.tracker)
     _int("save_every", cfg.save_every, 1, 1 << 30)
     _int("keep_last", cfg.keep_last, 1, 1 << 20)

@@ -45,7 +45,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
 
@@ -132,6 +132,8 @@ class TrainConfig:
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
     max_tokens_per_rank: Optional[int] = None
     # bookkeeping
+    # where each step's scalars go besides metrics.jsonl (train.trackers): tensorboard, wandb, mlflow or none
+    tracker: Tuple[str, ...] = ("tensorboard",)
     save_every: int = 10
     keep_last: int = 2
     export_at_end: bool = True
@@ -144,7 +146,20 @@ class TrainConfig:
     def to_json(self) -> Dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        d["tracker"] = list(self.tracker)
         return d
+
+
+# settings a resumed run may change: they do not change what is trained
+RESUME_MAY_CHANGE = ("tracker",)
+
+
+def _compared(desc: Dict, keys) -> Dict:
+    """The parts of a run description that ``--resume`` must find unchanged."""
+    out = {k: desc.get(k) for k in keys}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k not in RESUME_MAY_CHANGE}
+    return out
 
 
 def _maybe_kill(step: int, phase: str) -> None:
@@ -300,17 +315,20 @@ class _Run:
         self.start_step = int(step)
         return None
 
-    def _write_or_check_config_main(self, resume: bool, model_source) -> None:
-        p = self.run_dir / CONFIG_FILE
-        desc = {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
+    def _description(self) -> Dict[str, Any]:
+        """The run's resolved configuration (``train_config.json``; the trackers' params / config)."""
+        return {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
                 "model_source": self.ckpt_source,  # "run": the run's choices (`dsv4 train --config` reads them)
                 "run": None if self.run_config is None else self.run_config.as_dict()}
+
+    def _write_or_check_config_main(self, resume: bool, model_source) -> None:
+        p = self.run_dir / CONFIG_FILE
+        desc = self._description()
         found = latest_checkpoint(self.run_dir)
         if resume and found is not None:
             saved = json.loads(p.read_text()) if p.is_file() else None
             keys = ("mode", "train", "model_config")
-            diff = [] if saved is None else config_differences({k: saved.get(k) for k in keys},
-                                                                {k: desc[k] for k in keys})
+            diff = [] if saved is None else config_differences(_compared(saved, keys), _compared(desc, keys))
             if diff:
                 raise UserInputError(f"{self.run_dir}: --resume with options that differ from the run's "
                                      f"({'; '.join(diff[:6])}{'; ...' if len(diff) > 6 else ''}); resume with "
@@ -618,7 +636,8 @@ class _Run:
         logger = None
         last_row: Dict[str, Any] = {}
         try:                     # the engine is shut down however the run ends (a started server is stopped)
-            logger = MetricsLogger(self.run_dir, start_step=self.start_step) if main else None
+            logger = MetricsLogger(self.run_dir, start_step=self.start_step, trackers=self.cfg.tracker,
+                                   config={**self._description(), "steps": self.steps}) if main else None
             with (run_log.file_log(self.run_dir) if main else contextlib.nullcontext()), run_log.step_progress(
                     self.mode, self.steps, self.start_step, enabled=self.progress and main) as bar:
                 for line in (run_log.config_lines(self.run_config, self.cfg, mode=self.mode, steps=self.steps,
@@ -700,7 +719,10 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     """
     from .launch import joined_ranks, launch_local_ranks
 
+    from .trackers import check_available
+
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    check_available(cfg.tracker)                   # a tracker's missing library: one line, before any work
     world = 1 if run_config is None else run_config.world
     if run_config is not None:
         check_divisible(run_config, mode, cfg)     # before any rank starts
