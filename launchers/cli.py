@@ -402,6 +402,7 @@ def training_options(func):
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
         ("--tracker", dict(multiple=True, callback=_tracker_list, metavar="NAME[,NAME]", help="Where each step's scalars and the run's configuration go besides metrics.jsonl: tensorboard, wandb, mlflow or none; a comma list or repeated (default: tensorboard). Settings: the libraries' environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME).")),
         ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
+        ("--cuda-graphs", dict(is_flag=True, help="With --compile on a GPU: replay the compiled blocks as CUDA graphs (Inductor's reduce-overhead mode; SFT, rows padded to pad_to_length=N, tp/cp/ep 1, no packing budget).")),
         ("--nproc-per-node", dict(type=click.IntRange(min=1), default=None, help="Ranks to start on this machine (torch.distributed's elastic launcher; one GPU each on a GPU --hardware). Default: tp x cp x ep. Under torchrun / srun the launcher's WORLD_SIZE is used instead.")),
         ("--config", dict(type=click.Path(dir_okay=False), default=None, help="TOML or JSON file of settings: any option above or below (without the dashes) and every training knob; a run folder's train_config.json repeats that run. Options given on the command line win over the file, KEY=VALUE arguments over both.")),
         ("--print-config", dict(is_flag=True, help="Print every setting this command resolved, as a TOML file --config reads, and exit without training.")),
@@ -522,13 +523,22 @@ def _prepared_training(opts: dict, kw: dict):
     """`train` / `full-train` settings resolved and checked: ``(run, settings)``, or None after
     ``--print-config`` printed them."""
     t = _training(opts, kw)
-    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
+    host, run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))
     if t.print_config:
         _print_config(run, t)
         return None
+    from core.combinations import InvalidCombination
+    from core.config import ConfigError
+    from train.config_checks import check_mode, check_train_options
     from train.trackers import check_available
 
-    check_available(_train_config(t).tracker)      # before any stage runs
+    cfg = _train_config(t)
+    try:                                           # before any stage runs
+        check_mode(t.mode, cfg)
+        check_train_options(run, cfg, host)
+    except (ConfigError, InvalidCombination) as exc:
+        _fail(str(exc), EXIT_INVALID)
+    check_available(cfg.tracker)
     _check_launched_run_dir(t.run_dir)
     return run, t
 

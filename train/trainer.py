@@ -64,6 +64,7 @@ from .optim import build_optimizer
 from .replay import routing_match
 from .weight_sync import sync_weights
 from . import state_io, step_guard
+from .config_checks import check_mode, check_static_shapes, check_train_options
 from .run_folder import cleanup_failed_start, config_differences, has_progress
 from core.errors import UserInputError
 
@@ -122,6 +123,12 @@ class TrainConfig:
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
     # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
     compile_blocks: bool = False
+    # with compile_blocks: replay the compiled blocks as CUDA graphs (Inductor's reduce-overhead mode, as in the
+    # training benchmark; SFT on one GPU's BSHD or row-packed micro-batches, needs pad_to_length)
+    cuda_graphs: bool = False
+    # SFT: pad every sequence (prompt + response) to this many tokens, so every micro-batch has one shape;
+    # padding is masked out of the loss (None = pad to the longest sequence of the micro-batch)
+    pad_to_length: Optional[int] = None
     # activation recomputation (engine.recompute): "none", "selective" (each block's attention) or "full"
     recompute: str = "none"
     # samples per forward/backward on each rank, gradients accumulated over the rank's share of the step;
@@ -198,8 +205,14 @@ def _resolve_model_config(run_config, model_source):
     raise ValueError("run_training needs a model: a checkpoint folder, a preset name or a ModelConfig")
 
 
-def _pad_batch(seqs: List[List[int]], pad: int) -> torch.Tensor:
+def _pad_batch(seqs: List[List[int]], pad: int, length: Optional[int] = None) -> torch.Tensor:
+    """Rows padded with ``pad`` to the longest sequence, or to ``length`` (``pad_to_length``)."""
     L = max(len(s) for s in seqs)
+    if length is not None:
+        if L > length:
+            raise UserInputError(f"a sequence of {L} tokens (prompt + response) is longer than pad_to_length="
+                                 f"{length}. Fix: raise pad_to_length to {L} or more, or shorten the data")
+        L = length
     return torch.tensor([s + [pad] * (L - len(s)) for s in seqs], dtype=torch.long)
 
 
@@ -222,13 +235,15 @@ class _Run:
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
-                                       compile_blocks=cfg.compile_blocks, recompute=cfg.recompute)
+                                       compile_blocks=cfg.compile_blocks, cuda_graphs=cfg.cuda_graphs,
+                                       recompute=cfg.recompute)
         self.dist = ParallelGroups.current()
         check_divisible(self.dist, mode, cfg)
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
         # the layout rules (packing and --cp need --qkv-format thd) are the combination table's
         self.packed = bool(getattr(self.model, "packs_streams", False)) and (
             self.dist.cp > 1 or self.max_tokens_per_rank is not None)
+        check_static_shapes(cfg, packed=self.packed, rows=cfg.batch_size // self.dist.dp)
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.optim = build_optimizer(self.model, cfg, run_config)
         self.ref_model = None
@@ -352,7 +367,7 @@ class _Run:
             p, r = D.encode_prompt(tok, ex.prompt), D.encode_response(tok, ex.response)
             seqs.append(p + r)
             masks.append([0] * (len(p) - 1) + [1] * len(r))   # next-token targets that are response tokens
-        ids = _pad_batch(seqs, tok.eos_token_id)
+        ids = _pad_batch(seqs, tok.eos_token_id, cfg.pad_to_length)   # padding: never a target (mask 0)
         mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
         t0 = time.perf_counter()
         self.model.train()
@@ -376,6 +391,8 @@ class _Run:
                 kw["lengths"] = [lengths[i] for i in idx]
             else:
                 sub_ids, sub_mask = ids[idx], mask[idx]
+            if cfg.cuda_graphs:          # the previous micro-batch's graph outputs may be overwritten now
+                torch.compiler.cudagraph_mark_step_begin()
             fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, **kw)
             loss_sum, _n = sft_loss_sum(fwd.logprobs, sub_mask)
             loss = loss_sum / n_global
@@ -723,9 +740,11 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
 
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     check_available(cfg.tracker)                   # a tracker's missing library: one line, before any work
+    check_mode(mode, cfg)
     world = 1 if run_config is None else run_config.world
     if run_config is not None:
         check_divisible(run_config, mode, cfg)     # before any rank starts
+        check_train_options(run_config, cfg)
     with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
         if world > 1 and not joined_ranks():
             Path(run_dir).mkdir(parents=True, exist_ok=True)
