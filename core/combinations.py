@@ -68,6 +68,9 @@ class Selection:
     max_tokens_per_rank: Optional[int] = None
     # The URL of a running rollout server to connect to (--rollout-url; None = the engine runs or starts here).
     rollout_url: Optional[str] = None
+    # The trainer replays its compiled blocks as CUDA graphs (dsv4 train --cuda-graphs; a TrainConfig field,
+    # checked here with the layout by train_option_problems).
+    cuda_graphs: bool = False
 
 
 def _join(names) -> str:
@@ -350,12 +353,44 @@ def _train_layout(sel: Selection, host) -> Optional[str]:
     return None
 
 
+def _train_cuda_graphs(sel: Selection, host) -> Optional[str]:
+    """``--cuda-graphs`` records the compiled blocks of one GPU's fixed-shape micro-batches (Inductor's
+    reduce-overhead mode, engine.compile): a GPU target, one layout for every step, no data-dependent
+    exchanges inside the blocks."""
+    if not sel.cuda_graphs:
+        return None
+    if not sel.hardware.gpu:
+        gpus = [h.name for h in _runnable_records(host, HARDWARE) if h.gpu] if host is not None else ["nvidia"]
+        return (f"--cuda-graphs records the compiled blocks as CUDA graphs, which need a GPU (got --hardware "
+                f"{sel.hardware.name}). Fix: use --hardware {_join(gpus or ['nvidia'])}, or drop --cuda-graphs.")
+    if sel.cp > 1 or sel.max_tokens_per_rank is not None:
+        return ("--cuda-graphs replays one shape, and packed (THD) micro-batches change their layout at every step "
+                f"(got --cp {sel.cp}, --max-tokens-per-rank {sel.max_tokens_per_rank}). Fix: use --cp 1 without "
+                "--max-tokens-per-rank (rows padded to pad_to_length), or drop --cuda-graphs.")
+    if sel.ep > 1 or sel.tp > 1:
+        return (f"--cuda-graphs is built for blocks without collectives inside (got --tp {sel.tp} --ep {sel.ep}): "
+                "expert parallelism exchanges data-dependent token counts (a host sync in every block) and tensor-"
+                "parallel all-reduces are not captured. Fix: use --tp 1 --ep 1 (data parallel only), or drop "
+                "--cuda-graphs.")
+    return None
+
+
+TRAIN_OPTION_RULES = (_train_cuda_graphs,)
+
+
+def train_option_problems(sel: Selection, host=None) -> list[str]:
+    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``): the rest of the
+    table was checked when the run config was made."""
+    return [msg for rule in TRAIN_OPTION_RULES if (msg := rule(sel, host)) is not None]
+
+
 # The table: (rule name, what it checks, rule). Order matters only for which
 # message is shown first; every failing rule is reported.
 RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...] = (
     # the training job's own limits first: a refusal for every job then reads last
     ("train-layout", "the run's ranks split into tensor x context x data parallel, expert parallel inside data", _train_layout),
     ("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
+    ("train-cuda-graphs", "the trainer's CUDA graphs run on a GPU, one fixed layout, no collectives inside the blocks", _train_cuda_graphs),
     ("runnable", "every chosen backend is built (not declared only)", _runnable),
     ("impl-kernel", "the implementation accepts the kernel backend", _impl_kernel),
     ("impl-tensor-parallel", "the implementation supports the tensor-parallel size", _impl_tp),

@@ -382,6 +382,12 @@ def dequantize_cmd(opts, in_dir, out, overwrite):
     stages.dequantize(stages.user_path(in_dir), stages.user_path(out), overwrite=overwrite)
 
 
+def _tracker_list(ctx, param, value):
+    """``--tracker a,b --tracker c`` -> ``("a", "b", "c")``; not given -> None (the setting's default)."""
+    names = tuple(n.strip() for v in value for n in v.split(",") if n.strip())
+    return names or None
+
+
 def training_options(func):
     """Options shared by `train` and `full-train`; every other setting is a KEY=VALUE argument or a key of
     --config (launchers.config_file)."""
@@ -394,7 +400,9 @@ def training_options(func):
         ("--lr", dict(type=float, default=None, help="Learning rate.")),
         ("--seed", dict(type=int, default=None, help="Seed of data order and sampling.")),
         ("--save-every", dict(type=click.IntRange(min=1), default=None, help="Checkpoint every N steps.")),
+        ("--tracker", dict(multiple=True, callback=_tracker_list, metavar="NAME[,NAME]", help="Where each step's scalars and the run's configuration go besides metrics.jsonl: tensorboard, wandb, mlflow or none; a comma list or repeated (default: tensorboard). Settings: the libraries' environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME).")),
         ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
+        ("--cuda-graphs", dict(is_flag=True, help="With --compile on a GPU: replay the compiled blocks as CUDA graphs (Inductor's reduce-overhead mode; SFT, rows padded to pad_to_length=N, tp/cp/ep 1, no packing budget).")),
         ("--nproc-per-node", dict(type=click.IntRange(min=1), default=None, help="Ranks to start on this machine (torch.distributed's elastic launcher; one GPU each on a GPU --hardware). Default: tp x cp x ep. Under torchrun / srun the launcher's WORLD_SIZE is used instead.")),
         ("--config", dict(type=click.Path(dir_okay=False), default=None, help="TOML or JSON file of settings: any option above or below (without the dashes) and every training knob; a run folder's train_config.json repeats that run. Options given on the command line win over the file, KEY=VALUE arguments over both.")),
         ("--print-config", dict(is_flag=True, help="Print every setting this command resolved, as a TOML file --config reads, and exit without training.")),
@@ -515,11 +523,22 @@ def _prepared_training(opts: dict, kw: dict):
     """`train` / `full-train` settings resolved and checked: ``(run, settings)``, or None after
     ``--print-config`` printed them."""
     t = _training(opts, kw)
-    run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))[1]
+    host, run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))
     if t.print_config:
         _print_config(run, t)
         return None
-    _train_config(t)
+    from core.combinations import InvalidCombination
+    from core.config import ConfigError
+    from train.config_checks import check_mode, check_train_options
+    from train.trackers import check_available
+
+    cfg = _train_config(t)
+    try:                                           # before any stage runs
+        check_mode(t.mode, cfg)
+        check_train_options(run, cfg, host)
+    except (ConfigError, InvalidCombination) as exc:
+        _fail(str(exc), EXIT_INVALID)
+    check_available(cfg.tracker)
     _check_launched_run_dir(t.run_dir)
     return run, t
 

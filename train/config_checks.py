@@ -17,9 +17,9 @@ from typing import Any
 
 from core.config import ConfigError
 
-__all__ = ["validate"]
+__all__ = ["validate", "check_mode", "check_static_shapes", "check_train_options"]
 
-_OPTION = {"lr": "--lr", "seed": "--seed", "save_every": "--save-every", "data": "--data",
+_OPTION = {"tracker": "--tracker", "lr": "--lr", "seed": "--seed", "save_every": "--save-every", "data": "--data",
            "max_tokens_per_rank": "--max-tokens-per-rank"}
 _BIG = 1 << 20
 
@@ -45,6 +45,82 @@ def _number(key: str, v: Any, *, lo: float, lo_open: bool, hi: float = math.inf,
 def _int(key: str, v: Any, lo: int, hi: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         _fail(key, v, f"must be an integer in {lo:,} .. {hi:,}")
+
+
+def _trackers(names: Any) -> None:
+    from .trackers import TRACKERS
+
+    allowed = f"a list of {', '.join(TRACKERS)} (each at most once; none alone)"
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+        _fail("tracker", names, allowed)
+    if any(n not in TRACKERS for n in names) or len(set(names)) != len(names) or (
+            "none" in names and len(names) > 1):
+        _fail("tracker", names, allowed)
+
+
+def _cuda_graphs(cfg) -> None:
+    """``cuda_graphs`` and ``pad_to_length`` against the other knobs (the layout is the combination table's:
+    ``core.combinations``, rule ``train-cuda-graphs``)."""
+    if cfg.pad_to_length is not None:
+        _int("pad_to_length", cfg.pad_to_length, 2, _BIG)
+        if cfg.max_tokens_per_rank is not None:
+            raise ConfigError("training option 'pad_to_length' pads rows to one length, and 'max_tokens_per_rank' "
+                              "packs them into micro-batches of changing layout: give one of them")
+        if cfg.dsa_indexer_loss_coeff is not None:
+            raise ConfigError("training option 'pad_to_length' with 'dsa_indexer_loss_coeff': megatron's indexer KL "
+                              "loss averages over every token, padding included, so padding would change it. Fix: "
+                              "drop pad_to_length, or dsa_indexer_loss_coeff=none")
+    if not cfg.cuda_graphs:
+        return
+    if not cfg.compile_blocks:
+        raise ConfigError("training option 'cuda_graphs' replays the compiled blocks as CUDA graphs. "
+                          "Fix: add --compile, or drop --cuda-graphs")
+    if cfg.pad_to_length is None:
+        raise ConfigError("training option 'cuda_graphs' needs one shape for every micro-batch. Fix: set "
+                          "pad_to_length=N (at least the longest prompt + response of the data), or drop --cuda-graphs")
+    if cfg.dsa_indexer_loss_coeff is not None:
+        raise ConfigError("training option 'cuda_graphs' with 'dsa_indexer_loss_coeff': with megatron's indexer KL "
+                          "loss on, CUDA-graph trees record the step again at every step (the indexer's saved "
+                          "tensors live for another span in replay; measured on an H200: 0.76-1.14 s per step against 52 ms). Fix: drop "
+                          "--cuda-graphs, or dsa_indexer_loss_coeff=none")
+
+
+def check_mode(mode: str, cfg) -> None:
+    """The knobs that apply to one mode only (SFT: ``pad_to_length``, ``cuda_graphs``)."""
+    if mode == "sft":
+        return
+    for key in ("cuda_graphs", "pad_to_length"):
+        if getattr(cfg, key) not in (None, False):
+            raise ConfigError(f"training option {_name(key)} applies to --mode sft: GRPO's forwards keep the routing "
+                              f"they record and replay across forwards, and its rows are not padded to one length "
+                              f"(not built). Fix: drop {key}, or use --mode sft")
+
+
+def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
+    """One shape per micro-batch for ``cuda_graphs``: rows padded to ``pad_to_length`` (not packed), and
+    micro-batches of equal row counts (``rows``: the rank's sequences per step)."""
+    if cfg.pad_to_length is not None and packed:
+        raise ConfigError("training option 'pad_to_length' pads rows, and this run packs them into THD micro-batches "
+                          "(--cp > 1 or --max-tokens-per-rank). Fix: drop pad_to_length, or use --cp 1 without a "
+                          "packing budget")
+    mbs = cfg.micro_batch_size
+    if cfg.cuda_graphs and mbs is not None and rows % mbs:
+        raise ConfigError(f"training option 'cuda_graphs' needs micro-batches of one shape, and micro_batch_size="
+                          f"{mbs} leaves a last micro-batch of {rows % mbs} of this rank's {rows} sequences. Fix: "
+                          f"use a micro_batch_size that divides {rows}")
+
+
+def check_train_options(run_config, cfg, host=None) -> None:
+    """The trainer's options that the combination table checks with the run's layout (``core.combinations``:
+    rule ``train-cuda-graphs``); raises its InvalidCombination."""
+    import dataclasses
+
+    from core.combinations import InvalidCombination, train_option_problems
+
+    problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs)),
+                                      host)
+    if problems:
+        raise InvalidCombination("\n".join(problems))
 
 
 def validate(cfg) -> None:
@@ -90,5 +166,7 @@ def validate(cfg) -> None:
     except (ValueError, AttributeError):
         _fail("sglang_server_args", cfg.sglang_server_args, "must be launch_server arguments as one shell-quoted "
               "string (e.g. '--mem-fraction-static 0.7')")
+    _trackers(cfg.tracker)
+    _cuda_graphs(cfg)
     _int("save_every", cfg.save_every, 1, 1 << 30)
     _int("keep_last", cfg.keep_last, 1, 1 << 20)

@@ -1,4 +1,5 @@
-"""Metrics: ``RUN_DIR/metrics.jsonl`` (one object per step), TensorBoard events (``RUN_DIR/tb``), console.
+"""Metrics: ``RUN_DIR/metrics.jsonl`` (one object per step), the run's trackers (:mod:`train.trackers`:
+TensorBoard events in ``RUN_DIR/tb`` by default, wandb, MLflow), console.
 
 Every line has at least :data:`REQUIRED_KEYS`. Values that do not apply to a mode are ``null`` (SFT has
 no reward or rollout). Time per phase is in seconds: ``time_rollout``, ``time_logprobs``, ``time_train``,
@@ -18,8 +19,9 @@ from typing import Dict, List
 
 from core.atomic import write_text_atomically
 
+from .trackers import DEFAULT as DEFAULT_TRACKERS, TB_DIR
+
 METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
 REQUIRED_KEYS = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
                  "tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights")
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
@@ -57,18 +59,24 @@ def _clean(v):
 
 
 class MetricsLogger:
-    def __init__(self, run_dir, *, start_step: int = 0, tensorboard: bool = True):
+    """Writes each step's row to ``metrics.jsonl`` (fsynced: the run's record) and then to the run's
+    trackers (:mod:`train.trackers`: TensorBoard by default; a tracker that fails mid-run is dropped with
+    one warning, the run and this file go on)."""
+
+    def __init__(self, run_dir, *, start_step: int = 0, trackers=DEFAULT_TRACKERS, config=None,
+                 run_name: str = ""):
+        from .trackers import open_trackers
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        self._trackers = open_trackers(trackers, self.run_dir, start_step=start_step, config=config or {},
+                                       run_name=run_name or self.run_dir.name)
         self._f = open(self.path, "a")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None)
 
     def log(self, row: Dict) -> None:
+        from .trackers import log_all, scalars
+
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
             raise KeyError(f"metrics row lacks {missing}")
@@ -76,17 +84,13 @@ class MetricsLogger:
         self._f.write(json.dumps(row, sort_keys=True) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
-        if self._tb is not None:
-            step = int(row["step"])
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                    self._tb.add_scalar(("time/" if k.startswith("time_") else "train/") + k, float(v), step)
-            self._tb.flush()
+        log_all(self._trackers, int(row["step"]), scalars(row))
 
     def close(self) -> None:
+        from .trackers import close_all
+
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        close_all(self._trackers)
 
 
 def summary_line(row: Dict, total_steps: int) -> str:

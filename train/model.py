@@ -505,7 +505,8 @@ def setup_process(parts):
 def build_train_model(model_config, run_config=None, *, impl: Optional[str] = None,
                       dtype: Optional[torch.dtype] = None, seed: int = 0,
                       dsa_indexer_loss_coeff: Optional[float] = None,
-                      compile_blocks: bool = False, recompute: str = "none") -> _TrainModelBase:
+                      compile_blocks: bool = False, cuda_graphs: bool = False,
+                      recompute: str = "none") -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
@@ -513,7 +514,8 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     implementation's module comes from the assembly step (``core.assembly``: the run's implementation,
     kernel ops, hardware target and quantization scheme), in ``dtype`` (default: the run's ``--dtype``).
     ``dsa_indexer_loss_coeff``: weight of the indexer KL loss, for an implementation whose factory takes it
-    (megatron); ``None`` = off. ``compile_blocks``: ``torch.compile`` the blocks in place (``engine.compile``).
+    (megatron); ``None`` = off. ``compile_blocks``: ``torch.compile`` the blocks in place (``engine.compile``);
+    ``cuda_graphs``: in Inductor's reduce-overhead mode (the model may refuse: ``cuda_graphs_refusal``).
     ``recompute``: activation recomputation of the blocks (``engine.recompute``: none, selective, full).
     """
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
@@ -548,7 +550,9 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     if compile_blocks:
         from engine.compile import compile_blocks as compile_in_place
 
-        compile_in_place(module)
+        compile_in_place(module, cuda_graphs=cuda_graphs)
+    elif cuda_graphs:
+        raise ValueError("cuda_graphs replays the compiled blocks: it needs compile_blocks (--compile)")
     return ImplTrainModel(module, model_config, impl, qkv_format=run_config.qkv_format,
                           indexer_loss_coeff=dsa_indexer_loss_coeff, device=device)
 

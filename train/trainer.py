@@ -45,7 +45,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
 
@@ -64,6 +64,7 @@ from .optim import build_optimizer
 from .replay import routing_match
 from .weight_sync import sync_weights
 from . import state_io, step_guard
+from .config_checks import check_mode, check_static_shapes, check_train_options
 from .run_folder import cleanup_failed_start, config_differences, has_progress
 from core.errors import UserInputError
 
@@ -126,6 +127,12 @@ class TrainConfig:
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
     # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
     compile_blocks: bool = False
+    # with compile_blocks: replay the compiled blocks as CUDA graphs (Inductor's reduce-overhead mode, as in the
+    # training benchmark; SFT on one GPU's BSHD or row-packed micro-batches, needs pad_to_length)
+    cuda_graphs: bool = False
+    # SFT: pad every sequence (prompt + response) to this many tokens, so every micro-batch has one shape;
+    # padding is masked out of the loss (None = pad to the longest sequence of the micro-batch)
+    pad_to_length: Optional[int] = None
     # activation recomputation (engine.recompute): "none", "selective" (each block's attention) or "full"
     recompute: str = "none"
     # samples per forward/backward on each rank, gradients accumulated over the rank's share of the step;
@@ -136,6 +143,8 @@ class TrainConfig:
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
     max_tokens_per_rank: Optional[int] = None
     # bookkeeping
+    # where each step's scalars go besides metrics.jsonl (train.trackers): tensorboard, wandb, mlflow or none
+    tracker: Tuple[str, ...] = ("tensorboard",)
     save_every: int = 10
     keep_last: int = 2
     export_at_end: bool = True
@@ -148,7 +157,20 @@ class TrainConfig:
     def to_json(self) -> Dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        d["tracker"] = list(self.tracker)
         return d
+
+
+# settings a resumed run may change: they do not change what is trained
+RESUME_MAY_CHANGE = ("tracker",)
+
+
+def _compared(desc: Dict, keys) -> Dict:
+    """The parts of a run description that ``--resume`` must find unchanged."""
+    out = {k: desc.get(k) for k in keys}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k not in RESUME_MAY_CHANGE}
+    return out
 
 
 def _maybe_kill(step: int, phase: str) -> None:
@@ -187,8 +209,14 @@ def _resolve_model_config(run_config, model_source):
     raise ValueError("run_training needs a model: a checkpoint folder, a preset name or a ModelConfig")
 
 
-def _pad_batch(seqs: List[List[int]], pad: int) -> torch.Tensor:
+def _pad_batch(seqs: List[List[int]], pad: int, length: Optional[int] = None) -> torch.Tensor:
+    """Rows padded with ``pad`` to the longest sequence, or to ``length`` (``pad_to_length``)."""
     L = max(len(s) for s in seqs)
+    if length is not None:
+        if L > length:
+            raise UserInputError(f"a sequence of {L} tokens (prompt + response) is longer than pad_to_length="
+                                 f"{length}. Fix: raise pad_to_length to {L} or more, or shorten the data")
+        L = length
     return torch.tensor([s + [pad] * (L - len(s)) for s in seqs], dtype=torch.long)
 
 
@@ -211,13 +239,15 @@ class _Run:
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
-                                       compile_blocks=cfg.compile_blocks, recompute=cfg.recompute)
+                                       compile_blocks=cfg.compile_blocks, cuda_graphs=cfg.cuda_graphs,
+                                       recompute=cfg.recompute)
         self.dist = ParallelGroups.current()
         check_divisible(self.dist, mode, cfg)
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
         # the layout rules (packing and --cp need --qkv-format thd) are the combination table's
         self.packed = bool(getattr(self.model, "packs_streams", False)) and (
             self.dist.cp > 1 or self.max_tokens_per_rank is not None)
+        check_static_shapes(cfg, packed=self.packed, rows=cfg.batch_size // self.dist.dp)
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.optim = build_optimizer(self.model, cfg, run_config)
         self.ref_model = None
@@ -305,17 +335,20 @@ class _Run:
         self.start_step = int(step)
         return None
 
-    def _write_or_check_config_main(self, resume: bool, model_source) -> None:
-        p = self.run_dir / CONFIG_FILE
-        desc = {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
+    def _description(self) -> Dict[str, Any]:
+        """The run's resolved configuration (``train_config.json``; the trackers' params / config)."""
+        return {"mode": self.mode, "train": self.cfg.to_json(), "model_config": self.model_config.to_hf_dict(),
                 "model_source": self.ckpt_source,  # "run": the run's choices (`dsv4 train --config` reads them)
                 "run": None if self.run_config is None else self.run_config.as_dict()}
+
+    def _write_or_check_config_main(self, resume: bool, model_source) -> None:
+        p = self.run_dir / CONFIG_FILE
+        desc = self._description()
         found = latest_checkpoint(self.run_dir)
         if resume and found is not None:
             saved = json.loads(p.read_text()) if p.is_file() else None
             keys = ("mode", "train", "model_config")
-            diff = [] if saved is None else config_differences({k: saved.get(k) for k in keys},
-                                                                {k: desc[k] for k in keys})
+            diff = [] if saved is None else config_differences(_compared(saved, keys), _compared(desc, keys))
             if diff:
                 raise UserInputError(f"{self.run_dir}: --resume with options that differ from the run's "
                                      f"({'; '.join(diff[:6])}{'; ...' if len(diff) > 6 else ''}); resume with "
@@ -339,7 +372,7 @@ class _Run:
             p, r = D.encode_prompt(tok, ex.prompt), D.encode_response(tok, ex.response)
             seqs.append(p + r)
             masks.append([0] * (len(p) - 1) + [1] * len(r))   # next-token targets that are response tokens
-        ids = _pad_batch(seqs, tok.eos_token_id)
+        ids = _pad_batch(seqs, tok.eos_token_id, cfg.pad_to_length)   # padding: never a target (mask 0)
         mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
         t0 = time.perf_counter()
         self.model.train()
@@ -363,6 +396,8 @@ class _Run:
                 kw["lengths"] = [lengths[i] for i in idx]
             else:
                 sub_ids, sub_mask = ids[idx], mask[idx]
+            if cfg.cuda_graphs:          # the previous micro-batch's graph outputs may be overwritten now
+                torch.compiler.cudagraph_mark_step_begin()
             fwd = self.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, **kw)
             loss_sum, _n = sft_loss_sum(fwd.logprobs, sub_mask)
             loss = loss_sum / n_global
@@ -652,7 +687,8 @@ class _Run:
         logger = None
         last_row: Dict[str, Any] = {}
         try:                     # the engine is shut down however the run ends (a started server is stopped)
-            logger = MetricsLogger(self.run_dir, start_step=self.start_step) if main else None
+            logger = MetricsLogger(self.run_dir, start_step=self.start_step, trackers=self.cfg.tracker,
+                                   config={**self._description(), "steps": self.steps}) if main else None
             with (run_log.file_log(self.run_dir) if main else contextlib.nullcontext()), run_log.step_progress(
                     self.mode, self.steps, self.start_step, enabled=self.progress and main) as bar:
                 for line in (run_log.config_lines(self.run_config, self.cfg, mode=self.mode, steps=self.steps,
@@ -734,10 +770,15 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     """
     from .launch import joined_ranks, launch_local_ranks
 
+    from .trackers import check_available
+
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    check_available(cfg.tracker)                   # a tracker's missing library: one line, before any work
+    check_mode(mode, cfg)
     world = 1 if run_config is None else run_config.world
     if run_config is not None:
         check_divisible(run_config, mode, cfg)     # before any rank starts
+        check_train_options(run_config, cfg)
     with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
         if world > 1 and not joined_ranks():
             Path(run_dir).mkdir(parents=True, exist_ok=True)
