@@ -431,7 +431,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Same contract as ``kernels.reference.mhc.hc_post``: ``X'_k = post_k f + sum_j comb[j,k] X_j`` in x.dtype,
-    fp32 inside; ``f``/``x`` bf16/fp16, ``post``/``comb`` fp32."""
+    fp32 inside; ``x`` bf16/fp16, ``f`` bf16/fp16/fp32, ``post``/``comb`` fp32."""
     mhc_checks.check_hc_post(f, x, post, comb)
     return HcPost.apply(f, x, post, comb)
 

@@ -96,7 +96,7 @@ def check_hc_post(f, x, post, comb) -> None:
         raise ValueError(f"the triton hc_post kernel takes f [..., {d}], x [..., {n}, {d}], post [..., {n}], "
                          f"comb [..., {n}, {n}] with one leading shape; got {tuple(f.shape)}, {tuple(x.shape)}, "
                          f"{tuple(post.shape)}, {tuple(comb.shape)}")
-    if f.dtype != x.dtype:
-        raise ValueError(f"the triton hc_post kernel takes f and x of one dtype; got {f.dtype}, {x.dtype}. {_FIX}")
+    if f.dtype not in HALF + (torch.float32,):
+        raise ValueError(f"the triton hc_post kernel takes a bf16/fp16/fp32 sublayer output f; got {f.dtype}. {_FIX}")
     _check_fp32("hc_post", post=post, comb=comb)
     check_device(f, x, post, comb)

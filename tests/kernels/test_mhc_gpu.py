@@ -118,14 +118,16 @@ def test_hc_head_matches_reference(shape):
              [x, fn, scale, base], [_rand(B, S, d, seed=11).bfloat16()], ["y", "dx", "dfn", "dscale", "dbase"], dev)
 
 
+@pytest.mark.parametrize("f_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", _shapes())
-def test_hc_post_matches_reference(shape):
+def test_hc_post_matches_reference(shape, f_dtype):
+    """``f`` (the sublayer output) may be fp32 as well; ``df`` comes back in its dtype."""
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
     dev = _device()
     B, S, n, d = shape["B"], shape["S"], shape["n"], shape["d"]
-    f = _rand(B, S, d, seed=20).bfloat16()
+    f = _rand(B, S, d, seed=20).bfloat16().to(f_dtype)
     x = _rand(B, S, n, d, seed=21).bfloat16()
     post = 2 * torch.sigmoid(_rand(B, S, n, seed=22))
     comb = R.sinkhorn(_rand(B, S, n, n, seed=23), ITERS, HC_EPS)
