@@ -95,10 +95,10 @@ def _mhc_inputs(B, S, n, d, rows, n_scale, seed=0):
 
 @pytest.mark.parametrize("shape", _shapes())
 def test_hc_pre_matches_reference(shape):
+    dev = _device()
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
-    dev = _device()
     B, S, n, d = shape["B"], shape["S"], shape["n"], shape["d"]
     x, fn, scale, base = _mhc_inputs(B, S, n, d, (2 + n) * n, 3)
     gouts = [_rand(B, S, d, seed=7).bfloat16(), _rand(B, S, n, seed=8), _rand(B, S, n, n, seed=9)]
@@ -108,10 +108,10 @@ def test_hc_pre_matches_reference(shape):
 
 @pytest.mark.parametrize("shape", _shapes())
 def test_hc_head_matches_reference(shape):
+    dev = _device()
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
-    dev = _device()
     B, S, n, d = shape["B"], shape["S"], shape["n"], shape["d"]
     x, fn, scale, base = _mhc_inputs(B, S, n, d, n, 1, seed=10)
     _compare(lambda *a: K.hc_head(*a, NORM_EPS, HC_EPS), lambda *a: R.hc_head(*a, NORM_EPS, HC_EPS),
@@ -122,10 +122,10 @@ def test_hc_head_matches_reference(shape):
 @pytest.mark.parametrize("shape", _shapes())
 def test_hc_post_matches_reference(shape, f_dtype):
     """``f`` (the sublayer output) may be fp32 as well; ``df`` comes back in its dtype."""
+    dev = _device()
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
-    dev = _device()
     B, S, n, d = shape["B"], shape["S"], shape["n"], shape["d"]
     f = _rand(B, S, d, seed=20).bfloat16().to(f_dtype)
     x = _rand(B, S, n, d, seed=21).bfloat16()
@@ -138,10 +138,10 @@ def test_hc_post_matches_reference(shape, f_dtype):
 @pytest.mark.parametrize("n", [4, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sinkhorn_matches_reference(n, dtype):
+    dev = _device()
     from kernels.reference import mhc as R
     from kernels.triton import sinkhorn as K
 
-    dev = _device()
     T = 4096 if dev == "cuda" else 50
     logits = _rand(2, T // 2, n, n, seed=30, scale=2.0).to(dtype)
     _compare(lambda c: K.sinkhorn(c, ITERS, HC_EPS), lambda c: R.sinkhorn(c, ITERS, HC_EPS), [logits],
@@ -150,10 +150,10 @@ def test_sinkhorn_matches_reference(n, dtype):
 
 def test_unsupported_inputs_are_refused():
     """No silent hand-off to the reference op: every input the kernels do not take raises with the reason."""
+    dev = _device()
     from kernels.triton import mhc as K
     from kernels.triton import sinkhorn as KS
 
-    dev = _device()
     x, fn, scale, base = (t.to(dev) for t in _mhc_inputs(1, 4, 4, 64, 24, 3))
     with pytest.raises(ValueError, match="bf16/fp16 streams.*--kernel-backend none"):
         K.hc_pre(x.float(), fn, scale, base, NORM_EPS, HC_EPS, ITERS)
@@ -176,10 +176,10 @@ def test_unsupported_inputs_are_refused():
 
 def test_op_table_names_the_triton_mhc_kernels():
     """The triton backend's table serves the four mHC ops itself (counted under ``triton.``)."""
+    dev = _device()
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from kernels.triton.backend import ops
 
-    dev = _device()
     table = ops()
     for name in ("sinkhorn", "hc_pre", "hc_post", "hc_head"):
         assert table.provider[name] == "triton", table.provider
