@@ -32,14 +32,16 @@ from kernels.triton.sinkhorn import sinkhorn, sinkhorn_bwd_tile, sinkhorn_fwd_ti
 
 __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "HcPre", "HcPost", "HcHead", "MHC_CONFIG"]
 
-# Launch settings (bench.kernels_triton may override them through ``config``):
+# Launch settings (the ``config`` argument of the autograd Functions overrides them):
 #   mix / dfn: BT tokens x BK columns of K per step; coef: BT tokens, BD of d per step;
-#   dx: BT x BK tiles; post: BT tokens x BD.
-MHC_CONFIG = dict(mix_BT=16, mix_BK=128, mix_warps=4, mix_stages=3,
-                  coef_BT=16, coef_BD=128, coef_warps=4,
-                  dx_BT=32, dx_BK=128, dx_warps=4,
+#   dx: BT x BK tiles; post / post_bwd: BT tokens x BD.
+# Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4; not tuned on a GPU yet.
+MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3,
+                  coef_BT=16, coef_BD=64, coef_warps=4,
+                  dx_BT=32, dx_BK=64, dx_warps=4,
                   dfn_BT=64, dfn_BK=64, dfn_warps=4, dfn_stages=3,
-                  post_BT=16, post_BD=128, post_warps=4)
+                  post_BT=8, post_BD=128, post_warps=4,
+                  post_bwd_BT=8, post_bwd_BD=64, post_bwd_warps=4)
 PRECISION = "tf32x3"
 
 
@@ -408,9 +410,9 @@ class HcPost(torch.autograd.Function):
         df, dx = torch.empty_like(f2), torch.empty_like(x2)
         dpost, dcomb = torch.empty_like(post2), torch.empty_like(comb2)
         if T:
-            _post_bwd_kernel[(triton.cdiv(T, cfg["post_BT"]),)](
-                f2, x2, post2, comb2, g, df, dx, dpost, dcomb, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n),
-                BD=cfg["post_BD"], N=n, num_warps=cfg["post_warps"])
+            _post_bwd_kernel[(triton.cdiv(T, cfg["post_bwd_BT"]),)](
+                f2, x2, post2, comb2, g, df, dx, dpost, dcomb, T, n, d, BT=cfg["post_bwd_BT"],
+                NP=mhc_checks.padded(n), BD=cfg["post_bwd_BD"], N=n, num_warps=cfg["post_bwd_warps"])
         fs, xs, ps, cs = ctx.shapes
         return df.view(fs), dx.view(xs), dpost.view(ps), dcomb.view(cs), None
 

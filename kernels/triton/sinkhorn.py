@@ -74,12 +74,12 @@ def sinkhorn_bwd_tile(c, g, valid, iters, eps):
         m = m0
         for s in range(0, step):
             m = _normalize(m, s, eps)
-        if step % 2 == 0:
-            r = tl.sum(m, 1)[:, None, :] + eps
-            g = (g - tl.sum(g * (m / r), 1)[:, None, :]) / r
+        if step % 2 == 0:  # (the two branches' sums have different shapes, hence two names)
+            rc = tl.sum(m, 1)[:, None, :] + eps
+            g = (g - tl.sum(g * (m / rc), 1)[:, None, :]) / rc
         else:
-            r = tl.sum(m, 2)[:, :, None] + eps
-            g = (g - tl.sum(g * (m / r), 2)[:, :, None]) / r
+            rr = tl.sum(m, 2)[:, :, None] + eps
+            g = (g - tl.sum(g * (m / rr), 2)[:, :, None]) / rr
         g = tl.where(valid, g, 0.0)  # padded entries are constants: a gradient there would grow by 1/eps a step
     dc = p * (g - tl.sum(g * p, 2)[:, :, None])
     return tl.where(valid, dc, 0.0)
