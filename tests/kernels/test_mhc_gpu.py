@@ -11,7 +11,8 @@ computes in bf16, the kernel in fp32), the kernel must be no further off than it
 Shapes: on a GPU the Flash-shaped per-token shape (4096 tokens, hc_mult 4, hidden 4096, 20 Sinkhorn rounds)
 and a small one with hc_mult 3 and a hidden size that is not a multiple of the tile (the padded paths). With no
 GPU, ``TRITON_INTERPRET=1`` runs the small shapes in Triton's CPU interpreter; otherwise the tests skip with
-the reason (the interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest, so its bf16 errors
+the reason; ``test_kernels_compile_for_sm90`` compiles every kernel for sm_90 with triton alone, no GPU
+(the interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest, so its bf16 errors
 are about twice the GPU's; the bounds hold for both). The model tests (GPU only) build the tiny miles and megatron models with ``--kernel-backend
 triton``, run a forward and backward, and assert through ``core.kernel_ops.kernels_ran`` that the triton mHC
 kernels ran and the reference mHC ops did not; the loss and gradient norm match ``--kernel-backend none``.
@@ -250,3 +251,53 @@ def test_model_forward_backward_runs_the_triton_mhc_kernels(tiny_ckpt, impl):
     assert not any(ran.get(f"none.{op}") for op in ("hc_pre", "hc_post", "hc_head", "sinkhorn")), ran
     assert abs(loss - want[0]) <= LOSS_TOL
     assert abs(gnorm - want[1]) <= GNORM_RTOL * want[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled for the GPU without one (the interpreter does not type-check like the compiler does)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kernels_compile_for_sm90():
+    """Every mHC kernel, at its launch settings for hc_mult 4, compiles to PTX for sm_90 (H100/H200); needs
+    triton only, no GPU. The interpreter runs code the compiler rejects (it found a branch whose two arms give
+    a variable different shapes)."""
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.triton import mhc as K
+    from kernels.triton import sinkhorn as KS
+
+    c = K.MHC_CONFIG
+    p32, pb, i, f = "*fp32", "*bf16", "i32", "fp32"
+    coef = dict(NP=4, MP=32, BT=c["coef_BT"], BD=c["coef_BD"])
+    cases = [
+        (K._mix_kernel, [pb, p32, p32, p32, i, i, i, f],
+         dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"]), c["mix_warps"]),
+        (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i], dict(HAS_RES=True, **coef),
+         c["coef_warps"]),
+        (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i], dict(HAS_RES=False, **coef),
+         c["coef_warps"]),
+        (K._pre_bwd_kernel, [p32, p32, p32, p32, pb, pb, p32, p32, p32, p32, p32, i, i, i, f, i],
+         dict(HAS_RES=True, **coef), c["coef_warps"]),
+        (K._dx_kernel, [pb, pb, p32, p32, p32, p32, pb, i, i, i, i],
+         dict(BT=c["dx_BT"], BK=c["dx_BK"], MP=32, NP=4, PREC=K.PRECISION), c["dx_warps"]),
+        (K._dfn_kernel, [p32, pb, p32, i, i, i],
+         dict(BT=c["dfn_BT"], BK=c["dfn_BK"], MP=32, PREC=K.PRECISION, STAGES=c["dfn_stages"]), c["dfn_warps"]),
+        (K._post_fwd_kernel, [pb, pb, p32, p32, pb, i, i, i], dict(BT=c["post_BT"], NP=4, BD=c["post_BD"], N=4),
+         c["post_warps"]),
+        (K._post_bwd_kernel, [pb, pb, p32, p32, pb, pb, pb, p32, p32, i, i, i],
+         dict(BT=c["post_bwd_BT"], NP=4, BD=c["post_bwd_BD"], N=4), c["post_bwd_warps"]),
+        (KS._sinkhorn_fwd_kernel, [p32, p32, i, i, i, f], dict(BT=KS.SINKHORN_BT, NP=4), 4),
+        (KS._sinkhorn_bwd_kernel, [p32, p32, p32, i, i, i, f], dict(BT=KS.SINKHORN_BT, NP=4), 4),
+    ]
+    for fn, types, consts, warps in cases:
+        runtime = [a for a in fn.arg_names if a not in consts]
+        assert len(runtime) == len(types), (fn.__name__, runtime)
+        sig = {**dict(zip(runtime, types)), **{k: "constexpr" for k in consts}}
+        compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps))
+        assert ".entry" in compiled.asm["ptx"], fn.__name__
