@@ -9,13 +9,15 @@ printed beside. Where the reference op is itself further off (``sinkhorn`` on bf
 computes in bf16, the kernel in fp32), the kernel must be no further off than it.
 
 Shapes: on a GPU the Flash-shaped per-token shape (4096 tokens, hc_mult 4, hidden 4096, 20 Sinkhorn rounds)
-and a small one with hc_mult 3 and a hidden size that is not a multiple of the tile (the padded paths). With no
-GPU, ``TRITON_INTERPRET=1`` runs the small shapes in Triton's CPU interpreter; otherwise the tests skip with
-the reason; ``test_kernels_compile_for_sm90`` compiles every kernel for sm_90 with triton alone, no GPU
-(the interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest, so its bf16 errors
-are about twice the GPU's; the bounds hold for both). The model tests (GPU only) build the tiny miles and megatron models with ``--kernel-backend
-triton``, run a forward and backward, and assert through ``core.kernel_ops.kernels_ran`` that the triton mHC
-kernels ran and the reference mHC ops did not; the loss and gradient norm match ``--kernel-backend none``.
+and small ones with hc_mult 3 and 4 and hidden sizes that are not a multiple of the tile (the padded paths).
+With no GPU, ``TRITON_INTERPRET=1`` runs the small shapes in Triton's CPU interpreter (which truncates fp32 ->
+bf16 casts where the GPU rounds to nearest, so its bf16 errors are about twice the GPU's; the bounds hold for
+both); otherwise those tests skip with the reason. ``test_kernels_compile_for_sm90`` compiles every kernel for
+sm_90 with triton alone, no GPU.
+
+The model tests (GPU only) build the tiny miles and megatron models with ``--kernel-backend triton``, run a
+forward and backward, and assert through ``core.kernel_ops.kernels_ran`` that the triton mHC kernels ran and the
+reference mHC ops did not; the loss and gradient norm match ``--kernel-backend none``.
 """
 
 import importlib.util
