@@ -178,9 +178,13 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 GPU_DTYPES = ("bf16", "fp16")
 
 
-def make_ops(backend: str, attention, indexer) -> OpTable:
+MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
+
+
+def make_ops(backend: str, attention, indexer, mhc=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
-    op names plus the THD extras; the reference ops (backend ``none``) for every op it has no kernel for."""
+    op names plus the THD extras, and the mHC ops (``MHC_OPS``) of its ``mhc`` module when it has one; the
+    reference ops (backend ``none``) for every op it has no kernel for."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -190,5 +194,7 @@ def make_ops(backend: str, attention, indexer) -> OpTable:
         indexer_scores_thd=indexer.indexer_scores_thd,
         indexer_topk=indexer.indexer_topk,
     )
+    if mhc is not None:
+        own.update({name: getattr(mhc, name) for name in MHC_OPS})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES)
