@@ -69,12 +69,13 @@ def test_an_old_pickle_checkpoint_is_refused_by_name_without_loading_it(tmp_path
 
 
 def test_optimizer_and_rng_state_round_trip(tmp_path):
-    """The optimizer's full state goes through a DCP tensor folder (no pickle) and comes back equal."""
+    """The optimizer's state goes through a DCP tensor folder as pieces (no pickle) and comes back equal."""
     import random
 
     import torch
 
-    from core.native_checkpoint import load_tensor_folder, save_tensor_folder
+    from core.dcp_shards import save_pieces
+    from core.native_checkpoint import read_tensor_pieces
     from train import state_io
     from train.optim import TorchOptimizer
     from train.trainer import TrainConfig
@@ -88,14 +89,15 @@ def test_optimizer_and_rng_state_round_trip(tmp_path):
     opt = TorchOptimizer(m, TrainConfig(lr=1e-2, betas=(0.8, 0.9)))
     m.module(torch.ones(1, 3)).sum().backward()
     opt.step()
-    state, steps = opt.full_state()
-    save_tensor_folder(tmp_path / "optim", state)
+    state, steps = opt.shard_state()
+    (tmp_path / "optim").mkdir()
+    save_pieces(tmp_path / "optim", state, distributed=False)
     state_io.save_rng(tmp_path)
     want_t, want_py = torch.rand(3), random.random()
 
     m2 = _Model()
     opt2 = TorchOptimizer(m2, TrainConfig(lr=1e-2, betas=(0.8, 0.9)))
-    opt2.load_full_state(lambda names: load_tensor_folder(tmp_path / "optim", names), steps)
+    opt2.load_shard_state(lambda wanted: read_tensor_pieces(tmp_path / "optim", wanted), steps)
     state_io.load_rng(tmp_path)
     assert torch.equal(torch.rand(3), want_t) and random.random() == want_py
     assert steps == {"weight": 1, "bias": 1}
