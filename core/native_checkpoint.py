@@ -21,6 +21,10 @@ names are checked from the DCP metadata before any tensor is read. Routed expert
 stored in Megatron-Bridge's ``mlp.experts.local_experts.E.linear_fc{1,2}.weight``
 form load under the contract's ``linear_fc{1,2}.weightE``.
 
+Tensors are stored under their full shapes as DCP chunks: :func:`save_native` writes one chunk per tensor
+from one process; :func:`save_native_pieces` lets every rank of a run write the boxes it holds
+(``core.dcp_shards``), and :func:`load_native_pieces` reads a rank's boxes, only the chunks that overlap them.
+
 Safety: DCP stores tensors in its own format and reads them with
 ``torch.load(weights_only=True)``; its ``.metadata`` file is a pickle, which
 this module reads with an unpickler that only resolves DCP's metadata classes
