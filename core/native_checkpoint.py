@@ -21,6 +21,10 @@ names are checked from the DCP metadata before any tensor is read. Routed expert
 stored in Megatron-Bridge's ``mlp.experts.local_experts.E.linear_fc{1,2}.weight``
 form load under the contract's ``linear_fc{1,2}.weightE``.
 
+Tensors are stored under their full shapes as DCP chunks: :func:`save_native` writes one chunk per tensor
+from one process; :func:`save_native_pieces` lets every rank of a run write the boxes it holds
+(``core.dcp_shards``), and :func:`load_native_pieces` reads a rank's boxes, only the chunks that overlap them.
+
 Safety: DCP stores tensors in its own format and reads them with
 ``torch.load(weights_only=True)``; its ``.metadata`` file is a pickle, which
 this module reads with an unpickler that only resolves DCP's metadata classes
@@ -50,7 +54,8 @@ FORMAT = "dsv4-native-dcp"
 KNOWN_IMPLS = ("miles", "megatron")
 
 __all__ = ["META_FILE", "KNOWN_IMPLS", "NativeCheckpointError", "StaleCheckpointError", "save_native",
-           "load_native", "read_native_metadata", "native_model_config", "is_native_checkpoint", "assert_checkpoint_is_current"]
+           "load_native", "save_native_pieces", "load_native_pieces", "read_tensor_pieces", "read_native_metadata",
+           "native_model_config", "is_native_checkpoint", "assert_checkpoint_is_current"]
 
 
 class NativeCheckpointError(UserInputError):
@@ -280,24 +285,14 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
     return out
 
 
-def load_native(path, *, impl: Optional[str] = None, config=None, device: str = "cpu",
-                names=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Load a native checkpoint: ``(state_dict, metadata)``.
-
-    ``names``: only these contract tensors are read (a rank reads the tensors it holds: under expert
-    parallelism its own experts); the whole checkpoint is still checked against the contract.
-
-    ``impl``: the implementation loading it (any; names are unified, so a
-    checkpoint written by ``miles`` loads for ``megatron`` and vice versa);
-    only used in messages and recorded as ``metadata["loaded_by"]``.
-    ``config``: if given, must equal the recorded model config. Refuses stale
-    checkpoints (see the module docstring).
-    """
+def _checked(p: Path, impl: Optional[str], config):
+    """A native checkpoint's ``(meta, DCP metadata, {contract name: stored name}, saved config)``, every stored
+    tensor checked against the contract (names, shapes, completeness) from metadata only."""
     from core.config import ModelConfig
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if impl is not None:
         _check_impl(impl)
-    p = Path(path)
     meta = assert_checkpoint_is_current(p, impl=impl)
     try:
         saved_cfg = ModelConfig.from_hf_dict(meta.get("model_config"))
@@ -308,12 +303,8 @@ def load_native(path, *, impl: Optional[str] = None, config=None, device: str = 
         raise NativeCheckpointError(
             f"{p}: checkpoint was written for a different model config than the one given (differs in: {', '.join(changed)})"
         )
-
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     md = _read_dcp_metadata(p)
     want = wc.native_names(saved_cfg)
-    state: Dict[str, torch.Tensor] = {}
     stored: Dict[str, str] = {}  # contract name -> name in the file (Megatron-Bridge's local_experts form)
     for stored_name, item in md.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
@@ -328,14 +319,41 @@ def load_native(path, *, impl: Optional[str] = None, config=None, device: str = 
         if tuple(item.size) != tuple(want[name][0]):
             raise NativeCheckpointError(f"{p}: tensor {name!r} has shape {tuple(item.size)}, "
                                         f"contract shape {want[name][0]}")
-        state[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
-    missing = [n for n in want if n not in state]
-    if names is not None:
-        keep = set(names)
-        state = {n: t for n, t in state.items() if n in keep}
+    missing = [n for n in want if n not in stored]
     if missing and meta.get("complete", True):
         raise NativeCheckpointError(f"{p}: incomplete checkpoint, {len(missing)} contract tensor(s) missing, "
                                     f"e.g. {missing[:5]}")
+    return meta, md, stored, saved_cfg
+
+
+def _damaged(p: Path, e: BaseException, impl) -> NativeCheckpointError:
+    first = str(e).strip().splitlines()
+    return NativeCheckpointError(
+        f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "
+        f"files are truncated or damaged; {_reconvert(impl)}")
+
+
+def load_native(path, *, impl: Optional[str] = None, config=None, device: str = "cpu",
+                names=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Load a native checkpoint: ``(state_dict, metadata)``.
+
+    ``names``: only these contract tensors are read (a rank reads the tensors it holds: under expert
+    parallelism its own experts); the whole checkpoint is still checked against the contract.
+
+    ``impl``: the implementation loading it (any; names are unified, so a
+    checkpoint written by ``miles`` loads for ``megatron`` and vice versa);
+    only used in messages and recorded as ``metadata["loaded_by"]``.
+    ``config``: if given, must equal the recorded model config. Refuses stale
+    checkpoints (see the module docstring).
+    """
+    p = Path(path)
+    meta, md, stored, _cfg = _checked(p, impl, config)
+    keep = None if names is None else set(names)
+    state: Dict[str, torch.Tensor] = {}
+    for name, stored_name in stored.items():
+        if keep is None or name in keep:
+            item = md.state_dict_metadata[stored_name]
+            state[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device=device)
 
     import torch.distributed.checkpoint as dcp
 
@@ -346,10 +364,7 @@ def load_native(path, *, impl: Optional[str] = None, config=None, device: str = 
     except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # a truncated / damaged .distcp: DCP's CheckpointException is a BaseException
-        first = str(e).strip().splitlines()
-        raise NativeCheckpointError(
-            f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "
-            f"files are truncated or damaged; {_reconvert(impl or meta.get('impl'))}") from e
+        raise _damaged(p, e, impl or meta.get("impl")) from e
     from core.finite import check_finite
 
     check_finite(state.items(), where=str(p),
@@ -357,6 +372,81 @@ def load_native(path, *, impl: Optional[str] = None, config=None, device: str = 
     meta = dict(meta)
     meta["loaded_by"] = impl
     return state, meta
+
+
+def save_native_pieces(path, tensors, *, impl: str, config, group=None, distributed: bool = True,
+                       write_meta: bool = True) -> Path:
+    """Every rank's share of a native checkpoint into the folder ``path`` (inside the caller's staging folder,
+    which the caller publishes atomically once every rank returned): ``tensors`` maps contract names to
+    ``(full shape, this rank's pieces)`` (:mod:`core.dcp_shards`). Collective over ``group`` (see
+    :func:`core.dcp_shards.save_pieces`); the rank with ``write_meta`` writes ``dsv4_native.json`` after the
+    data. Each piece is written by the rank holding it, nothing is gathered."""
+    from core.dcp_shards import save_pieces
+
+    impl = _check_impl(impl)
+    out = Path(path)
+    want = wc.native_names(config)
+    for name, (shape, pieces) in tensors.items():
+        if name not in want:
+            raise NativeCheckpointError(f"tensor {name!r} is not a contract name of this model")
+        if tuple(shape) != tuple(want[name][0]):
+            raise NativeCheckpointError(f"tensor {name!r}: shape {tuple(shape)} != contract shape {want[name][0]}")
+        for _off, t in pieces:
+            if t.is_floating_point() != want[name][1].is_floating_point:
+                raise NativeCheckpointError(f"tensor {name!r}: dtype {t.dtype} does not match the contract "
+                                            f"({want[name][1]})")
+    out.mkdir(parents=True, exist_ok=True)
+    save_pieces(out, tensors, group=group, distributed=distributed)
+    if write_meta:
+        meta = {"format": FORMAT, "contract_version": wc.CONTRACT_VERSION, "impl": impl,
+                "model_config": config.to_hf_dict(), "num_tensors": len(want), "complete": True}
+        write_text_atomically(out / META_FILE, json.dumps(meta, indent=2, sort_keys=True))
+    return out
+
+
+def load_native_pieces(path, wanted, *, impl: Optional[str] = None, config=None) -> Dict[str, Any]:
+    """Fill ``wanted`` (contract name -> this rank's pieces ``[(full offsets, tensor)]``) from a native
+    checkpoint, reading only the stored chunks that overlap them (any layout's checkpoint, or whole tensors);
+    checked like :func:`load_native`. Returns the checkpoint's metadata."""
+    from core.dcp_shards import load_pieces
+
+    p = Path(path)
+    meta, md, stored, _cfg = _checked(p, impl, config)
+    missing = sorted(n for n in wanted if n not in stored)
+    if missing:
+        raise NativeCheckpointError(f"{p}: {len(missing)} tensor(s) this rank holds are not in the checkpoint, "
+                                    f"e.g. {missing[:3]}")
+    try:
+        load_pieces(_make_reader(p), md, {stored[n]: pieces for n, pieces in wanted.items()})
+    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise _damaged(p, e, impl or meta.get("impl")) from e
+    from core.finite import check_finite
+
+    check_finite(((f"{n}@{off}", t) for n, pieces in wanted.items() for off, t in pieces), where=str(p),
+                 fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
+    return dict(meta, loaded_by=impl)
+
+
+def read_tensor_pieces(path, wanted) -> None:
+    """Fill ``wanted`` (name -> pieces) from a plain tensor folder (:func:`save_tensor_folder`, or one written
+    piecewise by every rank with :func:`core.dcp_shards.save_pieces`), reading only the overlapping chunks."""
+    from core.dcp_shards import load_pieces
+
+    p = Path(path)
+    have = tensor_folder_names(p)
+    missing = sorted(n for n in wanted if n not in have)
+    if missing:
+        raise NativeCheckpointError(f"{p}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    try:
+        load_pieces(_make_reader(p), _read_dcp_metadata(p), wanted)
+    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        first = str(e).strip().splitlines()
+        raise NativeCheckpointError(f"{p}: cannot read the tensor data ({type(e).__name__}: "
+                                    f"{first[0] if first else ''}); the .distcp files are truncated or damaged") from e
 
 
 # ------------------------------------------------------- plain tensor folders

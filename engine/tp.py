@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["mark_tp", "tp_spec", "shard_tensor", "gather_tensor", "mark_keep_in_fp32", "keeps_fp32"]
+__all__ = ["mark_tp", "tp_spec", "shard_tensor", "gather_tensor", "full_shape", "tp_pieces", "mark_keep_in_fp32",
+           "keeps_fp32"]
 
 
 def mark_tp(t: torch.Tensor, dim: int, chunks: int = 1) -> torch.Tensor:
@@ -62,6 +63,47 @@ def gather_tensor(local: torch.Tensor, spec: Optional[tuple], group=None) -> tor
     per_rank = [torch.chunk(b, chunks, dim=dim) for b in bufs]
     blocks = [torch.cat([per_rank[r][c] for r in range(world)], dim=dim) for c in range(chunks)]
     return torch.cat(blocks, dim=dim) if chunks > 1 else blocks[0]
+
+
+def full_shape(local_shape, spec: Optional[tuple], world: int) -> tuple:
+    """The full tensor's shape of a rank's ``local_shape`` (``spec`` from :func:`tp_spec`)."""
+    shape = list(local_shape)
+    if spec is not None and world > 1:
+        shape[spec[0]] *= world
+    return tuple(shape)
+
+
+def tp_pieces(flat: torch.Tensor, local_shape, start: int, spec: Optional[tuple], rank: int, world: int) -> list:
+    """Where a rank's data lies in the FULL tensor, as checkpoint pieces ``[(full offsets, view of flat)]``.
+
+    ``flat``: the elements ``[start, start + flat.numel())`` of this rank's tensor of ``local_shape``
+    flattened (the whole tensor: ``start`` 0; the distributed optimizer's data-parallel range otherwise).
+    The range is cut into boxes (``core.dcp_shards.flat_range_boxes``), and a box crossing a block of a
+    ``chunks > 1`` tensor (rank ``r`` holds the ``r``-th slice of each block) into one piece per block: each
+    piece is a box of the full tensor. The views share ``flat``'s memory, so reading into them fills it."""
+    from core.dcp_shards import flat_range_boxes
+
+    local_shape = tuple(local_shape)
+    out = []
+    pos = start
+    for offsets, sizes in flat_range_boxes(local_shape, start, start + flat.numel()):
+        n = 1
+        for s in sizes:
+            n *= s
+        box = flat[pos - start:pos - start + n].view(sizes)
+        pos += n
+        if spec is None or world == 1:
+            out.append((tuple(offsets), box))
+            continue
+        dim, chunks = spec
+        b = local_shape[dim] // chunks                      # this rank's rows of one block
+        lo, hi = offsets[dim], offsets[dim] + sizes[dim]
+        for c in range(lo // b, (hi - 1) // b + 1):
+            a, z = max(lo, c * b), min(hi, (c + 1) * b)
+            full_off = list(offsets)
+            full_off[dim] = c * b * world + rank * b + (a - c * b)
+            out.append((tuple(full_off), box.narrow(dim, a - lo, z - a)))
+    return out
 
 
 def mark_keep_in_fp32(t: torch.Tensor) -> torch.Tensor:

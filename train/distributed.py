@@ -18,7 +18,8 @@ and :class:`ParallelGroups` reads it back:
   parameters' gradients are summed over the CP group too (megatron's data-parallel-with-context group).
 
 The leader of each data-parallel rank (tensor- and context-parallel rank 0) owns a rollout engine; global rank 0
-alone does file I/O (run config, metrics, checkpoints, export).
+alone does file I/O (run config, metrics, export), except checkpoints, which every rank writes its share of
+(:mod:`train.checkpointing`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ class ParallelGroups:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def checkpoint_group(self):
+        """The group that torch.distributed.checkpoint coordinates a sharded save over (every rank): a gloo
+        group, because DCP exchanges its plans as Python objects, which NCCL would first copy to the GPU; the
+        default group when that is gloo already. Created on first use, so every rank must call it together
+        (checkpoint saves are collective)."""
+        if self.world == 1:
+            return None
+        if "checkpoint" not in self._groups:
+            self._groups["checkpoint"] = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self._groups["checkpoint"]
 
 
 

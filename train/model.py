@@ -152,6 +152,10 @@ class ReferenceTrainModel(_TrainModelBase):
     def held_native_names(self):
         return None                                  # one process holds everything
 
+    def native_shards(self):
+        """``{name: (shape, [(offsets, tensor)])}``: one process, so every tensor is one whole piece."""
+        return {n: (tuple(t.shape), [((0,) * t.dim(), t.detach())]) for n, t in self.native_tensors()}
+
     def load_checkpoint(self, path) -> None:
         from core.checkpoint import load_into, open_checkpoint
 
@@ -444,6 +448,31 @@ class ImplTrainModel(_TrainModelBase):
         """The contract tensors this rank holds (under expert parallelism: its experts): what it reads."""
         return {n for n, _ in self.native_tensors()}
 
+    def native_shards(self, *, data: bool = False):
+        """``{contract name: (full shape, [(full offsets, view)])}``: where this rank's tensors lie in the full
+        ones (tensor-parallel slices; its experts, whole), for checkpoints written and read piece by piece
+        (``core.dcp_shards``). The views share the tensors' memory (``data``: of ``.data``, to be written
+        into when loading)."""
+        from engine.runtime import tp_rank, tp_world
+        from engine.tp import full_shape, tp_pieces, tp_spec
+
+        rank, world = tp_rank(), tp_world()
+        out = {}
+        for n, t in self.native_tensors():
+            spec = tp_spec(t)
+            flat = (t.data if data else t.detach()).view(-1)
+            out[n] = (full_shape(t.shape, spec, world), tp_pieces(flat, tuple(t.shape), 0, spec, rank, world))
+        return out
+
+    @torch.no_grad()
+    def load_native_shards(self, path) -> dict:
+        """Read this rank's pieces of a native checkpoint (any layout's, or whole tensors) straight into its
+        tensors: only the stored chunks overlapping them are read. Returns the checkpoint's metadata."""
+        from core.native_checkpoint import load_native_pieces
+
+        wanted = {n: pieces for n, (_shape, pieces) in self.native_shards(data=True).items()}
+        return load_native_pieces(path, wanted, config=self.config)
+
     def full_native_tensors(self) -> Dict[str, torch.Tensor]:
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
         experts): a collective over the tensor- and expert-parallel groups."""
@@ -570,8 +599,11 @@ def load_model_source(model: _TrainModelBase, source) -> str:
         from core.native_checkpoint import is_native_checkpoint, load_native
 
         if is_native_checkpoint(p):
-            state, meta = load_native(p, config=model.config, names=model.held_native_names())
-            model.load_native_state(state)
+            if hasattr(model, "load_native_shards"):      # an implementation: this rank's slices only
+                meta = model.load_native_shards(p)
+            else:                                         # the one-process reference model: everything
+                state, meta = load_native(p, config=model.config)
+                model.load_native_state(state)
             return f"native checkpoint {p} (written by --impl {meta['impl']})"
         if is_torch_dist_checkpoint(p):
             state, _config = load_torch_dist(p, model.config)

@@ -15,20 +15,22 @@
   model's own parameters (fp32, the CPU default).
 
 Both return the pre-clip global gradient norm from :meth:`step`, refuse a non-finite norm BEFORE updating
-(``train.step_guard``), and give their state as FULL tensors under the model's parameter names
-(:meth:`full_state`, collective; rank 0 gets the tensors), so a checkpoint resumes onto any layout:
-:meth:`load_full_state` takes this rank's share (tensor-parallel slice, its experts, its master range).
+(``train.step_guard``), and describe their state for checkpoints the same way (one code path for both):
+:meth:`shard_state` gives, per ``"<parameter>/<key>"``, the FULL tensor's shape and the pieces of it this
+rank holds (``engine.tp.tp_pieces``: its tensor-parallel slice, its experts, and for the distributed
+optimizer its data-parallel range of the flat fp32 state), views of the live state, nothing gathered;
+:meth:`load_shard_state` fills the same pieces of this rank's state from a checkpoint written by any layout.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from engine.tp import gather_tensor, shard_tensor, tp_spec
+from engine.tp import full_shape, tp_pieces, tp_spec
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"          # the fp32 master weights (kept when the model computes in bf16)
@@ -52,26 +54,16 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _full_tensors(named: Dict[str, torch.Tensor], params: Dict[str, torch.nn.Parameter]) -> Dict[str, torch.Tensor]:
-    """Per parameter name, this rank's tensor shaped like its parameter -> the full tensor (all-gather over
-    tensor parallel, every expert-parallel rank's experts): collective, every rank gets them."""
-    if not _initialized():
-        return dict(named)
-    from engine.loading import with_every_expert
-    from engine.runtime import tp_group
+def _pieces(p: torch.nn.Parameter, flat: torch.Tensor, start: int = 0):
+    """``(full shape, pieces)`` of the elements ``[start, start + flat.numel())`` of this rank's ``p``-shaped
+    tensor flattened (``flat``): where they lie in the FULL parameter (``engine.tp.tp_pieces``)."""
+    rank, world = 0, 1
+    if _initialized():
+        from engine.runtime import tp_rank, tp_world
 
-    group = tp_group()
-    local = {n: gather_tensor(t, tp_spec(params[n]), group) for n, t in named.items()}
-    return with_every_expert(local)
-
-
-def _local_share(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's tensor-parallel slice of a full tensor shaped like the full parameter."""
-    if not _initialized():
-        return full
-    from engine.runtime import tp_rank, tp_world
-
-    return shard_tensor(full, tp_spec(p), tp_rank(), tp_world())
+        rank, world = tp_rank(), tp_world()
+    spec = tp_spec(p)
+    return full_shape(p.shape, spec, world), tp_pieces(flat, tuple(p.shape), start, spec, rank, world)
 
 
 class _Base:
@@ -177,34 +169,30 @@ class TorchOptimizer(_Base):
 
     # -- checkpoints -----------------------------------------------------------
     @torch.no_grad()
-    def full_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
-        """``({"<param>/<key>": full tensor}, {param: Adam step count})``; collective (every rank takes part).
-        A parameter that never had a gradient has zero moments and step 0."""
-        steps = {}
-        per_key = {k: {} for k in STATE_KEYS}
+    def shard_state(self):
+        """``({"<param>/<key>": (full shape, this rank's pieces)}, {param: Adam step count})``; collective only
+        for the step counts under expert parallelism. A parameter never updated has zero moments and step 0."""
+        steps, out = {}, {}
         for n, p in self.named.items():
             st = self.opt.state.get(p, {})
             steps[n] = int(st["step"]) if "step" in st else 0
             for k in STATE_KEYS:
-                per_key[k][n] = st[k].detach() if k in st else torch.zeros_like(p)
-        out = {}
-        for k, named in per_key.items():
-            for n, t in _full_tensors(named, self.named).items():
-                out[f"{n}/{k}"] = t
+                t = st[k].detach() if k in st else torch.zeros_like(p)
+                out[f"{n}/{k}"] = _pieces(p, t.reshape(-1))
         return out, _every_rank_steps(steps)
 
     @torch.no_grad()
-    def load_full_state(self, read, steps: Dict[str, int]) -> None:
-        """``read(names) -> {name: full tensor}``: this rank's parameters' state from the full tensors."""
-        names = [f"{n}/{k}" for n in self.named for k in STATE_KEYS]
-        full = read(names)
+    def load_shard_state(self, read, steps: Dict[str, int]) -> None:
+        """``read({name: pieces})`` fills the pieces from a checkpoint; this rank's state is rebuilt from them."""
+        bufs = {n: {k: torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for k in STATE_KEYS}
+                for n, p in self.named.items() if steps.get(n)}
+        read({f"{n}/{k}": _pieces(self.named[n], buf)[1] for n, by_key in bufs.items() for k, buf in by_key.items()})
         for n, p in self.named.items():
-            if not steps.get(n):
+            if n not in bufs:
                 self.opt.state.pop(p, None)    # never updated: AdamW starts its state on the first gradient
                 continue
             self.opt.state[p] = {"step": torch.tensor(float(steps[n])),
-                                 **{k: _local_share(full[f"{n}/{k}"], p).to(p.device, p.dtype).clone()
-                                    for k in STATE_KEYS}}
+                                 **{k: bufs[n][k].view(p.shape) for k in STATE_KEYS}}
 
 
 def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
@@ -326,23 +314,6 @@ class MegatronOptimizer(_Base):
     def _ranges(self, p):
         return self._main_map().get(p)
 
-    def _groups(self, p):
-        ps = _ps()
-        if _is_expert(p):
-            return ps.get_expert_data_parallel_group()
-        return ps.get_data_parallel_group(with_context_parallel=True)
-
-    def _flat_full(self, p, local: Optional[torch.Tensor], start: int, end: int) -> torch.Tensor:
-        """This rank's range of a parameter's flat state -> the whole (tensor-parallel-local) parameter's
-        state: the data-parallel ranks' ranges are disjoint, so a sum is the gather."""
-        flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-        if local is not None:
-            flat[start:end] = local.detach().float().reshape(-1)
-        group = self._groups(p)
-        if _group_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        return flat.view(p.shape)
-
     def _states(self, p) -> Dict[str, torch.Tensor]:
         """``{"param": fp32 main shard, "exp_avg", "exp_avg_sq", "step"}`` of this rank's range of ``p``."""
         part, main, _s, _e = self._main_map()[p]
@@ -350,44 +321,45 @@ class MegatronOptimizer(_Base):
                                   if isinstance(v, torch.Tensor)}}
 
     @torch.no_grad()
-    def full_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
-        step = 0
-        per_key = {k: {} for k in (MASTER, *STATE_KEYS)}
+    def shard_state(self):
+        """Like :meth:`TorchOptimizer.shard_state`, with the fp32 master weights (``"<param>/master"``): each
+        data-parallel rank gives its range of every parameter's flat state, straight from megatron-core's
+        shard buffers; the ranges of all data-parallel ranks tile each parameter."""
+        step, out = 0, {}
         for n, p in self.named.items():
             rng = self._ranges(p)
-            st = self._states(p) if rng is not None else {}
+            if rng is None:
+                continue                                   # other data-parallel ranks hold all of it
+            _part, main, start, end = rng
+            st = self._states(p)
             if "step" in st:
                 step = max(step, int(st["step"]))
-            start, end = rng[2:] if rng is not None else (0, 0)
-            per_key[MASTER][n] = self._flat_full(p, st.get("param"), start, end)
-            for k in STATE_KEYS:
-                per_key[k][n] = self._flat_full(p, st.get(k), start, end)
-        out = {}
-        for k, named in per_key.items():
-            for n, t in _full_tensors(named, self.named).items():
-                out[f"{n}/{k}"] = t.cpu()
+            for k in (MASTER, *STATE_KEYS):
+                t = st.get("param" if k == MASTER else k)
+                t = torch.zeros(end - start, dtype=torch.float32, device=main.device) if t is None else t.detach()
+                out[f"{n}/{k}"] = _pieces(p, t.reshape(-1), start)
         step = _max_step(step)        # one Adam over the data-parallel shards: every parameter steps together
-        return out, {k.rsplit("/", 1)[0]: step for k in out}   # every rank's parameters (all experts)
+        return out, _every_rank_steps({n: step for n in self.named})
 
     @torch.no_grad()
-    def load_full_state(self, read, steps: Dict[str, int]) -> None:
+    def load_shard_state(self, read, steps: Dict[str, int]) -> None:
         step = max(steps.values(), default=0)
-        keys = (MASTER, *STATE_KEYS)
-        full = read([f"{n}/{k}" for n in self.named for k in keys])
         for part in self._parts():
             part._init_optimizer_states_with_dummy_values()
+        wanted, counters = {}, []
         for n, p in self.named.items():
             rng = self._ranges(p)
             if rng is None:
                 continue
-            _part, _main, start, end = rng
-            dst = self._states(p)
-            for k in dst:
+            start = rng[2]
+            for k, t in self._states(p).items():
                 if k == "step":
-                    dst[k].fill_(float(step))
+                    counters.append(t)
                     continue
-                src = full[f"{n}/{MASTER if k == 'param' else k}"]
-                dst[k].copy_(_local_share(src, p).reshape(-1)[start:end].to(dst[k].device, dst[k].dtype))
+                wanted[f"{n}/{MASTER if k == 'param' else k}"] = _pieces(p, t.view(-1), start)[1]
+        read(wanted)                                       # straight into megatron-core's shard buffers
+        for t in counters:
+            t.fill_(float(step))
 
 
 def build_optimizer(model, cfg, run_config=None):

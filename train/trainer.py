@@ -24,8 +24,8 @@ Ranks (``run_config.world > 1``; :mod:`train.launch` starts or joins them, :mod:
 layout): each data-parallel rank trains on its share of the step's samples, its leader's rollout engine
 generating them; losses are divided by the step's global token count and gradients summed
 (:mod:`train.optim`: megatron-core's distributed optimizer on GPUs), so every layout takes the one-rank step.
-Context-parallel ranks run their slice of each packed (THD) micro-batch. Global rank 0 does all file I/O
-(config, metrics, checkpoints, export); checkpoints gather the full state (:mod:`train.checkpointing`).
+Context-parallel ranks run their slice of each packed (THD) micro-batch. Global rank 0 does the file I/O
+(config, metrics, export) but checkpoints, which every rank writes its own share of (:mod:`train.checkpointing`).
 Dynamic batching (``max_tokens_per_rank``, THD): SFT sequences / GRPO samples are packed in order into
 micro-batches with :func:`core.packing.pack_micro_batches` (never split; the run's CP size and the
 model's pad rule), gradients accumulated; metrics ``packing_efficiency`` (real / padded tokens) and
@@ -680,7 +680,7 @@ class _Run:
     # -- loop --------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         """Every rank runs the steps (their collectives); global rank 0 alone prints and writes the run
-        folder; checkpoints and the final export gather the full state from every rank."""
+        folder; every rank writes its share of each checkpoint, and the final export gathers the full state."""
         from . import run_log
 
         main = self.dist.is_main

@@ -94,6 +94,14 @@ def test_killed_torchrun_run_resumes_on_another_layout(tmp_path):
     killed = _dsv4(tmp_path / "run", *grpo, "--ep", "2", nproc=2, env={"DSV4_TRAIN_KILL_AT": "3:train"}, check=False)
     assert killed.returncode != 0
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    from core.native_checkpoint import _read_dcp_metadata
+
+    for part in ("optim", "model"):       # each rank wrote its own share (distributed optimizer ranges, experts)
+        per_rank = {}
+        for info in _read_dcp_metadata(tmp_path / "run" / "checkpoints" / "step_000002" / part).storage_data.values():
+            rank = int(info.relative_path.split("_")[2])
+            per_rank[rank] = per_rank.get(rank, 0) + info.length
+        assert sorted(per_rank) == [0, 1] and max(per_rank.values()) < 0.9 * sum(per_rank.values()), (part, per_rank)
     _dsv4(tmp_path / "run", *grpo, "--tp", "2", "--resume", nproc=2)
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -4,12 +4,13 @@ Every layout (data parallel, expert parallel, tensor parallel, context parallel)
 torch.distributed's elastic launcher (``--nproc-per-node`` or the layout's default) and must take the SAME step
 as one process: on the CPU the run is fp32, so the first step's loss and gradient norm agree to fp32 rounding.
 A run whose ranks are SIGKILLed mid-step resumes on another layout and continues exactly like a run that was
-never interrupted (the checkpoint holds full tensors; each rank keeps its share).
+never interrupted (every rank wrote its own pieces of the checkpoint; each rank reads the pieces it holds).
 The same test on GPUs (NCCL, bf16, megatron-core's distributed optimizer): tests/multigpu/test_train_gpu.py.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,53 @@ def test_killed_ranks_resume_on_another_layout(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), (a["step"], key)
         # fp32 rounding noise of another layout's sums (~1e-7), not a difference of the weights
         assert a["train_rollout_logprob_abs_diff"] == pytest.approx(b["train_rollout_logprob_abs_diff"], abs=1e-6)
+
+
+EP2 = ("--nproc-per-node", "2", "--ep", "2")
+TP2 = ("--tp", "2")
+SFT3 = ("--impl", "miles", "--mode", "sft", "--steps", "3", "--save-every", "1", "--lr", "1e-3")
+
+
+def _chunk_writers(folder):
+    """Bytes of the DCP folder's tensor data per writing rank (file ``__<rank>_<n>.distcp``), from its
+    metadata read through the allow-list."""
+    from core.native_checkpoint import _read_dcp_metadata
+
+    out = {}
+    for info in _read_dcp_metadata(folder).storage_data.values():
+        rank = int(info.relative_path.split("_")[2])
+        out[rank] = out.get(rank, 0) + info.length
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft-straight") / "run"
+    _train(d, *SFT3)
+    return _rows(d)
+
+
+@pytest.mark.parametrize("written,other", [(TP2, EP2), (EP2, TP2)], ids=["tp2", "ep2"])
+def test_sharded_checkpoint_resumes_on_one_rank_and_on_the_other_layout(tmp_path, sft_straight, written, other):
+    """Killed in step 3 at --tp 2 (or --ep 2): step 2's checkpoint holds both ranks' pieces (neither rank wrote
+    all of the optimizer state or of the model), and resuming it on one rank and on the other layout gives the
+    step 3 of a run that was never interrupted."""
+    run = tmp_path / "run"
+    killed = _train(run, *SFT3, *written, env={"DSV4_TRAIN_KILL_AT": "3:train"}, check=False)
+    assert killed.returncode == 1, killed.stderr[-2000:]
+    folder = run / "checkpoints" / "step_000002"
+    for part in ("optim", "model"):
+        per_rank = _chunk_writers(folder / part)
+        assert sorted(per_rank) == [0, 1], (part, per_rank)
+        assert max(per_rank.values()) < 0.9 * sum(per_rank.values()), (part, per_rank)
+    for name, layout in (("one", ()), ("other", other)):
+        d = tmp_path / name
+        shutil.copytree(run, d)
+        _train(d, *SFT3, *layout, "--resume")
+        got = _rows(d)
+        assert [r["step"] for r in got] == [1, 2, 3]
+        for key in ("loss", "grad_norm"):
+            assert got[2][key] == pytest.approx(sft_straight[2][key], rel=1e-4, abs=1e-9), (name, key)
 
 
 def test_a_rank_count_that_does_not_fit_is_refused_before_anything_starts(tmp_path):
