@@ -326,11 +326,19 @@ def _checked(p: Path, impl: Optional[str], config):
     return meta, md, stored, saved_cfg
 
 
-def _damaged(p: Path, e: BaseException, impl) -> NativeCheckpointError:
-    first = str(e).strip().splitlines()
-    return NativeCheckpointError(
-        f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "
-        f"files are truncated or damaged; {_reconvert(impl)}")
+@contextlib.contextmanager
+def _reading_tensor_data(p: Path, fix: str = ""):
+    """A truncated or damaged ``.distcp`` (DCP's CheckpointException is a BaseException) becomes one
+    NativeCheckpointError naming the folder; ``fix`` is appended."""
+    try:
+        yield
+    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        first = str(e).strip().splitlines()
+        raise NativeCheckpointError(
+            f"{p}: cannot read the tensor data ({type(e).__name__}: {first[0] if first else ''}); the .distcp "
+            f"files are truncated or damaged" + (f"; {fix}" if fix else "")) from e
 
 
 def load_native(path, *, impl: Optional[str] = None, config=None, device: str = "cpu",
@@ -358,13 +366,8 @@ def load_native(path, *, impl: Optional[str] = None, config=None, device: str = 
     import torch.distributed.checkpoint as dcp
 
     by_stored = {stored[n]: t for n, t in state.items()}
-    try:
-        with _quiet_single_process():
-            dcp.load(by_stored, storage_reader=_make_reader(p), no_dist=True)
-    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # a truncated / damaged .distcp: DCP's CheckpointException is a BaseException
-        raise _damaged(p, e, impl or meta.get("impl")) from e
+    with _reading_tensor_data(p, _reconvert(impl or meta.get("impl"))), _quiet_single_process():
+        dcp.load(by_stored, storage_reader=_make_reader(p), no_dist=True)
     from core.finite import check_finite
 
     check_finite(state.items(), where=str(p),
@@ -416,12 +419,8 @@ def load_native_pieces(path, wanted, *, impl: Optional[str] = None, config=None)
     if missing:
         raise NativeCheckpointError(f"{p}: {len(missing)} tensor(s) this rank holds are not in the checkpoint, "
                                     f"e.g. {missing[:3]}")
-    try:
+    with _reading_tensor_data(p, _reconvert(impl or meta.get("impl"))):
         load_pieces(_make_reader(p), md, {stored[n]: pieces for n, pieces in wanted.items()})
-    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:
-        raise _damaged(p, e, impl or meta.get("impl")) from e
     from core.finite import check_finite
 
     check_finite(((f"{n}@{off}", t) for n, pieces in wanted.items() for off, t in pieces), where=str(p),
@@ -439,14 +438,8 @@ def read_tensor_pieces(path, wanted) -> None:
     missing = sorted(n for n in wanted if n not in have)
     if missing:
         raise NativeCheckpointError(f"{p}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
-    try:
+    with _reading_tensor_data(p):
         load_pieces(_make_reader(p), _read_dcp_metadata(p), wanted)
-    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:
-        first = str(e).strip().splitlines()
-        raise NativeCheckpointError(f"{p}: cannot read the tensor data ({type(e).__name__}: "
-                                    f"{first[0] if first else ''}); the .distcp files are truncated or damaged") from e
 
 
 # ------------------------------------------------------- plain tensor folders
@@ -495,13 +488,6 @@ def load_tensor_folder(path, names=None) -> Dict[str, torch.Tensor]:
     state = {n: torch.empty(have[n][0], dtype=have[n][1]) for n in wanted}
     if not state:
         return state
-    try:
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
-    except (NativeCheckpointError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:
-        first = str(e).strip().splitlines()
-        raise NativeCheckpointError(f"{p}: cannot read the tensor data ({type(e).__name__}: "
-                                    f"{first[0] if first else ''}); the .distcp files are truncated or damaged") from e
+    with _reading_tensor_data(p), _quiet_single_process():
+        dcp.load(state, storage_reader=_make_reader(p), no_dist=True)
     return state
