@@ -64,6 +64,8 @@ class TrainerRank:
         from .ray_engines import set_rank_engines
         from .run_log import configure_console
 
+        for key in [k for k in os.environ if k.startswith("DSV4_") and k not in env]:
+            del os.environ[key]        # a worker inherits its node's environment: the run's DSV4_* win
         os.environ.update(env)
         configure_console(console_level)
         filter_known_warnings(show=console_level <= logging.DEBUG)
@@ -75,16 +77,18 @@ def _one_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _connect(address: Optional[str]) -> None:
-    """Connect to the cluster, or start a local one."""
+def _connect(address: Optional[str], bundles: int) -> None:
+    """Connect to the cluster, or start a local one with at least one (logical) CPU per bundle: CPU ranks
+    share this machine's cores as the local launcher's do."""
     import ray
 
     from .run_log import log
 
     address = address or os.environ.get("RAY_ADDRESS") or None
+    local = {} if address else {"num_cpus": max(os.cpu_count() or 1, bundles)}
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-                 configure_logging=False, log_to_driver=True)
+                 configure_logging=False, log_to_driver=True, **local)
     except ConnectionError as exc:
         raise UserInputError(f"--ray-address {address}: cannot connect to a Ray cluster there ({_one_line(exc)}). "
                              f"Fix: start one with `ray start --head` and pass its address, or leave "
@@ -201,7 +205,7 @@ def _run_group(run, pg, world: int, engines, placement, fn, args, first_attempt:
     trainers = [remote.options(**_actor_options(pg, r, 0.5 if colocated else 1.0, gpu, env)).remote()
                 for r in range(world)]
     try:
-        envs = _rank_env(trainers, gpu)
+        envs = [{**env, **e} for e in _rank_env(trainers, gpu)]
         level = min((h.level for h in log.handlers if type(h).__name__ == "_ConsoleHandler"), default=logging.INFO)
         refs = [t.run.remote(e, engines, placement, level, fn, args) for t, e in zip(trainers, envs)]
         pending, first_error = list(refs), None
@@ -248,9 +252,9 @@ def run_on_ray(run, fn: Callable, *, model_source, mode: str, steps: int, run_di
         raise NotBuiltError(f"--weight-transport {run.weight_transport} is not built yet (docs/ray.md). Fix: use "
                             f"--weight-transport objects (Ray's object store)")
     restarts = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
-    _connect(address)
+    world = run.world
+    _connect(address, len(_bundles(run, world)))
     try:
-        world = run.world
         pg = _placement_group(run, world)
         engines = _start_engines(run, model_source, cfg, run_dir, pg, world, restarts) if mode == "grpo" else []
         placement = dict(max_restarts=restarts, colocated=run.rollout_num_gpus is None, model_parallel=run.tp * run.cp)
