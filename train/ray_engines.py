@@ -134,6 +134,24 @@ def _not_synced(exc: BaseException) -> bool:
     return isinstance(exc, RayTaskError) and isinstance(exc.cause, EngineNotSynced)
 
 
+def _errors(refs) -> list:
+    """The errors of ``refs``' calls, in call order (empty when all succeeded)."""
+    import ray
+
+    try:
+        ray.get(refs)
+        return []
+    except Exception:
+        pass
+    out = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
 def _raise_cause(exc: BaseException):
     """An error the engine raised, as itself (one line at the launcher), not wrapped in Ray's task error."""
     from ray.exceptions import RayTaskError
@@ -169,18 +187,16 @@ class RayEngineProxy:
         self._calls.append(self.actor.load_bucket.remote(ref))
 
     def finish_update(self) -> None:
-        import ray
-
         if self._pending is None:
             raise RuntimeError("finish_update before begin_update")
         refs, version = self._pending, self._next
         calls, self._pending, self._calls = self._calls + [self.actor.finish_update.remote()], None, []
-        try:
-            ray.get(calls)
-        except Exception as exc:
-            if not _dead(exc):
-                _raise_cause(exc)
-            self._resync(refs, version, exc)    # the actor died during the update: load it whole again
+        errors = _errors(calls)
+        dead = [e for e in errors if _dead(e)]
+        if dead:      # the actor died during the update (its later calls may have reached the restarted one)
+            self._resync(refs, version, dead[0])
+        elif errors:
+            _raise_cause(errors[0])
         self._refs, self._version = refs, version
 
     def held_weights(self) -> Optional[Dict]:

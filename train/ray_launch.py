@@ -139,13 +139,11 @@ def _dsv4_env(first_attempt: bool) -> Dict[str, str]:
             if k.startswith("DSV4_") and (first_attempt or k not in _KILL_ONCE)}
 
 
-def _start_engines(run, model_source, cfg, run_dir, pg, world: int, max_restarts: int) -> List[Any]:
+def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts: int) -> List[Any]:
     import ray
 
     from .ray_engines import EngineActor
-    from .trainer import _resolve_model_config
 
-    model_config, _ = _resolve_model_config(run, model_source)
     gpu, colocated = run.selection.hardware.gpu, run.rollout_num_gpus is None
     mp = run.tp * run.cp
     options = dict(settings=cfg, run_dir=run_dir, publish_format=run.selection.quant.publish_format)
@@ -237,10 +235,11 @@ class _GroupDied(Exception):
         self.rank = rank
 
 
-def run_on_ray(run, fn: Callable, *, model_source, mode: str, steps: int, run_dir, resume: bool, cfg,
+def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, steps: int, run_dir, resume: bool, cfg,
                progress: bool, address: Optional[str], max_restarts: Optional[int]) -> Any:
     """Run ``fn(run, model_source, mode, steps, run_dir, resume, cfg, progress)`` (the trainer's rank entry
-    point) on ``run.world`` trainer actors with their engines; returns rank 0's result."""
+    point) on ``run.world`` trainer actors with their engines (built for ``model_config``); returns rank 0's
+    result."""
     import ray
 
     from .checkpointing import latest_checkpoint
@@ -256,7 +255,7 @@ def run_on_ray(run, fn: Callable, *, model_source, mode: str, steps: int, run_di
     _connect(address, len(_bundles(run, world)))
     try:
         pg = _placement_group(run, world)
-        engines = _start_engines(run, model_source, cfg, run_dir, pg, world, restarts) if mode == "grpo" else []
+        engines = _start_engines(run, model_config, cfg, run_dir, pg, world, restarts) if mode == "grpo" else []
         placement = dict(max_restarts=restarts, colocated=run.rollout_num_gpus is None, model_parallel=run.tp * run.cp)
         log.info(f"orchestrator: ray: {world} trainer actor(s) in placement group {pg.id.hex()[:8]}")
         attempt = 0

@@ -790,7 +790,8 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
             from .ray_launch import run_on_ray
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            return run_on_ray(run_config, _rank_main, model_source=model_source, mode=mode, steps=steps,
+            return run_on_ray(run_config, _rank_main, model_config=_resolve_model_config(run_config, model_source)[0],
+                              model_source=model_source, mode=mode, steps=steps,
                               run_dir=run_dir, resume=resume, cfg=cfg, progress=progress, address=ray_address,
                               max_restarts=ray_max_restarts)
         if world > 1 and not joined_ranks():
