@@ -23,8 +23,9 @@ object store for weights). The run's code is unchanged inside the actors:
   lost: the steps after it are trained again) up to ``--ray-max-restarts`` times. An error a rank raises is not
   retried: it is the run's error, one line, as under the local launcher.
 
-``DSV4_*`` variables of the launching process (the cache folder, ``--debug``, the tests' kill hooks) are passed
-to every actor; a restarted trainer group gets them without ``DSV4_TRAIN_KILL_AT`` (a test kills once).
+``DSV4_*`` variables of the launching process (the cache folder, ``--debug``, the tests' kill hooks) and its
+``PYTHONWARNINGS`` are passed to every actor; a restarted trainer group gets them without ``DSV4_TRAIN_KILL_AT``
+(a test kills once).
 """
 
 from __future__ import annotations
@@ -135,8 +136,10 @@ def _actor_options(pg, bundle: int, share: float, gpu: bool, env: Dict[str, str]
 
 
 def _dsv4_env(first_attempt: bool) -> Dict[str, str]:
+    """What every actor gets of this process's environment: ``DSV4_*`` and ``PYTHONWARNINGS`` (the library
+    warnings the launcher hides unless ``-v``); a restarted group's without the kill-once test hooks."""
     return {k: v for k, v in os.environ.items()
-            if k.startswith("DSV4_") and (first_attempt or k not in _KILL_ONCE)}
+            if (k.startswith("DSV4_") or k == "PYTHONWARNINGS") and (first_attempt or k not in _KILL_ONCE)}
 
 
 def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts: int) -> List[Any]:
@@ -159,7 +162,7 @@ def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts
         raise _engine_error(exc) from None
     from .run_log import log
 
-    mode = "colocated" if colocated else f"disaggregated ({run.rollout_num_gpus} bundles of their own)"
+    mode = "colocated" if colocated else f"disaggregated ({run.rollout_num_gpus} bundle(s) of their own)"
     log.info(f"orchestrator: ray: {len(actors)} rollout engine actor(s), {mode}, on "
              f"{', '.join(sorted({w['node'] for w in where}))}")
     return actors
