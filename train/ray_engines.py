@@ -182,7 +182,7 @@ class RayEngineProxy:
 
         if self._pending is None:
             raise RuntimeError("load_bucket before begin_update")
-        ref = ray.put(list(bucket))
+        ref = ray.put([(n, t.detach().cpu()) for n, t in bucket])   # the object store holds host memory
         self._pending.append(ref)
         self._calls.append(self.actor.load_bucket.remote(ref))
 
