@@ -78,6 +78,25 @@ def _one_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def _cannot_connect(address: str, why: str) -> UserInputError:
+    return UserInputError(f"--ray-address {address}: cannot connect to a Ray cluster there ({why}). Fix: start one "
+                          f"with `ray start --head` and pass its address, or leave --ray-address and RAY_ADDRESS "
+                          f"unset to start a local one")
+
+
+def _check_reachable(address: Optional[str]) -> None:
+    """A ``HOST:PORT`` that nothing listens on fails here at once (Ray's own client waits minutes for it)."""
+    import socket
+
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return                       # "auto", ray://... : Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise _cannot_connect(address, f"{host}:{port}: {exc.strerror or exc}") from None
+
+
 def _connect(address: Optional[str], bundles: int) -> None:
     """Connect to the cluster, or start a local one with at least one (logical) CPU per bundle: CPU ranks
     share this machine's cores as the local launcher's do."""
@@ -87,13 +106,12 @@ def _connect(address: Optional[str], bundles: int) -> None:
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     local = {} if address else {"num_cpus": max(os.cpu_count() or 1, bundles)}
+    _check_reachable(address)
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=False, log_to_driver=True, **local)
     except ConnectionError as exc:
-        raise UserInputError(f"--ray-address {address}: cannot connect to a Ray cluster there ({_one_line(exc)}). "
-                             f"Fix: start one with `ray start --head` and pass its address, or leave "
-                             f"--ray-address and RAY_ADDRESS unset to start a local one") from None
+        raise _cannot_connect(address, _one_line(exc)) from None
     resources = ray.cluster_resources()
     where = f"Ray cluster at {address}" if address else "a local Ray cluster (started for this run)"
     log.info(f"orchestrator: ray: {where}: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")

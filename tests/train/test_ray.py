@@ -12,7 +12,8 @@ rank entry point and the same rollout engine in actors, so its metrics must be t
   and every metrics row equals the uninterrupted local run's (nothing lost, no step repeated);
 * a trainer actor SIGKILLed mid-step: the group restarts from the last checkpoint and the rows equal the local
   run's;
-* the refusals of the combination table and of the command line, before any work.
+* the refusals of the combination table and of the command line, before any work, and an unreachable
+  --ray-address (one line, no run folder).
 
 The cluster is started once for the module (4 logical CPUs, no dashboard, its session folder short: Ray's
 unix sockets live there), and every run connects to it with --ray-address.
@@ -160,3 +161,16 @@ def test_print_config_holds_the_ray_keys_and_reads_back(tmp_path):
     again = _dsv4("--config", tmp_path / "run.toml", "--print-config")
     assert again.exit_code == 0, again.output
     assert again.stdout == res.stdout
+
+
+def test_an_unreachable_cluster_is_one_line_and_leaves_no_run_folder(tmp_path):
+    from core.ports import free_port
+
+    address = f"127.0.0.1:{free_port()}"        # nothing listens there
+    res = _dsv4("--run-dir", tmp_path / "run", "--orchestrator", "ray", "--ray-address", address)
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert lines == [f"error: --ray-address {address}: cannot connect to a Ray cluster there (127.0.0.1:"
+                     f"{address.rsplit(':', 1)[1]}: Connection refused). Fix: start one with `ray start --head` and "
+                     f"pass its address, or leave --ray-address and RAY_ADDRESS unset to start a local one"], res.stderr
+    assert not (tmp_path / "run").exists()
