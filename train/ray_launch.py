@@ -216,7 +216,7 @@ def _run_group(run, pg, world: int, engines, placement, fn, args, first_attempt:
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
-    from .run_log import log
+    from .run_log import _console_handler
 
     gpu, colocated = run.selection.hardware.gpu, run.rollout_num_gpus is None
     remote = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
@@ -225,7 +225,8 @@ def _run_group(run, pg, world: int, engines, placement, fn, args, first_attempt:
                 for r in range(world)]
     try:
         envs = [{**env, **e} for e in _rank_env(trainers, gpu)]
-        level = min((h.level for h in log.handlers if type(h).__name__ == "_ConsoleHandler"), default=logging.INFO)
+        console = _console_handler()        # the actors print what this process prints (-q, -v)
+        level = console.level if console is not None else logging.INFO
         refs = [t.run.remote(e, engines, placement, level, fn, args) for t, e in zip(trainers, envs)]
         pending, first_error = list(refs), None
         while pending:
