@@ -262,11 +262,15 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
     """Run ``fn(run, model_source, mode, steps, run_dir, resume, cfg, progress)`` (the trainer's rank entry
     point) on ``run.world`` trainer actors with their engines (built for ``model_config``); returns rank 0's
     result."""
-    import ray
-
     from .checkpointing import latest_checkpoint
     from .run_log import log
 
+    try:
+        import ray
+    except ImportError:
+        raise UserInputError("--orchestrator ray needs the `ray` package, which is not installed here. Fix: "
+                             "pip install ray==2.60.0 (or `pip install '.[ray]'`), or use --orchestrator local"
+                             ) from None
     if run.weight_transport not in (None, "objects"):
         from core.not_built import NotBuiltError
 
