@@ -82,6 +82,9 @@ class Selection:
     orchestrator: str = "local"
     rollout_num_gpus: Optional[int] = None
     weight_transport: Optional[str] = None
+    # The engine gives its memory back while the trainer computes (the TrainConfig field ``colocate``, checked
+    # with the placement by train_option_problems).
+    colocate: bool = False
 
 
 def _join(names) -> str:
@@ -431,12 +434,22 @@ def _train_cuda_graphs(sel: Selection, host) -> Optional[str]:
     return None
 
 
-TRAIN_OPTION_RULES = (_train_cuda_graphs,)
+def _ray_colocate(sel: Selection, host) -> Optional[str]:
+    """``colocate`` frees an engine's memory for the trainer on a shared device; disaggregated engines share
+    none."""
+    if not (sel.colocate and sel.orchestrator == "ray" and sel.rollout_num_gpus is not None):
+        return None
+    return (f"colocate=true releases each engine's memory for the trainer ranks it shares a device with, and "
+            f"--rollout-num-gpus {sel.rollout_num_gpus} gives the engines devices of their own. Fix: drop "
+            f"colocate=true, or drop --rollout-num-gpus (engines colocated with the trainer).")
+
+
+TRAIN_OPTION_RULES = (_train_cuda_graphs, _ray_colocate)
 
 
 def train_option_problems(sel: Selection, host=None) -> list[str]:
-    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``): the rest of the
-    table was checked when the run config was made."""
+    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``, ``colocate``): the
+    rest of the table was checked when the run config was made."""
     return [msg for rule in TRAIN_OPTION_RULES if (msg := rule(sel, host)) is not None]
 
 
@@ -469,6 +482,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("orchestrator-rollout", "under --orchestrator ray the rollout engine runs inside an actor", _orchestrator_rollout),
     ("rollout-num-gpus", "disaggregated engines: one device per data-parallel rank", _rollout_num_gpus),
     ("weight-transport-hardware", "a GPU weight transport needs a GPU --hardware", _weight_transport),
+    ("ray-colocate", "colocate=true releases memory on a shared device, not with --rollout-num-gpus", _ray_colocate),
 )
 
 

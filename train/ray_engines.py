@@ -13,9 +13,9 @@ loop and the weight sync (:func:`train.weight_sync.sync_weights`) are unchanged.
   (a new process, the engine built again without weights), loads the last complete update into it and sends
   the call again. A restarted engine that has not been re-synced refuses to generate
   (:class:`EngineNotSynced`), so it never samples from the wrong weights.
-* **Colocated on a GPU**, the engine shares its device with a trainer rank: between rollouts the actor moves its
-  model to host memory and empties the CUDA cache (:meth:`EngineActor.generate`), so training gets the memory
-  back; weight loads land in host memory and move with the model at the next rollout.
+* **Colocated** with a trainer rank (sharing its GPU), ``colocate=true`` makes the trainer call
+  ``release_memory`` after each rollout, which the proxy forwards: the engine frees its weights and KV cache in
+  its actor until the next update (docs/rollout.md, "Colocated mode").
 
 :func:`rank_engine` is what :func:`train.trainer._rollout_engine` returns under Ray: the proxy of this
 data-parallel rank's engine, from the handles the trainer actor was given (:func:`set_rank_engines`).
@@ -46,12 +46,10 @@ class EngineNotSynced(RuntimeError):
 
 class EngineActor:
     """One rollout engine inside a Ray actor: the run's engine factory (``core.assembly``) builds it here, on the
-    device Ray gave this actor. ``offload``: colocated with a trainer rank on a GPU (the model waits in host
-    memory between rollouts)."""
+    device Ray gave this actor."""
 
-    def __init__(self, run_config, model_config, options: Dict[str, Any], offload: bool = False):
+    def __init__(self, run_config, model_config, options: Dict[str, Any]):
         import ray
-        import torch
 
         from core.assembly import assemble
 
@@ -62,26 +60,12 @@ class EngineActor:
         self.pending: Optional[int] = None
         self.calls: Dict[str, int] = {}
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.offload = offload and torch.cuda.is_available()
-        if self.offload:
-            if not hasattr(self.engine, "model"):
-                raise UserInputError(f"colocated on a GPU, the engine actor moves its engine's model to host memory "
-                                     f"between rollouts, and --rollout-engine {run_config.rollout_engine} has no "
-                                     f"`model`. Fix: use --rollout-num-gpus N (engines on their own GPUs)")
-            self.device = next(self.engine.model.parameters()).device
-            self._sleep()
 
     def _count(self, call: str) -> None:
         """The call counter behind the kill hook (:data:`ENGINE_KILL_ENV`)."""
         self.calls[call] = self.calls.get(call, 0) + 1
         if not self.restarted and os.environ.get(ENGINE_KILL_ENV) == f"{call}:{self.calls[call]}":
             os.kill(os.getpid(), signal.SIGKILL)
-
-    def _sleep(self) -> None:
-        import torch
-
-        self.engine.model.to("cpu")
-        torch.cuda.empty_cache()
 
     def ready(self) -> dict:
         """Where the actor runs (for the launcher's log) and whether it is a restarted one."""
@@ -110,13 +94,16 @@ class EngineActor:
         self._count("generate")
         if self.version != version:
             raise EngineNotSynced(f"engine holds weights {self.version}, the trainer sent {version}")
-        if self.offload:
-            self.engine.model.to(self.device)
-        try:
-            return self.engine.generate(prompts, params, n=n, seed=seed, first_prompt=first_prompt)
-        finally:
-            if self.offload:
-                self._sleep()
+        return self.engine.generate(prompts, params, n=n, seed=seed, first_prompt=first_prompt)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def reports_held_bytes(self) -> bool:
+        return callable(getattr(self.engine, "held_bytes", None))
+
+    def held_bytes(self) -> int:
+        return int(self.engine.held_bytes())
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -171,6 +158,7 @@ class RayEngineProxy:
         self._refs: List[Any] = []         # the last complete update's buckets (object refs)
         self._pending: Optional[List[Any]] = None
         self._calls: List[Any] = []
+        self._reports_bytes: Optional[bool] = None
 
     # -- weights -----------------------------------------------------------
     def begin_update(self, version: int) -> None:
@@ -201,6 +189,20 @@ class RayEngineProxy:
 
     def held_weights(self) -> Optional[Dict]:
         return self._call(lambda: self.actor.held_weights.remote())
+
+    def release_memory(self) -> None:
+        """Colocated mode (``colocate=true``): the engine actor frees its device memory until the next update."""
+        self._call(lambda: self.actor.release_memory.remote())
+
+    @property
+    def held_bytes(self):
+        """What the engine actor holds on its device (the trainer's ``engine_memory_gib``), as the local engine's
+        method; None when the actor's engine cannot say (the trainer then reports nothing)."""
+        if self._reports_bytes is None:
+            self._reports_bytes = self._call(lambda: self.actor.reports_held_bytes.remote())
+        if not self._reports_bytes:
+            return None
+        return lambda: self._call(lambda: self.actor.held_bytes.remote())
 
     # -- generation ----------------------------------------------------------
     def generate(self, prompts, params, *, n: int, seed: int, first_prompt: int = 0):

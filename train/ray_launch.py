@@ -173,7 +173,7 @@ def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts
     for j in range(world // mp):
         bundle = j * mp if colocated else world + j
         opts = _actor_options(pg, bundle, 0.5 if colocated else 1.0, gpu, _dsv4_env(True))
-        actors.append(remote.options(**opts).remote(run, model_config, options, offload=colocated and gpu))
+        actors.append(remote.options(**opts).remote(run, model_config, options))
     try:
         where = ray.get([a.ready.remote() for a in actors])
     except Exception as exc:

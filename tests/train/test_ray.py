@@ -4,9 +4,9 @@ The reference is the local orchestrator's run of the same GRPO job (one process)
 rank entry point and the same rollout engine in actors, so its metrics must be the local run's:
 
 * colocated (engines in their data-parallel leaders' bundles; two trainer ranks here, so the placement by
-  megatron's rank order is exercised) and disaggregated (the engine in a bundle of its own): the first step's
-  loss, gradient norm, reward and train-vs-rollout log-prob difference equal the local run's to 1e-5, and the
-  run has every step;
+  megatron's rank order is exercised; ``colocate=true``, so the engine actors release their memory while the
+  trainer works) and disaggregated (the engine in a bundle of its own): the first step's loss, gradient norm,
+  reward and train-vs-rollout log-prob difference equal the local run's to 1e-5, and the run has every step;
 * an engine actor SIGKILLed between two steps (as the next weight update starts) and one killed after a step's
   weight sync, as it is asked to generate: Ray restarts it, the proxy loads the current weights into it once,
   and every metrics row equals the uninterrupted local run's (nothing lost, no step repeated);
@@ -83,7 +83,7 @@ def local(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode,args", [
-    ("colocated", ("--trainer-num-gpus", "2")),
+    ("colocated", ("--trainer-num-gpus", "2", "colocate=true")),
     ("disaggregated", ("--rollout-num-gpus", "1")),
 ])
 def test_both_modes_take_the_local_steps(tmp_path, cluster, local, mode, args):
@@ -93,6 +93,9 @@ def test_both_modes_take_the_local_steps(tmp_path, cluster, local, mode, args):
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got[0]["world_size"] == (2 if mode == "colocated" else 1)
     _same_rows(got[:1], local[:1])
+    assert local[0]["engine_memory_gib"] > 0          # what the engine holds while the trainer works
+    # colocate=true: the trainer's release_memory reached the engine actors (nothing held while training)
+    assert [r["engine_memory_gib"] == 0 for r in got] == [mode == "colocated"] * 3
 
 
 @pytest.mark.parametrize("kill_at", [
@@ -135,6 +138,9 @@ def _error(res) -> str:
     (("--orchestrator", "ray", "--trainer-num-gpus", "2", "--rollout-num-gpus", "1"),
      "each of the run's 2 data-parallel ranks owns one rollout engine on a device of its own. Fix: use "
      "--rollout-num-gpus 2"),
+    (("--orchestrator", "ray", "--rollout-num-gpus", "1", "colocate=true"),
+     "colocate=true releases each engine's memory for the trainer ranks it shares a device with, and "
+     "--rollout-num-gpus 1 gives the engines devices of their own. Fix: drop colocate=true"),
     (("--orchestrator", "ray", "--weight-transport", "nccl"),
      "--weight-transport nccl moves CUDA tensors (got --hardware cpu). Fix: use --weight-transport objects"),
     (("--orchestrator", "ray", "--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"),

@@ -7,8 +7,9 @@ Each run starts a local Ray cluster (the CLI's default) that sees the host's GPU
 * disaggregated, one trainer GPU and one engine GPU (``--rollout-num-gpus 1``): the first GRPO step (bf16)
   agrees with the local orchestrator's one-GPU run (reward and the samples' token count equal: the same
   seeded samples; loss, gradient norm and log-prob difference within 2e-2), every step is there;
-* colocated on two GPUs (``--ep 2``: two trainer ranks, each engine sharing its leader's GPU and offloading
-  its model between rollouts): the same against the local launcher's ``--ep 2`` run;
+* colocated on two GPUs (``--ep 2``: two trainer ranks, each engine sharing its leader's GPU, ``colocate=true``:
+  it frees its memory while the trainer works): the same against the local launcher's ``--ep 2`` run, and the
+  engines hold nothing while the trainer works;
 * the disaggregated engine actor SIGKILLed as it is asked to generate in step 2: restarted, re-synced, the
   run has every step.
 """
@@ -56,10 +57,13 @@ def _first_step_agrees(got, want):
 @pytest.mark.parametrize("mode,layout", [("disaggregated", ()), ("colocated", ("--ep", "2"))])
 def test_both_modes_on_two_gpus_take_the_local_step(tmp_path, mode, layout):
     _train(tmp_path / "local", *layout)
-    extra = ("--rollout-num-gpus", "1") if mode == "disaggregated" else ()
+    extra = ("--rollout-num-gpus", "1") if mode == "disaggregated" else ("colocate=true",)
     proc = _train(tmp_path / "ray", "--orchestrator", "ray", *layout, *extra)
     assert f"rollout engine actor(s), {mode}" in proc.stderr
-    _first_step_agrees(_rows(tmp_path / "ray"), _rows(tmp_path / "local"))
+    got = _rows(tmp_path / "ray")
+    _first_step_agrees(got, _rows(tmp_path / "local"))
+    if mode == "colocated":
+        assert all(r["engine_memory_gib"] == 0 for r in got)
 
 
 def test_a_killed_engine_actor_on_a_gpu_is_restarted_and_resynced(tmp_path):
