@@ -23,9 +23,9 @@ object store for weights). The run's code is unchanged inside the actors:
   lost: the steps after it are trained again) up to ``--ray-max-restarts`` times. An error a rank raises is not
   retried: it is the run's error, one line, as under the local launcher.
 
-``DSV4_*`` variables of the launching process (the cache folder, ``--debug``, the tests' kill hooks) and its
-``PYTHONWARNINGS`` are passed to every actor; a restarted trainer group gets them without ``DSV4_TRAIN_KILL_AT``
-(a test kills once).
+``DSV4_*`` variables of the launching process (the cache folder, ``--debug``, the tests' kill hooks), the
+trackers' ``WANDB_*`` / ``MLFLOW_*`` settings and its ``PYTHONWARNINGS`` are passed to every actor; a restarted
+trainer group gets them without ``DSV4_TRAIN_KILL_AT`` (a test kills once).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = ["run_on_ray", "TrainerRank", "DEFAULT_MAX_RESTARTS"]
 DEFAULT_MAX_RESTARTS = 2
 PLACEMENT_TIMEOUT_S = 120.0
 _KILL_ONCE = ("DSV4_TRAIN_KILL_AT",)
+_FORWARDED = ("DSV4_", "WANDB_", "MLFLOW_")      # environment prefixes every actor gets from the launcher
 
 
 class TrainerRank:
@@ -154,10 +155,11 @@ def _actor_options(pg, bundle: int, share: float, gpu: bool, env: Dict[str, str]
 
 
 def _dsv4_env(first_attempt: bool) -> Dict[str, str]:
-    """What every actor gets of this process's environment: ``DSV4_*`` and ``PYTHONWARNINGS`` (the library
-    warnings the launcher hides unless ``-v``); a restarted group's without the kill-once test hooks."""
+    """What every actor gets of this process's environment (a Ray worker inherits its node's, not the
+    launcher's): ``DSV4_*``, the trackers' settings (``WANDB_*``, ``MLFLOW_*``) and ``PYTHONWARNINGS`` (the
+    library warnings the launcher hides unless ``-v``); a restarted group's without the kill-once test hooks."""
     return {k: v for k, v in os.environ.items()
-            if (k.startswith("DSV4_") or k == "PYTHONWARNINGS") and (first_attempt or k not in _KILL_ONCE)}
+            if (k.startswith(_FORWARDED) or k == "PYTHONWARNINGS") and (first_attempt or k not in _KILL_ONCE)}
 
 
 def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts: int) -> List[Any]:
