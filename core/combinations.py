@@ -36,6 +36,12 @@ from core.records import (
 
 # The jobs whose own limits the table checks (Selection.job); None = only what every job shares.
 JOBS = ("score", "train")
+# Who starts a training run's ranks and rollout engines: this machine's processes, or actors on a Ray cluster.
+ORCHESTRATORS = ("local", "ray")
+# How ``--orchestrator ray`` sends each step's published weights to the engine actors ("objects": Ray's
+# object store; "nccl" / "cuda-ipc" are GPU transports, not built: train.ray_launch refuses them).
+WEIGHT_TRANSPORTS = ("objects", "nccl", "cuda-ipc")
+GPU_WEIGHT_TRANSPORTS = ("nccl", "cuda-ipc")
 
 
 class InvalidCombination(ValueError):
@@ -71,6 +77,14 @@ class Selection:
     # The trainer replays its compiled blocks as CUDA graphs (dsv4 train --cuda-graphs; a TrainConfig field,
     # checked here with the layout by train_option_problems).
     cuda_graphs: bool = False
+    # Training's orchestrator (ORCHESTRATORS); under ray: the rollout engines' own devices (None = colocated
+    # with the trainer's ranks) and the weight transport to them (None = objects).
+    orchestrator: str = "local"
+    rollout_num_gpus: Optional[int] = None
+    weight_transport: Optional[str] = None
+    # The engine gives its memory back while the trainer computes (the TrainConfig field ``colocate``, checked
+    # with the placement by train_option_problems).
+    colocate: bool = False
 
 
 def _join(names) -> str:
@@ -326,6 +340,51 @@ def _rollout_publish(sel: Selection, host) -> Optional[str]:
             f"{sel.quant.name} publishes {fmt}. Fix: choose --quant {_join(options)}, or another --rollout-engine.")
 
 
+def _orchestrator_options(sel: Selection, host) -> Optional[str]:
+    """The placement and transport options describe Ray actors: the local orchestrator has none."""
+    given = [opt for opt, value in (("--rollout-num-gpus", sel.rollout_num_gpus),
+                                    ("--weight-transport", sel.weight_transport)) if value is not None]
+    if sel.orchestrator == "ray" or not given:
+        return None
+    return (f"{' and '.join(given)} place{'s' if len(given) == 1 else ''} the run's Ray actors, and "
+            f"--orchestrator {sel.orchestrator} starts none. Fix: add --orchestrator ray, or drop "
+            f"{' and '.join(given)}.")
+
+
+def _orchestrator_rollout(sel: Selection, host) -> Optional[str]:
+    """Under Ray each engine is an actor that runs the engine in its own process; a server engine (its own
+    process group, reached over HTTP) is not built as an actor."""
+    engine = sel.rollout
+    if sel.orchestrator != "ray" or engine is None or not engine.server:
+        return None
+    inproc = [e.name for e in _runnable_records(host, ROLLOUT) if not e.server]
+    return (f"--orchestrator ray runs each rollout engine inside a Ray actor, and --rollout-engine {engine.name} is "
+            f"a server that is not built as one. Fix: use --rollout-engine {_join(inproc)}, or --orchestrator local.")
+
+
+def _rollout_num_gpus(sel: Selection, host) -> Optional[str]:
+    """Disaggregated: each data-parallel leader owns one engine, each engine one device of its own."""
+    if sel.orchestrator != "ray" or sel.rollout_num_gpus is None or sel.job != "train":
+        return None
+    world = layout_world(sel)
+    mp = sel.tp * sel.cp
+    if world % mp:
+        return None   # (train-layout names that)
+    dp = world // mp
+    if sel.rollout_num_gpus == dp:
+        return None
+    return (f"--rollout-num-gpus {sel.rollout_num_gpus}: each of the run's {dp} data-parallel ranks owns one rollout "
+            f"engine on a device of its own. Fix: use --rollout-num-gpus {dp}, or leave it out to colocate the "
+            f"engines with the trainer's ranks.")
+
+
+def _weight_transport(sel: Selection, host) -> Optional[str]:
+    if sel.weight_transport not in GPU_WEIGHT_TRANSPORTS or sel.hardware.gpu:
+        return None
+    return (f"--weight-transport {sel.weight_transport} moves CUDA tensors (got --hardware {sel.hardware.name}). "
+            f"Fix: use --weight-transport objects (Ray's object store), or a GPU --hardware.")
+
+
 def layout_world(sel) -> int:
     """The run's number of ranks: the given world size, or ``tp x cp x ep`` (each expert-parallel rank its own
     data-parallel rank)."""
@@ -375,12 +434,22 @@ def _train_cuda_graphs(sel: Selection, host) -> Optional[str]:
     return None
 
 
-TRAIN_OPTION_RULES = (_train_cuda_graphs,)
+def _ray_colocate(sel: Selection, host) -> Optional[str]:
+    """``colocate`` frees an engine's memory for the trainer on a shared device; disaggregated engines share
+    none."""
+    if not (sel.colocate and sel.orchestrator == "ray" and sel.rollout_num_gpus is not None):
+        return None
+    return (f"colocate=true releases each engine's memory for the trainer ranks it shares a device with, and "
+            f"--rollout-num-gpus {sel.rollout_num_gpus} gives the engines devices of their own. Fix: drop "
+            f"colocate=true, or drop --rollout-num-gpus (engines colocated with the trainer).")
+
+
+TRAIN_OPTION_RULES = (_train_cuda_graphs, _ray_colocate)
 
 
 def train_option_problems(sel: Selection, host=None) -> list[str]:
-    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``): the rest of the
-    table was checked when the run config was made."""
+    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``, ``colocate``): the
+    rest of the table was checked when the run config was made."""
     return [msg for rule in TRAIN_OPTION_RULES if (msg := rule(sel, host)) is not None]
 
 
@@ -409,6 +478,11 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("rollout-hardware", "the rollout engine runs on the hardware target (a server at --rollout-url runs elsewhere)", _rollout_hardware),
     ("rollout-url", "--rollout-url names a server for a server engine, used by one data-parallel rank", _rollout_url),
     ("rollout-publish-format", "the rollout engine loads the scheme's published weights", _rollout_publish),
+    ("orchestrator-options", "Ray placement and transport options come with --orchestrator ray", _orchestrator_options),
+    ("orchestrator-rollout", "under --orchestrator ray the rollout engine runs inside an actor", _orchestrator_rollout),
+    ("rollout-num-gpus", "disaggregated engines: one device per data-parallel rank", _rollout_num_gpus),
+    ("weight-transport-hardware", "a GPU weight transport needs a GPU --hardware", _weight_transport),
+    ("ray-colocate", "colocate=true releases memory on a shared device, not with --rollout-num-gpus", _ray_colocate),
 )
 
 

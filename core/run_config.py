@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from core.combinations import JOBS, Selection, check, default_dtype, layout_world
+from core.combinations import JOBS, ORCHESTRATORS, WEIGHT_TRANSPORTS, Selection, check, default_dtype, layout_world
 from core.records import ATTENTION, DTYPES, HARDWARE, KERNEL, QKV_FORMATS, QUANT, ROLLOUT
 
 
@@ -37,6 +37,9 @@ class Choices:
     dtype: Optional[str] = None  # fp32 | bf16; None = the hardware's default (bf16 on GPUs, fp32 on the CPU)
     job: Optional[str] = None    # "score" | "train": also check that job's own limits
     world: Optional[int] = None  # ranks of the run (torchrun's WORLD_SIZE, --nproc-per-node); None = tp x cp x ep
+    orchestrator: str = "local"  # local (this machine's processes) | ray (actors on a Ray cluster)
+    rollout_num_gpus: Optional[int] = None  # ray: devices of their own for the rollout engines (None = colocated)
+    weight_transport: Optional[str] = None  # ray: how weights reach the engine actors (None = objects)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class RunConfig:
     job: Optional[str] = None
     world: int = 1
     rollout_url: Optional[str] = None
+    orchestrator: str = "local"
+    rollout_num_gpus: Optional[int] = None
+    weight_transport: Optional[str] = None
 
     @property
     def dp(self) -> int:
@@ -121,6 +127,14 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
     if choices.job is not None and choices.job not in JOBS:
         raise ValueError(f"unknown job {choices.job!r}; valid jobs: {', '.join(JOBS)}")
     rollout_url = server_url(choices.rollout_url) if choices.rollout_url is not None else None
+    if choices.rollout_num_gpus is not None and (not isinstance(choices.rollout_num_gpus, int)
+                                                 or choices.rollout_num_gpus < 1):
+        raise ValueError(f"--rollout-num-gpus must be a positive integer (got {choices.rollout_num_gpus!r})")
+    if choices.orchestrator not in ORCHESTRATORS:
+        raise ValueError(f"unknown --orchestrator {choices.orchestrator!r}; valid choices: {', '.join(ORCHESTRATORS)}")
+    if choices.weight_transport is not None and choices.weight_transport not in WEIGHT_TRANSPORTS:
+        raise ValueError(f"unknown --weight-transport {choices.weight_transport!r}; valid choices: "
+                         f"{', '.join(WEIGHT_TRANSPORTS)}")
     model = choices.model
     selection = Selection(
         impl,
@@ -140,6 +154,9 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         job=choices.job,
         world=choices.world,
         rollout_url=rollout_url,
+        orchestrator=choices.orchestrator,
+        rollout_num_gpus=choices.rollout_num_gpus,
+        weight_transport=choices.weight_transport,
     )
     check(selection, host)
     return RunConfig(
@@ -161,6 +178,9 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         job=choices.job,
         world=layout_world(selection),
         rollout_url=rollout_url,
+        orchestrator=choices.orchestrator,
+        rollout_num_gpus=choices.rollout_num_gpus,
+        weight_transport=choices.weight_transport,
     )
 
 

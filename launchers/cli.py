@@ -21,7 +21,7 @@ from typing import Optional
 
 import click
 
-from core.combinations import InvalidCombination, supported_combinations
+from core.combinations import ORCHESTRATORS, WEIGHT_TRANSPORTS, InvalidCombination, supported_combinations
 from core.config import ConfigError
 from core.errors import UserInputError
 from core.not_built import NotBuiltError
@@ -56,6 +56,8 @@ _RUN_OPTIONS = (
 )
 _DEFAULTS = Choices()
 RUN_KEYS = frozenset(decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS)
+# the run choices that only `train` / `full-train` take (how their ranks and engines are placed)
+TRAIN_RUN_KEYS = frozenset({"orchestrator", "rollout_num_gpus", "weight_transport"})
 _OUTPUT = {"quiet": False, "verbose": False}
 
 
@@ -117,6 +119,9 @@ def _choices(opts: dict, model=None, job=None, world=None) -> Choices:
         dtype=opts.get("dtype"),
         job=job,
         world=world,
+        orchestrator=opts.get("orchestrator") or _DEFAULTS.orchestrator,
+        rollout_num_gpus=opts.get("rollout_num_gpus"),
+        weight_transport=opts.get("weight_transport"),
     )
 
 
@@ -404,6 +409,12 @@ def training_options(func):
         ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
         ("--cuda-graphs", dict(is_flag=True, help="With --compile on a GPU: replay the compiled blocks as CUDA graphs (Inductor's reduce-overhead mode; SFT, rows padded to pad_to_length=N, tp/cp/ep 1, no packing budget).")),
         ("--nproc-per-node", dict(type=click.IntRange(min=1), default=None, help="Ranks to start on this machine (torch.distributed's elastic launcher; one GPU each on a GPU --hardware). Default: tp x cp x ep. Under torchrun / srun the launcher's WORLD_SIZE is used instead.")),
+        ("--orchestrator", dict(type=click.Choice(ORCHESTRATORS), default=None, help="Who starts the ranks and rollout engines: local (this machine's processes) or ray (actors on a Ray cluster: docs/ray.md). Default: local.")),
+        ("--ray-address", dict(default=None, help="--orchestrator ray: the Ray cluster to connect to (HOST:PORT of its head, or `auto`). Default: RAY_ADDRESS, else a local cluster started for the run.")),
+        ("--trainer-num-gpus", dict(type=click.IntRange(min=1), default=None, help="--orchestrator ray: the trainer's ranks across the cluster, one GPU each (on the CPU, one CPU bundle each). Default: tp x cp x ep.")),
+        ("--rollout-num-gpus", dict(type=click.IntRange(min=1), default=None, help="--orchestrator ray: disaggregated rollout, the engines on this many devices of their own (one per data-parallel rank; on the CPU, CPU bundles). Default: colocated with the trainer's ranks.")),
+        ("--weight-transport", dict(type=click.Choice(WEIGHT_TRANSPORTS), default=None, help="--orchestrator ray: how each step's weights reach the engine actors: objects (Ray's object store); nccl and cuda-ipc are not built. Default: objects.")),
+        ("--ray-max-restarts", dict(type=click.IntRange(min=0), default=None, help="--orchestrator ray: how often a dead engine actor is restarted, and the trainer group restarted from its last checkpoint. Default: 2.")),
         ("--config", dict(type=click.Path(dir_okay=False), default=None, help="TOML or JSON file of settings: any option above or below (without the dashes) and every training knob; a run folder's train_config.json repeats that run. Options given on the command line win over the file, KEY=VALUE arguments over both.")),
         ("--print-config", dict(is_flag=True, help="Print every setting this command resolved, as a TOML file --config reads, and exit without training.")),
     )):
@@ -411,7 +422,9 @@ def training_options(func):
     return click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")(func)
 
 
-_JOB_KEYS = ("mode", "steps", "run_dir", "resume", "nproc_per_node")
+_JOB_KEYS = ("mode", "steps", "run_dir", "resume", "nproc_per_node", "trainer_num_gpus", "ray_address",
+             "ray_max_restarts")
+_RAY_JOB_KEYS = ("trainer_num_gpus", "ray_address", "ray_max_restarts")
 
 
 @dataclass(frozen=True)
@@ -426,6 +439,9 @@ class _Training:
     fields: dict      # TrainConfig fields given anywhere
     print_config: bool
     nproc_per_node: Optional[int] = None
+    trainer_num_gpus: Optional[int] = None
+    ray_address: Optional[str] = None
+    ray_max_restarts: Optional[int] = None
 
 
 def _training(opts: dict, kw: dict) -> _Training:
@@ -443,7 +459,7 @@ def _training(opts: dict, kw: dict) -> _Training:
                                      overrides=overrides)
     except config_file.ConfigFileError as exc:
         _fail(str(exc), EXIT_INVALID)
-    run_opts = {k: v for k, v in values.items() if k in RUN_KEYS and v is not None}
+    run_opts = {k: v for k, v in values.items() if (k in RUN_KEYS or k in TRAIN_RUN_KEYS) and v is not None}
     if "hardware" not in run_opts:
         run_opts["hardware"] = detect_hardware()
     knobs = {f.name for f in dataclasses.fields(config_file.train_config_type())}
@@ -455,8 +471,27 @@ def _training(opts: dict, kw: dict) -> _Training:
     job = {k: values.get(k, kw[k]) for k in _JOB_KEYS}
     if job["resume"] and not job["run_dir"]:
         _fail("--resume needs --run-dir (the run to continue)", EXIT_INVALID)
+    _check_orchestration(run_opts.get("orchestrator"), job)
     return _Training(run_opts, job["mode"], job["steps"], job["run_dir"], job["resume"], fields, print_config,
-                     job["nproc_per_node"])
+                     job["nproc_per_node"], job["trainer_num_gpus"], job["ray_address"], job["ray_max_restarts"])
+
+
+def _check_orchestration(orchestrator, job: dict) -> None:
+    """The Ray options need --orchestrator ray, which starts every rank itself (as an actor)."""
+    from train.launch import launched_env
+
+    if orchestrator != "ray":
+        given = [f"--{k.replace('_', '-')}" for k in _RAY_JOB_KEYS if job[k] is not None]
+        if given:
+            _fail(f"{' and '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --orchestrator ray. Fix: "
+                  f"add --orchestrator ray, or drop {' and '.join(given)}", EXIT_INVALID)
+        return
+    if job["nproc_per_node"] is not None:
+        _fail("--orchestrator ray places the trainer's ranks on the cluster's GPUs: --nproc-per-node does not apply. "
+              "Fix: use --trainer-num-gpus N", EXIT_INVALID)
+    if launched_env() is not None:
+        _fail("--orchestrator ray starts every rank as a Ray actor, and this process is already one rank of "
+              "torchrun / srun. Fix: run `dsv4 train --orchestrator ray` once, without torchrun / srun", EXIT_INVALID)
 
 
 def _train_config(t: _Training):
@@ -476,8 +511,9 @@ def _print_config(run, t: _Training) -> None:
     choices["model"] = run.model_name
     choices.update({k: v for k, v in t.opts.items() if k in ("strict_plugins", "no_third_party_plugins")})
     job = {"mode": t.mode, "steps": t.steps, "resume": t.resume}
-    if t.nproc_per_node is not None:
-        job["nproc_per_node"] = t.nproc_per_node
+    for key in ("nproc_per_node", *_RAY_JOB_KEYS):
+        if getattr(t, key) is not None:
+            job[key] = getattr(t, key)
     if t.run_dir:
         job["run_dir"] = str(stages.user_path(t.run_dir))
     # a field that is also a run choice (max_tokens_per_rank) stands once, under [run]
@@ -489,9 +525,12 @@ def _print_config(run, t: _Training) -> None:
 
 
 def _train_kwargs(run, t: _Training) -> dict:
+    placement = {}
+    if run.orchestrator == "ray":
+        placement = dict(ray_address=t.ray_address, ray_max_restarts=t.ray_max_restarts)
     return dict(mode=t.mode, steps=t.steps,
                 run_dir=stages.user_path(t.run_dir) if t.run_dir else stages.default_run_dir(run, t.mode),
-                resume=t.resume, progress=not _OUTPUT["quiet"], **t.fields)
+                resume=t.resume, progress=not _OUTPUT["quiet"], **placement, **t.fields)
 
 
 def _train_world(nproc_per_node) -> int | None:
@@ -523,7 +562,8 @@ def _prepared_training(opts: dict, kw: dict):
     """`train` / `full-train` settings resolved and checked: ``(run, settings)``, or None after
     ``--print-config`` printed them."""
     t = _training(opts, kw)
-    host, run = resolve(t.opts, job="train", world=_train_world(t.nproc_per_node))
+    world = t.trainer_num_gpus if t.opts.get("orchestrator") == "ray" else _train_world(t.nproc_per_node)
+    host, run = resolve(t.opts, job="train", world=world)
     if t.print_config:
         _print_config(run, t)
         return None

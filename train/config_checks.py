@@ -112,13 +112,13 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
 
 def check_train_options(run_config, cfg, host=None) -> None:
     """The trainer's options that the combination table checks with the run's layout (``core.combinations``:
-    rule ``train-cuda-graphs``); raises its InvalidCombination."""
+    rules ``train-cuda-graphs``, ``ray-colocate``); raises its InvalidCombination."""
     import dataclasses
 
     from core.combinations import InvalidCombination, train_option_problems
 
-    problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs)),
-                                      host)
+    problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
+                                                         colocate=bool(cfg.colocate)), host)
     if problems:
         raise InvalidCombination("\n".join(problems))
 

@@ -746,6 +746,10 @@ def _rollout_engine(run_config, model_config, dtype, **options):
     run folder, publish format, a started server's ``model_path``) go to its factory
     (``core.protocols.EngineFactory``). Without a run config (tests of the loop itself on the reference
     model) the built-in reference engine."""
+    if run_config is not None and run_config.orchestrator == "ray":   # this rank's engine actor (train.ray_launch)
+        from .ray_engines import rank_engine
+
+        return rank_engine()
     if run_config is None:
         from .engines import make_reference_engine
 
@@ -756,7 +760,8 @@ def _rollout_engine(run_config, model_config, dtype, **options):
 
 
 def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, resume: bool = False,
-                 config: Optional[TrainConfig] = None, progress: bool = True, **overrides) -> Dict[str, Any]:
+                 config: Optional[TrainConfig] = None, progress: bool = True, ray_address: Optional[str] = None,
+                 ray_max_restarts: Optional[int] = None, **overrides) -> Dict[str, Any]:
     """Train for ``steps`` steps (in total, counting the steps of a resumed run).
 
     ``run_config``: a :class:`core.run_config.RunConfig` (or None); ``model_source``: an HF-format
@@ -766,7 +771,8 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
 
     Ranks (:mod:`train.launch`): inside torchrun / srun (torch.distributed's environment) this process is one
     rank of ``run_config.world``; otherwise a run of several ranks starts them here as local workers through
-    torch.distributed's elastic launcher and returns rank 0's result.
+    torch.distributed's elastic launcher and returns rank 0's result. ``run_config.orchestrator == "ray"``: the
+    ranks and rollout engines are actors on the Ray cluster at ``ray_address`` (:mod:`train.ray_launch`).
     """
     from .launch import joined_ranks, launch_local_ranks
 
@@ -780,6 +786,14 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
         check_divisible(run_config, mode, cfg)     # before any rank starts
         check_train_options(run_config, cfg)
     with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
+        if run_config is not None and run_config.orchestrator == "ray":
+            from .ray_launch import run_on_ray
+
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            return run_on_ray(run_config, _rank_main, model_config=_resolve_model_config(run_config, model_source)[0],
+                              model_source=model_source, mode=mode, steps=steps,
+                              run_dir=run_dir, resume=resume, cfg=cfg, progress=progress, address=ray_address,
+                              max_restarts=ray_max_restarts)
         if world > 1 and not joined_ranks():
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             return launch_local_ranks(run_config, _rank_main, (run_config, model_source, mode, steps, str(run_dir),

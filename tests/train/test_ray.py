@@ -1,0 +1,182 @@
+"""`dsv4 train --orchestrator ray` on a local Ray cluster on the CPU (gloo), through the CLI (issue #22).
+
+The reference is the local orchestrator's run of the same GRPO job (one process): a Ray run places the same
+rank entry point and the same rollout engine in actors, so its metrics must be the local run's:
+
+* colocated (engines in their data-parallel leaders' bundles; two trainer ranks here, so the placement by
+  megatron's rank order is exercised; ``colocate=true``, so the engine actors release their memory while the
+  trainer works) and disaggregated (the engine in a bundle of its own): the first step's loss, gradient norm,
+  reward and train-vs-rollout log-prob difference equal the local run's to 1e-5, and the run has every step;
+* an engine actor SIGKILLed between two steps (as the next weight update starts) and one killed after a step's
+  weight sync, as it is asked to generate: Ray restarts it, the proxy loads the current weights into it once,
+  and every metrics row equals the uninterrupted local run's (nothing lost, no step repeated);
+* a trainer actor SIGKILLed mid-step: the group restarts from the last checkpoint and the rows equal the local
+  run's;
+* the refusals of the combination table and of the command line, before any work, and an unreachable
+  --ray-address (one line, no run folder).
+
+The cluster is started once for the module (4 logical CPUs, no dashboard, its session folder short: Ray's
+unix sockets live there), and every run connects to it with --ray-address.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO = ("--mode", "grpo", "--steps", "3", "--lr", "1e-3", "--save-every", "1", "prompts_per_step=2",
+        "group_size=4", "max_new_tokens=6", "export_at_end=false")
+FIRST_STEP = ("loss", "grad_norm", "reward_mean", "train_rollout_logprob_abs_diff", "response_tokens")
+
+
+def _train(run_dir, *args, env=None, check=True):
+    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--hardware", "cpu", "--run-dir", str(run_dir), *GRPO,
+           *args]
+    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
+    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
+        full_env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _same_rows(got, want, keys=FIRST_STEP):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        for key in keys:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (g["step"], key)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster for the module: its GCS address."""
+    import ray
+
+    folder = tempfile.mkdtemp(prefix="dsv4ray", dir="/tmp")
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=folder, configure_logging=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """The local orchestrator's run (one process): the rows every Ray run must reproduce."""
+    run = tmp_path_factory.mktemp("local") / "run"
+    _train(run)
+    return _rows(run)
+
+
+@pytest.mark.parametrize("mode,args", [
+    ("colocated", ("--trainer-num-gpus", "2", "colocate=true")),
+    ("disaggregated", ("--rollout-num-gpus", "1")),
+])
+def test_both_modes_take_the_local_steps(tmp_path, cluster, local, mode, args):
+    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, *args)
+    assert f"rollout engine actor(s), {mode}" in proc.stderr
+    got = _rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got[0]["world_size"] == (2 if mode == "colocated" else 1)
+    _same_rows(got[:1], local[:1])
+    assert local[0]["engine_memory_gib"] > 0          # what the engine holds while the trainer works
+    # colocate=true: the trainer's release_memory reached the engine actors (nothing held while training)
+    assert [r["engine_memory_gib"] == 0 for r in got] == [mode == "colocated"] * 3
+
+
+@pytest.mark.parametrize("kill_at", [
+    "begin_update:2",      # between steps 1 and 2, as step 2's weight update starts
+    "generate:2",          # after step 2's update, as the engine is asked to generate
+])
+def test_a_killed_engine_actor_is_restarted_and_resynced(tmp_path, cluster, local, kill_at):
+    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--rollout-num-gpus", "1",
+                  env={"DSV4_RAY_ENGINE_KILL_AT": kill_at})
+    assert proc.stderr.count("rollout engine actor 0 was restarted; loading weights version") == 1, proc.stderr[-2000:]
+    _same_rows(_rows(tmp_path / "run"), local)
+
+
+def test_a_killed_trainer_actor_restarts_the_group_from_the_last_checkpoint(tmp_path, cluster, local):
+    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster,
+                  env={"DSV4_TRAIN_KILL_AT": "2:train"})
+    assert "restarting the trainer group from checkpoint step 1" in proc.stderr, proc.stderr[-2000:]
+    _same_rows(_rows(tmp_path / "run"), local)
+
+
+# -- refusals (no cluster, no training) --------------------------------------------------------------------------
+def _dsv4(*args):
+    from launchers.cli import main
+
+    return CliRunner().invoke(main, ["train", "--hardware", "cpu", *map(str, args)])
+
+
+def _error(res) -> str:
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--rollout-num-gpus", "1"), "--rollout-num-gpus places the run's Ray actors, and --orchestrator local starts "
+                                  "none. Fix: add --orchestrator ray"),
+    (("--ray-address", "127.0.0.1:6379"), "--ray-address only applies with --orchestrator ray. Fix: add"),
+    (("--orchestrator", "ray", "--nproc-per-node", "2"), "Fix: use --trainer-num-gpus N"),
+    (("--orchestrator", "ray", "--trainer-num-gpus", "2", "--rollout-num-gpus", "1"),
+     "each of the run's 2 data-parallel ranks owns one rollout engine on a device of its own. Fix: use "
+     "--rollout-num-gpus 2"),
+    (("--orchestrator", "ray", "--rollout-num-gpus", "1", "colocate=true"),
+     "colocate=true releases each engine's memory for the trainer ranks it shares a device with, and "
+     "--rollout-num-gpus 1 gives the engines devices of their own. Fix: drop colocate=true"),
+    (("--orchestrator", "ray", "--weight-transport", "nccl"),
+     "--weight-transport nccl moves CUDA tensors (got --hardware cpu). Fix: use --weight-transport objects"),
+    (("--orchestrator", "ray", "--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"),
+     "--orchestrator ray runs each rollout engine inside a Ray actor, and --rollout-engine sglang is a server"),
+])
+def test_refused_before_any_work(tmp_path, args, says):
+    assert says in _error(_dsv4("--run-dir", tmp_path / "run", *args))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_torchrun_rank_cannot_start_ray_actors(tmp_path, monkeypatch):
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(key, value)
+    assert "without torchrun / srun" in _error(_dsv4("--run-dir", tmp_path / "run", "--orchestrator", "ray"))
+
+
+def test_print_config_holds_the_ray_keys_and_reads_back(tmp_path):
+    res = _dsv4("--orchestrator", "ray", "--ray-address", "10.0.0.1:6379", "--rollout-num-gpus", "1",
+                "--print-config")
+    assert res.exit_code == 0, res.output
+    for line in ('orchestrator = "ray"', "rollout_num_gpus = 1", 'ray_address = "10.0.0.1:6379"'):
+        assert line in res.stdout
+    (tmp_path / "run.toml").write_text(res.stdout)
+    again = _dsv4("--config", tmp_path / "run.toml", "--print-config")
+    assert again.exit_code == 0, again.output
+    assert again.stdout == res.stdout
+
+
+def test_an_unreachable_cluster_is_one_line_and_leaves_no_run_folder(tmp_path):
+    from core.ports import free_port
+
+    address = f"127.0.0.1:{free_port()}"        # nothing listens there
+    res = _dsv4("--run-dir", tmp_path / "run", "--orchestrator", "ray", "--ray-address", address)
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert lines == [f"error: --ray-address {address}: cannot connect to a Ray cluster there (127.0.0.1:"
+                     f"{address.rsplit(':', 1)[1]}: Connection refused). Fix: start one with `ray start --head` and "
+                     f"pass its address, or leave --ray-address and RAY_ADDRESS unset to start a local one"], res.stderr
+    assert not (tmp_path / "run").exists()

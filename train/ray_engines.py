@@ -1,0 +1,286 @@
+"""Rollout engines as Ray actors (``--orchestrator ray``), reached through the engine protocol.
+
+Why a proxy: the trainer loop talks to its engine through the protocol of :mod:`train.engines` (``generate``,
+``begin_update`` / ``load_bucket`` / ``finish_update``, ``held_weights``, ``shutdown``). Under Ray each
+data-parallel leader's engine lives in an actor of its own (:class:`EngineActor`, created by
+:mod:`train.ray_launch`), and :class:`RayEngineProxy` speaks the same protocol in the trainer's process, so the
+loop and the weight sync (:func:`train.weight_sync.sync_weights`) are unchanged.
+
+* **Weights** travel as Ray object refs: each published bucket (the weight contract's atomic groups, in the
+  run's publish format) is put in Ray's object store once and the actor gets the ref. The proxy keeps the refs
+  of the last complete update, so it can load them again into a restarted actor without the trainer.
+* **Faults**: the actor is created with ``max_restarts``; a call that finds it dead waits for Ray to restart it
+  (a new process, the engine built again without weights), loads the last complete update into it and sends
+  the call again. A restarted engine that has not been re-synced refuses to generate
+  (:class:`EngineNotSynced`), so it never samples from the wrong weights.
+* **Colocated** with a trainer rank (sharing its GPU), ``colocate=true`` makes the trainer call
+  ``release_memory`` after each rollout, which the proxy forwards: the engine frees its weights and KV cache in
+  its actor until the next update (docs/rollout.md, "Colocated mode").
+
+:func:`rank_engine` is what :func:`train.trainer._rollout_engine` returns under Ray: the proxy of this
+data-parallel rank's engine, from the handles the trainer actor was given (:func:`set_rank_engines`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from core.errors import UserInputError
+
+__all__ = ["EngineActor", "EngineNotSynced", "RayEngineProxy", "set_rank_engines", "rank_engine",
+           "ENGINE_KILL_ENV"]
+
+# Test hook: "CALL:N" SIGKILLs an engine actor at its N-th ``CALL`` (generate, begin_update, ...), once per
+# run: a restarted actor (a new process) never fires it again.
+ENGINE_KILL_ENV = "DSV4_RAY_ENGINE_KILL_AT"
+# seconds a dead engine actor has to come back (Ray restarts it) before the run fails
+RESTART_TIMEOUT_S = 300.0
+
+
+class EngineNotSynced(RuntimeError):
+    """The engine actor holds no weights of the version the trainer last sent (it was restarted)."""
+
+
+class EngineActor:
+    """One rollout engine inside a Ray actor: the run's engine factory (``core.assembly``) builds it here, on the
+    device Ray gave this actor."""
+
+    def __init__(self, run_config, model_config, options: Dict[str, Any]):
+        import ray
+
+        from core.assembly import assemble
+
+        parts = assemble(run_config)
+        parts.target.setup()     # this process's set-up for the run's target (megatron-core's CPU shims, TF32 off)
+        self.engine = parts.rollout_engine(model_config, dtype=run_config.torch_dtype, **options)
+        self.version: Optional[int] = None
+        self.pending: Optional[int] = None
+        self.calls: Dict[str, int] = {}
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+    def _count(self, call: str) -> None:
+        """The call counter behind the kill hook (:data:`ENGINE_KILL_ENV`)."""
+        self.calls[call] = self.calls.get(call, 0) + 1
+        if not self.restarted and os.environ.get(ENGINE_KILL_ENV) == f"{call}:{self.calls[call]}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def ready(self) -> dict:
+        """Where the actor runs (for the launcher's log) and whether it is a restarted one."""
+        import ray
+
+        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "restarted": self.restarted}
+
+    def begin_update(self, version: int) -> None:
+        self._count("begin_update")
+        self.pending = version
+        self.engine.begin_update(version)
+
+    def load_bucket(self, bucket) -> None:
+        self.engine.load_bucket(bucket)
+
+    def finish_update(self) -> None:
+        self._count("finish_update")
+        self.engine.finish_update()
+        self.version, self.pending = self.pending, None
+
+    def held_weights(self):
+        held = self.engine.held_weights()
+        return None if held is None else {n: t.detach().cpu() for n, t in held.items()}
+
+    def generate(self, version: int, prompts, params, n: int, seed: int, first_prompt: int = 0):
+        self._count("generate")
+        if self.version != version:
+            raise EngineNotSynced(f"engine holds weights {self.version}, the trainer sent {version}")
+        return self.engine.generate(prompts, params, n=n, seed=seed, first_prompt=first_prompt)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def reports_held_bytes(self) -> bool:
+        return callable(getattr(self.engine, "held_bytes", None))
+
+    def held_bytes(self) -> int:
+        return int(self.engine.held_bytes())
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _dead(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
+
+
+def _not_synced(exc: BaseException) -> bool:
+    from ray.exceptions import RayTaskError
+
+    return isinstance(exc, RayTaskError) and isinstance(exc.cause, EngineNotSynced)
+
+
+def _errors(refs) -> list:
+    """The errors of ``refs``' calls, in call order (empty when all succeeded)."""
+    import ray
+
+    try:
+        ray.get(refs)
+        return []
+    except Exception:
+        pass
+    out = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+def _raise_cause(exc: BaseException):
+    """An error the engine raised, as itself (one line at the launcher), not wrapped in Ray's task error."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        raise exc.cause from None
+    raise exc
+
+
+class RayEngineProxy:
+    """The engine protocol in the trainer's process, for one :class:`EngineActor` (module docstring)."""
+
+    def __init__(self, actor, *, index: int, max_restarts: int):
+        self.actor, self.index, self.max_restarts = actor, index, max_restarts
+        self.restarts = 0                  # re-syncs after the actor died (for the log and the tests)
+        self._version: Optional[int] = None
+        self._refs: List[Any] = []         # the last complete update's buckets (object refs)
+        self._pending: Optional[List[Any]] = None
+        self._calls: List[Any] = []
+        self._reports_bytes: Optional[bool] = None
+
+    # -- weights -----------------------------------------------------------
+    def begin_update(self, version: int) -> None:
+        self._pending, self._next = [], version
+        self._calls = [self.actor.begin_update.remote(version)]
+
+    def load_bucket(self, bucket) -> None:
+        import ray
+
+        if self._pending is None:
+            raise RuntimeError("load_bucket before begin_update")
+        ref = ray.put([(n, t.detach().cpu()) for n, t in bucket])   # the object store holds host memory
+        self._pending.append(ref)
+        self._calls.append(self.actor.load_bucket.remote(ref))
+
+    def finish_update(self) -> None:
+        if self._pending is None:
+            raise RuntimeError("finish_update before begin_update")
+        refs, version = self._pending, self._next
+        calls, self._pending, self._calls = self._calls + [self.actor.finish_update.remote()], None, []
+        errors = _errors(calls)
+        dead = [e for e in errors if _dead(e)]
+        if dead:      # the actor died during the update (its later calls may have reached the restarted one)
+            self._resync(refs, version, dead[0])
+        elif errors:
+            _raise_cause(errors[0])
+        self._refs, self._version = refs, version
+
+    def held_weights(self) -> Optional[Dict]:
+        return self._call(lambda: self.actor.held_weights.remote())
+
+    def release_memory(self) -> None:
+        """Colocated mode (``colocate=true``): the engine actor frees its device memory until the next update."""
+        self._call(lambda: self.actor.release_memory.remote())
+
+    @property
+    def held_bytes(self):
+        """What the engine actor holds on its device (the trainer's ``engine_memory_gib``), as the local engine's
+        method; None when the actor's engine cannot say (the trainer then reports nothing)."""
+        if self._reports_bytes is None:
+            self._reports_bytes = self._call(lambda: self.actor.reports_held_bytes.remote())
+        if not self._reports_bytes:
+            return None
+        return lambda: self._call(lambda: self.actor.held_bytes.remote())
+
+    # -- generation ----------------------------------------------------------
+    def generate(self, prompts, params, *, n: int, seed: int, first_prompt: int = 0):
+        if self._version is None:
+            raise RuntimeError(f"rollout engine actor {self.index} has no weights yet (sync weights first)")
+        prompts = [list(map(int, p)) for p in prompts]
+        return self._call(lambda: self.actor.generate.remote(self._version, prompts, params, n, seed, first_prompt))
+
+    def shutdown(self) -> None:
+        """Nothing to stop here: the launcher owns the actor (it outlives a restarted trainer group)."""
+
+    # -- faults ----------------------------------------------------------------
+    def _call(self, submit):
+        """``ray.get(submit())``; a dead or restarted actor is re-synced and the call sent again."""
+        import ray
+
+        for _attempt in range(self.max_restarts + 2):
+            try:
+                return ray.get(submit())
+            except Exception as exc:
+                if not (_dead(exc) or _not_synced(exc)):
+                    _raise_cause(exc)
+                self._resync(self._refs, self._version, exc)
+        raise UserInputError(f"rollout engine actor {self.index} kept failing after {self.max_restarts} restarts")
+
+    def _resync(self, refs: Sequence[Any], version: Optional[int], cause: BaseException) -> None:
+        """Wait for the restarted actor and load ``refs`` (update ``version``) into it."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from .run_log import log
+
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise UserInputError(f"rollout engine actor {self.index} died {self.restarts} times (--ray-max-restarts "
+                                 f"{self.max_restarts}): {str(cause).strip().splitlines()[0] if str(cause) else cause!r}")
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                ray.get(self.actor.ready.remote(), timeout=30)
+                break
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise UserInputError(f"rollout engine actor {self.index} did not come back within "
+                                         f"{RESTART_TIMEOUT_S:.0f} s of dying") from None
+                time.sleep(0.5)
+        log.warning(f"rollout engine actor {self.index} was restarted; loading weights version {version} into it")
+        if version is None:
+            return
+        calls = [self.actor.begin_update.remote(version)]
+        calls += [self.actor.load_bucket.remote(ref) for ref in refs]
+        calls.append(self.actor.finish_update.remote())
+        ray.get(calls)
+
+
+# -- the trainer actor's side -------------------------------------------------------
+_RANK_ENGINES: Dict[str, Any] = {}
+
+
+def set_rank_engines(actors: Sequence[Any], *, max_restarts: int, colocated: bool, model_parallel: int) -> None:
+    """What a trainer actor was given by the launcher: the engine actors (one per data-parallel rank, in rank
+    order) and how they are placed. Read by :func:`rank_engine`."""
+    _RANK_ENGINES.clear()
+    _RANK_ENGINES.update(actors=list(actors), max_restarts=max_restarts, colocated=colocated,
+                         model_parallel=model_parallel)
+
+
+def rank_engine() -> RayEngineProxy:
+    """This data-parallel leader's engine proxy (the trainer's engine under ``--orchestrator ray``)."""
+    from .distributed import ParallelGroups
+
+    if not _RANK_ENGINES:
+        raise RuntimeError("--orchestrator ray: this process is not a trainer actor of train.ray_launch (no engines)")
+    groups = ParallelGroups.current()
+    actors = _RANK_ENGINES["actors"]
+    if len(actors) != groups.dp:
+        raise RuntimeError(f"{len(actors)} engine actors for {groups.dp} data-parallel ranks")
+    if _RANK_ENGINES["colocated"] and groups.rank != groups.dp_rank * _RANK_ENGINES["model_parallel"]:
+        raise RuntimeError(f"colocated engine {groups.dp_rank} was placed with rank "
+                           f"{groups.dp_rank * _RANK_ENGINES['model_parallel']}, but its leader is rank {groups.rank}")
+    return RayEngineProxy(actors[groups.dp_rank], index=groups.dp_rank, max_restarts=_RANK_ENGINES["max_restarts"])
