@@ -683,6 +683,42 @@ def native_to_hf(native_iter: Iterable[Tuple[str, torch.Tensor]], config, *,
         raise WeightContractError(_missing_message("native_to_hf", pending, "native"))
 
 
+def official_boxes(native_name: str, offsets: Sequence[int], sizes: Sequence[int], config
+                   ) -> List[Tuple[str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
+    """Where a box of a native tensor lies in the official tensors it is made of, so that a rank reads only
+    its box from an HF checkpoint (a tensor-parallel slice; ``linear_fc1`` = cat(w1, w3) gives a box of each).
+
+    Returns ``[(official name, official offsets, sizes, offsets inside the native box)]``; the pieces tile the
+    native box. The values are the official ones unchanged (the fp32-kept tensors are upcast by the caller,
+    as :func:`hf_to_native` does)."""
+    b, pos = _resolve(native_name, "native", config)
+    specs = official_specs(config)
+    shape = _native_shape(b, pos, specs)
+    offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+        raise WeightContractError(f"tensor {native_name!r}: box at {offsets} of size {sizes} is not inside its "
+                                  f"contract shape {shape}")
+    rule, d = b.rule, b.rule.dim
+    if len(rule.official) == 1:            # the official tensor itself, or its pos-th equal part along dim
+        off = list(offsets)
+        if len(rule.native) > 1:
+            off[d] += pos * shape[d]
+        return [(b.official_names[0], tuple(off), sizes, (0,) * len(shape))]
+    out = []                               # native = cat(official parts) along dim
+    lo, hi = offsets[d], offsets[d] + sizes[d]
+    start = 0
+    for name in b.official_names:
+        n = specs[name].logical_shape[d]
+        a, z = max(lo, start), min(hi, start + n)
+        if a < z:
+            off, size, inner = list(offsets), list(sizes), [0] * len(shape)
+            off[d], size[d], inner[d] = a - start, z - a, a - lo
+            out.append((name, tuple(off), tuple(size), tuple(inner)))
+        start += n
+    return out
+
+
 def check_native_state(names: Iterable[str], config=None, *, complete: bool = False) -> None:
     """Raise :class:`WeightContractError` if any name is stale (listing them)
     or, with ``complete`` and ``config``, if a contract tensor is missing."""
@@ -754,6 +790,7 @@ __all__ = [
     "PARAMETER", "Rule", "TABLE", "WeightContractError", "canonical_native_name", "check_native_state",
     "export_unit", "hf_to_native",
     "holder", "is_integer_tensor", "module_tensors", "is_stale_name", "is_trainable", "iter_bindings", "keeps_fp32",
-    "native_names", "native_to_hf", "native_to_official_names", "official_specs", "official_to_native_names",
+    "native_names", "native_to_hf", "native_to_official_names", "official_boxes", "official_specs",
+    "official_to_native_names",
     "rule_for", "stale_reason",
 ]

@@ -16,9 +16,9 @@ from torch import nn
 
 from .expert_parallel import expert_banks, expert_name
 from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
-from .tp import gather_tensor, shard_tensor, tp_spec
+from .tp import full_shape, gather_tensor, shard_tensor, tp_pieces, tp_spec
 
-__all__ = ["native_tensors", "load_native_tensors", "load_hf_checkpoint", "load_hf_state_dict",
+__all__ = ["native_tensors", "load_native_tensors", "load_hf_checkpoint", "load_hf_tensors", "load_hf_state_dict",
            "full_native_state", "full_native_grads", "with_every_expert", "held_official_names"]
 
 
@@ -71,15 +71,51 @@ def load_hf_state_dict(model: nn.Module, official: Iterable[Tuple[str, torch.Ten
 
 
 def load_hf_checkpoint(model: nn.Module, path, config=None, *, strict: bool = True) -> list:
-    """Load an official-format checkpoint directory (bf16 / fp8 / fp4; dequantised on read); under expert
-    parallelism only this rank's experts are read (:func:`held_official_names`)."""
-    from core.checkpoint import open_checkpoint
+    """Load an official-format checkpoint directory (or an open ``core.checkpoint`` reader; bf16 / fp8 /
+    fp4, dequantised on read): each rank reads only its share (:func:`load_hf_tensors`)."""
+    from core.checkpoint import CheckpointReader, open_checkpoint
 
-    reader = open_checkpoint(path)
-    config = config or reader.config
-    names = held_official_names(native_tensors(model), reader.logical_specs())
-    return load_hf_state_dict(model, reader.iter_tensors(dequantize=True, dtype=torch.float32, progress=False,
-                                                         names=names), config, strict=strict)
+    reader = path if isinstance(path, CheckpointReader) else open_checkpoint(path)
+    return load_hf_tensors(native_tensors(model), reader, config or reader.config, strict=strict)
+
+
+@torch.no_grad()
+def load_hf_tensors(targets: Dict[str, torch.Tensor], reader, config, *, strict: bool = True) -> list:
+    """Fill ``targets`` (native name -> this rank's tensor: a tensor-parallel slice, or whole) from the open
+    HF checkpoint ``reader``, reading from the safetensors files only the boxes this rank holds
+    (``core.checkpoint.slices``): a tensor-parallel rank its rows / columns (of w1 and of w3 for
+    ``linear_fc1``; FP8 / FP4 weights by the quantisation blocks covering them), replicated tensors whole,
+    under expert parallelism only its experts. The values equal reading whole tensors and slicing them
+    (:func:`load_hf_state_dict`). Returns the names loaded; with ``strict`` every official tensor this rank
+    needs must have a place in ``targets``."""
+    from core.checkpoint.slices import BoxReader
+    from core.weight_contract import native_names, official_boxes
+
+    contract = native_names(config)
+    rank, world = tp_rank(), tp_world()
+    used, done = set(), []
+    with BoxReader(reader) as boxes:
+        for name, dst in targets.items():
+            if name not in contract:
+                raise KeyError(f"model tensor {name!r} is not a contract tensor of this model")
+            spec = tp_spec(dst)
+            if full_shape(dst.shape, spec, world) != tuple(contract[name][0]):
+                raise ValueError(f"{name}: a tensor-parallel slice {tuple(dst.shape)} of {world} does not fit "
+                                 f"the contract shape {tuple(contract[name][0])}")
+            local = torch.empty(tuple(dst.shape), dtype=torch.float32 if dst.is_floating_point() else torch.int64)
+            for offsets, view in tp_pieces(local.view(-1), tuple(local.shape), 0, spec, rank, world):
+                for off_name, off, sizes, inner in official_boxes(name, offsets, view.shape, config):
+                    part = boxes.read(off_name, off, sizes, torch.float32)   # floats as fp32, as hf_to_native
+                    view[tuple(slice(i, i + s) for i, s in zip(inner, sizes))].copy_(part)
+                    used.add(off_name)
+            dst.copy_(local.to(dst.dtype))
+            done.append(name)
+    if strict:
+        needed = held_official_names(targets, reader.logical_specs())
+        unplaced = sorted(set(reader.logical_specs() if needed is None else needed) - used)
+        if unplaced:
+            raise KeyError(f"{len(unplaced)} checkpoint tensor(s) have no place in the model, e.g. {unplaced[:5]}")
+    return done
 
 
 _OFFICIAL_EXPERT = re.compile(r"\.experts\.(\d+)\.")

@@ -485,15 +485,13 @@ class ImplTrainModel(_TrainModelBase):
         return with_every_expert(local)
 
     def load_checkpoint(self, path) -> None:
+        """An HF checkpoint: this rank reads only its share (its tensor-parallel rows / columns, its experts;
+        ``engine.loading.load_hf_tensors``)."""
         from core.checkpoint import open_checkpoint
 
-        from engine.loading import held_official_names
+        from engine.loading import load_hf_tensors
 
-        reader = open_checkpoint(path, config=self.config)
-        names = held_official_names(self.held_native_names(), reader.logical_specs())   # this rank's experts
-        self.load_native_state(dict(wc.hf_to_native(reader.iter_tensors(dequantize=True, dtype=torch.float32,
-                                                                           progress=False, names=names),
-                                                    self.config)))
+        load_hf_tensors(dict(self.native_tensors()), open_checkpoint(path, config=self.config), self.config)
 
 
 class _FullView:
