@@ -380,9 +380,8 @@ class ReferenceEngine(RolloutEngineBase):
             if dec is not None:
                 slots, need_len = max(slots, dec.slots), max(need_len, dec.max_len)
                 self._decoder = dec = None
-            with self._computing("prefill"):
-                cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # a template: shapes only
-            with self._computing("decode"):                  # captures the graphs with the decode step's ops
+            with self._computing("decode"):   # the decode step's ops: the graphs record them; the template
+                cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # is shapes only
                 dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs)
         return dec
 

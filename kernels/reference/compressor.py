@@ -79,5 +79,6 @@ class Compressor(KeepFP32):
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(nb, device=x.device) * m)
         comp = apply_rope(comp, cos, sin)
         if self.rotate:
-            comp = (hadamard_transform if self.ops is None else self.ops.hadamard_transform)(comp)
+            ops = getattr(self, "ops", None)    # other modules borrow this forward (backends/miles: no ``ops``)
+            comp = (hadamard_transform if ops is None else ops.hadamard_transform)(comp)
         return comp
