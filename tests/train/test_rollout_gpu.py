@@ -16,7 +16,10 @@
 * continuous batching on the GPU (3 slots for 9 samples, early stops, graphs on) draws the all-at-once
   samples;
 * the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
-  run (miles, bf16) rolls out on it.
+  run (miles, bf16) rolls out on it;
+* ``--kernel-backend triton|tilelang``: the engine computes with that table (prefill as given, the decode
+  step's per-op choice recorded with its refusals), with and without CUDA graphs, and follows the
+  reference-op engine.
 """
 
 from __future__ import annotations
