@@ -94,8 +94,10 @@ class Assembly:
     def rollout_engine(self, model_config, **options) -> Engine:
         """The run's rollout engine for ``model_config`` (refused with the reason when it cannot run here).
         ``options`` go to the engine's factory; ``device`` defaults to this process's device on the run's
-        target (:meth:`device`: the current CUDA device on a GPU target). With ``--rollout-url`` (a server
-        engine) the factory gets ``url`` and nothing runs here: the engine's local probe does not apply."""
+        target (:meth:`device`: the current CUDA device on a GPU target); an engine that computes here (not a
+        server) gets ``ops``, the run's kernel op table (:attr:`ops`), and runs the run's kernels. With
+        ``--rollout-url`` (a server engine) the factory gets ``url`` and nothing runs here: the engine's local
+        probe does not apply."""
         record = self.selection.rollout
         url = self.run.rollout_url
         if url is None or not record.server:
@@ -105,6 +107,8 @@ class Assembly:
         else:
             options.setdefault("url", url)
         options.setdefault("device", self.device())
+        if not record.server:
+            options.setdefault("ops", self.ops)
         return _checked(record.load()(model_config, **options), Engine, f"--rollout-engine {record.name}")
 
 

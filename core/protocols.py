@@ -97,12 +97,13 @@ class Engine(Protocol):
 @runtime_checkable
 class EngineFactory(Protocol):
     """``make_engine(model_config, **options) -> Engine``. The assembly passes ``device`` (this process's
-    device on the run's target) and, with ``--rollout-url``, ``url`` (a server engine connects to it). The
+    device on the run's target), ``ops`` (the run's kernel op table, to an engine that is not a
+    server) and, with ``--rollout-url``, ``url`` (a server engine connects to it). The
     trainer passes ``dtype`` (the run's), ``settings`` (its ``TrainConfig``: a server engine reads its own
     fields), ``run_dir`` (the run folder, for files the engine writes), ``publish_format`` (the format of
     the weights it will be sent) and, for a server engine it starts, ``model_path`` (the run's starting
     weights as an HF checkpoint). An engine ignores the options it does not use (a server: ``device``,
-    ``dtype``)."""
+    ``dtype``, ``ops``)."""
 
     def __call__(self, config: Any, **options: Any) -> Engine: ...
 

@@ -121,6 +121,10 @@ def check_train_options(run_config, cfg, host=None) -> None:
                                                          colocate=bool(cfg.colocate)), host)
     if problems:
         raise InvalidCombination("\n".join(problems))
+    if cfg.rollout_cuda_graphs and not run_config.selection.hardware.gpu:
+        raise ConfigError(f"training option 'rollout_cuda_graphs' replays the rollout engine's decode step from CUDA "
+                          f"graphs, and --hardware {run_config.selection.hardware.name} has no CUDA device. Fix: drop "
+                          f"rollout_cuda_graphs (none: on for a CUDA device), or rollout_cuda_graphs=false")
 
 
 def validate(cfg) -> None:
@@ -166,6 +170,10 @@ def validate(cfg) -> None:
     except (ValueError, AttributeError):
         _fail("sglang_server_args", cfg.sglang_server_args, "must be launch_server arguments as one shell-quoted "
               "string (e.g. '--mem-fraction-static 0.7')")
+    if cfg.rollout_max_slots is not None:
+        _int("rollout_max_slots", cfg.rollout_max_slots, 1, _BIG)
+    if cfg.rollout_cuda_graphs not in (None, True, False):
+        _fail("rollout_cuda_graphs", cfg.rollout_cuda_graphs, "must be true, false or none (on for a CUDA device)")
     _trackers(cfg.tracker)
     _cuda_graphs(cfg)
     _int("save_every", cfg.save_every, 1, 1 << 30)

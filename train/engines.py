@@ -11,8 +11,11 @@ A rollout engine (the fifth plugin axis, ``dsv4_rollout_engines``; records in
 
 :class:`ReferenceEngine` generates with the reference model built from the EXPORTED, official-named (HF)
 weights it was sent - never from the trainer's module - so every step exercises the real weight sync path
-(export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It runs on the device
-and in the dtype it is given (the assembly passes the run's: a GPU target's device, bf16 there).
+(export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It runs on the device,
+in the dtype and with the kernel op table it is given (the assembly passes the run's: a GPU target's device,
+bf16 there, the ``--kernel-backend``'s ops): prefill calls the table's ops, the decode step calls them where
+they take a one-token step's inputs and the reference ops where they refuse them, a choice made once per
+engine and recorded in ``decode_ops`` / ``decode_refusals`` (:mod:`train.engine_ops`).
 
 Generation (``kv_cache=True``, the default) runs the prompts x ``n`` samples through ``max_slots`` cache
 slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are admitted into free slots by
@@ -36,6 +39,7 @@ fed (the prompt at prefill, each response token at the decode step that feeds it
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -44,6 +48,8 @@ import torch
 from core import weight_contract as wc
 
 from .replay import RoutingRecorder, empty_routing, learned_layers, routing_context
+
+log = logging.getLogger("dsv4")
 
 
 @dataclass(frozen=True)
@@ -192,14 +198,23 @@ class ReferenceEngine(RolloutEngineBase):
     ``max_slots``: how many samples decode at once (None: every sample of a call); more wait and take the
     slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
     device; True elsewhere is refused). ``prefill_batch``: at most this many prompts per prefill forward (None:
-    every admitted prompt in one; the reference prefill holds ``[rows, length, keys, head_dim]`` gathers)."""
+    every admitted prompt in one; the reference prefill holds ``[rows, length, keys, head_dim]`` gathers).
+
+    ``ops``: the kernel op table to compute with (``core.kernel_ops.OpTable``; None: the reference ops, backend
+    ``none``). Prefill (and the uncached engine) calls it as is; the decode step calls ``decode_table``: the
+    same ops, except the reference op for each op that refuses a one-token step's inputs
+    (:func:`train.engine_ops.decode_choices`). ``prefill_ops`` / ``decode_ops``: ``{op: backend}`` for the
+    ops a generate call runs; ``decode_refusals``: ``{op: why the run's kernel does not serve decode}``."""
 
     name = "reference"
 
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
                  device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None):
+                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None, ops=None):
+        from kernels.reference import backend as reference
         from kernels.reference.model import DeepseekV4Model
+
+        from .engine_ops import decode_choices, engine_ops
 
         self.config, self.dtype, self.record_routing = config, dtype, record_routing
         self.device, self.kv_cache = torch.device(device), kv_cache
@@ -211,6 +226,13 @@ class ReferenceEngine(RolloutEngineBase):
                 raise ValueError(f"{name} must be an integer >= 1 or None (no limit), got {v!r}")
         self.max_slots, self.prefill_batch = max_slots, prefill_batch
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.ops = ops if ops is not None else reference.ops()
+        self.prefill_ops = {n: self.ops.provider[n] for n in engine_ops(config)}
+        self.decode_table, self.decode_ops, self.decode_refusals = decode_choices(
+            self.ops, reference.ops(), config, dtype, self.device)
+        for name, why in self.decode_refusals.items():
+            log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
+                        "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
         self._decoder = None          # train.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)
         self.model = DeepseekV4Model(config, device=device)
@@ -325,8 +347,10 @@ class ReferenceEngine(RolloutEngineBase):
             return [[] for _ in prompts]
         seeds = [[sample_seed(seed, first_prompt + pi, j) for j in range(n)] for pi in range(len(prompts))]
         if self.kv_cache:
-            return self._generate_cached(prompts, params, n, seeds)
-        return [self._generate_group(p, params, s) for p, s in zip(prompts, seeds)]
+            with self._computing("decode"):               # prefills nest the prefill table inside
+                return self._generate_cached(prompts, params, n, seeds)
+        with self._computing("prefill"):                  # the uncached engine runs only full forwards
+            return [self._generate_group(p, params, s) for p, s in zip(prompts, seeds)]
 
     def _samples(self, prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
                  routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
@@ -356,9 +380,17 @@ class ReferenceEngine(RolloutEngineBase):
             if dec is not None:
                 slots, need_len = max(slots, dec.slots), max(need_len, dec.max_len)
                 self._decoder = dec = None
-            cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # a template: shapes only
-            dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs)
+            with self._computing("decode"):   # the decode step's ops: the graphs record them; the template
+                cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # is shapes only
+                dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs)
         return dec
+
+    def _computing(self, phase: str):
+        """The model computes with this phase's op table (``"prefill"``: ``ops``, ``"decode"``: ``decode_table``)
+        within the ``with`` block."""
+        from kernels.reference.model import ops_in_use
+
+        return ops_in_use(self.model, self.ops if phase == "prefill" else self.decode_table)
 
     def _prefill(self, prompts: List[List[int]], max_len: int, routed=None, ids=(), P=()):
         """Prefill each distinct prompt once; the cache rows and last logits of ``prompts`` in order. With
@@ -372,7 +404,7 @@ class ReferenceEngine(RolloutEngineBase):
         src = torch.tensor([distinct[tuple(p)] for p in prompts])
         S = max(len(p) for p in firsts)
         rec = RoutingRecorder(len(firsts), S) if routed is not None else None
-        with routing_context(rec):
+        with routing_context(rec), self._computing("prefill"):
             cache, logits = prefill(self.model, firsts, max_len=max_len)
         self.positions_fed += len(firsts) * S
         if rec is not None:
@@ -518,7 +550,12 @@ class ReferenceEngine(RolloutEngineBase):
 
 
 def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
-    """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``kv_cache``, ...). The
-    trainer's ``settings``, ``run_dir`` and ``publish_format`` are not used: the engine holds the weights it is
-    sent, in any published format, in memory."""
+    """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
+    ...). From the trainer's ``settings`` (its ``TrainConfig``) the engine takes ``rollout_max_slots`` and
+    ``rollout_cuda_graphs`` as ``max_slots`` and ``cuda_graphs`` (an option given here wins); ``run_dir`` and
+    ``publish_format`` are not used: the engine holds the weights it is sent, in any published format, in
+    memory."""
+    if settings is not None:
+        kwargs.setdefault("max_slots", getattr(settings, "rollout_max_slots", None))
+        kwargs.setdefault("cuda_graphs", getattr(settings, "rollout_cuda_graphs", None))
     return ReferenceEngine(config, **kwargs)

@@ -459,6 +459,7 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
 
     kwargs.pop("dtype", None)     # the server loads the checkpoint's dtype on its own GPUs
     kwargs.pop("device", None)
+    kwargs.pop("ops", None)       # ... and runs its own kernels
     sync = _setting(settings, "sglang_weight_sync")
     if sync not in WEIGHT_SYNC:
         raise SGLangSetupError(f"sglang_weight_sync must be one of {', '.join(WEIGHT_SYNC)} (got {sync!r})")

@@ -95,6 +95,12 @@ class TrainConfig:
     top_k: int = 0                           # 0 = off
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
+    # the built-in engine (--rollout-engine reference; docs/rollout.md): how many samples decode at once
+    # (continuous batching: a finished sample's slot takes the next waiting one; None = every sample of the
+    # step at once), and whether its decode step replays CUDA graphs (None = on for a CUDA device; true on
+    # the CPU is refused). Samples do not depend on either.
+    rollout_max_slots: Optional[int] = None
+    rollout_cuda_graphs: Optional[bool] = None
     # colocated mode: the rollout engine shares the trainer's devices and gives its memory back (weights and
     # KV cache; SGLang: release/resume_memory_occupation) while the trainer computes log-probs and trains;
     # the next step's weight update takes it again, in place (docs/rollout.md#colocated-mode)

@@ -69,9 +69,13 @@ def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch
 
 
 class Attention(KeepFP32):
-    """Attention sublayer of one block (``layers.N.attn``); ``layer_id`` selects the layer kind."""
+    """Attention sublayer of one block (``layers.N.attn``); ``layer_id`` selects the layer kind.
+
+    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``sparse_attention_with_sink`` the
+    forward calls; None (the reference model) = this module's function."""
 
     _fp32_names = ("attn_sink",)
+    ops = None
 
     def __init__(self, config, layer_id: int):
         super().__init__()
@@ -130,7 +134,8 @@ class Attention(KeepFP32):
             idx = torch.cat((idx, cidx), dim=-1)
             kv_all = torch.cat((kv, comp.to(kv.dtype)), dim=1)
 
-        o = sparse_attention_with_sink(q, kv_all, idx, self.attn_sink, self.scale)
+        attend = sparse_attention_with_sink if self.ops is None else self.ops.sparse_attention_with_sink
+        o = attend(q, kv_all, idx, self.attn_sink, self.scale)
         o = apply_rope(o, cos, sin, inverse=True)  # undo the rotation carried by V = K
 
         # grouped low-rank output: group g = heads [g*H/G, (g+1)*H/G)

@@ -39,9 +39,13 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
 
 class Compressor(KeepFP32):
     """``attn.compressor`` / ``attn.indexer.compressor``: params ``wkv, wgate [kappa*c, d]``,
-    ``ape [m, kappa*c]`` (fp32) and ``norm [c]`` (fp32)."""
+    ``ape [m, kappa*c]`` (fp32) and ``norm [c]`` (fp32).
+
+    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``hadamard_transform`` a rotating
+    compressor calls; None (the reference model) = this module's function."""
 
     _fp32_names = ("ape",)
+    ops = None
 
     def __init__(self, dim: int, head_dim: int, rope_dim: int, ratio: int, rotate: bool = False,
                  norm_eps: float = 1e-6):
@@ -75,5 +79,6 @@ class Compressor(KeepFP32):
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(nb, device=x.device) * m)
         comp = apply_rope(comp, cos, sin)
         if self.rotate:
-            comp = hadamard_transform(comp)
+            ops = getattr(self, "ops", None)    # other modules borrow this forward (backends/miles: no ``ops``)
+            comp = (hadamard_transform if ops is None else ops.hadamard_transform)(comp)
         return comp

@@ -27,7 +27,8 @@ token and the model is causal, so it changes nothing a real position computes. E
 its own length. :func:`decode_step` then feeds one token per row at that row's position. The logits of
 both equal the full forward's at the same positions (up to float summation order; an exact tie in the
 Lightning Indexer's top-k may break differently, as between any two runs of ``topk`` over differently shaped
-scores). The routing seam (``moe.routing_hook``) sees every token once: the prompt in prefill, each new
+scores). Both call the kernel ops of the model's modules (``model.ops_in_use``; the reference functions by
+default). The routing seam (``moe.routing_hook``) sees every token once: the prompt in prefill, each new
 token in the decode step that feeds it. The indexer-replay seam is not consulted by :func:`decode_step`.
 """
 
@@ -43,7 +44,6 @@ from .attention import sparse_attention_with_sink
 from .compressor import Compressor, hadamard_transform
 from .indexer import indexer_scores
 from .layers import compute_dtype, linear_fp32, rms_normalize
-from .mhc import hc_head, hc_post
 from .rope import apply_rope, rope_cos_sin
 
 __all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step"]
@@ -185,9 +185,7 @@ def _capture(model, lengths: torch.Tensor, max_len: int):
 
 def _final_logits(model, x: torch.Tensor) -> torch.Tensor:
     """Trunk streams ``[B, L, n, d]`` -> fp32 logits ``[B, L, V]`` (``DeepseekV4Model.forward``'s head)."""
-    c = model.config
-    y = model.norm(hc_head(x, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, c.norm_eps, c.hc_eps))
-    return model._logits(y)
+    return model._logits(model.collapse(x))
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], *, max_len: int, device=None):
@@ -240,7 +238,7 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: 
     cos, sin = rope_cos_sin(inv_freq.to(dev), (block * m).to(dev)[:, None])
     pooled = apply_rope(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
-        pooled = hadamard_transform(pooled)
+        pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
     cc.entries[e, block.to(dev)] = pooled
     if comp.overlap:
         cc.prev_a[e] = cc.a[e, :, :c]
@@ -310,7 +308,8 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
         idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
         kv_all = torch.cat((lc.window, entries.to(lc.window.dtype)), dim=1)
 
-    o = sparse_attention_with_sink(q, kv_all, idx[:, None], attn.attn_sink, attn.scale)
+    attend = sparse_attention_with_sink if attn.ops is None else attn.ops.sparse_attention_with_sink
+    o = attend(q, kv_all, idx[:, None], attn.attn_sink, attn.scale)
     o = apply_rope(o, cos, sin, inverse=True)
     G, R = attn.o_groups, attn.o_lora_rank
     o = o.reshape(B, 1, G, H * D // G)
@@ -329,8 +328,8 @@ def decode_step(model, cache: DecodeCache, tokens: torch.Tensor) -> torch.Tensor
     x = model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     for layer, lc in zip(model.layers, cache.layers):                           # Block.forward, one token
         u, post, comb = layer._hc("attn", x)
-        x = hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos), x, post, comb)
+        x = layer.hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos), x, post, comb)
         u, post, comb = layer._hc("ffn", x)
-        x = hc_post(layer.ffn(layer.ffn_norm(u), ids), x, post, comb)
+        x = layer.hc_post(layer.ffn(layer.ffn_norm(u), ids), x, post, comb)
     cache.pos += 1
     return _final_logits(model, x)[:, 0]

@@ -18,10 +18,18 @@ streams at ``i`` (the trunk's for ``k = 0``) and the embedding of token ``t_{i+k
 (DeepSeek-V3 convention)::
 
     X = e_proj(enorm(embed(tau)))[:, :, None] + h_proj(hnorm(H)) ;  X = Block(X) ;  logits = head(norm(hc_head_mtp(X)))
+
+Kernel ops: by default every module computes with this package's functions (the oracle). A module's ``ops``
+attribute (a ``core.kernel_ops.OpTable``) makes it call that table's ops instead: the blocks' ``hc_pre`` /
+``hc_post``, the model's ``hc_head``, attention's ``sparse_attention_with_sink``, the indexer's
+``indexer_scores`` and ``hadamard_transform``, the rotating compressor's ``hadamard_transform``.
+:func:`ops_in_use` sets one table on every such module for a ``with`` block (the rollout engine's prefill and
+decode steps run the run's kernel backend this way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
@@ -33,7 +41,7 @@ from .layers import KeepFP32, Linear, RMSNorm, compute_dtype
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 
-__all__ = ["Block", "MTPBlock", "DeepseekV4Model", "init_weights", "balanced_tid2eid"]
+__all__ = ["Block", "MTPBlock", "DeepseekV4Model", "init_weights", "balanced_tid2eid", "ops_in_use"]
 
 
 class Embedding(nn.Module):
@@ -49,6 +57,7 @@ class Block(KeepFP32):
     """One transformer block ``layers.N`` (also the body of an MTP block)."""
 
     _fp32_names = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")
+    ops = None      # a kernel op table for hc_pre / hc_post (module docstring); None = this package's functions
 
     def __init__(self, config, layer_id: int):
         super().__init__()
@@ -67,15 +76,18 @@ class Block(KeepFP32):
             setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
     def _hc(self, site: str, x: torch.Tensor):
-        return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+        return (hc_pre if self.ops is None else self.ops.hc_pre)(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                       getattr(self, f"hc_{site}_base"), self.norm_eps, self.hc_eps, self.hc_iters)
+
+    def hc_post(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return (hc_post if self.ops is None else self.ops.hc_post)(f, x, post, comb)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x [B,S,n,d]`` streams -> ``[B,S,n,d]``."""
         u, post, comb = self._hc("attn", x)
-        x = hc_post(self.attn(self.attn_norm(u)), x, post, comb)
+        x = self.hc_post(self.attn(self.attn_norm(u)), x, post, comb)
         u, post, comb = self._hc("ffn", x)
-        x = hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
+        x = self.hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
         return x
 
 
@@ -104,7 +116,7 @@ class MTPBlock(Block):
         return super().forward(x, input_ids)
 
     def collapse(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm_eps,
+        return self.norm((hc_head if self.ops is None else self.ops.hc_head)(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm_eps,
                                  self.hc_eps))
 
 
@@ -115,6 +127,7 @@ class DeepseekV4Model(KeepFP32):
     ``init_weights(model, seed)`` or ``load_state_dict``."""
 
     _fp32_names = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+    ops = None      # a kernel op table for hc_head (module docstring); None = this package's functions
 
     def __init__(self, config, device=None):
         super().__init__()
@@ -150,13 +163,17 @@ class DeepseekV4Model(KeepFP32):
         ct = compute_dtype(y)
         return F.linear(y.to(ct), self.head.weight.to(ct))
 
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """Final trunk streams ``[B,S,n,d]`` -> ``norm(hc_head(x))`` ``[B,S,d]``."""
+        c = self.config
+        head = hc_head if self.ops is None else self.ops.hc_head
+        return self.norm(head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.norm_eps, c.hc_eps))
+
     def forward(self, input_ids: torch.Tensor, return_hidden_streams: bool = False):
         """``input_ids [B,S]`` -> logits ``[B,S,V]`` in fp32 (fp64 if the model is fp64);
         with ``return_hidden_streams=True`` -> ``(logits, streams [B,S,n,d])``."""
         x = self.hidden_streams(input_ids)
-        c = self.config
-        y = self.norm(hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.norm_eps, c.hc_eps))
-        logits = self._logits(y)
+        logits = self._logits(self.collapse(x))
         return (logits, x) if return_hidden_streams else logits
 
     def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -177,6 +194,28 @@ class DeepseekV4Model(KeepFP32):
             h = block(h[:, :-1], tau, self.embed)
             out.append(self._logits(block.collapse(h)))
         return out
+
+
+@contextlib.contextmanager
+def ops_in_use(model: nn.Module, ops):
+    """Within the ``with`` block every module of ``model`` that takes a kernel op table (an ``ops`` attribute:
+    blocks, the model, attention, indexers, compressors) computes with ``ops`` (None: this package's
+    functions); each module's previous table is restored on exit."""
+    mods = [m for m in model.modules() if hasattr(m, "ops")]
+    before = [m.__dict__.get("ops", _CLASS_OPS) for m in mods]
+    for m in mods:
+        m.ops = ops
+    try:
+        yield model
+    finally:
+        for m, b in zip(mods, before):
+            if b is _CLASS_OPS:
+                m.__dict__.pop("ops", None)
+            else:
+                m.ops = b
+
+
+_CLASS_OPS = object()    # ops_in_use: "the module had no table of its own" (it read the class's None)
 
 
 # ---------------------------------------------------------------------- init

@@ -22,7 +22,9 @@ fixed shapes:
 
 The step returns the fp32 logits ``[b, V]`` and the learned-routing layers' experts ``[b, layers, k]`` (the
 routing seam is not consulted: a replay hook cannot be recorded into a graph, so an installed one is
-refused). As in :func:`~kernels.reference.decode.decode_step`, the indexer-replay seam is not consulted.
+refused). As in :func:`~kernels.reference.decode.decode_step`, the indexer-replay seam is not consulted, and the
+kernel ops are those of the model's modules (``kernels.reference.model.ops_in_use``; the reference functions by
+default).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import torch
 from .compressor import Compressor, hadamard_transform
 from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits
 from .layers import compute_dtype, linear_fp32
-from .mhc import hc_post
 from .moe import current_routing_hook, swiglu
 from .rope import apply_rope, rope_cos_sin
 
@@ -126,7 +127,7 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     cos, sin = rope_cos_sin(inv_freq, (block * m)[:, None])
     pooled = apply_rope(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
-        pooled = hadamard_transform(pooled)
+        pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
     at = block.clamp(max=N - 1)                  # rows that complete nothing write their entry back unchanged
     cc.entries[rows, at] = torch.where(done[:, None], pooled, cc.entries[rows, at])
     if comp.overlap:
@@ -224,10 +225,10 @@ def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: to
     routes = []
     for layer, lc in zip(model.layers, cache.layers):                           # Block.forward, one token
         u, post, comb = layer._hc("attn", x)
-        x = hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked), x, post, comb)
+        x = layer.hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked), x, post, comb)
         u, post, comb = layer._hc("ffn", x)
         f, idx = moe_decode(layer.ffn, layer.ffn_norm(u), ids, moe_path)
-        x = hc_post(f, x, post, comb)
+        x = layer.hc_post(f, x, post, comb)
         if not layer.ffn.gate.hash:
             routes.append(idx)
     cache.pos.add_(active.to(cache.pos.dtype))

@@ -1,0 +1,175 @@
+"""The built-in rollout engine computes with the run's kernel backend, and its sizes come from the run's settings.
+
+* the assembly hands the engine the run's op table: on the CPU (``--kernel-backend none``) a generate call runs
+  ``none.<op>`` for every op the engine calls (``core.kernel_ops.kernels_ran``), and nothing else;
+* a fake table (the reference functions under another backend name) is what the engine calls, in prefill, in
+  the decode step and in the uncached engine, and it draws the reference engine's samples exactly;
+* a table whose op refuses a one-token decode step's inputs serves prefill, and the decode step runs the
+  reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
+* ``rollout_max_slots`` / ``rollout_cuda_graphs`` (TrainConfig) reach the engine; a GRPO run through the CLI with
+  2 slots takes exactly the steps of the default run (samples do not depend on the slots: losses, gradient
+  norms, rewards and response lengths are equal; the engine's log-probabilities only to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from core.config import preset
+
+CFG = preset("tiny")
+PROMPTS = [[0, 5, 6, 7, 8], [0, 9, 10]]
+
+
+def _synced(engine):
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    assert sync_weights(build_train_model(CFG, seed=0), engine, version=1).ok
+    return engine
+
+
+def _generate(engine):
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
+    from train.engines import SamplingParams
+
+    reset_kernels_ran()
+    got = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=()), n=2, seed=5)
+    return got, kernels_ran()
+
+
+def _fake(refuse_decode=()):
+    """The reference functions as backend ``fake``; the ops in ``refuse_decode`` refuse one-token inputs."""
+    from core.kernel_ops import OpTable
+    from kernels.reference.backend import reference_functions
+
+    fns = reference_functions()
+    for name in refuse_decode:
+        def picky(*args, _fn=fns[name], _name=name, **kw):
+            if args[0].dim() >= 3 and args[0].shape[1] == 1:
+                raise ValueError(f"the fake {_name} kernel takes no single-token steps")
+            return _fn(*args, **kw)
+        fns[name] = picky
+    return OpTable("fake", fns)
+
+
+def _same(a, b):
+    for ga, gb in zip(a, b, strict=True):
+        for x, y in zip(ga, gb, strict=True):
+            assert x.response_ids == y.response_ids
+            assert torch.equal(x.logprobs, y.logprobs) and torch.equal(x.routed_experts, y.routed_experts)
+
+
+def test_the_assembly_gives_the_engine_the_runs_ops_and_generate_runs_them():
+    from core.assembly import assemble
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+    from train.engine_ops import ENGINE_OPS, engine_ops
+
+    run = normalize(Choices(rollout_engine="reference", hardware="cpu", kernel_backend="none", model=CFG),
+                    make_host(third_party=False))
+    e = _synced(assemble(run).rollout_engine(CFG))
+    assert e.ops.backend == "none"
+    assert engine_ops(CFG) == ENGINE_OPS                        # tiny has CSA layers: the indexer's ops run too
+    assert e.prefill_ops == e.decode_ops == {op: "none" for op in ENGINE_OPS} and e.decode_refusals == {}
+    _, ran = _generate(e)
+    assert set(ran) == {f"none.{op}" for op in ENGINE_OPS}, ran
+    assert all(ran[f"none.{op}"] > 0 for op in ENGINE_OPS)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_the_engine_calls_the_op_table_it_is_given(kv_cache):
+    from train.engine_ops import ENGINE_OPS
+    from train.engines import ReferenceEngine
+
+    fake = _synced(ReferenceEngine(CFG, ops=_fake(), kv_cache=kv_cache))
+    assert fake.prefill_ops == fake.decode_ops == {op: "fake" for op in ENGINE_OPS}
+    got, ran = _generate(fake)
+    assert set(ran) == {f"fake.{op}" for op in ENGINE_OPS}, ran      # no reference op ran behind its back
+    want, ref_ran = _generate(_synced(ReferenceEngine(CFG, kv_cache=kv_cache)))
+    assert {k.replace("none.", "fake.") for k in ref_ran} == set(ran)
+    _same(got, want)
+
+
+def test_an_op_that_refuses_decode_inputs_runs_the_reference_op_in_decode_explicitly(caplog):
+    from train.engines import ReferenceEngine
+
+    with caplog.at_level("WARNING", logger="dsv4"):
+        e = _synced(ReferenceEngine(CFG, ops=_fake(refuse_decode=("hc_pre",))))
+    assert e.prefill_ops["hc_pre"] == "fake" and e.decode_ops["hc_pre"] == "none"
+    assert e.decode_refusals == {"hc_pre": "the fake hc_pre kernel takes no single-token steps"}
+    assert {op: who for op, who in e.decode_ops.items() if op != "hc_pre"} == {
+        op: "fake" for op in e.decode_ops if op != "hc_pre"}
+    assert "decode step runs the reference hc_pre" in caplog.text and "no single-token steps" in caplog.text
+    got, ran = _generate(e)
+    assert ran["fake.hc_pre"] > 0 and ran["none.hc_pre"] > 0           # prefill: the table; decode: the reference
+    assert not [k for k in ran if k.startswith("none.") and k != "none.hc_pre"], ran
+    _same(got, _generate(_synced(ReferenceEngine(CFG)))[0])
+
+
+def test_the_rollout_settings_reach_the_engine():
+    from train.engines import make_reference_engine
+    from train.trainer import TrainConfig
+
+    e = make_reference_engine(CFG, settings=TrainConfig(rollout_max_slots=2, rollout_cuda_graphs=False))
+    assert e.max_slots == 2 and e.cuda_graphs is False
+    e = make_reference_engine(CFG, settings=TrainConfig())
+    assert e.max_slots is None and e.cuda_graphs is False                # None: on for a CUDA device only
+    e = make_reference_engine(CFG, settings=TrainConfig(rollout_max_slots=2), max_slots=3)
+    assert e.max_slots == 3                                              # an option given to the factory wins
+
+
+def dsv4(*args):
+    from launchers.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# what a step trains on: the samples' tokens, rewards, and the trainer's own log-probabilities
+STEP_KEYS = ("loss", "pg_loss", "grad_norm", "reward_mean", "response_tokens")
+
+
+def test_a_grpo_run_with_two_rollout_slots_takes_the_steps_of_the_default_run(tmp_path, monkeypatch):
+    from train import engines
+
+    made, real = [], engines.make_reference_engine
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(engines, "make_reference_engine", recording)
+    common = ("train", "--hardware", "cpu", "--steps", 2, "prompts_per_step=2", "group_size=3", "max_new_tokens=6")
+    res = dsv4(*common, "--run-dir", tmp_path / "default")
+    assert res.exit_code == 0, res.output
+    res = dsv4(*common, "--run-dir", tmp_path / "slots", "rollout_max_slots=2", "rollout_cuda_graphs=false")
+    assert res.exit_code == 0, res.output
+    assert [(e.max_slots, e.cuda_graphs) for e in made] == [(None, False), (2, False)]
+    assert made[1]._decoder.slots == 2                                  # 6 samples a step went through 2 slots
+    default, slots = _rows(tmp_path / "default"), _rows(tmp_path / "slots")
+    assert len(default) == len(slots) == 2
+    for a, b in zip(default, slots):
+        assert {k: a[k] for k in STEP_KEYS} == {k: b[k] for k in STEP_KEYS}
+        # the engine's own log-probabilities come from decode steps over 2 rows instead of 6: the same tokens,
+        # rounded differently (CPU GEMMs of another shape), so their distance to the trainer's moves at 1e-7
+        assert abs(a["train_rollout_logprob_abs_diff"] - b["train_rollout_logprob_abs_diff"]) < 1e-6
+    saved = json.loads((tmp_path / "slots" / "train_config.json").read_text())["train"]
+    assert saved["rollout_max_slots"] == 2 and saved["rollout_cuda_graphs"] is False
+
+
+def test_bad_rollout_settings_are_refused(tmp_path):
+    from core.config import ConfigError
+    from train.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match="rollout_max_slots"):
+        TrainConfig(rollout_max_slots=0)
+    res = dsv4("train", "--hardware", "cpu", "--steps", 1, "--run-dir", tmp_path / "r", "rollout_cuda_graphs=true")
+    assert res.exit_code != 0 and "rollout_cuda_graphs" in res.output and "no CUDA device" in res.output, res.output
