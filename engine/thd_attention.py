@@ -15,8 +15,9 @@ adds the tensors and the communication:
 * :func:`compressed_kv`: compressor on compacted fixed-capacity slots (``core.thd_cp.compact_plan``),
   all-gathered rank-major (``[B, cp * capacity, c]``); the same path for ``cp == 1`` (no
   communication, the plan then covers the whole stream).
-* :func:`indexer_topk`: top-k per segment on the segment's own score block (``torch.topk`` breaks
-  ties by position, so selecting on a packed row could pick other tied entries than a sample alone).
+* :func:`indexer_topk` / :func:`segment_topk`: the indexer's stable top-k
+  (``kernels.reference.topk.stable_topk``: ties -> lowest entry id, ids ascending) per segment on the
+  segment's own score block: the same picks as the sample alone, at a segment's cost, not the stream's.
 * :func:`sparse_attention_indices`: ``[T_local, W + K]`` rows of ``cat(kv_all_tokens, compressed)``.
 
 Shapes are batch-first: ``x [B, L, C]`` with ``B == 1`` for a packed stream.
@@ -43,6 +44,7 @@ from core.thd_cp import (
 )
 from kernels.reference.layers import compute_dtype
 from kernels.reference.rope import apply_rope, rope_cos_sin
+from kernels.reference.topk import stable_topk
 
 __all__ = [
     "ThdContext",
@@ -51,6 +53,7 @@ __all__ = [
     "compress_slots",
     "compressed_kv",
     "indexer_topk",
+    "segment_topk",
     "cp_group_info",
     "gather_sequence_cp",
 ]
@@ -290,28 +293,33 @@ def indexer_visible_mask(ctx: ThdContext, n_groups: int, device=None) -> Tensor:
 
 
 def indexer_topk(scores: Tensor, ctx: ThdContext, topk: int, ratio: int = 4) -> Tensor:
-    """``scores [B, L, G]`` (``-inf`` where invisible) -> flat group ids ``[B, L, min(topk, max_seqlen // ratio)]``,
-    ``-1`` where fewer are visible. Top-k runs per segment on the segment's own score block."""
+    """:func:`segment_topk` on this rank's layout."""
+    return segment_topk(scores, ctx.layout, topk, ratio)
+
+
+def segment_topk(scores: Tensor, layout: ThdLayout, topk: int, ratio: int = 4) -> Tensor:
+    """``scores [B, L, G]`` (this rank's ``L`` query rows; ``-inf`` where invisible) -> flat group ids
+    ``[B, L, min(topk, max_seqlen // ratio)]``, each row's picks in ascending id order, ``-1`` padding last.
+
+    :func:`~kernels.reference.topk.stable_topk` runs per segment on the segment's own ``[L_b, L_b // ratio]``
+    block: the rule is shift-invariant, so these are the picks of the sample run alone, and the work
+    scales with the segments, not with the packed stream's ``G``."""
     B, L, _ = scores.shape
-    lay = ctx.layout
-    width = min(topk, lay.max_seqlen // ratio)
+    width = min(topk, layout.max_seqlen // ratio)
     out = torch.full((B, L, width), -1, dtype=torch.long, device=scores.device)
     if width == 0 or L == 0:
         return out
     s = scores.detach()
-    cu = lay.cu_seqlens.tolist()
-    cu_c = lay.compressed_cu_seqlens(ratio).tolist()
-    g0, g1 = lay.global_start, lay.global_start + L
-    first = int(lay.segment_ids[0])
-    last = int(lay.segment_ids[-1])
-    for b in range(first, last + 1):
-        r0, r1 = max(cu[b], g0) - g0, min(cu[b + 1], g1) - g0
+    cu = layout.host_cu_seqlens()
+    cu_c = layout.host_compressed_cu_seqlens(ratio)
+    g0 = layout.global_start
+    for b in range(layout.num_segments):
+        r0, r1 = max(cu[b] - g0, 0), min(cu[b + 1] - g0, L)
         c0, c1 = cu_c[b], cu_c[b + 1]
-        k = min(topk, c1 - c0)
-        if r1 <= r0 or k == 0:
+        if r1 <= r0 or c1 == c0:
             continue
-        val, top = s[:, r0:r1, c0:c1].topk(k, dim=-1)
-        out[:, r0:r1, :k] = torch.where(torch.isfinite(val), top + c0, torch.full_like(top, -1))
+        top = stable_topk(s[:, r0:r1, c0:c1], topk)
+        out[:, r0:r1, :top.shape[-1]] = torch.where(top >= 0, top + c0, top)
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from core.kernel_ops import OpTable
+from kernels.reference.topk import stable_topk
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -164,11 +165,10 @@ def refuse_grad(backend: str, *tensors: torch.Tensor) -> None:
 
 
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """``torch.topk`` over the last dim of fp32 scores; ``-1`` where the picked score is ``-inf``
-    (invisible). Returns int32 ``[..., min(topk, N)]``."""
-    k = min(topk, scores.shape[-1])
-    vals, idx = scores.topk(k, dim=-1)
-    return torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
+    """The reference model's stable top-k (``kernels.reference.topk.stable_topk``: ties -> lowest id,
+    ids ascending, ``-1`` padding last where fewer scores are finite) over the last dim of the kernel's
+    fp32 scores, so a GPU backend picks the entries the reference picks. Returns int32 ``[..., min(topk, N)]``."""
+    return stable_topk(scores, topk).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from engine.thd_attention import (
     hca_indices,
     indexer_topk,
     picks_to_rows,
+    segment_topk,
 )
 from engine.tp import mark_keep_in_fp32
 
@@ -175,28 +176,10 @@ class Indexer(MegatronModule):
         return s.masked_fill(~visible, float("-inf"))
 
     def topk_indices(self, scores: torch.Tensor, layout: ThdLayout) -> torch.Tensor:
-        """``[T, min(topk, max_seqlen // 4)]`` flat compressed ids, ``-1`` where fewer are visible.
-
-        Top-k runs per segment on that segment's own ``[L, L // 4]`` score block, exactly the selection
-        of the sample run alone: scores tie (at 0: every head's ReLU off), and ``torch.topk`` breaks
-        ties by position, so a selection over the packed row could pick different tied entries."""
-        T = scores.shape[0]
-        width = min(self.topk, layout.max_seqlen // 4)
-        out = torch.full((T, width), -1, dtype=torch.long, device=scores.device)
-        if width == 0:
-            return out
-        cu = layout.host_cu_seqlens()
-        cu_c = layout.host_compressed_cu_seqlens(4)
-        s = scores.detach()
-        for b in range(layout.num_segments):
-            r0, r1, c0, c1 = cu[b] - layout.global_start, cu[b + 1] - layout.global_start, cu_c[b], cu_c[b + 1]
-            r0, r1 = max(r0, 0), min(r1, T)
-            k = min(self.topk, c1 - c0)
-            if r1 <= r0 or k == 0:
-                continue
-            val, top = s[r0:r1, c0:c1].topk(k, dim=-1)
-            out[r0:r1, :k] = torch.where(torch.isfinite(val), top + c0, torch.full_like(top, -1))
-        return out
+        """``[T, min(topk, max_seqlen // 4)]`` flat compressed ids (ascending per row), ``-1`` where fewer
+        are visible: the stable top-k per segment (``engine.thd_attention.segment_topk``), the picks of
+        the sample run alone and of the reference model."""
+        return segment_topk(scores.unsqueeze(0), layout, self.topk)[0]
 
 
 # ---------------------------------------------------------------------------- indexer loss (pure)

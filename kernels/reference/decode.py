@@ -25,10 +25,11 @@ while generating (no speculative decoding), so nothing is cached for it.
 right-padded to one length, and forward hooks copy out what the caches hold; padding sits after every real
 token and the model is causal, so it changes nothing a real position computes. Each row's state is read at
 its own length. :func:`decode_step` then feeds one token per row at that row's position. The logits of
-both equal the full forward's at the same positions (up to float summation order; an exact tie in the
-Lightning Indexer's top-k may break differently, as between any two runs of ``topk`` over differently shaped
-scores). Both call the kernel ops of the model's modules (``model.ops_in_use``; the reference functions by
-default). The routing seam (``moe.routing_hook``) sees every token once: the prompt in prefill, each new
+both equal the full forward's at the same positions (up to float summation order): the Lightning Indexer's
+top-k is :func:`.topk.stable_topk` here and in the forward, so an exact score tie picks the same entries on
+the cache's ``max_len // 4``-entry rows as on the forward's. Both call the kernel ops of the model's modules
+(``model.ops_in_use``; the reference functions by default). The routing seam (``moe.routing_hook``) sees
+every token once: the prompt in prefill, each new
 token in the decode step that feeds it. The indexer-replay seam is not consulted by :func:`decode_step`.
 """
 
@@ -45,6 +46,7 @@ from .compressor import Compressor, hadamard_transform
 from .indexer import indexer_scores
 from .layers import compute_dtype, linear_fp32, rms_normalize
 from .rope import apply_rope, rope_cos_sin
+from .topk import stable_topk
 
 __all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step"]
 
@@ -260,8 +262,7 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(ct), w)[:, 0]  # [B, N]
     limit = ((pos + 1) // indexer.ratio).to(x.device)[:, None]
     scores = scores.masked_fill(torch.arange(N, device=x.device)[None, :] >= limit, float("-inf"))
-    top = scores.topk(min(indexer.topk, N), dim=-1).indices
-    return torch.where(top >= limit, torch.full_like(top, -1), top)
+    return stable_topk(scores, indexer.topk)   # the forward's rule: the same picks on a row of any length
 
 
 def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:

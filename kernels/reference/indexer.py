@@ -6,6 +6,9 @@
     I_{t,j} = sum_h w_{t,h} * ReLU(q^I_{t,h} . K^I_j)
     mask j >= floor((t+1)/4); top-k with k = min(index_topk, floor(S/4)); invisible picks -> -1.
 
+The top-k is :func:`.topk.stable_topk` (ties -> lowest entry id, picks in ascending id order, ``-1``
+padding last), so a position's picks do not depend on how many tokens follow it.
+
 The Hadamard rotation is orthonormal (scores are unchanged in exact arithmetic); it is kept because
 it matters for the FP4 fake-quant of the official QAT path. ``topk`` is not differentiable.
 
@@ -23,6 +26,7 @@ from .compressor import Compressor, hadamard_transform
 from .layers import Linear, compute_dtype
 from .rope import apply_rope, rope_cos_sin
 from .seam import HookSeam
+from .topk import stable_topk
 
 __all__ = ["Indexer", "indexer_scores", "indexer_hook"]
 
@@ -73,7 +77,6 @@ class Indexer(nn.Module):
         limit = (torch.arange(S, device=x.device) + 1) // self.ratio  # visible: j < limit[t]
         invisible = torch.arange(nb, device=x.device)[None, :] >= limit[:, None]
         scores = scores.masked_fill(invisible, float("-inf"))
-        top = scores.topk(min(self.topk, nb), dim=-1).indices
-        picks = torch.where(top >= limit[None, :, None], torch.full_like(top, -1), top)
+        picks = stable_topk(scores, self.topk)                                    # -1 where invisible
         hook = _INDEXER.current()
         return picks if hook is None else hook(self, picks)

@@ -8,7 +8,8 @@ ranges ``ks [T]``, ``ke [T]`` (visible keys ``ks[t] <= j < ke[t]``), ``-inf`` ou
 One program = ``BT`` queries x ``BN`` keys: the key tile stays in shared memory, the loop over heads does one
 ``[BT, D] x [D, BN]`` ``T.gemm`` per head, then ReLU, the weight and an fp32 accumulation in registers.
 bf16/fp16 inputs only; fp32/fp64 inputs (and CPU tensors) are computed by an fp32 torch einsum (the
-tensor cores would round fp32 to tf32, which misses the 1e-4 bound of the tests). Top-k is ``torch.topk``.
+tensor cores would round fp32 to tf32, which misses the 1e-4 bound of the tests). Top-k is the
+reference's stable top-k (``kernels.reference.topk``).
 """
 
 import functools
@@ -109,4 +110,4 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
     return gpu_common.indexer_scores_batched(indexer_scores_thd, q, k, w)
 
 
-indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # torch.topk, shared by the GPU backends
+indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # the stable top-k, shared by the GPU backends

@@ -8,8 +8,8 @@ or segment-local ranges of a packed THD batch). Scores outside the range are ``-
 ``[BT, BN]`` tile that no query of the block can see is not computed at all.
 
 One program = ``BT`` queries x ``BN`` keys; the loop over heads does one ``[BT, D] x [D, BN]`` dot per
-head, applies ReLU and the weight, and accumulates in fp32 registers. Top-k is ``torch.topk`` on the
-fp32 scores (``-1`` written where the picked score is ``-inf``).
+head, applies ReLU and the weight, and accumulates in fp32 registers. Top-k is the reference's stable
+top-k (``kernels.reference.topk``) on the fp32 scores (``-1`` where fewer entries are visible).
 """
 
 from __future__ import annotations
@@ -115,4 +115,4 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
     return gpu_common.indexer_scores_batched(indexer_scores_thd, q, k, w)
 
 
-indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # torch.topk, shared by the GPU backends
+indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # the stable top-k, shared by the GPU backends

@@ -1,11 +1,11 @@
 """KV-cached generation with the reference model (``kernels.reference.decode``) against the full forward.
 
 The model is the ``tiny`` preset (window, CSA and HCA trunk layers, hash and learned routing, window 128,
-HCA ratio 128) with non-trivial sinks / ape / mHC bases, in fp32, and 32 Lightning-Indexer heads instead of
-4: with 4 heads an entry's score is exactly 0 whenever all four ReLUs are 0, and such exact ties at the
-top-k boundary are broken by ``torch.topk`` differently for rows of different lengths (the reference model
-itself then picks differently at one position depending on how many tokens follow it). With 32 heads no
-score is an exact tie, so the top-k is unambiguous and the cached path must match the full forward.
+HCA ratio 128) with non-trivial sinks / ape / mHC bases, in fp32, with its 4 Lightning-Indexer heads: an
+entry's score is exactly 0 whenever all four ReLUs are 0, so the long rows have exact ties at the top-k
+boundary. The indexer's stable top-k (``kernels.reference.topk``) breaks them by the lowest entry id on the
+cache's ``max_len // 4``-entry rows as on the full forward's, so the cached path must match the full
+forward there too (with ``torch.topk`` it does not: ties broke differently for rows of different lengths).
 
 Four prompts of 3, 120, 131 and 62 tokens, right-padded into one prefill, then 14 teacher-forced decode
 steps: the ring of the 131-token prompt has wrapped in prefill, the 120-token one completes its first HCA
@@ -30,7 +30,7 @@ RTOL = 1e-5          # max |cached - full| / max |full| per position (fp32)
 
 @pytest.fixture(scope="module")
 def model():
-    m = DeepseekV4Model(preset("tiny").replace(index_n_heads=32)).eval()
+    m = DeepseekV4Model(preset("tiny")).eval()
     init_weights(m, 0, std=0.05)
     with torch.no_grad():  # non-trivial sinks / ape / hc base so every path matters
         g = torch.Generator().manual_seed(1)

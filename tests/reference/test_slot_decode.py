@@ -1,7 +1,7 @@
 """The static-slot decode step (``kernels.reference.slots``) against the dynamic one (``decode.decode_step``).
 
-Same model as tests/reference/test_decode.py (tiny preset, fp32, non-trivial sinks / ape / mHC bases, 32
-indexer heads so the indexer's top-k has no exact ties). Three prompts of 3, 120 and 62 tokens are prefilled
+Same model as tests/reference/test_decode.py (tiny preset, fp32, non-trivial sinks / ape / mHC bases, its 4
+indexer heads: exact score ties at the top-k boundary, broken by the stable top-k's lowest-id rule). Three prompts of 3, 120 and 62 tokens are prefilled
 once; the dynamic path decodes them as one batch, the static path from slots 4, 0 and 2 of six (slots 1, 3
 and 5 are inactive: they hold zeros and must not disturb the others or advance), teacher-forced for 12 steps
 (the 120-token row completes an HCA block, every row completes CSA blocks while decoding). The prompt of 3
@@ -28,7 +28,7 @@ ATOL = 1e-5
 
 
 def _model(dtype=torch.float32):
-    m = DeepseekV4Model(preset("tiny").replace(index_n_heads=32)).eval()
+    m = DeepseekV4Model(preset("tiny")).eval()
     init_weights(m, 0, std=0.05)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)

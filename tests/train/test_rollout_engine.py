@@ -90,10 +90,18 @@ def test_logprobs_are_the_trainers_recomputation(engines):
         assert torch.allclose(s.logprobs, want, rtol=0, atol=1e-5)
 
 
-def test_a_samples_tokens_do_not_depend_on_the_rest_of_the_batch(engines):
+def test_a_samples_tokens_do_not_depend_on_the_rest_of_the_batch():
     """Per-sample streams and per-row caches: prompt 0's samples are the same alone and next to a longer
-    prompt (which pads the prefill) and with more samples per prompt."""
-    e = engines[True]
+    prompt (which pads the prefill) and with more samples per prompt. In fp64: another batch shape changes
+    fp32 rounding by about 1e-7, and the tiny model's nearly flat distribution (top-p 0.95 keeps about 930 of
+    1024 tokens) puts some uniform draws that close to a token boundary (seed 3 does in fp32); what this test
+    checks is the sampling streams and the per-row cache, not fp32 rounding."""
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    e = ReferenceEngine(CFG, dtype=torch.float64)
+    sync_weights(build_train_model(CFG, seed=0), e, version=1, engine_dtype=torch.float64)
     params = _params(top_p=0.95)
     alone = e.generate(PROMPTS[:1], params, n=2, seed=3)[0]
     batched = e.generate([PROMPTS[0], PROMPTS[2]], params, n=3, seed=3)[0]
