@@ -8,6 +8,10 @@ One GRPO step::
                     the reference policy's when kl_coef > 0; rollout-vs-train diagnostics
     train           clipped policy loss (+ k3 KL penalty, + MTP loss), one optimizer step
 
+With ``async_rollout`` the rollout of step k+1 is sent right after step k's weight sync and runs while step k
+computes log-probs and trains; step k takes its own batch (in flight since step k-1) before its sync, so it trains
+one step off-policy (:mod:`train.async_rollout`; metric ``rollout_policy_lag``).
+
 The rollout engine is the run's (``--rollout-engine``, :func:`_rollout_engine`), made once the run folder is
 checked and shut down however the run ends; a server engine (SGLang) is started on the run's starting weights
 (written to ``RUN_DIR/<engine>_init``) or connected to at ``--rollout-url``.
