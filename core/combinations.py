@@ -85,6 +85,9 @@ class Selection:
     # The engine gives its memory back while the trainer computes (the TrainConfig field ``colocate``, checked
     # with the placement by train_option_problems).
     colocate: bool = False
+    # The next step's batch is generated while the trainer trains (the TrainConfig field ``async_rollout``,
+    # checked with the orchestrator and the engine by train_option_problems).
+    async_rollout: bool = False
 
 
 def _join(names) -> str:
@@ -444,12 +447,28 @@ def _ray_colocate(sel: Selection, host) -> Optional[str]:
             f"colocate=true, or drop --rollout-num-gpus (engines colocated with the trainer).")
 
 
-TRAIN_OPTION_RULES = (_train_cuda_graphs, _ray_colocate)
+def _async_rollout(sel: Selection, host) -> Optional[str]:
+    """``async_rollout`` generates while the trainer trains. Under Ray the engine is an actor of its own and a server
+    engine is a process of its own; under the local orchestrator an in-process engine runs in a thread of the
+    trainer's process, which is safe and overlaps on the CPU, but on a GPU it would share the trainer's CUDA stream
+    (no overlap of device work) and capture its decode CUDA graphs next to training (not safe)."""
+    engine = sel.rollout
+    if not sel.async_rollout or sel.orchestrator != "local" or engine is None or engine.server or not sel.hardware.gpu:
+        return None
+    servers = [e.name for e in _runnable_records(host, ROLLOUT) if e.server] if host is not None else []
+    fix = f", --rollout-engine {_join(servers)} (a server process)" if servers else ""
+    return (f"async_rollout=true with --orchestrator local runs --rollout-engine {engine.name} in a thread of the "
+            f"trainer's process: on --hardware {sel.hardware.name} it would share the trainer's CUDA stream (no "
+            f"overlap) and capture CUDA graphs next to training. Fix: use --orchestrator ray (each engine in an actor "
+            f"of its own){fix}, or drop async_rollout.")
+
+
+TRAIN_OPTION_RULES = (_train_cuda_graphs, _ray_colocate, _async_rollout)
 
 
 def train_option_problems(sel: Selection, host=None) -> list[str]:
-    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``, ``colocate``): the
-    rest of the table was checked when the run config was made."""
+    """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``, ``colocate``,
+    ``async_rollout``): the rest of the table was checked when the run config was made."""
     return [msg for rule in TRAIN_OPTION_RULES if (msg := rule(sel, host)) is not None]
 
 
@@ -483,6 +502,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("rollout-num-gpus", "disaggregated engines: one device per data-parallel rank", _rollout_num_gpus),
     ("weight-transport-hardware", "a GPU weight transport needs a GPU --hardware", _weight_transport),
     ("ray-colocate", "colocate=true releases memory on a shared device, not with --rollout-num-gpus", _ray_colocate),
+    ("async-rollout", "async_rollout=true on a GPU runs the engine in an actor or a server, not in the trainer's process", _async_rollout),
 )
 
 

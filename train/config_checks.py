@@ -86,8 +86,12 @@ def _cuda_graphs(cfg) -> None:
 
 
 def check_mode(mode: str, cfg) -> None:
-    """The knobs that apply to one mode only (SFT: ``pad_to_length``, ``cuda_graphs``)."""
+    """The knobs that apply to one mode only (SFT: ``pad_to_length``, ``cuda_graphs``; GRPO:
+    ``async_rollout``)."""
     if mode == "sft":
+        if cfg.async_rollout:
+            raise ConfigError("training option 'async_rollout' overlaps GRPO's rollout with its training, and --mode "
+                              "sft has no rollout. Fix: drop async_rollout, or use --mode grpo")
         return
     for key in ("cuda_graphs", "pad_to_length"):
         if getattr(cfg, key) not in (None, False):
@@ -112,13 +116,14 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
 
 def check_train_options(run_config, cfg, host=None) -> None:
     """The trainer's options that the combination table checks with the run's layout (``core.combinations``:
-    rules ``train-cuda-graphs``, ``ray-colocate``); raises its InvalidCombination."""
+    rules ``train-cuda-graphs``, ``ray-colocate``, ``async-rollout``); raises its InvalidCombination."""
     import dataclasses
 
     from core.combinations import InvalidCombination, train_option_problems
 
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
-                                                         colocate=bool(cfg.colocate)), host)
+                                                         colocate=bool(cfg.colocate),
+                                                         async_rollout=bool(cfg.async_rollout)), host)
     if problems:
         raise InvalidCombination("\n".join(problems))
     if cfg.rollout_cuda_graphs and not run_config.selection.hardware.gpu:
@@ -176,5 +181,9 @@ def validate(cfg) -> None:
         _fail("rollout_cuda_graphs", cfg.rollout_cuda_graphs, "must be true, false or none (on for a CUDA device)")
     _trackers(cfg.tracker)
     _cuda_graphs(cfg)
+    if cfg.async_rollout and cfg.colocate:
+        raise ConfigError("training option 'async_rollout' generates the next step's samples while the trainer "
+                          "trains, and 'colocate' frees the engine's memory for the trainer during that time. Fix: "
+                          "drop one of them")
     _int("save_every", cfg.save_every, 1, 1 << 30)
     _int("keep_last", cfg.keep_last, 1, 1 << 20)

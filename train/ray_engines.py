@@ -13,6 +13,10 @@ loop and the weight sync (:func:`train.weight_sync.sync_weights`) are unchanged.
   (a new process, the engine built again without weights), loads the last complete update into it and sends
   the call again. A restarted engine that has not been re-synced refuses to generate
   (:class:`EngineNotSynced`), so it never samples from the wrong weights.
+* **Asynchronous rollout** (``async_rollout=true``, :mod:`train.async_rollout`): :meth:`RayEngineProxy.generate_async`
+  sends the actor call and returns at once; the trainer resolves it (``result()``) at the next step, before the
+  next weight update, so the actor generates while the trainer trains. A dead actor is re-synced then and asked
+  again, as for a synchronous call.
 * **Colocated** with a trainer rank (sharing its GPU), ``colocate=true`` makes the trainer call
   ``release_memory`` after each rollout, which the proxy forwards: the engine frees its weights and KV cache in
   its actor until the next update (docs/rollout.md, "Colocated mode").
@@ -30,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from core.errors import UserInputError
 
-__all__ = ["EngineActor", "EngineNotSynced", "RayEngineProxy", "set_rank_engines", "rank_engine",
+__all__ = ["EngineActor", "EngineNotSynced", "PendingGenerate", "RayEngineProxy", "set_rank_engines", "rank_engine",
            "ENGINE_KILL_ENV"]
 
 # Test hook: "CALL:N" SIGKILLs an engine actor at its N-th ``CALL`` (generate, begin_update, ...), once per
@@ -211,17 +215,32 @@ class RayEngineProxy:
         prompts = [list(map(int, p)) for p in prompts]
         return self._call(lambda: self.actor.generate.remote(self._version, prompts, params, n, seed, first_prompt))
 
+    def generate_async(self, prompts, params, *, n: int, seed: int, first_prompt: int = 0) -> "PendingGenerate":
+        """:meth:`generate`, sent now and resolved by the handle's ``result()`` (async rollout), which the trainer
+        calls before its next weight update: a dead actor is then re-synced with the update it generated from."""
+        if self._version is None:
+            raise RuntimeError(f"rollout engine actor {self.index} has no weights yet (sync weights first)")
+        prompts = [list(map(int, p)) for p in prompts]
+        version = self._version
+
+        def submit():
+            return self.actor.generate.remote(version, prompts, params, n, seed, first_prompt)
+
+        return PendingGenerate(self, submit(), submit)
+
     def shutdown(self) -> None:
         """Nothing to stop here: the launcher owns the actor (it outlives a restarted trainer group)."""
 
     # -- faults ----------------------------------------------------------------
-    def _call(self, submit):
-        """``ray.get(submit())``; a dead or restarted actor is re-synced and the call sent again."""
+    def _call(self, submit, sent=None):
+        """``ray.get(submit())`` (or of ``sent``, a call already sent); a dead or restarted actor is re-synced and the
+        call sent again."""
         import ray
 
         for _attempt in range(self.max_restarts + 2):
             try:
-                return ray.get(submit())
+                ref, sent = (submit() if sent is None else sent), None
+                return ray.get(ref)
             except Exception as exc:
                 if not (_dead(exc) or _not_synced(exc)):
                     _raise_cause(exc)
@@ -256,6 +275,16 @@ class RayEngineProxy:
         calls += [self.actor.load_bucket.remote(ref) for ref in refs]
         calls.append(self.actor.finish_update.remote())
         ray.get(calls)
+
+
+class PendingGenerate:
+    """A generate call sent to an engine actor (:meth:`RayEngineProxy.generate_async`); ``result()`` waits for it."""
+
+    def __init__(self, proxy: RayEngineProxy, ref, submit):
+        self.proxy, self.ref, self.submit = proxy, ref, submit
+
+    def result(self):
+        return self.proxy._call(self.submit, sent=self.ref)
 
 
 # -- the trainer actor's side -------------------------------------------------------

@@ -8,6 +8,10 @@ One GRPO step::
                     the reference policy's when kl_coef > 0; rollout-vs-train diagnostics
     train           clipped policy loss (+ k3 KL penalty, + MTP loss), one optimizer step
 
+With ``async_rollout`` the rollout of step k+1 is sent right after step k's weight sync and runs while step k
+computes log-probs and trains; step k takes its own batch (in flight since step k-1) before its sync, so it trains
+one step off-policy (:mod:`train.async_rollout`; metric ``rollout_policy_lag``).
+
 The rollout engine is the run's (``--rollout-engine``, :func:`_rollout_engine`), made once the run folder is
 checked and shut down however the run ends; a server engine (SGLang) is started on the run's starting weights
 (written to ``RUN_DIR/<engine>_init``) or connected to at ``--rollout-url``.
@@ -52,6 +56,7 @@ import torch
 from core.atomic import write_text_atomically
 
 from . import data as D
+from .async_rollout import RolloutPipeline
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
 from .losses import (group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum,
@@ -105,6 +110,10 @@ class TrainConfig:
     # KV cache; SGLang: release/resume_memory_occupation) while the trainer computes log-probs and trains;
     # the next step's weight update takes it again, in place (docs/rollout.md#colocated-mode)
     colocate: bool = False
+    # asynchronous rollout (train.async_rollout): the next step's samples are generated, from the weights this
+    # step's sync loaded, while this step computes log-probs and trains; step k then trains on samples of the
+    # weights synced at step k-1, one step off-policy (metric rollout_policy_lag; docs/training.md)
+    async_rollout: bool = False
     # the SGLang engine (--rollout-engine sglang; train.sglang_engine): how each step's weights reach the
     # server ("tensors": update_weights_from_tensor, the server on this machine; "disk": an HF checkpoint in
     # RUN_DIR/sglang_weights that it reloads), the server's tensor-parallel size (a started server's --tp-size;
@@ -263,6 +272,7 @@ class _Run:
             load_model_source(self.ref_model, self.ckpt_source)   # the starting weights (same seed, same source)
             self.ref_model.eval().requires_grad_(False)
         self.engine = None
+        self.rollouts = None             # async_rollout: the leader's generate call in flight (train.async_rollout)
         self._peak_bytes = 0             # the run's device-memory peak before the last reset (train phase)
         # the weight format published to the engine: the run's --quant scheme's
         self.publish_format = run_config.selection.quant.publish_format if run_config is not None else "bf16"
@@ -271,6 +281,8 @@ class _Run:
         # last, so a failure before it leaves no server running (run() stops the engine); none when no step is left
         if mode == "grpo" and self.start_step < self.steps:
             self.engine = self._start_rollout_engine()
+            if cfg.async_rollout and self.engine is not None:
+                self.rollouts = RolloutPipeline(self.engine)
 
     def _start_rollout_engine(self):
         """This data-parallel rank's rollout engine (on its leader; None elsewhere). A server engine that the
@@ -457,9 +469,30 @@ class _Run:
         pr = pack(lengths, self.model_config, self.dist.cp, self.max_tokens_per_rank)
         return [list(mb.sample_indices) for mb in pr.micro_batches], pr.efficiency
 
+    def _step_prompts(self, step: int):
+        """This data-parallel rank's examples of ``step``, their encoded prompts and the index of its first prompt in
+        the step (sample seeds follow it, whatever the layout)."""
+        batch = self.dist.share(D.batch_for_step(self.examples, self.cfg.seed, step, self.cfg.prompts_per_step))
+        return batch, [D.encode_prompt(self.tok, ex.prompt) for ex in batch], self.dist.dp_rank * len(batch)
+
+    def _generate(self, step: int, version: int, *, in_background: bool = False):
+        """Generate the batch of ``step`` on the leader's engine (which holds weights ``version``): now, or issued to
+        the async pipeline (:mod:`train.async_rollout`)."""
+        cfg = self.cfg
+        _batch, prompts, first = self._step_prompts(step)
+        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (self.tok.eos_token_id,), cfg.top_k)
+        kw = dict(n=cfg.group_size, seed=_step_seed(cfg.seed, step), first_prompt=first)
+        if in_background:
+            return self.rollouts.issue(step, version, prompts, params, **kw)
+        return self.engine.generate(prompts, params, **kw)
+
     def grpo_step(self, step: int) -> Dict[str, Any]:
         cfg, tok = self.cfg, self.tok
         out: Dict[str, Any] = {}
+        t_step = time.perf_counter()
+        # async rollout: this step's batch, in flight since the previous step's sync, is taken before this step's
+        # sync (the engine is never updated while it generates); None for a run's (or a resumed run's) first step
+        taken = self.rollouts.take(step) if self.rollouts is not None else None
         # update_weights: every rank takes part in gathering the full weights; each engine loads them
         _maybe_kill(step, "update_weights")
         self.model.eval()
@@ -478,18 +511,24 @@ class _Run:
         # each sample's seed is a function of (seed, step, the prompt's index in the step), whatever the layout
         _maybe_kill(step, "rollout")
         t0 = time.perf_counter()
-        every = D.batch_for_step(self.examples, cfg.seed, step, cfg.prompts_per_step)
-        batch = self.dist.share(every)
-        first = self.dist.dp_rank * len(batch)
-        prompts = [D.encode_prompt(tok, ex.prompt) for ex in batch]
-        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (tok.eos_token_id,), cfg.top_k)
+        batch, _prompts, _first = self._step_prompts(step)
         groups = None
         if self.dist.is_leader:
-            groups = self.engine.generate(prompts, params, n=cfg.group_size, seed=_step_seed(cfg.seed, step),
-                                          first_prompt=first)
-        groups = self.dist.broadcast_from_leader(groups)
-        if cfg.colocate and self.dist.is_leader:
-            self.engine.release_memory()
+            if taken is None:             # generated now, from the weights just loaded
+                groups, version = self._generate(step, step), step
+                wait = time.perf_counter() - t0
+            else:
+                groups, version, wait = taken
+            out.update(rollout_policy_lag=step - version, time_rollout_wait=wait)
+            if cfg.colocate:
+                self.engine.release_memory()
+            # what the engine holds, asked before it is busy with the next batch (an actor answers in call order)
+            out.update(self._engine_memory())
+            if self.rollouts is not None and step < self.steps:   # the next batch, from the weights just loaded
+                self._generate(step + 1, step, in_background=True)
+                out["at_next_rollout_issued"] = time.perf_counter() - t_step
+        groups, lag = self.dist.broadcast_from_leader((groups, out.get("rollout_policy_lag")))
+        out["rollout_policy_lag"] = lag
         out.update(self._memory_phase_start())
         rewards, items = [], []
         for ex, samples in zip(batch, groups):
@@ -571,6 +610,7 @@ class _Run:
             loss_acc += float(loss.detach())
         gnorm = self._clip_and_step()
         out["time_train"] = time.perf_counter() - t0
+        out["at_train_end"] = time.perf_counter() - t_step
         out.update(self._memory_phase_end())
         loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc, tokens = self.dist.sum_over_dp([
             loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc,
@@ -587,14 +627,16 @@ class _Run:
                    tokens=int(tokens), response_tokens=int(total_tokens))
         return out
 
+    def _engine_memory(self) -> Dict[str, Any]:
+        """After the rollout (the leader): the bytes of weights the engine still holds (0 once released; engines
+        that can say)."""
+        held = getattr(self.engine, "held_bytes", None)
+        return {} if held is None else {"engine_memory_gib": held() / 2**30}
+
     def _memory_phase_start(self) -> Dict[str, Any]:
-        """After the rollout: the bytes of weights the engine still holds (0 once released; engines that can
-        say), and on a GPU a fresh peak for the train phase (the run's peak so far is kept for
+        """After the rollout: on a GPU a fresh peak for the train phase (the run's peak so far is kept for
         ``peak_memory_gib``)."""
         out = {}
-        held = getattr(self.engine, "held_bytes", None) if self.dist.is_leader else None
-        if held is not None:
-            out["engine_memory_gib"] = held() / 2**30
         if torch.cuda.is_initialized():
             self._peak_bytes = max(self._peak_bytes, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
@@ -731,6 +773,8 @@ class _Run:
         finally:
             if logger is not None:
                 logger.close()
+            if self.rollouts is not None:    # a run that failed mid-step: the engine must not be generating
+                self.rollouts.close()
             if self.engine is not None:
                 self.engine.shutdown()
         result = {"run_dir": str(self.run_dir), "start_step": self.start_step, "steps": self.steps,

@@ -14,7 +14,7 @@ IMPLS = ("miles", "megatron")
 CFG = dict(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
 KW = dict(max_new_tokens=3, prompts_per_step=2, group_size=3, save_every=2, lr=1e-3, export_at_end=False)
 TIMING = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
-          "wall_time")
+          "wall_time", "time_rollout_wait", "at_next_rollout_issued", "at_train_end")
 SCRIPT = """
 import sys
 import torch
