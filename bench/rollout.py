@@ -116,6 +116,16 @@ def _engine(config, device, dtype, seed, **kw):
     return engine
 
 
+def _ops(config, device, kernel_backend: str):
+    """The kernel op table of a run with ``kernel_backend`` on this device (``core.assembly``), as ``dsv4
+    train`` hands it to its engine; the engine records which backend served each decode op."""
+    from bench.train_step import bench_run_config
+    from core.assembly import assemble
+
+    hardware = "nvidia" if device.type == "cuda" else "cpu"
+    return assemble(bench_run_config("miles", config, hardware=hardware, kernels=kernel_backend)).ops
+
+
 def _transformers_generate(config, weights, device, dtype):
     """``(generate(ids, new_tokens) -> [B, new_tokens] ids, note)``, or raises with the reason it cannot run."""
     import transformers
@@ -153,7 +163,9 @@ def _row(name, B, P, T, t_pre, t_full, generated, extra):
 
 def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
-              cuda_graphs=None, prefill_tokens: int = 16384, hbm=None) -> dict:
+              cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none") -> dict:
+    """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
+    the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step."""
     from train.engines import SamplingParams
 
     config = model_config(model)
@@ -173,13 +185,14 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 out_rows.append(dict(engine=name, skipped=f"{type(e).__name__}: {e}"[:300]))
                 continue
         else:
-            kw = dict(kv_cache=name == "cached")
+            kw = dict(kv_cache=name == "cached", ops=_ops(config, dev, kernel_backend))
             if name == "cached":
                 kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi))
             engine = _engine(config, dev, DTYPES[dtype], seed, **kw)
             weights = weights or {n: t.detach().cpu() for n, t in engine.model.state_dict().items()}
             wbytes = wbytes or weight_bytes_per_token(engine.model)
             note = f"cuda graphs {'on' if engine.cuda_graphs else 'off'}" if name == "cached" else "no cache"
+            note += f"; kernels {kernel_backend}"
         for B in batch:
             g = torch.Generator().manual_seed(seed + B)
             lengths = torch.randint(lo, hi + 1, (B,), generator=g).tolist()
@@ -222,7 +235,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
             r["speedup_vs_transformers"] = round(r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"], 2)
     return dict(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=_machine(dev),
                 model=model, device=str(dev), dtype=dtype, batch=list(batch), prompt_len=list(prompt_len),
-                new_tokens=new_tokens, hbm_bytes_per_s=hbm, weight_bytes_per_token=wbytes, rows=out_rows)
+                new_tokens=new_tokens, kernel_backend=kernel_backend, hbm_bytes_per_s=hbm, weight_bytes_per_token=wbytes, rows=out_rows)
 
 
 def format_table(result: dict) -> str:
@@ -253,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--rows", default="cached,transformers", help="comma list of cached, uncached, transformers")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default=None, help="default: on for cuda")
+    p.add_argument("--kernel-backend", choices=("none", "triton", "tilelang"), default="none",
+                   help="the op table the engine computes with (none: the reference ops)")
     p.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens per prefill forward (at most)")
     p.add_argument("--hbm", type=float, default=None, help="HBM bytes/s (default: 4.8e12 on an H200)")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per number (the best is kept)")
@@ -271,7 +286,8 @@ def main(argv=None) -> int:
     graphs = None if a.cuda_graphs is None else a.cuda_graphs == "on"
     result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
                        prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
-                       rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm)
+                       rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
+                       kernel_backend=a.kernel_backend)
     print(format_table(result))
     machine = _short_machine(torch.device(a.device))
     out = a.out or Path(__file__).parent / "results" / f"rollout-{machine}{'' if a.model == 'tiny' else '-' + a.model}.json"

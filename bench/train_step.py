@@ -42,6 +42,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -123,13 +124,13 @@ def step_flops(c, seq: int, batch: int, n_active: int) -> dict:
 # ------------------------------------------------------------------ models
 
 
-def bench_run_config(impl, c, *, hardware: str = "nvidia", **choices):
-    """The normalized run configuration of a benchmark run: triton kernels on nvidia, the reference kernels on
-    the CPU; ``choices``: further ``Choices`` fields (parallel sizes, qkv format)."""
+def bench_run_config(impl, c, *, hardware: str = "nvidia", kernels: Optional[str] = None, **choices):
+    """The normalized run configuration of a benchmark run: ``kernels`` (default triton on nvidia, the reference
+    kernels on the CPU); ``choices``: further ``Choices`` fields (parallel sizes, qkv format)."""
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    kernels = "triton" if hardware == "nvidia" else "none"
+    kernels = kernels or ("triton" if hardware == "nvidia" else "none")
     return normalize(Choices(impl=impl, kernel_backend=kernels, hardware=hardware, model=c, **choices),
                      make_host(third_party=False), model_name="bench")
 
