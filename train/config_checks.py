@@ -17,7 +17,7 @@ from typing import Any
 
 from core.config import ConfigError
 
-__all__ = ["validate", "check_mode", "check_static_shapes", "check_train_options"]
+__all__ = ["validate", "check_mode", "check_static_shapes", "check_train_options", "check_true_on_policy"]
 
 _OPTION = {"tracker": "--tracker", "lr": "--lr", "seed": "--seed", "save_every": "--save-every", "data": "--data",
            "max_tokens_per_rank": "--max-tokens-per-rank"}
@@ -114,6 +114,53 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
                           f"use a micro_batch_size that divides {rows}")
 
 
+def _true_on_policy_refusal(what: str, fix: str) -> ConfigError:
+    return ConfigError(f"training option 'true_on_policy' is exact only with train_impl=reference, the built-in "
+                       f"engine, the CPU, fp32 and one rank, and {what}. Fix: {fix}, or drop true_on_policy")
+
+
+def _check_true_on_policy_options(cfg) -> None:
+    """The TrainConfig knobs that ``true_on_policy`` refuses (docs/rollout.md#true-on-policy)."""
+    if cfg.train_impl != "reference":
+        raise _true_on_policy_refusal(f"train_impl={cfg.train_impl!r} scores with another model's code than the "
+                                      "engine's reference model", "set train_impl=reference")
+    for key, bad, why in (
+            ("micro_batch_size", cfg.micro_batch_size is not None, "splits a group's rows into other shapes"),
+            ("max_tokens_per_rank", cfg.max_tokens_per_rank is not None, "packs samples into other shapes"),
+            ("async_rollout", cfg.async_rollout, "trains on samples of the previous weights"),
+            ("colocate", cfg.colocate, "is not tested with it"),
+            ("rollout_cuda_graphs", bool(cfg.rollout_cuda_graphs), "replays the cached decode step")):
+        if bad:
+            raise _true_on_policy_refusal(f"{key} {why}", f"drop {key}")
+
+
+def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
+    """``true_on_policy`` with the run's choices: the CPU, fp32, the reference engine and kernel ops, the
+    lossless ``bf16`` publish format (weights sent as they are), one rank, the local orchestrator."""
+    if not cfg.true_on_policy:
+        return
+    _check_true_on_policy_options(cfg)
+    if model is not None and getattr(model, "impl", None) != "reference":
+        raise _true_on_policy_refusal("the training model is not the reference model", "set train_impl=reference")
+    if dist is not None and getattr(dist, "world", 1) != 1:
+        raise _true_on_policy_refusal(f"the run has {dist.world} ranks", "train on one rank")
+    if run_config is None:
+        return
+    sel = run_config.selection
+    for what, bad, fix in (
+            (f"--hardware {sel.hardware.name}", sel.hardware.name != "cpu", "use --hardware cpu"),
+            (f"--dtype {run_config.dtype}", run_config.dtype != "fp32", "use --dtype fp32"),
+            (f"--kernel-backend {sel.kernel.name}", sel.kernel.name != "none", "use --kernel-backend none"),
+            (f"--quant {sel.quant.name} (publishes lossy weights)", sel.quant.name != "bf16", "use --quant bf16"),
+            (f"--rollout-engine {getattr(sel.rollout, 'name', None)}",
+             getattr(sel.rollout, "name", "reference") != "reference", "use --rollout-engine reference"),
+            (f"--orchestrator {run_config.orchestrator}", run_config.orchestrator != "local",
+             "use --orchestrator local"),
+            (f"{run_config.world} ranks", run_config.world != 1, "train on one rank")):
+        if bad:
+            raise _true_on_policy_refusal(what, fix)
+
+
 def check_train_options(run_config, cfg, host=None) -> None:
     """The trainer's options that the combination table checks with the run's layout (``core.combinations``:
     rules ``train-cuda-graphs``, ``ray-colocate``, ``async-rollout``); raises its InvalidCombination."""
@@ -121,6 +168,7 @@ def check_train_options(run_config, cfg, host=None) -> None:
 
     from core.combinations import InvalidCombination, train_option_problems
 
+    check_true_on_policy(run_config, cfg)
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout)), host)
@@ -161,6 +209,8 @@ def validate(cfg) -> None:
         if cfg.max_tokens_per_rank is not None:
             raise ConfigError("training options 'micro_batch_size' and 'max_tokens_per_rank' both size micro-batches "
                               "(by samples, by tokens): give one of them")
+    if cfg.true_on_policy:
+        _check_true_on_policy_options(cfg)
     from engine.recompute import MODES
 
     if cfg.recompute not in MODES:

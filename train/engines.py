@@ -141,7 +141,13 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
     The kept tokens (top-k, then the smallest prefix of the sorted distribution whose mass reaches top_p;
     the top token always) are laid out in order (by probability when truncating, else by id) and the
     token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums)."""
-    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    return sample_from_logprobs(torch.log_softmax(logits.float() / params.temperature, dim=-1), u, params)
+
+
+def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingParams
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` from the tempered log-probs ``logp [N, V]`` themselves (the ``true_on_policy``
+    engine passes the trainer's op's output)."""
     probs = logp.exp()
     order = None
     if params.top_p < 1.0 or params.top_k:
@@ -210,7 +216,8 @@ class ReferenceEngine(RolloutEngineBase):
 
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
                  device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None, ops=None):
+                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None, ops=None,
+                 true_on_policy: bool = False):
         from kernels.reference import backend as reference
         from kernels.reference.model import DeepseekV4Model
 
@@ -225,6 +232,17 @@ class ReferenceEngine(RolloutEngineBase):
             if v is not None and (isinstance(v, bool) or int(v) < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None (no limit), got {v!r}")
         self.max_slots, self.prefill_batch = max_slots, prefill_batch
+        if true_on_policy:
+            why = [w for bad, w in (
+                (kv_cache, "kv_cache=True (the cached decode step computes other op shapes)"),
+                (self.device.type != "cpu", f"device {self.device} (exact on the CPU only)"),
+                (dtype != torch.float32, f"dtype {dtype} (exact in fp32 only)"),
+                (ops is not None and any(b != "none" for b in ops.provider.values()), "kernel ops other than the "
+                 "reference ops")) if bad]
+            if why:
+                raise ValueError("true_on_policy=True is exact only for the uncached fp32 CPU engine with the "
+                                 "reference ops; got " + "; ".join(why))
+        self.true_on_policy = bool(true_on_policy)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.ops = ops if ops is not None else reference.ops()
         self.prefill_ops = {n: self.ops.provider[n] for n in engine_ops(config)}
@@ -350,6 +368,8 @@ class ReferenceEngine(RolloutEngineBase):
             with self._computing("decode"):               # prefills nest the prefill table inside
                 return self._generate_cached(prompts, params, n, seeds)
         with self._computing("prefill"):                  # the uncached engine runs only full forwards
+            if self.true_on_policy:
+                return [self._generate_on_policy(p, params, s) for p, s in zip(prompts, seeds)]
             return [self._generate_group(p, params, s) for p, s in zip(prompts, seeds)]
 
     def _samples(self, prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
@@ -548,6 +568,52 @@ class ReferenceEngine(RolloutEngineBase):
                 break
         return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
 
+    def _generate_on_policy(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
+        """``true_on_policy``: one prompt's ``n`` samples, each new token from a forward over the whole
+        ``[n, P + max_new_tokens]`` batch (positions not drawn yet hold the first stop token; attention is
+        causal, so they do not reach the drawn positions), run with
+        :func:`kernels.reference.moe.row_invariant_experts` and the trainer's own log-prob op
+        (:func:`train.model.next_token_logprobs`). The trainer scores the same ``[n, P + max_new_tokens]``
+        shape the same way, so each token's log-prob is the trainer's bit for bit."""
+        from kernels.reference.moe import row_invariant_experts
+
+        from .model import next_token_logprobs
+
+        c, dev, n, T = self.config, self.model.embed.weight.device, len(seeds), params.max_new_tokens
+        P = len(prompt)
+        u = sample_uniforms(seeds, T).to(dev)
+        pad = params.stop_token_ids[0] if params.stop_token_ids else 0
+        ids = torch.full((n, P + T), pad, dtype=torch.long, device=dev)
+        ids[:, :P] = torch.tensor(prompt, dtype=torch.long, device=dev)
+        routed = empty_routing(P + T, c).unsqueeze(0).repeat(n, 1, 1, 1)
+        tokens = torch.zeros(n, T, dtype=torch.long)
+        lps = torch.zeros(n, T)
+        done = torch.zeros(n, dtype=torch.bool)
+        lengths = torch.full((n,), T, dtype=torch.long)
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        for t in range(T):
+            L = P + t                             # tokens known; the next one is drawn from position L - 1
+            rec = RoutingRecorder(n, P + T) if self.record_routing else None
+            with routing_context(rec), row_invariant_experts():
+                logp = next_token_logprobs(self.model(ids), params.temperature)[:, L - 1]
+            self.positions_fed += n * (P + T)
+            if rec is not None:
+                first = 0 if t == 0 else L - 1   # positions fed with their final token for the first time
+                for layer, idx in rec.layers.items():
+                    routed[:, first:L, layer] = idx[:, first:L].cpu()
+            tok, lp = sample_from_logprobs(logp, u[:, t], params)
+            tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
+            tokens[:, t] = tok
+            lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
+            if t + 1 < T:
+                ids[:, L] = tok.to(dev)
+            newly = (~done) & torch.isin(tok, stops)
+            lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
+            done |= newly
+            if bool(done.all()):
+                break
+        return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
+
 
 def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
     """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
@@ -558,4 +624,7 @@ def make_reference_engine(config, *, settings=None, run_dir=None, publish_format
     if settings is not None:
         kwargs.setdefault("max_slots", getattr(settings, "rollout_max_slots", None))
         kwargs.setdefault("cuda_graphs", getattr(settings, "rollout_cuda_graphs", None))
+        if getattr(settings, "true_on_policy", False):
+            kwargs.setdefault("true_on_policy", True)
+            kwargs.setdefault("kv_cache", False)
     return ReferenceEngine(config, **kwargs)

@@ -64,12 +64,18 @@ class TrainModel(Protocol):
     def load_native_state(self, state: Dict[str, torch.Tensor]) -> None: ...
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``[B,S,V]`` logits -> ``[B,S-1]`` log-probs of ``input_ids[:, 1:]`` under ``softmax(logits/T)``."""
+def next_token_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B,S,V]`` logits -> ``[B,S-1,V]`` log-probs of every next token under ``softmax(logits/T)``. The
+    ``true_on_policy`` rollout engine samples from this same op on the same shape (``train.engines``)."""
     lg = logits[:, :-1].float()
     if temperature != 1.0:
         lg = lg / temperature
-    return torch.log_softmax(lg, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.log_softmax(lg, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B,S,V]`` logits -> ``[B,S-1]`` log-probs of ``input_ids[:, 1:]`` under ``softmax(logits/T)``."""
+    return next_token_logprobs(logits, temperature).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
 def _hook_for(routing_replay, ids):
@@ -97,6 +103,8 @@ class ReferenceTrainModel(_TrainModelBase):
         from kernels.reference.model import DeepseekV4Model, init_weights
 
         self.config = config
+        # true_on_policy: forward with kernels.reference.moe.row_invariant_experts, as the rollout engine does
+        self.row_invariant = False
         self.model = DeepseekV4Model(config)
         init_weights(self.model, seed)
         if dtype != torch.float32:
@@ -104,8 +112,10 @@ class ReferenceTrainModel(_TrainModelBase):
 
     def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False):
         m = self.model
+        from kernels.reference.moe import row_invariant_experts
+
         hook = _hook_for(routing_replay, input_ids)
-        with routing_context(hook):
+        with routing_context(hook), (row_invariant_experts() if self.row_invariant else contextlib.nullcontext()):
             logits, streams = m(input_ids, return_hidden_streams=True)
             mtp = self._mtp_logits_detached(input_ids, streams) if with_mtp and len(m.mtp) else None
         return TrainForward(token_logprobs(logits, input_ids, temperature), mtp, _used(hook))

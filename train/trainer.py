@@ -69,7 +69,7 @@ from .optim import build_optimizer
 from .replay import routing_match
 from .weight_sync import sync_weights
 from . import state_io, step_guard
-from .config_checks import check_mode, check_static_shapes, check_train_options
+from .config_checks import check_mode, check_static_shapes, check_train_options, check_true_on_policy
 from .run_folder import cleanup_failed_start, config_differences, has_progress
 from core.errors import UserInputError
 
@@ -139,6 +139,11 @@ class TrainConfig:
     # model: None = the run's implementation (run_config.impl; "reference" without a run config);
     # "reference" = the reference model (tests of the loop itself)
     train_impl: Optional[str] = None
+    # true on-policy (docs/rollout.md#true-on-policy): the rollout log-probs equal the trainer's recomputation bit
+    # for bit (train_rollout_logprob_abs_diff == 0.0). Only with train_impl="reference", the built-in engine on the
+    # CPU in fp32, one rank: the engine re-runs each group's padded [n, prompt + max_new_tokens] batch for every
+    # token (no KV cache) and every routed expert runs over every row; anything else is refused
+    true_on_policy: bool = False
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
     # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
     compile_blocks: bool = False
@@ -263,6 +268,9 @@ class _Run:
         self.packed = bool(getattr(self.model, "packs_streams", False)) and (
             self.dist.cp > 1 or self.max_tokens_per_rank is not None)
         check_static_shapes(cfg, packed=self.packed, rows=cfg.batch_size // self.dist.dp)
+        if cfg.true_on_policy:
+            check_true_on_policy(run_config, cfg, self.model, self.dist)
+            self.model.row_invariant = True
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.optim = build_optimizer(self.model, cfg, run_config)
         self.ref_model = None
@@ -271,6 +279,7 @@ class _Run:
                                                dtype=self.dtype, seed=cfg.seed)
             load_model_source(self.ref_model, self.ckpt_source)   # the starting weights (same seed, same source)
             self.ref_model.eval().requires_grad_(False)
+            self.ref_model.row_invariant = bool(cfg.true_on_policy)
         self.engine = None
         self.rollouts = None             # async_rollout: the leader's generate call in flight (train.async_rollout)
         self._peak_bytes = 0             # the run's device-memory peak before the last reset (train phase)
@@ -658,7 +667,8 @@ class _Run:
         c = self.model_config
         P = len(samples[0].prompt_ids)
         seqs = [s.prompt_ids + s.response_ids for s in samples]
-        ids = _pad_batch(seqs, self.tok.eos_token_id)
+        # true_on_policy: the shape the engine drew every token with (train.engines, _generate_on_policy)
+        ids = _pad_batch(seqs, self.tok.eos_token_id, P + self.cfg.max_new_tokens if self.cfg.true_on_policy else None)
         S = ids.shape[1]
         mask = torch.zeros(len(samples), S - 1, dtype=torch.bool)
         rollout_lp = torch.zeros(len(samples), S - 1)

@@ -26,9 +26,20 @@ from .layers import KeepFP32, Linear, compute_dtype
 from .seam import HookSeam
 
 __all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook",
-           "current_routing_hook"]
+           "current_routing_hook", "row_invariant_experts"]
 
 _ROUTING = HookSeam("dsv4_routing_hook")
+_ROW_INVARIANT = HookSeam("dsv4_row_invariant_experts")
+
+
+def row_invariant_experts():
+    """Within this context :meth:`MoE.forward` runs every routed expert over ALL the rows it is given (weight 0
+    where a row does not pick it) instead of over the gathered rows that pick it, so the GEMM shapes do not
+    depend on the routing of the other tokens, and a token's output is a function of its own row and the
+    input's shape only (``true_on_policy``: the engine's forward over a padded prefix and the trainer's over
+    the sampled sequence then agree bit for bit). Costs ``n_routed_experts / n_activated_experts`` times the
+    routed experts' FLOPs."""
+    return _ROW_INVARIANT.installed(True)
 
 
 def routing_hook(hook):
@@ -184,6 +195,15 @@ class MoE(nn.Module):
         weights, idx = self.gate(x, input_ids)
         ct = compute_dtype(x)
         y = torch.zeros(x.shape, dtype=ct, device=x.device)
+        if _ROW_INVARIANT.current():            # every expert over every row (row_invariant_experts)
+            for e in range(len(self.experts)):
+                pick = idx == e
+                tok = torch.where(pick.any(-1))[0]
+                if len(tok):
+                    w = torch.where(pick, weights, torch.zeros_like(weights)).sum(-1)   # one nonzero term: exact
+                    y.index_add_(0, tok, self.experts[e](x, w)[tok].to(ct))
+            y = y + self.shared_experts(x).to(ct)
+            return y.to(x.dtype).view(shape)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
             y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot]).to(ct))
