@@ -122,8 +122,9 @@ def _true_on_policy_refusal(what: str, fix: str) -> ConfigError:
 def _check_true_on_policy_options(cfg) -> None:
     """The TrainConfig knobs that ``true_on_policy`` refuses (docs/rollout.md#true-on-policy)."""
     if cfg.train_impl != "reference":
-        raise _true_on_policy_refusal(f"train_impl={cfg.train_impl!r} scores with another model's code than the "
-                                      "engine's reference model", "set train_impl=reference")
+        who = "the run's implementation (--impl)" if cfg.train_impl is None else f"train_impl={cfg.train_impl!r}"
+        raise _true_on_policy_refusal(f"{who} scores with other code than the engine's reference model",
+                                      "set train_impl=reference")
     for key, bad, why in (
             ("micro_batch_size", cfg.micro_batch_size is not None, "splits a group's rows into other shapes"),
             ("max_tokens_per_rank", cfg.max_tokens_per_rank is not None, "packs samples into other shapes"),
