@@ -88,6 +88,9 @@ class Selection:
     # The next step's batch is generated while the trainer trains (the TrainConfig field ``async_rollout``,
     # checked with the orchestrator and the engine by train_option_problems).
     async_rollout: bool = False
+    # Rollout log-probabilities bit-identical to the trainer's (the TrainConfig field ``true_on_policy``, checked
+    # with every choice of the run by train_option_problems).
+    true_on_policy: bool = False
 
 
 def _join(names) -> str:
@@ -463,12 +466,34 @@ def _async_rollout(sel: Selection, host) -> Optional[str]:
             f"of its own){fix}, or drop async_rollout.")
 
 
-TRAIN_OPTION_RULES = (_train_cuda_graphs, _ray_colocate, _async_rollout)
+def _true_on_policy(sel: Selection, host) -> Optional[str]:
+    """``true_on_policy`` is exact where the engine and the trainer run the same reference code on the same
+    shapes: the CPU in fp32, the reference kernel ops, weights published as they are (bf16 scheme: fp32 kept),
+    the built-in engine, the local orchestrator, one rank (docs/rollout.md#true-on-policy)."""
+    if not sel.true_on_policy:
+        return None
+    engine = getattr(sel.rollout, "name", "reference")
+    world = sel.world or sel.tp * sel.cp * sel.ep
+    for what, bad, fix in (
+            (f"--hardware {sel.hardware.name}", sel.hardware.name != "cpu", "use --hardware cpu"),
+            (f"--dtype {sel.dtype}", sel.dtype != "fp32", "use --dtype fp32"),
+            (f"--kernel-backend {sel.kernel.name}", sel.kernel.name != "none", "use --kernel-backend none"),
+            (f"--quant {sel.quant.name} (publishes lossy weights)", sel.quant.name != "bf16", "use --quant bf16"),
+            (f"--rollout-engine {engine}", engine != "reference", "use --rollout-engine reference"),
+            (f"--orchestrator {sel.orchestrator}", sel.orchestrator != "local", "use --orchestrator local"),
+            (f"{world} ranks", world != 1, "train on one rank")):
+        if bad:
+            return (f"true_on_policy=true is exact only with train_impl=reference, the built-in engine, the CPU, fp32 "
+                    f"and one rank, and {what} is not. Fix: {fix}, or drop true_on_policy.")
+    return None
+
+
+TRAIN_OPTION_RULES = (_train_cuda_graphs, _ray_colocate, _async_rollout, _true_on_policy)
 
 
 def train_option_problems(sel: Selection, host=None) -> list[str]:
     """The messages of the rules that read the trainer's options (``Selection.cuda_graphs``, ``colocate``,
-    ``async_rollout``): the rest of the table was checked when the run config was made."""
+    ``async_rollout``, ``true_on_policy``): the rest of the table was checked when the run config was made."""
     return [msg for rule in TRAIN_OPTION_RULES if (msg := rule(sel, host)) is not None]
 
 
@@ -503,6 +528,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("weight-transport-hardware", "a GPU weight transport needs a GPU --hardware", _weight_transport),
     ("ray-colocate", "colocate=true releases memory on a shared device, not with --rollout-num-gpus", _ray_colocate),
     ("async-rollout", "async_rollout=true on a GPU runs the engine in an actor or a server, not in the trainer's process", _async_rollout),
+    ("true-on-policy", "true_on_policy=true runs the reference code on the CPU in fp32, one rank, the built-in engine", _true_on_policy),
 )
 
 

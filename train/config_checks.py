@@ -145,34 +145,30 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
         raise _true_on_policy_refusal("the training model is not the reference model", "set train_impl=reference")
     if dist is not None and getattr(dist, "world", 1) != 1:
         raise _true_on_policy_refusal(f"the run has {dist.world} ranks", "train on one rank")
-    if run_config is None:
-        return
-    sel = run_config.selection
-    for what, bad, fix in (
-            (f"--hardware {sel.hardware.name}", sel.hardware.name != "cpu", "use --hardware cpu"),
-            (f"--dtype {run_config.dtype}", run_config.dtype != "fp32", "use --dtype fp32"),
-            (f"--kernel-backend {sel.kernel.name}", sel.kernel.name != "none", "use --kernel-backend none"),
-            (f"--quant {sel.quant.name} (publishes lossy weights)", sel.quant.name != "bf16", "use --quant bf16"),
-            (f"--rollout-engine {getattr(sel.rollout, 'name', None)}",
-             getattr(sel.rollout, "name", "reference") != "reference", "use --rollout-engine reference"),
-            (f"--orchestrator {run_config.orchestrator}", run_config.orchestrator != "local",
-             "use --orchestrator local"),
-            (f"{run_config.world} ranks", run_config.world != 1, "train on one rank")):
-        if bad:
-            raise _true_on_policy_refusal(what, fix)
+    if run_config is not None:                   # the run's choices: rule ``true-on-policy`` (core.combinations)
+        import dataclasses
+
+        from core.combinations import InvalidCombination, train_option_problems
+
+        problems = train_option_problems(dataclasses.replace(run_config.selection, true_on_policy=True))
+        if problems:
+            raise InvalidCombination("\n".join(problems))
 
 
 def check_train_options(run_config, cfg, host=None) -> None:
     """The trainer's options that the combination table checks with the run's layout (``core.combinations``:
-    rules ``train-cuda-graphs``, ``ray-colocate``, ``async-rollout``); raises its InvalidCombination."""
+    rules ``train-cuda-graphs``, ``ray-colocate``, ``async-rollout``, ``true-on-policy``); raises its
+    InvalidCombination."""
     import dataclasses
 
     from core.combinations import InvalidCombination, train_option_problems
 
-    check_true_on_policy(run_config, cfg)
+    if cfg.true_on_policy:
+        _check_true_on_policy_options(cfg)
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
-                                                         async_rollout=bool(cfg.async_rollout)), host)
+                                                         async_rollout=bool(cfg.async_rollout),
+                                                         true_on_policy=bool(cfg.true_on_policy)), host)
     if problems:
         raise InvalidCombination("\n".join(problems))
     if cfg.rollout_cuda_graphs and not run_config.selection.hardware.gpu:

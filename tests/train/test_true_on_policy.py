@@ -106,8 +106,10 @@ def test_refusals():
     def rc(**kw):
         return normalize(Choices(impl="miles", model=c, **kw), host, model_name="tiny")
 
+    from core.combinations import InvalidCombination
+
     check_true_on_policy(rc(), cfg)                                 # CPU, fp32, bf16 publishing, one rank
-    with pytest.raises(ConfigError, match="Fix: use --quant bf16"):
-        check_true_on_policy(rc(quant="fp8"), cfg)
-    with pytest.raises(ConfigError, match="Fix: use --hardware cpu"):
-        check_true_on_policy(rc(hardware="nvidia"), cfg)
+    for kw, fix in ((dict(quant="fp8"), "use --quant bf16"), (dict(hardware="nvidia"), "use --hardware cpu"),
+                    (dict(dtype="bf16"), "use --dtype fp32"), (dict(tp=2), "train on one rank")):
+        with pytest.raises(InvalidCombination, match=f"Fix: {fix}"):      # rule true-on-policy
+            check_true_on_policy(rc(**kw), cfg)
