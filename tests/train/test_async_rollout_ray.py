@@ -10,10 +10,8 @@ background is restarted, re-synced with the weights that generate was for, and a
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,20 +33,6 @@ def _train(run_dir, *args, env=None):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return proc, rows
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster for the module (its GCS address)."""
-    import ray
-
-    folder = tempfile.mkdtemp(prefix="dsv4ray", dir="/tmp")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=folder, configure_logging=False, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,8 @@ unix sockets live there), and every run connects to it with --ray-address.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,20 +56,6 @@ def _same_rows(got, want, keys=FIRST_STEP):
     for g, w in zip(got, want):
         for key in keys:
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (g["step"], key)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster for the module: its GCS address."""
-    import ray
-
-    folder = tempfile.mkdtemp(prefix="dsv4ray", dir="/tmp")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=folder, configure_logging=False, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
