@@ -35,5 +35,8 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
     try:
         save_pieces(folder, pieces(rank))
+        # DCP's save ends with a broadcast from rank 0; a rank that tears its gloo sockets down while the other
+        # is still sending aborts that one ("terminate called without an active exception"): meet first
+        dist.barrier()
     finally:
         dist.destroy_process_group()
