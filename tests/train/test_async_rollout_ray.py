@@ -8,31 +8,18 @@ issued before the step's train phase ended, and an engine actor SIGKILLed at the
 background is restarted, re-synced with the weights that generate was for, and asked again (the rows unchanged).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._cli import metrics_rows, train_cli
 GRPO = ("--mode", "grpo", "--steps", "3", "--lr", "1e-3", "--save-every", "1", "prompts_per_step=2",
         "group_size=4", "max_new_tokens=6", "export_at_end=false", "async_rollout=true")
 SAME = ("loss", "grad_norm", "reward_mean", "train_rollout_logprob_abs_diff", "response_tokens", "rollout_policy_lag")
 
 
 def _train(run_dir, *args, env=None):
-    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--hardware", "cpu", "--run-dir", str(run_dir), *GRPO,
-           *args]
-    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
-    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
-        full_env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return proc, rows
+    proc = train_cli(run_dir, *GRPO, *args, env=env, timeout=600)
+    return proc, metrics_rows(run_dir)
 
 
 @pytest.fixture(scope="module")

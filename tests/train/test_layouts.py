@@ -9,31 +9,15 @@ The same test on GPUs (NCCL, bf16, megatron-core's distributed optimizer): tests
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._cli import metrics_rows, train_cli
 
 
 def _train(run_dir, *args, env=None, check=True):
-    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--hardware", "cpu", "--run-dir", str(run_dir), *args]
-    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
-    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=900)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return train_cli(run_dir, *args, env=env, check=check)
 
 
 SFT = ("--mode", "sft", "--steps", "1", "--lr", "1e-3")
@@ -46,7 +30,7 @@ def one_rank(tmp_path_factory):
     for impl in ("miles", "megatron"):
         d = tmp_path_factory.mktemp(f"one-{impl}")
         _train(d / "run", "--impl", impl, *SFT)
-        out[impl] = _rows(d / "run")[0]
+        out[impl] = metrics_rows(d / "run")[0]
     return out
 
 
@@ -59,7 +43,7 @@ def one_rank(tmp_path_factory):
 ])
 def test_every_layout_takes_the_one_rank_step(tmp_path, one_rank, impl, layout):
     _train(tmp_path / "run", "--impl", impl, *layout, *SFT)
-    got, want = _rows(tmp_path / "run")[0], one_rank[impl]
+    got, want = metrics_rows(tmp_path / "run")[0], one_rank[impl]
     assert got["world_size"] == 2
     assert got["response_tokens"] == want["response_tokens"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
@@ -73,12 +57,12 @@ def test_killed_ranks_resume_on_another_layout(tmp_path):
     killed = _train(tmp_path / "run", *grpo, "--ep", "2", env={"DSV4_TRAIN_KILL_AT": "3:train"}, check=False)
     assert killed.returncode == 1, killed.stderr[-2000:]
     assert "error: rank" in killed.stderr and "Traceback" not in killed.stderr
-    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2]
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["layout"]["ep"] == 2 and state["layout"]["world"] == 2
     _train(tmp_path / "run", *grpo, "--tp", "2", "--resume")
     _train(tmp_path / "straight", *grpo)
-    resumed, straight = _rows(tmp_path / "run"), _rows(tmp_path / "straight")
+    resumed, straight = metrics_rows(tmp_path / "run"), metrics_rows(tmp_path / "straight")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(resumed[2:], straight[2:]):
         for key in ("loss", "grad_norm", "reward_mean"):
@@ -108,7 +92,7 @@ def _chunk_writers(folder):
 def sft_straight(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft-straight") / "run"
     _train(d, *SFT3)
-    return _rows(d)
+    return metrics_rows(d)
 
 
 @pytest.mark.parametrize("written,other", [(TP2, EP2), (EP2, TP2)], ids=["tp2", "ep2"])
@@ -128,7 +112,7 @@ def test_sharded_checkpoint_resumes_on_one_rank_and_on_the_other_layout(tmp_path
         d = tmp_path / name
         shutil.copytree(run, d)
         _train(d, *SFT3, *layout, "--resume")
-        got = _rows(d)
+        got = metrics_rows(d)
         assert [r["step"] for r in got] == [1, 2, 3]
         for key in ("loss", "grad_norm"):
             assert got[2][key] == pytest.approx(sft_straight[2][key], rel=1e-4, abs=1e-9), (name, key)

@@ -19,36 +19,18 @@ The cluster is started once for the module (4 logical CPUs, no dashboard, its se
 unix sockets live there), and every run connects to it with --ray-address.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._cli import metrics_rows, train_cli
 GRPO = ("--mode", "grpo", "--steps", "3", "--lr", "1e-3", "--save-every", "1", "prompts_per_step=2",
         "group_size=4", "max_new_tokens=6", "export_at_end=false")
 FIRST_STEP = ("loss", "grad_norm", "reward_mean", "train_rollout_logprob_abs_diff", "response_tokens")
 
 
 def _train(run_dir, *args, env=None, check=True):
-    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--hardware", "cpu", "--run-dir", str(run_dir), *GRPO,
-           *args]
-    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
-    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
-        full_env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return train_cli(run_dir, *GRPO, *args, env=env, check=check, timeout=600)
 
 
 def _same_rows(got, want, keys=FIRST_STEP):
@@ -63,7 +45,7 @@ def local(tmp_path_factory):
     """The local orchestrator's run (one process): the rows every Ray run must reproduce."""
     run = tmp_path_factory.mktemp("local") / "run"
     _train(run)
-    return _rows(run)
+    return metrics_rows(run)
 
 
 @pytest.mark.parametrize("mode,args", [
@@ -73,7 +55,7 @@ def local(tmp_path_factory):
 def test_both_modes_take_the_local_steps(tmp_path, cluster, local, mode, args):
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, *args)
     assert f"rollout engine actor(s), {mode}" in proc.stderr
-    got = _rows(tmp_path / "run")
+    got = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got[0]["world_size"] == (2 if mode == "colocated" else 1)
     _same_rows(got[:1], local[:1])
@@ -90,14 +72,14 @@ def test_a_killed_engine_actor_is_restarted_and_resynced(tmp_path, cluster, loca
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--rollout-num-gpus", "1",
                   env={"DSV4_RAY_ENGINE_KILL_AT": kill_at})
     assert proc.stderr.count("rollout engine actor 0 was restarted; loading weights version") == 1, proc.stderr[-2000:]
-    _same_rows(_rows(tmp_path / "run"), local)
+    _same_rows(metrics_rows(tmp_path / "run"), local)
 
 
 def test_a_killed_trainer_actor_restarts_the_group_from_the_last_checkpoint(tmp_path, cluster, local):
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster,
                   env={"DSV4_TRAIN_KILL_AT": "2:train"})
     assert "restarting the trainer group from checkpoint step 1" in proc.stderr, proc.stderr[-2000:]
-    _same_rows(_rows(tmp_path / "run"), local)
+    _same_rows(metrics_rows(tmp_path / "run"), local)
 
 
 # -- refusals (no cluster, no training) --------------------------------------------------------------------------
