@@ -39,6 +39,7 @@ fed (the prompt at prefill, each response token at the decode step that feeds it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -535,38 +536,7 @@ class ReferenceEngine(RolloutEngineBase):
 
     def _generate_group(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
         """The uncached path: one prompt's samples in lockstep, the whole prefix re-run for every token."""
-        c, dev, n, T = self.config, self.model.embed.weight.device, len(seeds), params.max_new_tokens
-        P = len(prompt)
-        u = sample_uniforms(seeds, T).to(dev)
-        ids = torch.tensor([prompt] * n, dtype=torch.long, device=dev)
-        routed = empty_routing(P + T, c).unsqueeze(0).repeat(n, 1, 1, 1)
-        tokens = torch.zeros(n, T, dtype=torch.long)
-        lps = torch.zeros(n, T)
-        done = torch.zeros(n, dtype=torch.bool)
-        lengths = torch.full((n,), T, dtype=torch.long)
-        stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        pad = params.stop_token_ids[0] if params.stop_token_ids else 0
-        for t in range(T):
-            L = ids.shape[1]
-            rec = RoutingRecorder(n, L) if self.record_routing else None
-            with routing_context(rec):
-                logits = self.model(ids)[:, -1]
-            self.positions_fed += n * L
-            if rec is not None:
-                first = 0 if t == 0 else L - 1   # positions fed for the first time in this forward
-                for layer, idx in rec.layers.items():
-                    routed[:, first:L, layer] = idx[:, first:L].cpu()
-            tok, lp = sample_tokens(logits, u[:, t], params)
-            tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
-            tokens[:, t] = tok
-            lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
-            ids = torch.cat([ids, tok[:, None].to(dev)], dim=1)
-            newly = (~done) & torch.isin(tok, stops)
-            lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
-            done |= newly
-            if bool(done.all()):
-                break
-        return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
+        return self._generate_lockstep(prompt, params, seeds, on_policy=False)
 
     def _generate_on_policy(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
         """``true_on_policy``: one prompt's ``n`` samples, each new token from a forward over the whole
@@ -575,6 +545,13 @@ class ReferenceEngine(RolloutEngineBase):
         :func:`kernels.reference.moe.row_invariant_experts` and the trainer's own log-prob op
         (:func:`train.model.next_token_logprobs`). The trainer scores the same ``[n, P + max_new_tokens]``
         shape the same way, so each token's log-prob is the trainer's bit for bit."""
+        return self._generate_lockstep(prompt, params, seeds, on_policy=True)
+
+    def _generate_lockstep(self, prompt: List[int], params: SamplingParams, seeds: List[int], *,
+                           on_policy: bool) -> List[Sample]:
+        """One prompt's ``n`` samples, every token from a forward without a cache: over the known prefix
+        (``on_policy=False``), or over the whole ``[n, P + max_new_tokens]`` batch the trainer scores
+        (``on_policy=True``, :meth:`_generate_on_policy`)."""
         from kernels.reference.moe import row_invariant_experts
 
         from .model import next_token_logprobs
@@ -593,15 +570,19 @@ class ReferenceEngine(RolloutEngineBase):
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
         for t in range(T):
             L = P + t                             # tokens known; the next one is drawn from position L - 1
-            rec = RoutingRecorder(n, P + T) if self.record_routing else None
-            with routing_context(rec), row_invariant_experts():
-                logp = next_token_logprobs(self.model(ids), params.temperature)[:, L - 1]
-            self.positions_fed += n * (P + T)
+            W = P + T if on_policy else L         # the forward's width
+            rec = RoutingRecorder(n, W) if self.record_routing else None
+            with routing_context(rec), (row_invariant_experts() if on_policy else contextlib.nullcontext()):
+                out = self.model(ids[:, :W])
+            if on_policy:
+                tok, lp = sample_from_logprobs(next_token_logprobs(out, params.temperature)[:, L - 1], u[:, t], params)
+            else:
+                tok, lp = sample_tokens(out[:, L - 1], u[:, t], params)
+            self.positions_fed += n * W
             if rec is not None:
                 first = 0 if t == 0 else L - 1   # positions fed with their final token for the first time
                 for layer, idx in rec.layers.items():
                     routed[:, first:L, layer] = idx[:, first:L].cpu()
-            tok, lp = sample_from_logprobs(logp, u[:, t], params)
             tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
             tokens[:, t] = tok
             lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
@@ -613,7 +594,6 @@ class ReferenceEngine(RolloutEngineBase):
             if bool(done.all()):
                 break
         return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
-
 
 def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
     """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
