@@ -2,7 +2,8 @@
 through MLflow's own client, against metrics.jsonl; TensorBoard's events likewise (its own reader); the
 resolved configuration as params; --resume continuing the same MLflow run; a tracker failing mid-run
 (warned once, dropped, the run and metrics.jsonl complete); a missing library or a tracker that cannot
-start refused in one line, leaving no run folder; the setting from a config file and its checks.
+start refused in one line, leaving no run folder; the setting from a config file and its checks; wandb in
+offline mode, its run's transaction log (written by wandb's own service) checked for every step's values.
 
 MLflow's store is a ``file:`` folder in the test's tmp dir (``MLFLOW_ALLOW_FILE_STORE``: mlflow-skinny has
 no database backend)."""
@@ -193,3 +194,60 @@ def test_print_config_shows_the_trackers_of_the_command_line():
     assert 'tracker = ["mlflow", "tensorboard", "wandb"]' in res.stdout.splitlines()
     res = dsv4("train", "--hardware", "cpu", "--print-config")
     assert 'tracker = ["tensorboard"]' in res.stdout.splitlines()
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """wandb without a server: offline mode, its settings and cache folders in the test's tmp dir."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")        # the log then holds no printed step lines
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    monkeypatch.setenv("WANDB_PROJECT", "dsv4-test")
+
+
+def wandb_log(run_dir, run_id):
+    """The bytes of the wandb run ``run_id``'s transaction log(s) (``run-ID.wandb``, protobuf records written
+    by wandb's own service; one file per start of the run, so a resumed run has two)."""
+    logs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert logs, sorted(p.name for p in (run_dir / "wandb").iterdir())
+    return logs, b"".join(p.read_bytes() for p in logs)
+
+
+def json_text(value: float) -> bytes:
+    """A history value as wandb stores it (``value_json``: the value's JSON text)."""
+    return json.dumps(value).encode()
+
+
+def test_wandb_offline_holds_every_step_and_the_configuration_and_resume_continues_its_run(tmp_path,
+                                                                                          wandb_offline):
+    """wandb writes its run (offline: its service's transaction log in RUN_DIR/wandb); the log holds every
+    scalar name, each step's fractional values as the JSON text wandb stores a history value as, and the resolved
+    configuration; --resume continues the run with the same id (trackers.json)."""
+    run = tmp_path / "run"
+    res = dsv4("train", "--hardware", "cpu", "--tracker", "wandb", "--run-dir", run, "--steps", 2, *FAST)
+    assert res.exit_code == 0, res.output
+    assert "--tracker wandb failed" not in res.output
+    run_id = json.loads((run / "trackers.json").read_text())["wandb"]
+    logs, data = wandb_log(run, run_id)
+    assert len(logs) == 1
+    first = rows(run)
+    assert [r["step"] for r in first] == [1, 2]
+    for row in first:
+        for key, value in expected_scalars(row).items():
+            assert key.encode() in data, key
+            if value != int(value) and key != "train/wall_time":    # a fraction: the JSON text is distinctive
+                assert json_text(value) in data, (key, value)
+    for key in ("max_new_tokens", "group_size", "prompts_per_step"):   # config keys, set from the command line
+        assert key.encode() in data
+
+    res = dsv4("train", "--hardware", "cpu", "--tracker", "wandb", "--run-dir", run, "--resume", "--steps", 3,
+               *FAST)
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "trackers.json").read_text())["wandb"] == run_id
+    logs, data = wandb_log(run, run_id)
+    assert len(logs) == 2                      # the same run id, started again
+    last = rows(run)[-1]
+    assert last["step"] == 3 and json_text(last["grad_norm"]) in logs[-1].read_bytes()
