@@ -23,9 +23,9 @@ data inside ``--run-dir``). Each pair is exactly ``--seq`` tokens under the chec
 (``[bos] + prompt bytes + response bytes + [eos]``; a quarter of it is prompt). Every data-parallel rank
 trains one sequence per step (``batch_size=dp``): dp and ep layouts train dp sequences per step, tp and cp
 layouts split one. Settings: bf16 and triton kernels on nvidia, fp32 and the reference kernels on the CPU;
-eager (``--compile`` passes ``dsv4 train --compile``); ``export_at_end=false``. A run's ``checkpoints/``
-folder is deleted once its metrics are read: the final checkpoint of the flash-shaped preset (model plus fp32
-optimizer state) is about 80 GB.
+eager (``--compile`` passes ``dsv4 train --compile``); ``export_at_end=false``, and no checkpoint
+(``save_at_end=false``, ``save_every`` past the run): the final checkpoint of the flash-shaped preset (model
+plus fp32 optimizer state) is about 80 GB, more than a one-GPU machine's disk may hold.
 
 Measured from ``RUN_DIR/metrics.jsonl`` (rank 0's rows): ``dsv4 train --steps STEPS`` runs STEPS steps, and the
 first ``--warmup`` of them are left out. Step time is the mean ``time_step``. tokens/s is the sum of ``tokens``
@@ -161,7 +161,7 @@ def train_command(layout: dict, *, model: str, data: Path, run_dir: Path, steps:
         args += ["--qkv-format", "thd"]            # context parallelism runs on packed (THD) streams
     if compile_blocks:
         args.append("--compile")
-    args += [f"batch_size={layout['dp']}", f"save_every={steps}", "export_at_end=false"]
+    args += [f"batch_size={layout['dp']}", f"save_every={1 << 30}", "save_at_end=false", "export_at_end=false"]
     if layout["world"] == 1:
         return [sys.executable] + args
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

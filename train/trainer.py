@@ -166,6 +166,9 @@ class TrainConfig:
     # where each step's scalars go besides metrics.jsonl (train.trackers): tensorboard, wandb, mlflow or none
     tracker: Tuple[str, ...] = ("tensorboard",)
     save_every: int = 10
+    # False: no checkpoint after the last step unless save_every divides it (benchmarks; a Flash-shaped run's
+    # final checkpoint with its fp32 optimizer state is about 80 GB)
+    save_at_end: bool = True
     keep_last: int = 2
     export_at_end: bool = True
 
@@ -776,7 +779,7 @@ class _Run:
                         logger.log(row)
                         bar.step(row)
                         run_log.log.debug("metrics " + json.dumps(row, sort_keys=True, default=str))
-                    if step % self.cfg.save_every == 0 or step == self.steps:
+                    if step % self.cfg.save_every == 0 or (step == self.steps and self.cfg.save_at_end):
                         _maybe_kill(step, "checkpoint")
                         save_checkpoint(self.run_dir, step, self.model, self.optim, keep_last=self.cfg.keep_last,
                                         extra={"mode": self.mode, "layout": self._layout()}, groups=self.dist)
