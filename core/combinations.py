@@ -468,23 +468,28 @@ def _async_rollout(sel: Selection, host) -> Optional[str]:
 
 def _true_on_policy(sel: Selection, host) -> Optional[str]:
     """``true_on_policy`` is exact where the engine and the trainer run the same reference code on the same
-    shapes: the CPU in fp32, the reference kernel ops, weights published as they are (bf16 scheme: fp32 kept),
-    the built-in engine, the local orchestrator, one rank (docs/rollout.md#true-on-policy)."""
+    shapes on one device: the CPU in fp32 or bf16, an NVIDIA GPU in bf16 (fp32 there is not tested), the reference
+    kernel ops (``--kernel-backend none``: the engine's forward and the trainer's must call the same kernels), weights
+    published as they are (bf16 scheme), the built-in engine, the local orchestrator, one rank
+    (docs/rollout.md#true-on-policy)."""
     if not sel.true_on_policy:
         return None
     engine = getattr(sel.rollout, "name", "reference")
     world = sel.world or sel.tp * sel.cp * sel.ep
+    dtypes = {"cpu": ("fp32", "bf16"), "nvidia": ("bf16",)}.get(sel.hardware.name)
     for what, bad, fix in (
-            (f"--hardware {sel.hardware.name}", sel.hardware.name != "cpu", "use --hardware cpu"),
-            (f"--dtype {sel.dtype}", sel.dtype != "fp32", "use --dtype fp32"),
+            (f"--hardware {sel.hardware.name}", dtypes is None, "use --hardware cpu or nvidia"),
+            (f"--dtype {sel.dtype} on --hardware {sel.hardware.name}", dtypes is not None and sel.dtype not in dtypes,
+             f"use --dtype {' or '.join(dtypes or ())}"),
             (f"--kernel-backend {sel.kernel.name}", sel.kernel.name != "none", "use --kernel-backend none"),
             (f"--quant {sel.quant.name} (publishes lossy weights)", sel.quant.name != "bf16", "use --quant bf16"),
             (f"--rollout-engine {engine}", engine != "reference", "use --rollout-engine reference"),
             (f"--orchestrator {sel.orchestrator}", sel.orchestrator != "local", "use --orchestrator local"),
             (f"{world} ranks", world != 1, "train on one rank")):
         if bad:
-            return (f"true_on_policy=true is exact only with train_impl=reference, the built-in engine, the CPU, fp32 "
-                    f"and one rank, and {what} is not. Fix: {fix}, or drop true_on_policy.")
+            return (f"true_on_policy=true is exact only with train_impl=reference, the built-in engine, the reference "
+                    f"kernel ops, one rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what} is not. "
+                    f"Fix: {fix}, or drop true_on_policy.")
     return None
 
 
@@ -528,7 +533,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("weight-transport-hardware", "a GPU weight transport needs a GPU --hardware", _weight_transport),
     ("ray-colocate", "colocate=true releases memory on a shared device, not with --rollout-num-gpus", _ray_colocate),
     ("async-rollout", "async_rollout=true on a GPU runs the engine in an actor or a server, not in the trainer's process", _async_rollout),
-    ("true-on-policy", "true_on_policy=true runs the reference code on the CPU in fp32, one rank, the built-in engine", _true_on_policy),
+    ("true-on-policy", "true_on_policy=true runs the reference code and kernel ops on the CPU (fp32, bf16) or one NVIDIA GPU (bf16), one rank, the built-in engine", _true_on_policy),
 )
 
 

@@ -116,14 +116,19 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
 
 def _true_on_policy_refusal(what: str, fix: str) -> ConfigError:
     return ConfigError(f"training option 'true_on_policy' is exact only with train_impl=reference, the built-in "
-                       f"engine, the CPU, fp32 and one rank, and {what}. Fix: {fix}, or drop true_on_policy")
+                       f"engine and one rank, on the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what}. Fix: "
+                       f"{fix}, or drop true_on_policy")
 
 
 def _check_true_on_policy_options(cfg) -> None:
     """The TrainConfig knobs that ``true_on_policy`` refuses (docs/rollout.md#true-on-policy)."""
     if cfg.train_impl != "reference":
+        # miles / megatron: their MoE runs each expert over the rows routed to it (one grouped GEMM whose groups'
+        # sizes follow the routing of the whole batch: a token's result depends on the other tokens), their layers
+        # are not the engine's reference ones, and the engine does not generate from the trainer's module
         who = "the run's implementation (--impl)" if cfg.train_impl is None else f"train_impl={cfg.train_impl!r}"
-        raise _true_on_policy_refusal(f"{who} scores with other code than the engine's reference model",
+        raise _true_on_policy_refusal(f"{who} scores with other code than the engine's reference model (its "
+                                      f"grouped-GEMM experts depend on the other tokens' routing)",
                                       "set train_impl=reference")
     for key, bad, why in (
             ("micro_batch_size", cfg.micro_batch_size is not None, "splits a group's rows into other shapes"),
@@ -136,8 +141,9 @@ def _check_true_on_policy_options(cfg) -> None:
 
 
 def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
-    """``true_on_policy`` with the run's choices: the CPU, fp32, the reference engine and kernel ops, the
-    lossless ``bf16`` publish format (weights sent as they are), one rank, the local orchestrator."""
+    """``true_on_policy`` with the run's choices: the CPU in fp32 or bf16 or one NVIDIA GPU in bf16, the reference
+    engine and kernel ops, the lossless ``bf16`` publish format (weights sent as they are), one rank, the local
+    orchestrator."""
     if not cfg.true_on_policy:
         return
     _check_true_on_policy_options(cfg)

@@ -165,6 +165,11 @@ def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingPa
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+# true_on_policy: the dtypes the lockstep engine is built for per device type (docs/rollout.md#true-on-policy);
+# fp32 on a GPU is not tested (the rule true-on-policy refuses it)
+ON_POLICY_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
+
+
 class RolloutEngineBase:
     name = "base"
 
@@ -236,13 +241,14 @@ class ReferenceEngine(RolloutEngineBase):
         if true_on_policy:
             why = [w for bad, w in (
                 (kv_cache, "kv_cache=True (the cached decode step computes other op shapes)"),
-                (self.device.type != "cpu", f"device {self.device} (exact on the CPU only)"),
-                (dtype != torch.float32, f"dtype {dtype} (exact in fp32 only)"),
+                (self.device.type not in ON_POLICY_DTYPES, f"device {self.device} (not built there)"),
+                (self.device.type in ON_POLICY_DTYPES and dtype not in ON_POLICY_DTYPES[self.device.type],
+                 f"dtype {dtype} on {self.device.type} (not built there)"),
                 (ops is not None and any(b != "none" for b in ops.provider.values()), "kernel ops other than the "
                  "reference ops")) if bad]
             if why:
-                raise ValueError("true_on_policy=True is exact only for the uncached fp32 CPU engine with the "
-                                 "reference ops; got " + "; ".join(why))
+                raise ValueError("true_on_policy=True is exact only for the uncached engine with the reference ops, "
+                                 "in fp32 or bf16 on the CPU, in bf16 on a CUDA device; got " + "; ".join(why))
         self.true_on_policy = bool(true_on_policy)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.ops = ops if ops is not None else reference.ops()
@@ -258,9 +264,11 @@ class ReferenceEngine(RolloutEngineBase):
         if dtype != torch.float32:
             self.model.to(dtype)
             # Hold each tensor in the dtype it is published in: the model also keeps its RMSNorm weights in
-            # fp32, but they arrive in `dtype` and an RMSNorm upcasts its weight anyway (same values).
+            # fp32, but they arrive in `dtype` and an RMSNorm upcasts its weight anyway (same values). The
+            # true-on-policy engine keeps the reference training model's own dtypes (its RMSNorm weights in fp32,
+            # trained away from bf16 values), sent as they are (train.weight_sync.sync_weights, lossless=True).
             for name, t in self.model.state_dict(keep_vars=True).items():
-                if t.dtype == torch.float32 and not published_in_fp32(name):
+                if t.dtype == torch.float32 and not published_in_fp32(name) and not true_on_policy:
                     t.data = t.data.to(dtype)
         self.model.eval().requires_grad_(False)
         if kv_cache:              # the decode step reads each layer's experts as one stacked tensor
@@ -544,7 +552,10 @@ class ReferenceEngine(RolloutEngineBase):
         causal, so they do not reach the drawn positions), run with
         :func:`kernels.reference.moe.row_invariant_experts` and the trainer's own log-prob op
         (:func:`train.model.next_token_logprobs`). The trainer scores the same ``[n, P + max_new_tokens]``
-        shape the same way, so each token's log-prob is the trainer's bit for bit."""
+        shape the same way, on the same device, with the same weights in the same dtypes (the engine keeps the
+        training model's fp32 tensors), so each token's log-prob is the trainer's bit for bit: on a GPU too, since
+        every kernel of the forward (cuBLAS GEMMs included) computes a row from that row and the shape alone, and
+        equal shapes pick equal kernels."""
         return self._generate_lockstep(prompt, params, seeds, on_policy=True)
 
     def _generate_lockstep(self, prompt: List[int], params: SamplingParams, seeds: List[int], *,

@@ -94,31 +94,39 @@ class _TrainModelBase(nn.Module):
 
 
 class ReferenceTrainModel(_TrainModelBase):
-    """The reference model (:class:`kernels.reference.model.DeepseekV4Model`) as a TrainModel."""
+    """The reference model (:class:`kernels.reference.model.DeepseekV4Model`) as a TrainModel, on ``device``
+    (the run's: a GPU target's CUDA device). Inputs may live elsewhere (the trainer's batches are CPU tensors):
+    the forward runs on ``device``, the log-probs are taken there too (the ``true_on_policy`` engine takes its
+    log-probs with the same op on the same device) and come back next to the ids, as an implementation's do."""
 
     impl = REFERENCE
 
-    def __init__(self, config, *, dtype: torch.dtype = torch.float32, seed: int = 0):
+    def __init__(self, config, *, dtype: torch.dtype = torch.float32, seed: int = 0, device=None):
         super().__init__()
         from kernels.reference.model import DeepseekV4Model, init_weights
 
         self.config = config
         # true_on_policy: forward with kernels.reference.moe.row_invariant_experts, as the rollout engine does
         self.row_invariant = False
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.model = DeepseekV4Model(config)
-        init_weights(self.model, seed)
+        init_weights(self.model, seed)    # CPU generators: the same values on every device
         if dtype != torch.float32:
             self.model.to(dtype)  # KeepFP32 modules keep their fp32 tensors
+        self.model.to(self.device)
 
     def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False):
         m = self.model
         from kernels.reference.moe import row_invariant_experts
 
+        ids = input_ids.to(self.device)
         hook = _hook_for(routing_replay, input_ids)
         with routing_context(hook), (row_invariant_experts() if self.row_invariant else contextlib.nullcontext()):
-            logits, streams = m(input_ids, return_hidden_streams=True)
-            mtp = self._mtp_logits_detached(input_ids, streams) if with_mtp and len(m.mtp) else None
-        return TrainForward(token_logprobs(logits, input_ids, temperature), mtp, _used(hook))
+            logits, streams = m(ids, return_hidden_streams=True)
+            mtp = self._mtp_logits_detached(ids, streams) if with_mtp and len(m.mtp) else None
+        home = input_ids.device
+        lp = token_logprobs(logits, ids, temperature).to(home)
+        return TrainForward(lp, None if mtp is None else [t.to(home) for t in mtp], _used(hook))
 
     def _mtp_logits_detached(self, input_ids, streams) -> List[torch.Tensor]:
         """Like ``DeepseekV4Model.mtp_logits`` but the shared embedding and output head are detached."""
@@ -565,7 +573,8 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                              "the reference training model has none: drop --compile or train --impl miles|megatron")
         if dsa_indexer_loss_coeff is not None:
             raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
-        return ReferenceTrainModel(model_config, dtype=dtype or torch.float32, seed=seed)
+        return ReferenceTrainModel(model_config, dtype=dtype or torch.float32, seed=seed,
+                                   device=_reference_device(run_config))
     if run_config is None:
         raise ValueError(f"--impl {impl}: building an implementation's training model needs the run config")
     if impl != run_config.impl:
@@ -592,6 +601,19 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
         raise ValueError("cuda_graphs replays the compiled blocks: it needs compile_blocks (--compile)")
     return ImplTrainModel(module, model_config, impl, qkv_format=run_config.qkv_format,
                           indexer_loss_coeff=dsa_indexer_loss_coeff, device=device)
+
+
+def _reference_device(run_config):
+    """The device of the reference training model: the run's (a GPU target's current CUDA device, set up as
+    the target sets a process up: TF32 off), the CPU without a run config."""
+    if run_config is None:
+        return torch.device("cpu")
+    from core.assembly import assemble
+
+    parts = assemble(run_config)
+    if run_config.selection.hardware.gpu:
+        parts.target.setup()
+    return parts.device()
 
 
 def load_model_source(model: _TrainModelBase, source) -> str:

@@ -141,8 +141,9 @@ class TrainConfig:
     train_impl: Optional[str] = None
     # true on-policy (docs/rollout.md#true-on-policy): the rollout log-probs equal the trainer's recomputation bit
     # for bit (train_rollout_logprob_abs_diff == 0.0). Only with train_impl="reference", the built-in engine on the
-    # CPU in fp32, one rank: the engine re-runs each group's padded [n, prompt + max_new_tokens] batch for every
-    # token (no KV cache) and every routed expert runs over every row; anything else is refused
+    # CPU (fp32, bf16) or one NVIDIA GPU (bf16), one rank: the engine re-runs each group's padded
+    # [n, prompt + max_new_tokens] batch for every token (no KV cache), every routed expert runs over every row,
+    # the weights reach the engine in the trainer's own dtypes; anything else is refused
     true_on_policy: bool = False
     # torch.compile the implementation's blocks (engine.compile): fewer, fused kernels on a GPU; every
     # new batch shape or packing (THD) layout recompiles, so it pays off for long runs of steady shapes
@@ -512,7 +513,7 @@ class _Run:
         if self.dist.is_leader:
             rep = sync_weights(view, self.engine, version=step, scheme=self.publish_format,
                                engine_dtype=self.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
-                               check=cfg.check_weights)
+                               check=cfg.check_weights, lossless=cfg.true_on_policy)
             if rep.check is not None and not rep.check.ok:
                 raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
             out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,

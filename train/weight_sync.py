@@ -4,7 +4,8 @@
 
 1. ``train_model.native_tensors()`` (the contract names both implementations hold);
 2. :func:`core.export.export_buckets` -> official-named buckets (atomic groups kept together), cast to
-   the engine's dtype except fp32-kept tensors;
+   the engine's dtype except fp32-kept tensors (``lossless``: every tensor in the trainer's own dtype, for the
+   true-on-policy engine);
 3. :func:`converters.publish.publish_bucket` with the publish scheme (``bf16`` = unchanged);
 4. ``engine.begin_update / load_bucket / finish_update``;
 5. :func:`core.export.check_weights`: what the engine now holds (``held_weights()``) against the
@@ -53,12 +54,18 @@ def _expected_dtype(name: str, t: torch.Tensor, engine_dtype: torch.dtype) -> to
 
 def sync_weights(train_model, engine, *, version: int, scheme: str = "bf16",
                  engine_dtype: torch.dtype = torch.float32, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 check: bool = True) -> SyncReport:
+                 check: bool = True, lossless: bool = False) -> SyncReport:
+    """``lossless``: send every tensor in the dtype the trainer holds it in, not cast to ``engine_dtype`` (the
+    ``true_on_policy`` engine holds the reference training model's own dtypes: in a bf16 run its RMSNorm weights
+    are fp32 and, once trained, not bf16 values); only with the ``bf16`` scheme (weights published as they are)."""
     from converters.publish import publish_bucket
 
+    if lossless and scheme != "bf16":
+        raise ValueError(f"lossless weight sync publishes the weights as they are, and scheme {scheme!r} quantizes "
+                         f"them. Fix: use scheme 'bf16' (--quant bf16)")
     t0 = time.perf_counter()
     config = train_model.config
-    export_dtype = None if engine_dtype == torch.float32 else engine_dtype
+    export_dtype = None if engine_dtype == torch.float32 or lossless else engine_dtype
     expected: Dict[str, torch.Tensor] = {}
     n_buckets = n_tensors = n_bytes = 0
     max_err = 0.0
@@ -76,7 +83,7 @@ def sync_weights(train_model, engine, *, version: int, scheme: str = "bf16",
             if check:
                 decoded = decode_published(published, engine_dtype)
                 for name, t in bucket:
-                    want = _expected_dtype(name, decoded[name], engine_dtype)
+                    want = decoded[name] if lossless else _expected_dtype(name, decoded[name], engine_dtype)
                     expected[name] = want
                     if scheme != "bf16" and t.is_floating_point() and t.numel():
                         scale = float(t.abs().max())

@@ -1,10 +1,14 @@
 """``true_on_policy`` (docs/rollout.md#true-on-policy): the rollout log-probabilities are the trainer's
-recomputation bit for bit, on the CPU in fp32 with the reference training model and the built-in engine.
+recomputation bit for bit, with the reference training model and the built-in engine (CPU here; one GPU in bf16:
+test_true_on_policy_gpu.py).
 
-* per token: the engine's samples (stop tokens and early stops included, top-p on) scored by the
-  trainer's ``forward_train`` on the padded ``[n, prompt + max_new_tokens]`` batch are ``torch.equal``
-  to the engine's log-probs, and the routing the engine recorded is the trainer's own;
-* a GRPO run: ``train_rollout_logprob_abs_diff`` and ``train_rollout_kl`` are exactly 0.0 at every step;
+* per token, fp32 and bf16: the engine's samples (stop tokens and early stops included, top-p on) scored by the
+  trainer's ``forward_train`` on the padded ``[n, prompt + max_new_tokens]`` batch are ``torch.equal`` to the
+  engine's log-probs, and the routing the engine recorded is the trainer's own; in bf16 the trainer's fp32 tensors
+  (RMSNorm weights, moved off the bf16 grid as training moves them) reach the engine through the lossless weight
+  sync, and the control (the default sync, which sends them in bf16) is not equal;
+* a GRPO run (fp32 without a run config, bf16 with a ``--hardware cpu --dtype bf16`` one):
+  ``train_rollout_logprob_abs_diff`` and ``train_rollout_kl`` are exactly 0.0 at every step;
 * every combination it does not make exact is refused before any work, naming the fix."""
 
 import json
@@ -15,31 +19,35 @@ import torch
 from core.config import preset
 
 
-def _engine_and_model(top_p=1.0):
+def _engine_and_model(dtype=torch.float32, lossless=True):
     from train.engines import ReferenceEngine
     from train.model import ReferenceTrainModel
+    from train.weight_sync import sync_weights
 
     c = preset("tiny")
-    model = ReferenceTrainModel(c, seed=3).eval()
+    model = ReferenceTrainModel(c, seed=3, dtype=dtype).eval()
+    if dtype != torch.float32:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():             # fp32-held tensors off the bf16 grid, as an optimizer step leaves them
+            for p in model.parameters():
+                if p.dtype == torch.float32:
+                    p.add_(torch.randn(p.shape, generator=g) * 1e-3)
     model.row_invariant = True
-    eng = ReferenceEngine(c, kv_cache=False, true_on_policy=True)
-    eng.begin_update(0)
-    eng.load_bucket(list(model.official_state().items()))
-    eng.finish_update()
+    eng = ReferenceEngine(c, kv_cache=False, dtype=dtype, true_on_policy=True)
+    assert sync_weights(model, eng, version=0, engine_dtype=dtype, lossless=lossless).ok
     return c, model, eng
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_engine_logprobs_equal_trainer_per_token(top_p):
+def _score(c, model, eng, top_p, T=7, n=3):
+    """(per-sample pairs of the trainer's and the engine's log-probs, samples that stopped early); the routing
+    the engine recorded is asserted to be the trainer's own."""
     from train.engines import SamplingParams
 
-    c, model, eng = _engine_and_model()
-    T = 7
     vocab = c.vocab_size
     params = SamplingParams(temperature=0.8, top_p=top_p, max_new_tokens=T, stop_token_ids=tuple(range(5, vocab, 6)), top_k=0)
     prompts = [[3, 17, 29, 4], [8] * 11, [2]]
-    groups = eng.generate(prompts, params, n=3, seed=7)
-    stopped_early = 0
+    groups = eng.generate(prompts, params, n=n, seed=7)
+    pairs, stopped_early = [], 0
     for prompt, samples in zip(prompts, groups):
         P = len(prompt)
         ids = torch.full((len(samples), P + T), params.stop_token_ids[0], dtype=torch.long)
@@ -54,21 +62,46 @@ def test_engine_logprobs_equal_trainer_per_token(top_p):
             free = model.forward_train(ids, temperature=0.8)      # the trainer's own routing, not replayed
         for i, s in enumerate(samples):
             R = len(s.response_ids)
-            assert torch.equal(replayed[i, P - 1:P - 1 + R], s.logprobs), (prompt, i)
-            assert torch.equal(free.logprobs[i, P - 1:P - 1 + R], s.logprobs), (prompt, i)
+            pairs += [(replayed[i, P - 1:P - 1 + R], s.logprobs), (free.logprobs[i, P - 1:P - 1 + R], s.logprobs)]
             for layer, idx in free.routing_used.items():   # the engine recorded the trainer's choices
                 assert torch.equal(idx[i, :P + R - 1], s.routed_experts[:P + R - 1, layer]), (prompt, i, layer)
+    return pairs, stopped_early
+
+
+@pytest.mark.parametrize("dtype,top_p", [(torch.float32, 1.0), (torch.float32, 0.9), (torch.bfloat16, 0.9)])
+def test_engine_logprobs_equal_trainer_per_token(dtype, top_p):
+    pairs, stopped_early = _score(*_engine_and_model(dtype), top_p)
+    for k, (trainer, engine) in enumerate(pairs):
+        assert torch.equal(trainer, engine), (k, (trainer - engine).abs().max())
     assert stopped_early > 0                               # the padded tails are exercised
 
 
-def test_grpo_diff_exactly_zero(tmp_path):
+def test_bf16_needs_the_lossless_sync():
+    """The control: the default sync sends the trainer's fp32 RMSNorm weights in bf16, and the log-probs differ."""
+    c, model, eng = _engine_and_model(torch.bfloat16, lossless=False)
+    model.model.norm.weight.data.add_(1e-3)          # surely off the bf16 grid (the engine got it rounded)
+    pairs, _ = _score(c, model, eng, 1.0, T=3, n=2)
+    assert any(not torch.equal(trainer, engine) for trainer, engine in pairs)
+
+
+def _cpu_run(dtype):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    return normalize(Choices(impl="miles", model=preset("tiny"), dtype=dtype), make_host(third_party=False),
+                     model_name="tiny")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grpo_diff_exactly_zero(tmp_path, dtype):
+    """fp32: the loop of tests (no run config); bf16: a ``--hardware cpu --dtype bf16`` run (lossless sync)."""
     from train.trainer import run_training
 
     run = tmp_path / "run"
-    run_training(None, "tiny", mode="grpo", steps=3, run_dir=run, progress=False, train_impl="reference",
-                 true_on_policy=True, save_every=100, export_at_end=False)
+    run_training(None if dtype == "fp32" else _cpu_run(dtype), "tiny", mode="grpo", steps=2, run_dir=run,
+                 progress=False, train_impl="reference", true_on_policy=True, save_every=100, export_at_end=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["train_rollout_logprob_abs_diff"] == 0.0, r
         assert r["train_rollout_kl"] == 0.0, r
@@ -94,8 +127,10 @@ def test_refusals():
     c = preset("tiny")
     with pytest.raises(ValueError, match="kv_cache=True"):
         ReferenceEngine(c, true_on_policy=True)
-    with pytest.raises(ValueError, match="dtype torch.bfloat16"):
-        ReferenceEngine(c, kv_cache=False, dtype=torch.bfloat16, true_on_policy=True)
+    with pytest.raises(ValueError, match="dtype torch.float16 on cpu"):
+        ReferenceEngine(c, kv_cache=False, dtype=torch.float16, true_on_policy=True)
+    with pytest.raises(ValueError, match="device meta"):
+        ReferenceEngine(c, kv_cache=False, device="meta", true_on_policy=True)
 
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
@@ -109,7 +144,11 @@ def test_refusals():
     from core.combinations import InvalidCombination
 
     check_true_on_policy(rc(), cfg)                                 # CPU, fp32, bf16 publishing, one rank
-    for kw, fix in ((dict(quant="fp8"), "use --quant bf16"), (dict(hardware="nvidia"), "use --hardware cpu"),
-                    (dict(dtype="bf16"), "use --dtype fp32"), (dict(tp=2), "train on one rank")):
+    check_true_on_policy(rc(dtype="bf16"), cfg)
+    check_true_on_policy(rc(hardware="nvidia", dtype="bf16"), cfg)   # one GPU in bf16
+    for kw, fix in ((dict(quant="fp8"), "use --quant bf16"),
+                    (dict(hardware="nvidia", dtype="fp32"), "use --dtype bf16"),
+                    (dict(hardware="nvidia", kernel_backend="triton"), "use --kernel-backend none"),
+                    (dict(tp=2), "train on one rank")):
         with pytest.raises(InvalidCombination, match=f"Fix: {fix}"):      # rule true-on-policy
             check_true_on_policy(rc(**kw), cfg)
