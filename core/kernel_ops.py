@@ -20,7 +20,7 @@ import collections
 import functools
 from typing import Callable, Iterable, Mapping, Optional
 
-__all__ = ["OP_NAMES", "OpTable", "kernels_ran", "reset_kernels_ran"]
+__all__ = ["OP_NAMES", "INDEXER_INPUTS", "OpTable", "kernels_ran", "reset_kernels_ran"]
 
 # Every op a kernel backend provides (the reference set; a GPU backend answers the ones it has kernels for
 # and names the reference op for the rest). A backend may add extras (the GPU backends' THD entry points).
@@ -33,6 +33,11 @@ OP_NAMES = (
     "hc_post",
     "hc_head",
 )
+
+# The dtype an op table's ``indexer_scores`` takes its ``q`` and ``k`` in (``OpTable.indexer_inputs``):
+# "compute": the compute dtype (fp32; fp64 for fp64 activations), the reference op's contract;
+# "activation": the model's activation dtype (bf16 in a bf16 run), a bf16/fp16 kernel's (fp32 accumulation).
+INDEXER_INPUTS = ("compute", "activation")
 
 _RAN: collections.Counter = collections.Counter()
 
@@ -69,12 +74,23 @@ class OpTable:
     ``backend``: the backend's name; ``dtypes``: the compute dtypes its own kernels serve (``None`` =
     any); ``own``: its own ops; ``delegated``: ops it takes from another backend (``{name: (backend,
     fn)}``: the reference set, for a GPU backend without a kernel for that op).
+
+    ``indexer_inputs`` (one of :data:`INDEXER_INPUTS`): the dtype this table's ``indexer_scores`` takes ``q``
+    and ``k`` in, declared here so that every caller casts them by one rule
+    (:func:`kernels.reference.indexer.indexer_input_dtype`) and the precision is on the record: ``"compute"``
+    (default; the reference op) or ``"activation"`` (a bf16/fp16 kernel of this backend's own; a table
+    whose ``indexer_scores`` is another backend's op cannot declare it).
     """
 
     def __init__(self, backend: str, own: Mapping[str, Callable], *,
-                 delegated: Optional[Mapping[str, tuple]] = None, dtypes: Optional[Iterable[str]] = None):
+                 delegated: Optional[Mapping[str, tuple]] = None, dtypes: Optional[Iterable[str]] = None,
+                 indexer_inputs: str = "compute"):
+        if indexer_inputs not in INDEXER_INPUTS:
+            raise ValueError(f"kernel backend {backend!r}: indexer_inputs must be one of {INDEXER_INPUTS}, "
+                             f"got {indexer_inputs!r}")
         self.backend = backend
         self.dtypes = None if dtypes is None else frozenset(dtypes)
+        self.indexer_inputs = indexer_inputs
         self.provider: dict[str, str] = {}
         self._ops: dict[str, Callable] = {}
         for name, (who, fn) in {**(delegated or {}), **{n: (backend, f) for n, f in own.items()}}.items():
@@ -83,6 +99,9 @@ class OpTable:
         missing = [n for n in OP_NAMES if n not in self._ops]
         if missing:
             raise TypeError(f"kernel backend {backend!r}: its op table lacks {', '.join(missing)}")
+        if indexer_inputs != "compute" and self.provider["indexer_scores"] != backend:
+            raise TypeError(f"kernel backend {backend!r} declares indexer_inputs={indexer_inputs!r}, but its "
+                            f"indexer_scores is backend {self.provider['indexer_scores']!r}'s op")
         self.__dict__.update(self._ops)   # plain attributes: protocol checks (getattr_static) see them
 
     def __getattr__(self, name: str) -> Callable:  # only reached for a name that is not an op
@@ -95,6 +114,7 @@ class OpTable:
         """A table of the same backend whose op ``name`` is ``wrap(name, op)`` (counting kept)."""
         out = OpTable.__new__(OpTable)
         out.backend, out.dtypes, out.provider = self.backend, self.dtypes, dict(self.provider)
+        out.indexer_inputs = self.indexer_inputs
         out._ops = {name: wrap(name, fn) for name, fn in self._ops.items()}
         out.__dict__.update(out._ops)
         return out

@@ -34,11 +34,14 @@ class ModelFactory(Protocol):
 @runtime_checkable
 class KernelOps(Protocol):
     """The ops a kernel backend provides, under the reference op names (``core.kernel_ops.OP_NAMES``);
-    ``provider[op]`` names the backend that answers each one."""
+    ``provider[op]`` names the backend that answers each one; ``indexer_inputs`` the dtype its
+    ``indexer_scores`` takes ``q`` and ``k`` in (``core.kernel_ops.INDEXER_INPUTS``: ``"compute"``, fp32, as
+    the reference op; ``"activation"``, the model's dtype, as a bf16/fp16 kernel)."""
 
     backend: str
     dtypes: Optional[frozenset]
     provider: dict
+    indexer_inputs: str
 
     sparse_attention_with_sink: Callable
     indexer_scores: Callable

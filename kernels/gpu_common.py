@@ -197,4 +197,5 @@ def make_ops(backend: str, attention, indexer, mhc=None) -> OpTable:
     if mhc is not None:
         own.update({name: getattr(mhc, name) for name in MHC_OPS})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
-    return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES)
+    # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
+    return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

@@ -40,13 +40,19 @@ def engine_ops(config) -> Tuple[str, ...]:
     return tuple(n for n in ENGINE_OPS if csa or n not in ("indexer_scores", "hadamard_transform"))
 
 
-def decode_inputs(config, dtype: torch.dtype, device) -> Dict[str, list]:
+def decode_inputs(config, dtype: torch.dtype, device, table: Optional[OpTable] = None) -> Dict[str, list]:
     """Per op, the argument tuples a one-token decode step passes it (one slot, a few keys), in the dtypes the
     engine uses there: the model's ``dtype`` for streams, queries and KV, fp32 for the mHC coefficients and
-    the sink, the compute dtype (fp32; fp64 for an fp64 model) for the indexer."""
+    the sink, the compute dtype (fp32; fp64 for an fp64 model) for the indexer's weights and the query's
+    Hadamard rotation, and for the indexer's ``q`` and ``k`` the dtype the decode step casts them to for
+    ``table`` (:func:`kernels.reference.indexer.indexer_input_dtype`: the model's dtype for a bf16/fp16
+    kernel, else the compute dtype; None: the reference ops)."""
+    from kernels.reference.indexer import indexer_input_dtype
+
     c = config
     g = torch.Generator().manual_seed(0)
     ct = torch.promote_types(dtype, torch.float32)
+    it = indexer_input_dtype(table, dtype)
 
     def r(*shape, dt=dtype):
         return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
@@ -64,7 +70,7 @@ def decode_inputs(config, dtype: torch.dtype, device) -> Dict[str, list]:
                      c.norm_eps, c.hc_eps)],
     }
     HI, cI = c.index_n_heads, c.index_head_dim
-    out["indexer_scores"] = [(r(1, 1, HI, cI, dt=ct), r(1, K, cI, dt=ct), r(1, 1, HI, dt=ct))]
+    out["indexer_scores"] = [(r(1, 1, HI, cI, dt=it), r(1, K, cI, dt=it), r(1, 1, HI, dt=ct))]
     # the indexer's query (compute dtype) and a pooled entry of the indexer's compressor (the model's dtype)
     out["hadamard_transform"] = [(r(1, 1, HI, cI, dt=ct),), (r(1, cI),)]
     return out
@@ -86,7 +92,7 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     """``(decode_table, served, refusals)``: the op table of the decode step (``table``'s op where it takes a
     one-token decode step's inputs, ``reference``'s where it refuses them), ``{op: backend}`` for the ops the
     engine calls, and ``{op: the refusal}`` for the ops handed to ``reference``."""
-    inputs = decode_inputs(config, dtype, device)
+    inputs = decode_inputs(config, dtype, device, table)
     chosen, served, refusals = {}, {}, {}
     called = engine_ops(config)
     for name in table.names():
@@ -101,4 +107,7 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
             served[name] = who
     if not refusals:
         return table, served, refusals
-    return OpTable(table.backend, {}, delegated=chosen, dtypes=table.dtypes), served, refusals
+    # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)
+    indexer_inputs = (reference if "indexer_scores" in refusals else table).indexer_inputs
+    return (OpTable(table.backend, {}, delegated=chosen, dtypes=table.dtypes, indexer_inputs=indexer_inputs),
+            served, refusals)

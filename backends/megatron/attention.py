@@ -54,6 +54,7 @@ from engine.thd_attention import (
 from engine.tp import mark_keep_in_fp32
 
 from .config import indexer_loss_enabled
+from kernels.reference.indexer import indexer_input_dtype
 from kernels.reference.layers import compute_dtype, linear_fp32, rms_normalize
 from kernels.reference.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -165,11 +166,11 @@ class Indexer(MegatronModule):
                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Scores of this rank's queries ``x [T, C]`` against the flat (sequence-major) keys ``k [G, c_I]``."""
         T = x.shape[0]
-        ct = compute_dtype(x)
+        ct, it = compute_dtype(x), indexer_input_dtype(self.ops, x.dtype)
         q = _call(self.linear_wq_b, cq).view(1, T, self.n_heads, self.head_dim)
-        q = self.ops.hadamard_transform(apply_rope(q, cos, sin).to(ct))
+        q = self.ops.hadamard_transform(apply_rope(q, cos, sin).to(ct)).to(it)
         w = _call(self.linear_weights_proj, x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
-        s = self.ops.indexer_scores(q, k.to(ct).unsqueeze(0), w.unsqueeze(0)).squeeze(0)  # [T, G]
+        s = self.ops.indexer_scores(q, k.to(it).unsqueeze(0), w.unsqueeze(0)).squeeze(0)  # [T, G]
         ks, ke = layout.indexer_ranges(4)
         j = torch.arange(s.shape[1], device=s.device)[None, :]
         visible = (j >= ks[:, None]) & (j < ke[:, None])

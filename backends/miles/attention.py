@@ -55,6 +55,7 @@ from engine.tp import mark_keep_in_fp32, mark_tp
 from kernels.reference.attention import compressed_visible_indices, window_indices
 from kernels.reference.compressor import Compressor as _RefCompressor
 from kernels.reference.indexer import Indexer as _RefIndexer
+from kernels.reference.indexer import indexer_input_dtype
 from kernels.reference.layers import compute_dtype
 from kernels.reference.layers import rms_normalize
 from kernels.reference.rope import apply_rope, layer_inv_freq, rope_cos_sin
@@ -235,11 +236,11 @@ class DeepSeekV4Attention(nn.Module):
             xi, cqi = (x.detach(), cq.detach()) if frozen else (x, cq)
             k_rm = compressed_kv([ind.compressor], xi, thd, 4, inv_freq, self.ops.hadamard_transform)[0]
             k = k_rm.index_select(1, thd.seq_to_rank(4).to(x.device))            # [B, G, c_I] sequence-major
-            ct = compute_dtype(xi)
+            ct, it = compute_dtype(xi), indexer_input_dtype(self.ops, xi.dtype)
             qi = apply_rope(ind.wq_b(cqi).view(B, L, ind.n_heads, ind.head_dim), cos, sin)
-            qi = self.ops.hadamard_transform(qi.to(ct))
+            qi = self.ops.hadamard_transform(qi.to(ct)).to(it)
             w = ind.weights_proj(xi).to(ct) * (ind.head_dim * ind.n_heads) ** -0.5
-            scores = self.ops.indexer_scores(qi, k.to(ct), w)                        # [B, L, G]
+            scores = self.ops.indexer_scores(qi, k.to(it), w)                        # [B, L, G]
             visible = indexer_visible_mask(thd, scores.shape[-1], x.device)
             scores = scores.masked_fill(~visible[None], float("-inf"))
             return indexer_topk(scores, thd, ind.topk)

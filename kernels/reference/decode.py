@@ -43,7 +43,7 @@ import torch
 
 from .attention import sparse_attention_with_sink
 from .compressor import Compressor, hadamard_transform
-from .indexer import indexer_scores
+from .indexer import indexer_input_dtype, indexer_scores
 from .layers import compute_dtype, linear_fp32, rms_normalize
 from .rope import apply_rope, rope_cos_sin
 from .topk import stable_topk
@@ -254,12 +254,12 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     N = cc.entries.shape[1]
     if N == 0:
         return torch.empty(B, 0, dtype=torch.long, device=x.device)
-    ct = compute_dtype(x)
     ops = indexer.ops
+    ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
     q = apply_rope(indexer.wq_b(cq).view(B, 1, indexer.n_heads, indexer.head_dim), cos, sin)
-    q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct))
+    q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
     w = indexer.weights_proj(x).to(ct) * (indexer.head_dim * indexer.n_heads) ** -0.5
-    scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(ct), w)[:, 0]  # [B, N]
+    scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
     limit = ((pos + 1) // indexer.ratio).to(x.device)[:, None]
     scores = scores.masked_fill(torch.arange(N, device=x.device)[None, :] >= limit, float("-inf"))
     return stable_topk(scores, indexer.topk)   # the forward's rule: the same picks on a row of any length

@@ -12,6 +12,10 @@ padding last), so a position's picks do not depend on how many tokens follow it.
 The Hadamard rotation is orthonormal (scores are unchanged in exact arithmetic); it is kept because
 it matters for the FP4 fake-quant of the official QAT path. ``topk`` is not differentiable.
 
+Input precision: ``q`` and ``k`` reach ``indexer_scores`` in the dtype :func:`indexer_input_dtype` gives
+(the one rule of every caller: this forward, the decode step, the miles and megatron indexers): the compute
+dtype for the reference op, the model's activation dtype for a bf16/fp16 kernel; ``w`` in the compute dtype.
+
 Indexer-replay seam (off by default; used by ``train.replay``): :func:`indexer_hook` installs, for the
 current context, ``hook(indexer_module, picks [B,S,k]) -> picks``, called with the final top-k picks
 (``-1`` = none). No hook installed = unchanged behaviour.
@@ -28,7 +32,7 @@ from .rope import apply_rope, rope_cos_sin
 from .seam import HookSeam
 from .topk import stable_topk
 
-__all__ = ["Indexer", "indexer_scores", "indexer_hook"]
+__all__ = ["Indexer", "indexer_scores", "indexer_input_dtype", "indexer_hook"]
 
 _INDEXER = HookSeam("dsv4_indexer_hook")
 
@@ -41,6 +45,22 @@ def indexer_hook(hook):
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``I[b,t,j] = sum_h w[b,t,h] * relu(q[b,t,h,:] . k[b,j,:])``."""
     return torch.einsum("bshn,bsh->bsn", torch.relu(torch.einsum("bshd,bnd->bshn", q, k)), w)
+
+
+def indexer_input_dtype(ops, activation: torch.dtype) -> torch.dtype:
+    """The dtype ``q`` and ``k`` are cast to before ``ops.indexer_scores`` (``ops`` None: this module's
+    :func:`indexer_scores`), given the model's ``activation`` dtype; ``w`` stays in the compute dtype.
+
+    Why one rule, declared by the table (``core.kernel_ops.OpTable.indexer_inputs``): the reference op is the
+    oracle and scores in the compute dtype (fp32; fp64 in fp64 tests), which the CPU parity tests rely on;
+    the GPU backends' indexer kernels are bf16/fp16 kernels with fp32 accumulation (the official inference
+    code also scores in low precision), and fp32 inputs would be refused (tilelang) or run as slow fp32 dots
+    (triton). So a table declaring ``"activation"`` gets them in the activation dtype (bf16 in a bf16 run),
+    any other the compute dtype."""
+    compute = torch.promote_types(torch.float32, activation)   # compute_dtype's rule, for a dtype
+    if ops is None or ops.indexer_inputs == "compute":
+        return compute
+    return activation
 
 
 class Indexer(nn.Module):
@@ -66,12 +86,12 @@ class Indexer(nn.Module):
         nb = S // self.ratio
         if nb == 0:
             return torch.empty(B, S, 0, dtype=torch.long, device=x.device)
-        ct = compute_dtype(x)
-        k = self.compressor(x, inv_freq).to(ct)  # [B, nb, c_I]
+        ops = self.ops
+        ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
+        k = self.compressor(x, inv_freq).to(it)  # [B, nb, c_I]
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(S, device=x.device))
         q = apply_rope(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        ops = self.ops
-        q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct))
+        q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
         w = self.weights_proj(x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
         scores = (indexer_scores if ops is None else ops.indexer_scores)(q, k, w)  # [B, S, nb]
         limit = (torch.arange(S, device=x.device) + 1) // self.ratio  # visible: j < limit[t]

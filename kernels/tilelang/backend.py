@@ -19,8 +19,11 @@ def ops() -> "OpTable":
     * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
       bf16/fp16 CUDA inputs with a power-of-two head dim >= 32; other dtypes (fp32/fp64), head dims or
       CPU tensors are refused with the fix.
-    * ``indexer_scores(q, k, w)``: fp32 scores for bf16/fp16 CUDA inputs (the reference returns the input
-      dtype); other inputs, and inputs that require a gradient (no backward), are refused.
+    * ``indexer_scores(q, k, w)``: bf16/fp16 CUDA ``q`` and ``k``, fp32 ``w``, fp32 accumulation and fp32
+      scores (the reference returns the input dtype). The table declares ``indexer_inputs="activation"``:
+      every caller passes ``q`` and ``k`` in the run's dtype (``kernels.reference.indexer.indexer_input_dtype``).
+      Other inputs (fp32/fp64: ``--dtype fp32`` is refused with this backend), and inputs that require a
+      gradient (no backward), are refused.
 
     Named from the reference set (backend ``none``; no TileLang kernel): ``hadamard_transform``,
     ``sinkhorn``, ``hc_pre``, ``hc_post``, ``hc_head``.

@@ -18,8 +18,11 @@ def ops() -> "OpTable":
     * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
       bf16/fp16 inputs with a power-of-two head dim; other inputs are refused with the fix (the run's
       ``--dtype`` is checked against the backend's dtypes at parse time already).
-    * ``indexer_scores(q, k, w)``: fp32 scores (the reference returns the input dtype); no backward, so
-      inputs that require a gradient are refused.
+    * ``indexer_scores(q, k, w)``: bf16/fp16 ``q`` and ``k``, fp32 ``w``, fp32 accumulation and fp32 scores
+      (the reference returns the input dtype); no backward, so inputs that require a gradient are refused.
+      The table declares ``indexer_inputs="activation"``: every caller passes ``q`` and ``k`` in the run's
+      dtype (``kernels.reference.indexer.indexer_input_dtype``). fp32 ``q`` and ``k`` (never a run's input:
+      ``--dtype fp32`` is refused with this backend) would run as IEEE fp32 dots.
     * ``hc_pre``, ``hc_post``, ``hc_head``, ``sinkhorn``: fused mHC kernels, forward + backward, fp32
       coefficient math; bf16/fp16 streams, fp32 mapping weights / coefficients, hc_mult <= 8; other inputs
       are refused with the reason (``kernels/triton/mhc_checks.py``).

@@ -196,3 +196,58 @@ def test_dsv4_logprobs_runs_the_backend_kernels(ckpt, tiny, tmp_path, impl, back
             want = torch.log_softmax(ref(ids)[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
             d = (torch.tensor(lp) - want).abs()
             assert d.mean().item() <= 2 * BF16_MEAN and d.max().item() <= BF16_MAX * 2, (impl, backend, d.max())
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_the_indexer_kernel_scores_bf16_queries_and_keys(ckpt, tiny, impl, backend):
+    """In a bf16 run the backend's indexer kernel gets bf16 q and k and fp32 w (the table declares
+    ``indexer_inputs="activation"``; ``kernels.reference.indexer.indexer_input_dtype``), in both
+    implementations' forwards and in the rollout engine's decode step (no refusal, no reference op), and the
+    log-probs agree with the fp32 reference model as in ``test_dsv4_logprobs_runs_the_backend_kernels``."""
+    from core.assembly import assemble
+    from core.checkpoint import load_into, open_checkpoint
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
+    from core.run_config import Choices, normalize
+    from engine.loading import load_hf_checkpoint
+    from kernels.reference.model import DeepseekV4Model
+    from launchers.builtin_plugins import make_host
+    from train.engines import ReferenceEngine
+
+    if impl == "megatron" and backend == "tilelang":
+        pytest.skip("tilelang does not serve megatron (the table refuses it)")
+    rc = normalize(Choices(impl=impl, kernel_backend=backend, hardware="nvidia", model=tiny),
+                   make_host(third_party=False), model_name="tiny")
+    seen = []
+
+    def recording(name, fn):
+        if name != "indexer_scores":
+            return fn
+
+        def indexer_scores(q, k, w):
+            seen.append((q.dtype, k.dtype, w.dtype))
+            return fn(q, k, w)
+        return indexer_scores
+
+    asm = assemble(rc)
+    ops = asm.ops.map(recording)
+    assert ops.indexer_inputs == "activation" and ops.provider["indexer_scores"] == backend
+    torch.manual_seed(0)
+    m = rc.selection.impl.load()(tiny, rc, ops=ops, params_dtype=torch.bfloat16)
+    load_hf_checkpoint(m, ckpt)
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    ids = _ids(tiny, seed=5)[:1]
+    reset_kernels_ran()
+    with torch.no_grad():
+        lp = (m.logprobs(ids)[0] if impl == "miles" else m.logprobs(ids[0])[:-1]).float().cpu()
+    assert seen and all(s == (torch.bfloat16, torch.bfloat16, torch.float32) for s in seen), seen
+    assert kernels_ran().get(f"{backend}.indexer_scores", 0) == len(seen) and not kernels_ran().get("none.indexer_scores")
+    ref = DeepseekV4Model(tiny)
+    load_into(ref, open_checkpoint(ckpt))
+    with torch.no_grad():
+        want = torch.log_softmax(ref(ids.cpu())[0, :-1].float(), -1).gather(-1, ids.cpu()[0, 1:, None]).squeeze(-1)
+    d = (lp - want).abs()
+    print(f"\n{impl} {backend} bf16 vs reference fp32: mean|d| {d.mean().item():.3e} max|d| {d.max().item():.3e}")
+    assert d.mean().item() <= 2 * BF16_MEAN and d.max().item() <= 2 * BF16_MAX
+    engine = ReferenceEngine(tiny, dtype=torch.bfloat16, device="cuda", ops=asm.ops)
+    assert "indexer_scores" not in engine.decode_refusals and engine.decode_ops["indexer_scores"] == backend
