@@ -40,8 +40,9 @@ JOBS = ("score", "train")
 ORCHESTRATORS = ("local", "ray")
 # How ``--orchestrator ray`` sends each step's published weights to the engine actors ("objects": Ray's
 # object store; "nccl" / "cuda-ipc" are GPU transports, not built: train.ray_launch refuses them).
-WEIGHT_TRANSPORTS = ("objects", "nccl", "cuda-ipc")
-GPU_WEIGHT_TRANSPORTS = ("nccl", "cuda-ipc")
+WEIGHT_TRANSPORTS = ("objects", "gloo", "nccl", "cuda-ipc")
+GPU_WEIGHT_TRANSPORTS = ("nccl", "cuda-ipc")     # move CUDA tensors: a GPU target
+HOST_WEIGHT_TRANSPORTS = ("gloo",)               # moves host tensors: the CPU target
 
 
 class InvalidCombination(ValueError):
@@ -78,9 +79,11 @@ class Selection:
     # checked here with the layout by train_option_problems).
     cuda_graphs: bool = False
     # Training's orchestrator (ORCHESTRATORS); under ray: the rollout engines' own devices (None = colocated
-    # with the trainer's ranks) and the weight transport to them (None = objects).
+    # with the trainer's ranks), the nodes they spread over (None = any) and the weight transport to them
+    # (None = objects).
     orchestrator: str = "local"
     rollout_num_gpus: Optional[int] = None
+    rollout_num_nodes: Optional[int] = None
     weight_transport: Optional[str] = None
     # The engine gives its memory back while the trainer computes (the TrainConfig field ``colocate``, checked
     # with the placement by train_option_problems).
@@ -349,6 +352,7 @@ def _rollout_publish(sel: Selection, host) -> Optional[str]:
 def _orchestrator_options(sel: Selection, host) -> Optional[str]:
     """The placement and transport options describe Ray actors: the local orchestrator has none."""
     given = [opt for opt, value in (("--rollout-num-gpus", sel.rollout_num_gpus),
+                                    ("--rollout-num-nodes", sel.rollout_num_nodes),
                                     ("--weight-transport", sel.weight_transport)) if value is not None]
     if sel.orchestrator == "ray" or not given:
         return None
@@ -384,11 +388,51 @@ def _rollout_num_gpus(sel: Selection, host) -> Optional[str]:
             f"engines with the trainer's ranks.")
 
 
-def _weight_transport(sel: Selection, host) -> Optional[str]:
-    if sel.weight_transport not in GPU_WEIGHT_TRANSPORTS or sel.hardware.gpu:
+def _rollout_num_nodes(sel: Selection, host) -> Optional[str]:
+    """The engines' devices spread evenly over the nodes: each node holds ``--rollout-num-gpus / nodes``."""
+    nodes = sel.rollout_num_nodes
+    if sel.orchestrator != "ray" or nodes is None:
         return None
-    return (f"--weight-transport {sel.weight_transport} moves CUDA tensors (got --hardware {sel.hardware.name}). "
-            f"Fix: use --weight-transport objects (Ray's object store), or a GPU --hardware.")
+    if sel.rollout_num_gpus is None:
+        return (f"--rollout-num-nodes {nodes} spreads the engines' own devices over nodes, and without "
+                f"--rollout-num-gpus the engines share the trainer's devices. Fix: add --rollout-num-gpus N (a "
+                f"multiple of {nodes}), or drop --rollout-num-nodes.")
+    if sel.rollout_num_gpus % nodes == 0:
+        return None
+    fits = [str(d) for d in range(1, sel.rollout_num_gpus + 1) if sel.rollout_num_gpus % d == 0]
+    return (f"--rollout-num-nodes {nodes} does not divide --rollout-num-gpus {sel.rollout_num_gpus} (each node "
+            f"holds the same number of engines). Fix: use --rollout-num-nodes {_join_ordered(fits)}.")
+
+
+def _weight_transport(sel: Selection, host) -> Optional[str]:
+    """A transport moves the tensors of one kind of device: CUDA IPC and NCCL GPU memory, gloo host memory (the
+    CLI names the backend that runs, so a CPU run never claims NCCL)."""
+    transport, hw = sel.weight_transport, sel.hardware.name
+    if transport in GPU_WEIGHT_TRANSPORTS and not sel.hardware.gpu:
+        return (f"--weight-transport {transport} moves CUDA tensors (got --hardware {hw}). Fix: use "
+                f"--weight-transport gloo (the same broadcast over host memory) or objects (Ray's object store), "
+                f"or a GPU --hardware.")
+    if transport in HOST_WEIGHT_TRANSPORTS and sel.hardware.gpu:
+        return (f"--weight-transport {transport} broadcasts host tensors, and --hardware {hw} keeps the weights on "
+                f"GPUs. Fix: use --weight-transport nccl (with --rollout-num-gpus) or cuda-ipc (colocated), or "
+                f"objects.")
+    return None
+
+
+def _weight_transport_placement(sel: Selection, host) -> Optional[str]:
+    """NCCL joins one rank per GPU, so an engine that shares its leader's GPU cannot be its peer; CUDA IPC
+    opens memory of the same GPU only."""
+    if sel.orchestrator != "ray" or not sel.hardware.gpu:
+        return None
+    if sel.weight_transport == "nccl" and sel.rollout_num_gpus is None:
+        return ("--weight-transport nccl joins the trainer and each engine as NCCL ranks of their own GPUs, and "
+                "colocated engines share their trainer rank's GPU (NCCL refuses two ranks on one GPU). Fix: use "
+                "--weight-transport cuda-ipc, or give the engines GPUs of their own with --rollout-num-gpus N.")
+    if sel.weight_transport == "cuda-ipc" and sel.rollout_num_gpus is not None:
+        return (f"--weight-transport cuda-ipc hands each engine the trainer's GPU memory, and --rollout-num-gpus "
+                f"{sel.rollout_num_gpus} puts the engines on GPUs of their own. Fix: use --weight-transport nccl, "
+                f"or drop --rollout-num-gpus to colocate the engines.")
+    return None
 
 
 def layout_world(sel) -> int:
@@ -530,7 +574,10 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("orchestrator-options", "Ray placement and transport options come with --orchestrator ray", _orchestrator_options),
     ("orchestrator-rollout", "under --orchestrator ray the rollout engine runs inside an actor", _orchestrator_rollout),
     ("rollout-num-gpus", "disaggregated engines: one device per data-parallel rank", _rollout_num_gpus),
-    ("weight-transport-hardware", "a GPU weight transport needs a GPU --hardware", _weight_transport),
+    ("rollout-num-nodes", "the engines' devices spread evenly over --rollout-num-nodes nodes", _rollout_num_nodes),
+    ("weight-transport-hardware", "nccl and cuda-ipc need a GPU --hardware, gloo the CPU", _weight_transport),
+    ("weight-transport-placement", "nccl needs engines on GPUs of their own, cuda-ipc on their trainer rank's GPU",
+     _weight_transport_placement),
     ("ray-colocate", "colocate=true releases memory on a shared device, not with --rollout-num-gpus", _ray_colocate),
     ("async-rollout", "async_rollout=true on a GPU runs the engine in an actor or a server, not in the trainer's process", _async_rollout),
     ("true-on-policy", "true_on_policy=true runs the reference code and kernel ops on the CPU (fp32, bf16) or one NVIDIA GPU (bf16), one rank, the built-in engine", _true_on_policy),

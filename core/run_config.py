@@ -39,6 +39,7 @@ class Choices:
     world: Optional[int] = None  # ranks of the run (torchrun's WORLD_SIZE, --nproc-per-node); None = tp x cp x ep
     orchestrator: str = "local"  # local (this machine's processes) | ray (actors on a Ray cluster)
     rollout_num_gpus: Optional[int] = None  # ray: devices of their own for the rollout engines (None = colocated)
+    rollout_num_nodes: Optional[int] = None  # ray: the nodes those devices spread over (None = wherever they fit)
     weight_transport: Optional[str] = None  # ray: how weights reach the engine actors (None = objects)
 
 
@@ -70,6 +71,7 @@ class RunConfig:
     rollout_url: Optional[str] = None
     orchestrator: str = "local"
     rollout_num_gpus: Optional[int] = None
+    rollout_num_nodes: Optional[int] = None
     weight_transport: Optional[str] = None
 
     @property
@@ -130,6 +132,9 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
     if choices.rollout_num_gpus is not None and (not isinstance(choices.rollout_num_gpus, int)
                                                  or choices.rollout_num_gpus < 1):
         raise ValueError(f"--rollout-num-gpus must be a positive integer (got {choices.rollout_num_gpus!r})")
+    if choices.rollout_num_nodes is not None and (not isinstance(choices.rollout_num_nodes, int)
+                                                  or choices.rollout_num_nodes < 1):
+        raise ValueError(f"--rollout-num-nodes must be a positive integer (got {choices.rollout_num_nodes!r})")
     if choices.orchestrator not in ORCHESTRATORS:
         raise ValueError(f"unknown --orchestrator {choices.orchestrator!r}; valid choices: {', '.join(ORCHESTRATORS)}")
     if choices.weight_transport is not None and choices.weight_transport not in WEIGHT_TRANSPORTS:
@@ -156,6 +161,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         rollout_url=rollout_url,
         orchestrator=choices.orchestrator,
         rollout_num_gpus=choices.rollout_num_gpus,
+        rollout_num_nodes=choices.rollout_num_nodes,
         weight_transport=choices.weight_transport,
     )
     check(selection, host)
@@ -180,6 +186,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         rollout_url=rollout_url,
         orchestrator=choices.orchestrator,
         rollout_num_gpus=choices.rollout_num_gpus,
+        rollout_num_nodes=choices.rollout_num_nodes,
         weight_transport=choices.weight_transport,
     )
 

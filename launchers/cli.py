@@ -57,7 +57,7 @@ _RUN_OPTIONS = (
 _DEFAULTS = Choices()
 RUN_KEYS = frozenset(decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS)
 # the run choices that only `train` / `full-train` take (how their ranks and engines are placed)
-TRAIN_RUN_KEYS = frozenset({"orchestrator", "rollout_num_gpus", "weight_transport"})
+TRAIN_RUN_KEYS = frozenset({"orchestrator", "rollout_num_gpus", "rollout_num_nodes", "weight_transport"})
 _OUTPUT = {"quiet": False, "verbose": False}
 
 
@@ -121,6 +121,7 @@ def _choices(opts: dict, model=None, job=None, world=None) -> Choices:
         world=world,
         orchestrator=opts.get("orchestrator") or _DEFAULTS.orchestrator,
         rollout_num_gpus=opts.get("rollout_num_gpus"),
+        rollout_num_nodes=opts.get("rollout_num_nodes"),
         weight_transport=opts.get("weight_transport"),
     )
 
@@ -413,7 +414,8 @@ def training_options(func):
         ("--ray-address", dict(default=None, help="--orchestrator ray: the Ray cluster to connect to (HOST:PORT of its head, or `auto`). Default: RAY_ADDRESS, else a local cluster started for the run.")),
         ("--trainer-num-gpus", dict(type=click.IntRange(min=1), default=None, help="--orchestrator ray: the trainer's ranks across the cluster, one GPU each (on the CPU, one CPU bundle each). Default: tp x cp x ep.")),
         ("--rollout-num-gpus", dict(type=click.IntRange(min=1), default=None, help="--orchestrator ray: disaggregated rollout, the engines on this many devices of their own (one per data-parallel rank; on the CPU, CPU bundles). Default: colocated with the trainer's ranks.")),
-        ("--weight-transport", dict(type=click.Choice(WEIGHT_TRANSPORTS), default=None, help="--orchestrator ray: how each step's weights reach the engine actors: objects (Ray's object store); nccl and cuda-ipc are not built. Default: objects.")),
+        ("--rollout-num-nodes", dict(type=click.IntRange(min=1), default=None, help="--orchestrator ray, with --rollout-num-gpus N: spread the engines over this many nodes, N / this many on each (it must divide N). Default: wherever they fit.")),
+        ("--weight-transport", dict(type=click.Choice(WEIGHT_TRANSPORTS), default=None, help="--orchestrator ray: how each step's weights reach the engine actors: objects (Ray's object store), gloo (a torch.distributed broadcast over host memory; --hardware cpu), nccl (the same over NCCL; GPU, disaggregated) or cuda-ipc (IPC handles to the trainer's GPU memory; GPU, colocated). Default: objects.")),
         ("--ray-max-restarts", dict(type=click.IntRange(min=0), default=None, help="--orchestrator ray: how often a dead engine actor is restarted, and the trainer group restarted from its last checkpoint. Default: 2.")),
         ("--config", dict(type=click.Path(dir_okay=False), default=None, help="TOML or JSON file of settings: any option above or below (without the dashes) and every training knob; a run folder's train_config.json repeats that run. Options given on the command line win over the file, KEY=VALUE arguments over both.")),
         ("--print-config", dict(is_flag=True, help="Print every setting this command resolved, as a TOML file --config reads, and exit without training.")),

@@ -6,13 +6,18 @@ data-parallel leader's engine lives in an actor of its own (:class:`EngineActor`
 :mod:`train.ray_launch`), and :class:`RayEngineProxy` speaks the same protocol in the trainer's process, so the
 loop and the weight sync (:func:`train.weight_sync.sync_weights`) are unchanged.
 
-* **Weights** travel as Ray object refs: each published bucket (the weight contract's atomic groups, in the
-  run's publish format) is put in Ray's object store once and the actor gets the ref. The proxy keeps the refs
-  of the last complete update, so it can load them again into a restarted actor without the trainer.
+* **Weights** (``--weight-transport``): ``objects`` (the default) puts each published bucket (the weight
+  contract's atomic groups, in the run's publish format) in Ray's object store once and hands the actor the
+  ref; the proxy keeps the refs of the last complete update, so it can load them again into a restarted actor
+  without the trainer. ``gloo`` / ``nccl`` broadcast each bucket's bytes from the leader to its engine actor
+  over a process group of their own, and ``cuda-ipc`` hands a colocated actor an IPC handle to them
+  (:mod:`train.ray_transport`); the actor loads them through the same ``load_bucket``.
 * **Faults**: the actor is created with ``max_restarts``; a call that finds it dead waits for Ray to restart it
   (a new process, the engine built again without weights), loads the last complete update into it and sends
   the call again. A restarted engine that has not been re-synced refuses to generate
-  (:class:`EngineNotSynced`), so it never samples from the wrong weights.
+  (:class:`EngineNotSynced`), so it never samples from the wrong weights. The direct transports keep no copy
+  of the weights to load: there the proxy raises :class:`EngineLost`, and the launcher restarts the trainer
+  group from its last checkpoint (its first step syncs every engine again).
 * **Asynchronous rollout** (``async_rollout=true``, :mod:`train.async_rollout`): :meth:`RayEngineProxy.generate_async`
   sends the actor call and returns at once; the trainer resolves it (``result()``) at the next step, before the
   next weight update, so the actor generates while the trainer trains. A dead actor is re-synced then and asked
@@ -34,8 +39,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from core.errors import UserInputError
 
-__all__ = ["EngineActor", "EngineNotSynced", "PendingGenerate", "RayEngineProxy", "set_rank_engines", "rank_engine",
-           "ENGINE_KILL_ENV"]
+__all__ = ["EngineActor", "EngineLost", "EngineNotSynced", "PendingGenerate", "RayEngineProxy", "set_rank_engines",
+           "rank_engine", "ENGINE_KILL_ENV"]
 
 # Test hook: "CALL:N" SIGKILLs an engine actor at its N-th ``CALL`` (generate, begin_update, ...), once per
 # run: a restarted actor (a new process) never fires it again.
@@ -46,6 +51,11 @@ RESTART_TIMEOUT_S = 300.0
 
 class EngineNotSynced(RuntimeError):
     """The engine actor holds no weights of the version the trainer last sent (it was restarted)."""
+
+
+class EngineLost(RuntimeError):
+    """An engine actor died under a weight transport that keeps no copy of the weights to re-sync it with: the
+    launcher restarts the trainer group from its last checkpoint (:mod:`train.ray_launch`)."""
 
 
 class EngineActor:
@@ -63,6 +73,7 @@ class EngineActor:
         self.version: Optional[int] = None
         self.pending: Optional[int] = None
         self.calls: Dict[str, int] = {}
+        self.group, self.backend = None, None      # gloo / nccl: this actor's group with its leader
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
     def _count(self, call: str) -> None:
@@ -75,7 +86,8 @@ class EngineActor:
         """Where the actor runs (for the launcher's log) and whether it is a restarted one."""
         import ray
 
-        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "restarted": self.restarted}
+        return {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "restarted": self.restarted}
 
     def begin_update(self, version: int) -> None:
         self._count("begin_update")
@@ -84,6 +96,35 @@ class EngineActor:
 
     def load_bucket(self, bucket) -> None:
         self.engine.load_bucket(bucket)
+
+    def join_group(self, backend: str, host: str, port: int, rank: int, world: int) -> None:
+        """``--weight-transport gloo|nccl``: join the leader's group (a new one replaces the last: a restarted
+        trainer group brings new leaders)."""
+        from .ray_transport import join_group
+
+        self.group, self.backend = None, None
+        self.group, self.backend = join_group(backend, host, port, rank, world), backend
+
+    def receive_bucket(self, meta) -> None:
+        """``--weight-transport gloo|nccl``: one bucket, broadcast by the leader, into the engine."""
+        from .ray_transport import receive_bucket
+
+        if self.group is None:
+            raise RuntimeError("receive_bucket before join_group")
+        self.engine.load_bucket(receive_bucket(self.group, self.backend, meta))
+
+    def load_shared_bucket(self, meta, handle) -> None:
+        """``--weight-transport cuda-ipc``: one bucket in the leader's GPU memory, copied before this returns
+        (the leader frees it then)."""
+        import torch
+
+        from .ray_transport import open_shared, unpack_bucket
+
+        shared = open_shared(handle)
+        own = shared.clone()
+        torch.cuda.current_stream(own.device).synchronize()
+        del shared
+        self.engine.load_bucket(unpack_bucket(meta, own))
 
     def finish_update(self) -> None:
         self._count("finish_update")
@@ -143,6 +184,10 @@ def _errors(refs) -> list:
     return out
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+
+
 def _raise_cause(exc: BaseException):
     """An error the engine raised, as itself (one line at the launcher), not wrapped in Ray's task error."""
     from ray.exceptions import RayTaskError
@@ -155,8 +200,11 @@ def _raise_cause(exc: BaseException):
 class RayEngineProxy:
     """The engine protocol in the trainer's process, for one :class:`EngineActor` (module docstring)."""
 
-    def __init__(self, actor, *, index: int, max_restarts: int):
-        self.actor, self.index, self.max_restarts = actor, index, max_restarts
+    def __init__(self, actor, *, index: int, max_restarts: int, transport: str = "objects"):
+        from .ray_transport import COLLECTIVE_TRANSPORTS, CollectiveSender
+
+        self.actor, self.index, self.max_restarts, self.transport = actor, index, max_restarts, transport
+        self._sender = CollectiveSender(transport, [actor]) if transport in COLLECTIVE_TRANSPORTS else None
         self.restarts = 0                  # re-syncs after the actor died (for the log and the tests)
         self._version: Optional[int] = None
         self._refs: List[Any] = []         # the last complete update's buckets (object refs)
@@ -174,9 +222,46 @@ class RayEngineProxy:
 
         if self._pending is None:
             raise RuntimeError("load_bucket before begin_update")
-        ref = ray.put([(n, t.detach().cpu()) for n, t in bucket])   # the object store holds host memory
-        self._pending.append(ref)
-        self._calls.append(self.actor.load_bucket.remote(ref))
+        if self.transport == "objects":
+            ref = ray.put([(n, t.detach().cpu()) for n, t in bucket])   # the object store holds host memory
+            self._pending.append(ref)
+            self._calls.append(self.actor.load_bucket.remote(ref))
+        elif self._sender is not None:
+            try:
+                self._calls += self._sender.send(bucket)
+            except Exception as exc:        # the broadcast failed: the engine's error, or its death, says why
+                self._direct_failure(exc)
+        else:
+            self._calls.append(self._share(bucket))
+
+    def _share(self, bucket):
+        """``cuda-ipc``: the bucket packed in one CUDA buffer, shared with the actor, freed once it copied it."""
+        import torch
+
+        from .ray_transport import pack_bucket, share_cuda
+
+        meta, buffer = pack_bucket(bucket, torch.device("cuda", torch.cuda.current_device()))
+        call = self.actor.load_shared_bucket.remote(meta, share_cuda(buffer))
+        errors = _errors([call])         # the acknowledgement: the actor holds its own copy now
+        del buffer
+        torch.cuda.ipc_collect()          # the IPC block goes back to the allocator once the actor let go
+        if errors:
+            self._direct_failure(errors[0])
+        return call
+
+    def _direct_failure(self, exc: BaseException):
+        """A direct transport's call failed: :class:`EngineLost` if the actor died (now or earlier in the update),
+        else the engine's own error."""
+        errors = _errors(self._calls) + [exc]
+        dead = [e for e in errors if _dead(e)]
+        if dead:
+            self._lost(dead[0])
+        not_transport = [e for e in errors if e is not exc]
+        _raise_cause(not_transport[0] if not_transport else exc)
+
+    def _lost(self, cause: BaseException):
+        raise EngineLost(f"rollout engine actor {self.index} died ({_first_line(cause)}), and --weight-transport "
+                         f"{self.transport} keeps no copy of the weights to re-sync a restarted one") from None
 
     def finish_update(self) -> None:
         if self._pending is None:
@@ -254,10 +339,12 @@ class RayEngineProxy:
 
         from .run_log import log
 
+        if self.transport != "objects":
+            self._lost(cause)
         self.restarts += 1
         if self.restarts > self.max_restarts:
             raise UserInputError(f"rollout engine actor {self.index} died {self.restarts} times (--ray-max-restarts "
-                                 f"{self.max_restarts}): {str(cause).strip().splitlines()[0] if str(cause) else cause!r}")
+                                 f"{self.max_restarts}): {_first_line(cause)}")
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:
@@ -291,12 +378,13 @@ class PendingGenerate:
 _RANK_ENGINES: Dict[str, Any] = {}
 
 
-def set_rank_engines(actors: Sequence[Any], *, max_restarts: int, colocated: bool, model_parallel: int) -> None:
+def set_rank_engines(actors: Sequence[Any], *, max_restarts: int, colocated: bool, model_parallel: int,
+                     transport: str = "objects") -> None:
     """What a trainer actor was given by the launcher: the engine actors (one per data-parallel rank, in rank
-    order) and how they are placed. Read by :func:`rank_engine`."""
+    order), how they are placed and how weights reach them. Read by :func:`rank_engine`."""
     _RANK_ENGINES.clear()
     _RANK_ENGINES.update(actors=list(actors), max_restarts=max_restarts, colocated=colocated,
-                         model_parallel=model_parallel)
+                         model_parallel=model_parallel, transport=transport)
 
 
 def rank_engine() -> RayEngineProxy:
@@ -312,4 +400,5 @@ def rank_engine() -> RayEngineProxy:
     if _RANK_ENGINES["colocated"] and groups.rank != groups.dp_rank * _RANK_ENGINES["model_parallel"]:
         raise RuntimeError(f"colocated engine {groups.dp_rank} was placed with rank "
                            f"{groups.dp_rank * _RANK_ENGINES['model_parallel']}, but its leader is rank {groups.rank}")
-    return RayEngineProxy(actors[groups.dp_rank], index=groups.dp_rank, max_restarts=_RANK_ENGINES["max_restarts"])
+    return RayEngineProxy(actors[groups.dp_rank], index=groups.dp_rank, max_restarts=_RANK_ENGINES["max_restarts"],
+                          transport=_RANK_ENGINES["transport"])

@@ -6,10 +6,14 @@ object store for weights). The run's code is unchanged inside the actors:
 
 * **Cluster**: ``--ray-address`` (else ``RAY_ADDRESS``) names a running cluster; without either, a local one is
   started for the run (no dashboard) and stopped at its end.
-* **Placement**: one placement group (strategy PACK: as few nodes as fit) of one bundle per trainer rank
-  (``{GPU: 1, CPU: 1}``; on the CPU ``{CPU: 1}``), plus, disaggregated (``--rollout-num-gpus N``), one bundle
-  per engine. Colocated, engine ``j`` shares the bundle of its data-parallel leader (rank ``j x tp x cp``,
-  megatron's rank order), each taking half of it.
+* **Placement** (:func:`placement_plan`): one placement group (strategy PACK: as few nodes as fit) of one
+  bundle per trainer rank (``{GPU: 1, CPU: 1}``; on the CPU ``{CPU: 1}``), plus, disaggregated
+  (``--rollout-num-gpus N``), one bundle per engine. Colocated, engine ``j`` shares the bundle of its
+  data-parallel leader (rank ``j x tp x cp``, megatron's rank order), each taking half of it. With
+  ``--rollout-num-nodes M`` the engines get a placement group of their own, created first: M bundles of
+  ``N / M`` GPUs, strategy STRICT_SPREAD (each bundle on another node), engines ``j`` in bundle ``j // (N / M)``.
+* **Weights** (``--weight-transport``): Ray's object store, or directly (:mod:`train.ray_transport`); the
+  launcher logs which.
 * **Trainer group**: one :class:`TrainerRank` actor per rank sets torch.distributed's environment (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = rank 0's node, ``MASTER_PORT`` = a
   free port there) and runs the same rank entry point torchrun's ranks run (``train.trainer._rank_main``), so
@@ -32,13 +36,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from core.errors import UserInputError
 
 from .launch import RankFailed
 
-__all__ = ["run_on_ray", "TrainerRank", "DEFAULT_MAX_RESTARTS"]
+__all__ = ["run_on_ray", "TrainerRank", "Placement", "placement_plan", "DEFAULT_MAX_RESTARTS"]
 
 DEFAULT_MAX_RESTARTS = 2
 PLACEMENT_TIMEOUT_S = 120.0
@@ -98,15 +103,15 @@ def _check_reachable(address: Optional[str]) -> None:
         raise _cannot_connect(address, f"{host}:{port}: {exc.strerror or exc}") from None
 
 
-def _connect(address: Optional[str], bundles: int) -> None:
-    """Connect to the cluster, or start a local one with at least one (logical) CPU per bundle: CPU ranks
+def _connect(address: Optional[str], cpus: int) -> None:
+    """Connect to the cluster, or start a local one with at least the logical CPUs the bundles hold: CPU ranks
     share this machine's cores as the local launcher's do."""
     import ray
 
     from .run_log import log
 
     address = address or os.environ.get("RAY_ADDRESS") or None
-    local = {} if address else {"num_cpus": max(os.cpu_count() or 1, bundles)}
+    local = {} if address else {"num_cpus": max(os.cpu_count() or 1, cpus)}
     _check_reachable(address)
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
@@ -118,32 +123,89 @@ def _connect(address: Optional[str], bundles: int) -> None:
     log.info(f"orchestrator: ray: {where}: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs")
 
 
-def _bundles(run, world: int) -> List[Dict[str, float]]:
-    gpu = run.selection.hardware.gpu
-    one = {"CPU": 1.0, **({"GPU": 1.0} if gpu else {})}
-    return [dict(one) for _ in range(world + (run.rollout_num_gpus or 0))]
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's actors go: ``groups`` (strategy, bundles) in creation order; ``trainers[r]`` and
+    ``engines[j]`` are ``(group, bundle, share)``: the group's index, the bundle's and the share of the bundle's
+    resources the actor takes."""
+
+    groups: Tuple[Tuple[str, Tuple[Dict[str, float], ...]], ...]
+    trainers: Tuple[Tuple[int, int, float], ...]
+    engines: Tuple[Tuple[int, int, float], ...]
+
+    @property
+    def bundles(self) -> int:
+        return sum(len(b) for _, b in self.groups)
+
+    @property
+    def cpus(self) -> int:
+        """The logical CPUs the groups hold (what a local cluster started for the run needs at least)."""
+        return int(sum(b["CPU"] for _, bundles in self.groups for b in bundles))
 
 
-def _placement_group(run, world: int):
+def placement_plan(*, gpu: bool, world: int, model_parallel: int, rollout_num_gpus: Optional[int],
+                   rollout_num_nodes: Optional[int]) -> Placement:
+    """The placement of ``world`` trainer ranks and their engines (module docstring); a pure function of the run's
+    numbers, which the combination table has checked (``rollout-num-gpus``, ``rollout-num-nodes``)."""
+    def one(n: int = 1) -> Dict[str, float]:
+        return {"CPU": float(n), **({"GPU": float(n)} if gpu else {})}
+
+    dp = world // model_parallel
+    if rollout_num_gpus is None:            # colocated: engine j in its leader's bundle, half each
+        return Placement(groups=(("PACK", tuple(one() for _ in range(world))),),
+                         trainers=tuple((0, r, 0.5) for r in range(world)),
+                         engines=tuple((0, j * model_parallel, 0.5) for j in range(dp)))
+    if not rollout_num_nodes:               # disaggregated, one group: the engines' bundles after the trainer's
+        return Placement(groups=(("PACK", tuple(one() for _ in range(world + rollout_num_gpus))),),
+                         trainers=tuple((0, r, 1.0) for r in range(world)),
+                         engines=tuple((0, world + j, 1.0) for j in range(rollout_num_gpus)))
+    per = rollout_num_gpus // rollout_num_nodes   # engines per node; their group first (the stricter one)
+    return Placement(groups=(("STRICT_SPREAD", tuple(one(per) for _ in range(rollout_num_nodes))),
+                             ("PACK", tuple(one() for _ in range(world)))),
+                     trainers=tuple((1, r, 1.0) for r in range(world)),
+                     engines=tuple((0, j // per, 1.0) for j in range(rollout_num_gpus)))
+
+
+def _plan(run, world: int) -> Placement:
+    return placement_plan(gpu=run.selection.hardware.gpu, world=world, model_parallel=run.tp * run.cp,
+                          rollout_num_gpus=run.rollout_num_gpus, rollout_num_nodes=run.rollout_num_nodes)
+
+
+def _check_nodes(plan: Placement) -> None:
+    """A STRICT_SPREAD group needs as many nodes as bundles: fewer is one line now, not a placement timeout."""
     import ray
-    from ray.util.placement_group import placement_group
 
-    bundles = _bundles(run, world)
-    pg = placement_group(bundles, strategy="PACK", name=f"dsv4-{os.getpid()}")
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    for strategy, bundles in plan.groups:
+        if strategy == "STRICT_SPREAD" and len(bundles) > alive:
+            raise UserInputError(f"--rollout-num-nodes {len(bundles)}: the Ray cluster has {alive} node(s). Fix: add "
+                                 f"nodes (`ray start --address HEAD:PORT` on each), or use --rollout-num-nodes "
+                                 f"{alive} or fewer")
+
+
+def _placement_groups(plan: Placement) -> List[Any]:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    _check_nodes(plan)
+    groups = []
     try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        for i, (strategy, bundles) in enumerate(plan.groups):
+            groups.append(placement_group(list(bundles), strategy=strategy, name=f"dsv4-{os.getpid()}-{i}"))
+            ray.get(groups[-1].ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(pg)
-        need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+        for pg in groups:
+            remove_placement_group(pg)
+        every = [b for _, bundles in plan.groups for b in bundles]
+        need = {k: sum(b.get(k, 0) for b in every) for k in ("CPU", "GPU")}
         have = ray.cluster_resources()
+        spread = f", the engines over {len(plan.groups[0][1])} nodes" if len(plan.groups) > 1 else ""
         raise UserInputError(f"the Ray cluster cannot place the run within {PLACEMENT_TIMEOUT_S:.0f} s: it needs "
-                             f"{len(bundles)} bundles ({need['CPU']:g} CPUs, {need['GPU']:g} GPUs), the cluster has "
-                             f"{have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs. Fix: add nodes (`ray start "
-                             f"--address HEAD:PORT` on each), or use fewer --trainer-num-gpus / --rollout-num-gpus"
-                             ) from None
-    return pg
+                             f"{plan.bundles} bundles ({need['CPU']:g} CPUs, {need['GPU']:g} GPUs{spread}), "
+                             f"the cluster has {have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs. Fix: add "
+                             f"nodes (`ray start --address HEAD:PORT` on each), or use fewer --trainer-num-gpus / "
+                             f"--rollout-num-gpus") from None
+    return groups
 
 
 def _actor_options(pg, bundle: int, share: float, gpu: bool, env: Dict[str, str]) -> Dict[str, Any]:
@@ -162,19 +224,17 @@ def _dsv4_env(first_attempt: bool) -> Dict[str, str]:
             if (k.startswith(_FORWARDED) or k == "PYTHONWARNINGS") and (first_attempt or k not in _KILL_ONCE)}
 
 
-def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts: int) -> List[Any]:
+def _start_engines(run, model_config, cfg, run_dir, groups, plan: Placement, max_restarts: int) -> List[Any]:
     import ray
 
     from .ray_engines import EngineActor
 
     gpu, colocated = run.selection.hardware.gpu, run.rollout_num_gpus is None
-    mp = run.tp * run.cp
     options = dict(settings=cfg, run_dir=run_dir, publish_format=run.selection.quant.publish_format)
     remote = ray.remote(max_restarts=max_restarts, max_task_retries=0)(EngineActor)
     actors = []
-    for j in range(world // mp):
-        bundle = j * mp if colocated else world + j
-        opts = _actor_options(pg, bundle, 0.5 if colocated else 1.0, gpu, _dsv4_env(True))
+    for group, bundle, share in plan.engines:
+        opts = _actor_options(groups[group], bundle, share, gpu, _dsv4_env(True))
         actors.append(remote.options(**opts).remote(run, model_config, options))
     try:
         where = ray.get([a.ready.remote() for a in actors])
@@ -183,8 +243,14 @@ def _start_engines(run, model_config, cfg, run_dir, pg, world: int, max_restarts
     from .run_log import log
 
     mode = "colocated" if colocated else f"disaggregated ({run.rollout_num_gpus} bundle(s) of their own)"
-    log.info(f"orchestrator: ray: {len(actors)} rollout engine actor(s), {mode}, on "
-             f"{', '.join(sorted({w['node'] for w in where}))}")
+    nodes = len({w["node_id"] for w in where})
+    log.info(f"orchestrator: ray: {len(actors)} rollout engine actor(s), {mode}, on {nodes} node(s) "
+             f"({', '.join(sorted({w['node'] for w in where}))})")
+    transport = run.weight_transport or "objects"
+    how = {"objects": "Ray's object store", "gloo": "a torch.distributed broadcast, backend gloo (host memory)",
+           "nccl": "a torch.distributed broadcast, backend nccl", "cuda-ipc": "CUDA IPC handles (the same GPU)"}
+    log.info(f"orchestrator: ray: weight transport {transport}: each step's weights reach the engine actors "
+             f"through {how[transport]}")
     return actors
 
 
@@ -212,19 +278,21 @@ def _rank_env(trainers: List[Any], gpu: bool) -> List[Dict[str, str]]:
     return envs
 
 
-def _run_group(run, pg, world: int, engines, placement, fn, args, first_attempt: bool):
-    """One trainer group: start it, run every rank, return rank 0's result. A dead actor is
-    :class:`_GroupDied`; a rank's own error is re-raised as the launcher's one-line error."""
+def _run_group(run, groups, plan: Placement, engines, placement, fn, args, first_attempt: bool):
+    """One trainer group: start it, run every rank, return rank 0's result. A dead actor, or an engine actor
+    lost under a direct weight transport (:class:`train.ray_engines.EngineLost`), is :class:`_GroupDied`; a
+    rank's own error is re-raised as the launcher's one-line error."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
+    from .ray_engines import EngineLost
     from .run_log import _console_handler
 
-    gpu, colocated = run.selection.hardware.gpu, run.rollout_num_gpus is None
+    gpu = run.selection.hardware.gpu
     remote = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
     env = _dsv4_env(first_attempt)
-    trainers = [remote.options(**_actor_options(pg, r, 0.5 if colocated else 1.0, gpu, env)).remote()
-                for r in range(world)]
+    trainers = [remote.options(**_actor_options(groups[group], bundle, share, gpu, env)).remote()
+                for group, bundle, share in plan.trainers]
     try:
         envs = [{**env, **e} for e in _rank_env(trainers, gpu)]
         console = _console_handler()        # the actors print what this process prints (-q, -v)
@@ -238,6 +306,8 @@ def _run_group(run, pg, world: int, engines, placement, fn, args, first_attempt:
             except RayActorError as exc:
                 raise _GroupDied(refs.index(done[0]), exc) from None
             except RayTaskError as exc:
+                if isinstance(exc.cause, EngineLost):
+                    raise _GroupDied(refs.index(done[0]), exc.cause, what="lost its rollout engine") from None
                 first_error = first_error or (refs.index(done[0]), exc)
                 break
         if first_error is not None:
@@ -254,8 +324,8 @@ def _run_group(run, pg, world: int, engines, placement, fn, args, first_attempt:
 
 
 class _GroupDied(Exception):
-    def __init__(self, rank: int, exc: BaseException):
-        super().__init__(f"trainer rank {rank} died ({_one_line(exc)})")
+    def __init__(self, rank: int, exc: BaseException, what: str = "died"):
+        super().__init__(f"trainer rank {rank} {what} ({_one_line(exc)})")
         self.rank = rank
 
 
@@ -273,24 +343,22 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
         raise UserInputError("--orchestrator ray needs the `ray` package, which is not installed here. Fix: "
                              "pip install ray==2.60.0 (or `pip install '.[ray]'`), or use --orchestrator local"
                              ) from None
-    if run.weight_transport not in (None, "objects"):
-        from core.not_built import NotBuiltError
-
-        raise NotBuiltError(f"--weight-transport {run.weight_transport} is not built yet (docs/ray.md). Fix: use "
-                            f"--weight-transport objects (Ray's object store)")
     restarts = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
     world = run.world
-    _connect(address, len(_bundles(run, world)))
+    plan = _plan(run, world)
+    _connect(address, plan.cpus)
     try:
-        pg = _placement_group(run, world)
-        engines = _start_engines(run, model_config, cfg, run_dir, pg, world, restarts) if mode == "grpo" else []
-        placement = dict(max_restarts=restarts, colocated=run.rollout_num_gpus is None, model_parallel=run.tp * run.cp)
-        log.info(f"orchestrator: ray: {world} trainer actor(s) in placement group {pg.id.hex()[:8]}")
+        groups = _placement_groups(plan)
+        engines = _start_engines(run, model_config, cfg, run_dir, groups, plan, restarts) if mode == "grpo" else []
+        placement = dict(max_restarts=restarts, colocated=run.rollout_num_gpus is None, model_parallel=run.tp * run.cp,
+                         transport=run.weight_transport or "objects")
+        log.info(f"orchestrator: ray: {world} trainer actor(s) in placement group "
+                 f"{groups[plan.trainers[0][0]].id.hex()[:8]}")
         attempt = 0
         while True:
             args = (run, model_source, mode, steps, str(run_dir), resume or attempt > 0, cfg, progress)
             try:
-                return _run_group(run, pg, world, engines, placement, fn, args, first_attempt=attempt == 0)
+                return _run_group(run, groups, plan, engines, placement, fn, args, first_attempt=attempt == 0)
             except _GroupDied as died:
                 attempt += 1
                 if attempt > restarts:

@@ -22,14 +22,22 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for the module (4 logical CPUs, no dashboard, a short session folder under /tmp:
-    Ray's socket paths have a length limit): its GCS address, for ``--ray-address``."""
+    """A local Ray cluster for the module: two simulated nodes of 2 logical CPUs each (``ray.cluster_utils``:
+    one raylet per node on this machine, so ``--rollout-num-nodes 2`` places for real), no dashboard, a small
+    object store per node, a short session folder under /tmp (Ray's socket paths have a length limit): its
+    GCS address, for ``--ray-address``."""
     import ray
+    from ray.cluster_utils import Cluster
 
     folder = tempfile.mkdtemp(prefix="dsv4ray", dir="/tmp")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=folder, configure_logging=False, log_to_driver=False)
+    node = dict(num_cpus=2, object_store_memory=256 << 20)
+    nodes = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False, temp_dir=folder))
     try:
-        yield ray.get_runtime_context().gcs_address
+        nodes.add_node(**node)
+        ray.init(address=nodes.address, configure_logging=False, log_to_driver=False)
+        nodes.wait_for_nodes()
+        yield nodes.address
     finally:
         ray.shutdown()
+        nodes.shutdown()
         shutil.rmtree(folder, ignore_errors=True)

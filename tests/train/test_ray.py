@@ -64,6 +64,31 @@ def test_both_modes_take_the_local_steps(tmp_path, cluster, local, mode, args):
     assert [r["engine_memory_gib"] == 0 for r in got] == [mode == "colocated"] * 3
 
 
+def test_gloo_transport_over_two_engine_nodes_loads_the_published_weights(tmp_path, cluster, local):
+    """``--weight-transport gloo``: each data-parallel leader broadcasts its buckets to its engine actor over a
+    process group of their own (the code path of nccl), the two engines on two nodes (``--rollout-num-nodes
+    2``, the placement group spread strictly). Every step's weight check compares what each engine actor holds
+    (sent back through the object store) with what its leader published: equal bit for bit (``weight_check_ok``);
+    the first step equals the local run's, as the objects transport's runs do. Both engine actors are SIGKILLed
+    as step 2 asks them to generate: with no copy of the weights to re-sync them, the trainer group restarts
+    from step 1's checkpoint, and its new leaders form new groups with the restarted actors."""
+    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--trainer-num-gpus", "2",
+                  "--rollout-num-gpus", "2", "--rollout-num-nodes", "2", "--weight-transport", "gloo",
+                  env={"DSV4_RAY_ENGINE_KILL_AT": "generate:2"})
+    assert "2 rollout engine actor(s), disaggregated (2 bundle(s) of their own), on 2 node(s)" in proc.stderr
+    assert "weight transport gloo: each step's weights reach the engine actors through a torch.distributed " \
+           "broadcast, backend gloo" in proc.stderr
+    # two leaders' groups, then two again in the restarted trainer group
+    assert proc.stderr.count("weight transport gloo: a process group of this trainer rank and 1 engine") == 4
+    assert "lost its rollout engine (rollout engine actor" in proc.stderr, proc.stderr[-2000:]
+    assert "restarting the trainer group from checkpoint step 1" in proc.stderr
+    got = metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert all(r["weight_check_ok"] is True and r["weight_sync_buckets"] >= 1 for r in got)
+    assert got[0]["world_size"] == 2
+    _same_rows(got[:1], local[:1])
+
+
 @pytest.mark.parametrize("kill_at", [
     "begin_update:2",      # between steps 1 and 2, as step 2's weight update starts
     "generate:2",          # after step 2's update, as the engine is asked to generate
@@ -108,13 +133,71 @@ def _error(res) -> str:
      "colocate=true releases each engine's memory for the trainer ranks it shares a device with, and "
      "--rollout-num-gpus 1 gives the engines devices of their own. Fix: drop colocate=true"),
     (("--orchestrator", "ray", "--weight-transport", "nccl"),
-     "--weight-transport nccl moves CUDA tensors (got --hardware cpu). Fix: use --weight-transport objects"),
+     "--weight-transport nccl moves CUDA tensors (got --hardware cpu). Fix: use --weight-transport gloo"),
+    (("--orchestrator", "ray", "--weight-transport", "cuda-ipc"),
+     "--weight-transport cuda-ipc moves CUDA tensors (got --hardware cpu). Fix: use --weight-transport gloo"),
+    (("--hardware", "nvidia", "--orchestrator", "ray", "--rollout-num-gpus", "1", "--weight-transport", "gloo"),
+     "--weight-transport gloo broadcasts host tensors, and --hardware nvidia keeps the weights on GPUs. Fix: use "
+     "--weight-transport nccl"),
+    (("--hardware", "nvidia", "--orchestrator", "ray", "--weight-transport", "nccl"),
+     "colocated engines share their trainer rank's GPU (NCCL refuses two ranks on one GPU). Fix: use "
+     "--weight-transport cuda-ipc, or give the engines GPUs of their own with --rollout-num-gpus N"),
+    (("--hardware", "nvidia", "--orchestrator", "ray", "--rollout-num-gpus", "1", "--weight-transport", "cuda-ipc"),
+     "--weight-transport cuda-ipc hands each engine the trainer's GPU memory, and --rollout-num-gpus 1 puts the "
+     "engines on GPUs of their own. Fix: use --weight-transport nccl, or drop --rollout-num-gpus"),
+    (("--orchestrator", "ray", "--trainer-num-gpus", "2", "--rollout-num-gpus", "2", "--rollout-num-nodes", "3"),
+     "--rollout-num-nodes 3 does not divide --rollout-num-gpus 2 (each node holds the same number of engines). "
+     "Fix: use --rollout-num-nodes 1 or 2"),
+    (("--orchestrator", "ray", "--rollout-num-nodes", "2"),
+     "--rollout-num-nodes 2 spreads the engines' own devices over nodes, and without --rollout-num-gpus"),
+    (("--rollout-num-nodes", "2",), "--rollout-num-nodes places the run's Ray actors, and --orchestrator local"),
     (("--orchestrator", "ray", "--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"),
      "--orchestrator ray runs each rollout engine inside a Ray actor, and --rollout-engine sglang is a server"),
 ])
 def test_refused_before_any_work(tmp_path, args, says):
     assert says in _error(_dsv4("--run-dir", tmp_path / "run", *args))
     assert not (tmp_path / "run").exists()
+
+
+def test_placement_plan_spreads_the_engines_over_their_nodes():
+    """The placement groups and each actor's (group, bundle, share), against the layouts written out by hand."""
+    from train.ray_launch import placement_plan
+
+    gpu = {"CPU": 1.0, "GPU": 1.0}
+    colocated = placement_plan(gpu=True, world=4, model_parallel=2, rollout_num_gpus=None, rollout_num_nodes=None)
+    assert colocated.groups == (("PACK", (gpu,) * 4),)
+    assert colocated.engines == ((0, 0, 0.5), (0, 2, 0.5))           # in the leaders' (ranks 0, 2) bundles
+    assert colocated.trainers == tuple((0, r, 0.5) for r in range(4))
+    one = placement_plan(gpu=False, world=2, model_parallel=1, rollout_num_gpus=2, rollout_num_nodes=None)
+    assert one.groups == (("PACK", ({"CPU": 1.0},) * 4),) and one.engines == ((0, 2, 1.0), (0, 3, 1.0))
+    spread = placement_plan(gpu=True, world=2, model_parallel=1, rollout_num_gpus=6, rollout_num_nodes=3)
+    assert spread.groups == (("STRICT_SPREAD", ({"CPU": 2.0, "GPU": 2.0},) * 3), ("PACK", (gpu,) * 2))
+    assert [b for _, b, _ in spread.engines] == [0, 0, 1, 1, 2, 2] and {g for g, _, _ in spread.engines} == {0}
+    assert spread.trainers == ((1, 0, 1.0), (1, 1, 1.0)) and spread.bundles == 5 and spread.cpus == 8
+
+
+def test_a_packed_bucket_unpacks_to_the_same_bytes():
+    """The direct transports' one-buffer packing, for the dtypes a published bucket holds (fp8 and packed nvfp4
+    bytes, fp32 scales, integer tables) and the odd shapes (a scalar, an empty tensor, a strided view)."""
+    import torch
+
+    from train.ray_transport import pack_bucket, unpack_bucket
+
+    g = torch.Generator().manual_seed(0)
+    bucket = [("w", torch.randn(3, 5, generator=g)), ("bf", torch.randn(7, generator=g).to(torch.bfloat16)),
+              ("fp8", torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn)),
+              ("packed", torch.randint(0, 255, (5, 3), generator=g, dtype=torch.uint8)),
+              ("tid2eid", torch.randint(-1, 8, (6, 2), generator=g, dtype=torch.int32)),
+              ("scalar", torch.tensor(3, dtype=torch.int64)), ("empty", torch.zeros(0, 3)),
+              ("strided", torch.randn(6, 6, generator=g)[:, ::2])]
+    meta, buffer = pack_bucket(bucket, "cpu")
+    assert meta[0] == buffer.numel() and meta[0] % 16 == 0
+    got = unpack_bucket(meta, buffer.clone())          # what a receiver holds: another buffer with those bytes
+    assert [n for n, _ in got] == [n for n, _ in bucket]
+    for (name, want), (_, t) in zip(bucket, got):
+        assert t.dtype == want.dtype and t.shape == want.shape, name
+        assert t.contiguous().reshape(-1).view(torch.uint8).tolist() == \
+            want.contiguous().reshape(-1).view(torch.uint8).tolist(), name
 
 
 def test_a_torchrun_rank_cannot_start_ray_actors(tmp_path, monkeypatch):

@@ -1,8 +1,20 @@
-"""`dsv4 train --orchestrator ray` on two GPUs of one host (skipped with fewer; tagged ``gpu`` in Bazel).
+"""`dsv4 train --orchestrator ray` on the GPUs of one host (tagged ``gpu`` in Bazel; each case skipped with fewer
+GPUs than it needs).
 
     python -m pytest -q tests/train/test_ray_gpu.py
 
-Each run starts a local Ray cluster (the CLI's default) that sees the host's GPUs:
+Each run starts a local Ray cluster (the CLI's default) that sees the host's GPUs. On one GPU:
+
+* ``--weight-transport cuda-ipc``, colocated (one trainer rank and its engine actor on GPU 0, half of it
+  each; ``colocate=true``, so the engine frees its weights after each rollout and the next update allocates
+  them again): each bucket reaches the engine as an IPC handle to the trainer's GPU memory. Every step's
+  weight check (what the engine holds against what was published, bit for bit) passes, and the first step
+  agrees with the local orchestrator's one-GPU run.
+
+On two GPUs:
+
+* ``--weight-transport nccl``, disaggregated (one trainer GPU, one engine GPU): the same checks, the buckets
+  broadcast over an NCCL group of the trainer rank and the engine actor;
 
 * disaggregated, one trainer GPU and one engine GPU (``--rollout-num-gpus 1``): the first GRPO step (bf16)
   agrees with the local orchestrator's one-GPU run (reward and the samples' token count equal: the same
@@ -24,8 +36,9 @@ import pytest
 import torch
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(N_GPUS < 2, reason=f"needs 2+ CUDA GPUs of one host; {N_GPUS} visible")]
+pytestmark = [pytest.mark.gpu]
+one_gpu = pytest.mark.skipif(N_GPUS < 1, reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(N_GPUS < 2, reason=f"needs 2+ CUDA GPUs of one host; {N_GPUS} visible")
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = ("--hardware", "nvidia", "--mode", "grpo", "--steps", "3", "--lr", "1e-4", "export_at_end=false")
@@ -54,6 +67,29 @@ def _first_step_agrees(got, want):
         assert g[key] == pytest.approx(w[key], rel=2e-2, abs=2e-2), key
 
 
+@one_gpu
+def test_cuda_ipc_transport_on_one_gpu_loads_the_published_weights(tmp_path):
+    _train(tmp_path / "local")
+    proc = _train(tmp_path / "ray", "--orchestrator", "ray", "--weight-transport", "cuda-ipc", "colocate=true")
+    assert "1 rollout engine actor(s), colocated" in proc.stderr
+    assert "weight transport cuda-ipc: each step's weights reach the engine actors through CUDA IPC" in proc.stderr
+    got = _rows(tmp_path / "ray")
+    assert all(r["weight_check_ok"] is True for r in got), [r["weight_check_ok"] for r in got]
+    assert all(r["engine_memory_gib"] == 0 for r in got)
+    _first_step_agrees(got, _rows(tmp_path / "local"))
+
+
+@two_gpus
+def test_nccl_transport_on_two_gpus_loads_the_published_weights(tmp_path):
+    _train(tmp_path / "local")
+    proc = _train(tmp_path / "ray", "--orchestrator", "ray", "--rollout-num-gpus", "1", "--weight-transport", "nccl")
+    assert "weight transport nccl: a process group of this trainer rank and 1 engine actor(s)" in proc.stderr
+    got = _rows(tmp_path / "ray")
+    assert all(r["weight_check_ok"] is True for r in got), [r["weight_check_ok"] for r in got]
+    _first_step_agrees(got, _rows(tmp_path / "local"))
+
+
+@two_gpus
 @pytest.mark.parametrize("mode,layout", [("disaggregated", ()), ("colocated", ("--ep", "2"))])
 def test_both_modes_on_two_gpus_take_the_local_step(tmp_path, mode, layout):
     _train(tmp_path / "local", *layout)
@@ -66,6 +102,7 @@ def test_both_modes_on_two_gpus_take_the_local_step(tmp_path, mode, layout):
         assert all(r["engine_memory_gib"] == 0 for r in got)
 
 
+@two_gpus
 def test_a_killed_engine_actor_on_a_gpu_is_restarted_and_resynced(tmp_path):
     proc = _train(tmp_path / "ray", "--orchestrator", "ray", "--rollout-num-gpus", "1",
                   env={"DSV4_RAY_ENGINE_KILL_AT": "generate:2"})
