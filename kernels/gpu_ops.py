@@ -47,8 +47,12 @@ def traceable(fn: Callable) -> Callable:
 
 
 def padded(n: int) -> int:
-    """``n`` rounded up to a power of two (the side of a token's mHC register tile, ``NP``)."""
-    return 1 << max(0, n - 1).bit_length()
+    """``n`` rounded up to a power of two (the side of a token's mHC register tile, ``NP``); a loop of
+    comparisons, so a fake implementation may pass a symbolic size."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
 
 
 def mix_width(m: int) -> int:
@@ -252,10 +256,13 @@ def _mhc_ops(ns: str, module: str) -> dict:
 
 
 def _register(ns: str, package: str, mhc: bool) -> types.SimpleNamespace:
+    """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
+    ``OpOverload`` every torch version's dynamo traces as a graph node)."""
     ops = {**_attention_ops(ns, f"{package}.attention"), **_indexer_ops(ns, f"{package}.indexer")}
     if mhc:
         ops.update(_mhc_ops(ns, package))
-    return types.SimpleNamespace(namespace=ns, **ops)
+    library = getattr(torch.ops, ns)
+    return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
 
 
 # registered once per process, when this module is first imported

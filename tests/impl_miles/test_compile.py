@@ -67,3 +67,9 @@ def test_backend_kernels_stay_eager():
     assert ops.sinkhorn is ref.sinkhorn
     assert ops.sparse_attention_with_sink is not ref.sparse_attention_with_sink
     assert ops.sparse_attention_with_sink(3) == 3
+
+    def block(x):
+        return ops.sinkhorn(x.sin()).cos() + ops.sparse_attention_with_sink(x.exp()).tanh()
+
+    explain = torch._dynamo.explain(block)(torch.ones(2))
+    assert explain.graph_break_count == 1, explain.break_reasons  # at the unmarked op only
