@@ -22,6 +22,10 @@ def ops() -> "OpTable":
     * ``indexer_scores(q, k, w)``: fp32 scores for bf16/fp16 CUDA inputs (the reference returns the input
       dtype); other inputs, and inputs that require a gradient (no backward), are refused.
 
+    Each kernel launcher is a ``torch.library`` custom op (``dsv4_tilelang::...``, ``kernels/gpu_ops.py``): a
+    graph node under ``torch.compile`` (``--compile``); TileLang compiles a kernel when the op first runs, never
+    while dynamo traces.
+
     Named from the reference set (backend ``none``; no TileLang kernel): ``hadamard_transform``,
     ``sinkhorn``, ``hc_pre``, ``hc_post``, ``hc_head``.
 

