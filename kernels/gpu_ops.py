@@ -26,6 +26,9 @@ without triton or tilelang. The input checks (refusals with the fix) stay in the
 run before an op is called, so they also run while ``torch.compile`` traces. The entry points that call only
 torch code and these ops carry ``traceable = True`` (:func:`traceable`); ``engine.compile`` keeps them in the
 compiled graph.
+
+``custom_op``, not ``triton_op``: one registration serves both backends (TileLang's launchers are not Triton),
+and Inductor could not fuse into these hand-written kernels anyway; it fuses the torch code around them.
 """
 
 import importlib
@@ -35,8 +38,6 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["TRITON", "TILELANG", "traceable", "padded", "mix_width"]
-
-LN2 = 0.6931471805599453
 
 
 def traceable(fn: Callable) -> Callable:
