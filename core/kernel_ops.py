@@ -2,14 +2,17 @@
 
 Why a table of its own rather than a namespace: the models call ``ops.sparse_attention_with_sink(...)``
 without knowing which backend answers, so the answer must be visible somewhere else. Every op in an
-:class:`OpTable` is wrapped once, when the table is built, to count its eager calls under
+:class:`OpTable` is wrapped once, when the table is built, to count its calls under
 ``"<backend>.<op>"`` (the backend that really provides the op: a GPU backend's table names ``none``
 for the ops it takes from the reference set). Tests and ``dsv4`` read the counts with
 :func:`kernels_ran`; a test that claims a backend ran asserts it there.
 
-Counting happens outside ``torch.compile`` tracing only: a kernel backend's own kernels run eagerly
-even inside compiled blocks (``engine.compile``) and are counted on every call; reference ops traced
-into a compiled graph are counted while the graph is recorded, not on replays.
+What is counted: in eager code, every call. Under ``torch.compile`` (``engine.compile``), a call is
+counted when Dynamo traces it (once per compilation of the calling code, again on a recompile), not on
+the compiled graph's runs: the op is then a node of the graph (a reference op's torch code, or a kernel
+backend's ``torch.library`` custom ops, ``kernels.gpu_ops``), and a count in a traced op records which
+backend's code the graph holds. An op that ``engine.compile`` keeps out of the graph
+(``torch.compiler.disable``) runs eagerly and is counted on every call.
 
 Only the standard library is imported at module level (listing plugins never imports torch).
 """
@@ -43,7 +46,8 @@ _RAN: collections.Counter = collections.Counter()
 
 
 def kernels_ran() -> dict:
-    """``{"<backend>.<op>": eager calls}`` since the last :func:`reset_kernels_ran` (a copy)."""
+    """``{"<backend>.<op>": calls}`` since the last :func:`reset_kernels_ran` (a copy; under ``torch.compile``
+    a call counts when traced, see the module docstring)."""
     return dict(_RAN)
 
 
@@ -57,11 +61,36 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _count(key: str) -> bool:
+    _RAN[key] += 1
+    return True
+
+
+_count_traced: Optional[Callable] = None
+
+
+def _trace_counter() -> Callable:
+    """:func:`_count` for traced code: ``torch.compiler.assume_constant_result`` makes Dynamo run it once
+    while tracing (and bake in its result) instead of tracing the counter's update, which would guard the
+    graph on the counts and recompile it on every call. Made when a table is built (torch is imported
+    then: a table holds torch functions), so the traced wrapper only reads a global."""
+    global _count_traced
+    if _count_traced is None:
+        import torch
+
+        _count_traced = torch.compiler.assume_constant_result(_count)
+    return _count_traced
+
+
 def _counted(key: str, fn: Callable) -> Callable:
-    @functools.wraps(fn)  # keeps __module__: engine.compile tells reference ops from kernels by it
+    _trace_counter()
+
+    @functools.wraps(fn)  # keeps __module__ and marks (``traceable``): engine.compile reads them
     def op(*args, **kwargs):
-        if not _compiling():
-            _RAN[key] += 1
+        if _compiling():
+            _count_traced(key)
+        else:
+            _count(key)
         return fn(*args, **kwargs)
 
     op.counted_as = key

@@ -6,9 +6,12 @@ launches, not by math. Compiling each block with TorchInductor fuses those into 
 the forward and the backward (AOTAutograd) while the model code stays the readable reference math.
 
 What is compiled: every block (``decoder.layers.N``, ``mtp.layers.K``), each in place (``Module.compile``),
-so parameter names, ``state_dict`` keys and checkpoints are unchanged. What is not: the kernel backend's
-own kernels (sparse attention, indexer scores / top-k of ``triton`` / ``tilelang``) are called eagerly
-from the compiled code (``torch.compiler.disable``), the embedding, the head and the loss.
+so parameter names, ``state_dict`` keys and checkpoints are unchanged. The kernel backend's own
+kernels (sparse attention, indexer scores, the triton backend's fused mHC ops) are ``torch.library``
+custom ops (``kernels.gpu_ops``): each is one node of the block's graph, so a block compiles to one
+forward and one backward graph with no graph break, and Inductor fuses the element-wise code around the
+kernels (which it calls as they are, it does not generate them). An op-table entry without that mark
+(:func:`opaque_kernel_ops`) runs eagerly, a graph break. Not compiled: the embedding, the head and the loss.
 
 Shapes: a block is compiled for the first shape it sees; a new shape recompiles it once with dynamic
 sizes (``dynamic=None``). Python-level layout objects of the packed (THD) path are guarded on, so packed
@@ -25,13 +28,18 @@ __all__ = ["compile_blocks", "block_modules", "opaque_kernel_ops"]
 
 
 def opaque_kernel_ops(ops):
-    """A copy of a kernel backend's op table (:class:`core.kernel_ops.OpTable`) whose own kernels (every op
-    not taken from ``kernels.reference``) run eagerly when called from compiled code; reference ops stay
-    traceable."""
+    """A copy of a kernel backend's op table (:class:`core.kernel_ops.OpTable`) in which every op that
+    ``torch.compile`` cannot trace runs eagerly when called from compiled code (``torch.compiler.disable``, a
+    graph break). Traceable, and kept as they are: the reference ops (``kernels.reference``) and the
+    entry points marked ``traceable`` (``kernels.gpu_ops.traceable``: torch code around registered custom
+    ops; every op of the triton and tilelang backends). An unmarked op, e.g. a third-party backend's raw
+    launcher, is not traced into, where its Python would fail or be specialised wrongly."""
 
     def opaque(name, fn):
         module = getattr(fn, "__module__", "") or ""
-        return fn if module.startswith("kernels.reference") else torch.compiler.disable(fn, recursive=True)
+        if module.startswith("kernels.reference") or getattr(fn, "traceable", False):
+            return fn
+        return torch.compiler.disable(fn, recursive=True)
 
     return ops.map(opaque)
 
@@ -45,7 +53,8 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def compile_blocks(model: nn.Module, cuda_graphs: bool = False, backend: str = "inductor") -> nn.Module:
+def compile_blocks(model: nn.Module, cuda_graphs: bool = False, backend: str = "inductor",
+                   fullgraph: bool = False) -> nn.Module:
     """Compile ``model``'s blocks in place (see the module docstring) and return the model.
 
     ``cuda_graphs``: Inductor's ``reduce-overhead`` mode, which also records every compiled forward and
@@ -54,7 +63,8 @@ def compile_blocks(model: nn.Module, cuda_graphs: bool = False, backend: str = "
     start of each training step. A model that cannot be replayed as CUDA graphs says why in its
     ``cuda_graphs_refusal()``; then ``cuda_graphs=True`` raises with that reason instead of running slowly.
     ``backend``: the ``torch.compile`` backend; tests pass ``"eager"`` to check tracing (graph breaks,
-    recompiles) without paying for code generation."""
+    recompiles) without paying for code generation. ``fullgraph``: a graph break raises (with its reason)
+    instead of splitting the block; tests use it to show that a backend's ops trace."""
     refusal = getattr(model, "cuda_graphs_refusal", lambda: None)() if cuda_graphs else None
     if refusal:
         raise ValueError(f"compile_blocks(cuda_graphs=True): {refusal}")
@@ -71,5 +81,5 @@ def compile_blocks(model: nn.Module, cuda_graphs: bool = False, backend: str = "
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(blocks) + 8)
     mode = {"mode": "reduce-overhead"} if cuda_graphs else {}
     for block in blocks:
-        block.compile(dynamic=None, backend=backend, **mode)
+        block.compile(dynamic=None, backend=backend, fullgraph=fullgraph, **mode)
     return model

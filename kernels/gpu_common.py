@@ -4,9 +4,9 @@ The backends never import each other; each one passes its raw kernel launchers t
 
 * :func:`check_attention_inputs`: the shape / dtype / device checks of the THD attention launchers;
 * :func:`dsink_from_delta`: ``d_sink[h] = -sum_t Delta * exp(sink - lse)`` (``lse2`` in log2 units);
-* :func:`make_attention_api`: the autograd wrapper, the THD entry point and the batched entry point
-  (same contract as ``kernels.reference.attention.sparse_attention_with_sink``) over a backend's
-  ``sparse_attention_fwd`` / ``sparse_attention_bwd``;
+* :func:`make_attention_api`: the THD entry point and the batched entry point (same contract as
+  ``kernels.reference.attention.sparse_attention_with_sink``) over a backend's ``sparse_attention_fwd`` /
+  ``sparse_attention_bwd`` custom ops (``kernels.gpu_ops``, which also gives them their autograd);
 * :func:`indexer_scores_batched`, :func:`indexer_topk`: the indexer's batched entry point and top-k;
 * :func:`make_ops`: the op table of a backend (its kernels + the reference ops it names for the rest).
 
@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from core.kernel_ops import OpTable
+from kernels.gpu_ops import traceable
 from kernels.reference.topk import stable_topk
 
 LOG2E = 1.4426950408889634
@@ -65,43 +66,28 @@ def local_copy(fn: Callable, module: str) -> Callable:
     return f
 
 
-def make_attention_api(fwd: Callable, bwd: Callable, kernel_supports: Callable, module: str):
-    """Entry points over one backend's launchers.
+def make_attention_api(ops, check: Callable, kernel_supports: Callable, module: str):
+    """Entry points over one backend's attention custom ops (``ops``: its namespace of
+    :mod:`kernels.gpu_ops`, whose ``sparse_attention_fwd`` carries the backward through
+    ``sparse_attention_bwd``).
 
-    ``fwd(q, kv, idx, sink, scale) -> (o, lse2)`` and
-    ``bwd(q, kv, idx, sink, o, lse2, do, scale) -> (dq, dkv, dsink)`` are the backend's THD launchers;
-    ``kernel_supports(q, kv)`` says whether batched inputs run the kernels (else the reference op);
-    ``module`` (the backend module's ``__name__``) becomes the ``__module__`` of what is returned.
-    Returns ``(SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink)``."""
+    ``check(q, kv, idx, sink)`` raises for THD inputs the kernels do not take (it runs before the op, so also
+    while ``torch.compile`` traces); ``kernel_supports(q, kv)`` says whether batched inputs run the kernels
+    (else they are refused); ``module`` (the backend module's ``__name__``) becomes the ``__module__`` of what
+    is returned. Returns ``(sparse_attention_with_sink_thd, sparse_attention_with_sink)``, both
+    :func:`kernels.gpu_ops.traceable`."""
     backend = module.split(".")[1] if module.startswith("kernels.") else module
-
-    class SparseAttentionWithSink(torch.autograd.Function):
-        """autograd wrapper over the THD kernels: ``(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale)``
-        -> ``(o [T,H,D], lse [T,H] natural log, not differentiable)``."""
-
-        @staticmethod
-        def forward(ctx, q, kv, idx, sink, scale):
-            o, lse2 = fwd(q, kv, idx, sink, scale)
-            ctx.save_for_backward(q, kv, idx, sink, o, lse2)
-            ctx.scale = scale
-            lse = lse2 * LN2
-            ctx.mark_non_differentiable(lse)
-            return o, lse
-
-        @staticmethod
-        def backward(ctx, do, _dlse):
-            q, kv, idx, sink, o, lse2 = ctx.saved_tensors
-            dq, dkv, dsink = bwd(q, kv, idx, sink, o, lse2, do, ctx.scale)
-            return dq, dkv, None, dsink.to(sink.dtype), None
 
     def sparse_attention_with_sink_thd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                                        scale: Optional[float] = None, return_lse: bool = False):
         """THD entry point: ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]`` (int32/int64, ``-1`` = empty),
-        ``sink [H]`` -> ``o [T,H,D]`` (and ``lse [T,H]`` fp32, natural log, when ``return_lse``)."""
+        ``sink [H]`` -> ``o [T,H,D]`` (and ``lse [T,H]`` fp32, natural log, not differentiable, when
+        ``return_lse``)."""
+        check(q, kv, idx, sink)
         if scale is None:
             scale = q.shape[-1] ** -0.5
-        o, lse = SparseAttentionWithSink.apply(q, kv, idx, sink, float(scale))
-        return (o, lse) if return_lse else o
+        o, lse2 = ops.sparse_attention_fwd(q, kv, idx, sink, float(scale))
+        return (o, lse2.detach() * LN2) if return_lse else o
 
     def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                                    sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -124,10 +110,11 @@ def make_attention_api(fwd: Callable, bwd: Callable, kernel_supports: Callable, 
                                            idx.reshape(B * S, -1), sink, scale)
         return o.view(B, S, H, D)
 
-    for obj in (SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink):
+    for obj in (sparse_attention_with_sink_thd, sparse_attention_with_sink):
         obj.__module__ = module
         obj.__qualname__ = obj.__name__
-    return SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink
+        traceable(obj)
+    return sparse_attention_with_sink_thd, sparse_attention_with_sink
 
 
 def refusal(backend: str, what: str, q: torch.Tensor, kv: torch.Tensor) -> ValueError:
@@ -164,6 +151,7 @@ def refuse_grad(backend: str, *tensors: torch.Tensor) -> None:
                          f"--kernel-backend none, or keep it frozen (no indexer KL loss)")
 
 
+@traceable
 def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """The reference model's stable top-k (``kernels.reference.topk.stable_topk``: ties -> lowest id,
     ids ascending, ``-1`` padding last where fewer scores are finite) over the last dim of the kernel's

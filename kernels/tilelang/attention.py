@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from kernels import gpu_common
+from kernels import gpu_common, gpu_ops
 from kernels.gpu_common import LN2, LOG2E  # noqa: F401  (re-exported: bench.py uses A.LOG2E)
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "sparse_attention_with_sink_thd",
     "sparse_attention_fwd",
     "sparse_attention_bwd",
-    "SparseAttentionWithSink",
     "FWD_CONFIG",
     "BWD_CONFIG",
 ]
@@ -303,7 +302,8 @@ def _kernel_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
     return gpu_common.half_pow2_head_dim(q, kv) and q.is_cuda
 
 
-# autograd wrapper, THD and batched entry points (bf16/fp16 CUDA inputs with a power-of-two head dim >= 32
-# run the TileLang kernels; anything else, fp32/fp64, odd head dims, CPU tensors, is refused with the fix)
-SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
-    lambda *a: sparse_attention_fwd(*a), lambda *a: sparse_attention_bwd(*a), _kernel_supports, __name__)
+# THD and batched entry points over the dsv4_tilelang custom ops (kernels.gpu_ops: autograd, torch.compile);
+# bf16/fp16 CUDA inputs with a power-of-two head dim >= 32 run the TileLang kernels; anything else, fp32/fp64,
+# odd head dims, CPU tensors, is refused with the fix
+sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
+    gpu_ops.TILELANG, _check, _kernel_supports, __name__)

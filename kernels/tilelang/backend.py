@@ -25,6 +25,10 @@ def ops() -> "OpTable":
       Other inputs (fp32/fp64: ``--dtype fp32`` is refused with this backend), and inputs that require a
       gradient (no backward), are refused.
 
+    Each kernel launcher is a ``torch.library`` custom op (``dsv4_tilelang::...``, ``kernels/gpu_ops.py``): a
+    graph node under ``torch.compile`` (``--compile``); TileLang compiles a kernel when the op first runs, never
+    while dynamo traces.
+
     Named from the reference set (backend ``none``; no TileLang kernel): ``hadamard_transform``,
     ``sinkhorn``, ``hc_pre``, ``hc_post``, ``hc_head``.
 

@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from kernels import gpu_common
+from kernels import gpu_common, gpu_ops
 
-__all__ = ["indexer_scores", "indexer_scores_thd", "indexer_topk", "INDEXER_CONFIG"]
+__all__ = ["indexer_scores", "indexer_scores_thd", "indexer_scores_launch", "indexer_topk", "INDEXER_CONFIG"]
 
 INDEXER_CONFIG = dict(BT=64, BN=128, threads=128, num_stages=2)
 
@@ -70,12 +70,15 @@ def indexer_kernel(H: int, D: int, dtype: str, has_range: bool, BT: int = 64, BN
     return _compile(indexer_scores_fwd)
 
 
+@gpu_ops.traceable
 def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                        ks: Optional[torch.Tensor] = None, ke: Optional[torch.Tensor] = None,
                        config: Optional[dict] = None) -> torch.Tensor:
-    """``q [T,H,D]``, ``k [N,D]``, ``w [T,H]`` (+ optional ``ks, ke [T]``) -> fp32 scores ``[T, N]``."""
+    """``q [T,H,D]``, ``k [N,D]``, ``w [T,H]`` (+ optional ``ks, ke [T]``) -> fp32 scores ``[T, N]``.
+
+    The checks run here, then the ``dsv4_tilelang::indexer_scores`` custom op (``kernels.gpu_ops``) launches
+    :func:`indexer_scores_launch`; a ``config`` (launch settings, bench.py) calls the launcher directly."""
     T, H, D = q.shape
-    N = k.shape[0]
     if k.shape[1] != D or w.shape != (T, H):
         raise ValueError(f"expected q [T,H,D], k [N,D], w [T,H]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(w.shape)}")
@@ -87,6 +90,17 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                          f">= 16; got {dt}, head dim {D}, on {q.device}. Fix: run with --dtype bf16 on a GPU "
                          f"target, or choose --kernel-backend none for this input")
     gpu_common.refuse_grad("tilelang", q, k, w)
+    if config is not None:
+        return indexer_scores_launch(q, k, w, ks, ke, config)
+    return gpu_ops.TILELANG.indexer_scores(q, k, w, ks, ke)
+
+
+def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: Optional[torch.Tensor],
+                          ke: Optional[torch.Tensor], config: Optional[dict] = None) -> torch.Tensor:
+    """The launcher of :func:`indexer_scores_thd` (inputs already checked)."""
+    T, H, D = q.shape
+    N = k.shape[0]
+    dt = torch.promote_types(q.dtype, k.dtype)
     cfg = {**INDEXER_CONFIG, **(config or {})}
     q, k = q.to(dt).contiguous(), k.to(dt).contiguous()
     w = w.float().contiguous()
@@ -104,6 +118,7 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
     return out
 
 
+@gpu_ops.traceable
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Same contract as ``kernels.reference.indexer.indexer_scores``: ``q [B,S,H,D]``, ``k [B,N,D]``,
     ``w [B,S,H]`` -> ``[B,S,N]``, fp32 accumulation, returned in fp32."""

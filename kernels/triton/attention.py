@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gpu_common
+from kernels import gpu_common, gpu_ops
 from kernels.gpu_common import LN2, LOG2E  # noqa: F401  (re-exported: bench.py uses A.LOG2E)
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "sparse_attention_with_sink_thd",
     "sparse_attention_fwd",
     "sparse_attention_bwd",
-    "SparseAttentionWithSink",
     "FWD_CONFIG",
     "BWD_CONFIG",
 ]
@@ -268,8 +267,8 @@ def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[
     return dq, dkv32.to(kv.dtype), dsink
 
 
-# autograd wrapper, THD and batched entry points (bf16/fp16 with a power-of-two head dim >= 32 run the
-# triton kernels; anything else, e.g. fp32/fp64 or odd head dims, is refused with the fix)
-SparseAttentionWithSink, sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
-    lambda *a: sparse_attention_fwd(*a), lambda *a: sparse_attention_bwd(*a), gpu_common.half_pow2_head_dim,
-    __name__)
+# THD and batched entry points over the dsv4_triton custom ops (kernels.gpu_ops: autograd, torch.compile);
+# bf16/fp16 with a power-of-two head dim >= 32 run the triton kernels; anything else, e.g. fp32/fp64 or odd
+# head dims, is refused with the fix
+sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
+    gpu_ops.TRITON, _check, gpu_common.half_pow2_head_dim, __name__)

@@ -27,6 +27,9 @@ def ops() -> "OpTable":
       coefficient math; bf16/fp16 streams, fp32 mapping weights / coefficients, hc_mult <= 8; other inputs
       are refused with the reason (``kernels/triton/mhc_checks.py``).
 
+    Each kernel launcher is a ``torch.library`` custom op (``dsv4_triton::...``, ``kernels/gpu_ops.py``), so
+    ``torch.compile`` (``--compile``) traces these entry points into its graphs without a graph break.
+
     Named from the reference set (backend ``none``; no Triton kernel yet): ``hadamard_transform``;
     :func:`core.kernel_ops.kernels_ran` counts it under ``none.``.
 

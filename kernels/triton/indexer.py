@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gpu_common
+from kernels import gpu_common, gpu_ops
 
-__all__ = ["indexer_scores", "indexer_scores_thd", "indexer_topk", "INDEXER_CONFIG"]
+__all__ = ["indexer_scores", "indexer_scores_thd", "indexer_scores_launch", "indexer_topk", "INDEXER_CONFIG"]
 
 INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3)
 
@@ -69,12 +69,15 @@ def _indexer_kernel(Q, K, W, KS, KE, OUT,
         tl.store(out_ptr, tl.full([BT, BN], float("-inf"), tl.float32), mask=omask)
 
 
+@gpu_ops.traceable
 def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                        ks: Optional[torch.Tensor] = None, ke: Optional[torch.Tensor] = None,
                        config: Optional[dict] = None) -> torch.Tensor:
-    """``q [T,H,D]``, ``k [N,D]``, ``w [T,H]`` (+ optional ``ks, ke [T]``) -> fp32 scores ``[T, N]``."""
+    """``q [T,H,D]``, ``k [N,D]``, ``w [T,H]`` (+ optional ``ks, ke [T]``) -> fp32 scores ``[T, N]``.
+
+    The checks run here, then the ``dsv4_triton::indexer_scores`` custom op (``kernels.gpu_ops``) launches
+    :func:`indexer_scores_launch`; a ``config`` (launch settings, bench.py) calls the launcher directly."""
     T, H, D = q.shape
-    N = k.shape[0]
     if k.shape[1] != D or w.shape != (T, H):
         raise ValueError(f"expected q [T,H,D], k [N,D], w [T,H]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(w.shape)}")
@@ -85,6 +88,16 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
     if os.environ.get("TRITON_INTERPRET", "0") != "1" and not q.is_cuda:
         raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
     gpu_common.refuse_grad("triton", q, k, w)
+    if config is not None:
+        return indexer_scores_launch(q, k, w, ks, ke, config)
+    return gpu_ops.TRITON.indexer_scores(q, k, w, ks, ke)
+
+
+def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: Optional[torch.Tensor],
+                          ke: Optional[torch.Tensor], config: Optional[dict] = None) -> torch.Tensor:
+    """The launcher of :func:`indexer_scores_thd` (inputs already checked)."""
+    T, H, D = q.shape
+    N = k.shape[0]
     cfg = {**INDEXER_CONFIG, **(config or {})}
     dt = torch.promote_types(q.dtype, k.dtype)
     q, k = q.to(dt).contiguous(), k.to(dt).contiguous()
@@ -109,6 +122,7 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
     return out
 
 
+@gpu_ops.traceable
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Same contract as ``kernels.reference.indexer.indexer_scores``: ``q [B,S,H,D]``, ``k [B,N,D]``,
     ``w [B,S,H]`` -> ``[B,S,N]``, computed with fp32 accumulation and returned in fp32."""

@@ -27,12 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gpu_ops
 from kernels.triton import mhc_checks
 from kernels.triton.sinkhorn import sinkhorn, sinkhorn_bwd_tile, sinkhorn_fwd_tile
 
-__all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "HcPre", "HcPost", "HcHead", "MHC_CONFIG"]
+__all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd", "hc_head_fwd", "hc_head_bwd",
+           "hc_post_fwd", "hc_post_bwd", "MHC_CONFIG"]
 
-# Launch settings (the ``config`` argument of the autograd Functions overrides them):
+# Launch settings (the ``config`` argument of the launchers overrides them):
 #   mix / dfn: BT tokens x BK columns of K per step; coef: BT tokens, BD of d per step;
 #   dx: BT x BK tiles; post / post_bwd: BT tokens x BD.
 # Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4; not tuned on a GPU yet.
@@ -45,9 +47,7 @@ MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3,
 PRECISION = "tf32x3"
 
 
-def _mp(m: int) -> int:
-    """The mixing GEMM's padded width: a power of two >= 16 (``tl.dot``'s smallest)."""
-    return max(16, triton.next_power_of_2(m))
+_mp = gpu_ops.mix_width  # the mixing GEMM's padded width (the custom ops' fake implementations use it too)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,10 +300,9 @@ def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, c
     return u, pre, post, comb, mix, rho
 
 
-def _coef_backward(ctx, du, dpost, dcomb):
+def _coef_backward(x2, fn, scale, base, pre, mix, rho, du, dpost, dcomb, n, d, hc_eps, iters, cfg):
     """``(dx2, dfn, dscale, dbase)`` of :func:`_coef_forward` (``dpost``/``dcomb`` None for hc_head)."""
-    x2, fn, scale, base, pre, mix, rho = ctx.saved_tensors
-    n, d, cfg, has_res = ctx.n, ctx.d, ctx.cfg, ctx.has_res
+    has_res = dpost is not None
     T, K = x2.shape
     M = fn.shape[0]
     MP, NP = mix.shape[1], pre.shape[1]
@@ -312,7 +311,7 @@ def _coef_backward(ctx, du, dpost, dcomb):
     dz = torch.zeros(T, MP, dtype=torch.float32, device=dev)
     coef = torch.empty(T, dtype=torch.float32, device=dev)
     dx = torch.empty_like(x2)
-    dfn = torch.empty(M, K, dtype=torch.float32, device=dev) if ctx.needs_input_grad[1] else None
+    dfn = torch.empty(M, K, dtype=torch.float32, device=dev)
     du = du.reshape(T, d).contiguous()
     if has_res:
         dpost, dcomb = dpost.reshape(T, n).float().contiguous(), dcomb.reshape(T, n, n).float().contiguous()
@@ -320,16 +319,15 @@ def _coef_backward(ctx, du, dpost, dcomb):
         dpost = dcomb = mix  # unused (HAS_RES=False)
     if T:
         _pre_bwd_kernel[(triton.cdiv(T, cfg["coef_BT"]),)](
-            mix, rho, scale, base, x2, du, dpost, dcomb, da, dz, coef, T, n, d, ctx.hc_eps, ctx.iters,
+            mix, rho, scale, base, x2, du, dpost, dcomb, da, dz, coef, T, n, d, hc_eps, iters,
             HAS_RES=has_res, BT=cfg["coef_BT"], NP=NP, BD=cfg["coef_BD"], MP=MP, num_warps=cfg["coef_warps"])
         _dx_kernel[(triton.cdiv(T, cfg["dx_BT"]), triton.cdiv(K, cfg["dx_BK"]))](
             x2, du, pre, dz, fn, coef, dx, T, d, K, M, BT=cfg["dx_BT"], BK=cfg["dx_BK"], MP=MP, NP=NP,
             PREC=PRECISION, num_warps=cfg["dx_warps"])
-        if dfn is not None:
-            _dfn_kernel[(triton.cdiv(K, cfg["dfn_BK"]),)](
-                dz, x2, dfn, T, K, M, BT=cfg["dfn_BT"], BK=cfg["dfn_BK"], MP=MP, PREC=PRECISION,
-                STAGES=cfg["dfn_stages"], num_warps=cfg["dfn_warps"])
-    elif dfn is not None:
+        _dfn_kernel[(triton.cdiv(K, cfg["dfn_BK"]),)](
+            dz, x2, dfn, T, K, M, BT=cfg["dfn_BT"], BK=cfg["dfn_BK"], MP=MP, PREC=PRECISION,
+            STAGES=cfg["dfn_stages"], num_warps=cfg["dfn_warps"])
+    else:
         dfn.zero_()
     da = da[:, :M]
     dbase = da.sum(0)
@@ -341,80 +339,68 @@ def _coef_backward(ctx, du, dpost, dcomb):
     return dx, dfn, dscale, dbase
 
 
-class HcPre(torch.autograd.Function):
-    """``(x [..., n, d], fn, scale [3], base, norm_eps, hc_eps, iters, config)`` -> ``(u, post, comb)``."""
-
-    @staticmethod
-    def forward(ctx, x, fn, scale, base, norm_eps, hc_eps, iters, config=None):
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        x2 = x.reshape(-1, n * d).contiguous()
-        cfg = _cfg(config)
-        u, pre, post, comb, mix, rho = _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, True, cfg)
-        ctx.save_for_backward(x2, fn, scale, base, pre, mix, rho)
-        ctx.n, ctx.d, ctx.cfg, ctx.has_res, ctx.hc_eps, ctx.iters = n, d, cfg, True, hc_eps, iters
-        ctx.x_shape = x.shape
-        return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
-
-    @staticmethod
-    def backward(ctx, du, dpost, dcomb):
-        dx, dfn, dscale, dbase = _coef_backward(ctx, du, dpost, dcomb)
-        return dx.view(ctx.x_shape), dfn, dscale, dbase, None, None, None, None
+# ----------------------------------------------------------------------------------------------
+# launchers of the dsv4_triton custom ops (kernels.gpu_ops; x [T, n, d], inputs already checked)
+# ----------------------------------------------------------------------------------------------
 
 
-class HcHead(torch.autograd.Function):
-    """``(x [..., n, d], fn [n, n d], scale [1], base [n], norm_eps, hc_eps, config)`` -> ``y [..., d]``."""
-
-    @staticmethod
-    def forward(ctx, x, fn, scale, base, norm_eps, hc_eps, config=None):
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        x2 = x.reshape(-1, n * d).contiguous()
-        cfg = _cfg(config)
-        u, pre, _, _, mix, rho = _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, 1, False, cfg)
-        ctx.save_for_backward(x2, fn, scale, base, pre, mix, rho)
-        ctx.n, ctx.d, ctx.cfg, ctx.has_res, ctx.hc_eps, ctx.iters = n, d, cfg, False, hc_eps, 1
-        ctx.x_shape = x.shape
-        return u.view(*lead, d)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dfn, dscale, dbase = _coef_backward(ctx, dy, None, None)
-        return dx.view(ctx.x_shape), dfn, dscale, dbase, None, None, None
+def hc_pre_fwd(x, fn, scale, base, norm_eps, hc_eps, iters, config=None):
+    """``-> (u [T, d], post [T, n], comb [T, n, n], pre, mix, rho)`` (the last three for the backward)."""
+    T, n, d = x.shape
+    u, pre, post, comb, mix, rho = _coef_forward(x.reshape(T, n * d).contiguous(), fn, scale, base, n, d,
+                                                 norm_eps, hc_eps, iters, True, _cfg(config))
+    return u, post, comb, pre, mix, rho
 
 
-class HcPost(torch.autograd.Function):
-    """``(f [..., d], x [..., n, d], post [..., n], comb [..., n, n], config)`` -> ``[..., n, d]`` in x's dtype."""
+def hc_pre_bwd(x, fn, scale, base, pre, mix, rho, du, dpost, dcomb, hc_eps, iters, config=None):
+    """``-> (dx [T, n, d], dfn, dscale [3], dbase)``."""
+    T, n, d = x.shape
+    dx, dfn, dscale, dbase = _coef_backward(x.reshape(T, n * d).contiguous(), fn, scale, base, pre, mix, rho, du,
+                                            dpost, dcomb, n, d, hc_eps, iters, _cfg(config))
+    return dx.view(T, n, d), dfn, dscale, dbase
 
-    @staticmethod
-    def forward(ctx, f, x, post, comb, config=None):
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        f2, x2 = f.reshape(-1, d).contiguous(), x.reshape(-1, n * d).contiguous()
-        post2, comb2 = post.reshape(-1, n).contiguous(), comb.reshape(-1, n, n).contiguous()
-        T = x2.shape[0]
-        cfg = _cfg(config)
-        out = torch.empty_like(x2)
-        if T:
-            _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
-                f2, x2, post2, comb2, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n), BD=cfg["post_BD"],
-                N=n, num_warps=cfg["post_warps"])
-        ctx.save_for_backward(f2, x2, post2, comb2)
-        ctx.cfg, ctx.shapes = cfg, (f.shape, x.shape, post.shape, comb.shape)
-        return out.view(*lead, n, d)
 
-    @staticmethod
-    def backward(ctx, g):
-        f2, x2, post2, comb2 = ctx.saved_tensors
-        cfg = ctx.cfg
-        T, d = f2.shape
-        n = post2.shape[1]
-        g = g.reshape(T, n * d).contiguous()
-        df, dx = torch.empty_like(f2), torch.empty_like(x2)
-        dpost, dcomb = torch.empty_like(post2), torch.empty_like(comb2)
-        if T:
-            _post_bwd_kernel[(triton.cdiv(T, cfg["post_bwd_BT"]),)](
-                f2, x2, post2, comb2, g, df, dx, dpost, dcomb, T, n, d, BT=cfg["post_bwd_BT"],
-                NP=mhc_checks.padded(n), BD=cfg["post_bwd_BD"], N=n, num_warps=cfg["post_bwd_warps"])
-        fs, xs, ps, cs = ctx.shapes
-        return df.view(fs), dx.view(xs), dpost.view(ps), dcomb.view(cs), None
+def hc_head_fwd(x, fn, scale, base, norm_eps, hc_eps, config=None):
+    """``-> (y [T, d], pre, mix, rho)``."""
+    T, n, d = x.shape
+    u, pre, _, _, mix, rho = _coef_forward(x.reshape(T, n * d).contiguous(), fn, scale, base, n, d, norm_eps,
+                                           hc_eps, 1, False, _cfg(config))
+    return u, pre, mix, rho
+
+
+def hc_head_bwd(x, fn, scale, base, pre, mix, rho, dy, hc_eps, config=None):
+    """``-> (dx [T, n, d], dfn, dscale [1], dbase)``."""
+    T, n, d = x.shape
+    dx, dfn, dscale, dbase = _coef_backward(x.reshape(T, n * d).contiguous(), fn, scale, base, pre, mix, rho, dy,
+                                            None, None, n, d, hc_eps, 1, _cfg(config))
+    return dx.view(T, n, d), dfn, dscale, dbase
+
+
+def hc_post_fwd(f, x, post, comb, config=None):
+    """``f [T, d]``, ``x [T, n, d]``, ``post [T, n]``, ``comb [T, n, n]`` -> ``[T, n, d]`` in x's dtype."""
+    T, n, d = x.shape
+    f, x, post, comb = f.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous()
+    cfg = _cfg(config)
+    out = torch.empty_like(x)
+    if T:
+        _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
+            f, x, post, comb, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n), BD=cfg["post_BD"],
+            N=n, num_warps=cfg["post_warps"])
+    return out
+
+
+def hc_post_bwd(f, x, post, comb, g, config=None):
+    """``-> (df, dx, dpost, dcomb)``, each shaped and typed like its input."""
+    T, n, d = x.shape
+    f, x, post, comb, g = f.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous(), g.contiguous()
+    cfg = _cfg(config)
+    df, dx = torch.empty_like(f), torch.empty_like(x)
+    dpost, dcomb = torch.empty_like(post), torch.empty_like(comb)
+    if T:
+        _post_bwd_kernel[(triton.cdiv(T, cfg["post_bwd_BT"]),)](
+            f, x, post, comb, g, df, dx, dpost, dcomb, T, n, d, BT=cfg["post_bwd_BT"],
+            NP=mhc_checks.padded(n), BD=cfg["post_bwd_BD"], N=n, num_warps=cfg["post_bwd_warps"])
+    return df, dx, dpost, dcomb
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,24 +408,36 @@ class HcPost(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
+@gpu_ops.traceable
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, hc_eps: float, sinkhorn_iters: int):
     """Same contract as ``kernels.reference.mhc.hc_pre``: ``x [..., n, d]`` (bf16/fp16), fp32 ``fn
     [(2+n)n, n d]``, ``scale [3]``, ``base [(2+n)n]`` -> ``(u [..., d] in x.dtype, post [..., n], comb [..., n, n]
-    fp32)``; other inputs are refused with the reason (``kernels/triton/mhc_checks.py``)."""
+    fp32)``; other inputs are refused with the reason (``kernels/triton/mhc_checks.py``). Runs the
+    ``dsv4_triton::hc_pre`` custom op (``kernels.gpu_ops``; backward ``hc_pre_bwd``)."""
     mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
-    return HcPre.apply(x, fn, scale, base, float(norm_eps), float(hc_eps), int(sinkhorn_iters))
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    u, post, comb, *_ = gpu_ops.TRITON.hc_pre(x.reshape(-1, n, d), fn, scale, base, float(norm_eps),
+                                              float(hc_eps), int(sinkhorn_iters))
+    return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
 
 
+@gpu_ops.traceable
 def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Same contract as ``kernels.reference.mhc.hc_post``: ``X'_k = post_k f + sum_j comb[j,k] X_j`` in x.dtype,
-    fp32 inside; ``x`` bf16/fp16, ``f`` bf16/fp16/fp32, ``post``/``comb`` fp32."""
+    fp32 inside; ``x`` bf16/fp16, ``f`` bf16/fp16/fp32, ``post``/``comb`` fp32 (``dsv4_triton::hc_post``)."""
     mhc_checks.check_hc_post(f, x, post, comb)
-    return HcPost.apply(f, x, post, comb)
+    n, d = x.shape[-2:]
+    out = gpu_ops.TRITON.hc_post(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n), comb.reshape(-1, n, n))
+    return out.view(x.shape)
 
 
+@gpu_ops.traceable
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_eps: float, hc_eps: float) -> torch.Tensor:
-    """Same contract as ``kernels.reference.mhc.hc_head``: ``x [..., n, d]`` -> ``[..., d]`` in x.dtype."""
+    """Same contract as ``kernels.reference.mhc.hc_head``: ``x [..., n, d]`` -> ``[..., d]`` in x.dtype
+    (``dsv4_triton::hc_head``)."""
     mhc_checks.check_hc_head(x, fn, scale, base)
-    return HcHead.apply(x, fn, scale, base, float(norm_eps), float(hc_eps))
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    y = gpu_ops.TRITON.hc_head(x.reshape(-1, n, d), fn, scale, base, float(norm_eps), float(hc_eps))[0]
+    return y.view(*lead, d)

@@ -2,7 +2,7 @@
 
 The kernels refuse rather than hand an input to the reference op (no silent fallback): the reference op is a
 backend of its own (``--kernel-backend none``). Each refusal says which input is wrong and what to do.
-Only torch is imported here.
+Only torch (and the torch-only ``kernels.gpu_ops``) is imported here.
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ import os
 
 import torch
 
+from kernels.gpu_ops import padded  # noqa: F401  (the register tile's side; the custom ops' fakes use it too)
+
 __all__ = ["MAX_N", "padded", "check_device", "check_sinkhorn", "check_hc_pre", "check_hc_post", "check_hc_head"]
 
 # A token's n x n mixing matrix lives in registers, padded to a power of two; hc_mult is 4 in every preset.
 MAX_N = 8
 HALF = (torch.bfloat16, torch.float16)
 _FIX = "Fix: run with --dtype bf16 on a GPU target, or choose --kernel-backend none (the PyTorch reference ops)"
-
-
-def padded(n: int) -> int:
-    """``n`` rounded up to a power of two (the register tile's side)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def check_device(*tensors: torch.Tensor) -> None:

@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gpu_ops
 from kernels.triton import mhc_checks
 
-__all__ = ["sinkhorn", "Sinkhorn", "sinkhorn_fwd_tile", "sinkhorn_bwd_tile", "SINKHORN_BT"]
+__all__ = ["sinkhorn", "sinkhorn_fwd", "sinkhorn_bwd", "sinkhorn_fwd_tile", "sinkhorn_bwd_tile", "SINKHORN_BT"]
 
 SINKHORN_BT = 32  # tokens per program of the stand-alone kernels
 
@@ -112,36 +113,35 @@ def _sinkhorn_bwd_kernel(C, G, DC, T, n, iters, eps, BT: tl.constexpr, NP: tl.co
     tl.store(DC + offs, dc.to(DC.dtype.element_ty), mask=mask)
 
 
-class Sinkhorn(torch.autograd.Function):
-    """``logits [T, n, n]`` (contiguous) -> ``M [T, n, n]`` in the logits' dtype, fp32 inside."""
-
-    @staticmethod
-    def forward(ctx, logits, iters, eps):
-        T, n, _ = logits.shape
-        out = torch.empty_like(logits)
-        if T:
-            _sinkhorn_fwd_kernel[(triton.cdiv(T, SINKHORN_BT),)](
-                logits, out, T, n, iters, eps, BT=SINKHORN_BT, NP=mhc_checks.padded(n), num_warps=4)
-        ctx.save_for_backward(logits)
-        ctx.iters, ctx.eps = iters, eps
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        (logits,) = ctx.saved_tensors
-        T, n, _ = logits.shape
-        dc = torch.empty_like(logits)
-        if T:
-            _sinkhorn_bwd_kernel[(triton.cdiv(T, SINKHORN_BT),)](
-                logits, g.contiguous(), dc, T, n, ctx.iters, ctx.eps, BT=SINKHORN_BT, NP=mhc_checks.padded(n),
-                num_warps=4)
-        return dc, None, None
+def sinkhorn_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Launcher of the ``dsv4_triton::sinkhorn`` custom op: ``logits [T, n, n]`` -> ``M [T, n, n]`` in the
+    logits' dtype, fp32 inside."""
+    logits = logits.contiguous()
+    T, n, _ = logits.shape
+    out = torch.empty_like(logits)
+    if T:
+        _sinkhorn_fwd_kernel[(triton.cdiv(T, SINKHORN_BT),)](
+            logits, out, T, n, iters, eps, BT=SINKHORN_BT, NP=mhc_checks.padded(n), num_warps=4)
+    return out
 
 
+def sinkhorn_bwd(logits: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Launcher of ``dsv4_triton::sinkhorn_bwd``: the gradient w.r.t. ``logits [T, n, n]`` (their dtype)."""
+    logits = logits.contiguous()
+    T, n, _ = logits.shape
+    dc = torch.empty_like(logits)
+    if T:
+        _sinkhorn_bwd_kernel[(triton.cdiv(T, SINKHORN_BT),)](
+            logits, g.contiguous(), dc, T, n, iters, eps, BT=SINKHORN_BT, NP=mhc_checks.padded(n), num_warps=4)
+    return dc
+
+
+@gpu_ops.traceable
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Same contract as ``kernels.reference.mhc.sinkhorn``: ``[..., n, n]`` logits -> ``M`` of the same shape
-    and dtype (bf16/fp16/fp32 inputs, fp32 math); other inputs are refused with the reason."""
+    and dtype (bf16/fp16/fp32 inputs, fp32 math); other inputs are refused with the reason. Runs the
+    ``dsv4_triton::sinkhorn`` custom op (``kernels.gpu_ops``; backward ``sinkhorn_bwd``)."""
     mhc_checks.check_sinkhorn(logits, iters)
     n = logits.shape[-1]
-    out = Sinkhorn.apply(logits.reshape(-1, n, n).contiguous(), int(iters), float(eps))
+    out = gpu_ops.TRITON.sinkhorn(logits.reshape(-1, n, n), int(iters), float(eps))
     return out.view(logits.shape)

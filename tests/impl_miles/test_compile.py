@@ -1,6 +1,7 @@
 """``engine.compile.compile_blocks`` (the ``--compile`` speed option) leaves the miles model's math alone:
 the compiled tiny model gives the eager model's logits and gradients (fp32, CPU Inductor), its parameter
-names are unchanged, and the kernel backend's own ops are kept out of the compiled graphs."""
+names are unchanged, and a kernel backend's own ops are kept out of the compiled graphs unless they are
+marked traceable (the GPU backends' torch.library custom ops)."""
 
 from __future__ import annotations
 
@@ -44,18 +45,31 @@ def test_compiled_blocks_match_eager():
 
 
 def test_backend_kernels_stay_eager():
-    """Ops a kernel backend brings itself run eagerly from compiled code; reference ops stay traceable."""
+    """Ops a kernel backend brings itself run eagerly from compiled code unless marked traceable (torch code
+    around registered custom ops, ``kernels.gpu_ops.traceable``); reference ops stay traceable."""
     from core.kernel_ops import OpTable
     from engine.compile import opaque_kernel_ops
+    from kernels.gpu_ops import traceable
     from kernels.reference.backend import reference_functions
 
     def own_kernel(x):
         return x
 
-    own_kernel.__module__ = "kernels.triton.attention"
-    ref = OpTable("triton", {"sparse_attention_with_sink": own_kernel},
+    @traceable
+    def own_custom_op(x):
+        return x
+
+    own_kernel.__module__ = own_custom_op.__module__ = "kernels.triton.attention"
+    ref = OpTable("triton", {"sparse_attention_with_sink": own_kernel, "sinkhorn": own_custom_op},
                   delegated={n: ("none", f) for n, f in reference_functions().items()})
     ops = opaque_kernel_ops(ref)
     assert ops.hc_pre is ref.hc_pre
-    assert ops.sparse_attention_with_sink is not own_kernel
+    assert ops.sinkhorn is ref.sinkhorn
+    assert ops.sparse_attention_with_sink is not ref.sparse_attention_with_sink
     assert ops.sparse_attention_with_sink(3) == 3
+
+    def block(x):
+        return ops.sinkhorn(x.sin()).cos() + ops.sparse_attention_with_sink(x.exp()).tanh()
+
+    explain = torch._dynamo.explain(block)(torch.ones(2))
+    assert explain.graph_break_count == 1, explain.break_reasons  # at the unmarked op only
