@@ -90,7 +90,10 @@ def sft_loss_sum(logp: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, 
 def mtp_loss(mtp_logits: Optional[List[torch.Tensor]], input_ids: torch.Tensor, loss_mask: torch.Tensor
              ) -> Optional[torch.Tensor]:
     """``loss_mask [B, S-1]`` marks the next-token targets (position i predicts ids[i+1]); depth k's
-    row i predicts ids[i+k+2], so its mask is ``loss_mask[:, k+1:]``. Mean over depths."""
+    row i predicts ids[i+k+2], so its mask is ``loss_mask[:, k+1:]``. Mean over depths.
+
+    The cross entropy runs where the logits are (the model's device: the ``[B, S, vocab]`` logits never
+    travel); the scalar comes back next to ``input_ids``."""
     if not mtp_logits:
         return None
     losses = []
@@ -98,8 +101,8 @@ def mtp_loss(mtp_logits: Optional[List[torch.Tensor]], input_ids: torch.Tensor, 
         n = lg.shape[1] - 1                     # rows with a label inside the sequence
         if n <= 0:
             continue
-        labels = input_ids[:, k + 2:k + 2 + n]
-        m = loss_mask[:, k + 1:k + 1 + n]
+        labels = input_ids[:, k + 2:k + 2 + n].to(lg.device)
+        m = loss_mask[:, k + 1:k + 1 + n].to(lg.device)
         ce = F.cross_entropy(lg[:, :n].float().reshape(-1, lg.shape[-1]), labels.reshape(-1), reduction="none")
         losses.append(masked_mean(ce.view_as(labels), m))
-    return torch.stack(losses).mean() if losses else None
+    return torch.stack(losses).mean().to(input_ids.device) if losses else None

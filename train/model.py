@@ -44,7 +44,7 @@ REFERENCE = "reference"
 @dataclass
 class TrainForward:
     logprobs: torch.Tensor                          # [B, S-1]
-    mtp_logits: Optional[List[torch.Tensor]] = None  # per depth k: [B, S-1-k, V]
+    mtp_logits: Optional[List[torch.Tensor]] = None  # per depth k: [B, S-1-k, V], on the model's device
     routing_used: Optional[Dict[int, torch.Tensor]] = None  # learned layer -> [B, S, k]
     aux_loss: Optional[torch.Tensor] = None          # implementation's own loss term (megatron: indexer KL)
 
@@ -124,9 +124,8 @@ class ReferenceTrainModel(_TrainModelBase):
         with routing_context(hook), (row_invariant_experts() if self.row_invariant else contextlib.nullcontext()):
             logits, streams = m(ids, return_hidden_streams=True)
             mtp = self._mtp_logits_detached(ids, streams) if with_mtp and len(m.mtp) else None
-        home = input_ids.device
-        lp = token_logprobs(logits, ids, temperature).to(home)
-        return TrainForward(lp, None if mtp is None else [t.to(home) for t in mtp], _used(hook))
+        lp = token_logprobs(logits, ids, temperature).to(input_ids.device)
+        return TrainForward(lp, mtp, _used(hook))
 
     def _mtp_logits_detached(self, input_ids, streams) -> List[torch.Tensor]:
         """Like ``DeepseekV4Model.mtp_logits`` but the shared embedding and output head are detached."""
@@ -341,12 +340,13 @@ class ImplTrainModel(_TrainModelBase):
             logits, aux, streams = self._call_module(stack, x, with_mtp, **({} if cu is None else {"cu_seqlens": cu}))
             if with_mtp:
                 with detached_weights(self.module):
-                    mtp = [lg.to(input_ids.device) for lg in self._mtp(ids, x, cu, streams)]
+                    mtp = list(self._mtp(ids, x, cu, streams))
         self._check_replay_reached(routing_replay, hook)
-        logits = logits.reshape(B, S, -1).to(input_ids.device)
+        # log-probs on the model's device: only [B, S-1] of them travel, never the [B, S, vocab] logits
+        lp = token_logprobs(logits.reshape(B, S, -1), ids, temperature).to(input_ids.device)
         if aux is not None:
             aux = aux.to(input_ids.device)
-        return TrainForward(token_logprobs(logits, input_ids, temperature), mtp, _used(hook), aux)
+        return TrainForward(lp, mtp, _used(hook), aux)
 
     def _forward_stream(self, input_ids, lengths, routing_replay, temperature, with_mtp) -> TrainForward:
         """Rows ``[B, S]`` whose first ``lengths[i]`` tokens are real -> ONE packed stream of the real tokens
@@ -411,15 +411,15 @@ class ImplTrainModel(_TrainModelBase):
             for k, m in enumerate(raw_mtp):
                 W = S - 1 - k
                 if isinstance(m, (tuple, list)):    # (logits [sum of shortened segments, V], cu_k); cp 1 only
-                    lg, cu_k = m[0].to(input_ids.device), m[1].tolist()
+                    lg, cu_k = m[0], m[1].tolist()
                     keep = [max(L - 1 - k, 0) for L in lengths]
-                    src = torch.cat([cu_k[i] + torch.arange(w) for i, w in enumerate(keep)])
-                    dst = torch.cat([i * W + torch.arange(w) for i, w in enumerate(keep)])
-                    full = torch.zeros(B * W, lg.shape[-1], dtype=lg.dtype).index_copy(0, dst, lg[src])
+                    src = torch.cat([cu_k[i] + torch.arange(w) for i, w in enumerate(keep)]).to(lg.device)
+                    dst = torch.cat([i * W + torch.arange(w) for i, w in enumerate(keep)]).to(lg.device)
+                    full = lg.new_zeros(B * W, lg.shape[-1]).index_copy(0, dst, lg[src])
                     mtp.append(full.reshape(B, W, -1))
                     continue
-                m = gather_rows(m.reshape(n, -1).to(dev), cp, rank, group).to(input_ids.device)
-                full = torch.zeros(B * S, m.shape[-1], dtype=m.dtype).index_copy(0, rows, m[:real])
+                m = gather_rows(m.reshape(n, -1).to(dev), cp, rank, group)             # stays on the device
+                full = m.new_zeros(B * S, m.shape[-1]).index_copy(0, rows.to(m.device), m[:real])
                 mtp.append(full.reshape(B, S, -1)[:, :W])
         if aux is not None:
             if cp > 1:  # this rank's share: the value becomes the stream's total, the gradient stays the share's
