@@ -529,7 +529,7 @@ class ReferenceEngine(RolloutEngineBase):
                 if stop or drawn[s] == T - 1:
                     sample_of[s], view = -1, None
         if fed_routes:                                # one device -> host copy for the whole call
-            learned = torch.tensor(learned_layers(c))
+            learned = torch.tensor(learned_layers(c), dtype=torch.long)   # empty when every layer is hash-routed
             rows = torch.tensor([i for step in fed_ids for i in step])
             pos = torch.tensor([p for step in fed_pos for p in step])
             routed[rows[:, None], pos[:, None], learned[None, :]] = torch.cat(fed_routes).cpu()

@@ -219,3 +219,21 @@ def test_bad_engine_options_are_refused():
         ReferenceEngine(CFG, max_slots=0)
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
         ReferenceEngine(CFG, cuda_graphs=True)
+
+
+def test_a_model_whose_layers_are_all_hash_routed_generates_with_both_engines():
+    """No learned-routing layer (every trunk layer hash-routed): nothing to record per token, and both engines
+    still draw the same samples (the cached one used to fail building an empty index of layers)."""
+    from train.engines import ReferenceEngine
+    from train.model import build_train_model
+    from train.weight_sync import sync_weights
+
+    cfg = CFG.replace(n_layers=2, compress_ratios=(0, 0, 0), n_hash_layers=2)
+    model = build_train_model(cfg, seed=0)
+    got = {}
+    for kv in (True, False):
+        e = ReferenceEngine(cfg, kv_cache=kv)
+        assert sync_weights(model, e, version=1).ok
+        got[kv] = e.generate(PROMPTS[:2], _params(max_new_tokens=4), n=2, seed=1)
+    _same(got[True], got[False])
+    assert all(len(x.response_ids) == 4 for grp in got[True] for x in grp)
