@@ -2,7 +2,8 @@
 
     python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny|flash-shaped|bench]
                             [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
-                            [--cuda-graphs on|off] [--prefill-tokens 16384] [--repeats 1] [--out FILE.json]
+                            [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
+                            [--prefill-tokens 16384] [--repeats 1] [--out FILE.json]
 
 ``--model bench`` is the training benchmark's small config (``bench.train_step.bench_config``); the others are
 ``core.config`` presets. Random weights (``init_weights``, seeded) are loaded through the engine's
@@ -12,13 +13,15 @@ random prompts of ``--prompt-len`` tokens (one sample each), temperature 1, top-
 every sequence generates ``--new-tokens`` tokens. Rows (``--rows``):
 
 * ``cached``: ``ReferenceEngine`` (KV cache, static-slot decode step, CUDA graphs on CUDA unless
-  ``--cuda-graphs off``; at most ``--prefill-tokens`` prompt tokens per prefill forward);
+  ``--cuda-graphs off``; with ``--compile on`` the step is TorchInductor code, compiled per slot bucket by
+  ``engine.reserve`` before the timed calls; at most ``--prefill-tokens`` prompt tokens per prefill forward);
 * ``uncached``: ``kv_cache=False``, the whole prefix re-run for every token (slow: small sizes only);
 * ``transformers``: ``model.generate(..., use_cache=True, do_sample=True)`` (eager attention, its
   DeepSeek-V4 cache); skipped, with the reason recorded, when transformers lacks the model or fails.
 
 Timing (best of ``--repeats``, ``torch.cuda.synchronize()`` around each call, after a warm-up call; the
-engine's slots and graphs are built by ``engine.reserve`` first): ``t_prefill`` is a call with one new token
+engine's slots and graphs are built by ``engine.reserve`` first, its compile time is the row's ``reserve_s``):
+``t_prefill`` is a call with one new token
 (prefill plus one draw), ``t_full`` one with ``--new-tokens``. prefill tokens/s = ``B x prompt-len /
 t_prefill``; decode tokens/s = ``B x (new-tokens - 1) / (t_full - t_prefill)``; total tokens/s = ``B x
 new-tokens / t_full``. At batch 1 on a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
@@ -163,9 +166,11 @@ def _row(name, B, P, T, t_pre, t_full, generated, extra):
 
 def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
-              cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none") -> dict:
+              cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none",
+              compile=False) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
-    the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step."""
+    the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
+    ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name)."""
     from train.engines import SamplingParams
 
     config = model_config(model)
@@ -187,11 +192,12 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
         else:
             kw = dict(kv_cache=name == "cached", ops=_ops(config, dev, kernel_backend))
             if name == "cached":
-                kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi))
+                kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi), compile=compile)
             engine = _engine(config, dev, DTYPES[dtype], seed, **kw)
             weights = weights or {n: t.detach().cpu() for n, t in engine.model.state_dict().items()}
             wbytes = wbytes or weight_bytes_per_token(engine.model)
-            note = f"cuda graphs {'on' if engine.cuda_graphs else 'off'}" if name == "cached" else "no cache"
+            note = (f"cuda graphs {'on' if engine.cuda_graphs else 'off'}; compile "
+                    f"{engine.compile or 'off'}" if name == "cached" else "no cache")
             note += f"; kernels {kernel_backend}"
         for B in batch:
             g = torch.Generator().manual_seed(seed + B)
@@ -209,14 +215,17 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                     t_full, got = _timed(lambda: gen(ids, new_tokens), dev, repeats)
                     generated, extra = int(got.numel()), dict(note=note)
                 else:
+                    reserve_s = None
                     if name == "cached":
-                        engine.reserve(B, hi + new_tokens - 1)
+                        reserve_s, _ = _timed(lambda: engine.reserve(B, hi + new_tokens - 1), dev, 1)
                     engine.generate(prompts, one, n=1, seed=seed)
                     t_pre, _ = _timed(lambda: engine.generate(prompts, one, n=1, seed=seed), dev, repeats)
                     engine.positions_fed = 0
                     t_full, groups = _timed(lambda: engine.generate(prompts, params, n=1, seed=seed), dev, repeats)
                     generated = sum(len(s.response_ids) for grp in groups for s in grp)
                     extra = dict(note=note, positions_fed=engine.positions_fed // repeats)
+                    if reserve_s is not None:             # slots, graph captures and compiles of this batch
+                        extra["reserve_s"] = round(reserve_s, 2)
             except torch.cuda.OutOfMemoryError as e:
                 out_rows.append(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
@@ -266,6 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--rows", default="cached,transformers", help="comma list of cached, uncached, transformers")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default=None, help="default: on for cuda")
+    p.add_argument("--compile", choices=("on", "off"), default="off",
+                   help="cached row: run the decode step as torch.compile (Inductor) code, compiled per slot bucket")
     p.add_argument("--kernel-backend", choices=("none", "triton", "tilelang"), default="none",
                    help="the op table the engine computes with (none: the reference ops)")
     p.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens per prefill forward (at most)")
@@ -287,7 +298,7 @@ def main(argv=None) -> int:
     result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
                        prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
                        rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
-                       kernel_backend=a.kernel_backend)
+                       kernel_backend=a.kernel_backend, compile=a.compile == "on")
     print(format_table(result))
     machine = _short_machine(torch.device(a.device))
     out = a.out or Path(__file__).parent / "results" / f"rollout-{machine}{'' if a.model == 'tiny' else '-' + a.model}.json"

@@ -24,7 +24,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["compile_blocks", "block_modules", "opaque_kernel_ops"]
+__all__ = ["compile_blocks", "block_modules", "opaque_kernel_ops", "kernel_op_names"]
+
+
+def _traceable(fn) -> bool:
+    """A reference op, or an entry point marked ``traceable`` (``kernels.gpu_ops.traceable``)."""
+    module = getattr(fn, "__module__", "") or ""
+    return module.startswith("kernels.reference") or bool(getattr(fn, "traceable", False))
+
+
+def kernel_op_names(ops) -> list[str]:
+    """The ops of a table (:class:`core.kernel_ops.OpTable`) that ``torch.compile`` does not trace: the ones
+    :func:`opaque_kernel_ops` leaves eager (a graph break each)."""
+    return [name for name in ops.names() if not _traceable(getattr(ops, name))]
 
 
 def opaque_kernel_ops(ops):
@@ -36,10 +48,7 @@ def opaque_kernel_ops(ops):
     launcher, is not traced into, where its Python would fail or be specialised wrongly."""
 
     def opaque(name, fn):
-        module = getattr(fn, "__module__", "") or ""
-        if module.startswith("kernels.reference") or getattr(fn, "traceable", False):
-            return fn
-        return torch.compiler.disable(fn, recursive=True)
+        return fn if _traceable(fn) else torch.compiler.disable(fn, recursive=True)
 
     return ops.map(opaque)
 

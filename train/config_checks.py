@@ -135,7 +135,8 @@ def _check_true_on_policy_options(cfg) -> None:
             ("max_tokens_per_rank", cfg.max_tokens_per_rank is not None, "packs samples into other shapes"),
             ("async_rollout", cfg.async_rollout, "trains on samples of the previous weights"),
             ("colocate", cfg.colocate, "is not tested with it"),
-            ("rollout_cuda_graphs", bool(cfg.rollout_cuda_graphs), "replays the cached decode step")):
+            ("rollout_cuda_graphs", bool(cfg.rollout_cuda_graphs), "replays the cached decode step"),
+            ("rollout_compile", bool(cfg.rollout_compile), "compiles the cached decode step")):
         if bad:
             raise _true_on_policy_refusal(f"{key} {why}", f"drop {key}")
 
@@ -232,6 +233,8 @@ def validate(cfg) -> None:
         _int("rollout_max_slots", cfg.rollout_max_slots, 1, _BIG)
     if cfg.rollout_cuda_graphs not in (None, True, False):
         _fail("rollout_cuda_graphs", cfg.rollout_cuda_graphs, "must be true, false or none (on for a CUDA device)")
+    if cfg.rollout_compile not in (True, False):
+        _fail("rollout_compile", cfg.rollout_compile, "must be true or false")
     _trackers(cfg.tracker)
     _cuda_graphs(cfg)
     if cfg.async_rollout and cfg.colocate:

@@ -22,7 +22,8 @@ slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are adm
 :func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
 :func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
 replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
-one (continuous batching), and live slots are packed into the smallest bucket. ``kv_cache=False`` is the former
+one (continuous batching), and live slots are packed into the smallest bucket; with ``compile`` the step's
+device work is TorchInductor code (one compile per bucket; :mod:`train.slot_decoder`). ``kv_cache=False`` is the former
 engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the whole
 prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
 so they draw the same tokens.
@@ -209,7 +210,10 @@ class ReferenceEngine(RolloutEngineBase):
 
     ``max_slots``: how many samples decode at once (None: every sample of a call); more wait and take the
     slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
-    device; True elsewhere is refused). ``prefill_batch``: at most this many prompts per prefill forward (None:
+    device; True elsewhere is refused). ``compile``: run the decode step's device work as ``torch.compile`` code
+    (None / False: eager; True: Inductor; a string: that ``torch.compile`` backend, e.g. ``"aot_eager"`` in
+    tests), compiled per slot bucket when first used (with CUDA graphs: when the graphs are captured); the
+    kernel backend's own ops stay eager inside it (:func:`engine.compile.opaque_kernel_ops`). ``prefill_batch``: at most this many prompts per prefill forward (None:
     every admitted prompt in one; the reference prefill holds ``[rows, length, keys, head_dim]`` gathers).
 
     ``ops``: the kernel op table to compute with (``core.kernel_ops.OpTable``; None: the reference ops, backend
@@ -223,7 +227,7 @@ class ReferenceEngine(RolloutEngineBase):
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
                  device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
                  cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None, ops=None,
-                 true_on_policy: bool = False):
+                 true_on_policy: bool = False, compile=None):
         from kernels.reference import backend as reference
         from kernels.reference.model import DeepseekV4Model
 
@@ -241,6 +245,7 @@ class ReferenceEngine(RolloutEngineBase):
         if true_on_policy:
             why = [w for bad, w in (
                 (kv_cache, "kv_cache=True (the cached decode step computes other op shapes)"),
+                (bool(compile), "compile (the compiled decode step rounds differently)"),
                 (self.device.type not in ON_POLICY_DTYPES, f"device {self.device} (not built there)"),
                 (self.device.type in ON_POLICY_DTYPES and dtype not in ON_POLICY_DTYPES[self.device.type],
                  f"dtype {dtype} on {self.device.type} (not built there)"),
@@ -258,6 +263,13 @@ class ReferenceEngine(RolloutEngineBase):
         for name, why in self.decode_refusals.items():
             log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
                         "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
+        self.compile = _compile_backend(compile, kv_cache)
+        self._fullgraph = True        # torch.compile's: no graph break in the decode step
+        if self.compile:              # the kernel backend's own ops run eagerly inside it (a graph break each)
+            from engine.compile import kernel_op_names, opaque_kernel_ops
+
+            self._fullgraph = not set(kernel_op_names(self.decode_table)) & set(engine_ops(config))
+            self.decode_table = opaque_kernel_ops(self.decode_table)
         self._decoder = None          # train.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)
         self.model = DeepseekV4Model(config, device=device)
@@ -394,8 +406,8 @@ class ReferenceEngine(RolloutEngineBase):
         return out
 
     def reserve(self, slots: int, positions: int) -> None:
-        """Build the decode slots (and capture their CUDA graphs) for ``slots`` samples of up to ``positions``
-        fed tokens now, so that a timed ``generate`` within those sizes does not."""
+        """Build the decode slots (capture their CUDA graphs, compile their step) for ``slots`` samples of up to
+        ``positions`` fed tokens now, so that a timed ``generate`` within those sizes does not."""
         self._decoder_for(slots, positions)
 
     def _decoder_for(self, slots: int, need_len: int):
@@ -411,7 +423,8 @@ class ReferenceEngine(RolloutEngineBase):
                 self._decoder = dec = None
             with self._computing("decode"):   # the decode step's ops: the graphs record them; the template
                 cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # is shapes only
-                dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs)
+                dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs,
+                                                  compile=self.compile, fullgraph=self._fullgraph)
         return dec
 
     def _computing(self, phase: str):
@@ -606,15 +619,31 @@ class ReferenceEngine(RolloutEngineBase):
                 break
         return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
 
+def _compile_backend(compile, kv_cache: bool) -> Optional[str]:
+    """The engine's ``compile`` option as a ``torch.compile`` backend name (None: eager)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        compile = "inductor"
+    if not isinstance(compile, str) or not compile:
+        raise ValueError(f"compile must be None, True, False or a torch.compile backend name, got {compile!r}")
+    if not kv_cache:
+        raise ValueError("compile applies to the cached decode step; the uncached engine (kv_cache=False) runs "
+                         "full forwards: drop compile or use kv_cache=True")
+    return compile
+
+
 def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
     """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
-    ...). From the trainer's ``settings`` (its ``TrainConfig``) the engine takes ``rollout_max_slots`` and
-    ``rollout_cuda_graphs`` as ``max_slots`` and ``cuda_graphs`` (an option given here wins); ``run_dir`` and
+    ...). From the trainer's ``settings`` (its ``TrainConfig``) the engine takes ``rollout_max_slots``,
+    ``rollout_cuda_graphs`` and ``rollout_compile`` as ``max_slots``, ``cuda_graphs`` and ``compile`` (an option
+    given here wins); ``run_dir`` and
     ``publish_format`` are not used: the engine holds the weights it is sent, in any published format, in
     memory."""
     if settings is not None:
         kwargs.setdefault("max_slots", getattr(settings, "rollout_max_slots", None))
         kwargs.setdefault("cuda_graphs", getattr(settings, "rollout_cuda_graphs", None))
+        kwargs.setdefault("compile", getattr(settings, "rollout_compile", None))
         if getattr(settings, "true_on_policy", False):
             kwargs.setdefault("true_on_policy", True)
             kwargs.setdefault("kv_cache", False)

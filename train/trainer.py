@@ -102,10 +102,13 @@ class TrainConfig:
     max_bucket_bytes: int = 64 << 20
     # the built-in engine (--rollout-engine reference; docs/rollout.md): how many samples decode at once
     # (continuous batching: a finished sample's slot takes the next waiting one; None = every sample of the
-    # step at once), and whether its decode step replays CUDA graphs (None = on for a CUDA device; true on
-    # the CPU is refused). Samples do not depend on either.
+    # step at once), whether its decode step replays CUDA graphs (None = on for a CUDA device; true on
+    # the CPU is refused), and whether the decode step runs as torch.compile (Inductor) code, compiled once
+    # per slot bucket when the engine first decodes (off by default: the compile takes a minute or more per
+    # bucket, which a short run does not win back). Samples do not depend on the first two.
     rollout_max_slots: Optional[int] = None
     rollout_cuda_graphs: Optional[bool] = None
+    rollout_compile: bool = False
     # colocated mode: the rollout engine shares the trainer's devices and gives its memory back (weights and
     # KV cache; SGLang: release/resume_memory_occupation) while the trainer computes log-probs and trains;
     # the next step's weight update takes it again, in place (docs/rollout.md#colocated-mode)

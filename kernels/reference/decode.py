@@ -186,8 +186,12 @@ def _capture(model, lengths: torch.Tensor, max_len: int):
 
 
 def _final_logits(model, x: torch.Tensor) -> torch.Tensor:
-    """Trunk streams ``[B, L, n, d]`` -> fp32 logits ``[B, L, V]`` (``DeepseekV4Model.forward``'s head)."""
-    return model._logits(model.collapse(x))
+    """Trunk streams ``[B, L, n, d]`` -> fp32 logits ``[B, L, V]``: ``DeepseekV4Model.forward``'s head, with
+    the head GEMM the training implementations run (:func:`.layers.linear_fp32`, as miles' and megatron's
+    output layers): for a bf16 model one bf16 GEMM with an fp32 result on a GPU instead of an fp32 copy of
+    the ``[V, d]`` head weight and an fp32 GEMM every step (the same products, exact in fp32, summed in
+    another order); the very same computation in fp32, fp64 and on the CPU."""
+    return linear_fp32(model.collapse(x), model.head.weight)
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], *, max_len: int, device=None):

@@ -20,6 +20,10 @@ fixed shapes:
   ("grouped"); elsewhere every expert runs on every token as one batched matmul, weighted 0 where it was not
   picked ("dense": ``E / k`` times the routed work, meant for small models and the CPU).
 
+The step is two parts: :func:`static_step_checks` (host-side: refusals, each layer's MoE path, RoPE frequencies
+put on the device once) and :func:`static_step_body` (the device work, plain tensor code that ``torch.compile``
+can trace whole: no pointer reads, no device queries, no Python state changed).
+
 The step returns the fp32 logits ``[b, V]`` and the learned-routing layers' experts ``[b, layers, k]`` (the
 routing seam is not consulted: a replay hook cannot be recorded into a graph, so an installed one is
 refused). As in :func:`~kernels.reference.decode.decode_step`, the indexer-replay seam is not consulted, and the
@@ -30,17 +34,18 @@ default).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .compressor import Compressor, hadamard_transform
-from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits
+from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq
 from .layers import compute_dtype, linear_fp32
-from .moe import current_routing_hook, swiglu
+from .moe import _has_negative_ids, current_routing_hook, swiglu
 from .rope import apply_rope, rope_cos_sin
 
-__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "static_decode_step"]
+__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "static_decode_step",
+           "static_step_checks", "static_step_body"]
 
 
 def _map_tensors(obj, fn, other=None):
@@ -197,37 +202,75 @@ def _dense(x, weights, idx, w1, w3, w2, limit, ct):
 def moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: Optional[str] = None):
     """``MoE.forward`` without host syncs: ``x [..., d]`` -> ``(y [..., d], idx [T, k])``. ``path``: None
     (:func:`moe_decode_path`), ``"grouped"`` or ``"dense"``."""
+    _stacks(moe)
+    path = path or moe_decode_path(x.reshape(-1, x.shape[-1]), moe)
+    if path not in ("grouped", "dense"):
+        raise ValueError(f"moe_decode: path must be 'grouped' or 'dense', got {path!r}")
+    return _moe_decode(moe, x, input_ids, path)
+
+
+def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
+    """:func:`moe_decode` once its host-side checks have passed (traceable: no ``data_ptr``, no device query)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, idx = moe.gate(x, input_ids)
     ct = compute_dtype(x)
-    w1, w3, w2 = (w.to(x.dtype) for w in _stacks(moe))
-    path = path or moe_decode_path(x, moe)
-    if path not in ("grouped", "dense"):
-        raise ValueError(f"moe_decode: path must be 'grouped' or 'dense', got {path!r}")
+    st = moe._expert_stacks
+    w1, w3, w2 = (st[n].to(x.dtype) for n in ("w1", "w3", "w2"))
     y = (_grouped if path == "grouped" else _dense)(x, weights, idx, w1, w3, w2, moe.experts[0].limit, ct)
     y = y + moe.shared_experts(x).to(ct)
     return y.to(x.dtype).view(shape), idx
 
 
 # ------------------------------------------------------------------- step
+def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = None) -> Tuple[str, ...]:
+    """The host-side part of :func:`static_decode_step`, run before the step's device work (and outside
+    ``torch.compile``'s tracing: it reads pointers, the device's compute capability, module state): refuses an
+    installed routing hook, stale expert stacks and hash tables with negative ids, puts each attention's RoPE
+    frequencies on the device, and returns each layer's MoE path (``moe_path`` for all, or
+    :func:`moe_decode_path`)."""
+    if current_routing_hook() is not None:
+        raise RuntimeError("static_decode_step returns the routed experts instead of calling the routing seam; "
+                           "uninstall the routing hook (routing replay is not supported while decoding)")
+    if moe_path not in (None, "grouped", "dense"):
+        raise ValueError(f"static_decode_step: moe_path must be 'grouped' or 'dense', got {moe_path!r}")
+    dev = tokens.device
+    x = model.embed.weight[:1]                                  # the dtype and device the MoE sees
+    paths = []
+    for layer in model.layers:
+        _stacks(layer.ffn)
+        gate = layer.ffn.gate
+        if gate.hash and _has_negative_ids(gate.tid2eid):
+            raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
+        device_inv_freq(layer.attn, dev)
+        paths.append(moe_path or moe_decode_path(x, layer.ffn))
+    return tuple(paths)
+
+
 def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
                        moe_path: Optional[str] = None):
     """Feed ``tokens [b]`` (long, device) to the ``b = cache.slots`` slots at ``cache.pos``; slots with
     ``active [b]`` (bool, device) False compute too but do not advance. Returns the fp32 logits ``[b, V]``
     and the learned-routing layers' experts ``[b, n_learned, k]``. Every shape depends on ``b`` only and no
-    value is read on the host; the caller keeps every active slot's position below ``cache.max_len``."""
-    if current_routing_hook() is not None:
-        raise RuntimeError("static_decode_step returns the routed experts instead of calling the routing seam; "
-                           "uninstall the routing hook (routing replay is not supported while decoding)")
+    value is read on the host; the caller keeps every active slot's position below ``cache.max_len``.
+
+    This is :func:`static_step_checks` followed by :func:`static_step_body`; ``torch.compile`` takes the body
+    (``train.slot_decoder.compiled_decode_step``)."""
+    return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path))
+
+
+def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
+                     moe_paths: Sequence[str]):
+    """The device work of :func:`static_decode_step` (``moe_paths``: one per layer, from
+    :func:`static_step_checks`): pure tensor code, no host sync, traceable by ``torch.compile``."""
     ids = tokens[:, None]
     x = model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     routes = []
-    for layer, lc in zip(model.layers, cache.layers):                           # Block.forward, one token
+    for layer, lc, path in zip(model.layers, cache.layers, moe_paths):          # Block.forward, one token
         u, post, comb = layer._hc("attn", x)
         x = layer.hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked), x, post, comb)
         u, post, comb = layer._hc("ffn", x)
-        f, idx = moe_decode(layer.ffn, layer.ffn_norm(u), ids, moe_path)
+        f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
         x = layer.hc_post(f, x, post, comb)
         if not layer.ffn.gate.hash:
             routes.append(idx)

@@ -6,7 +6,10 @@ once; the dynamic path decodes them as one batch, the static path from slots 4, 
 and 5 are inactive: they hold zeros and must not disturb the others or advance), teacher-forced for 12 steps
 (the 120-token row completes an HCA block, every row completes CSA blocks while decoding). The prompt of 3
 tokens is retired after 5 steps on both paths. Logits, next-token log-probabilities, greedy tokens and the
-learned-routing experts must agree (fp32: |d logp| <= 1e-5).
+learned-routing experts must agree (fp32: |d logp| <= 1e-5). The same holds for the step's device work
+(``static_step_body``) traced by ``torch.compile(fullgraph=True)`` as the rollout engine's ``compile`` option
+does (the ``eager`` backend here: dynamo's trace and guards without code generation), so the reference step
+has no graph break (no host sync, nothing dynamo cannot trace).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from core.config import preset
 from kernels.reference.decode import decode_step, prefill
 from kernels.reference.model import DeepseekV4Model, init_weights
 from kernels.reference.moe import routing_hook
-from kernels.reference.slots import SlotCache, moe_decode, stack_expert_weights, static_decode_step
+from kernels.reference.slots import (SlotCache, moe_decode, stack_expert_weights, static_decode_step,
+                                     static_step_body, static_step_checks)
 
 LENGTHS = (3, 120, 62)
 SLOTS = (4, 0, 2)
@@ -60,8 +64,16 @@ class _Routes:
         return idx
 
 
-def test_static_slots_equal_the_dynamic_step(model, seqs):
+def _compiled_step():
+    body = torch.compile(static_step_body, backend="eager", dynamic=False, fullgraph=True)
+    return lambda model, cache, tokens, active: body(model, cache, tokens, active,
+                                                     static_step_checks(model, tokens))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_slots_equal_the_dynamic_step(model, seqs, compiled):
     c = model.config
+    step = _compiled_step() if compiled else static_decode_step
     learned = [i for i in range(c.n_layers) if not c.is_hash_layer(i)]
     max_len = max(LENGTHS) + STEPS
     with torch.no_grad():
@@ -80,7 +92,7 @@ def test_static_slots_equal_the_dynamic_step(model, seqs):
             active = torch.zeros(6, dtype=torch.bool)
             for r, tok in zip(rows, fed):
                 tokens[SLOTS[r]], active[SLOTS[r]] = tok, True
-            got, got_routes = static_decode_step(model, slots, tokens, active)
+            got, got_routes = step(model, slots, tokens, active)
             pick = torch.tensor([SLOTS[r] for r in rows])
             got = got[pick]
             nxt = torch.stack([seqs[r][LENGTHS[r] + t + 1] for r in rows])[:, None]

@@ -1,8 +1,10 @@
 """``bench.rollout`` on the CPU: a small run gives every row its numbers, and the table and the weight-byte
-count follow their definitions (the H200 numbers are in docs/rollout.md)."""
+count follow their definitions (the H200 numbers are in docs/rollout.md); ``--compile on|off`` reaches the
+engine and each cached row's note."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -20,6 +22,8 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
         assert r["tokens"] == B * 4 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert ("hbm_share" in r) == (B == 1)
     assert rows[("cached", 2)]["positions_fed"] == 2 * 12 + 2 * 3          # prompts once, then one token a step
+    assert rows[("cached", 1)]["note"] == "cuda graphs off; compile off; kernels none"
+    assert rows[("cached", 1)]["reserve_s"] >= 0 and "reserve_s" not in rows[("uncached", 1)]
     assert "decode tok/s" in format_table(res)
 
     c = preset("tiny")
@@ -30,3 +34,25 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
                 and not n.endswith("tid2eid"))
     want = dense + c.n_layers * c.n_activated_experts * per_expert + c.dim * 4 + c.n_hash_layers * c.n_activated_experts * 8
     assert weight_bytes_per_token(m) == want
+
+
+def test_the_compile_flag_reaches_the_engine(monkeypatch):
+    """``--compile on`` -> ``run_bench(compile=True)`` -> ``ReferenceEngine(compile=True)`` (stopped there: the
+    Inductor compile is for the GPU run)."""
+    from bench import rollout
+    from train import engines
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def engine(config, **kw):
+        seen.append(kw.get("compile"))
+        raise Stop
+
+    monkeypatch.setattr(engines, "ReferenceEngine", engine)
+    for flag, want in (("on", True), ("off", False)):
+        with pytest.raises(Stop):
+            rollout.main(["--device", "cpu", "--rows", "cached", "--compile", flag])
+    assert seen == [True, False]

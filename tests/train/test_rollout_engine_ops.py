@@ -6,9 +6,14 @@
   the decode step and in the uncached engine, and it draws the reference engine's samples exactly;
 * a table whose op refuses a one-token decode step's inputs serves prefill, and the decode step runs the
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
-* ``rollout_max_slots`` / ``rollout_cuda_graphs`` (TrainConfig) reach the engine; a GRPO run through the CLI with
-  2 slots takes exactly the steps of the default run (samples do not depend on the slots: losses, gradient
-  norms, rewards and response lengths are equal; the engine's log-probabilities only to fp32 rounding).
+* ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
+  functionalisation without code generation, which Inductor would add) draws the eager step's samples
+  bit for bit; the table's own kernel (an op defined outside ``kernels.reference``) runs eagerly inside the
+  compiled step on every call, while the reference ops are traced (not called);
+* ``rollout_max_slots`` / ``rollout_cuda_graphs`` / ``rollout_compile`` (TrainConfig) reach the engine; a GRPO
+  run through the CLI with 2 slots takes exactly the steps of the default run (samples do not depend on the
+  slots: losses, gradient norms, rewards and response lengths are equal; the engine's log-probabilities only
+  to fp32 rounding), and its ``rollout_compile=true`` reaches the engine's decode slots.
 """
 
 from __future__ import annotations
@@ -33,21 +38,31 @@ def _synced(engine):
     return engine
 
 
-def _generate(engine):
-    from core.kernel_ops import kernels_ran, reset_kernels_ran
+def _params(**kw):
     from train.engines import SamplingParams
 
+    return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 6, "stop_token_ids": (), **kw})
+
+
+def _generate(engine, params=None):
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
+
     reset_kernels_ran()
-    got = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=()), n=2, seed=5)
+    got = engine.generate(PROMPTS, params or _params(), n=2, seed=5)
     return got, kernels_ran()
 
 
-def _fake(refuse_decode=()):
-    """The reference functions as backend ``fake``; the ops in ``refuse_decode`` refuse one-token inputs."""
+def _fake(refuse_decode=(), own=()):
+    """The reference functions as backend ``fake``; the ops in ``refuse_decode`` refuse one-token inputs; the
+    ops in ``own`` are wrapped here, outside ``kernels.reference``, like a backend's own kernel."""
     from core.kernel_ops import OpTable
     from kernels.reference.backend import reference_functions
 
     fns = reference_functions()
+    for name in own:
+        def kernel(*args, _fn=fns[name], **kw):
+            return _fn(*args, **kw)
+        fns[name] = kernel
     for name in refuse_decode:
         def picky(*args, _fn=fns[name], _name=name, **kw):
             if args[0].dim() >= 3 and args[0].shape[1] == 1:
@@ -111,14 +126,42 @@ def test_an_op_that_refuses_decode_inputs_runs_the_reference_op_in_decode_explic
     _same(got, _generate(_synced(ReferenceEngine(CFG)))[0])
 
 
+def test_the_compiled_decode_step_draws_the_eager_steps_samples():
+    """One slot: one bucket, so one compile (a few seconds); about one token in five stops, so the slot
+    takes sample after sample."""
+    import torch._dynamo.utils
+
+    from train.engines import ReferenceEngine
+
+    op = "sparse_attention_with_sink"
+    params = _params(stop_token_ids=tuple(range(2, 1024, 5)))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = _synced(ReferenceEngine(CFG, ops=_fake(own=(op,)), max_slots=1, compile="aot_eager"))
+    assert compiled.compile == "aot_eager" and not compiled._fullgraph     # the kernel is a graph break
+    got, ran = _generate(compiled, params)
+    assert compiled._decoder.buckets == [1] and compiled._decoder.compile == "aot_eager"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # dynamo compiled the step
+    want, eager_ran = _generate(_synced(ReferenceEngine(CFG, ops=_fake(own=(op,)), max_slots=1)), params)
+    _same(got, want)
+    assert len({len(s.response_ids) for g in got for s in g}) > 1
+    # the kernel ran eagerly in every compiled step (and in the compile's own call on the empty slot, one
+    # per layer), the traced reference ops only in prefill
+    assert ran[f"fake.{op}"] == eager_ran[f"fake.{op}"] + CFG.n_layers
+    assert 0 < ran["fake.hc_pre"] < eager_ran["fake.hc_pre"]
+
+
 def test_the_rollout_settings_reach_the_engine():
-    from train.engines import make_reference_engine
+    from train.engines import ReferenceEngine, make_reference_engine
     from train.trainer import TrainConfig
 
-    e = make_reference_engine(CFG, settings=TrainConfig(rollout_max_slots=2, rollout_cuda_graphs=False))
-    assert e.max_slots == 2 and e.cuda_graphs is False
+    e = make_reference_engine(CFG, settings=TrainConfig(rollout_max_slots=2, rollout_cuda_graphs=False,
+                                                        rollout_compile=True))
+    assert e.max_slots == 2 and e.cuda_graphs is False and e.compile == "inductor"
     e = make_reference_engine(CFG, settings=TrainConfig())
     assert e.max_slots is None and e.cuda_graphs is False                # None: on for a CUDA device only
+    assert e.compile is None                                             # off unless asked for
+    with pytest.raises(ValueError, match="kv_cache=False"):
+        ReferenceEngine(CFG, kv_cache=False, compile=True)
     e = make_reference_engine(CFG, settings=TrainConfig(rollout_max_slots=2), max_slots=3)
     assert e.max_slots == 3                                              # an option given to the factory wins
 
@@ -138,22 +181,30 @@ STEP_KEYS = ("loss", "pg_loss", "grad_norm", "reward_mean", "response_tokens")
 
 
 def test_a_grpo_run_with_two_rollout_slots_takes_the_steps_of_the_default_run(tmp_path, monkeypatch):
-    from train import engines
+    from kernels.reference.slots import static_decode_step
+    from train import engines, slot_decoder
 
-    made, real = [], engines.make_reference_engine
+    made, real, compiles = [], engines.make_reference_engine, []
 
     def recording(*args, **kwargs):
         made.append(real(*args, **kwargs))
         return made[-1]
 
+    def not_compiled(backend, fullgraph):         # rollout_compile's path, without paying for Inductor
+        compiles.append((backend, fullgraph))
+        return static_decode_step
+
     monkeypatch.setattr(engines, "make_reference_engine", recording)
+    monkeypatch.setattr(slot_decoder, "compiled_decode_step", not_compiled)
     common = ("train", "--hardware", "cpu", "--steps", 2, "prompts_per_step=2", "group_size=3", "max_new_tokens=6")
     res = dsv4(*common, "--run-dir", tmp_path / "default")
     assert res.exit_code == 0, res.output
-    res = dsv4(*common, "--run-dir", tmp_path / "slots", "rollout_max_slots=2", "rollout_cuda_graphs=false")
+    res = dsv4(*common, "--run-dir", tmp_path / "slots", "rollout_max_slots=2", "rollout_cuda_graphs=false",
+               "rollout_compile=true")
     assert res.exit_code == 0, res.output
-    assert [(e.max_slots, e.cuda_graphs) for e in made] == [(None, False), (2, False)]
+    assert [(e.max_slots, e.cuda_graphs, e.compile) for e in made] == [(None, False, None), (2, False, "inductor")]
     assert made[1]._decoder.slots == 2                                  # 6 samples a step went through 2 slots
+    assert made[1]._decoder.compile == "inductor" and compiles == [("inductor", True)]
     default, slots = _rows(tmp_path / "default"), _rows(tmp_path / "slots")
     assert len(default) == len(slots) == 2
     for a, b in zip(default, slots):
@@ -162,7 +213,7 @@ def test_a_grpo_run_with_two_rollout_slots_takes_the_steps_of_the_default_run(tm
         # rounded differently (CPU GEMMs of another shape), so their distance to the trainer's moves at 1e-7
         assert abs(a["train_rollout_logprob_abs_diff"] - b["train_rollout_logprob_abs_diff"]) < 1e-6
     saved = json.loads((tmp_path / "slots" / "train_config.json").read_text())["train"]
-    assert saved["rollout_max_slots"] == 2 and saved["rollout_cuda_graphs"] is False
+    assert saved["rollout_max_slots"] == 2 and saved["rollout_cuda_graphs"] is False and saved["rollout_compile"] is True
 
 
 def test_bad_rollout_settings_are_refused(tmp_path):
@@ -171,5 +222,7 @@ def test_bad_rollout_settings_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="rollout_max_slots"):
         TrainConfig(rollout_max_slots=0)
+    with pytest.raises(ConfigError, match="rollout_compile"):
+        TrainConfig(rollout_compile="yes")
     res = dsv4("train", "--hardware", "cpu", "--steps", 1, "--run-dir", tmp_path / "r", "rollout_cuda_graphs=true")
     assert res.exit_code != 0 and "rollout_cuda_graphs" in res.output and "no CUDA device" in res.output, res.output

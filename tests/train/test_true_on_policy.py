@@ -120,7 +120,8 @@ def test_refusals():
                     (dict(max_tokens_per_rank=64), "drop max_tokens_per_rank"),
                     (dict(async_rollout=True), "drop async_rollout"),
                     (dict(colocate=True), "drop colocate"),
-                    (dict(rollout_cuda_graphs=True), "drop rollout_cuda_graphs")):
+                    (dict(rollout_cuda_graphs=True), "drop rollout_cuda_graphs"),
+                    (dict(rollout_compile=True), "drop rollout_compile")):
         with pytest.raises(ConfigError, match=fix):
             TrainConfig(true_on_policy=True, train_impl="reference", **kw)
     TrainConfig(true_on_policy=False, micro_batch_size=2)         # the default path is unchanged
@@ -131,6 +132,8 @@ def test_refusals():
         ReferenceEngine(c, kv_cache=False, dtype=torch.float16, true_on_policy=True)
     with pytest.raises(ValueError, match="device meta"):
         ReferenceEngine(c, kv_cache=False, device="meta", true_on_policy=True)
+    with pytest.raises(ValueError, match="compile"):
+        ReferenceEngine(c, kv_cache=False, compile=True, true_on_policy=True)
 
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
