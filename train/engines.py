@@ -23,9 +23,9 @@ slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are adm
 :func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
 replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
 one (continuous batching), and live slots are packed into the smallest bucket; with ``compile`` the step's
-device work is TorchInductor code (one compile per bucket; :mod:`train.slot_decoder`). ``kv_cache=False`` is the former
-engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the whole
-prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
+device work is TorchInductor code (one compile per bucket; :mod:`train.slot_decoder`). ``kv_cache=False`` is
+the former engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the
+whole prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
 so they draw the same tokens.
 
 Sampling (on the model's device): temperature, then top-k (``top_k > 0``) and top-p truncation of the
@@ -212,9 +212,10 @@ class ReferenceEngine(RolloutEngineBase):
     slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
     device; True elsewhere is refused). ``compile``: run the decode step's device work as ``torch.compile`` code
     (None / False: eager; True: Inductor; a string: that ``torch.compile`` backend, e.g. ``"aot_eager"`` in
-    tests), compiled per slot bucket when first used (with CUDA graphs: when the graphs are captured); the
-    kernel backend's own ops stay eager inside it (:func:`engine.compile.opaque_kernel_ops`). ``prefill_batch``: at most this many prompts per prefill forward (None:
-    every admitted prompt in one; the reference prefill holds ``[rows, length, keys, head_dim]`` gathers).
+    tests), each slot bucket compiled when the slots are built (before the graphs are captured); the kernel
+    backend's own ops stay eager inside it (:func:`engine.compile.opaque_kernel_ops`). ``prefill_batch``: at
+    most this many prompts per prefill forward (None: every admitted prompt in one; the reference prefill holds
+    ``[rows, length, keys, head_dim]`` gathers).
 
     ``ops``: the kernel op table to compute with (``core.kernel_ops.OpTable``; None: the reference ops, backend
     ``none``). Prefill (and the uncached engine) calls it as is; the decode step calls ``decode_table``: the
@@ -637,9 +638,8 @@ def make_reference_engine(config, *, settings=None, run_dir=None, publish_format
     """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
     ...). From the trainer's ``settings`` (its ``TrainConfig``) the engine takes ``rollout_max_slots``,
     ``rollout_cuda_graphs`` and ``rollout_compile`` as ``max_slots``, ``cuda_graphs`` and ``compile`` (an option
-    given here wins); ``run_dir`` and
-    ``publish_format`` are not used: the engine holds the weights it is sent, in any published format, in
-    memory."""
+    given here wins); ``run_dir`` and ``publish_format`` are not used: the engine holds the weights it is sent,
+    in any published format, in memory."""
     if settings is not None:
         kwargs.setdefault("max_slots", getattr(settings, "rollout_max_slots", None))
         kwargs.setdefault("cuda_graphs", getattr(settings, "rollout_cuda_graphs", None))
