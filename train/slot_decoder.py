@@ -55,10 +55,15 @@ def graph_buckets(slots: int) -> List[int]:
 def compiled_decode_step(backend: str = "inductor", fullgraph: bool = True):
     """:func:`~kernels.reference.slots.static_decode_step` with its device work compiled by ``torch.compile``
     (``backend``; tests pass ``"aot_eager"`` to trace without generating code). ``fullgraph``: refuse graph
-    breaks (False when a kernel backend's ops are left eager inside)."""
+    breaks (False when a kernel backend's ops are left eager inside).
+
+    Inductor rounds each intermediate to the dtype the eager step rounds it to (``emulate_precision_casts``)
+    instead of keeping fused bf16 chains in fp32: the compiled step then differs from the eager one (and the
+    training forward) by summation order, not by where it rounds; the casts are register work."""
     dynamo_config = torch._dynamo.config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
-    body = torch.compile(static_step_body, backend=backend, dynamic=False, fullgraph=fullgraph)
+    options = {"emulate_precision_casts": True} if backend == "inductor" else None
+    body = torch.compile(static_step_body, backend=backend, dynamic=False, fullgraph=fullgraph, options=options)
 
     def step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor):
         paths = static_step_checks(model, tokens)

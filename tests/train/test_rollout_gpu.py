@@ -17,9 +17,10 @@
   samples;
 * ``compile=True`` (the decode step as Inductor code inside the CUDA graphs; two slots, so two buckets and two
   compiles): teacher-forced on the compiled engine's own samples, the compiled step's log-probabilities of
-  the fed tokens follow the eager step's without graphs (bf16: mean |diff| <= 2e-2, max <= 0.3 nats; Inductor
-  fuses bf16 element-wise chains in fp32, so rounding differs and the sampled tokens may too; a wrong cache
-  moves them by about 0.25 nats on average). With ``--kernel-backend triton`` the backend's own kernels run
+  the fed tokens follow the eager step's without graphs (bf16: mean |diff| <= 1e-2, max <= 0.3 nats; the
+  summation order differs, so the sampled tokens may too; on the CPU the same comparison measured 7.3e-4
+  mean, and a wrong cache moves them by about 0.25 nats on average), and they are the log-probabilities the
+  engine drew with. With ``--kernel-backend triton`` the backend's own kernels run
   eagerly inside the compiled, graphed step (``fullgraph`` off) and the samples follow the eager engine's;
 * the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
   run (miles, bf16) rolls out on it;
@@ -173,7 +174,7 @@ def test_compiled_graph_decode_follows_the_eager_step_bf16(train_model):
     d = (lp_compiled - lp_eager).abs()
     print(f"bf16 compiled+graphs vs eager step, teacher-forced: mean |dlogp| {float(d.mean()):.2e}, "
           f"max {float(d.max()):.2e}")
-    assert float(d.mean()) <= 2e-2 and float(d.max()) <= 0.3
+    assert float(d.mean()) <= 1e-2 and float(d.max()) <= 0.3
     # the compiled engine's own draws are those log-probabilities (the first token comes from prefill)
     drawn = torch.stack([s.logprobs[1:] for s in got], dim=1)
     assert torch.allclose(drawn, lp_compiled, rtol=0, atol=1e-5)
