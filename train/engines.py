@@ -212,8 +212,9 @@ class ReferenceEngine(RolloutEngineBase):
     slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
     device; True elsewhere is refused). ``compile``: run the decode step's device work as ``torch.compile`` code
     (None / False: eager; True: Inductor; a string: that ``torch.compile`` backend, e.g. ``"aot_eager"`` in
-    tests), each slot bucket compiled when the slots are built (before the graphs are captured); the kernel
-    backend's own ops stay eager inside it (:func:`engine.compile.opaque_kernel_ops`). ``prefill_batch``: at
+    tests), each slot bucket compiled when the slots are built (before the graphs are captured); a kernel
+    backend's op that ``torch.compile`` cannot trace stays eager inside it
+    (:func:`engine.compile.opaque_kernel_ops`; the GPU backends' ops are traced custom ops). ``prefill_batch``: at
     most this many prompts per prefill forward (None: every admitted prompt in one; the reference prefill holds
     ``[rows, length, keys, head_dim]`` gathers).
 
@@ -266,7 +267,7 @@ class ReferenceEngine(RolloutEngineBase):
                         "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
         self.compile = _compile_backend(compile, kv_cache)
         self._fullgraph = True        # torch.compile's: no graph break in the decode step
-        if self.compile:              # the kernel backend's own ops run eagerly inside it (a graph break each)
+        if self.compile:              # untraceable kernel ops run eagerly inside it (a graph break each)
             from engine.compile import kernel_op_names, opaque_kernel_ops
 
             self._fullgraph = not set(kernel_op_names(self.decode_table)) & set(engine_ops(config))

@@ -21,9 +21,9 @@ compressors' pooling, casts) into a few Triton kernels. The host-side checks
 records its own graph around the compiled code (not Inductor's ``reduce-overhead`` mode), so a step is still
 one replay; each bucket's first warm-up call compiles it, before the capture. Without graphs the compiled code
 runs every step, the buckets are the powers of two (a compile per bucket, not per slot count), and each is
-compiled when the decoder is built (one call on the empty slots). A
-kernel backend's own ops stay eager inside the compiled code when the caller's op table says so
-(:func:`engine.compile.opaque_kernel_ops`, a graph break each); ``fullgraph`` then has to be False.
+compiled when the decoder is built (one call on the empty slots). The GPU backends' kernels are custom ops
+(``kernels.gpu_ops``), nodes of the compiled graph; an op the caller's table leaves eager
+(:func:`engine.compile.opaque_kernel_ops`) is a graph break, and ``fullgraph`` then has to be False.
 """
 
 from __future__ import annotations

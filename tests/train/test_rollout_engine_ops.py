@@ -8,8 +8,9 @@
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
 * ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
   functionalisation without code generation, which Inductor would add) draws the eager step's samples
-  bit for bit; the table's own kernel (an op defined outside ``kernels.reference``) runs eagerly inside the
-  compiled step on every call, while the reference ops are traced (not called);
+  bit for bit; the table's own kernel (an op defined outside ``kernels.reference`` and not marked traceable,
+  like a third-party backend's launcher) runs eagerly inside the compiled step on every call, while the
+  reference ops are traced (not called);
 * ``rollout_max_slots`` / ``rollout_cuda_graphs`` / ``rollout_compile`` (TrainConfig) reach the engine; a GRPO
   run through the CLI with 2 slots takes exactly the steps of the default run (samples do not depend on the
   slots: losses, gradient norms, rewards and response lengths are equal; the engine's log-probabilities only

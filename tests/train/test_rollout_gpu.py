@@ -20,8 +20,8 @@
   the fed tokens follow the eager step's without graphs (bf16: mean |diff| <= 1e-2, max <= 0.3 nats; the
   summation order differs, so the sampled tokens may too; on the CPU the same comparison measured 7.3e-4
   mean, and a wrong cache moves them by about 0.25 nats on average), and they are the log-probabilities the
-  engine drew with. With ``--kernel-backend triton`` the backend's own kernels run
-  eagerly inside the compiled, graphed step (``fullgraph`` off) and the samples follow the eager engine's;
+  engine drew with. With ``--kernel-backend triton`` the backend's kernels (custom ops) trace into the
+  compiled, graphed step as one graph (``fullgraph``) and the samples follow the reference-op engine's;
 * the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
   run (miles, bf16) rolls out on it;
 * ``--kernel-backend triton|tilelang``: the engine computes with that table (prefill as given, the decode
@@ -180,10 +180,11 @@ def test_compiled_graph_decode_follows_the_eager_step_bf16(train_model):
     assert torch.allclose(drawn, lp_compiled, rtol=0, atol=1e-5)
 
 
-def test_the_compiled_step_leaves_the_kernel_backends_ops_eager(train_model):
+def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     """``--kernel-backend triton`` with ``compile=True`` and CUDA graphs (one slot: one bucket to compile): the
-    backend's own decode kernels are graph breaks, run eagerly inside the compiled step and recorded into the
-    graph; the samples follow the reference-op engine's (as in test_the_engine_runs_the_runs_gpu_kernels)."""
+    backend's decode kernels are custom ops (``kernels.gpu_ops``), so the step compiles as one graph
+    (``fullgraph``: a graph break would raise) and its kernels are recorded into the CUDA graph; the samples
+    follow the reference-op engine's (as in test_the_engine_runs_the_runs_gpu_kernels)."""
     pytest.importorskip("triton")
     from core.assembly import assemble
     from core.run_config import Choices, normalize
@@ -195,9 +196,11 @@ def test_the_compiled_step_leaves_the_kernel_backends_ops_eager(train_model):
     run = normalize(Choices(impl="miles", hardware="nvidia", kernel_backend="triton", rollout_engine="reference",
                             model=CFG), make_host(third_party=False), model_name="tiny")
     e = assemble(run).rollout_engine(CFG, dtype=torch.bfloat16, compile=True, max_slots=1)
-    print("decode ops:", e.decode_ops, "kernels left eager:", kernel_op_names(e.decode_table))
+    print("decode ops:", e.decode_ops, "refusals:", e.decode_refusals)
     assert e.cuda_graphs and e.compile == "inductor"
-    assert e._fullgraph == (not any(who == "triton" for who in e.decode_ops.values()))
+    if not any(who == "triton" for who in e.decode_ops.values()):
+        pytest.skip(f"the triton backend serves no op of the tiny model's decode step: {e.decode_refusals}")
+    assert not set(kernel_op_names(e.decode_table)) & set(e.decode_ops) and e._fullgraph
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, max_slots=1)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok
