@@ -23,7 +23,7 @@ slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are adm
 :func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
 replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
 one (continuous batching), and live slots are packed into the smallest bucket; with ``compile`` the step's
-device work is TorchInductor code (one compile per bucket; :mod:`train.slot_decoder`). ``kv_cache=False`` is
+device work is TorchInductor code (up to three compiles for all buckets; :mod:`train.slot_decoder`). ``kv_cache=False`` is
 the former engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the
 whole prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
 so they draw the same tokens.

@@ -14,13 +14,15 @@ capture's warm-up runs write into the (empty) slots. The graphs share one memory
 is harmless. Weight updates copy into the same parameter tensors, so the graphs stay valid across them.
 
 ``compile``: the step's device work (:func:`~kernels.reference.slots.static_step_body`) runs as TorchInductor
-code (``torch.compile``, default mode, ``dynamic=False``: one compiled variant per bucket), which fuses the
+code (``torch.compile``, default mode, automatic dynamic shapes: the first bucket compiles with static sizes,
+the next one recompiles once with the slot count symbolic, and that code serves every later bucket but one
+slot, which dynamo specializes: three compiles for any number of buckets, not one each), which fuses the
 thousands of small element-wise kernels of a step (mHC and its Sinkhorn iterations, norms, RoPE, the
 compressors' pooling, casts) into a few Triton kernels. The host-side checks
 (:func:`~kernels.reference.slots.static_step_checks`) run eagerly before it. With CUDA graphs the decoder
 records its own graph around the compiled code (not Inductor's ``reduce-overhead`` mode), so a step is still
-one replay; each bucket's first warm-up call compiles it, before the capture. Without graphs the compiled code
-runs every step, the buckets are the powers of two (a compile per bucket, not per slot count), and each is
+one replay; a bucket's first warm-up call compiles it (when no earlier compile serves it), before the capture. Without graphs the compiled code
+runs every step, the buckets are the powers of two (not every slot count), and each is
 compiled when the decoder is built (one call on the empty slots). The GPU backends' kernels are custom ops
 (``kernels.gpu_ops``), nodes of the compiled graph; an op the caller's table leaves eager
 (:func:`engine.compile.opaque_kernel_ops`) is a graph break, and ``fullgraph`` then has to be False.
@@ -63,7 +65,7 @@ def compiled_decode_step(backend: str = "inductor", fullgraph: bool = True):
     dynamo_config = torch._dynamo.config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
     options = {"emulate_precision_casts": True} if backend == "inductor" else None
-    body = torch.compile(static_step_body, backend=backend, dynamic=False, fullgraph=fullgraph, options=options)
+    body = torch.compile(static_step_body, backend=backend, dynamic=None, fullgraph=fullgraph, options=options)
 
     def step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor):
         paths = static_step_checks(model, tokens)
