@@ -8,6 +8,9 @@ weights enter (checkpoint loading, for every command), leave (exports,
 buckets published to a rollout engine) or are produced (loss, gradients and
 parameters of each training step) calls :func:`check_finite`, which raises
 :class:`NonFiniteError` naming the tensor, where it came from and the fix.
+A model that a checkpoint fills is built without random init: its weights start
+as NaN (:func:`fill_unwritten_`) and every load path checks the whole model
+afterwards (:func:`check_written`), so a weight no load wrote is refused too.
 
 Cost: one ``torch.isfinite(t).all()`` per floating tensor (a single pass,
 no copy kept), which is small next to reading the tensor from disk, and one
