@@ -62,8 +62,6 @@ def test_loaded_without_init_equals_loaded_with_init(impl, kind, checkpoints):
     from train.model import load_model_source
 
     c = small_config()
-    if impl == "reference" and kind == "torch_dist":
-        pytest.skip("the reference training model loads native and HF checkpoints (torch_dist: the implementations)")
     want = _build(impl, c, True)
     load_model_source(want, checkpoints[kind])
     got = _build(impl, c, False)
