@@ -11,7 +11,8 @@ Handles (typed by ``core.protocols``), each built once per :class:`Assembly`, on
 * ``target``: the hardware target (device, process setup, process groups);
 * ``ops``: the kernel backend's op table (``core.kernel_ops.OpTable``: which kernels ran is counted);
 * ``scheme``: the quantization scheme (publish format, what it changes in a training model);
-* ``build_model(...)``: the attention implementation's model, built with the run's ops and dtype;
+* ``build_model(...)``: the attention implementation's model, built with the run's ops and dtype (without
+  random init when a checkpoint fills it);
 * ``rollout_engine(...)``: the rollout engine.
 """
 
@@ -75,21 +76,33 @@ class Assembly:
 
         return self.target.device(torch.cuda.current_device() if self.selection.hardware.gpu else 0)
 
-    def build_model(self, model_config=None, *, params_dtype=None, **options) -> Any:
+    def build_model(self, model_config=None, *, params_dtype=None, initialize: bool = True, **options) -> Any:
         """The run's implementation, with the run's kernel ops, in ``params_dtype`` (default: the run's
         ``--dtype``), for this process's ranks. ``options`` go to the implementation's factory (e.g.
-        megatron's ``dsa_indexer_loss_coeff``); one it does not take is an error naming it."""
+        megatron's ``dsa_indexer_loss_coeff``); one it does not take is an error naming it.
+
+        ``initialize=False``: for a model a checkpoint fills. The factory skips its random draws (its
+        ``initialize`` option; minutes of one CPU core for a large model, all overwritten by the load) and
+        every floating weight is then set to NaN (``core.finite.fill_unwritten_``), so one the load does not
+        write fails ``core.finite.check_written`` instead of holding leftover memory."""
         import inspect
 
         record = self.selection.impl
         factory = record.load()
+        if not initialize:
+            options["initialize"] = False
         accepted = inspect.signature(factory).parameters
         unknown = [k for k in options if k not in accepted]
         if unknown:
             raise ValueError(f"--impl {record.name} does not take {', '.join(sorted(unknown))}")
         config = model_config if model_config is not None else self.run.model
         dtype = params_dtype if params_dtype is not None else self.run.torch_dtype
-        return factory(config, self.run, ops=self.ops, params_dtype=dtype, **options)
+        model = factory(config, self.run, ops=self.ops, params_dtype=dtype, **options)
+        if not initialize:
+            from core.finite import fill_unwritten_
+
+            fill_unwritten_(model)
+        return model
 
     def rollout_engine(self, model_config, **options) -> Engine:
         """The run's rollout engine for ``model_config`` (refused with the reason when it cannot run here).

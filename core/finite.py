@@ -8,6 +8,9 @@ weights enter (checkpoint loading, for every command), leave (exports,
 buckets published to a rollout engine) or are produced (loss, gradients and
 parameters of each training step) calls :func:`check_finite`, which raises
 :class:`NonFiniteError` naming the tensor, where it came from and the fix.
+A model that a checkpoint fills is built without random init: its weights start
+as NaN (:func:`fill_unwritten_`) and every load path checks the whole model
+afterwards (:func:`check_written`), so a weight no load wrote is refused too.
 
 Cost: one ``torch.isfinite(t).all()`` per floating tensor (a single pass,
 no copy kept), which is small next to reading the tensor from disk, and one
@@ -27,7 +30,7 @@ import torch
 from core.errors import UserInputError
 
 __all__ = ["NonFiniteError", "check_finite", "check_finite_tensor", "checked", "check_finite_number",
-           "first_nonfinite"]
+           "first_nonfinite", "fill_unwritten_", "check_written"]
 
 
 class NonFiniteError(UserInputError):
@@ -103,6 +106,36 @@ def check_finite_number(name: str, value, *, where: str, fix: str = "") -> float
         msg = f"{where}: {name} is {v}"
         raise NonFiniteError(f"{msg}; {fix}" if fix else msg)
     return v
+
+
+def _state_tensors(module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The weights of ``module``: its parameters and persistent buffers (its state dict's tensors; megatron's
+    ``_extra_state`` entries are not tensors). Non-persistent buffers are computed values, not weights."""
+    for name, t in module.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            yield name, t
+
+
+@torch.no_grad()
+def fill_unwritten_(module) -> None:
+    """Fill every floating weight of ``module`` with NaN: the state of a model built WITHOUT random init (a
+    checkpoint fills it, ``core.assembly.Assembly.build_model(initialize=False)``). Uninitialized memory
+    could hold anything, finite included; NaN makes a weight that no load writes fail :func:`check_written`
+    instead of training silently on garbage. Integer weights (``tid2eid``) keep what their constructor
+    computed."""
+    for _name, t in _state_tensors(module):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+
+
+def check_written(module, *, source) -> None:
+    """After loading ``source`` into ``module``: every floating weight is finite. The loaders check what they
+    read, so a NaN here is a weight the load did not write (a model built without random init starts all NaN,
+    :func:`fill_unwritten_`); raises :class:`NonFiniteError` naming it. One host sync per device."""
+    check_finite(_state_tensors(module), where=f"the model after loading {source}",
+                 fix="the load did not write this tensor (the model is built without random init when a "
+                     "checkpoint is loaded, and the checkpoint must fill every tensor). Fix: load a checkpoint "
+                     "of this model config that holds every tensor (dsv4 convert writes complete ones)")
 
 
 def finite_json(obj, *, what: str) -> str:

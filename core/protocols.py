@@ -25,7 +25,9 @@ class ModelFactory(Protocol):
     """``build_model(model_config, run_config, *, ops, params_dtype, **options) -> torch.nn.Module``.
 
     ``ops`` is the run's kernel op table (the model calls every DeepSeek-V4 op through it); the process
-    is already set up by the run's hardware target (megatron-core's parallel state exists)."""
+    is already set up by the run's hardware target (megatron-core's parallel state exists). A factory that
+    takes ``initialize`` (a bool) skips its random init when it is False: the model is loaded from a
+    checkpoint next (``core.assembly.Assembly.build_model``)."""
 
     def __call__(self, model_config: Any, run_config: Any, *, ops: "KernelOps", params_dtype: Any,
                  **options: Any) -> Any: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +35,21 @@ class KeepFP32Module(nn.Module):
         return super()._apply(guarded, recurse=recurse)
 
 
-def init_normal_(t: torch.Tensor, std: float = 0.02, generator=None) -> torch.Tensor:
+def init_normal_(t: torch.Tensor, std: Optional[float] = 0.02, generator=None) -> torch.Tensor:
+    """``t`` drawn from normal(0, ``std``) in place. ``std=None``: ``t`` is left as allocated, for a model
+    that a checkpoint fills (``build_model(initialize=False)``: drawing random numbers for every weight of a
+    large model takes minutes on one core, and the load overwrites them all)."""
+    if std is None:
+        return t
     with torch.no_grad():
         return t.normal_(0.0, std, generator=generator)
 
 
 class Linear(nn.Module):
-    """Replicated ``y = x W^T`` without bias (``weight [out, in]``; computed in x's dtype)."""
+    """Replicated ``y = x W^T`` without bias (``weight [out, in]``; computed in x's dtype). ``std=None``:
+    not initialized (:func:`init_normal_`)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, std: float = 0.02):
+    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, std: Optional[float] = 0.02):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(init_normal_(torch.empty(out_features, in_features, dtype=dtype), std))

@@ -199,8 +199,10 @@ def load_weights(model: nn.Module, checkpoint, config) -> None:
     """``checkpoint`` into ``model``: a native checkpoint (``dsv4 convert``, recognized by its metadata; one
     written under pre-contract names is refused), a megatron-core torch_dist one (upstream names,
     ``converters.torch_dist``) or an HF one (official names, any weight format). Each rank keeps its own
-    tensor- and expert-parallel share."""
+    tensor- and expert-parallel share. Every weight of ``model`` must be written by the load
+    (``core.finite.check_written``: a model built with ``initialize=False`` starts NaN)."""
     from converters.torch_dist import is_torch_dist_checkpoint, load_torch_dist
+    from core.finite import check_written
     from core.native_checkpoint import is_native_checkpoint, load_native
 
     if is_native_checkpoint(checkpoint):
@@ -211,3 +213,4 @@ def load_weights(model: nn.Module, checkpoint, config) -> None:
         load_native_tensors(model, state.items())
     else:
         load_hf_checkpoint(model, checkpoint, config)
+    check_written(model, source=f"checkpoint {checkpoint}")

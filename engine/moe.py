@@ -59,7 +59,7 @@ class DSv4Router(KeepFP32Module):
     block's layer (``n_layers + k`` for MTP layer ``k``); ``replayable`` (a learned trunk layer) routers
     pass their picks through the routing seam."""
 
-    def __init__(self, model_config, hash_layer: bool, params_dtype=torch.float32, std: float = 0.02,
+    def __init__(self, model_config, hash_layer: bool, params_dtype=torch.float32, std: float | None = 0.02,
                  layer_id: int | None = None):
         super().__init__()
         c = model_config
@@ -85,7 +85,7 @@ class _WeightBank(nn.Module):
     """Holds ``weight{first} .. weight{first+n-1}`` (megatron's grouped-GEMM naming, global expert ids; under
     expert parallelism ``first`` is this rank's first expert). ``bank[i]`` is the ``i``-th LOCAL expert."""
 
-    def __init__(self, n: int, shape, dtype, tp_dim: int, tp_chunks: int, std: float, first: int = 0):
+    def __init__(self, n: int, shape, dtype, tp_dim: int, tp_chunks: int, std: float | None, first: int = 0):
         super().__init__()
         self.n, self.first = n, first
         for e in range(first, first + n):
@@ -101,7 +101,7 @@ class _WeightBank(nn.Module):
 class DSv4GroupedExperts(nn.Module):
     """Routed SwiGLU experts with the asymmetric clamp (``activation_func_clamp_value``)."""
 
-    def __init__(self, model_config, params_dtype=torch.float32, std: float = 0.02):
+    def __init__(self, model_config, params_dtype=torch.float32, std: float | None = 0.02):
         super().__init__()
         c = model_config
         tp, ep = tp_world(), ep_world()
@@ -216,7 +216,7 @@ class DSv4SharedExperts(nn.Module):
     """The shared SwiGLU expert: megatron Column/RowParallelLinear; clamped only when the
     config's ``activation_func_clamp_shared_expert`` switch is on."""
 
-    def __init__(self, model_config, tconfig, std: float = 0.02):
+    def __init__(self, model_config, tconfig, std: float | None = 0.02):
         super().__init__()
         ensure_megatron()
         from megatron.core import tensor_parallel
@@ -244,9 +244,11 @@ class DSv4SharedExperts(nn.Module):
 
 
 class DSv4MoE(nn.Module):
-    """``mlp``: ``router``, ``experts``, ``shared_experts``. ``forward(x [..., d], input_ids [...])``."""
+    """``mlp``: ``router``, ``experts``, ``shared_experts``. ``forward(x [..., d], input_ids [...])``.
+    ``std=None`` (with ``tconfig.perform_initialization`` off): the weights are not drawn, a checkpoint fills
+    them; ``tid2eid`` and ``expert_bias`` are computed still (cheap)."""
 
-    def __init__(self, model_config, tconfig, layer_id: int, params_dtype=torch.float32, std: float = 0.02):
+    def __init__(self, model_config, tconfig, layer_id: int, params_dtype=torch.float32, std: float | None = 0.02):
         super().__init__()
         c = model_config
         if c.n_shared_experts != 1:

@@ -77,7 +77,7 @@ def _stream_logprobs(parts, checkpoint_dir, ids, cu) -> torch.Tensor:
     from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 
     device = parts.device()
-    model = parts.build_model()
+    model = parts.build_model(initialize=False)              # the checkpoint fills every weight (checked)
     load_weights(model, checkpoint_dir, parts.run.model)
     model.to(device).eval()
     have_cp, rank, group = cp_group_info()

@@ -311,7 +311,7 @@ def build_impl_model(run, checkpoint: Path):
 
     parts = assemble(run)
     target = parts.setup_process()
-    model = parts.build_model()
+    model = parts.build_model(initialize=False)              # the checkpoint fills every weight (checked)
     load_weights(model, checkpoint, run.model)
     return model.to(target.device()).eval()
 

@@ -183,7 +183,10 @@ def latest_checkpoint(run_dir) -> Optional[Tuple[int, Path]]:
 
 
 def load_checkpoint(folder, train_model, optimizer=None, *, restore_rng: bool = True) -> Dict:
-    """This rank's share of a checkpoint written by any layout (no communication: each rank reads alone)."""
+    """This rank's share of a checkpoint written by any layout (no communication: each rank reads alone).
+    Every weight of ``train_model`` must be written by it (``core.finite.check_written``: a model built without
+    random init starts NaN)."""
+    from core.finite import check_written
     from core.native_checkpoint import load_native, read_tensor_pieces
 
     folder = Path(folder)
@@ -193,6 +196,7 @@ def load_checkpoint(folder, train_model, optimizer=None, *, restore_rng: bool = 
         state, _meta = load_native(folder / "model", config=train_model.config)
         train_model.load_native_state(state)
         del state
+    check_written(train_model, source=f"training checkpoint {folder}")
     if optimizer is not None:
         state_io.refuse_legacy(folder)
         meta = _optim_meta(folder)

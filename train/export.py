@@ -87,7 +87,7 @@ def export_hf(run_dir, out_dir, *, step: Optional[int] = None, weight_format: st
         config = ModelConfig.from_hf_dict(desc["model_config"])
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
         raise UserInputError(f"{run / CONFIG_FILE}: unreadable run description ({e})") from None
-    model = build_train_model(config, None, impl="reference")
+    model = build_train_model(config, None, impl="reference", initialize=False)   # the checkpoint fills it
     load_checkpoint(folder, model, None, restore_rng=False)
     tok = tokenizer_for(desc.get("model_source"), config.vocab_size)
     return export_model(model, out_dir, weight_format=weight_format, tokenizer=tok)

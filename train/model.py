@@ -101,7 +101,8 @@ class ReferenceTrainModel(_TrainModelBase):
 
     impl = REFERENCE
 
-    def __init__(self, config, *, dtype: torch.dtype = torch.float32, seed: int = 0, device=None):
+    def __init__(self, config, *, dtype: torch.dtype = torch.float32, seed: int = 0, device=None,
+                 initialize: bool = True):
         super().__init__()
         from kernels.reference.model import DeepseekV4Model, init_weights
 
@@ -110,7 +111,12 @@ class ReferenceTrainModel(_TrainModelBase):
         self.row_invariant = False
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.model = DeepseekV4Model(config)
-        init_weights(self.model, seed)    # CPU generators: the same values on every device
+        if initialize:
+            init_weights(self.model, seed)    # CPU generators: the same values on every device
+        else:                                 # a checkpoint fills it (see build_train_model)
+            from core.finite import fill_unwritten_
+
+            fill_unwritten_(self.model)
         if dtype != torch.float32:
             self.model.to(dtype)  # KeepFP32 modules keep their fp32 tensors
         self.model.to(self.device)
@@ -551,7 +557,7 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                       dtype: Optional[torch.dtype] = None, seed: int = 0,
                       dsa_indexer_loss_coeff: Optional[float] = None,
                       compile_blocks: bool = False, cuda_graphs: bool = False,
-                      recompute: str = "none") -> _TrainModelBase:
+                      recompute: str = "none", initialize: bool = True) -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
@@ -562,6 +568,10 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     (megatron); ``None`` = off. ``compile_blocks``: ``torch.compile`` the blocks in place (``engine.compile``);
     ``cuda_graphs``: in Inductor's reduce-overhead mode (the model may refuse: ``cuda_graphs_refusal``).
     ``recompute``: activation recomputation of the blocks (``engine.recompute``: none, selective, full).
+    ``initialize=False``: the caller loads weights next (:func:`load_model_source`), so the random init is
+    skipped (it took most of the startup of a large model: a one-core draw of every weight, all overwritten)
+    and every floating weight starts as NaN instead; :func:`load_model_source` then checks that the load
+    wrote them all (``core.finite.check_written``).
     """
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
@@ -574,7 +584,7 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
         if dsa_indexer_loss_coeff is not None:
             raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
         return ReferenceTrainModel(model_config, dtype=dtype or torch.float32, seed=seed,
-                                   device=_reference_device(run_config))
+                                   device=_reference_device(run_config), initialize=initialize)
     if run_config is None:
         raise ValueError(f"--impl {impl}: building an implementation's training model needs the run config")
     if impl != run_config.impl:
@@ -586,7 +596,7 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     setup_process(parts)
     options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
-    module = parts.build_model(model_config, params_dtype=dtype, **options)
+    module = parts.build_model(model_config, params_dtype=dtype, initialize=initialize, **options)
     parts.scheme.prepare_training(module)            # QAT: fake quantization; the other schemes: nothing
     device = parts.device()
     module.to(device)
@@ -620,10 +630,19 @@ def load_model_source(model: _TrainModelBase, source) -> str:
     """Initialise weights from ``source``: an HF-format checkpoint folder (``config.json`` +
     safetensors), a native checkpoint folder (``dsv4 convert``; refused if written under
     pre-contract names), a megatron-core torch_dist folder (upstream names) or ``None``
-    (deterministic init, already done). Returns a description."""
+    (deterministic init, already done). Returns a description. After any load, every weight of ``model`` must
+    have been written (``core.finite.check_written``: a model built with ``initialize=False`` starts NaN)."""
     if source is None:
         return "random init"
-    p = Path(str(source))
+    desc = _load_source(model, Path(str(source)), source)
+    from core.finite import check_written
+
+    check_written(model, source=desc)
+    return desc
+
+
+def _load_source(model: _TrainModelBase, p: Path, source) -> str:
+    """The load of :func:`load_model_source` by the folder's kind; returns its description."""
     if p.is_dir():
         from converters.torch_dist import is_torch_dist_checkpoint, load_torch_dist
         from core.native_checkpoint import is_native_checkpoint, load_native

@@ -263,11 +263,13 @@ class _Run:
         torch.manual_seed(cfg.seed)
         # the run's dtype (--dtype); the reference loop of tests without a run config trains in fp32
         self.dtype = run_config.torch_dtype if run_config is not None else torch.float32
+        # with a model source, no random init: the load overwrites every weight (and is checked to)
+        loads = self.ckpt_source is not None
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
                                        compile_blocks=cfg.compile_blocks, cuda_graphs=cfg.cuda_graphs,
-                                       recompute=cfg.recompute)
+                                       recompute=cfg.recompute, initialize=not loads)
         self.dist = ParallelGroups.current()
         check_divisible(self.dist, mode, cfg)
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
@@ -283,7 +285,7 @@ class _Run:
         self.ref_model = None
         if mode == "grpo" and cfg.kl_coef > 0:
             self.ref_model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
-                                               dtype=self.dtype, seed=cfg.seed)
+                                               dtype=self.dtype, seed=cfg.seed, initialize=not loads)
             load_model_source(self.ref_model, self.ckpt_source)   # the starting weights (same seed, same source)
             self.ref_model.eval().requires_grad_(False)
             self.ref_model.row_invariant = bool(cfg.true_on_policy)

@@ -379,8 +379,9 @@ class DSv4HybridAttention(MegatronModule):
         self.linear_kv_proj = _column(c, c.hidden_size, D)
         self.kv_layernorm = RMSNorm(D, c.layernorm_epsilon, dtype=pdt)
         self.linear_o_group_proj = nn.Parameter(torch.empty(G * R, H * D // G, dtype=pdt))
-        with torch.no_grad():
-            c.init_method(self.linear_o_group_proj)
+        if c.perform_initialization:   # off: a checkpoint fills it (build_model(initialize=False))
+            with torch.no_grad():
+                c.init_method(self.linear_o_group_proj)
         self.linear_proj = _row(c, G * R, c.hidden_size)
         self.core_attention = CompressedSparseAttention(c, layer_id, ops)
         # float64 CPU tensor; a plain attribute (not a buffer) so it is never part of the state dict

@@ -3,8 +3,10 @@
 Public API:
 
 * ``build_model(model_config, run_config, *, ops, params_dtype=torch.float32, dsa_indexer_loss_coeff=None,
-  **config_overrides) -> DSv4NativeModel``; ``ops`` is the run's kernel op table, handed in by the
-  assembly step (``core.assembly``).
+  initialize=True, **config_overrides) -> DSv4NativeModel``; ``ops`` is the run's kernel op table, handed in
+  by the assembly step (``core.assembly``). ``initialize=False`` (megatron-core's
+  ``perform_initialization``, honoured by the modules here too) skips the random draws, for a model a
+  checkpoint fills: the assembly step then fills every weight with NaN.
 * ``load_hf_checkpoint(model, path)``: an official (HF) checkpoint into the native names, through
   ``core.weight_contract.hf_to_native``.
 * ``native_state(model)``: ``{native name: tensor}`` (parameters + persistent buffers).
@@ -33,7 +35,7 @@ def _check_cp_group(run_config) -> None:
 
 
 def build_model(model_config, run_config, *, ops, params_dtype: torch.dtype = torch.float32,
-                dsa_indexer_loss_coeff: Optional[float] = None, **config_overrides):
+                dsa_indexer_loss_coeff: Optional[float] = None, initialize: bool = True, **config_overrides):
     """Build the Megatron-native DeepSeek-V4 model for ``run_config`` (tensor parallel 1, THD).
 
     ``dsa_indexer_loss_coeff``: weight of the indexer KL loss (``None`` = off: no loss is computed)."""
@@ -43,7 +45,8 @@ def build_model(model_config, run_config, *, ops, params_dtype: torch.dtype = to
 
     config_overrides.setdefault("dsa_kernel_backend", run_config.kernel_backend)
     cfg = native_config(model_config, run_config, params_dtype=params_dtype,
-                        dsa_indexer_loss_coeff=dsa_indexer_loss_coeff, **config_overrides)
+                        dsa_indexer_loss_coeff=dsa_indexer_loss_coeff, perform_initialization=initialize,
+                        **config_overrides)
     return DSv4NativeModel(cfg, ops=ops)
 
 

@@ -55,8 +55,9 @@ class HyperConnectionModule(KeepFP32Module, MegatronModule):
         self.alpha_post = mark_keep_in_fp32(nn.Parameter(torch.full((1,), alpha, dtype=torch.float32)))
         self.alpha_res = mark_keep_in_fp32(nn.Parameter(torch.full((1,), alpha, dtype=torch.float32)))
         self.bias = mark_keep_in_fp32(nn.Parameter(torch.zeros(n * n + 2 * n, dtype=torch.float32)))
-        with torch.no_grad():
-            config.init_method(self.mapping_proj.weight)
+        if config.perform_initialization:   # off: a checkpoint fills it (build_model(initialize=False))
+            with torch.no_grad():
+                config.init_method(self.mapping_proj.weight)
 
     def alphas(self) -> torch.Tensor:
         """``[3]`` = ``[alpha_pre, alpha_post, alpha_res]`` (the official ``hc_*_scale`` packing)."""
@@ -80,8 +81,9 @@ def register_head_params(module: nn.Module, config) -> None:
     module.hc_head_fn = mark_keep_in_fp32(nn.Parameter(torch.empty(n, n * c, dtype=torch.float32)))
     module.hc_head_base = mark_keep_in_fp32(nn.Parameter(torch.zeros(n, dtype=torch.float32)))
     module.hc_head_scale = mark_keep_in_fp32(nn.Parameter(torch.ones(1, dtype=torch.float32)))
-    with torch.no_grad():
-        config.init_method(module.hc_head_fn)
+    if config.perform_initialization:
+        with torch.no_grad():
+            config.init_method(module.hc_head_fn)
 
 
 def apply_head(module: nn.Module, streams: torch.Tensor, config, ops) -> torch.Tensor:

@@ -68,13 +68,13 @@ class DSv4Compressor(KeepFP32Module):
     the math is the reference ``Compressor.forward`` (called on this module)."""
 
     def __init__(self, dim: int, head_dim: int, rope_dim: int, ratio: int, rotate: bool, norm_eps: float,
-                 params_dtype=torch.float32):
+                 params_dtype=torch.float32, std: float | None = 0.02):
         super().__init__()
         self.head_dim, self.rope_dim, self.ratio, self.rotate = head_dim, rope_dim, ratio, rotate
         self.overlap = ratio == 4
         coff = 2 if self.overlap else 1
-        self.linear_wkv = Linear(dim, coff * head_dim, params_dtype)
-        self.linear_wgate = Linear(dim, coff * head_dim, params_dtype)
+        self.linear_wkv = Linear(dim, coff * head_dim, params_dtype, std)
+        self.linear_wgate = Linear(dim, coff * head_dim, params_dtype, std)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32))
         mark_keep_in_fp32(self.ape)
         self.norm = RMSNorm(head_dim, norm_eps, keep_fp32=True)
@@ -90,14 +90,14 @@ class DSv4Compressor(KeepFP32Module):
 class DSv4Indexer(nn.Module):
     """Lightning indexer (CSA layers) with native names; math of the reference ``Indexer``."""
 
-    def __init__(self, c, params_dtype=torch.float32):
+    def __init__(self, c, params_dtype=torch.float32, std: float | None = 0.02):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
         self.ratio = 4
-        self.linear_wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, params_dtype)
-        self.linear_weights_proj = Linear(c.dim, c.index_n_heads, params_dtype)
+        self.linear_wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, params_dtype, std)
+        self.linear_weights_proj = Linear(c.dim, c.index_n_heads, params_dtype, std)
         self.compressor = DSv4Compressor(c.dim, c.index_head_dim, c.rope_head_dim, 4, True, c.norm_eps,
-                                         params_dtype)
+                                         params_dtype, std)
 
     wq_b = property(lambda self: self.linear_wq_b)
     weights_proj = property(lambda self: self.linear_weights_proj)
@@ -110,7 +110,8 @@ class DSv4Indexer(nn.Module):
 class DSv4CoreAttention(KeepFP32Module):
     """``core_attention``: the sink (fp32, this rank's heads), compressor and indexer."""
 
-    def __init__(self, c, layer_id: int, n_local_heads: int, params_dtype=torch.float32):
+    def __init__(self, c, layer_id: int, n_local_heads: int, params_dtype=torch.float32,
+                 std: float | None = 0.02):
         super().__init__()
         self.ratio = c.compress_ratios[layer_id]
         self.attn_sink = nn.Parameter(torch.zeros(n_local_heads, dtype=torch.float32))
@@ -118,9 +119,9 @@ class DSv4CoreAttention(KeepFP32Module):
         mark_tp(self.attn_sink, 0)
         if self.ratio:
             self.compressor = DSv4Compressor(c.dim, c.head_dim, c.rope_head_dim, self.ratio, False, c.norm_eps,
-                                             params_dtype)
+                                             params_dtype, std)
             if self.ratio == 4:
-                self.indexer = DSv4Indexer(c, params_dtype)
+                self.indexer = DSv4Indexer(c, params_dtype, std)
 
 
 class DeepSeekV4Attention(nn.Module):
@@ -137,7 +138,7 @@ class DeepSeekV4Attention(nn.Module):
         from converters.fake_quant import fake_quant_kv_nope
         return fake_quant_kv_nope(kv, self.rope_dim, self.qat_kv_block)
 
-    def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float = 0.02,
+    def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float | None = 0.02,
                  freeze_indexer: bool = True):
         super().__init__()
         ensure_megatron()
@@ -169,7 +170,7 @@ class DeepSeekV4Attention(nn.Module):
         self.linear_proj = row_parallel_linear(
             c.o_groups * c.o_lora_rank, c.dim, config=tconfig, init_method=init, bias=False,
             input_is_parallel=True, skip_bias_add=False, tp_group=tp_group())
-        self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype)
+        self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype, std)
         if self.ratio == 4:
             self.core_attention.indexer.ops = ops   # the run's indexer kernels, BSHD and THD alike
         if freeze_indexer and self.ratio == 4:

@@ -13,7 +13,9 @@ returns a :class:`backends.miles.model.DeepSeekV4MilesModel` for this process's 
   parallelism (``--cp``, megatron's CP group) for both (see ``backends.miles.model``); expert parallelism
   (``--ep``, tensor and context parallel 1: ``engine.expert_parallel``).
 * Weights are randomly initialized (normal(0, 0.02); norms / alphas 1; sinks, ape, biases 0);
-  load a checkpoint with ``engine.loading.load_hf_checkpoint(model, path)``.
+  load a checkpoint with ``engine.loading.load_hf_checkpoint(model, path)``. ``initialize=False`` skips the
+  random draws (megatron-core's ``perform_initialization`` and ``std=None`` for the modules here), for a
+  model a checkpoint fills: the assembly step (``core.assembly``) then fills every weight with NaN.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _check_cp(cp: int) -> None:
 
 
 def build_model(model_config, run_config, *, ops, params_dtype=torch.float32, freeze_indexer: bool = True,
-                init_std: float = 0.02):
+                init_std: float = 0.02, initialize: bool = True):
     """Build the miles DeepSeek-V4 model on megatron-core for ``run_config``."""
     from engine.config import make_transformer_config, parallel_sizes
     from engine.runtime import ensure_parallel_state
@@ -47,5 +49,6 @@ def build_model(model_config, run_config, *, ops, params_dtype=torch.float32, fr
     ensure_parallel_state(p["tp"], p["ep"])
     _check_cp(p["cp"])
     tconfig = make_transformer_config(model_config, run_config, params_dtype=params_dtype,
-                                      init_method_std=init_std)
-    return DeepSeekV4MilesModel(model_config, tconfig, ops, params_dtype, init_std, freeze_indexer)
+                                      init_method_std=init_std, perform_initialization=initialize)
+    return DeepSeekV4MilesModel(model_config, tconfig, ops, params_dtype, init_std if initialize else None,
+                                freeze_indexer)

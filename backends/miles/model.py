@@ -58,7 +58,7 @@ class MappingProj(KeepFP32Module):
     """``mapping_proj``: ``weight [(2+n)n, n d]`` rows [pre(n), post(n), res(n^2)]; fp32, no bias (the
     static bias is the site's own ``bias`` Parameter, as in upstream Megatron)."""
 
-    def __init__(self, n: int, dim: int, std: float = 0.02):
+    def __init__(self, n: int, dim: int, std: float | None = 0.02):
         super().__init__()
         self.weight = _fp32_param(((2 + n) * n, n * dim), std=std)
 
@@ -66,7 +66,7 @@ class MappingProj(KeepFP32Module):
 class HyperConnection(KeepFP32Module):
     """miles-style mHC site (``self_attention_hyper_connection`` / ``mlp_hyper_connection``)."""
 
-    def __init__(self, c, ops, std: float = 0.02):
+    def __init__(self, c, ops, std: float | None = 0.02):
         super().__init__()
         self.ops = ops
         self.norm_eps, self.hc_eps, self.iters = c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters
@@ -91,7 +91,7 @@ class HyperConnection(KeepFP32Module):
 class DeepSeekV4Layer(nn.Module):
     """One block (``decoder.layers.N`` / ``mtp.layers.K.mtp_model_layer``)."""
 
-    def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float = 0.02,
+    def __init__(self, c, tconfig, layer_id: int, ops, params_dtype=torch.float32, std: float | None = 0.02,
                  freeze_indexer: bool = True):
         super().__init__()
         self.layer_id = layer_id
@@ -129,7 +129,7 @@ class _HCHead(KeepFP32Module):
 class DeepSeekV4Decoder(_HCHead):
     """``decoder``: ``layers``, ``final_layernorm``, ``hc_head_*``."""
 
-    def __init__(self, c, tconfig, ops, params_dtype=torch.float32, std: float = 0.02, freeze_indexer=True):
+    def __init__(self, c, tconfig, ops, params_dtype=torch.float32, std: float | None = 0.02, freeze_indexer=True):
         super().__init__()
         self.ops, self.norm_eps, self.hc_eps = ops, c.norm_eps, c.hc_eps
         self.layers = nn.ModuleList(DeepSeekV4Layer(c, tconfig, i, ops, params_dtype, std, freeze_indexer)
@@ -147,7 +147,7 @@ class DeepSeekV4MTPLayer(_HCHead):
     """``mtp.layers.K``: ``enorm``, ``hnorm``, ``e_proj [d, d]``, ``h_proj [d, d]``, ``mtp_model_layer``
     (window-only block ``n_layers + K``), ``final_layernorm``, ``hc_head_*``."""
 
-    def __init__(self, c, tconfig, k: int, ops, params_dtype=torch.float32, std: float = 0.02,
+    def __init__(self, c, tconfig, k: int, ops, params_dtype=torch.float32, std: float | None = 0.02,
                  freeze_indexer=True):
         super().__init__()
         self.ops, self.norm_eps, self.hc_eps, self.dim = ops, c.norm_eps, c.hc_eps, c.dim
@@ -171,7 +171,7 @@ class DeepSeekV4MTPLayer(_HCHead):
 
 
 class DeepSeekV4MTP(nn.Module):
-    def __init__(self, c, tconfig, ops, params_dtype=torch.float32, std: float = 0.02, freeze_indexer=True):
+    def __init__(self, c, tconfig, ops, params_dtype=torch.float32, std: float | None = 0.02, freeze_indexer=True):
         super().__init__()
         self.layers = nn.ModuleList(DeepSeekV4MTPLayer(c, tconfig, k, ops, params_dtype, std, freeze_indexer)
                                     for k in range(c.n_mtp_layers))
@@ -196,7 +196,7 @@ class DeepSeekV4MilesModel(nn.Module):
     ``forward(input_ids) -> logits [B,S,V]`` (fp32), ``logprobs``, ``hidden_streams``,
     ``mtp_logits``."""
 
-    def __init__(self, model_config, tconfig, ops, params_dtype=torch.float32, std: float = 0.02,
+    def __init__(self, model_config, tconfig, ops, params_dtype=torch.float32, std: float | None = 0.02,
                  freeze_indexer: bool = True):
         super().__init__()
         ensure_megatron()
