@@ -320,8 +320,9 @@ def _rollout_hardware(sel: Selection, host) -> Optional[str]:
 
 
 def _rollout_url(sel: Selection, host) -> Optional[str]:
-    """``--rollout-url`` names one running server: only a server engine connects to it, and only one rollout
-    engine (one data-parallel rank of the trainer) may push its weights into it."""
+    """``--rollout-url`` names running servers: only a server engine connects to them, and each rollout engine (one
+    per data-parallel rank of the trainer) pushes its weights into a server of its own: the local orchestrator's one
+    engine into one URL, Ray's engine actors into one URL each (a comma-separated list, in engine order)."""
     engine, url = sel.rollout, sel.rollout_url
     if engine is None or url is None:
         return None
@@ -330,14 +331,27 @@ def _rollout_url(sel: Selection, host) -> Optional[str]:
         fix = "drop --rollout-url" + (f", or use --rollout-engine {_join(servers)}" if servers else "")
         return (f"--rollout-engine {engine.name} runs in the trainer's process and cannot connect to --rollout-url "
                 f"{url}. Fix: {fix}.")
+    urls = len(url.split(","))
     mp = sel.tp * sel.cp
     world = layout_world(sel)
+    if sel.orchestrator == "ray":
+        if sel.job != "train" or world % mp or world // mp == urls:
+            return None
+        dp = world // mp
+        return (f"--rollout-url lists {urls} server{'s' if urls > 1 else ''}, and --orchestrator ray starts {dp} "
+                f"rollout engine actor{'s' if dp > 1 else ''} (one per data-parallel rank), each connecting to one "
+                f"server of its own. Fix: give {dp} comma-separated URLs (http://HOST:PORT,...), or leave "
+                f"--rollout-url out to start one server per engine actor (a GPU --hardware).")
+    if urls > 1:
+        return (f"--rollout-url lists {urls} servers, and --orchestrator {sel.orchestrator} connects its rollout "
+                f"engine to one. Fix: give one URL, or use --orchestrator ray (one engine actor per URL).")
     if sel.job != "train" or world % mp or world // mp <= 1:
         return None
     ranks = f"{mp} rank{'s' if mp > 1 else ''}: --tp x --cp"
     return (f"--rollout-url {url} is one server, and the run's {world // mp} data-parallel ranks each own a rollout "
-            f"engine (each would push its weights into it). Fix: run one data-parallel rank ({ranks}), or leave "
-            f"--rollout-url out to start one server per data-parallel rank.")
+            f"engine (each would push its weights into it). Fix: run one data-parallel rank ({ranks}), use "
+            f"--orchestrator ray with one URL per data-parallel rank, or leave --rollout-url out to start one "
+            f"server per data-parallel rank.")
 
 
 def _rollout_publish(sel: Selection, host) -> Optional[str]:
@@ -362,14 +376,16 @@ def _orchestrator_options(sel: Selection, host) -> Optional[str]:
 
 
 def _orchestrator_rollout(sel: Selection, host) -> Optional[str]:
-    """Under Ray each engine is an actor that runs the engine in its own process; a server engine (its own
-    process group, reached over HTTP) is not built as an actor."""
-    engine = sel.rollout
-    if sel.orchestrator != "ray" or engine is None or not engine.server:
+    """Under Ray a server engine's actor forwards each bucket to its server through the server's update API (host
+    tensors over HTTP): the object store hands the actor the bucket, and the re-sync of a restarted actor comes from
+    the refs the proxy keeps. The direct transports feed an in-process engine's device memory and keep no copy."""
+    engine, transport = sel.rollout, sel.weight_transport
+    if sel.orchestrator != "ray" or engine is None or not engine.server or transport in (None, "objects"):
         return None
     inproc = [e.name for e in _runnable_records(host, ROLLOUT) if not e.server]
-    return (f"--orchestrator ray runs each rollout engine inside a Ray actor, and --rollout-engine {engine.name} is "
-            f"a server that is not built as one. Fix: use --rollout-engine {_join(inproc)}, or --orchestrator local.")
+    return (f"--weight-transport {transport} feeds an engine that runs inside its actor, and --rollout-engine "
+            f"{engine.name} is a server the actor forwards each bucket to (its update API, host tensors over HTTP). "
+            f"Fix: use --weight-transport objects (the default), or --rollout-engine {_join(inproc)}.")
 
 
 def _rollout_num_gpus(sel: Selection, host) -> Optional[str]:
@@ -569,10 +585,10 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("kernel-dtype", "the kernel backend computes in the run's dtype", _kernel_dtype),
     ("packing-thd", "training with a packing budget runs the packed (THD) layout", _packing_thd),
     ("rollout-hardware", "the rollout engine runs on the hardware target (a server at --rollout-url runs elsewhere)", _rollout_hardware),
-    ("rollout-url", "--rollout-url names a server for a server engine, used by one data-parallel rank", _rollout_url),
+    ("rollout-url", "--rollout-url names a server engine's servers, one per rollout engine (data-parallel rank)", _rollout_url),
     ("rollout-publish-format", "the rollout engine loads the scheme's published weights", _rollout_publish),
     ("orchestrator-options", "Ray placement and transport options come with --orchestrator ray", _orchestrator_options),
-    ("orchestrator-rollout", "under --orchestrator ray the rollout engine runs inside an actor", _orchestrator_rollout),
+    ("orchestrator-rollout", "under --orchestrator ray a server engine's actor gets its weights through the object store", _orchestrator_rollout),
     ("rollout-num-gpus", "disaggregated engines: one device per data-parallel rank", _rollout_num_gpus),
     ("rollout-num-nodes", "the engines' devices spread evenly over --rollout-num-nodes nodes", _rollout_num_nodes),
     ("weight-transport-hardware", "nccl and cuda-ipc need a GPU --hardware, gloo the CPU", _weight_transport),

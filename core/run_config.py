@@ -192,7 +192,17 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
 
 
 def server_url(text: str) -> str:
-    """``--rollout-url``: ``http(s)://HOST:PORT`` (a trailing ``/`` dropped), or a ValueError naming the option."""
+    """``--rollout-url``: ``http(s)://HOST:PORT`` (a trailing ``/`` dropped), or a comma-separated list of them
+    (one server per engine actor under ``--orchestrator ray``), normalized; else a ValueError naming the option."""
+    return ",".join(_one_server_url(part) for part in str(text).split(","))
+
+
+def rollout_urls(url: Optional[str]) -> list:
+    """The servers of a normalized ``--rollout-url`` (:func:`server_url`), in order; empty without one."""
+    return [] if url is None else url.split(",")
+
+
+def _one_server_url(text: str) -> str:
     from urllib.parse import urlsplit
 
     url = str(text).strip().rstrip("/")

@@ -178,6 +178,12 @@ def check_train_options(run_config, cfg, host=None) -> None:
                                                          true_on_policy=bool(cfg.true_on_policy)), host)
     if problems:
         raise InvalidCombination("\n".join(problems))
+    sel = run_config.selection
+    if sel.orchestrator == "ray" and sel.rollout is not None and sel.rollout.server and run_config.rollout_url is None \
+            and int(getattr(cfg, "sglang_tp_size", 1)) > 1:
+        raise ConfigError(f"training option 'sglang_tp_size' = {cfg.sglang_tp_size}: under --orchestrator ray each "
+                          f"engine actor starts its server on the one GPU of its bundle. Fix: sglang_tp_size=1, or "
+                          f"start the servers yourself and pass one --rollout-url per engine actor")
     if cfg.rollout_cuda_graphs and not run_config.selection.hardware.gpu:
         raise ConfigError(f"training option 'rollout_cuda_graphs' replays the rollout engine's decode step from CUDA "
                           f"graphs, and --hardware {run_config.selection.hardware.name} has no CUDA device. Fix: drop "

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from core.errors import UserInputError
 
 __all__ = ["EngineActor", "EngineLost", "EngineNotSynced", "PendingGenerate", "RayEngineProxy", "set_rank_engines",
-           "rank_engine", "ENGINE_KILL_ENV"]
+           "rank_engine", "server_options", "ENGINE_KILL_ENV"]
 
 # Test hook: "CALL:N" SIGKILLs an engine actor at its N-th ``CALL`` (generate, begin_update, ...), once per
 # run: a restarted actor (a new process) never fires it again.
@@ -60,21 +60,46 @@ class EngineLost(RuntimeError):
 
 class EngineActor:
     """One rollout engine inside a Ray actor: the run's engine factory (``core.assembly``) builds it here, on the
-    device Ray gave this actor."""
+    device Ray gave this actor, with ``options`` (this engine's own: a server engine's URL, port, log).
 
-    def __init__(self, run_config, model_config, options: Dict[str, Any]):
+    A server engine (``--rollout-engine sglang``) is one server per actor: connected to at once (its
+    ``--rollout-url``), or, in launch mode, started at the first weight update, when the trainer has written the
+    run's starting weights (``RUN_DIR/<engine>_init``) for it to load. A restarted actor builds its engine at its
+    re-sync: a started server comes up again from those weights; a connected one must still be there (the run
+    cannot restart a server it did not start)."""
+
+    def __init__(self, run_config, model_config, options: Dict[str, Any], index: int = 0):
         import ray
 
         from core.assembly import assemble
 
         parts = assemble(run_config)
         parts.target.setup()     # this process's set-up for the run's target (megatron-core's CPU shims, TF32 off)
-        self.engine = parts.rollout_engine(model_config, dtype=run_config.torch_dtype, **options)
+        self.index = index
+        self.url = options.get("url")
+        self.server = bool(parts.selection.rollout.server)
+        self._build = lambda: parts.rollout_engine(model_config, dtype=run_config.torch_dtype, **options)
         self.version: Optional[int] = None
         self.pending: Optional[int] = None
         self.calls: Dict[str, int] = {}
         self.group, self.backend = None, None      # gloo / nccl: this actor's group with its leader
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        deferred = self.server and (self.url is None or self.restarted)
+        self.engine = None if deferred else self._build()
+
+    def _engine(self):
+        """The engine, built now if it was deferred (class docstring)."""
+        if self.engine is None:
+            try:
+                self.engine = self._build()
+            except UserInputError as exc:
+                if self.url is None or not self.restarted:
+                    raise
+                raise UserInputError(
+                    f"rollout engine actor {self.index} was restarted and cannot reach its server at {self.url} "
+                    f"({str(exc).split('. Fix:')[0]}): a server given by --rollout-url is not one the run can "
+                    f"restart. Fix: start it again there, then continue the run with --resume") from None
+        return self.engine
 
     def _count(self, call: str) -> None:
         """The call counter behind the kill hook (:data:`ENGINE_KILL_ENV`)."""
@@ -92,10 +117,19 @@ class EngineActor:
     def begin_update(self, version: int) -> None:
         self._count("begin_update")
         self.pending = version
-        self.engine.begin_update(version)
+        self._engine().begin_update(version)
+
+    def assume_released(self) -> None:
+        """Re-sync of a restarted actor whose last process had released its engine's memory: a connected server
+        outlived that process and is released still (resumed at the next update); anything this process
+        started holds nothing released."""
+        if self.server and self.url is not None:
+            engine = self._engine()
+            if callable(getattr(engine, "assume_released", None)):
+                engine.assume_released()
 
     def load_bucket(self, bucket) -> None:
-        self.engine.load_bucket(bucket)
+        self._engine().load_bucket(bucket)
 
     def join_group(self, backend: str, host: str, port: int, rank: int, world: int) -> None:
         """``--weight-transport gloo|nccl``: join the leader's group (a new one replaces the last: a restarted
@@ -111,7 +145,7 @@ class EngineActor:
 
         if self.group is None:
             raise RuntimeError("receive_bucket before join_group")
-        self.engine.load_bucket(receive_bucket(self.group, self.backend, meta))
+        self._engine().load_bucket(receive_bucket(self.group, self.backend, meta))
 
     def load_shared_bucket(self, meta, handle) -> None:
         """``--weight-transport cuda-ipc``: one bucket in the leader's GPU memory, copied before this returns
@@ -124,25 +158,26 @@ class EngineActor:
         own = shared.clone()
         torch.cuda.current_stream(own.device).synchronize()
         del shared
-        self.engine.load_bucket(unpack_bucket(meta, own))
+        self._engine().load_bucket(unpack_bucket(meta, own))
 
     def finish_update(self) -> None:
         self._count("finish_update")
-        self.engine.finish_update()
+        self._engine().finish_update()
         self.version, self.pending = self.pending, None
 
     def held_weights(self):
-        held = self.engine.held_weights()
+        held = self.engine.held_weights() if self.engine is not None else None
         return None if held is None else {n: t.detach().cpu() for n, t in held.items()}
 
     def generate(self, version: int, prompts, params, n: int, seed: int, first_prompt: int = 0):
         self._count("generate")
         if self.version != version:
             raise EngineNotSynced(f"engine holds weights {self.version}, the trainer sent {version}")
-        return self.engine.generate(prompts, params, n=n, seed=seed, first_prompt=first_prompt)
+        return self._engine().generate(prompts, params, n=n, seed=seed, first_prompt=first_prompt)
 
     def release_memory(self) -> None:
-        self.engine.release_memory()
+        if self.engine is not None:        # a server not started yet holds nothing
+            self.engine.release_memory()
 
     def reports_held_bytes(self) -> bool:
         return callable(getattr(self.engine, "held_bytes", None))
@@ -151,7 +186,9 @@ class EngineActor:
         return int(self.engine.held_bytes())
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop what the engine started (a launched server); a connected server is left running."""
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 def _dead(exc: BaseException) -> bool:
@@ -211,6 +248,7 @@ class RayEngineProxy:
         self._pending: Optional[List[Any]] = None
         self._calls: List[Any] = []
         self._reports_bytes: Optional[bool] = None
+        self._released = False             # release_memory since the last complete update (a re-sync resumes it)
 
     # -- weights -----------------------------------------------------------
     def begin_update(self, version: int) -> None:
@@ -269,12 +307,14 @@ class RayEngineProxy:
         refs, version = self._pending, self._next
         calls, self._pending, self._calls = self._calls + [self.actor.finish_update.remote()], None, []
         errors = _errors(calls)
+        if errors and not _errors(calls[:1]):
+            self._released = False      # this update's begin_update ran: it resumed the engine's memory
         dead = [e for e in errors if _dead(e)]
         if dead:      # the actor died during the update (its later calls may have reached the restarted one)
             self._resync(refs, version, dead[0])
         elif errors:
             _raise_cause(errors[0])
-        self._refs, self._version = refs, version
+        self._refs, self._version, self._released = refs, version, False
 
     def held_weights(self) -> Optional[Dict]:
         return self._call(lambda: self.actor.held_weights.remote())
@@ -282,6 +322,7 @@ class RayEngineProxy:
     def release_memory(self) -> None:
         """Colocated mode (``colocate=true``): the engine actor frees its device memory until the next update."""
         self._call(lambda: self.actor.release_memory.remote())
+        self._released = True
 
     @property
     def held_bytes(self):
@@ -358,10 +399,13 @@ class RayEngineProxy:
         log.warning(f"rollout engine actor {self.index} was restarted; loading weights version {version} into it")
         if version is None:
             return
-        calls = [self.actor.begin_update.remote(version)]
+        calls = [self.actor.assume_released.remote()] if self._released else []
+        calls.append(self.actor.begin_update.remote(version))
         calls += [self.actor.load_bucket.remote(ref) for ref in refs]
         calls.append(self.actor.finish_update.remote())
-        ray.get(calls)
+        errors = _errors(calls)
+        if errors:            # e.g. a connected server that is gone: the engine's one line
+            _raise_cause(errors[0])
 
 
 class PendingGenerate:
@@ -372,6 +416,24 @@ class PendingGenerate:
 
     def result(self):
         return self.proxy._call(self.submit, sent=self.ref)
+
+
+def server_options(run, settings, run_dir, index: int) -> Dict[str, Any]:
+    """A server engine's own factory options for engine actor ``index``: its URL of the ``--rollout-url`` list
+    (connect mode), or, launch mode, the run's starting weights (``RUN_DIR/<engine>_init``, written by the
+    trainer before its first update) and files and a port of its own, so servers on one node do not collide:
+    ``RUN_DIR/<engine>_server_<index>.log``, ``RUN_DIR/<engine>_weights_<index>`` (``sglang_weight_sync=disk``),
+    port ``sglang_port + index`` (a free one when ``sglang_port`` is 0)."""
+    from pathlib import Path
+
+    from core.run_config import rollout_urls
+
+    if run.rollout_url is not None:
+        return {"url": rollout_urls(run.rollout_url)[index]}
+    name, folder = run.selection.rollout.name, Path(run_dir)
+    base = int(getattr(settings, f"{name}_port", 0) or 0)
+    return {"model_path": str(folder / f"{name}_init"), "port": base + index if base else None,
+            "log_file": str(folder / f"{name}_server_{index}.log"), "disk_dir": str(folder / f"{name}_weights_{index}")}
 
 
 # -- the trainer actor's side -------------------------------------------------------

@@ -227,15 +227,16 @@ def _dsv4_env(first_attempt: bool) -> Dict[str, str]:
 def _start_engines(run, model_config, cfg, run_dir, groups, plan: Placement, max_restarts: int) -> List[Any]:
     import ray
 
-    from .ray_engines import EngineActor
+    from .ray_engines import EngineActor, server_options
 
     gpu, colocated = run.selection.hardware.gpu, run.rollout_num_gpus is None
     options = dict(settings=cfg, run_dir=run_dir, publish_format=run.selection.quant.publish_format)
     remote = ray.remote(max_restarts=max_restarts, max_task_retries=0)(EngineActor)
     actors = []
-    for group, bundle, share in plan.engines:
+    for j, (group, bundle, share) in enumerate(plan.engines):
         opts = _actor_options(groups[group], bundle, share, gpu, _dsv4_env(True))
-        actors.append(remote.options(**opts).remote(run, model_config, options))
+        own = server_options(run, cfg, run_dir, j) if run.selection.rollout.server else {}
+        actors.append(remote.options(**opts).remote(run, model_config, {**options, **own}, j))
     try:
         where = ray.get([a.ready.remote() for a in actors])
     except Exception as exc:
@@ -246,6 +247,11 @@ def _start_engines(run, model_config, cfg, run_dir, groups, plan: Placement, max
     nodes = len({w["node_id"] for w in where})
     log.info(f"orchestrator: ray: {len(actors)} rollout engine actor(s), {mode}, on {nodes} node(s) "
              f"({', '.join(sorted({w['node'] for w in where}))})")
+    if run.selection.rollout.server:
+        name = run.selection.rollout.name
+        how = (f"connected to {run.rollout_url.replace(',', ', ')}" if run.rollout_url else
+               f"each starting its server on its own GPU at its first weight update (RUN_DIR/{name}_init)")
+        log.info(f"orchestrator: ray: --rollout-engine {name}: one server per engine actor, {how}")
     transport = run.weight_transport or "objects"
     how = {"objects": "Ray's object store", "gloo": "a torch.distributed broadcast, backend gloo (host memory)",
            "nccl": "a torch.distributed broadcast, backend nccl", "cuda-ipc": "CUDA IPC handles (the same GPU)"}
@@ -323,6 +329,22 @@ def _run_group(run, groups, plan: Placement, engines, placement, fn, args, first
             ray.kill(t, no_restart=True)
 
 
+def _stop_servers(run, engines) -> None:
+    """A server engine's actors stop the servers they started (a connected server is left running); the actors
+    themselves end with the job."""
+    import ray
+
+    from .run_log import log
+
+    if not engines or not run.selection.rollout.server or run.rollout_url is not None:
+        return
+    try:
+        ray.get([a.shutdown.remote() for a in engines], timeout=120)
+    except Exception as exc:      # the run's result stands; say what may be left running
+        log.warning(f"orchestrator: ray: stopping the rollout servers failed ({_one_line(exc)}); check the engine "
+                    f"nodes for leftover sglang.launch_server processes")
+
+
 class _GroupDied(Exception):
     def __init__(self, rank: int, exc: BaseException, what: str = "died"):
         super().__init__(f"trainer rank {rank} {what} ({_one_line(exc)})")
@@ -347,6 +369,7 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
     world = run.world
     plan = _plan(run, world)
     _connect(address, plan.cpus)
+    engines: List[Any] = []
     try:
         groups = _placement_groups(plan)
         engines = _start_engines(run, model_config, cfg, run_dir, groups, plan, restarts) if mode == "grpo" else []
@@ -370,4 +393,5 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
                             f"{f'checkpoint step {found[0]}' if found else 'the start'} "
                             f"(restart {attempt} of {restarts})")
     finally:
+        _stop_servers(run, engines)
         ray.shutdown()

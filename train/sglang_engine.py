@@ -71,6 +71,7 @@ INIT_DIR = "sglang_init"            # launch mode: the run's starting weights (w
 WEIGHTS_DIR = "sglang_weights"      # sglang_weight_sync=disk: the weights of the current step
 SERVER_LOG = "sglang_server.log"    # launch mode: the server's output
 WEIGHT_SYNC = {"tensors": "tensor", "disk": "disk"}    # the setting -> the record's weight_update names
+SERIALIZER_ENV = "DSV4_SGLANG_SERIALIZER"    # tests: "torch-b64" selects the fake server's format
 START_COMMAND = ("python -m sglang.launch_server --model-path HF_CHECKPOINT --port PORT --trust-remote-code "
                  "--skip-tokenizer-init --enable-return-routed-experts")
 
@@ -140,6 +141,15 @@ def torch_b64_deserialize(s: str) -> List[Tuple[str, torch.Tensor]]:
 
 
 def sglang_serializer() -> Callable[[List[Tuple[str, torch.Tensor]]], str]:
+    """SGLang's own serializer; ``DSV4_SGLANG_SERIALIZER=torch-b64`` names the stand-in instead (what the fake
+    server of the tests reads: the Ray engine actors run in processes a test cannot patch, and inherit
+    ``DSV4_*``)."""
+    chosen = os.environ.get(SERIALIZER_ENV)
+    if chosen:
+        if chosen != "torch-b64":
+            raise SGLangSetupError(f"{SERIALIZER_ENV}={chosen}: the only stand-in serializer is torch-b64. Fix: "
+                                   f"unset {SERIALIZER_ENV} to use SGLang's own")
+        return torch_b64_serialize
     try:
         from sglang.srt.utils import MultiprocessingSerializer  # type: ignore
     except ImportError:
@@ -394,6 +404,11 @@ class SGLangEngine(RolloutEngineBase):
             self._check_success("/resume_memory_occupation", self._post("/resume_memory_occupation", {}))
             self._released = False
 
+    def assume_released(self) -> None:
+        """The server's memory was released by an earlier engine on it (a restarted Ray engine actor connecting to
+        the server its last process released): resume it at the next update."""
+        self._released = True
+
     # -- weights -----------------------------------------------------------
     def begin_update(self, version: int) -> None:
         self.resume_memory()
@@ -447,12 +462,14 @@ def _setting(settings, name: str):
 def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optional[str] = None,
                        settings=None, run_dir=None, publish_format: str = "bf16",
                        server: Optional[SGLangServerConfig] = None, serializer: Optional[Callable] = None,
-                       **kwargs) -> SGLangEngine:
+                       port: Optional[int] = None, **kwargs) -> SGLangEngine:
     """Factory named by the ``sglang`` RolloutEngine record: connect to ``url`` (``--rollout-url``), or start a
     server on ``model_path`` (the trainer's export of the starting weights). ``settings``: the trainer's
     TrainConfig (``sglang_weight_sync``, ``sglang_port``, ``sglang_tp_size``, ``sglang_startup_timeout_s``,
     ``sglang_server_args``); ``run_dir``: where the server log and the disk-sync weights go;
-    ``publish_format``: the format of the weights the trainer sends."""
+    ``publish_format``: the format of the weights the trainer sends; ``port``: a started server's port (else
+    ``sglang_port``, 0 = a free one); the Ray launcher also gives each engine actor its own ``log_file`` and
+    ``disk_dir`` (train.ray_engines)."""
     from core.ports import free_port
 
     from .export import checkpoint_format
@@ -480,7 +497,7 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
         if server is None:
             if model_path is None:
                 raise SGLangError("starting an SGLang server needs model_path (an HF checkpoint it can load)")
-            port = int(_setting(settings, "sglang_port")) or free_port()
+            port = port or int(_setting(settings, "sglang_port")) or free_port()
             server = SGLangServerConfig(model_path=str(model_path), port=port, tp_size=tp, startup_timeout_s=timeout,
                                         extra_args=tuple(shlex.split(_setting(settings, "sglang_server_args"))),
                                         enable_memory_saver=bool(_setting(settings, "colocate")))

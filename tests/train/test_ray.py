@@ -12,6 +12,9 @@ rank entry point and the same rollout engine in actors, so its metrics must be t
   and every metrics row equals the uninterrupted local run's (nothing lost, no step repeated);
 * a trainer actor SIGKILLed mid-step: the group restarts from the last checkpoint and the rows equal the local
   run's;
+* ``--rollout-engine sglang``, one fake SGLang server per engine actor (``--rollout-url URL0,URL1``): the
+  reference is the local orchestrator's connect-mode run against a fake of its own (same seeds, same pushed
+  tensors, same rewards), with both engine actors killed and re-synced;
 * the refusals of the combination table and of the command line, before any work, and an unreachable
   --ray-address (one line, no run folder).
 
@@ -21,6 +24,7 @@ unix sockets live there), and every run connects to it with --ray-address.
 
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from ._cli import metrics_rows, train_cli
@@ -100,6 +104,53 @@ def test_a_killed_engine_actor_is_restarted_and_resynced(tmp_path, cluster, loca
     _same_rows(metrics_rows(tmp_path / "run"), local)
 
 
+def test_sglang_servers_as_engine_actors_take_the_local_connect_runs_steps(tmp_path, cluster):
+    """``--rollout-engine sglang --rollout-url URL0,URL1`` with two trainer ranks: one engine actor per
+    data-parallel rank, each connected to a fake SGLang server of its own (tests/train/_fake_sglang.py, in this
+    process; its samples are a function of the prompt and the sample's seed), colocated with ``colocate=true``.
+    The reference is the local orchestrator's connect-mode run against a third fake (the path
+    tests/train/test_sglang_training.py checks against the trainer's export): the same samples (seeds, rewards,
+    tokens) every step, the same first step, the same tensors pushed. Both actors are SIGKILLed as step 2's
+    update starts, after step 1 released their servers' memory: each restarted actor reconnects, resumes its
+    server and is re-synced once, so each server holds exactly one weight version per step."""
+    from core.config import preset
+
+    from ._fake_sglang import FakeSGLang
+
+    env = {"DSV4_SGLANG_SERIALIZER": "torch-b64"}       # the fake's format (the actors run in other processes)
+    fakes = [FakeSGLang(preset("tiny")) for _ in range(3)]
+    with fakes[0] as ref, fakes[1] as one, fakes[2] as two:
+        _train(tmp_path / "local", "--rollout-engine", "sglang", "--rollout-url", ref.url, env=env)
+        proc = _train(tmp_path / "ray", "--orchestrator", "ray", "--ray-address", cluster, "--trainer-num-gpus",
+                      "2", "--rollout-engine", "sglang", "--rollout-url", f"{one.url},{two.url}", "colocate=true",
+                      env={**env, "DSV4_RAY_ENGINE_KILL_AT": "begin_update:2"})
+    assert "--rollout-engine sglang: one server per engine actor, connected to " \
+           f"{one.url}, {two.url}" in proc.stderr
+    for j in (0, 1):
+        assert proc.stderr.count(f"rollout engine actor {j} was restarted; loading weights version") == 1, \
+            proc.stderr[-2000:]
+    local, got = metrics_rows(tmp_path / "local"), metrics_rows(tmp_path / "ray")
+    _same_rows(got[:1], local[:1])
+    _same_rows(got, local, keys=("reward_mean", "response_tokens"))
+    assert [r["world_size"] for r in got] == [2] * 3
+
+    # the engines' samples: each step the two servers got the local server's seeds between them
+    assert [len(s.state["generate"]) for s in (ref, one, two)] == [3, 3, 3]
+    for step in range(3):
+        seeds = one.state["generate"][step]["seeds"] + two.state["generate"][step]["seeds"]
+        assert seeds == ref.state["generate"][step]["seeds"]
+    # the weights: one version per step on each server (the re-sync replaced the killed update), each the local
+    # run's push of that step: the same names and shapes, the same tensors
+    shapes = [v["shapes"] for v in ref.state["versions"]]
+    assert len(shapes) == 3 and shapes[0]
+    for server in (one, two):
+        assert [v["shapes"] for v in server.state["versions"]] == shapes
+        assert all(torch.equal(held[n], want[n]) for held, want in zip(server.tensors, ref.tensors) for n in shapes[0])
+        calls = server.state["calls"]     # released after each rollout, resumed before the next update
+        assert calls.count("/release_memory_occupation") == 3 and calls.count("/resume_memory_occupation") == 2
+    assert any(not torch.equal(ref.tensors[2][n], ref.tensors[1][n]) for n in shapes[0])    # step 2 learned
+
+
 def test_a_killed_trainer_actor_restarts_the_group_from_the_last_checkpoint(tmp_path, cluster, local):
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster,
                   env={"DSV4_TRAIN_KILL_AT": "2:train"})
@@ -151,12 +202,44 @@ def _error(res) -> str:
     (("--orchestrator", "ray", "--rollout-num-nodes", "2"),
      "--rollout-num-nodes 2 spreads the engines' own devices over nodes, and without --rollout-num-gpus"),
     (("--rollout-num-nodes", "2",), "--rollout-num-nodes places the run's Ray actors, and --orchestrator local"),
-    (("--orchestrator", "ray", "--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9"),
-     "--orchestrator ray runs each rollout engine inside a Ray actor, and --rollout-engine sglang is a server"),
+    (("--orchestrator", "ray", "--trainer-num-gpus", "2", "--rollout-engine", "sglang", "--rollout-url",
+      "http://127.0.0.1:9"), "--rollout-url lists 1 server, and --orchestrator ray starts 2 rollout engine actors "
+                             "(one per data-parallel rank), each connecting to one server of its own. Fix: give 2 "
+                             "comma-separated URLs"),
+    (("--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9,http://127.0.0.1:10"),
+     "--rollout-url lists 2 servers, and --orchestrator local connects its rollout engine to one. Fix: give one URL, "
+     "or use --orchestrator ray"),
+    (("--orchestrator", "ray", "--rollout-engine", "sglang"),        # launch mode starts a server on a GPU
+     "--rollout-engine sglang needs a GPU (got --hardware cpu). Fix: use a GPU --hardware, connect to a running"),
+    (("--orchestrator", "ray", "--rollout-engine", "sglang", "--rollout-url", "http://127.0.0.1:9",
+      "--weight-transport", "gloo"), "--weight-transport gloo feeds an engine that runs inside its actor, and "
+                                     "--rollout-engine sglang is a server the actor forwards each bucket to"),
 ])
 def test_refused_before_any_work(tmp_path, args, says):
     assert says in _error(_dsv4("--run-dir", tmp_path / "run", *args))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_started_server_per_engine_actor_has_one_gpu():
+    """Launch mode under Ray on a GPU target (checked with the trainer's options, which the CLI does before any
+    work; this machine has no GPU, so the check is called here directly): an engine actor holds one GPU."""
+    from core.config import ConfigError, preset
+    from core.plugins import PluginHost
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import BUILTIN_PLUGINS
+    from train.config_checks import check_train_options
+    from train.trainer import TrainConfig
+
+    host = PluginHost(BUILTIN_PLUGINS, third_party=False)
+    run = normalize(Choices(hardware="nvidia", rollout_engine="sglang", model=preset("tiny"), job="train",
+                            orchestrator="ray"), host, model_name="tiny")
+    check_train_options(run, TrainConfig(), host)
+    with pytest.raises(ConfigError, match="'sglang_tp_size' = 2: under --orchestrator ray each engine actor starts "
+                                          "its server on the one GPU of its bundle. Fix: sglang_tp_size=1"):
+        check_train_options(run, TrainConfig(sglang_tp_size=2), host)
+    connected = normalize(Choices(hardware="nvidia", rollout_engine="sglang", model=preset("tiny"), job="train",
+                                  orchestrator="ray", rollout_url="http://127.0.0.1:9"), host, model_name="tiny")
+    check_train_options(connected, TrainConfig(sglang_tp_size=2), host)     # the server runs elsewhere
 
 
 def test_placement_plan_spreads_the_engines_over_their_nodes():
