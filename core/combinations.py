@@ -527,9 +527,11 @@ def _async_rollout(sel: Selection, host) -> Optional[str]:
 
 
 def _true_on_policy(sel: Selection, host) -> Optional[str]:
-    """``true_on_policy`` is exact where the engine and the trainer run the same reference code on the same
-    shapes on one device: the CPU in fp32 or bf16, an NVIDIA GPU in bf16 (fp32 there is not tested), the reference
-    kernel ops (``--kernel-backend none``: the engine's forward and the trainer's must call the same kernels), weights
+    """``true_on_policy`` is exact where the engine and the trainer run the same code on the same shapes on one
+    device (the reference model, or the trainer's own miles / megatron module, whose CPU-fp32-only limit
+    ``train.config_checks.check_true_on_policy`` applies: this rule does not know ``train_impl``): the CPU in
+    fp32 or bf16, an NVIDIA GPU in bf16 (fp32 there is not tested), the reference kernel ops
+    (``--kernel-backend none``: the engine's forward and the trainer's must call the same kernels), weights
     published as they are (bf16 scheme), the built-in engine, the local orchestrator, one rank
     (docs/rollout.md#true-on-policy)."""
     if not sel.true_on_policy:
@@ -547,8 +549,9 @@ def _true_on_policy(sel: Selection, host) -> Optional[str]:
             (f"--orchestrator {sel.orchestrator}", sel.orchestrator != "local", "use --orchestrator local"),
             (f"{world} ranks", world != 1, "train on one rank")):
         if bad:
-            return (f"true_on_policy=true is exact only with train_impl=reference, the built-in engine, the reference "
-                    f"kernel ops, one rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what} is not. "
+            return (f"true_on_policy=true is exact only with the built-in engine, the reference kernel ops, one "
+                    f"rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16) (train_impl=miles / megatron: the CPU "
+                    f"in fp32, train.config_checks), and {what} is not. "
                     f"Fix: {fix}, or drop true_on_policy.")
     return None
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.reference.layers import compute_dtype
-from kernels.reference.moe import route, swiglu
+from kernels.reference.moe import route, row_invariant_active, swiglu
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
 from .runtime import ensure_megatron, ep_group, ep_rank, ep_world, tp_group, tp_world
@@ -158,6 +158,8 @@ class DSv4GroupedExperts(nn.Module):
         ensure_megatron()
         from megatron.core.tensor_parallel import mappings
 
+        if row_invariant_active():
+            return self._row_invariant(x, weights, idx)
         tp = tp_world()
         if tp > 1:
             x = mappings.copy_to_tensor_model_parallel_region(x, tp_group())
@@ -184,6 +186,32 @@ class DSv4GroupedExperts(nn.Module):
         y = torch.zeros_like(out).index_copy(0, order, out).view(T, k, -1).sum(dim=1)
         if tp > 1:
             y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())
+        return y
+
+
+    def _row_invariant(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Inside :func:`kernels.reference.moe.row_invariant_experts`: every expert over ALL ``T`` rows (weight 0
+        where a row does not pick it), its result added to the rows that picked it, experts in id order. The
+        GEMMs' shapes are then ``[T, d]`` whatever the routing, so a token's output depends on its own row and
+        ``T`` only (``true_on_policy``: the rollout's forward over a prefix padded with stop tokens and the
+        trainer's over the sampled sequence agree bit for bit), where the grouped GEMM's groups follow the
+        routing of every token. One rank only (no tensor or expert parallelism: their collectives would mix the
+        rows again); costs ``n_routed_experts / n_activated_experts`` times the routed FLOPs."""
+        if self.ep > 1 or tp_world() > 1:
+            raise NotImplementedError(f"row-invariant experts (true_on_policy) run on one rank, not tp={tp_world()} "
+                                      f"ep={self.ep}")
+        ct = compute_dtype(x)
+        y = torch.zeros(x.shape, dtype=ct, device=x.device)
+        for e in range(self.num_local_experts):
+            pick = idx == e
+            tok = torch.where(pick.any(-1))[0]
+            if not len(tok):
+                continue
+            w = torch.where(pick, weights, torch.zeros_like(weights)).sum(-1)    # one nonzero term: exact
+            w1, w2 = self.expert_weights(e)
+            gate, up = F.linear(x, w1.to(x.dtype)).to(ct).chunk(2, dim=-1)
+            a = swiglu(gate, up, self.limit) * w.to(ct).unsqueeze(-1)
+            y = y.index_add(0, tok, F.linear(a.to(x.dtype), w2.to(x.dtype)).to(ct)[tok])
         return y
 
 

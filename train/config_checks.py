@@ -114,22 +114,27 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
                           f"use a micro_batch_size that divides {rows}")
 
 
+# true_on_policy: the training models it is exact with (docs/rollout.md#true-on-policy). reference: the built-in
+# engine runs the reference model on the trainer's shapes; miles, megatron: the engine draws from the trainer's own
+# module (train.engines.TrainModuleEngine), whose experts (engine.moe.DSv4MoE, shared by both) honour
+# row_invariant_experts; tested on the CPU in fp32 only. Another implementation's MoE may not honour it.
+ON_POLICY_IMPLS = ("reference", "miles", "megatron")
+
+
 def _true_on_policy_refusal(what: str, fix: str) -> ConfigError:
-    return ConfigError(f"training option 'true_on_policy' is exact only with train_impl=reference, the built-in "
-                       f"engine and one rank, on the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what}. Fix: "
-                       f"{fix}, or drop true_on_policy")
+    return ConfigError(f"training option 'true_on_policy' is exact only with train_impl=reference (the built-in "
+                       f"engine; the CPU in fp32 or bf16, one NVIDIA GPU in bf16) or train_impl=miles or megatron (the "
+                       f"engine draws from the trainer's module; the CPU in fp32), on one rank, and {what}. "
+                       f"Fix: {fix}, or drop true_on_policy")
 
 
 def _check_true_on_policy_options(cfg) -> None:
-    """The TrainConfig knobs that ``true_on_policy`` refuses (docs/rollout.md#true-on-policy)."""
-    if cfg.train_impl != "reference":
-        # miles / megatron: their MoE runs each expert over the rows routed to it (one grouped GEMM whose groups'
-        # sizes follow the routing of the whole batch: a token's result depends on the other tokens), their layers
-        # are not the engine's reference ones, and the engine does not generate from the trainer's module
-        who = "the run's implementation (--impl)" if cfg.train_impl is None else f"train_impl={cfg.train_impl!r}"
-        raise _true_on_policy_refusal(f"{who} scores with other code than the engine's reference model (its "
-                                      f"grouped-GEMM experts depend on the other tokens' routing)",
-                                      "set train_impl=reference")
+    """The TrainConfig knobs that ``true_on_policy`` refuses (docs/rollout.md#true-on-policy); ``train_impl`` None
+    (the run's implementation) is checked against the built model (:func:`check_true_on_policy`)."""
+    if cfg.train_impl is not None and cfg.train_impl not in ON_POLICY_IMPLS:
+        raise _true_on_policy_refusal(f"train_impl={cfg.train_impl!r} is not built for it (its experts may not "
+                                      f"honour row_invariant_experts)",
+                                      f"set train_impl={' or '.join(ON_POLICY_IMPLS)}")
     for key, bad, why in (
             ("micro_batch_size", cfg.micro_batch_size is not None, "splits a group's rows into other shapes"),
             ("max_tokens_per_rank", cfg.max_tokens_per_rank is not None, "packs samples into other shapes"),
@@ -142,14 +147,23 @@ def _check_true_on_policy_options(cfg) -> None:
 
 
 def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
-    """``true_on_policy`` with the run's choices: the CPU in fp32 or bf16 or one NVIDIA GPU in bf16, the reference
-    engine and kernel ops, the lossless ``bf16`` publish format (weights sent as they are), one rank, the local
-    orchestrator."""
+    """``true_on_policy`` with the run's choices: the reference training model (the CPU in fp32 or bf16 or one
+    NVIDIA GPU in bf16, the reference engine and kernel ops, the lossless ``bf16`` publish format: weights sent
+    as they are) or the miles / megatron one (the CPU in fp32; the engine draws from it, no weights are sent),
+    one rank, the local orchestrator."""
     if not cfg.true_on_policy:
         return
     _check_true_on_policy_options(cfg)
-    if model is not None and getattr(model, "impl", None) != "reference":
-        raise _true_on_policy_refusal("the training model is not the reference model", "set train_impl=reference")
+    impl = getattr(model, "impl", None) if model is not None else None
+    if model is not None and impl not in ON_POLICY_IMPLS:
+        raise _true_on_policy_refusal(f"the training model is {impl!r} (its experts may not honour "
+                                      f"row_invariant_experts)", f"set train_impl={' or '.join(ON_POLICY_IMPLS)}")
+    if model is not None and impl != "reference":
+        dtypes = {str(p.dtype) for p in model.parameters() if p.is_floating_point()} - {"torch.float32"}
+        where = getattr(model.device, "type", str(model.device))
+        if where != "cpu" or dtypes:
+            raise _true_on_policy_refusal(f"the {impl} model is on {where} with {sorted(dtypes) or 'fp32'} weights "
+                                          "(tested on the CPU in fp32 only)", "use --hardware cpu --dtype fp32")
     if dist is not None and getattr(dist, "world", 1) != 1:
         raise _true_on_policy_refusal(f"the run has {dist.world} ranks", "train on one rank")
     if run_config is not None:                   # the run's choices: rule ``true-on-policy`` (core.combinations)

@@ -17,6 +17,9 @@ bf16 there, the ``--kernel-backend``'s ops): prefill calls the table's ops, the 
 they take a one-token step's inputs and the reference ops where they refuse them, a choice made once per
 engine and recorded in ``decode_ops`` / ``decode_refusals`` (:mod:`train.engine_ops`).
 
+:class:`TrainModuleEngine` (``true_on_policy`` with miles / megatron) is the exception: it draws from
+the trainer's own module and takes no weight sync.
+
 Generation (``kv_cache=True``, the default) runs the prompts x ``n`` samples through ``max_slots`` cache
 slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are admitted into free slots by
 :func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
@@ -397,15 +400,7 @@ class ReferenceEngine(RolloutEngineBase):
 
     def _samples(self, prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
                  routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
-        """Rows of ``tokens``/``logps [n, T]`` (CPU) and ``routed [n, >=, layers, k]`` as Samples."""
-        out = []
-        P = len(prompt)
-        for i, R in enumerate(lengths):
-            resp = tokens[i, :R].tolist()
-            finish = "stop" if resp and resp[-1] in params.stop_token_ids else "length"
-            out.append(Sample(prompt, resp, logps[i, :R].clone(), finish,
-                              routed[i, :P + R - 1].clone() if routed is not None else None))
-        return out
+        return samples_of(prompt, tokens, logps, lengths, routed, params)
 
     def reserve(self, slots: int, positions: int) -> None:
         """Build the decode slots (capture their CUDA graphs, compile their step) for ``slots`` samples of up to
@@ -582,44 +577,136 @@ class ReferenceEngine(RolloutEngineBase):
 
         from .model import next_token_logprobs
 
-        c, dev, n, T = self.config, self.model.embed.weight.device, len(seeds), params.max_new_tokens
-        P = len(prompt)
-        u = sample_uniforms(seeds, T).to(dev)
-        pad = params.stop_token_ids[0] if params.stop_token_ids else 0
-        ids = torch.full((n, P + T), pad, dtype=torch.long, device=dev)
-        ids[:, :P] = torch.tensor(prompt, dtype=torch.long, device=dev)
-        routed = empty_routing(P + T, c).unsqueeze(0).repeat(n, 1, 1, 1)
-        tokens = torch.zeros(n, T, dtype=torch.long)
-        lps = torch.zeros(n, T)
-        done = torch.zeros(n, dtype=torch.bool)
-        lengths = torch.full((n,), T, dtype=torch.long)
-        stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        for t in range(T):
-            L = P + t                             # tokens known; the next one is drawn from position L - 1
-            W = P + T if on_policy else L         # the forward's width
-            rec = RoutingRecorder(n, W) if self.record_routing else None
+        def draw(ids, L, u):
+            rec = RoutingRecorder(*ids.shape) if self.record_routing else None
             with routing_context(rec), (row_invariant_experts() if on_policy else contextlib.nullcontext()):
-                out = self.model(ids[:, :W])
+                out = self.model(ids)
             if on_policy:
-                tok, lp = sample_from_logprobs(next_token_logprobs(out, params.temperature)[:, L - 1], u[:, t], params)
+                tok, lp = sample_from_logprobs(next_token_logprobs(out, params.temperature)[:, L - 1], u, params)
             else:
-                tok, lp = sample_tokens(out[:, L - 1], u[:, t], params)
-            self.positions_fed += n * W
-            if rec is not None:
-                first = 0 if t == 0 else L - 1   # positions fed with their final token for the first time
-                for layer, idx in rec.layers.items():
-                    routed[:, first:L, layer] = idx[:, first:L].cpu()
-            tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
-            tokens[:, t] = tok
-            lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
-            if t + 1 < T:
-                ids[:, L] = tok.to(dev)
-            newly = (~done) & torch.isin(tok, stops)
-            lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
-            done |= newly
-            if bool(done.all()):
-                break
-        return self._samples(prompt, tokens, lps, lengths.tolist(), routed if self.record_routing else None, params)
+                tok, lp = sample_tokens(out[:, L - 1], u, params)
+            return tok, lp, None if rec is None else rec.layers
+
+        T = params.max_new_tokens
+        samples, fed = lockstep_samples(prompt, params, seeds, self.config, self.model.embed.weight.device, draw,
+                                        (lambda L: len(prompt) + T) if on_policy else (lambda L: L),
+                                        self.record_routing)
+        self.positions_fed += fed
+        return samples
+
+
+def samples_of(prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
+               routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
+    """Rows of ``tokens``/``logps [n, T]`` (CPU) and ``routed [n, >=, layers, k]`` as Samples."""
+    out = []
+    P = len(prompt)
+    for i, R in enumerate(lengths):
+        resp = tokens[i, :R].tolist()
+        finish = "stop" if resp and resp[-1] in params.stop_token_ids else "length"
+        out.append(Sample(prompt, resp, logps[i, :R].clone(), finish,
+                          routed[i, :P + R - 1].clone() if routed is not None else None))
+    return out
+
+
+def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int], config, device, draw, width,
+                     record_routing: bool) -> Tuple[List[Sample], int]:
+    """One prompt's ``n = len(seeds)`` samples drawn in lockstep without a cache: for each new token,
+    ``draw(ids [n, W], L, u [n]) -> (tokens [n], their log-probs [n], {learned layer: idx [n, W, k]} or None)``
+    runs one forward over the first ``W = width(L)`` positions of ``ids [n, P + max_new_tokens]`` (the first
+    ``L`` known; the rest hold the first stop token) and samples position ``L - 1``. Returns the samples and the
+    positions fed."""
+    n, T, P = len(seeds), params.max_new_tokens, len(prompt)
+    u = sample_uniforms(seeds, T).to(device)
+    pad = params.stop_token_ids[0] if params.stop_token_ids else 0
+    ids = torch.full((n, P + T), pad, dtype=torch.long, device=device)
+    ids[:, :P] = torch.tensor(prompt, dtype=torch.long, device=device)
+    routed = empty_routing(P + T, config).unsqueeze(0).repeat(n, 1, 1, 1)
+    tokens = torch.zeros(n, T, dtype=torch.long)
+    lps = torch.zeros(n, T)
+    done = torch.zeros(n, dtype=torch.bool)
+    lengths = torch.full((n,), T, dtype=torch.long)
+    stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
+    fed = 0
+    for t in range(T):
+        L = P + t                             # tokens known; the next one is drawn from position L - 1
+        W = width(L)
+        tok, lp, layers = draw(ids[:, :W], L, u[:, t])
+        fed += n * W
+        if record_routing:
+            first = 0 if t == 0 else L - 1   # positions fed with their final token for the first time
+            for layer, idx in layers.items():
+                routed[:, first:L, layer] = idx[:, first:L].cpu()
+        tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
+        tokens[:, t] = tok
+        lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
+        if t + 1 < T:
+            ids[:, L] = tok.to(device)
+        newly = (~done) & torch.isin(tok, stops)
+        lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
+        done |= newly
+        if bool(done.all()):
+            break
+    return samples_of(prompt, tokens, lps, lengths.tolist(), routed if record_routing else None, params), fed
+
+
+class TrainModuleEngine(RolloutEngineBase):
+    """``true_on_policy`` for an implementation's training model (``train_impl`` miles or megatron): generates
+    from the trainer's OWN module (:class:`train.model.ImplTrainModel`), one prompt's ``n`` samples in lockstep
+    (:func:`lockstep_samples`), each token drawn from :meth:`~train.model.ImplTrainModel.next_token_logprobs`
+    over the whole ``[n, P + max_new_tokens]`` batch, the very forward and op with which the trainer then scores
+    that batch (:meth:`~train.model.ImplTrainModel.forward_train`; the module runs its experts row-invariant,
+    ``model.row_invariant``). Kernels, weights and reduction order are then shared by construction, not
+    reproduced by a second model.
+
+    No weight sync: the engine computes with the trainer's parameters themselves, so there is nothing to send
+    (sending them into themselves would be work with no effect), and the trainer skips the sync for it
+    (``reads_trainer_weights``; :meth:`train.trainer.Trainer.grpo_step`). ``generate`` requires the module in
+    eval mode (the trainer's rollout phase) and runs without autograd."""
+
+    name = "trainer-module"
+    reads_trainer_weights = True
+
+    def __init__(self, model):
+        if not getattr(model, "row_invariant", False):
+            raise ValueError("TrainModuleEngine needs the training model's row-invariant experts "
+                             "(model.row_invariant = True): the grouped experts make a token's output depend on "
+                             "the other tokens' routing")
+        if not hasattr(model, "next_token_logprobs"):
+            raise ValueError(f"the training model {type(model).__name__} has no next_token_logprobs to draw from")
+        self.model = model
+        self.version: Optional[int] = None
+        self.positions_fed = 0
+
+    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
+        if self.model.training:
+            raise RuntimeError("TrainModuleEngine.generate: the training module is in train mode (call .eval())")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if n < 1:
+            return [[] for _ in prompts]
+        out = []
+        for pi, prompt in enumerate(prompts):
+            seeds = [sample_seed(seed, first_prompt + pi, j) for j in range(n)]
+
+            def draw(ids, L, u):
+                logp, layers = self.model.next_token_logprobs(ids, params.temperature)
+                tok, lp = sample_from_logprobs(logp[:, L - 1], u, params)
+                return tok, lp, layers
+
+            with torch.no_grad():
+                samples, fed = lockstep_samples(prompt, params, seeds, self.model.config, self.model.device, draw,
+                                                lambda L: len(prompt) + params.max_new_tokens, True)
+            self.positions_fed += fed
+            out.append(samples)
+        return out
+
+    def _no_sync(self, *a, **k):
+        raise RuntimeError("TrainModuleEngine computes with the trainer's module: it takes no weight update")
+
+    begin_update = load_bucket = finish_update = _no_sync
+
 
 def _compile_backend(compile, kv_cache: bool) -> Optional[str]:
     """The engine's ``compile`` option as a ``torch.compile`` backend name (None: eager)."""

@@ -293,6 +293,9 @@ class ImplTrainModel(_TrainModelBase):
         self.qkv_format = qkv_format
         self.indexer_loss_coeff = indexer_loss_coeff
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        # true_on_policy: forward with kernels.reference.moe.row_invariant_experts (engine.moe honours it), as
+        # the rollout engine that draws from this module does (train.engines.TrainModuleEngine)
+        self.row_invariant = False
         params = inspect.signature(module.mtp_logits).parameters if hasattr(module, "mtp_logits") else {}
         self._mtp_takes_streams = "hidden_streams" in params
 
@@ -334,7 +337,31 @@ class ImplTrainModel(_TrainModelBase):
         if lengths is not None:
             if not self.packs_streams:
                 raise ValueError(f"--impl {self.impl}: packed micro-batches need --qkv-format thd")
+            if self.row_invariant:
+                raise ValueError(f"--impl {self.impl}: true_on_policy scores the padded rows, not packed "
+                                 f"micro-batches (drop max_tokens_per_rank)")
             return self._forward_stream(input_ids, list(lengths), routing_replay, temperature, with_mtp)
+        logits, ids, hook, mtp, aux = self._forward_rows(input_ids, routing_replay, with_mtp)
+        # log-probs on the model's device: only [B, S-1] of them travel, never the [B, S, vocab] logits
+        lp = token_logprobs(logits, ids, temperature).to(input_ids.device)
+        if aux is not None:
+            aux = aux.to(input_ids.device)
+        return TrainForward(lp, mtp, _used(hook), aux)
+
+    def next_token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0
+                            ) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:
+        """``[B, S]`` ids -> (``[B, S-1, V]`` log-probs of every next token on the model's device, the learned
+        layers' routing ``{layer: idx [B, S, k]}``): the very forward and op of :meth:`forward_train` (which
+        gathers the next token's entry from this tensor), for the ``true_on_policy`` engine that samples from
+        this module (:class:`train.engines.TrainModuleEngine`)."""
+        logits, _ids, hook, _mtp, _aux = self._forward_rows(input_ids, None, False)
+        return next_token_logprobs(logits, temperature), _used(hook)
+
+    def _forward_rows(self, input_ids, routing_replay, with_mtp):
+        """One forward over the rows ``[B, S]`` (BSHD, or THD with a segment per row): ``(logits [B, S, V],
+        the ids on the model's device, the routing hook, MTP logits or None, the aux loss or None)``."""
+        from kernels.reference.moe import row_invariant_experts
+
         B, S = input_ids.shape
         ids = input_ids.to(self.device)
         thd = self.qkv_format == "thd"
@@ -343,16 +370,14 @@ class ImplTrainModel(_TrainModelBase):
         hook = _hook_for(routing_replay, input_ids)
         mtp = None
         with routing_context(hook), contextlib.ExitStack() as stack:
+            if self.row_invariant:
+                stack.enter_context(row_invariant_experts())
             logits, aux, streams = self._call_module(stack, x, with_mtp, **({} if cu is None else {"cu_seqlens": cu}))
             if with_mtp:
                 with detached_weights(self.module):
                     mtp = list(self._mtp(ids, x, cu, streams))
         self._check_replay_reached(routing_replay, hook)
-        # log-probs on the model's device: only [B, S-1] of them travel, never the [B, S, vocab] logits
-        lp = token_logprobs(logits.reshape(B, S, -1), ids, temperature).to(input_ids.device)
-        if aux is not None:
-            aux = aux.to(input_ids.device)
-        return TrainForward(lp, mtp, _used(hook), aux)
+        return logits.reshape(B, S, -1), ids, hook, mtp, aux
 
     def _forward_stream(self, input_ids, lengths, routing_replay, temperature, with_mtp) -> TrainForward:
         """Rows ``[B, S]`` whose first ``lengths[i]`` tokens are real -> ONE packed stream of the real tokens

@@ -143,8 +143,9 @@ class TrainConfig:
     # "reference" = the reference model (tests of the loop itself)
     train_impl: Optional[str] = None
     # true on-policy (docs/rollout.md#true-on-policy): the rollout log-probs equal the trainer's recomputation bit
-    # for bit (train_rollout_logprob_abs_diff == 0.0). Only with train_impl="reference", the built-in engine on the
-    # CPU (fp32, bf16) or one NVIDIA GPU (bf16), one rank: the engine re-runs each group's padded
+    # for bit (train_rollout_logprob_abs_diff == 0.0). With train_impl="reference", the built-in engine on the
+    # CPU (fp32, bf16) or one NVIDIA GPU (bf16), or train_impl miles / megatron on the CPU in fp32 (the engine draws
+    # from the trainer's module, train.engines.TrainModuleEngine), one rank: the engine re-runs each group's padded
     # [n, prompt + max_new_tokens] batch for every token (no KV cache), every routed expert runs over every row,
     # the weights reach the engine in the trainer's own dtypes; anything else is refused
     true_on_policy: bool = False
@@ -313,6 +314,11 @@ class _Run:
                 options["model_path"] = self._export_starting_weights(record.name)
         if not self.dist.is_leader:
             return None
+        if self.cfg.true_on_policy and self.model.impl != "reference":
+            # an implementation's module: the engine draws from it (docs/rollout.md#true-on-policy)
+            from .engines import TrainModuleEngine
+
+            return TrainModuleEngine(self.model)
         return _rollout_engine(run_config, self.model_config, self.dtype, settings=self.cfg, run_dir=self.run_dir,
                                publish_format=self.publish_format, **options)
 
@@ -515,7 +521,12 @@ class _Run:
         _maybe_kill(step, "update_weights")
         self.model.eval()
         view = full_view(self.model, self.dist)
-        if self.dist.is_leader:
+        if self.dist.is_leader and getattr(self.engine, "reads_trainer_weights", False):
+            # no sync: the engine computes with this very module (train.engines.TrainModuleEngine)
+            self.engine.version = step
+            out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_buckets=0,
+                       weight_quant_max_rel_err=0.0)
+        elif self.dist.is_leader:
             rep = sync_weights(view, self.engine, version=step, scheme=self.publish_format,
                                engine_dtype=self.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
                                check=cfg.check_weights, lossless=cfg.true_on_policy)

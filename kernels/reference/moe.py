@@ -26,7 +26,7 @@ from .layers import KeepFP32, Linear, compute_dtype
 from .seam import HookSeam
 
 __all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook",
-           "current_routing_hook", "row_invariant_experts"]
+           "current_routing_hook", "row_invariant_experts", "row_invariant_active"]
 
 _ROUTING = HookSeam("dsv4_routing_hook")
 _ROW_INVARIANT = HookSeam("dsv4_row_invariant_experts")
@@ -40,6 +40,11 @@ def row_invariant_experts():
     the sampled sequence then agree bit for bit). Costs ``n_routed_experts / n_activated_experts`` times the
     routed experts' FLOPs."""
     return _ROW_INVARIANT.installed(True)
+
+
+def row_invariant_active() -> bool:
+    """Whether :func:`row_invariant_experts` is in force here (``engine.moe.DSv4GroupedExperts`` reads it too)."""
+    return bool(_ROW_INVARIANT.current())
 
 
 def routing_hook(hook):

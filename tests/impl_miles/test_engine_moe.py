@@ -93,3 +93,26 @@ def test_expert_bias_selects_only():
     assert (i1 == 0).any(dim=-1).all()
     torch.testing.assert_close(w1.sum(-1), torch.full((6,), c.route_scale))
     assert isinstance(m.router.tid2eid if m.router.hash else m.router.expert_bias, torch.Tensor)
+
+
+@pytest.mark.parametrize("layer_id", [0, 2])
+def test_row_invariant_experts(layer_id):
+    """Inside ``row_invariant_experts`` a row's output does not depend on the other rows (their routing sizes
+    the grouped GEMM's groups otherwise), stays the grouped path's up to rounding, and gradients still flow."""
+    from kernels.reference.moe import row_invariant_experts
+
+    _ref, m = _pair(TINY, layer_id)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 9, TINY.dim, generator=g) * 8.0
+    ids = torch.randint(0, TINY.vocab_size, (3, 9), generator=g)
+    other_x, other_ids = x.clone(), ids.clone()
+    other_x[1:] = torch.randn(2, 9, TINY.dim, generator=g)          # rows 1, 2 changed: other routing
+    other_ids[1:] = torch.randint(0, TINY.vocab_size, (2, 9), generator=g)
+    with row_invariant_experts():
+        xi = x.clone().requires_grad_()
+        y = m(xi, ids)
+        assert torch.equal(y[0], m(other_x, other_ids)[0])
+        y.square().sum().backward()
+    assert xi.grad is not None and m.experts.linear_fc1[0].grad is not None
+    grouped = m(x, ids).detach()          # the same sums in another order: rounding at the outputs' scale
+    assert (y.detach() - grouped).abs().max() <= 1e-6 * grouped.abs().max(), grouped.abs().max()

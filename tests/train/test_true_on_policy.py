@@ -84,11 +84,11 @@ def test_bf16_needs_the_lossless_sync():
     assert any(not torch.equal(trainer, engine) for trainer, engine in pairs)
 
 
-def _cpu_run(dtype):
+def _cpu_run(dtype, impl="miles"):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl="miles", model=preset("tiny"), dtype=dtype), make_host(third_party=False),
+    return normalize(Choices(impl=impl, model=preset("tiny"), dtype=dtype), make_host(third_party=False),
                      model_name="tiny")
 
 
@@ -108,14 +108,69 @@ def test_grpo_diff_exactly_zero(tmp_path, dtype):
         assert r["routing_replay_match"] == 1.0
 
 
+def _miles_model():
+    from train.model import build_train_model
+
+    c = preset("tiny")
+    model = build_train_model(c, _cpu_run("fp32"), seed=3).eval()
+    model.row_invariant = True
+    return c, model
+
+
+def test_miles_engine_draws_from_the_trainers_module():
+    """train_impl=miles: :class:`train.engines.TrainModuleEngine` samples from the training module itself; the
+    trainer's ``forward_train`` on the padded batch gives the engine's log-probs bit for bit, and the routing the
+    engine recorded is the trainer's. It takes no weight update (there is nothing to send)."""
+    from train.engines import SamplingParams, TrainModuleEngine
+
+    c, model = _miles_model()
+    eng = TrainModuleEngine(model)
+    pairs, stopped_early = _score(c, model, eng, 0.9)
+    for k, (trainer, engine) in enumerate(pairs):
+        assert torch.equal(trainer, engine), (k, (trainer - engine).abs().max())
+    assert stopped_early > 0
+    with pytest.raises(RuntimeError, match="takes no weight update"):
+        eng.begin_update(1)
+    model.train()
+    with pytest.raises(RuntimeError, match="train mode"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=2), n=1, seed=0)
+    model.row_invariant = False
+    with pytest.raises(ValueError, match="row-invariant"):
+        TrainModuleEngine(model)
+
+
+@pytest.mark.parametrize("impl,true_on_policy", [("miles", True), ("miles", False), ("megatron", True)])
+def test_grpo_impl_diff_exactly_zero(tmp_path, impl, true_on_policy):
+    """``--impl miles`` (and megatron, whose experts are the same ``engine.moe``) on the CPU in fp32: with
+    true_on_policy the rollout log-probs are the trainer's (0.0 at
+    every step); the control (the reference engine sampling from synced weights, the miles module scoring with
+    its grouped experts) is not."""
+    from train.trainer import run_training
+
+    run = tmp_path / "run"
+    run_training(_cpu_run("fp32", impl), "tiny", mode="grpo", steps=2, run_dir=run, progress=False, train_impl=impl,
+                 true_on_policy=true_on_policy, save_every=100, export_at_end=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        if true_on_policy:
+            assert r["train_rollout_logprob_abs_diff"] == 0.0, r
+            assert r["train_rollout_kl"] == 0.0, r
+            assert r["weight_sync_bytes"] == 0, r
+        else:
+            assert r["train_rollout_logprob_abs_diff"] > 0.0, r
+        assert r["routing_replay_match"] == 1.0
+
+
 def test_refusals():
     from core.config import ConfigError
     from train.config_checks import check_true_on_policy
     from train.engines import ReferenceEngine
     from train.trainer import TrainConfig
 
-    with pytest.raises(ConfigError, match="Fix: set train_impl=reference"):
-        TrainConfig(true_on_policy=True)
+    with pytest.raises(ConfigError, match="Fix: set train_impl=reference or miles or megatron"):
+        TrainConfig(true_on_policy=True, train_impl="other")
+    TrainConfig(true_on_policy=True)           # the run's implementation: checked against the built model
     for kw, fix in ((dict(micro_batch_size=2), "drop micro_batch_size"),
                     (dict(max_tokens_per_rank=64), "drop max_tokens_per_rank"),
                     (dict(async_rollout=True), "drop async_rollout"),
@@ -155,3 +210,16 @@ def test_refusals():
                     (dict(tp=2), "train on one rank")):
         with pytest.raises(InvalidCombination, match=f"Fix: {fix}"):      # rule true-on-policy
             check_true_on_policy(rc(**kw), cfg)
+
+    class Model(torch.nn.Module):               # a miles model in bf16: only fp32 is built for it
+        impl, device = "miles", torch.device("cpu")
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+
+    with pytest.raises(ConfigError, match="Fix: use --hardware cpu --dtype fp32"):
+        check_true_on_policy(rc(dtype="bf16"), TrainConfig(true_on_policy=True), Model())
+    Model.impl = "other"
+    with pytest.raises(ConfigError, match="the training model is 'other'"):
+        check_true_on_policy(rc(), TrainConfig(true_on_policy=True), Model())
