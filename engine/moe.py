@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.reference.layers import compute_dtype
-from kernels.reference.moe import route, row_invariant_active, swiglu
+from kernels.reference.moe import route, row_invariant_active, row_invariant_mix, swiglu
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
 from .runtime import ensure_megatron, ep_group, ep_rank, ep_world, tp_group, tp_world
@@ -188,7 +188,6 @@ class DSv4GroupedExperts(nn.Module):
             y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())
         return y
 
-
     def _row_invariant(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Inside :func:`kernels.reference.moe.row_invariant_experts`: every expert over ALL ``T`` rows (weight 0
         where a row does not pick it), its result added to the rows that picked it, experts in id order. The
@@ -201,18 +200,14 @@ class DSv4GroupedExperts(nn.Module):
             raise NotImplementedError(f"row-invariant experts (true_on_policy) run on one rank, not tp={tp_world()} "
                                       f"ep={self.ep}")
         ct = compute_dtype(x)
-        y = torch.zeros(x.shape, dtype=ct, device=x.device)
-        for e in range(self.num_local_experts):
-            pick = idx == e
-            tok = torch.where(pick.any(-1))[0]
-            if not len(tok):
-                continue
-            w = torch.where(pick, weights, torch.zeros_like(weights)).sum(-1)    # one nonzero term: exact
+
+        def expert(e, w):
             w1, w2 = self.expert_weights(e)
             gate, up = F.linear(x, w1.to(x.dtype)).to(ct).chunk(2, dim=-1)
             a = swiglu(gate, up, self.limit) * w.to(ct).unsqueeze(-1)
-            y = y.index_add(0, tok, F.linear(a.to(x.dtype), w2.to(x.dtype)).to(ct)[tok])
-        return y
+            return F.linear(a.to(x.dtype), w2.to(x.dtype))
+
+        return row_invariant_mix(x, weights, idx, self.num_local_experts, expert)
 
 
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:

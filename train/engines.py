@@ -394,13 +394,7 @@ class ReferenceEngine(RolloutEngineBase):
             with self._computing("decode"):               # prefills nest the prefill table inside
                 return self._generate_cached(prompts, params, n, seeds)
         with self._computing("prefill"):                  # the uncached engine runs only full forwards
-            if self.true_on_policy:
-                return [self._generate_on_policy(p, params, s) for p, s in zip(prompts, seeds)]
-            return [self._generate_group(p, params, s) for p, s in zip(prompts, seeds)]
-
-    def _samples(self, prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
-                 routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
-        return samples_of(prompt, tokens, logps, lengths, routed, params)
+            return [self._generate_lockstep(p, params, s) for p, s in zip(prompts, seeds)]
 
     def reserve(self, slots: int, positions: int) -> None:
         """Build the decode slots (capture their CUDA graphs, compile their step) for ``slots`` samples of up to
@@ -548,16 +542,13 @@ class ReferenceEngine(RolloutEngineBase):
         out = []
         for pi, prompt in enumerate(prompts):
             r = slice(pi * n, (pi + 1) * n)
-            out.append(self._samples(prompt, tokens[r], logps[r], lengths[r],
+            out.append(samples_of(prompt, tokens[r], logps[r], lengths[r],
                                      None if routed is None else routed[r], params))
         return out
 
-    def _generate_group(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
-        """The uncached path: one prompt's samples in lockstep, the whole prefix re-run for every token."""
-        return self._generate_lockstep(prompt, params, seeds, on_policy=False)
-
-    def _generate_on_policy(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
-        """``true_on_policy``: one prompt's ``n`` samples, each new token from a forward over the whole
+    def _generate_lockstep(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
+        """The uncached path: one prompt's ``n`` samples in lockstep, every token from a forward without a cache
+        over the known prefix. With ``true_on_policy``, each new token comes from a forward over the whole
         ``[n, P + max_new_tokens]`` batch (positions not drawn yet hold the first stop token; attention is
         causal, so they do not reach the drawn positions), run with
         :func:`kernels.reference.moe.row_invariant_experts` and the trainer's own log-prob op
@@ -566,16 +557,11 @@ class ReferenceEngine(RolloutEngineBase):
         training model's fp32 tensors), so each token's log-prob is the trainer's bit for bit: on a GPU too, since
         every kernel of the forward (cuBLAS GEMMs included) computes a row from that row and the shape alone, and
         equal shapes pick equal kernels."""
-        return self._generate_lockstep(prompt, params, seeds, on_policy=True)
-
-    def _generate_lockstep(self, prompt: List[int], params: SamplingParams, seeds: List[int], *,
-                           on_policy: bool) -> List[Sample]:
-        """One prompt's ``n`` samples, every token from a forward without a cache: over the known prefix
-        (``on_policy=False``), or over the whole ``[n, P + max_new_tokens]`` batch the trainer scores
-        (``on_policy=True``, :meth:`_generate_on_policy`)."""
         from kernels.reference.moe import row_invariant_experts
 
         from .model import next_token_logprobs
+
+        on_policy = self.true_on_policy
 
         def draw(ids, L, u):
             rec = RoutingRecorder(*ids.shape) if self.record_routing else None
@@ -686,15 +672,14 @@ class TrainModuleEngine(RolloutEngineBase):
             raise ValueError("every prompt needs at least one token")
         if n < 1:
             return [[] for _ in prompts]
+        def draw(ids, L, u):
+            logp, layers = self.model.next_token_logprobs(ids, params.temperature)
+            tok, lp = sample_from_logprobs(logp[:, L - 1], u, params)
+            return tok, lp, layers
+
         out = []
         for pi, prompt in enumerate(prompts):
             seeds = [sample_seed(seed, first_prompt + pi, j) for j in range(n)]
-
-            def draw(ids, L, u):
-                logp, layers = self.model.next_token_logprobs(ids, params.temperature)
-                tok, lp = sample_from_logprobs(logp[:, L - 1], u, params)
-                return tok, lp, layers
-
             with torch.no_grad():
                 samples, fed = lockstep_samples(prompt, params, seeds, self.model.config, self.model.device, draw,
                                                 lambda L: len(prompt) + params.max_new_tokens, True)

@@ -103,9 +103,10 @@ class TrainConfig:
     # the built-in engine (--rollout-engine reference; docs/rollout.md): how many samples decode at once
     # (continuous batching: a finished sample's slot takes the next waiting one; None = every sample of the
     # step at once), whether its decode step replays CUDA graphs (None = on for a CUDA device; true on
-    # the CPU is refused), and whether the decode step runs as torch.compile (Inductor) code, compiled once
-    # per slot bucket when the engine first decodes (off by default: the compile takes a minute or more per
-    # bucket, which a short run does not win back). Samples do not depend on the first two.
+    # the CPU is refused), and whether the decode step runs as torch.compile (Inductor) code, compiled when the
+    # engine first decodes (at most three compiles for all slot buckets; off by default: on an H200 building
+    # the bench config's slots with it took 54 s, which a short run does not win back). Samples do not depend
+    # on the first two.
     rollout_max_slots: Optional[int] = None
     rollout_cuda_graphs: Optional[bool] = None
     rollout_compile: bool = False
@@ -687,7 +688,7 @@ class _Run:
         c = self.model_config
         P = len(samples[0].prompt_ids)
         seqs = [s.prompt_ids + s.response_ids for s in samples]
-        # true_on_policy: the shape the engine drew every token with (train.engines, _generate_on_policy)
+        # true_on_policy: the shape the engine drew every token with (train.engines, ReferenceEngine._generate_lockstep)
         ids = _pad_batch(seqs, self.tok.eos_token_id, P + self.cfg.max_new_tokens if self.cfg.true_on_policy else None)
         S = ids.shape[1]
         mask = torch.zeros(len(samples), S - 1, dtype=torch.bool)

@@ -26,7 +26,7 @@ from .layers import KeepFP32, Linear, compute_dtype
 from .seam import HookSeam
 
 __all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook",
-           "current_routing_hook", "row_invariant_experts", "row_invariant_active"]
+           "current_routing_hook", "row_invariant_experts", "row_invariant_active", "row_invariant_mix"]
 
 _ROUTING = HookSeam("dsv4_routing_hook")
 _ROW_INVARIANT = HookSeam("dsv4_row_invariant_experts")
@@ -45,6 +45,23 @@ def row_invariant_experts():
 def row_invariant_active() -> bool:
     """Whether :func:`row_invariant_experts` is in force here (``engine.moe.DSv4GroupedExperts`` reads it too)."""
     return bool(_ROW_INVARIANT.current())
+
+
+def row_invariant_mix(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_experts: int,
+                      expert) -> torch.Tensor:
+    """The routed experts' sum in the row-invariant mode (:func:`row_invariant_experts`), shared by this
+    module's :class:`MoE` and ``engine.moe.DSv4GroupedExperts``: ``expert(e, w [T])`` runs expert ``e`` over ALL
+    ``T`` rows of ``x`` (weight ``w``, 0 where a row did not pick it) and its result is added to the rows that
+    picked it, experts in id order. Returns ``[T, d]`` in the compute dtype."""
+    ct = compute_dtype(x)
+    y = torch.zeros(x.shape, dtype=ct, device=x.device)
+    for e in range(n_experts):
+        pick = idx == e
+        tok = torch.where(pick.any(-1))[0]
+        if len(tok):
+            w = torch.where(pick, weights, torch.zeros_like(weights)).sum(-1)   # one nonzero term: exact
+            y = y.index_add(0, tok, expert(e, w)[tok].to(ct))
+    return y
 
 
 def routing_hook(hook):
@@ -201,12 +218,7 @@ class MoE(nn.Module):
         ct = compute_dtype(x)
         y = torch.zeros(x.shape, dtype=ct, device=x.device)
         if _ROW_INVARIANT.current():            # every expert over every row (row_invariant_experts)
-            for e in range(len(self.experts)):
-                pick = idx == e
-                tok = torch.where(pick.any(-1))[0]
-                if len(tok):
-                    w = torch.where(pick, weights, torch.zeros_like(weights)).sum(-1)   # one nonzero term: exact
-                    y.index_add_(0, tok, self.experts[e](x, w)[tok].to(ct))
+            y = row_invariant_mix(x, weights, idx, len(self.experts), lambda e, w: self.experts[e](x, w))
             y = y + self.shared_experts(x).to(ct)
             return y.to(x.dtype).view(shape)
         for e in torch.unique(idx).tolist():
