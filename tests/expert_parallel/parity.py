@@ -15,15 +15,18 @@ import torch.distributed as dist
 SEQS, SEQ_LEN = 4, 140
 
 
-def ep_results(impl: str, official: dict, ep: int, rank: int, dev: torch.device, hardware: str = "cpu") -> dict:
-    """``{"logprobs" [SEQS, S-1] (all ranks'), "loss" (summed over ranks), "grads" (official names, full)}``."""
+def ep_results(impl: str, official: dict, ep: int, rank: int, dev: torch.device, hardware: str = "cpu",
+               dtype: str = "fp32") -> dict:
+    """``{"logprobs" [SEQS, S-1] (all ranks'), "loss" (summed over ranks), "grads" (official names, full)}``,
+    in ``dtype`` (fp32 by default, also on a GPU, whose run default is bf16: the parity bounds are fp32's)."""
     from engine.runtime import ep_group
     from tests.impl_miles._helpers import token_ids
     from tests.thd_impl._common import build, grads_official
 
     ids = token_ids(SEQS, SEQ_LEN, 21).to(dev)
     mine = ids[rank::ep]                                   # [SEQS / ep, S]
-    m = build(impl, official, ep=ep, qkv_format="bshd" if impl == "miles" else "thd", hardware=hardware).to(dev)
+    m = build(impl, official, ep=ep, qkv_format="bshd" if impl == "miles" else "thd", hardware=hardware,
+              dtype=dtype).to(dev)
     n_all = SEQS * (SEQ_LEN - 1)
     if impl == "miles":
         logits = m(mine)[:, :-1]

@@ -9,13 +9,14 @@ from core.config import preset
 TINY = preset("tiny")
 
 
-def run_config(tp: int = 1, hardware: str = "cpu"):
-    """The normalized run configuration of `dsv4 --impl miles --tp TP` (reference kernels; CPU by default)."""
+def run_config(tp: int = 1, hardware: str = "cpu", dtype: str | None = None):
+    """The normalized run configuration of `dsv4 --impl miles --tp TP` (reference kernels; CPU by default;
+    ``dtype`` None: the hardware's default, bf16 on GPUs)."""
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl="miles", tp=tp, hardware=hardware, model=TINY), make_host(third_party=False),
-                     model_name="tiny")
+    return normalize(Choices(impl="miles", tp=tp, hardware=hardware, dtype=dtype, model=TINY),
+                     make_host(third_party=False), model_name="tiny")
 
 
 def single_process_group() -> None:
@@ -59,11 +60,11 @@ def reference_model(official: dict):
     return ref
 
 
-def miles_model(official: dict, tp: int = 1, hardware: str = "cpu"):
+def miles_model(official: dict, tp: int = 1, hardware: str = "cpu", dtype: str | None = None):
     from core.assembly import assemble
     from engine.loading import load_hf_state_dict
 
-    m = assemble(run_config(tp, hardware)).build_model(TINY)
+    m = assemble(run_config(tp, hardware, dtype)).build_model(TINY)
     load_hf_state_dict(m, official.items(), TINY)
     return m
 

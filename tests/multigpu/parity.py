@@ -1,5 +1,6 @@
 """What each side of a multi-GPU parity test computes (the parent at world size 1 on one GPU, the NCCL
-workers at world size 2+): one function per parallel layout, so both sides run the same code."""
+workers at world size 2+): one function per parallel layout, so both sides run the same code. Models are
+built in fp32 (``dtype="fp32"``): a GPU run's default is bf16, and the stated bounds are fp32 ones."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ def tp_results(official: dict, tp: int, dev: torch.device) -> dict:
     """miles at tensor parallel ``tp``: log-probs of two batches (S 37 and 140), then one Adam step."""
     from tests.impl_miles._helpers import miles_model, miles_step, token_ids
 
-    m = miles_model(official, tp=tp, hardware="nvidia").to(dev)
+    m = miles_model(official, tp=tp, hardware="nvidia", dtype="fp32").to(dev)
     with torch.no_grad():
         lps = {S: m.logprobs(token_ids(2, S, 200 + S).to(dev)) for S in (37, 140)}
     loss, grads, after = miles_step(m, token_ids(2, 140, 11).to(dev))
@@ -27,7 +28,7 @@ def cp_results(impl: str, official: dict, cp: int, rank: int, dev: torch.device,
     from tests.thd_impl._common import build, cu_seqlens, grads_official, local_slice, packed_loss, stream
 
     cu, ids = cu_seqlens().to(dev), stream().to(dev)
-    m = build(impl, official, cp=cp, qkv_format="thd", hardware="nvidia",
+    m = build(impl, official, cp=cp, qkv_format="thd", hardware="nvidia", dtype="fp32",
               indexer_coeff=indexer_coeff if impl == "megatron" else None).to(dev)
     group = cp_group_info()[2] if cp > 1 else None
     with torch.no_grad():

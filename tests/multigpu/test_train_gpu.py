@@ -112,6 +112,11 @@ def test_killed_torchrun_run_resumes_on_another_layout(tmp_path):
 
 
 def _write_report():
+    """Merge this process's results into the report file: under pytest-xdist each worker holds only its own."""
     path = os.environ.get("DSV4_TRAIN_GPU_REPORT")
     if path:
-        Path(path).write_text(json.dumps(REPORT, indent=2, sort_keys=True) + "\n")
+        merged = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+        merged.update(REPORT)
+        tmp = Path(f"{path}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)

@@ -36,11 +36,12 @@ def stream(lengths=LENGTHS, total: int | None = STREAM, seed: int = 0) -> torch.
 
 
 def run_config(impl: str, *, tp: int = 1, cp: int = 1, ep: int = 1, qkv_format: str | None = None,
-               hardware: str = "cpu"):
+               hardware: str = "cpu", dtype: str | None = None):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl=impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware, model=TINY),
+    return normalize(Choices(impl=impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware,
+                             dtype=dtype, model=TINY),
                      make_host(third_party=False), model_name="tiny")
 
 
@@ -60,13 +61,13 @@ def saved_official_weights(tmp_path) -> tuple:
 
 
 def build(impl: str, official: dict, *, tp: int = 1, cp: int = 1, ep: int = 1, qkv_format: str | None = None,
-          indexer_coeff: float | None = None, hardware: str = "cpu"):
+          indexer_coeff: float | None = None, hardware: str = "cpu", dtype: str | None = None):
     """A model of ``impl`` with the official-name weights (process already set up by the hardware target;
     built on the CPU, move it to a GPU yourself); ``indexer_coeff``: megatron's ``dsa_indexer_loss_coeff``
     (its indexer KL loss; None = off)."""
     from engine.loading import load_hf_state_dict
 
-    rc = run_config(impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware)
+    rc = run_config(impl, tp=tp, cp=cp, ep=ep, qkv_format=qkv_format, hardware=hardware, dtype=dtype)
     if impl == "miles":
         from core.assembly import assemble
 
