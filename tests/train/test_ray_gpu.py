@@ -52,7 +52,27 @@ def _train(run_dir, *args, env=None):
         full_env.pop(key, None)
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _report(run_dir, args)
     return proc
+
+
+TIMES = ("time_step", "time_rollout", "time_update_weights", "time_train")
+
+
+def _report(run_dir, args) -> None:
+    """``DSV4_RAY_GPU_REPORT=f.json``: each run's per-step times (the docs' 2-GPU table), merged into the file
+    under ``TEST/RUN`` (step 1 holds the start-up compiles and Ray's first placement, so it is kept apart)."""
+    path = os.environ.get("DSV4_RAY_GPU_REPORT")
+    if not path:
+        return
+    rows = _rows(run_dir)
+    later = rows[1:] or rows
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+    entry = {"args": list(args), "steps": len(rows), **{f"step1_{k}": rows[0].get(k) for k in TIMES},
+             **{f"mean_after_step1_{k}": sum(r.get(k) or 0.0 for r in later) / len(later) for k in TIMES}}
+    merged = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    merged[f"{test}/{Path(run_dir).name}"] = entry
+    Path(path).write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
 
 
 def _rows(run_dir):
