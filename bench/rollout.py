@@ -6,8 +6,8 @@
                             [--prefill-tokens 16384] [--repeats 1] [--out FILE.json]
 
 ``--model bench`` is the training benchmark's small config (``bench.train_step.bench_config``); the others are
-``core.config`` presets. Random weights (``init_weights``, seeded) are loaded through the engine's
-weight-update calls; transformers' ``DeepseekV4ForCausalLM`` gets the same tensors through
+``core.config`` presets. Random weights (``init_weights``, seeded; on a GPU drawn there, so their values
+differ from a CPU run's) are loaded through the engine's weight-update calls; transformers' ``DeepseekV4ForCausalLM`` gets the same tensors through
 ``tests.reference.hf_mapping.official_to_hf``. For each batch size ``B`` (sequences decoded together): ``B``
 random prompts of ``--prompt-len`` tokens (one sample each), temperature 1, top-p 0.95, no stop token, so
 every sequence generates ``--new-tokens`` tokens. Rows (``--rows``):
@@ -112,7 +112,7 @@ def _engine(config, device, dtype, seed, **kw):
     from train.engines import ReferenceEngine
 
     engine = ReferenceEngine(config, dtype=dtype, device=device, **kw)
-    init_weights(engine.model, seed)
+    init_weights(engine.model, seed, draw_on_device=True)   # on a GPU: drawn there (seconds, not minutes)
     engine.begin_update(1)              # the weight-update path, with the engine's own tensors
     engine.load_bucket([(n, t.clone()) for n, t in engine.model.state_dict().items()])
     engine.finish_update()
@@ -129,20 +129,27 @@ def _ops(config, device, kernel_backend: str):
     return assemble(bench_run_config("miles", config, hardware=hardware, kernels=kernel_backend)).ops
 
 
-def _transformers_generate(config, weights, device, dtype):
-    """``(generate(ids, new_tokens) -> [B, new_tokens] ids, note)``, or raises with the reason it cannot run."""
+def _transformers_model(config, weights, device, dtype):
+    """``(DeepseekV4ForCausalLM holding `weights`, note)``, or raises with the reason it cannot run."""
     import transformers
     from transformers import DeepseekV4ForCausalLM
+    from transformers.initialization import no_init_weights
 
     from tests.reference.hf_mapping import hf_config_from, official_to_hf
 
-    m = DeepseekV4ForCausalLM._from_config(hf_config_from(config), attn_implementation="eager", dtype=dtype)
+    with no_init_weights():     # every parameter is loaded below (checked): no random init to throw away
+        m = DeepseekV4ForCausalLM._from_config(hf_config_from(config), attn_implementation="eager", dtype=dtype)
     missing, unexpected = m.load_state_dict(official_to_hf(weights), strict=False)
     params = {n for n, _ in m.named_parameters()}
     if unexpected or params & set(missing):
         raise RuntimeError(f"weights do not map onto transformers' model: missing {sorted(params & set(missing))[:4]}, "
                            f"unexpected {unexpected[:4]}")
-    m = m.to(device).eval()
+    return m.to(device).eval(), f"transformers {transformers.__version__}, attn eager, cache on"
+
+
+def _transformers_generate(config, weights, device, dtype):
+    """``(generate(ids, new_tokens) -> [B, new_tokens] ids, note)``, or raises with the reason it cannot run."""
+    m, note = _transformers_model(config, weights, device, dtype)
 
     @torch.no_grad()
     def generate(ids, new_tokens):
@@ -151,7 +158,7 @@ def _transformers_generate(config, weights, device, dtype):
                          use_cache=True, pad_token_id=0)
         return out[:, ids.shape[1]:]
 
-    return generate, f"transformers {transformers.__version__}, attn eager, cache on"
+    return generate, note
 
 
 def _row(name, B, P, T, t_pre, t_full, generated, extra):

@@ -56,3 +56,27 @@ def test_the_compile_flag_reaches_the_engine(monkeypatch):
         with pytest.raises(Stop):
             rollout.main(["--device", "cpu", "--rows", "cached", "--compile", flag])
     assert seen == [True, False]
+
+
+def test_the_transformers_row_loads_every_weight_without_a_random_init():
+    """The transformers row builds its model under ``no_init_weights`` (the Flash-shaped preset's random init
+    took minutes of one CPU core) and loads the engine's weights into every parameter: its greedy tokens are
+    the engine's (top-k 1), which an unloaded parameter holding uninitialised memory would change."""
+    import torch
+
+    from bench import rollout
+    from train.engines import SamplingParams
+
+    config = rollout.model_config("tiny")
+    engine = rollout._engine(config, torch.device("cpu"), torch.float32, 0, kv_cache=True)
+    weights = {n: t.detach().clone() for n, t in engine.model.state_dict().items()}
+    model, note = rollout._transformers_model(config, weights, torch.device("cpu"), torch.float32)
+    assert note.startswith("transformers ")
+    prompt = list(range(5, 17))
+    greedy = SamplingParams(top_k=1, max_new_tokens=4, stop_token_ids=())
+    ours = engine.generate([prompt], greedy, n=1, seed=0)[0][0].response_ids
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                min_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)[0, 12:]
+    assert theirs.tolist() == list(ours)

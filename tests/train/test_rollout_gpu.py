@@ -327,3 +327,21 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
             same = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y), None)
             upto = len(a.response_ids) if same is None else same + 1
             assert (a.logprobs[:upto] - b.logprobs[:upto]).abs().max() <= 5e-2
+
+
+def test_weights_drawn_on_the_gpu_are_seeded_by_name():
+    """``init_weights(..., draw_on_device=True)`` (bench.rollout's init on a GPU): the same seed gives the same
+    values, another seed other ones, and the draws have the stated std (norm weights stay 1)."""
+    from kernels.reference.model import DeepseekV4Model, init_weights
+
+    def drawn(seed):
+        m = DeepseekV4Model(CFG, device="cuda")
+        init_weights(m, seed, draw_on_device=True)
+        return m.state_dict()
+
+    a, b, c = drawn(0), drawn(0), drawn(1)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    name = next(n for n in a if n.endswith("wq_a.weight"))
+    assert not torch.equal(a[name], c[name])
+    assert abs(a[name].float().std().item() - 0.02) < 2e-3
+    assert all(torch.all(t == 1) for n, t in a.items() if n.endswith("norm.weight"))
