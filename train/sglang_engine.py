@@ -8,7 +8,9 @@ Two modes (``dsv4 train --rollout-engine sglang``; docs/training.md, "Rollout en
   --port P --tp-size N --trust-remote-code --skip-tokenizer-init --enable-return-routed-experts ...``
   (:func:`server_command`) in its own process group, its output in ``RUN_DIR/sglang_server.log``. It polls
   ``GET /health`` until the server answers 200 (a progress line every 30 s, at most
-  ``sglang_startup_timeout_s``) and stops the whole group when the run ends, fails, or the start fails.
+  ``sglang_startup_timeout_s``) and stops the whole group when the run ends, fails, or the start fails. The
+  group's leader is a small watchdog (:mod:`train.sglang_guard`) that starts the server and stops the group
+  when the engine's process dies without stopping it (SIGKILL, OOM): a killed owner takes its server down.
 * **connect** (``--rollout-url http://HOST:PORT``): the server runs elsewhere, so any ``--hardware`` may
   use it. At start the engine asks ``GET /health`` once (an unreachable URL is a one-line error naming the
   URL and the fix) and, when the server reports it (``GET /get_server_info``), checks its ``tp_size``
@@ -36,9 +38,10 @@ Then, either way (SGLang's native HTTP API):
 * spot checks: ``POST /get_weights_by_name`` (``name``, ``truncate_size``).
 
 SGLang cannot run on the project's machines (no GPU there, no sglang package). The tests
-(tests/train/test_sglang_adapter.py, tests/train/test_sglang_training.py) run this module against fake
-HTTP servers on 127.0.0.1 - the request and answer formats above are SGLang's as documented and read from
-its source, not checked against a real server.
+(tests/train/test_sglang_adapter.py, tests/train/test_sglang_training.py, tests/train/test_sglang_launch.py)
+run this module against fake HTTP servers on 127.0.0.1, launch mode included (a fake ``sglang.launch_server``
+first on the server's ``PYTHONPATH``) - the request and answer formats above are SGLang's as documented and
+read from its source, not checked against a real server.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ WEIGHTS_DIR = "sglang_weights"      # sglang_weight_sync=disk: the weights of th
 SERVER_LOG = "sglang_server.log"    # launch mode: the server's output
 WEIGHT_SYNC = {"tensors": "tensor", "disk": "disk"}    # the setting -> the record's weight_update names
 SERIALIZER_ENV = "DSV4_SGLANG_SERIALIZER"    # tests: "torch-b64" selects the fake server's format
+GUARD = str(Path(__file__).with_name("sglang_guard.py"))   # launch mode: the server's watchdog (run by path)
 START_COMMAND = ("python -m sglang.launch_server --model-path HF_CHECKPOINT --port PORT --trust-remote-code "
                  "--skip-tokenizer-init --enable-return-routed-experts")
 
@@ -191,9 +195,20 @@ def _exit_status(proc: subprocess.Popen) -> Optional[int]:
     return None if info is None else info.si_status
 
 
+def guarded_command(cmd: Sequence[str]) -> List[str]:
+    """``cmd`` run under :mod:`train.sglang_guard` for this process: the server stops when this process dies.
+    The guard asks for Linux's parent-death signal only when called from the main thread (the signal follows
+    the thread that forks, and the main thread lives as long as the process); from any other thread it relies
+    on polling its parent alone."""
+    import threading
+
+    pdeathsig = threading.current_thread() is threading.main_thread()
+    return [sys.executable, "-I", GUARD, str(os.getpid()), "1" if pdeathsig else "0", "--", *cmd]
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)   # the server is its group's leader (start_new_session)
+        os.killpg(proc.pid, sig)   # the guard is its group's leader (start_new_session), the server in it
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -224,14 +239,18 @@ class SGLangEngine(RolloutEngineBase):
 
     # -- process -----------------------------------------------------------
     def start(self) -> None:
-        """Launch mode: start the server in its own process group and wait for it; a failed start stops it."""
+        """Launch mode: start the server in its own process group and wait for it; a failed start stops it.
+
+        The group's leader is :mod:`train.sglang_guard` (:func:`guarded_command`), which starts the server and
+        stops the group when this process dies without calling :meth:`shutdown` (a SIGKILLed Ray engine actor):
+        a server in a session of its own would otherwise outlive its owner."""
         cmd = server_command(self.server)
         log.info(f"sglang: starting {shlex.join(cmd)}" + (f" (output: {self.log_file})" if self.log_file else ""))
         if self.log_file:
             self._log_handle = open(self.log_file, "ab")
         out = self._log_handle
         try:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+            self.proc = subprocess.Popen(guarded_command(cmd), stdout=out, stderr=subprocess.STDOUT if out else None,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
             self.wait_ready()
         except BaseException:
@@ -296,8 +315,9 @@ class SGLangEngine(RolloutEngineBase):
 
     def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop a server this engine started: SIGTERM to its process group, SIGKILL to what is left of the
-        group after ``grace_s`` or once the server itself has exited (SGLang's worker processes). The server
-        is reaped last, so its group id cannot have been reused. A connected server is left running."""
+        group after ``grace_s`` or once the group's leader (the guard, which exits with the server) has exited
+        (SGLang's worker processes). The leader is reaped last, so its group id cannot have been reused. A
+        connected server is left running."""
         proc, self.proc = self.proc, None
         if proc is not None:
             if proc.returncode is None:

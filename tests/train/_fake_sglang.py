@@ -257,12 +257,21 @@ if __name__ == "__main__":
 
 
 def process_gone(pid: int, within_s: float = 10.0) -> bool:
-    """True once process ``pid`` has exited (within ``within_s`` seconds): a started server was stopped."""
+    """True once process ``pid`` has exited (within ``within_s`` seconds): a started server was stopped. A zombie
+    has exited (it holds no port, no memory): an orphan waits for the machine's init to reap it, which can take
+    a second or more in a container."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    while True:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.1)
-    return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (FileNotFoundError, IndexError):
+            pass                           # no /proc (not Linux), or gone since
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

@@ -158,11 +158,13 @@ def _launch_run(tmp_path, **overrides):
 
 def test_train_starts_a_server_on_the_exported_weights_syncs_through_disk_and_stops_it(tmp_path, monkeypatch):
     state_file = install_fake_launcher(tmp_path, monkeypatch)
-    run, result = _launch_run(tmp_path, sglang_server_args="--fake-health-delay 1")
+    port = free_port()
+    run, result = _launch_run(tmp_path, sglang_server_args="--fake-health-delay 1", sglang_port=port)
     state = json.loads(state_file.read_text())
     info = state["info"]
-    assert info["model_path"] == str(run / "sglang_init")
-    assert "--skip-tokenizer-init" in info["argv"] and "--enable-return-routed-experts" in info["argv"]
+    assert info["argv"] == ["--model-path", str(run / "sglang_init"), "--host", "127.0.0.1", "--port", str(port),
+                            "--tp-size", "1", "--trust-remote-code", "--skip-tokenizer-init",
+                            "--enable-return-routed-experts", "--fake-health-delay", "1"]      # the exact command
     init = _shapes(run / "sglang_init")                 # the starting weights, in the run's publish format
     assert [v["how"] for v in state["versions"]] == [f"disk:{run / 'sglang_weights'}"] * 2
     assert all(v["shapes"] == init for v in state["versions"])
