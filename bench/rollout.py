@@ -174,10 +174,12 @@ def _row(name, B, P, T, t_pre, t_full, generated, extra):
 def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
               cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none",
-              compile=False) -> dict:
+              compile=False, on_row=None) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
     the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
-    ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name)."""
+    ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name). ``on_row``: called
+    with the result so far after every row (``main`` writes it, so a run stopped by a time limit keeps the rows
+    it measured)."""
     from train.engines import SamplingParams
 
     config = model_config(model)
@@ -187,6 +189,22 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
     one = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=1, stop_token_ids=())
     hbm = hbm or (HBM_BYTES_PER_S.get(_short_machine(dev)) if dev.type == "cuda" else None)
     out_rows, weights, wbytes = [], None, None
+
+    def result() -> dict:
+        base = {r["batch"]: r for r in out_rows if r["engine"] == "transformers" and "skipped" not in r}
+        for r in out_rows:
+            if r["engine"] == "cached" and r.get("batch") in base:
+                r["speedup_vs_transformers"] = round(r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"], 2)
+        return dict(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=_machine(dev),
+                    model=model, device=str(dev), dtype=dtype, batch=list(batch), prompt_len=list(prompt_len),
+                    new_tokens=new_tokens, kernel_backend=kernel_backend, hbm_bytes_per_s=hbm,
+                    weight_bytes_per_token=wbytes, rows=out_rows)
+
+    def add(row: dict) -> None:
+        out_rows.append(row)
+        if on_row is not None:
+            on_row(result())
+
     for name in rows:
         if name == "transformers":
             try:
@@ -194,7 +212,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                                                                                seed).model.state_dict(),
                                                    dev, DTYPES[dtype])
             except Exception as e:          # recorded in the row: the table says why there is no number
-                out_rows.append(dict(engine=name, skipped=f"{type(e).__name__}: {e}"[:300]))
+                add(dict(engine=name, skipped=f"{type(e).__name__}: {e}"[:300]))
                 continue
         else:
             kw = dict(kv_cache=name == "cached", ops=_ops(config, dev, kernel_backend))
@@ -234,7 +252,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                     if reserve_s is not None:             # slots, graph captures and compiles of this batch
                         extra["reserve_s"] = round(reserve_s, 2)
             except torch.cuda.OutOfMemoryError as e:
-                out_rows.append(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
+                add(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
                 continue
             row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
@@ -243,15 +261,9 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 row["hbm_share"] = round(wbytes / (row["decode_step_ms"] / 1e3) / hbm, 4)
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
-            out_rows.append(row)
+            add(row)
         engine = gen = None
-    base = {r["batch"]: r for r in out_rows if r["engine"] == "transformers" and "skipped" not in r}
-    for r in out_rows:
-        if r["engine"] == "cached" and r.get("batch") in base:
-            r["speedup_vs_transformers"] = round(r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"], 2)
-    return dict(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=_machine(dev),
-                model=model, device=str(dev), dtype=dtype, batch=list(batch), prompt_len=list(prompt_len),
-                new_tokens=new_tokens, kernel_backend=kernel_backend, hbm_bytes_per_s=hbm, weight_bytes_per_token=wbytes, rows=out_rows)
+    return result()
 
 
 def format_table(result: dict) -> str:
@@ -302,15 +314,27 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
     dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
     graphs = None if a.cuda_graphs is None else a.cuda_graphs == "on"
-    result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
-                       prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
-                       rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
-                       kernel_backend=a.kernel_backend, compile=a.compile == "on")
-    print(format_table(result))
     machine = _short_machine(torch.device(a.device))
     out = a.out or Path(__file__).parent / "results" / f"rollout-{machine}{'' if a.model == 'tiny' else '-' + a.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def write(result: dict) -> None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)
+
+    def row_done(result: dict) -> None:
+        write(result)
+        last = result["rows"][-1]
+        print(f"{last['engine']} batch {last.get('batch')}: "
+              f"{last.get('skipped') or str(last.get('tokens_per_s')) + ' tokens/s'} (in {out})", flush=True)
+
+    result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
+                       prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
+                       rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
+                       kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=row_done)
+    print(format_table(result))
+    write(result)
     print(f"wrote {out}")
     return 0
 

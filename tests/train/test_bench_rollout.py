@@ -80,3 +80,31 @@ def test_the_transformers_row_loads_every_weight_without_a_random_init():
         theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
                                 min_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)[0, 12:]
     assert theirs.tolist() == list(ours)
+
+
+def test_each_row_is_written_as_it_is_measured(tmp_path, monkeypatch):
+    """A run stopped by a time limit keeps what it measured: the JSON holds every finished row (here the
+    process is 'stopped' as the second row starts)."""
+    import json
+
+    from bench import rollout
+
+    class Stop(Exception):
+        pass
+
+    real = rollout._engine
+    calls = []
+
+    def engine(*args, **kw):
+        calls.append(kw.get("kv_cache"))
+        if len(calls) == 2:
+            raise Stop
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rollout, "_engine", engine)
+    out = tmp_path / "r.json"
+    with pytest.raises(Stop):
+        rollout.main(["--device", "cpu", "--model", "tiny", "--rows", "cached,uncached", "--batch", "1", "2",
+                      "--prompt-len", "8", "--new-tokens", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [("cached", 1), ("cached", 2)]
