@@ -21,9 +21,12 @@ names are checked from the DCP metadata before any tensor is read. Routed expert
 stored in Megatron-Bridge's ``mlp.experts.local_experts.E.linear_fc{1,2}.weight``
 form load under the contract's ``linear_fc{1,2}.weightE``.
 
-Tensors are stored under their full shapes as DCP chunks: :func:`save_native` writes one chunk per tensor
-from one process; :func:`save_native_pieces` lets every rank of a run write the boxes it holds
+Tensors are stored under their full shapes as DCP chunks: :func:`save_native` writes them from one process,
+a tensor that tensor parallelism splits as equal chunks along its split dimension (``core.tp_layout``: a
+stored chunk is the unit of reading, so a rank at ``--tp`` 2, 4 or 8 then reads only its slice), every other
+tensor as one chunk; :func:`save_native_pieces` lets every rank of a run write the boxes it holds
 (``core.dcp_shards``), and :func:`load_native_pieces` reads a rank's boxes, only the chunks that overlap them.
+Checkpoints written with one chunk per tensor (before the chunked layout) load the same way.
 
 Safety: DCP stores tensors in its own format and reads them with
 ``torch.load(weights_only=True)``; its ``.metadata`` file is a pickle, which
@@ -235,6 +238,19 @@ def _architecture(config) -> dict:
     return config.replace(expert_dtype=None, quantization_config=None).to_hf_dict()
 
 
+def _tp_chunked(state: Mapping[str, torch.Tensor]):
+    """``{name: (shape, [(offsets, view)])}``: each tensor as the chunks :func:`core.tp_layout.tp_chunk_boxes`
+    cuts it into (views of it), for :func:`core.dcp_shards.save_pieces` to store one DCP chunk each."""
+    from core.tp_layout import tp_chunk_boxes
+
+    out = {}
+    for name, t in state.items():
+        boxes = tp_chunk_boxes(name, t.shape)
+        out[name] = (tuple(t.shape), [(off, t[tuple(slice(o, o + n) for o, n in zip(off, sizes))])
+                                      for off, sizes in boxes])
+    return out
+
+
 def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: str, config,
                 overwrite: bool = False, complete: bool = True) -> Path:
     """Write ``native_state_dict`` as a native checkpoint at ``path`` (atomic).
@@ -242,7 +258,9 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
     Every name must be a contract name of ``config`` with the contract shape
     (``complete``: and every contract tensor must be present). ``impl`` names
     the implementation that wrote it; it is recorded, not required to match
-    on load. Tensors are saved as held (dtype included).
+    on load. Tensors are saved as held (dtype included). A tensor that tensor parallelism splits is stored as
+    equal DCP chunks along its split dimension (:func:`core.tp_layout.tp_chunk_boxes`), so a tensor-parallel
+    rank loading it reads only its slice; any DCP reader still reads the folder whole.
     """
     impl = _check_impl(impl)
     out = Path(path).absolute()
@@ -264,15 +282,14 @@ def save_native(path, native_state_dict: Mapping[str, torch.Tensor], *, impl: st
             raise NativeCheckpointError(f"tensor {name!r}: dtype {t.dtype} does not match the contract ({dt})")
         state[name] = t.detach().contiguous()
 
-    import torch.distributed.checkpoint as dcp
+    from core.dcp_shards import save_pieces
 
     out.parent.mkdir(parents=True, exist_ok=True)
     from core.stale_temps import remove_stale
 
     remove_stale(out.parent)  # temporaries of writers killed earlier
     with atomic_folder(out) as tmp:
-        with _quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+        save_pieces(tmp, _tp_chunked(state), distributed=False)
         meta = {
             "format": FORMAT,
             "contract_version": wc.CONTRACT_VERSION,

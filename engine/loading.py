@@ -18,8 +18,8 @@ from .expert_parallel import expert_banks, expert_name
 from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
 from .tp import full_shape, gather_tensor, shard_tensor, tp_pieces, tp_spec
 
-__all__ = ["native_tensors", "load_native_tensors", "load_hf_checkpoint", "load_hf_tensors", "load_hf_state_dict",
-           "full_native_state", "full_native_grads", "with_every_expert", "held_official_names"]
+__all__ = ["native_tensors", "load_native_tensors", "load_native_slices", "load_hf_checkpoint", "load_hf_tensors",
+           "load_hf_state_dict", "full_native_state", "full_native_grads", "with_every_expert", "held_official_names"]
 
 
 def native_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -195,6 +195,22 @@ def iter_native_state(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     yield from full_native_state(model).items()
 
 
+@torch.no_grad()
+def load_native_slices(model: nn.Module, checkpoint, config) -> dict:
+    """Read this rank's share of a native checkpoint straight into ``model``'s tensors: its tensor-parallel
+    slices (``engine.tp.tp_pieces``: where they lie in the full tensors) and, under expert parallelism, its
+    experts. Only the stored chunks overlapping them are read (``core.native_checkpoint.load_native_pieces``),
+    so from a ``dsv4 convert`` checkpoint (split tensors stored as chunks along their split dim,
+    ``core.tp_layout``) a tensor-parallel rank reads its slices alone; from a one-chunk-per-tensor one, the
+    whole tensors it slices, as before. Returns the checkpoint's metadata."""
+    from core.native_checkpoint import load_native_pieces
+
+    rank, world = tp_rank(), tp_world()
+    wanted = {n: tp_pieces(t.data.view(-1), tuple(t.shape), 0, tp_spec(t), rank, world)
+              for n, t in native_tensors(model).items()}
+    return load_native_pieces(checkpoint, wanted, config=config)
+
+
 def load_weights(model: nn.Module, checkpoint, config) -> None:
     """``checkpoint`` into ``model``: a native checkpoint (``dsv4 convert``, recognized by its metadata; one
     written under pre-contract names is refused), a megatron-core torch_dist one (upstream names,
@@ -203,11 +219,10 @@ def load_weights(model: nn.Module, checkpoint, config) -> None:
     (``core.finite.check_written``: a model built with ``initialize=False`` starts NaN)."""
     from converters.torch_dist import is_torch_dist_checkpoint, load_torch_dist
     from core.finite import check_written
-    from core.native_checkpoint import is_native_checkpoint, load_native
+    from core.native_checkpoint import is_native_checkpoint
 
     if is_native_checkpoint(checkpoint):
-        state, _meta = load_native(checkpoint, config=config, names=native_tensors(model))  # this rank's tensors
-        load_native_tensors(model, state.items())
+        load_native_slices(model, checkpoint, config)
     elif is_torch_dist_checkpoint(checkpoint):
         state, _config = load_torch_dist(checkpoint, config)
         load_native_tensors(model, state.items())

@@ -238,6 +238,13 @@ def _resolve_model_config(run_config, model_source):
     raise ValueError("run_training needs a model: a checkpoint folder, a preset name or a ModelConfig")
 
 
+def _resumes(run_dir: Path, resume: bool) -> bool:
+    """Whether this run continues from a checkpoint in ``run_dir`` (``--resume`` and one exists), decided before
+    the model is built so that it is built without random init: :func:`train.checkpointing.load_checkpoint`
+    then writes every weight (and checks it did). Every rank decides alike (the run folder is shared)."""
+    return bool(resume) and latest_checkpoint(run_dir) is not None
+
+
 def _pad_batch(seqs: List[List[int]], pad: int, length: Optional[int] = None) -> torch.Tensor:
     """Rows padded with ``pad`` to the longest sequence, or to ``length`` (``pad_to_length``)."""
     L = max(len(s) for s in seqs)
@@ -265,8 +272,10 @@ class _Run:
         torch.manual_seed(cfg.seed)
         # the run's dtype (--dtype); the reference loop of tests without a run config trains in fp32
         self.dtype = run_config.torch_dtype if run_config is not None else torch.float32
-        # with a model source, no random init: the load overwrites every weight (and is checked to)
-        loads = self.ckpt_source is not None
+        # no random init when a load overwrites every weight (and is checked to): a model source, or the run's
+        # own checkpoint that --resume continues from (the init of a large model takes minutes, all overwritten)
+        self._resume_fills = self.ckpt_source is None and _resumes(self.run_dir, resume)
+        loads = self.ckpt_source is not None or self._resume_fills
         self.model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
                                        dtype=self.dtype, seed=cfg.seed,
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
@@ -340,6 +349,11 @@ class _Run:
     def _write_or_check_config(self, resume: bool, model_source) -> None:
         """Rank 0 writes / checks the run folder; every other rank loads the same checkpoint (its share)."""
         self._write_or_check_run_folder(resume, model_source)
+        if self._resume_fills and self.start_step == 0:
+            # built without init for a checkpoint that was then not loaded (the run folder changed meanwhile)
+            from core.finite import check_written
+
+            check_written(self.model, source=f"no checkpoint of {self.run_dir}")
         self._keep_reference_policy()
 
     def _keep_reference_policy(self) -> None:
@@ -350,7 +364,10 @@ class _Run:
             return
         path = self.run_dir / REF_MODEL_FILE
         if self.start_step > 0:
+            from core.finite import check_written
+
             self.ref_model.load_native_state(state_io.load_tensors(path))
+            check_written(self.ref_model, source=f"the run's reference policy {path}")   # built without init
             return
         view = full_view(self.ref_model, self.dist)
         if self.dist.is_main:

@@ -84,3 +84,21 @@ def test_pack_stream_pads_for_cp():
     assert kept == [0, None, 1]
     assert ids.numel() % 256 == 0 and ids.numel() // 2 >= 128
     assert cu.tolist()[:3] == [0, 3, 203] and cu.tolist()[-1] == ids.numel()
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2), dict(ep=2)])
+def test_a_native_checkpoint_scores_like_its_hf_source(case, tmp_path, sizes):
+    """``dsv4 logprobs --checkpoint NATIVE`` over two ranks (``engine.loading.load_weights``: each rank reads
+    its tensor-parallel slices, or its experts, from the stored chunks): the HF checkpoint's scores."""
+    import torch
+
+    from core.checkpoint import open_checkpoint
+    from core.native_checkpoint import save_native
+    from core.weight_contract import hf_to_native
+    from launchers.scoring import score_packed
+
+    ckpt, seqs, want = case
+    reader = open_checkpoint(ckpt)
+    native = save_native(tmp_path / "native", dict(hf_to_native(reader.iter_tensors(
+        dequantize=True, dtype=torch.bfloat16, progress=False), TINY)), impl="miles", config=TINY)
+    _close(score_packed(native, seqs, _run("miles", native, **sizes)), want)

@@ -4,12 +4,14 @@
 random numbers and starts every floating weight as NaN; each load path then writes every weight. Checked
 here for both implementations and the reference training model, against a model built WITH init and loaded
 the same way (the independent reference: the load must leave the two bitwise equal), and the refusal of a
-load that leaves a weight unwritten (the NaN start is caught by ``core.finite.check_written``, naming it)."""
+load that leaves a weight unwritten (the NaN start is caught by ``core.finite.check_written``, naming it).
+``dsv4 train --resume`` without ``--model`` builds without init too (the run's checkpoint fills the model):
+the resumed run's metrics equal an uninterrupted run's."""
 
 import pytest
 import torch
 
-from ._impl_helpers import run_config, small_config
+from ._impl_helpers import run_config, small_config, write_data
 
 IMPLS = ("miles", "megatron", "reference")
 
@@ -114,3 +116,41 @@ def test_a_checkpoint_without_a_tensor_is_refused(checkpoints, tmp_path):
     for impl in IMPLS:
         with pytest.raises(CheckpointError, match=rf"{gone.replace('.', '[.]')}.*missing tensor"):
             load_model_source(_build(impl, small_config(), False), ck)
+
+
+@pytest.mark.parametrize("mode", ("sft", "grpo"))
+def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch):
+    """``dsv4 train --resume`` without ``--model`` (the model from a config): the run's checkpoint fills every
+    weight, so the model (and GRPO's KL reference, read back from the run folder) is built without random
+    init, and the resumed run's metrics equal those of a run that was not interrupted. The first run of a
+    folder, and a --resume that finds no checkpoint, still draw the init."""
+    import train.trainer as trainer
+    from train.checkpointing import latest_checkpoint
+    from train.metrics import read_metrics
+
+    from .test_resume import _strip
+
+    c = small_config()
+    rc = run_config("miles", c)
+    kw = dict(mode=mode, batch_size=2, lr=1e-3, save_every=1, export_at_end=False, progress=False)
+    if mode == "grpo":
+        kw.update(data=write_data(tmp_path / "data.jsonl"), max_new_tokens=3, prompts_per_step=2,
+                  group_size=2, kl_coef=0.1)
+    built = []
+    real = trainer.build_train_model
+
+    def recording(*a, **k):
+        built.append(k["initialize"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(trainer, "build_train_model", recording)
+    trainer.run_training(rc, c, steps=3, run_dir=tmp_path / "straight", **kw)
+    per_run = len(built)                                       # the model, and GRPO's KL reference
+    assert per_run == (2 if mode == "grpo" else 1)
+    trainer.run_training(rc, c, steps=2, run_dir=tmp_path / "run", resume=True, **kw)   # nothing to resume
+    assert built == [True] * 2 * per_run and latest_checkpoint(tmp_path / "run")[0] == 2
+    trainer.run_training(rc, c, steps=3, run_dir=tmp_path / "run", resume=True, **kw)
+    assert built[2 * per_run:] == [False] * per_run, built
+    got, want = _strip(read_metrics(tmp_path / "run")), _strip(read_metrics(tmp_path / "straight"))
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got == want

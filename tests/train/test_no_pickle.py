@@ -107,7 +107,7 @@ def test_optimizer_and_rng_state_round_trip(tmp_path):
 
 
 def test_a_checkpoint_of_the_previous_format_resumes(tmp_path):
-    """dsv4-optim-full-v1 checkpoints (whole tensors, written by rank 0 with save_native / save_tensor_folder)
+    """dsv4-optim-full-v1 checkpoints (whole tensors, written by rank 0 alone with save_native / save_tensor_folder)
     load through the piece reader and continue like the uninterrupted run; an unknown format is refused."""
     import json
     import shutil
