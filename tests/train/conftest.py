@@ -1,5 +1,6 @@
 """Fixtures of the training tests."""
 
+import os
 import shutil
 import tempfile
 
@@ -30,6 +31,11 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     folder = tempfile.mkdtemp(prefix="dsv4ray", dir="/tmp")
+    # The head also records its address in Ray's default folder (/tmp/ray/ray_current_cluster), which only a
+    # node started there creates: on a fresh machine where no Ray ran yet the write fails (seen in CI).
+    from ray._common.utils import get_default_ray_temp_dir
+
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     node = dict(num_cpus=2, object_store_memory=256 << 20)
     nodes = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False, temp_dir=folder))
     try:

@@ -128,7 +128,7 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
     from train.checkpointing import latest_checkpoint
     from train.metrics import read_metrics
 
-    from .test_resume import _strip
+    from ._metrics import without_timing
 
     c = small_config()
     rc = run_config("miles", c)
@@ -151,6 +151,6 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
     assert built == [True] * 2 * per_run and latest_checkpoint(tmp_path / "run")[0] == 2
     trainer.run_training(rc, c, steps=3, run_dir=tmp_path / "run", resume=True, **kw)
     assert built[2 * per_run:] == [False] * per_run, built
-    got, want = _strip(read_metrics(tmp_path / "run")), _strip(read_metrics(tmp_path / "straight"))
+    got, want = without_timing(read_metrics(tmp_path / "run")), without_timing(read_metrics(tmp_path / "straight"))
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got == want

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
+from ._metrics import without_timing
+
 IMPLS = ("miles", "megatron")
 
 CFG = dict(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
 KW = dict(max_new_tokens=3, prompts_per_step=2, group_size=3, save_every=2, lr=1e-3, export_at_end=False)
-TIMING = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
-          "wall_time", "time_rollout_wait", "at_next_rollout_issued", "at_train_end")
 SCRIPT = """
 import sys
 import torch
@@ -47,10 +47,6 @@ def _run(impl, run_dir, data, steps, resume, kill_at=None, **kw):
                           text=True, timeout=300)
 
 
-def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_kill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, impl):
     from train.checkpointing import latest_checkpoint
@@ -69,7 +65,7 @@ def test_kill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, im
     p = _run(impl, run, data, 4, True)
     assert p.returncode == 0, p.stderr[-3000:]
 
-    got, want = _strip(read_metrics(run)), _strip(read_metrics(ref))
+    got, want = without_timing(read_metrics(run)), without_timing(read_metrics(ref))
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert got == want
     assert latest_checkpoint(run)[0] == 4
