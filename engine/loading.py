@@ -196,8 +196,9 @@ def iter_native_state(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_native_slices(model: nn.Module, checkpoint, config) -> dict:
-    """Read this rank's share of a native checkpoint straight into ``model``'s tensors: its tensor-parallel
+def load_native_slices(named: Iterable[Tuple[str, torch.Tensor]], checkpoint, config) -> dict:
+    """Read this rank's share of a native checkpoint straight into the ``(contract name, tensor)`` pairs it
+    holds (a module's :func:`native_tensors`; a training model's ``native_tensors()``): their tensor-parallel
     slices (``engine.tp.tp_pieces``: where they lie in the full tensors) and, under expert parallelism, its
     experts. Only the stored chunks overlapping them are read (``core.native_checkpoint.load_native_pieces``),
     so from a ``dsv4 convert`` checkpoint (split tensors stored as chunks along their split dim,
@@ -206,8 +207,7 @@ def load_native_slices(model: nn.Module, checkpoint, config) -> dict:
     from core.native_checkpoint import load_native_pieces
 
     rank, world = tp_rank(), tp_world()
-    wanted = {n: tp_pieces(t.data.view(-1), tuple(t.shape), 0, tp_spec(t), rank, world)
-              for n, t in native_tensors(model).items()}
+    wanted = {n: tp_pieces(t.data.view(-1), tuple(t.shape), 0, tp_spec(t), rank, world) for n, t in named}
     return load_native_pieces(checkpoint, wanted, config=config)
 
 
@@ -222,7 +222,7 @@ def load_weights(model: nn.Module, checkpoint, config) -> None:
     from core.native_checkpoint import is_native_checkpoint
 
     if is_native_checkpoint(checkpoint):
-        load_native_slices(model, checkpoint, config)
+        load_native_slices(native_tensors(model).items(), checkpoint, config)
     elif is_torch_dist_checkpoint(checkpoint):
         state, _config = load_torch_dist(checkpoint, config)
         load_native_tensors(model, state.items())

@@ -497,11 +497,11 @@ class ImplTrainModel(_TrainModelBase):
         """The contract tensors this rank holds (under expert parallelism: its experts): what it reads."""
         return {n for n, _ in self.native_tensors()}
 
-    def native_shards(self, *, data: bool = False):
+    def native_shards(self):
         """``{contract name: (full shape, [(full offsets, view)])}``: where this rank's tensors lie in the full
-        ones (tensor-parallel slices; its experts, whole), for checkpoints written and read piece by piece
-        (``core.dcp_shards``). The views share the tensors' memory (``data``: of ``.data``, to be written
-        into when loading)."""
+        ones (tensor-parallel slices; its experts, whole), for checkpoints written piece by piece
+        (``core.dcp_shards``; :meth:`load_native_shards` reads them back). The views share the tensors'
+        memory."""
         from engine.runtime import tp_rank, tp_world
         from engine.tp import full_shape, tp_pieces, tp_spec
 
@@ -509,7 +509,7 @@ class ImplTrainModel(_TrainModelBase):
         out = {}
         for n, t in self.native_tensors():
             spec = tp_spec(t)
-            flat = (t.data if data else t.detach()).view(-1)
+            flat = t.detach().view(-1)
             out[n] = (full_shape(t.shape, spec, world), tp_pieces(flat, tuple(t.shape), 0, spec, rank, world))
         return out
 
@@ -517,10 +517,9 @@ class ImplTrainModel(_TrainModelBase):
     def load_native_shards(self, path) -> dict:
         """Read this rank's pieces of a native checkpoint (any layout's, or whole tensors) straight into its
         tensors: only the stored chunks overlapping them are read. Returns the checkpoint's metadata."""
-        from core.native_checkpoint import load_native_pieces
+        from engine.loading import load_native_slices
 
-        wanted = {n: pieces for n, (_shape, pieces) in self.native_shards(data=True).items()}
-        return load_native_pieces(path, wanted, config=self.config)
+        return load_native_slices(self.native_tensors(), path, self.config)
 
     def full_native_tensors(self) -> Dict[str, torch.Tensor]:
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
