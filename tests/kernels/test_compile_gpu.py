@@ -12,8 +12,13 @@ custom op; ``engine.compile.compile_blocks``).
   triton``, blocks compiled with Inductor (``compile_blocks``); no graph break (dynamo's counter), the op
   table reports the triton kernels (counted when traced) and no reference op in their place, and one
   forward + backward follows the eager model (per-token log-probabilities mean |diff| <= 1e-2, max <= 0.15
-  nats, as in test_model_gpu.py; the gradients within 5 % overall, and within 10 % for every parameter whose
-  gradient norm is at least 1 % of the largest).
+  nats, as in test_model_gpu.py). The gradients are held to an fp32 eager model with the same weights
+  (``--kernel-backend none``, ``--dtype fp32``): the compiled bf16 gradients may be at most twice as far from
+  it as the eager bf16 ones (plus 1e-2), and no parameter whose gradient norm is at least 1 % of the largest
+  may be off by more than half its norm (a wrong, missing or sign-flipped gradient is off by about its whole
+  norm). A direct compiled-vs-eager bound on each bf16 gradient cannot be met: on an H200 (2026-12-01) one
+  expert's fc2 gradient differed by 23 % and the megatron total by 8.4 %, because bf16 rounding flips a few
+  near-tied routing choices between the two runs, which moves whole tokens between experts.
 
 Devices: CUDA; for triton also ``TRITON_INTERPRET=1`` on the CPU (small shapes, the ``aot_eager`` backend),
 which is how the plumbing was checked without a GPU. tilelang cases need CUDA and tilelang.
@@ -186,14 +191,14 @@ def test_op_table_compiles_without_graph_breaks(backend):
         assert err <= (5e-2 if dev == "cuda" else 0.0), i
 
 
-def _tiny_model(impl):
+def _tiny_model(impl, kernel_backend="triton", dtype=None):
     from core.assembly import assemble
     from core.config import preset
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
     c = preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 128), n_hash_layers=1, n_mtp_layers=0)
-    rc = normalize(Choices(impl=impl, kernel_backend="triton", hardware="nvidia", model=c),
+    rc = normalize(Choices(impl=impl, kernel_backend=kernel_backend, hardware="nvidia", model=c, dtype=dtype),
                    make_host(third_party=False), model_name="tiny")
     parts = assemble(rc)
     parts.setup_process()
@@ -230,7 +235,11 @@ def test_compiled_tiny_model_has_no_graph_breaks_and_follows_eager(impl):
         return logp.detach(), target.detach(), {n: p.grad.float() for n, p in model.named_parameters()
                                                 if p.grad is not None}
 
-    le, te, ge = run(build())
+    eager = build()
+    le, te, ge = run(eager)
+    reference = _tiny_model(impl, "none", "fp32")[1]()     # the same weights in fp32, the reference ops
+    reference.load_state_dict(eager.state_dict())
+    _, _, gr = run(reference)
     model = build()
     torch._dynamo.reset()
     counters.clear()
@@ -250,13 +259,20 @@ def test_compiled_tiny_model_has_no_graph_breaks_and_follows_eager(impl):
           f"next tokens mean {tdiff.mean():.2e}, max {tdiff.max():.2e}")
     assert diff.mean() <= 1e-2
     assert tdiff.mean() <= 1e-2 and tdiff.max() <= 0.15
-    assert set(gc) == set(ge)
-    norms = {n: g.norm().item() for n, g in ge.items()}
-    rel = sorted((((gc[n] - ge[n]).norm() / max(norms[n], 1e-30)).item(), n) for n in ge)[::-1]
-    total = (sum(((gc[n] - ge[n]).norm() ** 2).item() for n in ge) / sum(v ** 2 for v in norms.values())) ** 0.5
-    print(f"gradients: relative diff {total:.2e} overall; worst {[(f'{r:.1e}', n) for r, n in rel[:5]]}")
-    assert total <= 5e-2
-    # each parameter whose gradient is not negligible (cancellation makes tiny ones noisy in bf16)
-    big = [(r, n) for r, n in rel if norms[n] >= 1e-2 * max(norms.values())]
-    assert big[0][0] <= 0.1, big[:5]
+    assert set(gc) == set(ge) == set(gr)
+
+    def distance(grads):
+        """Overall relative distance to the fp32 gradients, and each parameter's."""
+        per = {n: ((grads[n] - gr[n]).norm() / max(gr[n].norm().item(), 1e-30)).item() for n in gr}
+        total = (sum(((grads[n] - gr[n]).norm() ** 2).item() for n in gr)
+                 / sum((g.norm() ** 2).item() for g in gr.values())) ** 0.5
+        return total, per
+
+    (total_c, per_c), (total_e, per_e) = distance(gc), distance(ge)
+    norms = {n: g.norm().item() for n, g in gr.items()}
+    big = sorted(((per_c[n], per_e[n], n) for n in gr if norms[n] >= 1e-2 * max(norms.values())), reverse=True)
+    print(f"gradients against fp32: compiled {total_c:.2e}, eager {total_e:.2e} overall; worst compiled "
+          f"{[(f'{c:.1e}', f'{e:.1e}', n) for c, e, n in big[:5]]}")
+    assert total_c <= 2 * total_e + 1e-2, (total_c, total_e)
+    assert big[0][0] <= 0.5, big[:5]
     assert not breaks, breaks   # the reasons
