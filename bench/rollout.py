@@ -3,7 +3,7 @@
     python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny|flash-shaped|bench]
                             [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
                             [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
-                            [--prefill-tokens 16384] [--repeats 1] [--out FILE.json]
+                            [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--out FILE.json]
 
 ``--model bench`` is the training benchmark's small config (``bench.train_step.bench_config``); the others are
 ``core.config`` presets. Random weights (``init_weights``, seeded; on a GPU drawn there, so their values
@@ -30,6 +30,12 @@ t_prefill) / (new-tokens - 1)`` and the weight bytes those a token needs: every 
 embedding (one row of it), the MTP block (not run) and the routed experts, of which ``k`` per layer count.
 KV-cache reads are not counted. A table is printed and a JSON object (``date``, ``machine``, settings, rows)
 is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
+
+``--profile-steps N`` (cached rows): after the timed calls, two more calls run under ``torch.profiler``, one
+with a single new token (prefill and one draw) and one with ``1 + N``; their difference over ``N`` is one
+decode step: the kernels a step launches (CUDA; operators on the CPU), its device time, and the kernels that
+take most of it (the row's ``profile``). That is where a decode step's time goes when it is far from the
+bandwidth its weights need.
 """
 
 from __future__ import annotations
@@ -107,6 +113,41 @@ def _timed(fn, device, repeats):
     return best, out
 
 
+def profile_decode(generate, device: torch.device, steps: int, top: int = 15) -> dict:
+    """One decode step's kernels (CUDA) or operators (CPU, self time): ``generate(new_tokens)`` runs under
+    ``torch.profiler`` with 1 and with ``1 + steps`` new tokens, and the difference is divided by ``steps``
+    (prefill and the first draw cancel). Returns counts per step, device (CPU) ms per step and the ``top``
+    names by time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def totals(new_tokens: int) -> dict:
+        with profile(activities=activities) as prof:
+            generate(new_tokens)
+            _sync(device)
+        got = {}
+        for e in prof.key_averages():
+            if cuda and e.device_type != DeviceType.CUDA:
+                continue
+            got[e.key] = (e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
+        return got
+
+    base, full = totals(1), totals(1 + steps)
+    per = {}
+    for name, (count, us) in full.items():
+        c0, t0 = base.get(name, (0, 0.0))
+        if count > c0:
+            per[name] = ((count - c0) / steps, max(us - t0, 0.0) / steps)
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
+    what = "kernels" if cuda else "operators"
+    return {f"{what}_per_step": round(sum(c for c, _ in per.values()), 1),
+            "ms_per_step": round(sum(t for _, t in per.values()) / 1e3, 4),
+            "top": [dict(name=n[:120], calls=round(c, 2), us=round(t, 2)) for n, (c, t) in ranked[:top]]}
+
+
 def _engine(config, device, dtype, seed, **kw):
     from kernels.reference.model import init_weights
     from train.engines import ReferenceEngine
@@ -174,12 +215,13 @@ def _row(name, B, P, T, t_pre, t_full, generated, extra):
 def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
               cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none",
-              compile=False, on_row=None) -> dict:
+              compile=False, on_row=None, profile_steps: int = 0) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
     the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
     ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name). ``on_row``: called
     with the result so far after every row (``main`` writes it, so a run stopped by a time limit keeps the rows
-    it measured)."""
+    it measured). ``profile_steps``: > 0 profiles that many decode steps of each cached row
+    (:func:`profile_decode`, the row's ``profile``)."""
     from train.engines import SamplingParams
 
     config = model_config(model)
@@ -251,6 +293,11 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                     extra = dict(note=note, positions_fed=engine.positions_fed // repeats)
                     if reserve_s is not None:             # slots, graph captures and compiles of this batch
                         extra["reserve_s"] = round(reserve_s, 2)
+                    if profile_steps > 0 and name == "cached":
+                        def gen_n(k, prompts=prompts):
+                            sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=k, stop_token_ids=())
+                            return engine.generate(prompts, sp, n=1, seed=seed)
+                        extra["profile"] = profile_decode(gen_n, dev, profile_steps)
             except torch.cuda.OutOfMemoryError as e:
                 add(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
@@ -280,6 +327,12 @@ def format_table(result: dict) -> str:
         dec = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"
         lines.append(f"{r['engine']:<13}{r['batch']:>6}{r['prefill_tokens_per_s']:>15.1f}{dec:>14}"
                      f"{r['tokens_per_s']:>13.1f}{r['decode_step_ms']:>10.2f}{share:>11}{vs:>8}")
+    for r in result["rows"]:
+        prof = r.get("profile")
+        if prof:
+            count = next(v for k, v in prof.items() if k.endswith("_per_step"))
+            lines.append(f"decode step at batch {r['batch']}: {count} launches, {prof['ms_per_step']} ms; costliest:")
+            lines += [f"  {t['us']:>9.1f} us {t['calls']:>6} x  {t['name']}" for t in prof["top"][:10]]
     return "\n".join(lines)
 
 
@@ -301,6 +354,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens per prefill forward (at most)")
     p.add_argument("--hbm", type=float, default=None, help="HBM bytes/s (default: 4.8e12 on an H200)")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per number (the best is kept)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="cached rows: profile this many decode steps (kernels per step, the costliest ones)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared host)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/rollout-MACHINE.json)")
@@ -332,7 +387,8 @@ def main(argv=None) -> int:
     result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
                        prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
                        rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
-                       kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=row_done)
+                       kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=row_done,
+                       profile_steps=a.profile_steps)
     print(format_table(result))
     write(result)
     print(f"wrote {out}")

@@ -108,3 +108,22 @@ def test_each_row_is_written_as_it_is_measured(tmp_path, monkeypatch):
                       "--prompt-len", "8", "--new-tokens", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["engine"], r["batch"]) for r in rows] == [("cached", 1), ("cached", 2)]
+
+
+def test_the_decode_profile_counts_one_step():
+    """``--profile-steps``: the difference of two profiled calls (1 and 1 + N new tokens) over N is one decode
+    step; on the CPU it counts operators. The tiny model's step runs a matmul per layer and more, never a
+    fraction of the prefill's work, and one more step counts the same again."""
+    from bench.rollout import format_table, run_bench
+
+    torch.set_num_threads(1)
+    res = run_bench(model="tiny", batch=(1,), prompt_len=(12,), new_tokens=3, rows=("cached",), profile_steps=2)
+    prof = res["rows"][0]["profile"]
+    assert prof["operators_per_step"] > 10 and prof["ms_per_step"] > 0
+    names = {t["name"] for t in prof["top"]}
+    assert names & {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}, names
+    assert all(t["calls"] > 0 and t["us"] >= 0 for t in prof["top"])
+    again = run_bench(model="tiny", batch=(1,), prompt_len=(12,), new_tokens=3, rows=("cached",),
+                      profile_steps=4)["rows"][0]["profile"]
+    assert again["operators_per_step"] == pytest.approx(prof["operators_per_step"], rel=0.25)
+    assert "decode step at batch 1" in format_table(res)
