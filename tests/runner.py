@@ -36,9 +36,33 @@ def param(key: str) -> str:
     return value
 
 
+def _hermetic_cache() -> None:
+    """Point ``DSV4_CACHE`` (where the CLI materializes the embedded checkpoint and keeps its prepare locks) at
+    the test's own temporary folder unless the target sets it: Bazel's sandbox mounts the user's home read-only,
+    so on a machine where ``~/.cache/dsv4`` does not exist yet every test that runs the CLI's default model
+    failed with a read-only file system, and where it does exist a test would share state with the user's runs."""
+    tmp = os.environ.get("TEST_TMPDIR")
+    if tmp and not os.environ.get("DSV4_CACHE"):
+        os.environ["DSV4_CACHE"] = os.path.join(tmp, "dsv4-cache")
+
+
+def _ray_token_in_the_environment() -> None:
+    """Ray 2.60 turns on token authentication for every new local cluster and, without a token, writes one to
+    ``~/.ray/auth_token``, which Bazel's sandbox mounts read-only: on a machine where no Ray ran outside a test
+    yet, every Ray test failed there. A token in ``RAY_AUTH_TOKEN`` (read by Ray before that file; the test's
+    processes and the cluster's inherit it) keeps authentication on and the home untouched."""
+    if os.environ.get("TEST_TMPDIR") and not any(
+            os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+
+
 def main(test_file: str) -> None:
     import pytest
 
+    _hermetic_cache()
+    _ray_token_in_the_environment()
     args = [test_file, "-q", "-p", "no:cacheprovider", *_PASSTHROUGH]
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:

@@ -38,9 +38,10 @@ def _engine_and_model(dtype=torch.float32, lossless=True):
     return c, model, eng
 
 
-def _score(c, model, eng, top_p, T=7, n=3):
-    """(per-sample pairs of the trainer's and the engine's log-probs, samples that stopped early); the routing
-    the engine recorded is asserted to be the trainer's own."""
+def _score(c, model, eng, top_p, T=7, n=3, same_routing=True):
+    """(per-sample pairs of the trainer's and the engine's log-probs, samples that stopped early); with
+    ``same_routing`` the routing the engine recorded is asserted to be the trainer's own (not for the control,
+    whose engine holds other weights: a near-tied router choice may differ there too)."""
     from train.engines import SamplingParams
 
     vocab = c.vocab_size
@@ -63,7 +64,7 @@ def _score(c, model, eng, top_p, T=7, n=3):
         for i, s in enumerate(samples):
             R = len(s.response_ids)
             pairs += [(replayed[i, P - 1:P - 1 + R], s.logprobs), (free.logprobs[i, P - 1:P - 1 + R], s.logprobs)]
-            for layer, idx in free.routing_used.items():   # the engine recorded the trainer's choices
+            for layer, idx in (free.routing_used.items() if same_routing else ()):   # the trainer's choices
                 assert torch.equal(idx[i, :P + R - 1], s.routed_experts[:P + R - 1, layer]), (prompt, i, layer)
     return pairs, stopped_early
 
@@ -80,7 +81,7 @@ def test_bf16_needs_the_lossless_sync():
     """The control: the default sync sends the trainer's fp32 RMSNorm weights in bf16, and the log-probs differ."""
     c, model, eng = _engine_and_model(torch.bfloat16, lossless=False)
     model.model.norm.weight.data.add_(1e-3)          # surely off the bf16 grid (the engine got it rounded)
-    pairs, _ = _score(c, model, eng, 1.0, T=3, n=2)
+    pairs, _ = _score(c, model, eng, 1.0, T=3, n=2, same_routing=False)
     assert any(not torch.equal(trainer, engine) for trainer, engine in pairs)
 
 
