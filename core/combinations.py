@@ -70,6 +70,8 @@ class Selection:
     # Model facts, known once the model config is (None = not checked yet).
     o_groups: Optional[int] = None
     n_routed_experts: Optional[int] = None
+    n_heads: Optional[int] = None
+    head_dim: Optional[int] = None
     compress_ratios: Optional[tuple] = None
     # The run's packing budget (tokens per context-parallel rank), when known.
     max_tokens_per_rank: Optional[int] = None
@@ -166,6 +168,23 @@ def _ep_experts(sel: Selection, host) -> Optional[str]:
         f"--ep {sel.ep} does not divide the model's {sel.n_routed_experts} routed experts "
         f"(each expert-parallel rank holds an equal share). Fix: use --ep {_divisors(sel.n_routed_experts)}."
     )
+
+
+def _kernel_attention_shape(sel: Selection, host) -> Optional[str]:
+    """A kernel backend whose sparse attention is built for some head dims or a tile of heads
+    (``KernelBackend.attention_head_dims`` / ``attention_heads_multiple``) takes only models within them."""
+    k = sel.kernel
+    dims, mult = getattr(k, "attention_head_dims", None), getattr(k, "attention_heads_multiple", 1)
+    bad = []
+    if dims is not None and sel.head_dim is not None and sel.head_dim not in dims:
+        bad.append(f"head_dim={sel.head_dim} (built for {', '.join(str(d) for d in sorted(dims))})")
+    if mult > 1 and sel.n_heads is not None and sel.n_heads % mult:
+        bad.append(f"n_heads={sel.n_heads} (a multiple of {mult} is needed)")
+    if not bad:
+        return None
+    return (f"--kernel-backend {k.name}: its sparse-attention kernel does not take this model's "
+            f"{' and '.join(bad)}. Fix: use --kernel-backend triton (any power-of-two head dim), or a model "
+            f"with those attention dims.")
 
 
 def _ep_alone(sel: Selection, host) -> Optional[str]:
@@ -528,7 +547,7 @@ def _async_rollout(sel: Selection, host) -> Optional[str]:
 
 def _true_on_policy(sel: Selection, host) -> Optional[str]:
     """``true_on_policy`` is exact where the engine and the trainer run the same code on the same shapes on one
-    device (the reference model, or the trainer's own miles / megatron module, whose CPU-fp32-only limit
+    device (the reference model, or the trainer's own miles / megatron module, whose limits
     ``train.config_checks.check_true_on_policy`` applies: this rule does not know ``train_impl``): the CPU in
     fp32 or bf16, an NVIDIA GPU in bf16 (fp32 there is not tested), the reference kernel ops
     (``--kernel-backend none``: the engine's forward and the trainer's must call the same kernels), weights
@@ -550,8 +569,7 @@ def _true_on_policy(sel: Selection, host) -> Optional[str]:
             (f"{world} ranks", world != 1, "train on one rank")):
         if bad:
             return (f"true_on_policy=true is exact only with the built-in engine, the reference kernel ops, one "
-                    f"rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16) (train_impl=miles / megatron: the CPU "
-                    f"in fp32, train.config_checks), and {what} is not. "
+                    f"rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what} is not. "
                     f"Fix: {fix}, or drop true_on_policy.")
     return None
 
@@ -586,6 +604,7 @@ RULES: tuple[tuple[str, str, Callable[[Selection, object], Optional[str]]], ...]
     ("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     ("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),
     ("kernel-dtype", "the kernel backend computes in the run's dtype", _kernel_dtype),
+    ("kernel-attention-shape", "the kernel backend's sparse attention is built for the model's heads and head dim", _kernel_attention_shape),
     ("packing-thd", "training with a packing budget runs the packed (THD) layout", _packing_thd),
     ("rollout-hardware", "the rollout engine runs on the hardware target (a server at --rollout-url runs elsewhere)", _rollout_hardware),
     ("rollout-url", "--rollout-url names a server engine's servers, one per rollout engine (data-parallel rank)", _rollout_url),

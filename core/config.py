@@ -495,6 +495,10 @@ _TINY = _FLASH.replace(
     compress_ratios=(0, 4, 128, 4, 0),
 )
 
+# tiny with V4-Flash's attention heads (64 x 512): the smallest model the `cuda` kernel backend's sparse
+# attention takes (kernels/cuda: head dim 512, heads in tiles of 64), for its tests.
+_TINY_WIDE_HEADS = _TINY.replace(n_heads=64, head_dim=512)
+
 _FLASH_SHAPED = _FLASH.replace(n_layers=4, n_mtp_layers=1, n_routed_experts=32, compress_ratios=(0, 0, 4, 128, 0))
 
 PRESETS: dict[str, ModelConfig] = {
@@ -503,6 +507,7 @@ PRESETS: dict[str, ModelConfig] = {
     "flash-4layer": _FLASH_4LAYER,
     "flash-shaped": _FLASH_SHAPED,
     "tiny": _TINY,
+    "tiny-wide-heads": _TINY_WIDE_HEADS,
 }
 
 

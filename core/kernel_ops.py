@@ -42,6 +42,9 @@ OP_NAMES = (
 # "activation": the model's activation dtype (bf16 in a bf16 run), a bf16/fp16 kernel's (fp32 accumulation).
 INDEXER_INPUTS = ("compute", "activation")
 
+# The reference ops' backend (``--kernel-backend none``; kernels.reference.backend.NAME, which core cannot import).
+REFERENCE_BACKEND = "none"
+
 _RAN: collections.Counter = collections.Counter()
 
 
@@ -107,8 +110,8 @@ class OpTable:
     ``indexer_inputs`` (one of :data:`INDEXER_INPUTS`): the dtype this table's ``indexer_scores`` takes ``q``
     and ``k`` in, declared here so that every caller casts them by one rule
     (:func:`kernels.reference.indexer.indexer_input_dtype`) and the precision is on the record: ``"compute"``
-    (default; the reference op) or ``"activation"`` (a bf16/fp16 kernel of this backend's own; a table
-    whose ``indexer_scores`` is another backend's op cannot declare it).
+    (default; the reference op) or ``"activation"`` (a bf16/fp16 GPU kernel: this backend's own, or another
+    GPU backend's it includes; a table whose ``indexer_scores`` is the reference op cannot declare it).
     """
 
     def __init__(self, backend: str, own: Mapping[str, Callable], *,
@@ -128,7 +131,7 @@ class OpTable:
         missing = [n for n in OP_NAMES if n not in self._ops]
         if missing:
             raise TypeError(f"kernel backend {backend!r}: its op table lacks {', '.join(missing)}")
-        if indexer_inputs != "compute" and self.provider["indexer_scores"] != backend:
+        if indexer_inputs != "compute" and self.provider["indexer_scores"] == REFERENCE_BACKEND:
             raise TypeError(f"kernel backend {backend!r} declares indexer_inputs={indexer_inputs!r}, but its "
                             f"indexer_scores is backend {self.provider['indexer_scores']!r}'s op")
         self.__dict__.update(self._ops)   # plain attributes: protocol checks (getattr_static) see them

@@ -148,12 +148,17 @@ class KernelBackend(BackendRecord):
     kernels compute in (None = any); a run in another dtype is refused at parse
     time, and its kernels refuse such inputs at run time instead of handing them
     to another backend. deterministic: whether it claims bit-reproducible results.
+    attention_head_dims: the head dims its sparse-attention kernel is built for (None = any its entry point
+    takes); attention_heads_multiple: the query heads must be a multiple of it (one kernel tile of heads).
+    A model outside them is refused at parse time (rule ``kernel-attention-shape``).
     """
 
     hardware: Optional[frozenset] = _set(default=None)
     impls: Optional[frozenset] = _set(default=None)
     dtypes: Optional[frozenset] = _set(default=None)
     deterministic: bool = False
+    attention_head_dims: Optional[frozenset] = _set(default=None)
+    attention_heads_multiple: int = 1
 
     axis: ClassVar[str] = KERNEL
 

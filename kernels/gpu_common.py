@@ -1,6 +1,7 @@
 """Torch-side glue shared by the GPU kernel backends (``kernels/triton``, ``kernels/tilelang``).
 
-The backends never import each other; each one passes its raw kernel launchers to the helpers here:
+The triton and tilelang backends never import each other (the cuda backend is the triton backend with a CUDA
+C++ attention forward, and imports it on purpose); each one passes its raw kernel launchers to the helpers here:
 
 * :func:`check_attention_inputs`: the shape / dtype / device checks of the THD attention launchers;
 * :func:`dsink_from_delta`: ``d_sink[h] = -sum_t Delta * exp(sink - lse)`` (``lse2`` in log2 units);

@@ -7,12 +7,14 @@ Inductor see only its schema and its *fake* implementation (the output shapes an
 runs when the compiled graph runs. The backward of an op with a gradient is a custom op of its own, wired
 with ``register_autograd``, so AOTAutograd puts it in the compiled backward graph.
 
-Ops, per namespace (``dsv4_triton``, ``dsv4_tilelang``; :data:`TRITON`, :data:`TILELANG`), all on flattened
-contiguous layouts (the entry points reshape; outputs are fresh contiguous tensors):
+Ops, per namespace (``dsv4_triton``, ``dsv4_tilelang``, ``dsv4_cuda``; :data:`TRITON`, :data:`TILELANG`,
+:data:`CUDA`), all on flattened contiguous layouts (the entry points reshape; outputs are fresh contiguous
+tensors):
 
 * ``sparse_attention_fwd(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale) -> (o [T,H,D] q.dtype,
   lse2 [T,H] fp32 log2 units)``, with autograd through ``sparse_attention_bwd(q, kv, idx, sink, o, lse2, do,
   scale) -> (dq, dkv, dsink [H] fp32)``;
+  (``dsv4_cuda`` has only these two: its forward is the CUDA C++ kernel, its backward the Triton one);
 * ``indexer_scores(q [T,H,D], k [N,D], w [T,H], ks?, ke?) -> [T,N] fp32`` (no backward: the entry point
   refuses inputs that require a gradient before the op is reached);
 * triton only, the fused mHC kernels (``x [T,n,d]``, fp32 mapping weights): ``hc_pre -> (u [T,d], post [T,n],
@@ -37,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["TRITON", "TILELANG", "traceable", "padded", "mix_width"]
+__all__ = ["TRITON", "TILELANG", "CUDA", "traceable", "padded", "mix_width"]
 
 
 def traceable(fn: Callable) -> Callable:
@@ -256,10 +258,14 @@ def _mhc_ops(ns: str, module: str) -> dict:
                 hc_post_bwd=hc_post_bwd, sinkhorn=sinkhorn, sinkhorn_bwd=sinkhorn_bwd)
 
 
-def _register(ns: str, package: str, mhc: bool) -> types.SimpleNamespace:
+def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None
+              ) -> types.SimpleNamespace:
     """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
-    ``OpOverload`` every torch version's dynamo traces as a graph node)."""
-    ops = {**_attention_ops(ns, f"{package}.attention"), **_indexer_ops(ns, f"{package}.indexer")}
+    ``OpOverload`` every torch version's dynamo traces as a graph node). ``attention``: the module with the
+    attention launchers (default ``<package>.attention``)."""
+    ops = dict(_attention_ops(ns, attention or f"{package}.attention"))
+    if indexer:
+        ops.update(_indexer_ops(ns, f"{package}.indexer"))
     if mhc:
         ops.update(_mhc_ops(ns, package))
     library = getattr(torch.ops, ns)
@@ -269,3 +275,4 @@ def _register(ns: str, package: str, mhc: bool) -> types.SimpleNamespace:
 # registered once per process, when this module is first imported
 TRITON = _register("dsv4_triton", "kernels.triton", mhc=True)
 TILELANG = _register("dsv4_tilelang", "kernels.tilelang", mhc=False)
+CUDA = _register("dsv4_cuda", "kernels.cuda", mhc=False, indexer=False, attention="kernels.cuda.ops")

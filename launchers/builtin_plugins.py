@@ -17,6 +17,7 @@ BUILTIN_PLUGINS = (
     "kernels.reference.plugin",
     "kernels.triton.plugin",
     "kernels.tilelang.plugin",
+    "kernels.cuda.plugin",
     "kernels.cudnn.plugin",
     # quantization schemes
     "converters.plugin",

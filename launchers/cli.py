@@ -48,7 +48,7 @@ _RUN_OPTIONS = (
     ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),
     ("--rollout-engine", dict(help="Rollout engine plugin (reference, sglang); `dsv4 plugins` lists them. Default: reference.")),
     ("--rollout-url", dict(help="http://HOST:PORT of a running rollout server (--rollout-engine sglang) to connect to instead of starting one; it runs elsewhere, so any --hardware may use it. Under --orchestrator ray a comma-separated list, one server per engine actor. Default: the trainer starts the server (GPU --hardware).")),
-    ("--model", dict(help="Model: a preset (tiny, flash-4layer, flash-shaped, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
+    ("--model", dict(help="Model: a preset (tiny, tiny-wide-heads, flash-4layer, flash-shaped, flash, pro) or an HF checkpoint directory. Default: tiny (the embedded model).")),
     ("--max-tokens-per-rank", dict(type=click.IntRange(min=1), help="Packing budget per context-parallel rank (THD dynamic batching).")),
     ("--qkv-format", dict(type=click.Choice(QKV_FORMATS), help="Activation layout; defaults to the implementation's first format (miles: bshd, megatron: thd).")),
     ("--strict-plugins", dict(is_flag=True, default=None, help="Fail when a third-party plugin cannot be loaded (default: warn and skip it).")),

@@ -5,6 +5,11 @@ core/combinations.py and the built-in plugins' records; do not edit.
 """
 
 SUPPORTED_COMBINATIONS = [
+    struct(impl = "megatron", kernel_backend = "cuda", quant = "bf16", hardware = "nvidia", gpu = True, name = "combo_megatron_cuda_bf16_nvidia"),
+    struct(impl = "megatron", kernel_backend = "cuda", quant = "fp8", hardware = "nvidia", gpu = True, name = "combo_megatron_cuda_fp8_nvidia"),
+    struct(impl = "megatron", kernel_backend = "cuda", quant = "mxfp4-fp8", hardware = "nvidia", gpu = True, name = "combo_megatron_cuda_mxfp4_fp8_nvidia"),
+    struct(impl = "megatron", kernel_backend = "cuda", quant = "nvfp4", hardware = "nvidia", gpu = True, name = "combo_megatron_cuda_nvfp4_nvidia"),
+    struct(impl = "megatron", kernel_backend = "cuda", quant = "qat", hardware = "nvidia", gpu = True, name = "combo_megatron_cuda_qat_nvidia"),
     struct(impl = "megatron", kernel_backend = "none", quant = "bf16", hardware = "cpu", gpu = False, name = "combo_megatron_none_bf16_cpu"),
     struct(impl = "megatron", kernel_backend = "none", quant = "bf16", hardware = "nvidia", gpu = True, name = "combo_megatron_none_bf16_nvidia"),
     struct(impl = "megatron", kernel_backend = "none", quant = "fp8", hardware = "cpu", gpu = False, name = "combo_megatron_none_fp8_cpu"),
@@ -20,6 +25,11 @@ SUPPORTED_COMBINATIONS = [
     struct(impl = "megatron", kernel_backend = "triton", quant = "mxfp4-fp8", hardware = "nvidia", gpu = True, name = "combo_megatron_triton_mxfp4_fp8_nvidia"),
     struct(impl = "megatron", kernel_backend = "triton", quant = "nvfp4", hardware = "nvidia", gpu = True, name = "combo_megatron_triton_nvfp4_nvidia"),
     struct(impl = "megatron", kernel_backend = "triton", quant = "qat", hardware = "nvidia", gpu = True, name = "combo_megatron_triton_qat_nvidia"),
+    struct(impl = "miles", kernel_backend = "cuda", quant = "bf16", hardware = "nvidia", gpu = True, name = "combo_miles_cuda_bf16_nvidia"),
+    struct(impl = "miles", kernel_backend = "cuda", quant = "fp8", hardware = "nvidia", gpu = True, name = "combo_miles_cuda_fp8_nvidia"),
+    struct(impl = "miles", kernel_backend = "cuda", quant = "mxfp4-fp8", hardware = "nvidia", gpu = True, name = "combo_miles_cuda_mxfp4_fp8_nvidia"),
+    struct(impl = "miles", kernel_backend = "cuda", quant = "nvfp4", hardware = "nvidia", gpu = True, name = "combo_miles_cuda_nvfp4_nvidia"),
+    struct(impl = "miles", kernel_backend = "cuda", quant = "qat", hardware = "nvidia", gpu = True, name = "combo_miles_cuda_qat_nvidia"),
     struct(impl = "miles", kernel_backend = "none", quant = "bf16", hardware = "cpu", gpu = False, name = "combo_miles_none_bf16_cpu"),
     struct(impl = "miles", kernel_backend = "none", quant = "bf16", hardware = "nvidia", gpu = True, name = "combo_miles_none_bf16_nvidia"),
     struct(impl = "miles", kernel_backend = "none", quant = "fp8", hardware = "cpu", gpu = False, name = "combo_miles_none_fp8_cpu"),

@@ -25,7 +25,7 @@ from launchers.cli import main
 
 BUILTIN_NAMES = {
     ATTENTION: ["megatron", "miles"],
-    KERNEL: ["cudnn", "none", "tilelang", "triton"],
+    KERNEL: ["cuda", "cudnn", "none", "tilelang", "triton"],
     QUANT: ["bf16", "fp8", "mxfp4-fp8", "nvfp4", "qat"],
     HARDWARE: ["cpu", "nvidia", "rocm"],
     ROLLOUT: ["reference", "sglang"],

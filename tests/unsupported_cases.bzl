@@ -14,7 +14,7 @@ UNSUPPORTED_CASES = [
     struct(
         name = "megatron_tilelang",
         args = ["--impl", "megatron", "--kernel-backend", "tilelang", "--hardware", "nvidia"],
-        message = "--kernel-backend tilelang does not serve --impl megatron (it serves: miles). Fix: use --impl miles, or with --impl megatron on nvidia choose --kernel-backend none or triton.",
+        message = "--kernel-backend tilelang does not serve --impl megatron (it serves: miles). Fix: use --impl miles, or with --impl megatron on nvidia choose --kernel-backend cuda, none or triton.",
     ),
     struct(
         name = "megatron_bshd",
@@ -24,12 +24,17 @@ UNSUPPORTED_CASES = [
     struct(
         name = "miles_cudnn",
         args = ["--impl", "miles", "--kernel-backend", "cudnn", "--hardware", "nvidia"],
-        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none, tilelang or triton.\n--kernel-backend cudnn does not serve --impl miles (it serves: megatron). Fix: use --impl megatron, or with --impl miles on nvidia choose --kernel-backend none, tilelang or triton.",
+        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none, tilelang or triton.\n--kernel-backend cudnn does not serve --impl miles (it serves: megatron). Fix: use --impl megatron, or with --impl miles on nvidia choose --kernel-backend cuda, none, tilelang or triton.",
     ),
     struct(
         name = "rocm_cudnn",
         args = ["--impl", "megatron", "--kernel-backend", "cudnn", "--hardware", "rocm"],
-        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend none, tilelang or triton. --hardware rocm is declared but cannot run: rules only: the rocm target has no device setup or process groups yet, and no AMD GPU is available to test one. Fix: choose --hardware cpu or nvidia.\n--kernel-backend cudnn does not run on --hardware rocm (it runs on: nvidia). Fix: on rocm choose --kernel-backend none or triton.",
+        message = "--kernel-backend cudnn is declared but cannot run: not built: the cuDNN-frontend sparse-attention kernels are not written. Fix: choose --kernel-backend cuda, none, tilelang or triton. --hardware rocm is declared but cannot run: rules only: the rocm target has no device setup or process groups yet, and no AMD GPU is available to test one. Fix: choose --hardware cpu or nvidia.\n--kernel-backend cudnn does not run on --hardware rocm (it runs on: nvidia). Fix: on rocm choose --kernel-backend none or triton.",
+    ),
+    struct(
+        name = "cuda_tiny_heads",
+        args = ["--kernel-backend", "cuda", "--hardware", "nvidia"],
+        message = "--kernel-backend cuda: its sparse-attention kernel does not take this model's head_dim=128 (built for 512) and n_heads=4 (a multiple of 64 is needed). Fix: use --kernel-backend triton (any power-of-two head dim), or a model with those attention dims.",
     ),
     struct(
         name = "cpu_triton",
@@ -54,7 +59,7 @@ UNSUPPORTED_CASES = [
     struct(
         name = "unknown_kernel_backend",
         args = ["--kernel-backend", "trton"],
-        message = "unknown --kernel-backend 'trton'; valid choices: cudnn, none, tilelang, triton. Did you mean 'triton'?",
+        message = "unknown --kernel-backend 'trton'; valid choices: cuda, cudnn, none, tilelang, triton. Did you mean 'triton'?",
     ),
     struct(
         name = "pipeline_parallel",
@@ -79,7 +84,7 @@ UNSUPPORTED_CASES = [
     struct(
         name = "unknown_model",
         args = ["--model", "gigantic"],
-        message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, flash-shaped, pro, tiny",
+        message = "--model 'gigantic' is neither a checkpoint directory nor a preset; presets: flash, flash-4layer, flash-shaped, pro, tiny, tiny-wide-heads",
     ),
     struct(
         name = "context_parallel_too_few_tokens_per_rank",
