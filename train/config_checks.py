@@ -117,15 +117,15 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
 # true_on_policy: the training models it is exact with (docs/rollout.md#true-on-policy). reference: the built-in
 # engine runs the reference model on the trainer's shapes; miles, megatron: the engine draws from the trainer's own
 # module (train.engines.TrainModuleEngine), whose experts (engine.moe.DSv4MoE, shared by both) honour
-# row_invariant_experts; tested on the CPU in fp32 and bf16 (on a GPU, the module's CUDA kernels would have to
-# be deterministic: not tested). Another implementation's MoE may not honour it.
+# row_invariant_experts; tested on the CPU in fp32 and bf16 and on one NVIDIA GPU in bf16 (the reference kernel
+# ops: cuBLAS is deterministic for equal shapes on one stream). Another implementation's MoE may not honour it.
 ON_POLICY_IMPLS = ("reference", "miles", "megatron")
 
 
 def _true_on_policy_refusal(what: str, fix: str) -> ConfigError:
     return ConfigError(f"training option 'true_on_policy' is exact only with train_impl=reference (the built-in "
-                       f"engine; the CPU in fp32 or bf16, one NVIDIA GPU in bf16) or train_impl=miles or megatron (the "
-                       f"engine draws from the trainer's module; the CPU in fp32 or bf16), on one rank, and {what}. "
+                       f"engine) or train_impl=miles or megatron (the engine draws from the trainer's module), on the "
+                       f"CPU in fp32 or bf16 or one NVIDIA GPU in bf16, on one rank, and {what}. "
                        f"Fix: {fix}, or drop true_on_policy")
 
 
@@ -150,8 +150,8 @@ def _check_true_on_policy_options(cfg) -> None:
 def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
     """``true_on_policy`` with the run's choices: the reference training model (the CPU in fp32 or bf16 or one
     NVIDIA GPU in bf16, the reference engine and kernel ops, the lossless ``bf16`` publish format: weights sent
-    as they are) or the miles / megatron one (the CPU in fp32 or bf16; the engine draws from it, no weights are
-    sent), one rank, the local orchestrator."""
+    as they are) or the miles / megatron one (the CPU in fp32 or bf16 or one NVIDIA GPU in bf16; the engine draws
+    from it, no weights are sent), one rank, the local orchestrator."""
     if not cfg.true_on_policy:
         return
     _check_true_on_policy_options(cfg)
@@ -162,9 +162,12 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
     if model is not None and impl != "reference":
         dtypes = {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
         where = getattr(model.device, "type", str(model.device))
-        if where != "cpu" or dtypes - {"torch.float32", "torch.bfloat16"}:
+        built = {"cpu": {"torch.float32", "torch.bfloat16"}, "cuda": {"torch.float32", "torch.bfloat16"}}
+        # on a GPU: bf16 weights (the fp32-kept tensors, RMSNorm weights and sinks, stay fp32 beside them)
+        if where not in built or dtypes - built[where] or (where == "cuda" and "torch.bfloat16" not in dtypes):
             raise _true_on_policy_refusal(f"the {impl} model is on {where} with {sorted(dtypes)} weights (tested on "
-                                          "the CPU in fp32 and bf16 only)", "use --hardware cpu")
+                                          "the CPU in fp32 and bf16 and on one NVIDIA GPU in bf16)",
+                                          "use --hardware cpu, or --hardware nvidia --dtype bf16")
     if dist is not None and getattr(dist, "world", 1) != 1:
         raise _true_on_policy_refusal(f"the run has {dist.world} ranks", "train on one rank")
     if run_config is not None:                   # the run's choices: rule ``true-on-policy`` (core.combinations)

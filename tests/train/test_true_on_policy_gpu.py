@@ -9,6 +9,9 @@
   and the trainer's no-grad log-prob pass (one forward per group, the same shape and rows) run the same kernels on
   the same shapes with the same weights (the lossless sync keeps the trainer's fp32 RMSNorm weights), and the
   engine samples from exactly those log-probs;
+* ``train_impl=miles`` and ``megatron`` (``--impl`` the same): the engine draws from the trainer's own module
+  (``train.engines.TrainModuleEngine``, the lockstep loop through ``next_token_logprobs``) on the GPU, the same
+  3-step run with the same exact zeros and no weight sync;
 * the control: the same run without ``true_on_policy`` (the KV-cached bf16 engine, eager) has a difference above 0,
   so the exact run is not exact by accident of the measure.
 """
@@ -27,11 +30,12 @@ RUN = dict(mode="grpo", max_new_tokens=8, prompts_per_step=2, group_size=4, prog
            save_every=100, export_at_end=False)
 
 
-def _nvidia_bf16_run():
+def _nvidia_bf16_run(impl="miles"):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl="miles", hardware="nvidia", dtype="bf16", rollout_engine="reference", model=CFG),
+    impl = "miles" if impl == "reference" else impl
+    return normalize(Choices(impl=impl, hardware="nvidia", dtype="bf16", rollout_engine="reference", model=CFG),
                      make_host(third_party=False), model_name="tiny")
 
 
@@ -51,16 +55,20 @@ def test_the_reference_training_model_computes_on_the_runs_gpu():
     assert lp.device.type == "cpu" and lp.shape == (1, 3)               # back next to the ids
 
 
-def test_grpo_diff_exactly_zero_in_bf16_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("train_impl", ["reference", "miles", "megatron"])
+def test_grpo_diff_exactly_zero_in_bf16_on_the_gpu(tmp_path, train_impl):
     from train.trainer import run_training
 
-    run = _nvidia_bf16_run()
+    run = _nvidia_bf16_run(train_impl)
     assert run.torch_dtype == torch.bfloat16
-    run_training(run, CFG, steps=3, run_dir=tmp_path / "exact", true_on_policy=True, **RUN)
+    run_training(run, CFG, steps=3, run_dir=tmp_path / "exact", true_on_policy=True, **{**RUN, "train_impl": train_impl})
     rows = _rows(tmp_path / "exact")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r["weight_check_ok"] is True, r
+        if train_impl == "reference":
+            assert r["weight_check_ok"] is True, r          # the lossless sync into the engine's model
+        else:
+            assert r["weight_sync_bytes"] == 0, r           # the engine draws from the trainer's own module
         assert r["train_rollout_logprob_abs_diff"] == 0.0, r
         assert r["train_rollout_kl"] == 0.0, r
         assert r["routing_replay_match"] == 1.0, r
