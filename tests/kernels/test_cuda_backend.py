@@ -61,3 +61,19 @@ def test_the_entry_points_refuse_what_the_kernel_does_not_take():
     with pytest.raises(ValueError, match="Fix: run with --dtype bf16 on a GPU target, or choose --kernel-backend none"):
         entry.sparse_attention_with_sink(q128, torch.zeros(1, 3, 128, dtype=torch.bfloat16),
                                          torch.zeros(2, 4, dtype=torch.long), torch.zeros(64), 0.1)
+
+
+def test_only_the_variants_that_compute_the_function_are_reachable(monkeypatch):
+    """Variants 1 and 4 (wrong by design, built to confirm variant 0's layout) and the timing ablations (wrong
+    outputs) never run through the forward; the variant knob is checked, not trusted."""
+    from kernels.cuda import attention as CA
+
+    assert not set(CA.WRONG_VARIANTS) & set(CA.VARIANTS) and not set(CA.ABLATIONS) & set(CA.VARIANTS)
+    monkeypatch.delenv("DSV4_CUDA_ATTN_VARIANT", raising=False)
+    assert CA.default_variant() == CA.DEFAULT_VARIANT in CA.VARIANTS
+    monkeypatch.setenv("DSV4_CUDA_ATTN_VARIANT", "2")
+    assert CA.default_variant() == 2
+    for bad in ("4", "100", "six"):
+        monkeypatch.setenv("DSV4_CUDA_ATTN_VARIANT", bad)
+        with pytest.raises(ValueError, match="DSV4_CUDA_ATTN_VARIANT"):
+            CA.default_variant()
