@@ -1,6 +1,8 @@
 """py_test targets for plain pytest files: one target per file."""
 
-def pytest_test(name, src, deps = [], data = [], size = "small", tags = [], args = []):
+def pytest_test(name, src, deps = [], data = [], size = "small", tags = [], args = [], shard_count = None):
+    """shard_count: run the file's tests in that many shards, every N-th collected test in each
+    (tests/runner.py), for a file whose target would otherwise be the run's longest."""
     native.py_test(
         name = name,
         srcs = [src, "//tests:pytest_main.py"],
@@ -10,9 +12,10 @@ def pytest_test(name, src, deps = [], data = [], size = "small", tags = [], args
         data = data,
         size = size,
         tags = tags,
+        shard_count = shard_count,
     )
 
-def pytest_tests(srcs, deps = [], data = [], size = "small", tags = [], sizes = {}):
+def pytest_tests(srcs, deps = [], data = [], size = "small", tags = [], sizes = {}, shard_counts = {}):
     """One py_test per file, named after it (test_io.py -> test_io)."""
     for src in srcs:
         pytest_test(
@@ -22,4 +25,5 @@ def pytest_tests(srcs, deps = [], data = [], size = "small", tags = [], sizes = 
             data = data,
             size = sizes.get(src, size),
             tags = tags,
+            shard_count = shard_counts.get(src),
         )

@@ -1,7 +1,8 @@
 """Make megatron-core usable on a CPU-only host (no CUDA, no triton), explicitly.
 
 Nothing here runs on import. Call :func:`apply_megatron_cpu_shims` once per process
-*before* ``import megatron.core``; it is idempotent and applies three shims:
+*before* ``import megatron.core``; it is idempotent and applies three shims (and defers
+one import, see 4):
 
 1. **triton stub.** megatron-core imports ``triton`` unconditionally in a few modules
    (e.g. ``transformer/moe/ops/paged_stash.py``), so ``import megatron.core`` fails
@@ -30,6 +31,14 @@ Nothing here runs on import. Call :func:`apply_megatron_cpu_shims` once per proc
    :class:`CpuRNGStatesTracker` (same names: data-parallel, model-parallel and
    expert-parallel states, same seed offsets) whose ``fork()`` swaps the *CPU* default
    generator state, and seeds the CPU generator with the data-parallel seed.
+
+4. **wandb is imported on first use.** ``megatron.core.timers`` runs ``import wandb``
+   (when installed) for a writer the CPU runs never pass; that import costs about a
+   second of CPU per process. Until something reads an attribute of it, ``wandb`` in
+   ``sys.modules`` is a placeholder module; the first lookup (``wandb.init`` in the
+   wandb tracker, an ``import wandb.sdk``, ...) imports the real package, which
+   replaces the placeholder in ``sys.modules`` and answers every later lookup through
+   it. Nothing else changes: the placeholder carries the real module's spec and file.
 
 :func:`init_cpu_process_group` starts a gloo process group and megatron's
 ``parallel_state.initialize_model_parallel`` on top of it (shims applied first).
@@ -198,6 +207,39 @@ def _install_triton_stub() -> None:
     _STATE["stubbed_triton"] = True
 
 
+# ------------------------------------------------- 4. wandb imported on first use
+class _DeferredModule(types.ModuleType):
+    """Stands in ``sys.modules`` for a module not imported yet; the first attribute lookup imports
+    the real module (which takes its place in ``sys.modules``) and every lookup reads from it."""
+
+    def __getattr__(self, attr):
+        real = sys.modules.get(self.__name__)
+        if real is self or real is None:
+            sys.modules.pop(self.__name__, None)
+            try:
+                real = importlib.import_module(self.__name__)
+            except BaseException:
+                sys.modules[self.__name__] = self
+                raise
+        return getattr(real, attr)
+
+
+_DEFERRED_IMPORTS = ("wandb",)
+
+
+def _defer_imports() -> None:
+    for name in _DEFERRED_IMPORTS:
+        if name in sys.modules:
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            continue                 # not installed: ``import NAME`` keeps raising ImportError
+        placeholder = _DeferredModule(name)
+        placeholder.__spec__ = spec  # `import NAME` returns it (not being initialized)
+        placeholder.__file__ = spec.origin   # inspect.getmodule() scans sys.modules for __file__
+        sys.modules[name] = placeholder
+
+
 # ------------------------------------------------------ 2. current_device -> "cpu"
 def _cpu_current_device():
     return "cpu"
@@ -302,6 +344,7 @@ def apply_megatron_cpu_shims() -> None:
     if _STATE["applied"]:
         return
     _install_triton_stub()
+    _defer_imports()
     _patch_current_device()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _STATE["applied"] = True

@@ -1,6 +1,6 @@
 """backends.cpu.megatron_shims: triton stub (only when triton is absent; torch keeps seeing no
-triton), torch.cuda.current_device -> "cpu", megatron's RNG tracker on the CPU generator, and the
-gloo process-group helper."""
+triton), torch.cuda.current_device -> "cpu", megatron's RNG tracker on the CPU generator, wandb imported
+on first use (not by ``import megatron.core``), and the gloo process-group helper."""
 
 from __future__ import annotations
 
@@ -35,14 +35,24 @@ def test_fresh_process_imports_megatron_and_torch_sees_no_triton():
         from megatron.core import tensor_parallel
         import torch.utils._triton as tt
         from torch._inductor.runtime import triton_compat
+        from megatron.core import timers
+        # megatron's `import wandb` got the placeholder; nothing of wandb ran yet
+        deferred = timers.wandb is sys.modules["wandb"] and "wandb.sdk" not in sys.modules
+        import wandb
+        version = wandb.__version__                  # the first lookup imports the real package
+        real = sys.modules["wandb"]
         print(json.dumps({
             "stub": s.is_triton_stub(), "has_triton": tt.has_triton(), "has_pkg": tt.has_triton_package(),
             # torch's own no-triton placeholder, not our stub
             "compat_no_triton": getattr(triton_compat.triton, "__module__", "") == triton_compat.__name__,
             "device": torch.cuda.current_device(),
+            "wandb_deferred": deferred,
+            "wandb_loaded": real is not wandb and "wandb.sdk" in sys.modules and version == real.__version__
+                            and timers.wandb.init is real.init,
         }))
     """)
-    assert r == {"stub": True, "has_triton": False, "has_pkg": False, "compat_no_triton": True, "device": "cpu"}
+    assert r == {"stub": True, "has_triton": False, "has_pkg": False, "compat_no_triton": True, "device": "cpu",
+                 "wandb_deferred": True, "wandb_loaded": True}
 
 
 def test_real_triton_is_never_shadowed(tmp_path):

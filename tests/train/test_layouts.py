@@ -24,14 +24,13 @@ SFT = ("--mode", "sft", "--steps", "1", "--lr", "1e-3")
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """One-process SFT step of each implementation: the reference every layout must reproduce."""
-    out = {}
-    for impl in ("miles", "megatron"):
-        d = tmp_path_factory.mktemp(f"one-{impl}")
-        _train(d / "run", "--impl", impl, *SFT)
-        out[impl] = metrics_rows(d / "run")[0]
-    return out
+def one_rank(tmp_path_factory, sft_straight):
+    """One-process SFT step of each implementation: the reference every layout must reproduce. For miles it is
+    the first step of the one-process run the resume tests below compare with (the same SFT job, lr 1e-3: the
+    first step does not depend on how many steps follow or on the checkpoints written after it)."""
+    d = tmp_path_factory.mktemp("one-megatron")
+    _train(d / "run", "--impl", "megatron", *SFT)
+    return {"miles": sft_straight[0], "megatron": metrics_rows(d / "run")[0]}
 
 
 @pytest.mark.parametrize("impl,layout", [
