@@ -59,7 +59,8 @@ def test_installed_plugin_is_listed_with_its_distribution(plugin_site):
     kernels = {e["name"]: e for e in json.loads(proc.stdout)["kernel_backend"]}
     assert kernels["example-ref"]["distribution"] == "dsv4-example-plugin"
     assert kernels["example-ref"]["capabilities"] == {"deterministic": False, "dtypes": None, "hardware": ["cpu"],
-                                                     "impls": ["miles"]}
+                                                     "impls": ["miles"], "attention_head_dims": None,
+                                                     "attention_heads_multiple": 1}
     assert kernels["none"]["distribution"] == "dsv4"
 
 
