@@ -41,6 +41,7 @@ bandwidth its weights need.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -295,8 +296,8 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                         extra["reserve_s"] = round(reserve_s, 2)
                     if profile_steps > 0 and name == "cached":
                         def gen_n(k, prompts=prompts):
-                            sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=k, stop_token_ids=())
-                            return engine.generate(prompts, sp, n=1, seed=seed)
+                            return engine.generate(prompts, dataclasses.replace(params, max_new_tokens=k), n=1,
+                                                   seed=seed)
                         extra["profile"] = profile_decode(gen_n, dev, profile_steps)
             except torch.cuda.OutOfMemoryError as e:
                 add(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))

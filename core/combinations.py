@@ -174,7 +174,7 @@ def _kernel_attention_shape(sel: Selection, host) -> Optional[str]:
     """A kernel backend whose sparse attention is built for some head dims or a tile of heads
     (``KernelBackend.attention_head_dims`` / ``attention_heads_multiple``) takes only models within them."""
     k = sel.kernel
-    dims, mult = getattr(k, "attention_head_dims", None), getattr(k, "attention_heads_multiple", 1)
+    dims, mult = k.attention_head_dims, k.attention_heads_multiple
     bad = []
     if dims is not None and sel.head_dim is not None and sel.head_dim not in dims:
         bad.append(f"head_dim={sel.head_dim} (built for {', '.join(str(d) for d in sorted(dims))})")

@@ -31,6 +31,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from kernels.cuda.shape import HEAD_DIM, HEAD_TILE
+
 __all__ = ["sparse_attention_fwd", "VARIANTS", "DEFAULT_VARIANT", "load_extension"]
 
 _HERE = Path(__file__).resolve().parent
@@ -91,8 +93,10 @@ def load_extension(verbose: bool = False):
     return _ext
 
 
-def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
-    """Raise ``ValueError`` (naming the fix) unless the kernel takes these inputs."""
+def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                 contiguous: bool = True) -> None:
+    """Raise ``ValueError`` (naming the fix) unless the kernel takes these inputs; ``contiguous=False`` leaves
+    out the layout check (the backend's entry points check before the launcher makes its inputs contiguous)."""
     if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or sink.dim() != 1:
         raise ValueError(f"expected q [T,H,D], kv [Tkv,D], idx [T,K], sink [H]; got {tuple(q.shape)}, "
                          f"{tuple(kv.shape)}, {tuple(idx.shape)}, {tuple(sink.shape)}")
@@ -102,12 +106,12 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: tor
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         raise ValueError(f"the cuda attention kernel takes bf16 q and kv, got {q.dtype}, {kv.dtype}: cast them "
                          "with .bfloat16() or use --kernel-backend triton (bf16/fp16)")
-    if D != 512:
-        raise ValueError(f"the cuda attention kernel is built for head dim 512, got {D}: use --kernel-backend "
-                         "triton for other head dims")
-    if H % 64:
-        raise ValueError(f"the cuda attention kernel takes a multiple of 64 heads, got {H}: pad the heads to a "
-                         "multiple of 64 or use --kernel-backend triton")
+    if D != HEAD_DIM:
+        raise ValueError(f"the cuda attention kernel is built for head dim {HEAD_DIM}, got {D}: use "
+                         "--kernel-backend triton for other head dims")
+    if H % HEAD_TILE:
+        raise ValueError(f"the cuda attention kernel takes a multiple of {HEAD_TILE} heads, got {H}: pad the heads "
+                         f"to a multiple of {HEAD_TILE} or use --kernel-backend triton")
     if idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"idx must be int32 (or int64), got {idx.dtype}")
     if not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
@@ -119,6 +123,8 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: tor
     if cap != (9, 0):
         raise ValueError(f"the cuda attention kernel is built for sm_90a (H100/H200), this GPU is sm_{cap[0]}{cap[1]}: "
                          "use --kernel-backend triton")
+    if not contiguous:
+        return
     for name, x in (("q", q), ("kv", kv), ("idx", idx)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")

@@ -17,7 +17,6 @@ from core.kernel_ops import OpTable  # noqa: F401 (the return type)
 from core.probes import python_package_missing
 
 
-
 def unavailable_reason() -> Optional[str]:
     """Triton (the backward, the indexer and the mHC kernels) and a CUDA compiler (the forward is compiled on
     first use with torch.utils.cpp_extension)."""
@@ -41,20 +40,12 @@ def ops() -> "OpTable":
     heads a multiple of 64, CUDA tensors on a compute-capability 9.0 GPU: anything else is refused with the fix."""
     from kernels import gpu_common
     from kernels.cuda import entry
-    from kernels.reference.backend import NAME as REFERENCE, reference_functions
+    from kernels.triton import attention, indexer, mhc
 
-    triton_table = gpu_common.make_ops("triton", *_triton_modules())
+    triton_table = gpu_common.make_ops("triton", attention, indexer, mhc)   # every op name, with its provider
     own = dict(sparse_attention_with_sink=entry.sparse_attention_with_sink,
                sparse_attention_with_sink_thd=entry.sparse_attention_with_sink_thd)
     delegated = {name: (triton_table.provider[name], getattr(triton_table, name))
                  for name in triton_table.names() if name not in own}
-    delegated.update({name: (REFERENCE, fn) for name, fn in reference_functions().items()
-                      if name not in own and name not in delegated})
     return OpTable("cuda", own, delegated=delegated, dtypes=gpu_common.GPU_DTYPES[:1],
                    indexer_inputs=triton_table.indexer_inputs)
-
-
-def _triton_modules():
-    from kernels.triton import attention, indexer, mhc
-
-    return attention, indexer, mhc

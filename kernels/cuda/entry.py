@@ -7,24 +7,17 @@ from __future__ import annotations
 import torch
 
 from kernels import gpu_common, gpu_ops
+from kernels.cuda import attention
 from kernels.cuda.shape import HEAD_DIM, HEAD_TILE
 
 __all__ = ["sparse_attention_with_sink_thd", "sparse_attention_with_sink", "kernel_supports"]
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
+    """The GPU backends' common checks, then the kernel's own (:func:`kernels.cuda.attention.check_inputs`;
+    the launcher makes the inputs contiguous)."""
     gpu_common.check_attention_inputs(q, kv, idx, sink, "cuda")
-    H, D = q.shape[1], q.shape[2]
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"the cuda attention kernel takes bf16 q and kv, got {q.dtype}. Fix: run with --dtype "
-                         "bf16, or --kernel-backend triton (bf16/fp16)")
-    if D != HEAD_DIM or H % HEAD_TILE:
-        raise ValueError(f"the cuda attention kernel is built for head dim {HEAD_DIM} and a multiple of "
-                         f"{HEAD_TILE} heads, got {H} heads of {D}. Fix: use --kernel-backend triton")
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        cap = torch.cuda.get_device_capability(q.device)
-        raise ValueError(f"the cuda attention kernel is built for sm_90a (H100 / H200); this GPU is sm_{cap[0]}"
-                         f"{cap[1]}. Fix: use --kernel-backend triton")
+    attention.check_inputs(q, kv, idx, sink, contiguous=False)
 
 
 def kernel_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
