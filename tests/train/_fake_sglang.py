@@ -233,18 +233,22 @@ def main(argv=None) -> None:
     p.add_argument("--fake-fail", nargs=2, action="append", default=[], metavar=("PATH", "MESSAGE"),
                    help="refuse requests to PATH with MESSAGE")
     args, _rest = p.parse_known_args(argv)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # a scheduler stand-in
+    info = {"argv": list(sys.argv[1:] if argv is None else argv), "model_path": args.model_path,
+            "worker_pid": worker.pid, "pid": os.getpid()}
+    state_file = os.environ.get(STATE_ENV)
+    if state_file:   # the processes to check for, written before torch's import (seconds on a loaded machine)
+        Path(state_file).write_text(json.dumps({"info": info}))
     from core.checkpoint import open_checkpoint
 
     try:
         config = open_checkpoint(args.model_path).config
     except Exception as exc:  # noqa: BLE001
         print(f"fake sglang: cannot load --model-path {args.model_path}: {exc}", file=sys.stderr)
+        worker.kill()
         sys.exit(3)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # a scheduler stand-in
-    info = {"argv": list(sys.argv[1:] if argv is None else argv), "model_path": args.model_path,
-            "worker_pid": worker.pid, "pid": os.getpid()}
     fake = FakeSGLang(config, tp_size=args.tp_size, port=args.port, host=args.host,
-                      health_delay_s=args.fake_health_delay, state_file=os.environ.get(STATE_ENV), info=info)
+                      health_delay_s=args.fake_health_delay, state_file=state_file, info=info)
     fake.state["info"] = info
     fake.fail.update(dict(args.fake_fail))
     fake._dump()

@@ -26,7 +26,7 @@ import torch
 from core.config import preset
 
 STEPS = 3
-BACKGROUND_DELAY_S = 1.5    # a background generate outlasts a step's log-probs and train phase (about 0.3 s here)
+WAITED_S = 0.3    # a background generate returns this long after the trainer began waiting for it
 KW = dict(max_new_tokens=4, prompts_per_step=2, group_size=4, save_every=1, keep_last=5, lr=1e-3, progress=False,
           export_at_end=False)
 SAME = ("loss", "grad_norm", "reward_mean", "train_rollout_logprob_abs_diff", "response_tokens")
@@ -55,8 +55,8 @@ class Recording:
     the thread it ran in and the groups; per finish_update, the weights it then held; and any weight update that
     started while a generate was running."""
 
-    def __init__(self, engine, log):
-        self.engine, self.log = engine, log
+    def __init__(self, engine, log, taken: threading.Semaphore):
+        self.engine, self.log, self.taken = engine, log, taken
         self.version, self.busy = None, False
 
     def __getattr__(self, name):
@@ -77,7 +77,10 @@ class Recording:
         self.busy = True
         try:
             if threading.current_thread() is not threading.main_thread():
-                time.sleep(BACKGROUND_DELAY_S)   # still generating when the trainer reaches its next weight sync
+                # still generating when the trainer asks for the batch (before its next weight sync), however
+                # long the step's train phase took on a loaded machine
+                assert self.taken.acquire(timeout=120), "the trainer never asked for the background batch"
+                time.sleep(WAITED_S)
             groups = self.engine.generate(prompts, params, n=n, seed=seed, first_prompt=first_prompt)
         finally:
             self.busy = False
@@ -91,10 +94,19 @@ def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
     import train.trainer as T
     from train.metrics import read_metrics
 
+    from train.async_rollout import RolloutPipeline
+
     log = {"generate": [], "weights": {}, "updated_while_generating": []}
-    made = T._rollout_engine
+    made, take, taken = T._rollout_engine, RolloutPipeline.take, threading.Semaphore(0)
+
+    def take_and_release(pipeline, step):
+        if pipeline.pending is not None:
+            taken.release()
+        return take(pipeline, step)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(T, "_rollout_engine", lambda *a, **k: Recording(made(*a, **k), log))
+        mp.setattr(T, "_rollout_engine", lambda *a, **k: Recording(made(*a, **k), log, taken))
+        mp.setattr(RolloutPipeline, "take", take_and_release)
         T.run_training(run_config(), small_config(), mode="grpo", steps=steps, run_dir=run_dir, resume=resume,
                        data=data, **{**KW, **kw})
     return read_metrics(run_dir), log
@@ -187,7 +199,7 @@ def test_metrics_carry_the_lag_and_the_overlap(runs):
     for r in async_rows[:-1]:    # the next batch was issued before this step's train phase ended
         assert 0 < r["at_next_rollout_issued"] < r["at_train_end"]
     for r in async_rows[1:]:     # and the next step waited for it (the sync must not update a generating engine)
-        assert r["time_rollout_wait"] > 0.1
+        assert r["time_rollout_wait"] >= WAITED_S * 0.9
     assert "at_next_rollout_issued" not in async_rows[-1]      # no batch is generated past the last step
     assert len(async_log["generate"]) == STEPS
     assert async_log["updated_while_generating"] == []        # the sync waited for the call in flight
