@@ -2,7 +2,7 @@
 
 Nothing here runs on import. Call :func:`apply_megatron_cpu_shims` once per process
 *before* ``import megatron.core``; it is idempotent and applies three shims (and defers
-one import, see 4):
+two costs of importing it, see 4 and 5):
 
 1. **triton stub.** megatron-core imports ``triton`` unconditionally in a few modules
    (e.g. ``transformer/moe/ops/paged_stash.py``), so ``import megatron.core`` fails
@@ -10,14 +10,14 @@ one import, see 4):
    package ``triton`` / ``triton.language`` is registered in ``sys.modules``: ``jit`` /
    ``autotune`` / ``heuristics`` are pass-through decorators and every other attribute
    is an inert placeholder, so module-level kernel *definitions* import; calling a
-   kernel raises. To keep torch.compile / inductor from mistaking the stub for a real
-   triton, torch's probes run *before* the stub is registered: the cached
-   ``torch.utils._triton.has_triton_package()`` stays ``False`` (so ``has_triton()`` is
-   ``False``), and the inductor modules that ``try: import triton`` at import time
-   (``_TORCH_TRITON_PROBES``, plus the chain a ``torch.compile`` decorator resolves) are
-   imported first and keep torch's own no-triton placeholders. ``is_triton_stub()`` tells
-   the stub apart; ``triton.<anything>`` submodules resolve to further stubs. Cost: ~4 s
-   (inductor import) once per process.
+   kernel raises. torch.compile / inductor must not mistake the stub for a real triton:
+   the cached ``torch.utils._triton.has_triton_package()`` is evaluated before the stub
+   exists (so ``has_triton()`` stays ``False``), and every ``torch.*`` module first
+   imported while the stub is installed executes with the stub out of ``sys.modules``,
+   so the inductor / dynamo modules that ``try: import triton`` at import time bind
+   torch's own no-triton placeholders whenever they are imported (on first use: a
+   process that never compiles never imports them). ``is_triton_stub()`` tells the stub
+   apart; ``triton.<anything>`` submodules resolve to further stubs.
 
 2. **``torch.cuda.current_device`` answers ``"cpu"``.** megatron allocates scratch
    tensors with ``device=torch.cuda.current_device()``; on a CPU host the stock function
@@ -39,6 +39,13 @@ one import, see 4):
    wandb tracker, an ``import wandb.sdk``, ...) imports the real package, which
    replaces the placeholder in ``sys.modules`` and answers every later lookup through
    it. Nothing else changes: the placeholder carries the real module's spec and file.
+
+5. **megatron's compiled functions compile on their first call.** megatron decorates its
+   fused ops with ``torch.compile`` when they are imported (``jit_fuser``, the inference
+   router), and that decorator alone imports dynamo and inductor (about 3 s of CPU per
+   process; the CPU runs call none of those ops). While a ``megatron.*`` module executes,
+   ``torch.compile`` is :func:`compile_on_first_call`: the same compile, done when the
+   function first runs.
 
 :func:`init_cpu_process_group` starts a gloo process group and megatron's
 ``parallel_state.initialize_model_parallel`` on top of it (shims applied first).
@@ -177,13 +184,50 @@ def is_triton_stub(mod=None) -> bool:
     return isinstance(mod, _StubModule)
 
 
-#: torch modules that probe ``import triton`` at import time; imported before the stub exists.
-_TORCH_TRITON_PROBES = (
-    "torch._inductor.runtime.triton_compat",
-    "torch.utils.flop_counter",
-    "torch._inductor.codecache",
-    "torch._inductor.compile_fx",
-)
+class _TorchWithoutTritonStub(importlib.abc.MetaPathFinder):
+    """Runs every ``torch.*`` module imported while the stub is installed with the stub out of ``sys.modules``.
+
+    torch's inductor, dynamo and flop counter ``try: import triton`` when they are first imported (a
+    ``torch.compile`` call, a ``FlopCounterMode``); they must see "no triton" then, or they would bind the stub
+    and fail on its placeholders. Hiding it while such a module executes lets them be imported on first use
+    instead of before the stub (about 3 s of CPU per process that never compiles)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not (fullname == "functorch" or fullname.startswith(("torch.", "functorch."))):
+            return None
+        if not is_triton_stub(sys.modules.get("triton")):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _StubHidingLoader):
+            spec.loader = _StubHidingLoader(spec.loader)
+        return spec
+
+
+class _StubHidingLoader(importlib.abc.Loader):
+    """A torch module's own loader, executing the module with the triton stub out of ``sys.modules``."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):            # get_source, get_resource_reader, is_package, ...
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        hidden = {n: m for n, m in sys.modules.items() if (n == "triton" or n.startswith("triton.")) and
+                  is_triton_stub(m)}
+        for name in hidden:
+            del sys.modules[name]
+        try:
+            self._loader.exec_module(module)
+        finally:
+            for name, m in hidden.items():
+                sys.modules.setdefault(name, m)
+
+
+_TORCH_FINDER = _TorchWithoutTritonStub()
 
 
 def _install_triton_stub() -> None:
@@ -191,20 +235,78 @@ def _install_triton_stub() -> None:
         return  # real triton already imported, or our stub already there
     if importlib.util.find_spec("triton") is not None:
         return  # the real package is installed: never shadow it
-    # Evaluate torch's probes first, so torch.compile / inductor keep seeing "no triton": the
-    # cached has_triton_package() stays False, and inductor's triton_compat (imported when any
-    # torch.compile decorator resolves its backend) binds triton = None.
+    # torch's cached has_triton_package() (behind has_triton()) answers "no triton" from now on; its modules
+    # that probe ``import triton`` when imported run with the stub hidden (_TorchWithoutTritonStub)
     from torch.utils import _triton as torch_triton
 
     torch_triton.has_triton_package()
-    torch.compile(lambda x: x)  # decorating (not calling) resolves the inductor backend: imports its chain
-    for name in _TORCH_TRITON_PROBES:
-        importlib.import_module(name)
-
+    if _TORCH_FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _TORCH_FINDER)
     sys.modules.update(_make_triton_stub())
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)
     _STATE["stubbed_triton"] = True
+
+
+# ------------------------------------ 5. megatron's compiled functions compiled on first call
+class _MegatronCompileOnFirstCall(importlib.abc.MetaPathFinder):
+    """Every ``megatron.*`` module executes with ``torch.compile`` as :func:`compile_on_first_call`.
+
+    megatron decorates its fused ops with ``torch.compile`` when they are imported (``jit_fuser`` in
+    ``megatron.core.jit``, the inference router's ``@torch.compile``), and the decorator alone imports dynamo
+    and inductor (about 3 s of CPU) in every process, though the CPU runs call none of those functions."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "megatron" and not fullname.startswith("megatron."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _CompileOnFirstCallLoader):
+            spec.loader = _CompileOnFirstCallLoader(spec.loader)
+        return spec
+
+
+class _CompileOnFirstCallLoader(_StubHidingLoader):
+    def exec_module(self, module):
+        if torch.compile is compile_on_first_call:     # a megatron module imported by another one
+            return self._loader.exec_module(module)
+        real, torch.compile = torch.compile, compile_on_first_call
+        try:
+            self._loader.exec_module(module)
+        finally:
+            torch.compile = real
+
+
+_REAL_COMPILE = torch.compile
+
+
+def compile_on_first_call(fn=None, **options):
+    """``torch.compile(fn, **options)``, done when the returned function is first called outside a compiled
+    region (inside one it runs ``fn`` itself for the outer compile to trace, as torch.compile does with a nested
+    compiled function)."""
+    import functools
+
+    if fn is None:                                  # @torch.compile(...) with options
+        return lambda f: compile_on_first_call(f, **options)
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = _REAL_COMPILE(fn, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+_COMPILE_FINDER = _MegatronCompileOnFirstCall()
+
+
+def _compile_megatron_functions_on_first_call() -> None:
+    if _COMPILE_FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _COMPILE_FINDER)
 
 
 # ------------------------------------------------- 4. wandb imported on first use
@@ -345,6 +447,7 @@ def apply_megatron_cpu_shims() -> None:
         return
     _install_triton_stub()
     _defer_imports()
+    _compile_megatron_functions_on_first_call()
     _patch_current_device()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _STATE["applied"] = True
