@@ -1,4 +1,5 @@
-"""Parameter counts of the presets (meta device): exact reference numbers."""
+"""Parameter counts of the presets (from the official tensor list): exact reference numbers, and the same
+counts as the model's own parameters on the meta device."""
 
 from __future__ import annotations
 
@@ -55,3 +56,18 @@ def test_pro_mtp():
     c = count_parameters(preset("pro"))
     assert round(c["mtp"] / 1e9, 2) == 25.84
     assert round(c["active_per_token"] / 1e9, 2) == 49.78
+
+
+@pytest.mark.parametrize("name", ["tiny", "flash-4layer", "tiny-wide-heads"])
+def test_the_tensor_list_counts_the_models_parameters(name):
+    """The count from the official tensor list is the model's: every parameter of the meta-device model, by
+    component (the routers' bias, a buffer, is left out of both)."""
+    from kernels.reference.model import DeepseekV4Model
+    from kernels.reference.params import component_of
+
+    cfg = preset(name)
+    want = {k: 0 for k in COMPONENTS}
+    for pname, p in DeepseekV4Model(cfg, device="meta").named_parameters():
+        want[component_of(pname)] += p.numel()
+    got = count_parameters(cfg)
+    assert {k: got[k] for k in COMPONENTS} == want
