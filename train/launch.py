@@ -9,7 +9,9 @@ Two ways in, one code path:
   megatron-core's parallel state for the run's ``--tp/--cp/--ep``.
 * **one command on one machine**: without that environment, a run of several ranks (``--nproc-per-node G``,
   or ``tp x cp x ep`` by default) starts them as local workers through torch.distributed's elastic launcher
-  (:func:`launch_local_ranks`, what torchrun itself uses), which gives each worker the same environment.
+  (:func:`launch_local_ranks`, what torchrun itself uses), which gives each worker the same environment;
+  they start as the hardware target asks (``train.local_workers``: spawned on GPUs, forked from a preloaded
+  server on the CPU).
 
 A failing rank stops the others (the elastic agent's job); the error that reaches the user is the first
 failing rank's, as one line (:class:`RankFailed`).
@@ -92,23 +94,30 @@ def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from core.assembly import assemble
     from core.ports import free_port
 
+    from .local_workers import parent_state, start_method
+
+    method = start_method(assemble(run).target, ["core.assembly", __name__, fn.__module__])
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below, once
     with tempfile.TemporaryDirectory(prefix="dsv4-ranks-") as errors:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=run.world, run_id=f"dsv4-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                              monitor_interval=0.1, start_method="spawn")
+                              monitor_interval=0.1, start_method=method)
         try:
-            results = elastic_launch(config, _worker)(fn, tuple(args), errors)
+            results = elastic_launch(config, _worker)(fn, tuple(args), errors, parent_state())
         except ChildFailedError as exc:
             raise _first_failure(Path(errors), exc) from None
     return results[0]
 
 
-def _worker(fn: Callable, args: tuple, errors: str) -> Any:
-    """One local rank: ``fn(*args)``; a failure is written for the parent before it propagates (with its
-    traceback on stderr under ``--debug``)."""
+def _worker(fn: Callable, args: tuple, errors: str, parent: dict) -> Any:
+    """One local rank: ``fn(*args)`` in its parent's environment (``train.local_workers.adopt``); a failure is
+    written for the parent before it propagates (with its traceback on stderr under ``--debug``)."""
+    from .local_workers import adopt
+
+    adopt(parent)
     try:
         return fn(*args)
     except BaseException as exc:
