@@ -141,25 +141,15 @@ def _ep_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
 def _spawn(worker, nprocs: int, run, *args) -> object:
     """Run ``worker(rank, free port, run, *args, out_path)`` on ``nprocs`` local processes, started as the run's
     hardware target asks (``train.local_workers``); rank 0's result."""
-    import torch.multiprocessing as mp
-
     from core.assembly import assemble
     from core.ports import free_port
-    from train.local_workers import parent_state, start_method
+    from train.local_workers import start_processes
 
-    method = start_method(assemble(run).target, ["core.assembly", __name__])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.pt"
-        mp.start_processes(_in_parent_state, args=(parent_state(), worker, free_port(), run, *args, str(out)),
-                           nprocs=nprocs, join=True, start_method=method)
+        start_processes(worker, (free_port(), run, *args, str(out)), nprocs, assemble(run).target,
+                        ["core.assembly"])
         return torch.load(out, weights_only=True)
-
-
-def _in_parent_state(rank: int, parent: dict, worker, *args) -> None:
-    from train.local_workers import adopt
-
-    adopt(parent)
-    worker(rank, *args)
 
 
 def score_packed(checkpoint_dir, sequences: Sequence[Sequence[int]], run) -> list[list[float]]:

@@ -53,3 +53,18 @@ def adopt(state: Dict[str, Any]) -> None:
         os.environ.update(own)
     if os.getcwd() != state["cwd"]:
         os.chdir(state["cwd"])
+
+
+def start_processes(fn, args: tuple, nprocs: int, target, modules: Sequence[str] = ()) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` local processes (``torch.multiprocessing.start_processes``, joined),
+    started as ``target`` asks, each in its parent's environment and folder; ``modules``: more to preload."""
+    import torch.multiprocessing as mp
+
+    method = start_method(target, [*modules, fn.__module__])
+    mp.start_processes(_in_parent_state, args=(parent_state(), fn, *args), nprocs=nprocs, join=True,
+                       start_method=method)
+
+
+def _in_parent_state(rank: int, parent: Dict[str, Any], fn, *args) -> None:
+    adopt(parent)
+    fn(rank, *args)

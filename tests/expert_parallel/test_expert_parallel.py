@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from core.ports import free_port
+from tests.cpu_ranks import spawn_cpu_ranks
 
 from . import _worker
 from .parity import ep_results
@@ -38,7 +38,7 @@ def test_ep_matches_ep1(weights, reference, impl, ep, tmp_path):
         reference[impl] = ep_results(impl, official, 1, 0, torch.device("cpu"))
     want = reference[impl]
     out = tmp_path / f"ep{ep}.pt"
-    mp.spawn(_worker.run, args=(ep, free_port(), impl, str(path), str(out)), nprocs=ep, join=True)
+    spawn_cpu_ranks(_worker.run, (ep, free_port(), impl, str(path), str(out)), ep)
     got = torch.load(out)
     assert got["local_experts"] * ep == want["local_experts"]    # each rank really holds its share only
     # the full view (weight export, checkpoints) gathers every rank's experts back under their own names

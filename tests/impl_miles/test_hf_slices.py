@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.multiprocessing as mp
 
 from core.checkpoint import prepare_checkpoint
 from core.ports import free_port
+from tests.cpu_ranks import spawn_cpu_ranks
 
 from . import _slice_worker
 from ._helpers import TINY
@@ -27,7 +27,7 @@ def test_tp_ranks_read_only_their_slices(tmp_path):
     # tiny's 128-wide experts: a rank's 64 rows of w1 / w3 lie inside one FP8 block, read whole and trimmed
     cases.append(("fp8-unaligned", str(prepare_checkpoint(tmp_path / "fp8u", TINY, dtype="fp8", seed=5)), TINY))
     out = tmp_path / "slices"
-    mp.spawn(_slice_worker.run, args=(WORLD, free_port(), cases, str(out)), nprocs=WORLD, join=True)
+    spawn_cpu_ranks(_slice_worker.run, (WORLD, free_port(), cases, str(out)), WORLD)
 
     for rank in range(WORLD):
         res = torch.load(f"{out}.{rank}")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from core.memory import estimate_memory
 from core.ports import free_port
+from tests.cpu_ranks import spawn_cpu_ranks
 
 from . import _memory_worker
 from ._helpers import TINY, run_config
@@ -19,7 +19,7 @@ from ._helpers import TINY, run_config
 def _held_per_rank(tmp_path, tp: int, ep: int) -> list:
     world = tp * ep
     prefix = tmp_path / f"tp{tp}-ep{ep}"
-    mp.spawn(_memory_worker.run, args=(world, free_port(), tp, ep, str(prefix)), nprocs=world, join=True)
+    spawn_cpu_ranks(_memory_worker.run, (world, free_port(), tp, ep, str(prefix)), world)
     return [torch.load(f"{prefix}.{r}") for r in range(world)]
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from core.ports import free_port
+from tests.cpu_ranks import spawn_cpu_ranks
 
 from . import _cp_worker
 from ._common import build, cu_seqlens, grads_official, saved_official_weights, packed_loss, reference, stream
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_matches_cp1(setup, cp):
     out = setup["tmp"] / f"cp{cp}.pt"
-    mp.spawn(_cp_worker.run, args=(cp, free_port(), "miles", str(setup["weights"]), str(out)), nprocs=cp, join=True)
+    spawn_cpu_ranks(_cp_worker.run, (cp, free_port(), "miles", str(setup["weights"]), str(out)), cp)
     res = torch.load(out)
     assert (res["logprobs"] - setup["logprobs"]).abs().max().item() <= LP_TOL
     assert abs(res["loss"] - setup["loss"]) <= LP_TOL
