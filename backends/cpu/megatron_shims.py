@@ -54,6 +54,7 @@ two costs of importing it, see 4 and 5):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -184,36 +185,44 @@ def is_triton_stub(mod=None) -> bool:
     return isinstance(mod, _StubModule)
 
 
-class _TorchWithoutTritonStub(importlib.abc.MetaPathFinder):
-    """Runs every ``torch.*`` module imported while the stub is installed with the stub out of ``sys.modules``.
+class _WrappingFinder(importlib.abc.MetaPathFinder):
+    """Finds the modules named ``names`` (a package and its submodules) as the path finder does, and has
+    ``loader`` execute each (while ``active()``): the shims that change how some modules run their import."""
 
-    torch's inductor, dynamo and flop counter ``try: import triton`` when they are first imported (a
-    ``torch.compile`` call, a ``FlopCounterMode``); they must see "no triton" then, or they would bind the stub
-    and fail on its placeholders. Hiding it while such a module executes lets them be imported on first use
-    instead of before the stub (about 3 s of CPU per process that never compiles)."""
+    def __init__(self, names, loader, active=lambda: True):
+        self.names, self.prefixes, self.loader, self.active = names, tuple(n + "." for n in names), loader, active
 
     def find_spec(self, fullname, path=None, target=None):
-        if not (fullname == "functorch" or fullname.startswith(("torch.", "functorch."))):
-            return None
-        if not is_triton_stub(sys.modules.get("triton")):
+        if not (fullname in self.names or fullname.startswith(self.prefixes)) or not self.active():
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _StubHidingLoader):
-            spec.loader = _StubHidingLoader(spec.loader)
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _WrappedLoader):
+            spec.loader = self.loader(spec.loader)
         return spec
 
 
-class _StubHidingLoader(importlib.abc.Loader):
-    """A torch module's own loader, executing the module with the triton stub out of ``sys.modules``."""
+class _WrappedLoader(importlib.abc.Loader):
+    """A module's own loader (every attribute but ``exec_module``: get_source, get_resource_reader, ...)."""
 
     def __init__(self, loader):
         self._loader = loader
 
-    def __getattr__(self, name):            # get_source, get_resource_reader, is_package, ...
+    def __getattr__(self, name):
         return getattr(self._loader, name)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+
+
+class _StubHidingLoader(_WrappedLoader):
+    """Executes a torch module with the triton stub out of ``sys.modules``: torch's inductor, dynamo and flop
+    counter ``try: import triton`` when they are first imported (a ``torch.compile`` call, a
+    ``FlopCounterMode``) and must see "no triton" then, or they would bind the stub and fail on its
+    placeholders. So they can be imported on first use instead of before the stub (about 3 s of CPU per
+    process that never compiles)."""
 
     def exec_module(self, module):
         hidden = {n: m for n, m in sys.modules.items() if (n == "triton" or n.startswith("triton.")) and
@@ -227,7 +236,7 @@ class _StubHidingLoader(importlib.abc.Loader):
                 sys.modules.setdefault(name, m)
 
 
-_TORCH_FINDER = _TorchWithoutTritonStub()
+_TORCH_FINDER = _WrappingFinder(("torch", "functorch"), _StubHidingLoader, active=is_triton_stub)
 
 
 def _install_triton_stub() -> None:
@@ -236,7 +245,7 @@ def _install_triton_stub() -> None:
     if importlib.util.find_spec("triton") is not None:
         return  # the real package is installed: never shadow it
     # torch's cached has_triton_package() (behind has_triton()) answers "no triton" from now on; its modules
-    # that probe ``import triton`` when imported run with the stub hidden (_TorchWithoutTritonStub)
+    # that probe ``import triton`` when imported run with the stub hidden (_StubHidingLoader)
     from torch.utils import _triton as torch_triton
 
     torch_triton.has_triton_package()
@@ -249,23 +258,12 @@ def _install_triton_stub() -> None:
 
 
 # ------------------------------------ 5. megatron's compiled functions compiled on first call
-class _MegatronCompileOnFirstCall(importlib.abc.MetaPathFinder):
-    """Every ``megatron.*`` module executes with ``torch.compile`` as :func:`compile_on_first_call`.
-
-    megatron decorates its fused ops with ``torch.compile`` when they are imported (``jit_fuser`` in
+class _CompileOnFirstCallLoader(_WrappedLoader):
+    """Executes a ``megatron.*`` module with ``torch.compile`` as :func:`compile_on_first_call`: megatron
+    decorates its fused ops with ``torch.compile`` when they are imported (``jit_fuser`` in
     ``megatron.core.jit``, the inference router's ``@torch.compile``), and the decorator alone imports dynamo
     and inductor (about 3 s of CPU) in every process, though the CPU runs call none of those functions."""
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "megatron" and not fullname.startswith("megatron."):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _CompileOnFirstCallLoader):
-            spec.loader = _CompileOnFirstCallLoader(spec.loader)
-        return spec
-
-
-class _CompileOnFirstCallLoader(_StubHidingLoader):
     def exec_module(self, module):
         if torch.compile is compile_on_first_call:     # a megatron module imported by another one
             return self._loader.exec_module(module)
@@ -283,8 +281,6 @@ def compile_on_first_call(fn=None, **options):
     """``torch.compile(fn, **options)``, done when the returned function is first called outside a compiled
     region (inside one it runs ``fn`` itself for the outer compile to trace, as torch.compile does with a nested
     compiled function)."""
-    import functools
-
     if fn is None:                                  # @torch.compile(...) with options
         return lambda f: compile_on_first_call(f, **options)
     compiled = None
@@ -301,7 +297,7 @@ def compile_on_first_call(fn=None, **options):
     return call
 
 
-_COMPILE_FINDER = _MegatronCompileOnFirstCall()
+_COMPILE_FINDER = _WrappingFinder(("megatron",), _CompileOnFirstCallLoader)
 
 
 def _compile_megatron_functions_on_first_call() -> None:
@@ -439,7 +435,7 @@ def model_parallel_cpu_manual_seed(seed: int, tp_rank: int | None = None, ep_ran
 
 # ----------------------------------------------------------------------- public
 def apply_megatron_cpu_shims() -> None:
-    """Apply shims 1 and 2 (idempotent); shim 3 is :func:`model_parallel_cpu_manual_seed`.
+    """Apply shims 1, 2, 4 and 5 (idempotent); shim 3 is :func:`model_parallel_cpu_manual_seed`.
 
     Call before the first ``import megatron.core``. Also sets
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (silences megatron's async-allreduce warning)."""

@@ -19,6 +19,8 @@ Conventions (they reproduce the reference numbers exactly):
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["COMPONENTS", "component_of", "count_parameters"]
 
 COMPONENTS = ("embed", "head", "attention", "compressor", "indexer", "mhc", "router", "hash_tables",
@@ -62,8 +64,6 @@ def is_parameter(name: str) -> bool:
 def count_parameters(config) -> dict:
     """``{component: count, ..., "total": trunk count (excl. MTP), "total_with_mtp": ...,
     "active_per_token": trunk params touched per token (excl. hash tables)}``."""
-    import math
-
     from core.checkpoint.official_tensors import official_tensor_specs
 
     counts = {k: 0 for k in COMPONENTS}
