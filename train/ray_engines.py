@@ -43,7 +43,9 @@ __all__ = ["EngineActor", "EngineLost", "EngineNotSynced", "PendingGenerate", "R
            "rank_engine", "server_options", "ENGINE_KILL_ENV"]
 
 # Test hook: "CALL:N" SIGKILLs an engine actor at its N-th ``CALL`` (generate, begin_update, ...), once per
-# run: a restarted actor (a new process) never fires it again.
+# run: a restarted actor (a new process) never fires it again. "CALL:N@I" fires in engine actor I only: with
+# several actors, "every actor at its N-th call" races (one may die before another's N-th call comes, which
+# then comes after the restart), while one named actor dies at one known point.
 ENGINE_KILL_ENV = "DSV4_RAY_ENGINE_KILL_AT"
 # seconds a dead engine actor has to come back (Ray restarts it) before the run fails
 RESTART_TIMEOUT_S = 300.0
@@ -104,7 +106,9 @@ class EngineActor:
     def _count(self, call: str) -> None:
         """The call counter behind the kill hook (:data:`ENGINE_KILL_ENV`)."""
         self.calls[call] = self.calls.get(call, 0) + 1
-        if not self.restarted and os.environ.get(ENGINE_KILL_ENV) == f"{call}:{self.calls[call]}":
+        hook = os.environ.get(ENGINE_KILL_ENV, "")
+        point, _, actor = hook.partition("@")
+        if not self.restarted and point == f"{call}:{self.calls[call]}" and actor in ("", str(self.index)):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def ready(self) -> dict:
