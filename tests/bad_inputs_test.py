@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
+from tests.cli_process import run_module
+
 
 def dsv4(*args, env=None, timeout=300):
-    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly)."""
-    return subprocess.run([sys.executable, "-m", "launchers.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly; a fork of a preloaded
+    interpreter, tests/cli_process.py)."""
+    return run_module("launchers.cli", args, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def dsv4_here(*args):

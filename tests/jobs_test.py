@@ -2,14 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from core.checkpoint import load_into, open_checkpoint
 from kernels.reference.model import DeepseekV4Model
+from tests.cli_process import run_module
 
 
 def dsv4_here(*args, env=None):
@@ -22,15 +21,9 @@ def dsv4_here(*args, env=None):
 
 
 def dsv4(*args, cwd=None, env=None):
-    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly)."""
-    return subprocess.run(
-        [sys.executable, "-m", "launchers.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-        cwd=cwd,
-    )
+    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly; a fork of a preloaded
+    interpreter, tests/cli_process.py)."""
+    return run_module("launchers.cli", args, timeout=300, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

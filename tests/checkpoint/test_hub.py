@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from core.checkpoint import prepare_checkpoint
+from tests.cli_process import run_module
 from core.config import preset
 
 REPO = "test-org/tiny-v4"
@@ -156,7 +157,7 @@ def _dsv4(tmp_path, *args, env=None, wait=True):
     if not wait:
         return subprocess.Popen(cmd, env=env or _env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-    return subprocess.run(cmd, env=env or _env(tmp_path), capture_output=True, text=True, timeout=300)
+    return run_module("launchers.cli", cmd[3:], env=env or _env(tmp_path), timeout=300)   # tests/cli_process.py
 
 
 def _same_as_source(out: Path, files: dict) -> None:

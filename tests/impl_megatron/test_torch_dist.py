@@ -205,15 +205,13 @@ def test_convert_format_torch_dist_loads_with_megatron_core(tmp_path, tiny_check
 
 def test_train_starts_from_a_torch_dist_checkpoint(tmp_path, tiny_checkpoint, tiny_config, hf_native):
     """`dsv4 train --model TORCH_DIST_DIR`: the first step's loss is the HF checkpoint's."""
-    import subprocess
-    import sys
+    from tests.cli_process import run_module
 
     ours = save_torch_dist(tmp_path / "ours", hf_native, tiny_config)
 
     def first_loss(model, run_dir):
-        proc = subprocess.run([sys.executable, "-m", "launchers.cli", "train", "--impl", "megatron", "--mode", "sft",
-                               "--steps", "1", "--model", str(model), "--run-dir", str(run_dir)],
-                              capture_output=True, text=True, timeout=300)
+        proc = run_module("launchers.cli", ["train", "--impl", "megatron", "--mode", "sft", "--steps", "1", "--model",
+                                            model, "--run-dir", run_dir], timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "torch_dist" in proc.stderr if model == ours else True
         return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]

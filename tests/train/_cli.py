@@ -14,12 +14,14 @@ _JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "R
 def train_cli(run_dir, *args, env=None, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
     """``python -m launchers.dsv4 train --hardware cpu --run-dir RUN_DIR ARGS...`` from the repository root;
     ``check``: assert it exited 0 (the end of its stderr in the message)."""
-    cmd = [sys.executable, "-m", "launchers.dsv4", "train", "--hardware", "cpu", "--run-dir", str(run_dir), *args]
+    from tests.cli_process import run_module
+
+    args = ["train", "--hardware", "cpu", "--run-dir", str(run_dir), *args]
     path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     for key in _JOB_ENV:
         full_env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_module("launchers.dsv4", args, cwd=ROOT, env=full_env, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -5,13 +5,15 @@ rank entry point and the same rollout engine in actors, so its metrics must be t
 
 * colocated (engines in their data-parallel leaders' bundles; two trainer ranks here, so the placement by
   megatron's rank order is exercised; ``colocate=true``, so the engine actors release their memory while the
-  trainer works) and disaggregated (the engine in a bundle of its own): the first step's loss, gradient norm,
-  reward and train-vs-rollout log-prob difference equal the local run's to 1e-5, and the run has every step;
-* an engine actor SIGKILLed between two steps (as the next weight update starts) and one killed after a step's
-  weight sync, as it is asked to generate: Ray restarts it, the proxy loads the current weights into it once,
-  and every metrics row equals the uninterrupted local run's (nothing lost, no step repeated);
-* a trainer actor SIGKILLed mid-step: the group restarts from the last checkpoint and the rows equal the local
-  run's;
+  trainer works): the first step's loss, gradient norm, reward and train-vs-rollout log-prob difference equal
+  the local run's to 1e-5, and the run has every step;
+* disaggregated (the engine in a bundle of its own), with its engine actor SIGKILLed as step 2's weight update
+  starts (Ray restarts it, the proxy loads the current weights into it once) and then the trainer actor
+  SIGKILLed mid-step (the group restarts from the last checkpoint): every metrics row equals the uninterrupted
+  local run's (nothing lost, no step repeated); and an engine actor killed after a step's weight sync, as it is
+  asked to generate, the same;
+* ``--weight-transport gloo`` with the engines on two nodes, one engine actor killed (the trainer group
+  restarts: a direct transport keeps no copy of the weights to re-sync it with);
 * ``--rollout-engine sglang``, one fake SGLang server per engine actor (``--rollout-url URL0,URL1``): the
   reference is the local orchestrator's connect-mode run against a fake of its own (same seeds, same pushed
   tensors, same rewards), with both engine actors killed and re-synced;
@@ -52,20 +54,33 @@ def local(tmp_path_factory):
     return metrics_rows(run)
 
 
-@pytest.mark.parametrize("mode,args", [
-    ("colocated", ("--trainer-num-gpus", "2", "colocate=true")),
-    ("disaggregated", ("--rollout-num-gpus", "1")),
-])
-def test_both_modes_take_the_local_steps(tmp_path, cluster, local, mode, args):
-    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, *args)
-    assert f"rollout engine actor(s), {mode}" in proc.stderr
+def test_colocated_takes_the_local_first_step(tmp_path, cluster, local):
+    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--trainer-num-gpus", "2",
+                  "colocate=true")
+    assert "rollout engine actor(s), colocated" in proc.stderr
     got = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in got] == [1, 2, 3]
-    assert got[0]["world_size"] == (2 if mode == "colocated" else 1)
+    assert got[0]["world_size"] == 2
     _same_rows(got[:1], local[:1])
     assert local[0]["engine_memory_gib"] > 0          # what the engine holds while the trainer works
     # colocate=true: the trainer's release_memory reached the engine actors (nothing held while training)
-    assert [r["engine_memory_gib"] == 0 for r in got] == [mode == "colocated"] * 3
+    assert all(r["engine_memory_gib"] == 0 for r in got)
+
+
+def test_disaggregated_survives_a_killed_engine_and_a_killed_trainer(tmp_path, cluster, local):
+    """The engine in a bundle of its own; its actor is SIGKILLed as step 2's weight update starts (Ray
+    restarts it and the proxy re-syncs it), then the trainer actor in step 2's training phase (the group
+    restarts from step 1's checkpoint, with the engine actor it has). Every row is the uninterrupted local
+    run's: nothing lost, no step repeated."""
+    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--rollout-num-gpus", "1",
+                  env={"DSV4_RAY_ENGINE_KILL_AT": "begin_update:2", "DSV4_TRAIN_KILL_AT": "2:train"})
+    assert "rollout engine actor(s), disaggregated" in proc.stderr
+    assert proc.stderr.count("rollout engine actor 0 was restarted; loading weights version") == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("restarting the trainer group from checkpoint step 1") == 1, proc.stderr[-2000:]
+    got = metrics_rows(tmp_path / "run")
+    assert [r["world_size"] for r in got] == [1] * 3
+    _same_rows(got, local)
+    assert all(r["engine_memory_gib"] > 0 for r in got)   # not colocated: the engine keeps its memory
 
 
 def test_gloo_transport_over_two_engine_nodes_loads_the_published_weights(tmp_path, cluster, local):
@@ -93,13 +108,10 @@ def test_gloo_transport_over_two_engine_nodes_loads_the_published_weights(tmp_pa
     _same_rows(got[:1], local[:1])
 
 
-@pytest.mark.parametrize("kill_at", [
-    "begin_update:2",      # between steps 1 and 2, as step 2's weight update starts
-    "generate:2",          # after step 2's update, as the engine is asked to generate
-])
-def test_a_killed_engine_actor_is_restarted_and_resynced(tmp_path, cluster, local, kill_at):
+def test_an_engine_actor_killed_as_it_is_asked_to_generate_is_restarted_and_resynced(tmp_path, cluster, local):
+    """After step 2's weight update (the kill as the update starts is the disaggregated test's)."""
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--rollout-num-gpus", "1",
-                  env={"DSV4_RAY_ENGINE_KILL_AT": kill_at})
+                  env={"DSV4_RAY_ENGINE_KILL_AT": "generate:2"})
     assert proc.stderr.count("rollout engine actor 0 was restarted; loading weights version") == 1, proc.stderr[-2000:]
     _same_rows(metrics_rows(tmp_path / "run"), local)
 
@@ -149,13 +161,6 @@ def test_sglang_servers_as_engine_actors_take_the_local_connect_runs_steps(tmp_p
         calls = server.state["calls"]     # released after each rollout, resumed before the next update
         assert calls.count("/release_memory_occupation") == 3 and calls.count("/resume_memory_occupation") == 2
     assert any(not torch.equal(ref.tensors[2][n], ref.tensors[1][n]) for n in shapes[0])    # step 2 learned
-
-
-def test_a_killed_trainer_actor_restarts_the_group_from_the_last_checkpoint(tmp_path, cluster, local):
-    proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster,
-                  env={"DSV4_TRAIN_KILL_AT": "2:train"})
-    assert "restarting the trainer group from checkpoint step 1" in proc.stderr, proc.stderr[-2000:]
-    _same_rows(metrics_rows(tmp_path / "run"), local)
 
 
 # -- refusals (no cluster, no training) --------------------------------------------------------------------------

@@ -4,10 +4,11 @@ uninterrupted run (same data order, same sampling, no optimizer step lost), for 
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.cli_process import run_code
 
 from ._metrics import without_timing
 
@@ -43,8 +44,7 @@ def _run(impl, run_dir, data, steps, resume, kill_at=None, **kw):
     if kill_at:
         env["DSV4_TRAIN_KILL_AT"] = kill_at
     code = SCRIPT.format(impl=impl, cfg=CFG, steps=steps, resume=resume, kw={**KW, **kw})
-    return subprocess.run([sys.executable, "-c", code, str(run_dir), data], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_code(code, [run_dir, data], env=env, timeout=300)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
