@@ -1,0 +1,77 @@
+"""tests/cli_process.py against the real thing: a run forked from the zygote gives what ``subprocess.run`` of a
+fresh interpreter gives (exit code, stdout, stderr, arguments, environment, working directory, atexit
+handlers, a signal's negative code), and a run past its timeout is killed with its children."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cli_process import FRESH_ENV, run_code, run_module
+
+PROBE = """
+import atexit, os, sys
+atexit.register(lambda: print("atexit ran", flush=True))
+print(sys.argv, os.getcwd(), os.environ.get("PROBE_VALUE"), sys.path[0] == "" or sys.path[0])
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _both(run, *args, **kw):
+    forked = run(*args, **kw)
+    env = {**(kw.pop("env", None) or os.environ), FRESH_ENV: "1"}
+    fresh = run(*args, env=env, **kw)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    return forked
+
+
+def test_code_sees_its_arguments_environment_and_folder_and_its_atexit_handlers_run(tmp_path):
+    proc = _both(run_code, PROBE, ["3", "x y"], env={**os.environ, "PROBE_VALUE": "seen"}, cwd=tmp_path)
+    assert proc.returncode == 3
+    assert proc.stdout == f"['-c', '3', 'x y'] {tmp_path} seen True\natexit ran\n"
+    assert proc.stderr == "to stderr\n"
+
+
+def test_a_cli_refusal_is_the_fresh_interpreters_exactly():
+    proc = _both(run_module, "launchers.cli", ["validate", "--impl", "megatron", "--kernel-backend", "tilelang"])
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stdout == ""
+
+
+def test_a_signal_is_a_negative_code():
+    assert run_code("import os, signal; os.kill(os.getpid(), signal.SIGKILL)").returncode == -9
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (killed processes wait for a reaper that may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_code(code, timeout=3)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child), f"process {child} outlived its run's timeout"
+    assert run_code("print('next')").stdout == "next\n"     # the zygote serves the next run
+
+
+def test_the_zygote_uses_this_interpreter():
+    assert run_code("import sys; print(sys.executable)").stdout == f"{sys.executable}\n"
+
+
+if __name__ == "__main__":
+    from tests.runner import main as run_tests
+
+    run_tests(__file__)
