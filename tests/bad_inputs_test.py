@@ -9,13 +9,7 @@ import sys
 
 import pytest
 
-from tests.cli_process import run_module
-
-
-def dsv4(*args, env=None, timeout=300):
-    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly; a fork of a preloaded
-    interpreter, tests/cli_process.py)."""
-    return run_module("launchers.cli", args, timeout=timeout, env={**os.environ, **(env or {})})
+from tests.cli_process import run_cli as dsv4  # the CLI as a separate process, as a user runs it
 
 
 def dsv4_here(*args):

@@ -1,4 +1,5 @@
-"""``python -m MODULE ARGS`` (or ``-c CODE``) as a process of its own, as a user runs it, without its start-up cost each time.
+"""``python -m MODULE ARGS`` (or ``-c CODE``) as a process of its own, as a user runs it, without paying its
+start-up each time.
 
 A test that runs the CLI as a separate process checks what a user sees: the exit code, stdout and stderr,
 exactly. A fresh interpreter spends about 3.5 s of CPU importing torch, megatron-core and the trainer before it
@@ -46,7 +47,7 @@ FRESH_ENV = "DSV4_TEST_FRESH_CLI"
 #: huggingface_hub, which PRELOAD does not import) is read at run time and taken from the request.
 START_PREFIXES = ("PYTHON", "OMP_", "KMP_", "MKL_", "TORCH", "PYTORCH_", "CUDA", "WANDB_", "TENSORBOARD", "LD_")
 
-__all__ = ["run_module", "run_code", "PRELOAD"]
+__all__ = ["run_cli", "run_module", "run_code", "PRELOAD"]
 
 
 # -- the test's side -----------------------------------------------------------------------------------------
@@ -137,6 +138,12 @@ def run_module(module: str, args: Sequence = (), *, env: Optional[Mapping[str, s
     cwd=cwd, timeout=timeout, input=input)``, the same result, from a fork of a preloaded zygote (module
     docstring). ``env``: the whole environment (None: this process's)."""
     return _run({"module": module}, args, env, cwd, timeout, input)
+
+
+def run_cli(*args, env: Optional[Mapping[str, str]] = None, cwd=None, timeout: float = 300):
+    """``dsv4 ARGS`` (``python -m launchers.cli``) as a user runs it: :func:`run_module` with ``env`` on top of
+    this process's environment."""
+    return run_module("launchers.cli", args, env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
 
 
 def run_code(code: str, args: Sequence = (), *, env: Optional[Mapping[str, str]] = None, cwd=None,

@@ -8,7 +8,7 @@ import torch
 
 from core.checkpoint import load_into, open_checkpoint
 from kernels.reference.model import DeepseekV4Model
-from tests.cli_process import run_module
+from tests.cli_process import run_cli as dsv4  # the CLI as a separate process, as a user runs it
 
 
 def dsv4_here(*args, env=None):
@@ -18,12 +18,6 @@ def dsv4_here(*args, env=None):
     from launchers.cli import main
 
     return CliRunner().invoke(main, list(args), env=env)
-
-
-def dsv4(*args, cwd=None, env=None):
-    """The CLI as a separate process, as a user runs it (stdout/stderr/exit code exactly; a fork of a preloaded
-    interpreter, tests/cli_process.py)."""
-    return run_module("launchers.cli", args, timeout=300, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

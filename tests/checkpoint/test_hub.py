@@ -153,11 +153,11 @@ def _env(tmp_path, **extra):
 
 
 def _dsv4(tmp_path, *args, env=None, wait=True):
-    cmd = [sys.executable, "-m", "launchers.cli", "prepare", *map(str, args)]
+    args = ["prepare", *map(str, args)]
     if not wait:
-        return subprocess.Popen(cmd, env=env or _env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-    return run_module("launchers.cli", cmd[3:], env=env or _env(tmp_path), timeout=300)   # tests/cli_process.py
+        return subprocess.Popen([sys.executable, "-m", "launchers.cli", *args], env=env or _env(tmp_path),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return run_module("launchers.cli", args, env=env or _env(tmp_path), timeout=300)
 
 
 def _same_as_source(out: Path, files: dict) -> None:
