@@ -21,7 +21,7 @@ group of a grouped GEMM (``torch._grouped_mm`` for bf16; a per-expert loop for f
 with no host synchronisation; an expert no token chose gets an exact-zero gradient (as in megatron's
 grouped GEMM), not ``None``.
 
-Routing seam (R3 record / replay, ``train.replay``): a learned-routing TRUNK layer's top-k ``idx``
+Routing seam (R3 record / replay, ``rollout.replay``): a learned-routing TRUNK layer's top-k ``idx``
 goes through :func:`kernels.reference.moe.apply_routing_hook` at the same point as the reference
 ``Gate`` (after selection, before the weights are gathered), so a replayed pick gets this forward's
 score as its weight. Hash layers (``tid2eid``) and MTP routers (``layer_id >= n_layers``) never do.

@@ -480,7 +480,7 @@ def _training(opts: dict, kw: dict) -> _Training:
 
 def _check_orchestration(orchestrator, job: dict) -> None:
     """The Ray options need --orchestrator ray, which starts every rank itself (as an actor)."""
-    from train.launch import launched_env
+    from orchestration.launch import launched_env
 
     if orchestrator != "ray":
         given = [f"--{k.replace('_', '-')}" for k in _RAY_JOB_KEYS if job[k] is not None]
@@ -540,7 +540,7 @@ def _train_world(nproc_per_node) -> int | None:
     ``--nproc-per-node`` (None: the layout's default, tp x cp x ep)."""
     import os
 
-    from train.launch import env_world_size
+    from orchestration.launch import env_world_size
 
     world = env_world_size()
     if world is None:
@@ -554,7 +554,7 @@ def _train_world(nproc_per_node) -> int | None:
 
 def _check_launched_run_dir(run_dir) -> None:
     """Ranks started by torchrun / srun each compute their defaults: the run folder must be named."""
-    from train.launch import env_world_size
+    from orchestration.launch import env_world_size
 
     if (env_world_size() or 1) > 1 and not run_dir:
         _fail("a run started by torchrun / srun needs --run-dir (every rank must use the same folder)", EXIT_INVALID)

@@ -418,7 +418,7 @@ def convert_into(run, hf_dir: Path, out: Path, fmt: str = "native") -> Path:
 def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume: bool, **overrides) -> dict:
     """SFT or GRPO on the run's implementation, from an HF or native checkpoint."""
     from core.path_safety import refuse_overlap
-    from train import run_training
+    from orchestration import run_training
 
     refuse_overlap(run_dir, [model_dir, overrides.get("data")], out_option="--run-dir")
     result = run_training(

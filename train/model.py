@@ -7,7 +7,7 @@ The trainer never touches an implementation's internals. It needs (``TrainModel`
   per-token log-probs ``[B, S-1]`` of ``log softmax(logits / temperature)`` at the next token, the MTP
   logits (when asked; computed with the output head and embedding DETACHED, so the MTP loss trains the
   MTP blocks and the trunk only) and the routing actually used in learned layers (for replay checks);
-  ``routing_replay`` is ``[B, S, n_layers, k]`` (see :mod:`train.replay`);
+  ``routing_replay`` is ``[B, S, n_layers, k]`` (see :mod:`rollout.replay`);
 * ``logprobs(input_ids, routing_replay=None, temperature=1.0) -> [B, S-1]``;
 * ``native_tensors()`` - ``(native name, tensor)`` of every contract tensor (weight sync, checkpoints);
 * ``load_native_state(state)`` - the inverse (resume);
@@ -36,7 +36,8 @@ from torch import nn
 
 from core import weight_contract as wc
 
-from .replay import RoutingRecorder, RoutingReplayer, routing_context
+from rollout.logprobs import next_token_logprobs
+from rollout.replay import RoutingRecorder, RoutingReplayer, routing_context
 
 REFERENCE = "reference"
 
@@ -62,15 +63,6 @@ class TrainModel(Protocol):
     def native_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]: ...
 
     def load_native_state(self, state: Dict[str, torch.Tensor]) -> None: ...
-
-
-def next_token_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``[B,S,V]`` logits -> ``[B,S-1,V]`` log-probs of every next token under ``softmax(logits/T)``. The
-    ``true_on_policy`` rollout engine samples from this same op on the same shape (``train.engines``)."""
-    lg = logits[:, :-1].float()
-    if temperature != 1.0:
-        lg = lg / temperature
-    return torch.log_softmax(lg, dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -294,7 +286,7 @@ class ImplTrainModel(_TrainModelBase):
         self.indexer_loss_coeff = indexer_loss_coeff
         self.device = torch.device("cpu") if device is None else torch.device(device)
         # true_on_policy: forward with kernels.reference.moe.row_invariant_experts (engine.moe honours it), as
-        # the rollout engine that draws from this module does (train.engines.TrainModuleEngine)
+        # the rollout engine that draws from this module does (rollout.reference_engine.TrainModuleEngine)
         self.row_invariant = False
         params = inspect.signature(module.mtp_logits).parameters if hasattr(module, "mtp_logits") else {}
         self._mtp_takes_streams = "hidden_streams" in params
@@ -353,7 +345,7 @@ class ImplTrainModel(_TrainModelBase):
         """``[B, S]`` ids -> (``[B, S-1, V]`` log-probs of every next token on the model's device, the learned
         layers' routing ``{layer: idx [B, S, k]}``): the very forward and op of :meth:`forward_train` (which
         gathers the next token's entry from this tensor), for the ``true_on_policy`` engine that samples from
-        this module (:class:`train.engines.TrainModuleEngine`)."""
+        this module (:class:`rollout.reference_engine.TrainModuleEngine`)."""
         logits, _ids, hook, _mtp, _aux = self._forward_rows(input_ids, None, False)
         return next_token_logprobs(logits, temperature), _used(hook)
 
@@ -565,7 +557,7 @@ def setup_process(parts):
     """What a job does before building a model: the run's hardware target (``parts``, the run's
     ``core.assembly.Assembly``) sets the process up (on the CPU: megatron-core's shims) and, when no process
     group exists, starts a one-rank group with megatron's parallel state. Several-rank runs start their
-    groups first (:func:`train.launch.init_rank`). Returns the target."""
+    groups first (:func:`orchestration.launch.init_rank`). Returns the target."""
     from engine.thd_attention import cp_group_info
 
     import torch.distributed as dist
@@ -573,7 +565,7 @@ def setup_process(parts):
     cp = parts.run.cp
     if dist.is_initialized() and cp_group_info()[0] != cp:
         raise ValueError(f"--cp {cp}: this process's context-parallel group has "
-                         f"{cp_group_info()[0]} ranks (train.launch starts them)")
+                         f"{cp_group_info()[0]} ranks (orchestration.launch starts them)")
     return parts.setup_process()
 
 

@@ -10,7 +10,7 @@ One GRPO step::
 
 With ``async_rollout`` the rollout of step k+1 is sent right after step k's weight sync and runs while step k
 computes log-probs and trains; step k takes its own batch (in flight since step k-1) before its sync, so it trains
-one step off-policy (:mod:`train.async_rollout`; metric ``rollout_policy_lag``).
+one step off-policy (:mod:`rollout.async_rollout`; metric ``rollout_policy_lag``).
 
 The rollout engine is the run's (``--rollout-engine``, :func:`_rollout_engine`), made once the run folder is
 checked and shut down however the run ends; a server engine (SGLang) is started on the run's starting weights
@@ -24,7 +24,7 @@ is the run's implementation (``train_impl`` None; see :func:`train.model.build_t
 last complete checkpoint. With ``export_at_end`` the final weights are written as an HF checkpoint to
 ``RUN_DIR/hf``.
 
-Ranks (``run_config.world > 1``; :mod:`train.launch` starts or joins them, :mod:`train.distributed` holds the
+Ranks (``run_config.world > 1``; :mod:`orchestration.launch` starts or joins them, :mod:`train.distributed` holds the
 layout): each data-parallel rank trains on its share of the step's samples, its leader's rollout engine
 generating them; losses are divided by the step's global token count and gradients summed
 (:mod:`train.optim`: megatron-core's distributed optimizer on GPUs), so every layout takes the one-rank step.
@@ -49,16 +49,17 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 
 from core.atomic import write_text_atomically
 
 from . import data as D
-from .async_rollout import RolloutPipeline
+from rollout.async_rollout import RolloutPipeline
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-from .engines import SamplingParams
+from rollout.reference_engine import SamplingParams
+from rollout.sglang_engine import DEFAULT_SETTINGS as SGLANG_DEFAULTS
 from .losses import (group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum,
                      zero_variance_group_frac)
 from .metrics import MetricsLogger, truncate_after
@@ -66,11 +67,11 @@ from .distributed import ParallelGroups, check_divisible
 from .export import CONFIG_FILE, export_model
 from .model import build_train_model, full_view, load_model_source
 from .optim import build_optimizer
-from .replay import routing_match
-from .weight_sync import sync_weights
+from rollout.replay import routing_match
+from rollout.weight_sync import sync_weights
 from . import state_io, step_guard
-from .config_checks import check_mode, check_static_shapes, check_train_options, check_true_on_policy
-from .run_folder import cleanup_failed_start, config_differences, has_progress
+from .config_checks import check_static_shapes, check_true_on_policy
+from .run_folder import config_differences, has_progress
 from core.errors import UserInputError
 
 MODES = ("sft", "grpo")
@@ -113,21 +114,21 @@ class TrainConfig:
     # colocated mode: the rollout engine shares the trainer's devices and gives its memory back (weights and
     # KV cache; SGLang: release/resume_memory_occupation) while the trainer computes log-probs and trains;
     # the next step's weight update takes it again, in place (docs/rollout.md#colocated-mode)
-    colocate: bool = False
-    # asynchronous rollout (train.async_rollout): the next step's samples are generated, from the weights this
+    colocate: bool = SGLANG_DEFAULTS["colocate"]
+    # asynchronous rollout (rollout.async_rollout): the next step's samples are generated, from the weights this
     # step's sync loaded, while this step computes log-probs and trains; step k then trains on samples of the
     # weights synced at step k-1, one step off-policy (metric rollout_policy_lag; docs/training.md)
     async_rollout: bool = False
-    # the SGLang engine (--rollout-engine sglang; train.sglang_engine): how each step's weights reach the
+    # the SGLang engine (--rollout-engine sglang; rollout.sglang_engine): how each step's weights reach the
     # server ("tensors": update_weights_from_tensor, the server on this machine; "disk": an HF checkpoint in
     # RUN_DIR/sglang_weights that it reloads), the server's tensor-parallel size (a started server's --tp-size;
     # with --rollout-url, checked against the server), and for a server the trainer starts: its port (0 = a
     # free one), more `sglang.launch_server` arguments (one shell-quoted string), the seconds to wait for it
-    sglang_weight_sync: Literal["tensors", "disk"] = "tensors"
-    sglang_tp_size: int = 1
-    sglang_port: int = 0
-    sglang_server_args: str = ""
-    sglang_startup_timeout_s: float = 900.0
+    sglang_weight_sync: Literal["tensors", "disk"] = SGLANG_DEFAULTS["sglang_weight_sync"]
+    sglang_tp_size: int = SGLANG_DEFAULTS["sglang_tp_size"]
+    sglang_port: int = SGLANG_DEFAULTS["sglang_port"]
+    sglang_server_args: str = SGLANG_DEFAULTS["sglang_server_args"]
+    sglang_startup_timeout_s: float = SGLANG_DEFAULTS["sglang_startup_timeout_s"]
     # GRPO loss
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -146,7 +147,7 @@ class TrainConfig:
     # true on-policy (docs/rollout.md#true-on-policy): the rollout log-probs equal the trainer's recomputation bit
     # for bit (train_rollout_logprob_abs_diff == 0.0). With train_impl="reference", the built-in engine on the
     # CPU (fp32, bf16) or one NVIDIA GPU (bf16), or train_impl miles / megatron on the CPU in fp32 (the engine draws
-    # from the trainer's module, train.engines.TrainModuleEngine), one rank: the engine re-runs each group's padded
+    # from the trainer's module, rollout.reference_engine.TrainModuleEngine), one rank: the engine re-runs each group's padded
     # [n, prompt + max_new_tokens] batch for every token (no KV cache), every routed expert runs over every row,
     # the weights reach the engine in the trainer's own dtypes; anything else is refused
     true_on_policy: bool = False
@@ -212,7 +213,9 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 65_537 + 11) % (2 ** 63)
 
 
-def _resolve_model_config(run_config, model_source):
+def resolve_model_config(run_config, model_source):
+    """``(the run's ModelConfig, the checkpoint folder to load or None)`` for a model source (a checkpoint folder, a
+    preset name, a ModelConfig) and the run's own model config."""
     from core.config import ModelConfig, preset
 
     cfg = getattr(run_config, "model", None) if run_config is not None else None
@@ -257,16 +260,18 @@ def _pad_batch(seqs: List[List[int]], pad: int, length: Optional[int] = None) ->
 
 
 class _Run:
-    def __init__(self, run_config, model_source, mode, steps, run_dir, resume, cfg: TrainConfig, progress: bool):
+    def __init__(self, run_config, model_source, mode, steps, run_dir, resume, cfg: TrainConfig, progress: bool,
+                 engine_source=None):
         if mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
         if steps < 1:
             raise ValueError("--steps must be >= 1")
         self.mode, self.steps, self.cfg, self.progress = mode, steps, cfg, progress
+        self.engine_source = engine_source   # the orchestrator's engine for this rank (train_rank), or None
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_config = run_config
-        self.model_config, self.ckpt_source = _resolve_model_config(run_config, model_source)
+        self.model_config, self.ckpt_source = resolve_model_config(run_config, model_source)
         self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
         self.examples = D.load_data(cfg.data, mode)
         torch.manual_seed(cfg.seed)
@@ -301,7 +306,7 @@ class _Run:
             self.ref_model.eval().requires_grad_(False)
             self.ref_model.row_invariant = bool(cfg.true_on_policy)
         self.engine = None
-        self.rollouts = None             # async_rollout: the leader's generate call in flight (train.async_rollout)
+        self.rollouts = None             # async_rollout: the leader's generate call in flight (rollout.async_rollout)
         self._peak_bytes = 0             # the run's device-memory peak before the last reset (train phase)
         # the weight format published to the engine: the run's --quant scheme's
         self.publish_format = run_config.selection.quant.publish_format if run_config is not None else "bf16"
@@ -324,9 +329,11 @@ class _Run:
                 options["model_path"] = self._export_starting_weights(record.name)
         if not self.dist.is_leader:
             return None
+        if self.engine_source is not None:
+            return self.engine_source()
         if self.cfg.true_on_policy and self.model.impl != "reference":
             # an implementation's module: the engine draws from it (docs/rollout.md#true-on-policy)
-            from .engines import TrainModuleEngine
+            from rollout.reference_engine import TrainModuleEngine
 
             return TrainModuleEngine(self.model)
         return _rollout_engine(run_config, self.model_config, self.dtype, settings=self.cfg, run_dir=self.run_dir,
@@ -335,7 +342,7 @@ class _Run:
     def _export_starting_weights(self, engine: str) -> Path:
         """The model's weights now (the starting or the resumed ones) as an HF checkpoint in the run's publish
         format, with the tokenizer: ``RUN_DIR/<engine>_init`` (global rank 0 writes it)."""
-        from .export import checkpoint_format
+        from rollout.weight_sync import checkpoint_format
 
         fmt = checkpoint_format(self.publish_format, purpose=f"starting a --rollout-engine {engine} server")
         path = self.run_dir / f"{engine}_init"
@@ -519,7 +526,7 @@ class _Run:
 
     def _generate(self, step: int, version: int, *, in_background: bool = False):
         """Generate the batch of ``step`` on the leader's engine (which holds weights ``version``): now, or issued to
-        the async pipeline (:mod:`train.async_rollout`)."""
+        the async pipeline (:mod:`rollout.async_rollout`)."""
         cfg = self.cfg
         _batch, prompts, first = self._step_prompts(step)
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (self.tok.eos_token_id,), cfg.top_k)
@@ -540,7 +547,7 @@ class _Run:
         self.model.eval()
         view = full_view(self.model, self.dist)
         if self.dist.is_leader and getattr(self.engine, "reads_trainer_weights", False):
-            # no sync: the engine computes with this very module (train.engines.TrainModuleEngine)
+            # no sync: the engine computes with this very module (rollout.reference_engine.TrainModuleEngine)
             self.engine.version = step
             out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_buckets=0,
                        weight_quant_max_rel_err=0.0)
@@ -705,7 +712,7 @@ class _Run:
         c = self.model_config
         P = len(samples[0].prompt_ids)
         seqs = [s.prompt_ids + s.response_ids for s in samples]
-        # true_on_policy: the shape the engine drew every token with (train.engines, ReferenceEngine._generate_lockstep)
+        # true_on_policy: the shape the engine drew every token with (rollout.reference_engine, ReferenceEngine._generate_lockstep)
         ids = _pad_batch(seqs, self.tok.eos_token_id, P + self.cfg.max_new_tokens if self.cfg.true_on_policy else None)
         S = ids.shape[1]
         mask = torch.zeros(len(samples), S - 1, dtype=torch.bool)
@@ -844,12 +851,8 @@ def _rollout_engine(run_config, model_config, dtype, **options):
     run folder, publish format, a started server's ``model_path``) go to its factory
     (``core.protocols.EngineFactory``). Without a run config (tests of the loop itself on the reference
     model) the built-in reference engine."""
-    if run_config is not None and run_config.orchestrator == "ray":   # this rank's engine actor (train.ray_launch)
-        from .ray_engines import rank_engine
-
-        return rank_engine()
     if run_config is None:
-        from .engines import make_reference_engine
+        from rollout.reference_engine import make_reference_engine
 
         return make_reference_engine(model_config, dtype=dtype, **options)
     from core.assembly import assemble
@@ -857,52 +860,11 @@ def _rollout_engine(run_config, model_config, dtype, **options):
     return assemble(run_config).rollout_engine(model_config, dtype=dtype, **options)
 
 
-def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, resume: bool = False,
-                 config: Optional[TrainConfig] = None, progress: bool = True, ray_address: Optional[str] = None,
-                 ray_max_restarts: Optional[int] = None, **overrides) -> Dict[str, Any]:
-    """Train for ``steps`` steps (in total, counting the steps of a resumed run).
-
-    ``run_config``: a :class:`core.run_config.RunConfig` (or None); ``model_source``: an HF-format
-    checkpoint folder, a preset name (random init) or a ModelConfig; ``mode``: "sft" | "grpo";
-    ``config``: a :class:`TrainConfig`, with ``overrides`` (field=value) applied on top. Returns a dict
-    with the run folder, the start step and the last metrics row.
-
-    Ranks (:mod:`train.launch`): inside torchrun / srun (torch.distributed's environment) this process is one
-    rank of ``run_config.world``; otherwise a run of several ranks starts them here as local workers through
-    torch.distributed's elastic launcher and returns rank 0's result. ``run_config.orchestrator == "ray"``: the
-    ranks and rollout engines are actors on the Ray cluster at ``ray_address`` (:mod:`train.ray_launch`).
-    """
-    from .launch import joined_ranks, launch_local_ranks
-
-    from .trackers import check_available
-
-    cfg = dataclasses.replace(config or TrainConfig(), **overrides)
-    check_available(cfg.tracker)                   # a tracker's missing library: one line, before any work
-    check_mode(mode, cfg)
-    world = 1 if run_config is None else run_config.world
-    if run_config is not None:
-        check_divisible(run_config, mode, cfg)     # before any rank starts
-        check_train_options(run_config, cfg)
-    with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
-        if run_config is not None and run_config.orchestrator == "ray":
-            from .ray_launch import run_on_ray
-
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            return run_on_ray(run_config, _rank_main, model_config=_resolve_model_config(run_config, model_source)[0],
-                              model_source=model_source, mode=mode, steps=steps,
-                              run_dir=run_dir, resume=resume, cfg=cfg, progress=progress, address=ray_address,
-                              max_restarts=ray_max_restarts)
-        if world > 1 and not joined_ranks():
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            return launch_local_ranks(run_config, _rank_main, (run_config, model_source, mode, steps, str(run_dir),
-                                                               resume, cfg, progress))
-        return _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, progress)
-
-
-def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, progress) -> Dict[str, Any]:
-    """One rank's run: join the run's process groups (torchrun's environment), train."""
-    from .launch import init_rank
-
-    if run_config is not None and run_config.world > 1:
-        init_rank(run_config)
-    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()
+def train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, *,
+               engine_source: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
+    """One rank's run, in process groups already joined (:mod:`orchestration.training` starts the ranks).
+    ``engine_source``: where this data-parallel leader's rollout engine comes from when the orchestrator owns
+    the engines (``--orchestrator ray``: the proxy of the rank's engine actor); None = the run's engine is made
+    here (:func:`_rollout_engine`)."""
+    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress,
+                engine_source=engine_source).run()

@@ -13,7 +13,7 @@ class CpuTarget:
     """Runs on the host CPU; several ranks talk over gloo."""
 
     distributed_backend = "gloo"
-    # local ranks fork from a server that imported the shims and megatron-core once (train.local_workers)
+    # local ranks fork from a server that imported the shims and megatron-core once (orchestration.local_workers)
     local_worker_start = "forkserver"
     worker_preload = ("backends.cpu.worker_preload",)
 

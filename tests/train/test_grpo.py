@@ -41,7 +41,7 @@ def run_config(impl: str):
 
 @pytest.fixture(scope="module", params=IMPLS)
 def grpo_run(request, tmp_path_factory):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     rc = run_config(request.param)
     assert rc.qkv_format == {"miles": "bshd", "megatron": "thd"}[request.param]
@@ -102,7 +102,7 @@ def test_reference_model_replay_changes_routing_of_a_drifted_model_and_never_tou
     replay it uses exactly the rollout's experts. Hash layers and MTP never reach the seam."""
     from kernels.reference.moe import routing_hook
     from train.model import build_train_model
-    from train.replay import routing_match
+    from rollout.replay import routing_match
 
     from ._replay import synced_rollout
 
@@ -126,7 +126,7 @@ def test_reference_model_replay_changes_routing_of_a_drifted_model_and_never_tou
 
 def test_reference_model_indexer_replay_seam_is_off_by_default_and_replays_when_on():
     from train.model import build_train_model
-    from train.replay import IndexerRecorder, IndexerReplayer
+    from rollout.replay import IndexerRecorder, IndexerReplayer
 
     c = small_config()
     m = build_train_model(c, seed=0)
@@ -156,7 +156,7 @@ def test_export_hf_from_the_run_folder_matches_the_end_of_run_export(grpo_run, t
 
 
 def test_an_existing_run_needs_resume(grpo_run):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     from core.errors import UserInputError
 

@@ -27,7 +27,7 @@ def _plant(path, marker):
 
 def _run(tmp_path, steps, resume):
     from core.config import preset
-    from train.trainer import run_training
+    from orchestration import run_training
 
     c = preset("tiny").replace(**SMALL)
     return run_training(None, c, mode="sft", steps=steps, run_dir=tmp_path / "run", resume=resume, **KW)

@@ -59,7 +59,7 @@ def test_json_output_never_holds_nan():
 def test_exploding_weights_stop_training_with_the_step_and_keep_the_last_good_checkpoint(tmp_path):
     from train.checkpointing import latest_checkpoint
     from train.step_guard import TrainingDiverged
-    from train.trainer import run_training
+    from orchestration import run_training
 
     run = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match=r"training diverged at step (\d+).*lower --lr") as info:
@@ -101,8 +101,8 @@ def test_export_and_weight_sync_refuse_nan_weights(tmp_path):
         export_model(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
-    from train.engines import make_reference_engine
-    from train.weight_sync import sync_weights
+    from rollout.reference_engine import make_reference_engine
+    from rollout.weight_sync import sync_weights
 
     engine = make_reference_engine(model.config, dtype=torch.float32)
     try:

@@ -151,7 +151,7 @@ def test_a_tracker_whose_library_is_missing_is_refused_in_one_line_before_any_wo
     assert "--tracker mlflow" in line and "pip install mlflow" in line
     assert not run.exists()
     with pytest.raises(Exception, match="pip install mlflow"):       # the library entry point refuses too
-        from train.trainer import run_training
+        from orchestration import run_training
 
         run_training(None, "tiny", mode="sft", steps=1, run_dir=run, tracker=("mlflow",), progress=False)
     assert not run.exists()

@@ -10,7 +10,7 @@ Two ways in, one code path:
 * **one command on one machine**: without that environment, a run of several ranks (``--nproc-per-node G``,
   or ``tp x cp x ep`` by default) starts them as local workers through torch.distributed's elastic launcher
   (:func:`launch_local_ranks`, what torchrun itself uses), which gives each worker the same environment;
-  they start as the hardware target asks (``train.local_workers``: spawned on GPUs, forked from a preloaded
+  they start as the hardware target asks (``orchestration.local_workers``: spawned on GPUs, forked from a preloaded
   server on the CPU).
 
 A failing rank stops the others (the elastic agent's job); the error that reaches the user is the first
@@ -113,7 +113,7 @@ def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:
 
 
 def _worker(fn: Callable, args: tuple, errors: str, parent: dict) -> Any:
-    """One local rank: ``fn(*args)`` in its parent's environment (``train.local_workers.adopt``); a failure is
+    """One local rank: ``fn(*args)`` in its parent's environment (``orchestration.local_workers.adopt``); a failure is
     written for the parent before it propagates (with its traceback on stderr under ``--debug``)."""
     from .local_workers import adopt
 
