@@ -61,15 +61,17 @@ def joined_ranks() -> bool:
                                           and dist.get_world_size() > 1)
 
 
-def init_rank(run) -> None:
-    """Join the run's process groups from the launcher's environment (idempotent)."""
+def init_rank(run):
+    """Join the run's process groups from the launcher's environment (idempotent); returns this rank's layout
+    (``engine.layout.ParallelLayout``, built by the hardware target)."""
     from core.assembly import assemble
+    from engine.layout import current
 
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() != run.world:
             raise UserInputError(f"this process group has {dist.get_world_size()} ranks, the run's layout "
                                  f"{run.world}")
-        return
+        return current()
     env = launched_env()
     if env is None:
         raise UserInputError(f"a run of {run.world} ranks needs torch.distributed's environment ({', '.join(ENV)}); "
@@ -83,9 +85,9 @@ def init_rank(run) -> None:
     parts = assemble(run)
     if not parts.selection.hardware.gpu:     # CPU ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,
-                                    port=int(env["MASTER_PORT"]), master_addr=env["MASTER_ADDR"],
-                                    local_rank=int(env["LOCAL_RANK"]))
+    return parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,
+                                           port=int(env["MASTER_PORT"]), master_addr=env["MASTER_ADDR"],
+                                           local_rank=int(env["LOCAL_RANK"]))
 
 
 def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:

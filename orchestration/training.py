@@ -63,16 +63,19 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
 
 
 def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, progress) -> Dict[str, Any]:
-    """One rank's run: join the run's process groups (torchrun's environment), train. Under ``--orchestrator
+    """One rank's run: join the run's process groups (torchrun's environment; one rank: the one-rank layout),
+    train in that layout. Under ``--orchestrator
     ray`` the rank's rollout engine is its engine actor's proxy (:func:`orchestration.ray_engines.rank_engine`)."""
+    from engine.layout import SINGLE
+
     from .launch import init_rank
 
-    engine_source = None
+    engine_source, layout = None, SINGLE
     if run_config is not None and run_config.world > 1:
-        init_rank(run_config)
+        layout = init_rank(run_config)
     if run_config is not None and run_config.orchestrator == "ray":
         from .ray_engines import rank_engine
 
         engine_source = rank_engine
-    return train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress,
+    return train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, layout=layout,
                       engine_source=engine_source)

@@ -494,10 +494,12 @@ class ImplTrainModel(_TrainModelBase):
         ones (tensor-parallel slices; its experts, whole), for checkpoints written piece by piece
         (``core.dcp_shards``; :meth:`load_native_shards` reads them back). The views share the tensors'
         memory."""
-        from engine.runtime import tp_rank, tp_world
+        from engine.layout import current as parallel_layout
         from engine.tp import full_shape, tp_pieces, tp_spec
 
-        rank, world = tp_rank(), tp_world()
+        layout = parallel_layout()
+
+        rank, world = layout.tp_rank, layout.tp
         out = {}
         for n, t in self.native_tensors():
             spec = tp_spec(t)
@@ -517,10 +519,10 @@ class ImplTrainModel(_TrainModelBase):
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
         experts): a collective over the tensor- and expert-parallel groups."""
         from engine.loading import with_every_expert
-        from engine.runtime import tp_group
+        from engine.layout import current as parallel_layout
         from engine.tp import gather_tensor, tp_spec
 
-        group = tp_group()
+        group = parallel_layout().group("tp")
         local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in self.native_tensors()}
         return with_every_expert(local)
 

@@ -261,7 +261,7 @@ def _pad_batch(seqs: List[List[int]], pad: int, length: Optional[int] = None) ->
 
 class _Run:
     def __init__(self, run_config, model_source, mode, steps, run_dir, resume, cfg: TrainConfig, progress: bool,
-                 engine_source=None):
+                 layout=None, engine_source=None):
         if mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
         if steps < 1:
@@ -286,7 +286,10 @@ class _Run:
                                        dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff,
                                        compile_blocks=cfg.compile_blocks, cuda_graphs=cfg.cuda_graphs,
                                        recompute=cfg.recompute, initialize=not loads)
-        self.dist = ParallelGroups.current()
+        from engine.layout import current
+
+        self.layout = layout or current()      # this rank's parallel layout (engine.layout), built once
+        self.dist = ParallelGroups.of(self.layout)
         check_divisible(self.dist, mode, cfg)
         self.max_tokens_per_rank = cfg.max_tokens_per_rank or getattr(run_config, "max_tokens_per_rank", None)
         # the layout rules (packing and --cp need --qkv-format thd) are the combination table's
@@ -860,11 +863,12 @@ def _rollout_engine(run_config, model_config, dtype, **options):
     return assemble(run_config).rollout_engine(model_config, dtype=dtype, **options)
 
 
-def train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, *,
+def train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, *, layout=None,
                engine_source: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
     """One rank's run, in process groups already joined (:mod:`orchestration.training` starts the ranks).
+    ``layout``: this rank's ``engine.layout.ParallelLayout`` (None: the process's; one rank without a group).
     ``engine_source``: where this data-parallel leader's rollout engine comes from when the orchestrator owns
     the engines (``--orchestrator ray``: the proxy of the rank's engine actor); None = the run's engine is made
     here (:func:`_rollout_engine`)."""
-    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress,
+    return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, layout=layout,
                 engine_source=engine_source).run()

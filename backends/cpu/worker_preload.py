@@ -11,5 +11,5 @@ from backends.cpu.megatron_shims import apply_megatron_cpu_shims  # noqa: E402
 apply_megatron_cpu_shims()
 
 import megatron.core  # noqa: E402,F401
-import megatron.core.parallel_state  # noqa: E402,F401
+import megatron.core.tensor_parallel  # noqa: E402,F401
 import torch.distributed  # noqa: E402,F401
