@@ -40,7 +40,7 @@ def test_the_compile_flag_reaches_the_engine(monkeypatch):
     """``--compile on`` -> ``run_bench(compile=True)`` -> ``ReferenceEngine(compile=True)`` (stopped there: the
     Inductor compile is for the GPU run)."""
     from bench import rollout
-    from train import engines
+    from rollout import reference_engine as engines
 
     seen = []
 

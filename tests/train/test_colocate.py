@@ -118,7 +118,7 @@ def test_a_colocated_grpo_run_takes_the_steps_of_the_same_run_without_it(tmp_pat
 
 def test_the_trainer_releases_the_sglang_servers_memory_after_each_rollout(tmp_path, monkeypatch):
     from tests.train._fake_sglang import FakeSGLang
-    from train import sglang_engine
+    from rollout import sglang_engine
 
     monkeypatch.setattr(sglang_engine, "sglang_serializer", lambda: sglang_engine.torch_b64_serialize)
     with FakeSGLang(CFG) as fake:

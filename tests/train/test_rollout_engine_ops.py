@@ -183,7 +183,7 @@ STEP_KEYS = ("loss", "pg_loss", "grad_norm", "reward_mean", "response_tokens")
 
 def test_a_grpo_run_with_two_rollout_slots_takes_the_steps_of_the_default_run(tmp_path, monkeypatch):
     from kernels.reference.slots import static_decode_step
-    from train import engines, slot_decoder
+    from rollout import reference_engine as engines, slot_decoder
 
     made, real, compiles = [], engines.make_reference_engine, []
 

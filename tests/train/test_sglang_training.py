@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from core.config import preset
 from core.ports import free_port
 from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
-from train import sglang_engine
+from rollout import sglang_engine
 from rollout.reference_engine import sample_seed
 from train.trainer import _step_seed
 
