@@ -572,7 +572,7 @@ def _prepared_training(opts: dict, kw: dict):
     from core.combinations import InvalidCombination
     from core.config import ConfigError
     from train.config_checks import check_mode, check_train_options
-    from train.trackers import check_available
+    from reporting.trackers import check_available
 
     cfg = _train_config(t)
     try:                                           # before any stage runs
@@ -636,7 +636,7 @@ def export_cmd(opts, run_dir, out, step, weight_format, overwrite):
 def plot_cmd(opts, run_dir, smoothing):
     """Write PNG curves of a run, axes labelled with units: reward, loss, grad norm, learning rate,
     log-prob diff, KL, groups with all-equal rewards, tokens/s, time per phase, and a summary."""
-    from train import plot_run
+    from launchers.plot import plot_run
 
     for path in plot_run(stages.user_path(run_dir), smoothing=smoothing):
         click.echo(str(path))

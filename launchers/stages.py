@@ -482,7 +482,7 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
 
 def main_job(run, steps: int = 20) -> None:
     """The default job: full-train GRPO on the embedded tiny model, then plots."""
-    from train import plot_run
+    from launchers.plot import plot_run
 
     print_run_config(run)
     run_dir = default_run_dir(run, "grpo")

@@ -61,10 +61,9 @@ def joined_ranks() -> bool:
                                           and dist.get_world_size() > 1)
 
 
-def init_rank(run):
+def init_rank(run, parts):
     """Join the run's process groups from the launcher's environment (idempotent); returns this rank's layout
-    (``engine.layout.ParallelLayout``, built by the hardware target)."""
-    from core.assembly import assemble
+    (``engine.layout.ParallelLayout``, built by the hardware target). ``parts``: the run's assembly."""
     from engine.layout import current
 
     if dist.is_available() and dist.is_initialized():
@@ -82,7 +81,6 @@ def init_rank(run):
                              f"{run.world}. Fix: pass --nproc-per-node to match the launcher, or leave it out "
                              f"under torchrun")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    parts = assemble(run)
     if not parts.selection.hardware.gpu:     # CPU ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,

@@ -382,7 +382,7 @@ class RayEngineProxy:
         import ray
         from ray.exceptions import RayActorError
 
-        from train.run_log import log
+        from reporting.run_log import log
 
         if self.transport != "objects":
             self._lost(cause)

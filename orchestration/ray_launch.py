@@ -69,7 +69,7 @@ class TrainerRank:
         from core.known_warnings import filter_known_warnings
 
         from .ray_engines import set_rank_engines
-        from train.run_log import configure_console
+        from reporting.run_log import configure_console
 
         for key in [k for k in os.environ if k.startswith("DSV4_") and k not in env]:
             del os.environ[key]        # a worker inherits its node's environment: the run's DSV4_* win
@@ -108,7 +108,7 @@ def _connect(address: Optional[str], cpus: int) -> None:
     share this machine's cores as the local launcher's do."""
     import ray
 
-    from train.run_log import log
+    from reporting.run_log import log
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     local = {} if address else {"num_cpus": max(os.cpu_count() or 1, cpus)}
@@ -241,7 +241,7 @@ def _start_engines(run, model_config, cfg, run_dir, groups, plan: Placement, max
         where = ray.get([a.ready.remote() for a in actors])
     except Exception as exc:
         raise _engine_error(exc) from None
-    from train.run_log import log
+    from reporting.run_log import log
 
     mode = "colocated" if colocated else f"disaggregated ({run.rollout_num_gpus} bundle(s) of their own)"
     nodes = len({w["node_id"] for w in where})
@@ -292,7 +292,7 @@ def _run_group(run, groups, plan: Placement, engines, placement, fn, args, first
     from ray.exceptions import RayActorError, RayTaskError
 
     from .ray_engines import EngineLost
-    from train.run_log import _console_handler
+    from reporting.run_log import _console_handler
 
     gpu = run.selection.hardware.gpu
     remote = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
@@ -334,7 +334,7 @@ def _stop_servers(run, engines) -> None:
     themselves end with the job."""
     import ray
 
-    from train.run_log import log
+    from reporting.run_log import log
 
     if not engines or not run.selection.rollout.server or run.rollout_url is not None:
         return
@@ -357,7 +357,7 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
     point) on ``run.world`` trainer actors with their engines (built for ``model_config``); returns rank 0's
     result."""
     from train.checkpointing import latest_checkpoint
-    from train.run_log import log
+    from reporting.run_log import log
 
     try:
         import ray

@@ -25,7 +25,7 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
                  ray_max_restarts: Optional[int] = None, **overrides) -> Dict[str, Any]:
     """Train for ``steps`` steps (in total, counting the steps of a resumed run).
 
-    ``run_config``: a :class:`core.run_config.RunConfig` (or None); ``model_source``: an HF-format
+    ``run_config``: the run's :class:`core.run_config.RunConfig` (``core.run_config.normalize``); ``model_source``: an HF-format
     checkpoint folder, a preset name (random init) or a ModelConfig; ``mode``: "sft" | "grpo";
     ``config``: a :class:`train.trainer.TrainConfig`, with ``overrides`` (field=value) applied on top. Returns a
     dict with the run folder, the start step and the last metrics row.
@@ -35,19 +35,20 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     torch.distributed's elastic launcher and returns rank 0's result. ``run_config.orchestrator == "ray"``: the
     ranks and rollout engines are actors on the Ray cluster at ``ray_address`` (:mod:`orchestration.ray_launch`).
     """
-    from train.trackers import check_available
+    from reporting.trackers import check_available
 
     from .launch import joined_ranks, launch_local_ranks
 
+    if run_config is None:
+        raise TypeError("run_training needs the run's configuration (a core.run_config.RunConfig: "
+                        "core.run_config.normalize)")
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     check_available(cfg.tracker)                   # a tracker's missing library: one line, before any work
     check_mode(mode, cfg)
-    world = 1 if run_config is None else run_config.world
-    if run_config is not None:
-        check_divisible(run_config, mode, cfg)     # before any rank starts
-        check_train_options(run_config, cfg)
+    check_divisible(run_config, mode, cfg)         # before any rank starts
+    check_train_options(run_config, cfg)
     with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
-        if run_config is not None and run_config.orchestrator == "ray":
+        if run_config.orchestrator == "ray":
             from .ray_launch import run_on_ray
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -55,7 +56,7 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
                               model_source=model_source, mode=mode, steps=steps,
                               run_dir=run_dir, resume=resume, cfg=cfg, progress=progress, address=ray_address,
                               max_restarts=ray_max_restarts)
-        if world > 1 and not joined_ranks():
+        if run_config.world > 1 and not joined_ranks():
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             return launch_local_ranks(run_config, _rank_main, (run_config, model_source, mode, steps, str(run_dir),
                                                                resume, cfg, progress))
@@ -66,16 +67,18 @@ def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, prog
     """One rank's run: join the run's process groups (torchrun's environment; one rank: the one-rank layout),
     train in that layout. Under ``--orchestrator
     ray`` the rank's rollout engine is its engine actor's proxy (:func:`orchestration.ray_engines.rank_engine`)."""
+    from core.assembly import assemble
     from engine.layout import SINGLE
 
     from .launch import init_rank
 
+    parts = assemble(run_config)                 # the rank's handles, made once and passed down
     engine_source, layout = None, SINGLE
-    if run_config is not None and run_config.world > 1:
-        layout = init_rank(run_config)
-    if run_config is not None and run_config.orchestrator == "ray":
+    if run_config.world > 1:
+        layout = init_rank(run_config, parts)
+    if run_config.orchestrator == "ray":
         from .ray_engines import rank_engine
 
         engine_source = rank_engine
     return train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, layout=layout,
-                      engine_source=engine_source)
+                      engine_source=engine_source, parts=parts)

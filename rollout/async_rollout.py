@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-log = logging.getLogger("dsv4")       # the run's logger (train.run_log sets its handlers)
+log = logging.getLogger("dsv4")       # the run's logger (reporting.run_log sets its handlers)
 
 __all__ = ["InFlight", "RolloutPipeline"]
 

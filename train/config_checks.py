@@ -48,7 +48,7 @@ def _int(key: str, v: Any, lo: int, hi: int) -> None:
 
 
 def _trackers(names: Any) -> None:
-    from .trackers import TRACKERS
+    from reporting.trackers import TRACKERS
 
     allowed = f"a list of {', '.join(TRACKERS)} (each at most once; none alone)"
     if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:

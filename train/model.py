@@ -575,7 +575,7 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                       dtype: Optional[torch.dtype] = None, seed: int = 0,
                       dsa_indexer_loss_coeff: Optional[float] = None,
                       compile_blocks: bool = False, cuda_graphs: bool = False,
-                      recompute: str = "none", initialize: bool = True) -> _TrainModelBase:
+                      recompute: str = "none", initialize: bool = True, parts=None) -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
@@ -589,8 +589,13 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     ``initialize=False``: the caller loads weights next (:func:`load_model_source`), so the random init is
     skipped (it took most of the startup of a large model: a one-core draw of every weight, all overwritten)
     and every floating weight starts as NaN instead; :func:`load_model_source` then checks that the load
-    wrote them all (``core.finite.check_written``).
+    wrote them all (``core.finite.check_written``). ``parts``: the run's assembly (``core.assembly.assemble``), made
+    once per rank by its caller (None: assembled here).
     """
+    if parts is None and run_config is not None:
+        from core.assembly import assemble
+
+        parts = assemble(run_config)
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
         if recompute != "none":
@@ -602,15 +607,12 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
         if dsa_indexer_loss_coeff is not None:
             raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
         return ReferenceTrainModel(model_config, dtype=dtype or torch.float32, seed=seed,
-                                   device=_reference_device(run_config), initialize=initialize)
+                                   device=_reference_device(parts), initialize=initialize)
     if run_config is None:
         raise ValueError(f"--impl {impl}: building an implementation's training model needs the run config")
     if impl != run_config.impl:
         raise ValueError(f"train_impl {impl!r} is not the run's implementation ({run_config.impl!r}); "
                          f"use the run's or 'reference'")
-    from core.assembly import assemble
-
-    parts = assemble(run_config)
     setup_process(parts)
     options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
@@ -631,15 +633,12 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                           indexer_loss_coeff=dsa_indexer_loss_coeff, device=device)
 
 
-def _reference_device(run_config):
-    """The device of the reference training model: the run's (a GPU target's current CUDA device, set up as
-    the target sets a process up: TF32 off), the CPU without a run config."""
-    if run_config is None:
+def _reference_device(parts):
+    """The device of the reference training model: the run's (``parts``, its assembly: a GPU target's current CUDA
+    device, set up as the target sets a process up: TF32 off), the CPU without a run config."""
+    if parts is None:
         return torch.device("cpu")
-    from core.assembly import assemble
-
-    parts = assemble(run_config)
-    if run_config.selection.hardware.gpu:
+    if parts.selection.hardware.gpu:
         parts.target.setup()
     return parts.device()
 

@@ -91,14 +91,13 @@ class Recording:
 
 def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
     """A run through run_training with its engine recorded; returns (metrics rows, the record)."""
-    import train.trainer as T
+    from core.assembly import Assembly
     from orchestration import run_training
+    from rollout.async_rollout import RolloutPipeline
     from train.metrics import read_metrics
 
-    from rollout.async_rollout import RolloutPipeline
-
     log = {"generate": [], "weights": {}, "updated_while_generating": []}
-    made, take, taken = T._rollout_engine, RolloutPipeline.take, threading.Semaphore(0)
+    made, take, taken = Assembly.rollout_engine, RolloutPipeline.take, threading.Semaphore(0)
 
     def take_and_release(pipeline, step):
         if pipeline.pending is not None:
@@ -106,7 +105,7 @@ def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
         return take(pipeline, step)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(T, "_rollout_engine", lambda *a, **k: Recording(made(*a, **k), log, taken))
+        mp.setattr(Assembly, "rollout_engine", lambda parts, *a, **k: Recording(made(parts, *a, **k), log, taken))
         mp.setattr(RolloutPipeline, "take", take_and_release)
         run_training(run_config(), small_config(), mode="grpo", steps=steps, run_dir=run_dir, resume=resume,
                      data=data, **{**KW, **kw})
@@ -123,7 +122,8 @@ def runs(tmp_path_factory):
 
 
 def _step_seed(step):
-    from train.trainer import TrainConfig, _step_seed
+    from train.step_common import step_seed as _step_seed
+    from train.trainer import TrainConfig
 
     return _step_seed(TrainConfig().seed, step)
 

@@ -85,7 +85,7 @@ def test_routing_replay_makes_train_routing_equal_the_rollouts(grpo_run):
 def test_tensorboard_plots_and_export(grpo_run):
     from core.checkpoint import open_checkpoint
     from train.metrics import tensorboard_scalars
-    from train.plot import plot_run
+    from launchers.plot import plot_run
 
     run, result, _ = grpo_run
     tb = tensorboard_scalars(run)

@@ -58,13 +58,15 @@ def test_json_output_never_holds_nan():
 
 def test_exploding_weights_stop_training_with_the_step_and_keep_the_last_good_checkpoint(tmp_path):
     from train.checkpointing import latest_checkpoint
-    from train.step_guard import TrainingDiverged
     from orchestration import run_training
+    from train.step_guard import TrainingDiverged
+
+    from ._impl_helpers import run_config
 
     run = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match=r"training diverged at step (\d+).*lower --lr") as info:
-        run_training(None, _tiny(), mode="sft", steps=6, run_dir=run, batch_size=2, lr=1e30, save_every=1,
-                     progress=False)
+        run_training(run_config("miles", _tiny()), _tiny(), mode="sft", steps=6, run_dir=run, batch_size=2, lr=1e30,
+                     save_every=1, progress=False, train_impl="reference")
     found = latest_checkpoint(run)
     bad_step = int(re.search(r"step (\d+)", str(info.value)).group(1))
     assert found is None or found[0] < bad_step

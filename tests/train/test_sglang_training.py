@@ -25,7 +25,7 @@ from core.ports import free_port
 from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
 from rollout import sglang_engine
 from rollout.reference_engine import sample_seed
-from train.trainer import _step_seed
+from train.step_common import step_seed as _step_seed
 
 CFG = preset("tiny")
 

@@ -32,7 +32,9 @@ def test_run_training_refuses_a_nan_lr_before_creating_anything(tmp_path):
     from core.config import preset
     from orchestration import run_training
 
+    from ._impl_helpers import run_config
+
     with pytest.raises(ConfigError, match="lr"):
-        run_training(None, preset("tiny"), mode="sft", steps=1, run_dir=tmp_path / "run", lr=math.nan,
+        run_training(run_config("miles", preset("tiny")), preset("tiny"), mode="sft", steps=1, run_dir=tmp_path / "run", lr=math.nan,
                      progress=False)
     assert not (tmp_path / "run").exists()
