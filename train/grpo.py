@@ -20,6 +20,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from reporting import profiling
 from rollout.reference_engine import SamplingParams
 from rollout.replay import routing_match
 from rollout.weight_sync import sync_weights
@@ -207,7 +208,8 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     cfg = run.cfg
     t0 = time.perf_counter()
     run.model.train()
-    run.optim.zero_grad()
+    with profiling.scope("zero_grad"):
+        run.optim.zero_grad()
     total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
     acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
     for i, it in enumerate(items):

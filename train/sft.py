@@ -9,6 +9,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from reporting import profiling
+
 from . import data as D
 from .losses import mtp_loss, sft_loss_sum
 from .step_common import maybe_kill, pad_batch
@@ -43,7 +45,8 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     ids, mask, lengths = _batch(run, step)
     t0 = time.perf_counter()
     run.model.train()
-    run.optim.zero_grad()
+    with profiling.scope("zero_grad"):
+        run.optim.zero_grad()
     maybe_kill(step, "train")
     n_global = max(run.dist.sum_over_dp([float(mask.sum())])[0], 1.0)
     if run.packed:                   # dynamic batching: packed THD micro-batches (core.packing)
