@@ -56,7 +56,7 @@ def test_the_projects_triton_kernels_are_placed_by_name():
 @pytest.mark.parametrize("impl", ["miles", "megatron"])
 def test_profiled_steps_write_a_budget_with_backward_in_the_model_rows(tmp_path, impl):
     from reporting.profiling import read_budget
-    from train.trainer import run_training
+    from orchestration import run_training
 
     c = small_config()
     run_training(run_config(impl, c), c, mode="sft", steps=3, run_dir=tmp_path / "run", progress=False,
