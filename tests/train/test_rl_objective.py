@@ -263,26 +263,34 @@ def _record_calls(monkeypatch, name, calls):
     assert any(m is not L for m in patched), f"no train module imports train.losses.{name}"
 
 
-def test_the_trainer_computes_the_oracles_advantages_loss_and_normaliser(tmp_path, monkeypatch):
-    """Two GRPO steps of the real trainer (tiny model, fp32, micro-batches of one sample, a reference policy):
-    the advantages it trains on, the loss terms it logs and the token count it divides by are the oracle's,
-    recomputed here from the rewards and log-probabilities it used."""
+GRPO_RUN = dict(mode="grpo", steps=2, progress=False, export_at_end=False, prompts_per_step=2, group_size=2,
+                micro_batch_size=1, max_new_tokens=4, lr=1e-2, kl_coef=0.5, clip_low=0.2, clip_high=0.28,
+                mtp_coef=0.0)
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    """Two GRPO steps of the real trainer on one rank (tiny model, fp32, micro-batches of one sample, a reference
+    policy), recording what it passed to and got from ``group_advantages`` and ``grpo_loss``."""
     from train.metrics import read_metrics
     from train.trainer import run_training
 
     from ._impl_helpers import run_config, small_config, write_data
 
-    import train.trainer  # noqa: F401  (the modules to patch are imported)
-
+    tmp = tmp_path_factory.mktemp("grpo_oracle")
     adv_calls, loss_calls = [], []
-    _record_calls(monkeypatch, "group_advantages", adv_calls)
-    _record_calls(monkeypatch, "grpo_loss", loss_calls)
     c = small_config()
-    run_training(run_config("miles", c), c, mode="grpo", steps=2, run_dir=tmp_path / "run", progress=False,
-                 export_at_end=False, prompts_per_step=2, group_size=2, micro_batch_size=1, max_new_tokens=4,
-                 lr=1e-2, kl_coef=0.5, clip_low=0.2, clip_high=0.28, mtp_coef=0.0,
-                 data=write_data(tmp_path / "d.jsonl"))
-    rows = read_metrics(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as mp:
+        _record_calls(mp, "group_advantages", adv_calls)
+        _record_calls(mp, "grpo_loss", loss_calls)
+        run_training(run_config("miles", c), c, run_dir=tmp / "run", data=write_data(tmp / "d.jsonl"), **GRPO_RUN)
+    return read_metrics(tmp / "run"), adv_calls, loss_calls, tmp / "d.jsonl"
+
+
+def test_the_trainer_computes_the_oracles_advantages_loss_and_normaliser(one_rank_run):
+    """The advantages the trainer trains on, the loss terms it logs and the token count it divides by are the
+    oracle's, recomputed here from the rewards and log-probabilities it used."""
+    rows, adv_calls, loss_calls, _ = one_rank_run
     assert len(adv_calls) == 4 and len(loss_calls) == 8        # 2 steps x (2 groups; 4 one-sample micro-batches)
     for step, row in enumerate(rows):
         advs = [a for args, kw, _ in adv_calls[2 * step:2 * step + 2] for a in _oracle_advantages(args[0])]
@@ -301,3 +309,28 @@ def test_the_trainer_computes_the_oracles_advantages_loss_and_normaliser(tmp_pat
         assert row["kl_loss"] == pytest.approx(kl / tokens, rel=1e-4, abs=1e-9)
         assert row["loss"] == pytest.approx((pg + 0.5 * kl) / tokens, rel=1e-4, abs=1e-6)
     assert rows[1]["kl_loss"] > 1e-6          # the second step's policy moved away from the reference
+
+
+def test_two_data_parallel_ranks_take_the_one_rank_step(one_rank_run, tmp_path):
+    """The same two steps on two gloo ranks (a prompt each): every rank divides by the step's token count over
+    BOTH ranks and the gradients are summed, so the logged loss terms, token count and gradient norm are the
+    one-rank run's (which the test above holds to the oracle); a rank-local normaliser doubles the loss."""
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+    from train.metrics import read_metrics
+    from train.trainer import run_training
+
+    from ._impl_helpers import small_config
+
+    rows, _, _, data = one_rank_run
+    c = small_config()
+    rc = normalize(Choices(impl="miles", model=c, world=2), make_host(third_party=False), model_name="small")
+    run_training(rc, c, run_dir=tmp_path / "run", data=str(data), **GRPO_RUN)
+    got = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2]
+    for want, row in zip(rows, got):
+        assert row["response_tokens"] == want["response_tokens"]
+        assert row["reward_mean"] == pytest.approx(want["reward_mean"], abs=1e-12)
+        for key in ("loss", "pg_loss", "kl_loss"):
+            assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+        assert row["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
