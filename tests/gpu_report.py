@@ -7,7 +7,8 @@ record instead of a line of prose::
     python -m tests.gpu_report --record-out FILE.json tests/multigpu -m multigpu
     python -m tests.gpu_report --write-docs                  # regenerate the docs' table from every record
 
-A run writes one JSON record (default ``bench/results/gpu-tests/gpu-tests-DATE-GPUxN.json``): the command, the
+A file that does not import is an ``error`` of that file (pytest stops before running anything unless it is
+given ``--continue-on-collection-errors``; the record is written either way). A run writes one JSON record (default ``bench/results/gpu-tests/gpu-tests-DATE-GPUxN.json``): the command, the
 date, the machine (GPU names and count, driver, CUDA), the torch / triton / tilelang versions, each test's
 outcome, duration and (for a skip or failure) its one-line reason, and per test file and in total the counts of
 passed / failed / skipped / error / xfailed / xpassed. pytest's own exit status is the runner's.
@@ -125,8 +126,11 @@ def _reason(phases: Dict[str, object], outcome: str) -> Optional[str]:
         if isinstance(longrepr, tuple) and len(longrepr) == 3:      # a skip: (path, line, reason)
             return str(longrepr[2]).removeprefix("Skipped: ")[:300]
         crash = getattr(getattr(longrepr, "reprcrash", None), "message", None)
-        text = crash if crash else str(longrepr)
-        return text.strip().splitlines()[0][:300] if text.strip() else None
+        if crash:
+            return crash.strip().splitlines()[0][:300]
+        lines = [line for line in str(longrepr).splitlines() if line.strip()]
+        errors = [line[1:].strip() for line in lines if line.startswith("E ")]   # a collection error's exception
+        return (errors[-1] if errors else lines[0].strip())[:300] if lines else None
     return None
 
 

@@ -59,9 +59,11 @@ SAMPLE = textwrap.dedent('''
 def sample_record(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_report")
     (tmp / "test_sample.py").write_text(SAMPLE, encoding="utf-8")
+    (tmp / "test_broken.py").write_text("import dsv4_no_such_module\n", encoding="utf-8")
     out = tmp / "record.json"
     proc = subprocess.run([sys.executable, "-m", "tests.gpu_report", "--record-out", str(out),
-                           str(tmp / "test_sample.py"), "-q", "-p", "no:cacheprovider"],
+                           str(tmp / "test_sample.py"), str(tmp / "test_broken.py"), "-q", "-p", "no:cacheprovider",
+                           "--continue-on-collection-errors"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     return proc, json.loads(out.read_text(encoding="utf-8")), tmp
 
@@ -70,8 +72,10 @@ def test_the_runner_records_every_outcome_and_exits_with_pytests_status(sample_r
     proc, rec, tmp = sample_record
     assert proc.returncode == 1, proc.stdout + proc.stderr          # pytest's status: tests failed
     assert rec["kind"] == G.RECORD_KIND and rec["exit_status"] == 1
-    assert rec["totals"] == {"passed": 3, "failed": 1, "skipped": 1, "error": 1, "xfailed": 1, "xpassed": 0}
-    by_name = {t["nodeid"].split("::")[1]: t for t in rec["tests"]}
+    assert rec["totals"] == {"passed": 3, "failed": 1, "skipped": 1, "error": 2, "xfailed": 1, "xpassed": 0}
+    broken, = [t for t in rec["tests"] if "::" not in t["nodeid"]]     # a file that does not import
+    assert broken["outcome"] == "error" and "dsv4_no_such_module" in broken["reason"]
+    by_name = {t["nodeid"].split("::")[1]: t for t in rec["tests"] if "::" in t["nodeid"]}
     assert {n: t["outcome"] for n, t in by_name.items()} == {
         "test_ok": "passed", "test_bad": "failed", "test_skip": "skipped", "test_xfail": "xfailed",
         "test_error": "error", "test_param[1]": "passed", "test_param[2]": "passed"}
@@ -79,8 +83,9 @@ def test_the_runner_records_every_outcome_and_exits_with_pytests_status(sample_r
     assert "one is not two" in by_name["test_bad"]["reason"]
     assert "fixture broke" in by_name["test_error"]["reason"]
     assert by_name["test_ok"]["reason"] is None
-    (f, counts), = rec["files"].items()
-    assert f.endswith("test_sample.py") and counts["passed"] == 3 and counts["failed"] == 1
+    counts = {f.rsplit("/", 1)[-1]: c for f, c in rec["files"].items()}
+    assert counts["test_sample.py"]["passed"] == 3 and counts["test_sample.py"]["failed"] == 1
+    assert counts["test_broken.py"]["error"] == 1 and counts["test_broken.py"]["passed"] == 0
     assert rec["command"].startswith("python -m tests.gpu_report ") and "test_sample.py" in rec["command"]
 
 
