@@ -34,7 +34,7 @@ FIGURE = re.compile(r"(?<![\w.,\-/^])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)\s?"
                     r"(%|x(?![\w-])|×|ms(?![\w])|s(?![\w/])|TFLOP/s|TFLOPS|GB/s|GiB(?![\w])|GB(?![\w/])|MB(?![\w/])"
                     r"|tokens/s|tok/s)")
 NOT_MEASURED = re.compile(r"(goal|bound|at most|at least|under|<=?|>=?|limit|timeout|budget)\s*(of\s*)?$", re.I)
-GOAL_AFTER = re.compile(r"[\w-]*\s*goal\b", re.I)
+GOAL_AFTER = re.compile(r"[\w-]*\s*(MFU\s+)?goal\b", re.I)
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
 # a unit-to-record scale: the record's value x scale is the written figure
