@@ -26,7 +26,7 @@ from rollout.replay import routing_match
 from rollout.weight_sync import sync_weights
 
 from . import data as D
-from .losses import k3, mtp_loss, policy_loss, sample_mean_diag, zero_variance_group_frac
+from .losses import grpo_loss, mtp_loss, sample_mean_diag, zero_variance_group_frac
 from .model import full_view
 from .step_common import group_tensors, maybe_kill, packed_items, sample_items, step_seed
 
@@ -179,15 +179,13 @@ def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
     """One micro-batch's loss: clipped policy loss, + k3 KL to the reference, + MTP, + the model's own term,
     each divided by the step's GLOBAL response-token count (gradients are summed); adds each term to ``acc``."""
     cfg = run.cfg
-    pg_sum, clipped, _n = policy_loss(fwd.logprobs, it["old"], it["adv"], it["mask"],
-                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-    loss = pg_sum / max(total_tokens, 1.0)
-    acc["pg"] += float(loss.detach())
+    loss, pg_term, kl_term, clipped = grpo_loss(
+        fwd.logprobs, it["old"], it["adv"], it["mask"], total_tokens=total_tokens, ref_logp=it.get("ref"),
+        kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    acc["pg"] += float(pg_term.detach())
     acc["clip"] += float(clipped)
     frac = float(it["mask"].sum()) / max(total_tokens, 1.0)
-    if run.ref_model is not None:
-        kl_term = (k3(fwd.logprobs, it["ref"]) * it["mask"]).sum() / max(total_tokens, 1.0)
-        loss = loss + cfg.kl_coef * kl_term
+    if kl_term is not None:
         acc["kl"] += float(kl_term.detach())
     if cfg.mtp_coef > 0:
         m = mtp_loss(fwd.mtp_logits, it["ids"], it["mask"])

@@ -122,7 +122,7 @@ class TrainConfig:
     normalize_adv_std: bool = True
     # replay
     routing_replay: bool = True
-    indexer_replay: bool = False             # seam only (kernels.reference.indexer.indexer_hook); not wired
+    indexer_replay: bool = False             # refused when true: not built (train.config_checks says why)
     # MTP
     mtp_coef: float = 0.0
     # megatron's indexer KL loss weight (dsa_indexer_loss_coeff); None = off
