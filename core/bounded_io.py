@@ -59,22 +59,19 @@ def _refuse_kind(path, mode: int, what: str) -> BoundedReadError:
 
 
 def check_regular(path, *, what: str = "file") -> None:
-    """Refuse ``path`` unless it is an existing regular file (symlinks followed); never blocks."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise BoundedReadError(f"{what} {path} does not exist. Fix: check the path") from None
+    """Refuse ``path`` unless it is a regular file (symlinks followed); never blocks. A missing file raises
+    FileNotFoundError, which each caller words its own way."""
+    st = os.stat(path)        # FileNotFoundError: each caller words a missing file its own way
     if not stat.S_ISREG(st.st_mode):
         raise _refuse_kind(path, st.st_mode, what)
 
 
 def open_regular(path, *, what: str = "file"):
     """A binary file object of ``path`` if it is a regular file; a FIFO, a device, a socket or a folder is
-    refused (opened non-blocking, then checked on the open descriptor: no race with a swapped path)."""
+    refused (opened non-blocking, then checked on the open descriptor: no race with a swapped path). A missing
+    file raises FileNotFoundError."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise BoundedReadError(f"{what} {path} does not exist. Fix: check the path") from None
     except IsADirectoryError:
         raise BoundedReadError(f"{what} {path} is a folder, not a regular file. Fix: point it to a file") from None
     except OSError as exc:

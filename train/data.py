@@ -119,6 +119,8 @@ def load_jsonl(path, mode: Optional[str] = None) -> List[Example]:
         text = read_text(p, limit=DATA_LIMIT, what="data file")
     except BoundedReadError as e:
         raise DataError(str(e)) from None
+    except FileNotFoundError:
+        raise DataError(f"{p}: data file not found") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{p}: cannot read the data file ({e})") from None
     for lineno, line in enumerate(text.splitlines(), 1):
