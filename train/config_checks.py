@@ -226,6 +226,7 @@ def validate(cfg) -> None:
     _number("top_p", cfg.top_p, lo=0, lo_open=True, hi=1)
     _int("top_k", cfg.top_k, 0, _BIG)
     _int("max_bucket_bytes", cfg.max_bucket_bytes, 1, 1 << 40)
+    _int("profile_steps", cfg.profile_steps, 0, 1 << 16)
     for key in ("clip_low", "clip_high", "kl_coef", "mtp_coef"):
         _number(key, getattr(cfg, key), lo=0, lo_open=False)
     if cfg.dsa_indexer_loss_coeff is not None:

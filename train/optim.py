@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from engine.tp import full_shape, tp_pieces, tp_spec
 
+from .fused_optim import clipped
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"          # the fp32 master weights (kept when the model computes in bf16)
 
@@ -74,6 +76,10 @@ class _Base:
 
     def zero_grad(self) -> None:
         raise NotImplementedError
+
+    def describe(self) -> str:
+        """What updates the weights (the run log's configuration lines)."""
+        return f"torch.optim.AdamW ({self.kind})"
 
     def no_sync(self):
         """Context for every backward of the step but the last (gradient accumulation)."""
@@ -266,6 +272,10 @@ class MegatronOptimizer(_Base):
                                   adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
                                   use_distributed_optimizer=True, clip_grad=cfg.grad_clip)
         self.opt = get_megatron_optimizer(oconfig, [self.ddp])
+        from .fused_optim import install
+
+        # torch's fused AdamW and a device-side gradient norm where megatron-core fell back to unfused ones
+        self.kernels = install([part.optimizer for part in self._parts()])
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -278,14 +288,22 @@ class MegatronOptimizer(_Base):
         return ((n, p.main_grad) for n, p in self.named.items() if getattr(p, "main_grad", None) is not None)
 
     def step(self) -> float:
+        """Reduce, one global gradient norm (its one host read), the check, clipping, Adam on the fp32 shards and
+        the copy back into the model's weights. megatron-core's own ``step()`` would prepare the gradients and
+        compute the norm a second time; its pieces are called once each instead."""
         self.ddp.finish_grad_sync()                # bucketed reduce-scatter of the fp32 gradients
-        self.opt.prepare_grads()
+        self.opt.prepare_grads()                   # the fp32 shards' .grad: views of the reduced buffer
         gnorm = float(self.opt.get_grad_norm())
         self._check(gnorm)                         # before anything is updated
-        ok, _norm, _zeros = self.opt.step()        # clip by the global norm, Adam on the fp32 shards, copy back
-        if not ok:
-            raise RuntimeError("megatron-core's optimizer skipped the step")
+        clip = self.cfg.grad_clip
+        coef = min(1.0, clip / (gnorm + 1e-6)) if clip > 0 else 1.0   # megatron-core's clip_grad_by_total_norm_fp32
+        with clipped([part.optimizer for part in self._parts()], coef):   # inside the fused Adam kernel
+            if not self.opt.step_with_ready_grads():   # Adam on the fp32 shards, copy back (and all-gather)
+                raise RuntimeError("megatron-core's optimizer skipped the step")
         return gnorm
+
+    def describe(self) -> str:
+        return f"megatron-core DistributedOptimizer: {self.kernels['adam']}, gradient norm {self.kernels['grad_norm']}"
 
     def _parts(self):
         """The distributed optimizers megatron-core built (a ChainedOptimizer holds several)."""
