@@ -581,11 +581,15 @@ def test_a_sequence_past_the_memory_at_hand_is_refused(tiny, tmp_path, monkeypat
     assert res.exit_code == 1 and "GiB free on cpu" in res.output and "unexpected" not in res.output, res.output
 
 
-def test_sft_data_past_the_models_maximum_is_refused(tmp_path):
+def test_sft_and_grpo_data_past_the_models_maximum_is_refused(tmp_path):
     data = tmp_path / "long.jsonl"
-    data.write_text('{"prompt": "a", "response": "' + "x" * 1_100_000 + '"}\n')
+    data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": "' + "x" * 1_100_000 + '"}\n')
     refused(dsv4("train", "--mode", "sft", "--data", data, "--steps", "1", "batch_size=1",
-                 "--run-dir", tmp_path / "r", timeout=120), "SFT data", "maximum")
+                 "--run-dir", tmp_path / "r", timeout=FAST), "SFT data", "sequence 1", "maximum")
+    assert not (tmp_path / "r").exists()
+    data.write_text('{"prompt": "a", "reward": {"type": "exact_match", "answer": "1"}}\n')
+    refused(dsv4("train", "--mode", "grpo", "--data", data, "--steps", "1", "max_new_tokens=1048576",
+                 "--run-dir", tmp_path / "r", timeout=FAST), "GRPO data", "sequence 0", "maximum")
     assert not (tmp_path / "r").exists()
 
 

@@ -215,6 +215,13 @@ def encode_response(tok, response: str) -> List[int]:
     return list(tok.encode(response)) + [tok.eos_token_id]
 
 
+def example_lengths(tok, examples, mode: str, max_new_tokens: int) -> List[int]:
+    """The longest sequence each example makes: SFT prompt + response, GRPO prompt + ``max_new_tokens``
+    (checked against the model's maximum before the model is built, ``core.sequence_limits``)."""
+    return [len(encode_prompt(tok, ex.prompt)) + (len(encode_response(tok, ex.response)) if mode == "sft"
+                                                  else max_new_tokens) for ex in examples]
+
+
 def decode_response(tok, ids: Sequence[int]) -> str:
     """Text of a response up to (not including) the first eos."""
     cut = []

@@ -277,6 +277,8 @@ class _Run:
         self.model_config, self.ckpt_source = _resolve_model_config(run_config, model_source)
         self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
         self.examples = D.load_data(cfg.data, mode)
+        check_sequences(D.example_lengths(self.tok, self.examples, mode, cfg.max_new_tokens), self.model_config,
+                        source=f"{mode.upper()} data {cfg.data or '(built-in)'}")   # before the model is built
         torch.manual_seed(cfg.seed)
         # the run's dtype (--dtype); the reference loop of tests without a run config trains in fp32
         self.dtype = run_config.torch_dtype if run_config is not None else torch.float32
