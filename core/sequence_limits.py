@@ -28,13 +28,14 @@ def tokens_bytes(config, tokens: int, *, dtype_bytes: int = 4) -> int:
 
 
 def available_bytes(device: str = "cpu") -> Optional[int]:
-    """Free memory of ``device`` ("cpu": the host's MemAvailable; "cuda": the current GPU's free bytes);
-    None when it cannot be told."""
+    """Free memory of ``device`` ("cpu": the host's MemAvailable; "cuda": the current GPU's free bytes plus
+    what PyTorch's caching allocator holds unused); None when it cannot be told."""
     if device.startswith("cuda"):
         try:
             import torch
 
-            return int(torch.cuda.mem_get_info()[0])
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            return int(torch.cuda.mem_get_info()[0]) + max(0, int(cached))
         except Exception:
             return None
     try:

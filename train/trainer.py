@@ -444,7 +444,7 @@ class _Run:
             seqs.append(p + r)
             masks.append([0] * (len(p) - 1) + [1] * len(r))   # next-token targets that are response tokens
         check_sequences([len(s) for s in seqs], self.model_config, source=f"SFT data {cfg.data or '(built-in)'}",
-                        rows_at_once=len(seqs), device="cuda" if torch.cuda.is_initialized() else "cpu")
+                        device="cuda" if torch.cuda.is_initialized() else "cpu")   # one sequence: a lower bound
         ids = _pad_batch(seqs, tok.eos_token_id, cfg.pad_to_length)   # padding: never a target (mask 0)
         mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
         t0 = time.perf_counter()
