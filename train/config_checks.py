@@ -190,6 +190,11 @@ def check_train_options(run_config, cfg, host=None) -> None:
 
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
+    if cfg.indexer_replay:
+        raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
+                          "top-k picks yet, and the miles and megatron models do not read the replay seam "
+                          "(train.replay has a recorder and replayer for the reference model only). Fix: drop "
+                          "indexer_replay (routing_replay replays the experts)")
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout),
@@ -240,6 +245,11 @@ def validate(cfg) -> None:
                               "(by samples, by tokens): give one of them")
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
+    if cfg.indexer_replay:
+        raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
+                          "top-k picks yet, and the miles and megatron models do not read the replay seam "
+                          "(train.replay has a recorder and replayer for the reference model only). Fix: drop "
+                          "indexer_replay (routing_replay replays the experts)")
     from engine.recompute import MODES
 
     if cfg.recompute not in MODES:

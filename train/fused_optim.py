@@ -92,6 +92,7 @@ def install(torch_optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, str]
     out = {}
     if clip_grads.l2_norm_impl is getattr(mcore_utils, "local_multi_tensor_l2_norm", None):
         clip_grads.l2_norm_impl = foreach_l2_norm
+    if clip_grads.l2_norm_impl is foreach_l2_norm:           # (installed by an earlier optimizer of this process)
         out["grad_norm"] = "torch._foreach_norm (on the device)"
     else:
         out["grad_norm"] = f"{getattr(clip_grads.l2_norm_impl, '__module__', '?')} multi_tensor_l2norm"

@@ -12,7 +12,8 @@
   reduction written with ``torch.distributed`` (one coalesced all-reduce per group: dense parameters over
   data x context parallel, routed experts over the expert-data-parallel group), the global gradient norm
   (tensor-parallel shards and expert-parallel banks summed once), clipping and ``torch.optim.AdamW`` on the
-  model's own parameters (fp32, the CPU default).
+  model's own parameters (fp32, the CPU default), with megatron-core's update rules: no weight decay on
+  one-dimensional parameters and biases, and a parameter that got no gradient is stepped with a zero one.
 
 Both return the pre-clip global gradient norm from :meth:`step`, refuse a non-finite norm BEFORE updating
 (``train.step_guard``), and describe their state for checkpoints the same way (one code path for both):
@@ -115,7 +116,8 @@ class TorchOptimizer(_Base):
 
     def __init__(self, model, cfg):
         super().__init__(model, cfg)
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(weight_decay_groups(self.named, cfg.weight_decay), lr=cfg.lr,
+                                     betas=tuple(cfg.betas))
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -170,6 +172,9 @@ class TorchOptimizer(_Base):
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.detach().mul_(coef)
+        for p in self.params:          # megatron-core's optimizer steps every parameter, with a zero gradient
+            if p.grad is None:         # where none arrived (its fp32 buffer): decay and moments move alike here
+                p.grad = torch.zeros_like(p)
         self.opt.step()
         return gnorm
 
@@ -199,6 +204,16 @@ class TorchOptimizer(_Base):
                 continue
             self.opt.state[p] = {"step": torch.tensor(float(steps[n])),
                                  **{k: bufs[n][k].view(p.shape) for k in STATE_KEYS}}
+
+
+def weight_decay_groups(named: Dict[str, torch.nn.Parameter], weight_decay: float) -> List[dict]:
+    """AdamW parameter groups with megatron-core's default rule (``megatron.core.optimizer``: no weight decay on
+    one-dimensional parameters and biases: norms, sinks, scales), so the CPU target's optimizer takes the step
+    of the GPU targets' distributed optimizer."""
+    decay = [p for n, p in named.items() if p.ndim > 1 and not n.endswith(".bias")]
+    keep = [p for n, p in named.items() if p.ndim <= 1 or n.endswith(".bias")]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0})
+            if g["params"]]
 
 
 def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:

@@ -59,7 +59,7 @@ from . import data as D
 from .async_rollout import RolloutPipeline
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
-from .losses import (group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum,
+from .losses import (group_advantages, grpo_loss, mtp_loss, sample_mean_diag, sft_loss_sum,
                      zero_variance_group_frac)
 from .metrics import MetricsLogger, truncate_after
 from .distributed import ParallelGroups, check_divisible
@@ -140,7 +140,7 @@ class TrainConfig:
     normalize_adv_std: bool = True
     # replay
     routing_replay: bool = True
-    indexer_replay: bool = False             # seam only (kernels.reference.indexer.indexer_hook); not wired
+    indexer_replay: bool = False             # refused when true: not built (train.config_checks says why)
     # MTP
     mtp_coef: float = 0.0
     # megatron's indexer KL loss weight (dsa_indexer_loss_coeff); None = off
@@ -647,15 +647,12 @@ class _Run:
         for i, it in enumerate(items):
             fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                            with_mtp=cfg.mtp_coef > 0, **lkw(it))
-            pg_sum, clipped, _n = policy_loss(fwd.logprobs, it["old"], it["adv"], it["mask"],
-                                              clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-            loss = pg_sum / max(total_tokens, 1.0)
-            pg_acc += float(loss.detach())
+            loss, pg_term, kl_term, clipped = grpo_loss(
+                fwd.logprobs, it["old"], it["adv"], it["mask"], total_tokens=total_tokens, ref_logp=it.get("ref"),
+                kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            pg_acc += float(pg_term.detach())
             clip_acc += float(clipped)
-            if self.ref_model is not None:
-                kl_tok = k3(fwd.logprobs, it["ref"])
-                kl_term = (kl_tok * it["mask"]).sum() / max(total_tokens, 1.0)
-                loss = loss + cfg.kl_coef * kl_term
+            if kl_term is not None:
                 kl_acc += float(kl_term.detach())
             if cfg.mtp_coef > 0:
                 m = mtp_loss(fwd.mtp_logits, it["ids"], it["mask"])

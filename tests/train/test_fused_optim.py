@@ -149,3 +149,33 @@ def test_clipping_inside_the_fused_kernel_equals_scaled_gradients():
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
     unclipped, _ = run(True, 1.0)
     assert (unclipped - fused).abs().max() > 1e-4           # the clip changed the update
+
+
+def test_the_cpu_optimizer_follows_megatron_cores_update_rules():
+    """TorchOptimizer (the CPU target) takes megatron-core's step: no weight decay on one-dimensional parameters
+    and biases, and a parameter without a gradient is stepped with a zero one (decayed, its moments kept).
+    Measured on an H200 (2026-12-02) before this rule: the two optimizers differed exactly there."""
+    from train.optim import TorchOptimizer
+    from train.trainer import TrainConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.used = torch.nn.Linear(3, 2)                  # weight: decayed; bias: not
+    model.norm = torch.nn.Parameter(torch.ones(2))      # one-dimensional: not decayed
+    model.unused = torch.nn.Linear(3, 2, bias=False)    # no gradient: decayed by (1 - lr * wd) exactly
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr, wd = 1e-2, 0.5
+    opt = TorchOptimizer(model, TrainConfig(lr=lr, weight_decay=wd, grad_clip=1e9))
+    x = torch.randn(4, 3)
+    ((model.used(x) * model.norm).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    after = {n: p.detach() for n, p in model.named_parameters()}
+
+    def adam_first_step(p, g, decay):      # m = (1-b1) g, v = (1-b2) g^2, bias-corrected: g / (|g| + eps)
+        return p * (1 - lr * decay) - lr * g / (g.abs() + 1e-8)
+
+    torch.testing.assert_close(after["used.weight"], adam_first_step(start["used.weight"], grads["used.weight"], wd))
+    torch.testing.assert_close(after["used.bias"], adam_first_step(start["used.bias"], grads["used.bias"], 0.0))
+    torch.testing.assert_close(after["norm"], adam_first_step(start["norm"], grads["norm"], 0.0))
+    torch.testing.assert_close(after["unused.weight"], start["unused.weight"] * (1 - lr * wd))

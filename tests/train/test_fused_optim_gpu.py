@@ -85,5 +85,7 @@ def test_fused_step_equals_torch_adamw_on_the_same_model():
         g_plain, _ = _step(plain_model, plain, ids)
         assert g_fused == pytest.approx(g_plain, rel=1e-4)
     want = dict(plain.named)
-    for name, p in fused.named.items():
-        torch.testing.assert_close(p.detach(), want[name].detach(), rtol=1e-4, atol=1e-6, msg=name)
+    off = {name: float((p.detach() - want[name].detach()).abs().max()) for name, p in fused.named.items()}
+    bad = {n: (d, tuple(fused.named[n].shape)) for n, d in off.items() if d > 1e-6 + 1e-4 * float(
+        want[n].detach().abs().max())}
+    assert not bad, f"{len(bad)} of {len(off)} parameters differ: {sorted(bad.items())[:12]}"
