@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 from train.config_checks import check_mode, check_train_options
 from train.distributed import check_divisible
-from train.run_folder import cleanup_failed_start
+from orchestration.run_claim import claimed_run_folder
 from train.trainer import TrainConfig, resolve_model_config, train_rank
 
 __all__ = ["run_training"]
@@ -47,7 +47,8 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     check_mode(mode, cfg)
     check_divisible(run_config, mode, cfg)         # before any rank starts
     check_train_options(run_config, cfg)
-    with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
+    # one writer per run folder (orchestration.run_claim: lock, resume checks); a failed start leaves no run folder
+    with claimed_run_folder(run_dir, resume=resume, steps=steps):
         if run_config.orchestrator == "ray":
             from .ray_launch import run_on_ray
 
@@ -75,7 +76,7 @@ def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, prog
     parts = assemble(run_config)                 # the rank's handles, made once and passed down
     engine_source, layout = None, SINGLE
     if run_config.world > 1:
-        layout = init_rank(run_config, parts)
+        layout = init_rank(run_config, parts, rendezvous_timeout_s=cfg.rendezvous_timeout_s)
     if run_config.orchestrator == "ray":
         from .ray_engines import rank_engine
 

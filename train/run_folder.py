@@ -73,7 +73,7 @@ def config_differences(saved: Any, now: Any, prefix: str = "") -> List[str]:
 
 # -- resume: the run folder decides where a run starts ---------------------------------------------------------
 REF_MODEL_FILE = "ref_model.safetensors"     # the KL reference policy's weights (safetensors: never unpickled)
-RESUME_MAY_CHANGE = ("tracker", "profile_steps")   # a resumed run may change these: they change nothing trained
+RESUME_MAY_CHANGE = ("tracker", "profile_steps", "rendezvous_timeout_s")   # may change on resume: nothing trained
 
 
 def resumes(run_dir, resume: bool) -> bool:

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from core.sequence_limits import check_sequences
 from reporting import profiling
 
 from . import data as D
@@ -27,6 +28,8 @@ def _batch(run, step: int):
         p, r = D.encode_prompt(tok, ex.prompt), D.encode_response(tok, ex.response)
         seqs.append(p + r)
         masks.append([0] * (len(p) - 1) + [1] * len(r))   # next-token targets that are response tokens
+    check_sequences([len(s) for s in seqs], run.model_config, source=f"SFT data {cfg.data or '(built-in)'}",
+                    device="cuda" if torch.cuda.is_initialized() else "cpu")   # one sequence: a lower bound
     ids = pad_batch(seqs, tok.eos_token_id, cfg.pad_to_length)
     mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
     return ids, mask, [len(q) for q in seqs]

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 import torch
 
 from core.assembly import assemble
+from core.sequence_limits import check_sequences
 from rollout.async_rollout import RolloutPipeline
 from reporting import profiling
 from rollout.sglang_engine import DEFAULT_SETTINGS as SGLANG_DEFAULTS
@@ -115,6 +116,9 @@ class TrainConfig:
     sglang_port: int = SGLANG_DEFAULTS["sglang_port"]
     sglang_server_args: str = SGLANG_DEFAULTS["sglang_server_args"]
     sglang_startup_timeout_s: float = SGLANG_DEFAULTS["sglang_startup_timeout_s"]
+    # several ranks (torchrun / srun / local ranks): seconds each rank waits for the others to start before it
+    # names the ranks it waited for and stops (orchestration.dist_env)
+    rendezvous_timeout_s: float = 300.0
     # GRPO loss
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -227,6 +231,8 @@ class _Run:
         self.model_config, self.ckpt_source = resolve_model_config(run_config, model_source)
         self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
         self.examples = D.load_data(cfg.data, mode)
+        check_sequences(D.example_lengths(self.tok, self.examples, mode, cfg.max_new_tokens), self.model_config,
+                        source=f"{mode.upper()} data {cfg.data or '(built-in)'}")   # before the model is built
         torch.manual_seed(cfg.seed)
         self.dtype = run_config.torch_dtype                               # the run's --dtype
         self.publish_format = run_config.selection.quant.publish_format   # published to the engine: --quant's
