@@ -69,9 +69,26 @@ def _score(c, model, eng, top_p, T=7, n=3, same_routing=True):
     return pairs, stopped_early
 
 
+def _rows_are_batch_invariant(model, vocab: int) -> bool:
+    """Whether this machine's CPU GEMMs give a row the same result whatever the rows beside it: the engine's
+    forward batches every prompt's samples (more rows than the trainer's per-prompt batch), and exactness
+    needs the two to agree bit for bit. MKL's AVX-512 sgemm does not for some shapes (seen on the 2-core
+    Xeon of 2026-12-02: 4.8e-7 apart in fp32); its AVX2 kernels did on the machines before."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (9, 18), generator=g)
+    with torch.no_grad():
+        few = model.forward_train(ids[:3, :11]).logprobs
+        many = model.forward_train(ids).logprobs[:3, :10]      # more rows, longer: as the engine's batch
+    return torch.equal(few, many)
+
+
 @pytest.mark.parametrize("dtype,top_p", [(torch.float32, 1.0), (torch.float32, 0.9), (torch.bfloat16, 0.9)])
 def test_engine_logprobs_equal_trainer_per_token(dtype, top_p):
-    pairs, stopped_early = _score(*_engine_and_model(dtype), top_p)
+    c, model, eng = _engine_and_model(dtype)
+    if not _rows_are_batch_invariant(model, c.vocab_size):
+        pytest.skip("this CPU's GEMMs are not batch-invariant for the tiny model's shapes, so the engine's batched "
+                    "forward and the trainer's cannot agree bit for bit here (docs/rollout.md#true-on-policy)")
+    pairs, stopped_early = _score(c, model, eng, top_p)
     for k, (trainer, engine) in enumerate(pairs):
         assert torch.equal(trainer, engine), (k, (trainer - engine).abs().max())
     assert stopped_early > 0                               # the padded tails are exercised
