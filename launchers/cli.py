@@ -343,6 +343,9 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     processes that each hold 1/N of the routed experts and score every N-th
     sequence. The output format is the same either way, so runs are directly
     comparable.
+
+    Indexer-score ties at the k-th place are broken by the lowest entry index
+    (torch.topk may pick other tied entries: docs/interop.md, "Ties of indexer scores").
     """
     opts = {**opts, "model": opts.get("model") or checkpoint}
     run = resolve(opts, job="score")[1]
