@@ -22,10 +22,18 @@ Data: SFT pairs written to the layout's folder (``data.jsonl``, beside its run f
 data inside ``--run-dir``). Each pair is exactly ``--seq`` tokens under the checkpoint's byte tokenizer
 (``[bos] + prompt bytes + response bytes + [eos]``; a quarter of it is prompt). Every data-parallel rank
 trains one sequence per step (``batch_size=dp``): dp and ep layouts train dp sequences per step, tp and cp
-layouts split one. Settings: bf16 and triton kernels on nvidia, fp32 and the reference kernels on the CPU;
+layouts split one. ``--batch N``: N sequences per data-parallel rank per step, one per micro-batch
+(``micro_batch_size=1``, gradients accumulated), so the optimizer's fixed cost per step is shared by N
+forward/backward passes, as in a real run's global batch. ``--set KEY=VALUE`` passes more training options
+(e.g. ``recompute=full`` for long sequences). Settings: bf16 and triton kernels on nvidia, fp32 and the reference kernels on the CPU;
 eager (``--compile`` passes ``dsv4 train --compile``); ``export_at_end=false``, and no checkpoint
 (``save_at_end=false``, ``save_every`` past the run): the final checkpoint of the flash-shaped preset (model
 plus fp32 optimizer state) is about 80 GB, more than a one-GPU machine's disk may hold.
+
+Step budget (``--profile N``): ``dsv4 train`` runs N more steps after the timed ones under ``torch.profiler``
+(``profile_steps=N``, :mod:`train.profiling`); the row's ``budget`` is ``RUN_DIR/profile/budget.json``: GPU time
+per category (forward, backward, optimizer), kernels and host synchronisations per step, host gaps. The profiled
+steps are not timed.
 
 Measured from ``RUN_DIR/metrics.jsonl`` (rank 0's rows): ``dsv4 train --steps STEPS`` runs STEPS steps, and the
 first ``--warmup`` of them are left out. Step time is the mean ``time_step``. tokens/s is the sum of ``tokens``
@@ -149,7 +157,7 @@ def write_sft_data(path: Path, seq: int, model: str, vocab_size: int, n: int = D
 
 
 def train_command(layout: dict, *, model: str, data: Path, run_dir: Path, steps: int, hardware: str,
-                  compile_blocks: bool = False) -> list:
+                  compile_blocks: bool = False, profile: int = 0, batch: int = 1, options=()) -> list:
     """The ``dsv4 train`` command line of one layout (torch.distributed.run for more than one rank)."""
     args = ["-m", "launchers.dsv4", "train", "--mode", "sft", "--hardware", hardware, "--impl", layout["impl"],
             "--kernel-backend", "triton" if hardware == "nvidia" else "none", "--model", model,
@@ -161,16 +169,21 @@ def train_command(layout: dict, *, model: str, data: Path, run_dir: Path, steps:
         args += ["--qkv-format", "thd"]            # context parallelism runs on packed (THD) streams
     if compile_blocks:
         args.append("--compile")
-    args += [f"batch_size={layout['dp']}", f"save_every={1 << 30}", "save_at_end=false", "export_at_end=false"]
+    args += [f"batch_size={layout['dp'] * batch}", f"save_every={1 << 30}", "save_at_end=false",
+             "export_at_end=false", *(["micro_batch_size=1"] if batch > 1 else []), *options]
+    if profile:                                   # the last `profile` steps run under torch.profiler
+        args[args.index("--steps") + 1] = str(steps + profile)
+        args.append(f"profile_steps={profile}")
     if layout["world"] == 1:
         return [sys.executable] + args
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(layout["world"])] + args
 
 
-def summarize(rows: list, warmup: int) -> dict:
-    """Step time, tokens/s and peak memory of the metrics rows after the warm-up steps."""
-    timed = [r for r in rows if int(r["step"]) > warmup]
+def summarize(rows: list, warmup: int, last: Optional[int] = None) -> dict:
+    """Step time, tokens/s and peak memory of the metrics rows after the warm-up steps (and up to step ``last``:
+    profiled steps after it are not timed)."""
+    timed = [r for r in rows if int(r["step"]) > warmup and (last is None or int(r["step"]) <= last)]
     if not timed:
         raise RuntimeError(f"metrics.jsonl holds {len(rows)} steps: none after the {warmup} warm-up steps")
     seconds = sum(float(r["time_step"]) for r in timed)
@@ -192,13 +205,14 @@ def _error_line(log: str) -> str:
 
 
 def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, steps: int, warmup: int,
-               hardware: str, env: dict, compile_blocks: bool = False) -> dict:
+               hardware: str, env: dict, compile_blocks: bool = False, profile: int = 0, batch: int = 1,
+               options=()) -> dict:
     """Run ``dsv4 train`` for one layout in ``folder`` (data.jsonl, run/, dsv4.log) and read its metrics."""
     from train.metrics import read_metrics
 
     row = {"layout": layout["name"], "impl": layout["impl"], "dp": layout["dp"], "tp": layout["tp"],
            "cp": layout["cp"], "ep": layout["ep"], "gpus": layout["world"], "seq": seq,
-           "sequences_per_step": layout["dp"], "steps": steps, "warmup_steps": warmup}
+           "sequences_per_step": layout["dp"] * batch, "steps": steps, "warmup_steps": warmup}
     if hardware == "nvidia" and layout["world"] > torch.cuda.device_count():
         row["error"] = f"{layout['name']} needs {layout['world']} GPUs; {torch.cuda.device_count()} visible"
         return row
@@ -208,7 +222,7 @@ def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, step
     data = write_sft_data(folder / "data.jsonl", seq, model, config.vocab_size)
     run_dir = folder / "run"
     cmd = train_command(layout, model=model, data=data, run_dir=run_dir, steps=steps, hardware=hardware,
-                        compile_blocks=compile_blocks)
+                        compile_blocks=compile_blocks, profile=profile, batch=batch, options=options)
     row["train_command"] = shlex.join(["python"] + cmd[1:])     # as a user types it (the interpreter: sys.executable)
     row["run_dir"] = str(run_dir)
     print(f"$ {row['train_command']}", flush=True)
@@ -222,8 +236,12 @@ def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, step
         row["error"] = _error_line(proc.stdout)
         row["log_tail"] = proc.stdout[-3000:]
         return row
-    row.update(summarize(read_metrics(run_dir), warmup))
-    fl = step_flops(config, seq, layout["dp"], active_params(config))["total"]
+    row.update(summarize(read_metrics(run_dir), warmup, last=steps))
+    if profile:
+        from train.profiling import read_budget
+
+        row["budget"] = read_budget(run_dir)
+    fl = step_flops(config, seq, layout["dp"] * batch, active_params(config))["total"]
     row["flops_per_step"] = fl
     step_s = row["step_ms"] / 1e3
     row["mfu"] = fl / step_s / (layout["world"] * H200_BF16_DENSE_TFLOPS * 1e12) if hardware == "nvidia" else None
@@ -331,6 +349,13 @@ def main(argv=None) -> int:
                     help="cpu: gloo ranks, reference kernels, fp32 (a smoke run; no MFU, no reference step)")
     ap.add_argument("--compile", action="store_true", help="pass dsv4 train --compile (torch.compile'd blocks)")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers' reference step")
+    ap.add_argument("--batch", type=int, default=1, metavar="N",
+                    help="sequences per data-parallel rank per step, one per micro-batch (gradients accumulated)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dsv4 train option for every layout (e.g. recompute=full); repeatable")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, N more steps under torch.profiler (dsv4 train profile_steps=N): "
+                         "each row gets the step's budget (GPU time per category, kernels and host syncs per step)")
     ap.add_argument("--work-dir", default=None,
                     help="folder of the runs: LAYOUT/data.jsonl, LAYOUT/run/ (checkpoints deleted), LAYOUT/dsv4.log, "
                          "each LAYOUT folder replaced when run again; default: a temporary folder, removed at the end")
@@ -340,6 +365,10 @@ def main(argv=None) -> int:
                     help="add to --out's rows (same settings), replacing those of the layouts run again")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: at least one sequence per step")
+    if any("=" not in o for o in args.set):
+        ap.error("--set takes KEY=VALUE (a dsv4 train option)")
     if args.steps <= args.warmup or args.warmup < 0:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the timed steps are the rest")
     try:
@@ -355,6 +384,7 @@ def main(argv=None) -> int:
     name = Path(args.model).name if Path(args.model).is_dir() else args.model
     out = _out_path(args.out or f"bench/results/train-cli-{args.hardware}-{name}-seq{args.seq}.json")
     settings = {"model": args.model, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+                "profile": args.profile, "batch": args.batch, "options": args.set,
                 "hardware": args.hardware, "compile": args.compile, "kernel_backend": "triton" if gpu else "none",
                 "dtype": "bf16" if gpu else "fp32", "machine": machine(args.hardware)}
     old = _previous(out, settings) if args.append else {}
@@ -381,7 +411,8 @@ def main(argv=None) -> int:
             try:
                 row = run_layout(layout, folder=work / slug, model=model, config=config, seq=args.seq,
                                  steps=args.steps, warmup=args.warmup, hardware=args.hardware, env=env,
-                                 compile_blocks=args.compile)
+                                 compile_blocks=args.compile, profile=args.profile, batch=args.batch,
+                                 options=args.set)
             except Exception as e:  # record it and keep the others
                 row = {"layout": layout["name"], "impl": layout["impl"], "gpus": layout["world"],
                        "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
@@ -400,6 +431,12 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print_table(result["rows"], result["reference"],
                 f"dsv4 train (SFT), {args.model}, {args.seq} tokens per sequence, {result['machine']}")
+    for r in result["rows"]:
+        if r.get("budget"):
+            from train.profiling import format_budget
+
+            print(f"\nstep budget of {r['layout']} ({r['budget']['profiled_steps']} profiled steps):")
+            print("\n".join(format_budget(r["budget"], top=40)))
     print(f"wrote {out}")
     return 0 if all("error" not in r for r in result["rows"]) else 1
 

@@ -108,7 +108,7 @@ def active_params(c) -> int:
         hc = 2 * ((n * d) * (2 * n + n * n) + (2 * n + n * n) + 3)
         e = 3 * d * c.moe_inter_dim
         ffn = d + c.n_shared_experts * e + e * c.n_activated_experts
-        ffn += c.n_routed_experts * d if not c.is_hash_layer(i) else 0
+        ffn += c.n_routed_experts * d  # the router's weight: hash layers too (their expert weights are its scores)
         total += attn + hc + ffn
     del rd
     return total

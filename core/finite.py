@@ -12,8 +12,8 @@ A model that a checkpoint fills is built without random init: its weights start
 as NaN (:func:`fill_unwritten_`) and every load path checks the whole model
 afterwards (:func:`check_written`), so a weight no load wrote is refused too.
 
-Cost: one ``torch.isfinite(t).all()`` per floating tensor (a single pass,
-no copy kept), which is small next to reading the tensor from disk, and one
+Cost: one read of every floating tensor (a multi-tensor max-abs pass, no
+copy kept), which is small next to reading the tensor from disk, and one
 host sync per device for a whole list (the tensors are named only when one
 fails). Float8
 tensors are checked through a float32 view (``isfinite`` has no float8
@@ -51,12 +51,22 @@ def _count_bad(t: torch.Tensor) -> int:
 
 def _all_finite(tensors) -> bool:
     """Whether every floating tensor is finite, with one host sync per device (not one per tensor: the
-    trainer checks a few hundred weights every step, and a sync per tensor stalls the GPU's queue)."""
-    flags = {}
+    trainer checks a few hundred weights every step, and a sync per tensor stalls the GPU's queue).
+
+    Each tensor is read once: the max-abs norm of every tensor of a (device, dtype) group in one multi-tensor
+    pass (``torch._foreach_norm(..., inf)``; NaN propagates through the max, inf is the max), then one
+    ``isfinite`` over those few numbers. ``torch.isfinite(t).all()`` per tensor took four passes and a bool
+    tensor per weight: about 20 ms of a 330 ms Flash-shaped training step on an H200 (2026-12-02)."""
+    groups = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
             x = t.detach()
-            flags.setdefault(x.device, []).append(torch.isfinite(x.float() if x.element_size() == 1 else x).all())
+            x = x.float() if x.element_size() == 1 else x
+            groups.setdefault((x.device, x.dtype), []).append(x)
+    flags = {}
+    for (device, _dtype), ts in groups.items():
+        maxes = torch.stack([m.float() for m in torch._foreach_norm(ts, math.inf)])
+        flags.setdefault(device, []).append(torch.isfinite(maxes).all())
     return all(bool(torch.stack(f).all()) for f in flags.values())
 
 

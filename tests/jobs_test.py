@@ -159,6 +159,23 @@ def test_the_main_job_trains_the_embedded_model_with_grpo(tmp_path):
         assert all(r[key] is not None and r[key] == r[key] for r in rows), key  # present and not NaN
     assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
     assert list((run_dir / "plots").glob("*.png"))
+    # it trains: a step whose groups all have equal rewards has exactly zero policy gradient (no KL, no MTP in
+    # the main job), every other step a nonzero one, and at least one step had a learning signal
+    for r in rows:
+        assert (r["grad_norm"] == 0.0) == (r["zero_variance_group_frac"] == 1.0), r
+    assert any(r["grad_norm"] > 0 for r in rows)
+    _assert_trained(tmp_path / "cache" / "tiny-bf16-seed0", run_dir / "hf")
+
+
+def _assert_trained(start, export):
+    """The exported weights moved away from the starting checkpoint's, and the frozen hash tables did not."""
+    a = dict(open_checkpoint(start).iter_tensors(progress=False))
+    b = dict(open_checkpoint(export).iter_tensors(progress=False))
+    assert a.keys() == b.keys()
+    moved = [k for k in a if a[k].is_floating_point() and not torch.equal(a[k].float(), b[k].float())]
+    assert len(moved) > 0.5 * sum(a[k].is_floating_point() for k in a), f"only {len(moved)} tensors moved"
+    frozen = [k for k in a if k.endswith("tid2eid")]
+    assert frozen and all(torch.equal(a[k], b[k]) for k in frozen)
 
 
 @pytest.mark.parametrize("impl", ["miles", "megatron"])

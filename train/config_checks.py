@@ -190,6 +190,11 @@ def check_train_options(run_config, cfg, host=None) -> None:
 
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
+    if cfg.indexer_replay:
+        raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
+                          "top-k picks yet, and the miles and megatron models do not read the replay seam "
+                          "(train.replay has a recorder and replayer for the reference model only). Fix: drop "
+                          "indexer_replay (routing_replay replays the experts)")
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout),
@@ -226,6 +231,7 @@ def validate(cfg) -> None:
     _number("top_p", cfg.top_p, lo=0, lo_open=True, hi=1)
     _int("top_k", cfg.top_k, 0, _BIG)
     _int("max_bucket_bytes", cfg.max_bucket_bytes, 1, 1 << 40)
+    _int("profile_steps", cfg.profile_steps, 0, 1 << 16)
     for key in ("clip_low", "clip_high", "kl_coef", "mtp_coef"):
         _number(key, getattr(cfg, key), lo=0, lo_open=False)
     if cfg.dsa_indexer_loss_coeff is not None:
@@ -239,6 +245,11 @@ def validate(cfg) -> None:
                               "(by samples, by tokens): give one of them")
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
+    if cfg.indexer_replay:
+        raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
+                          "top-k picks yet, and the miles and megatron models do not read the replay seam "
+                          "(train.replay has a recorder and replayer for the reference model only). Fix: drop "
+                          "indexer_replay (routing_replay replays the experts)")
     from engine.recompute import MODES
 
     if cfg.recompute not in MODES:

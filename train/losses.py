@@ -82,6 +82,28 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
     return (per_tok * m).sum(), clip_count.detach(), m.sum()
 
 
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+              total_tokens: float, ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+              clip_low: float = 0.2, clip_high: float = 0.2
+              ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """One micro-batch's share of the step's GRPO loss: ``(loss, L_pg share, L_kl share or None, clipped count)``.
+
+    Both terms are sums over this micro-batch's response tokens divided by ``total_tokens``, the step's
+    response-token count over EVERY micro-batch of EVERY data-parallel rank. Gradients accumulate over
+    micro-batches and are summed over ranks, so the step's gradient is that of the token-mean over the whole
+    step, however the samples are split (a per-micro-batch or per-rank mean would weight a short micro-batch's
+    tokens more)."""
+    denom = max(float(total_tokens), 1.0)
+    pg_sum, clipped, _n = policy_loss(logp, old_logp, adv, mask, clip_low=clip_low, clip_high=clip_high)
+    pg = pg_sum / denom
+    kl = None
+    loss = pg
+    if ref_logp is not None:
+        kl = (k3(logp, ref_logp) * mask.to(logp.dtype)).sum() / denom
+        loss = loss + kl_coef * kl
+    return loss, pg, kl, clipped
+
+
 def sft_loss_sum(logp: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     m = mask.to(logp.dtype)
     return -(logp * m).sum(), m.sum()

@@ -12,7 +12,8 @@
   reduction written with ``torch.distributed`` (one coalesced all-reduce per group: dense parameters over
   data x context parallel, routed experts over the expert-data-parallel group), the global gradient norm
   (tensor-parallel shards and expert-parallel banks summed once), clipping and ``torch.optim.AdamW`` on the
-  model's own parameters (fp32, the CPU default).
+  model's own parameters (fp32, the CPU default), with megatron-core's update rules: no weight decay on
+  one-dimensional parameters and biases, and a parameter that got no gradient is stepped with a zero one.
 
 Both return the pre-clip global gradient norm from :meth:`step`, refuse a non-finite norm BEFORE updating
 (``train.step_guard``), and describe their state for checkpoints the same way (one code path for both):
@@ -31,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from engine.tp import full_shape, tp_pieces, tp_spec
+
+from .fused_optim import clipped
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"          # the fp32 master weights (kept when the model computes in bf16)
@@ -75,6 +78,10 @@ class _Base:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """What updates the weights (the run log's configuration lines)."""
+        return f"torch.optim.AdamW ({self.kind})"
+
     def no_sync(self):
         """Context for every backward of the step but the last (gradient accumulation)."""
         import contextlib
@@ -109,7 +116,8 @@ class TorchOptimizer(_Base):
 
     def __init__(self, model, cfg):
         super().__init__(model, cfg)
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(weight_decay_groups(self.named, cfg.weight_decay), lr=cfg.lr,
+                                     betas=tuple(cfg.betas))
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -164,6 +172,9 @@ class TorchOptimizer(_Base):
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.detach().mul_(coef)
+        for p in self.params:          # megatron-core's optimizer steps every parameter, with a zero gradient
+            if p.grad is None:         # where none arrived (its fp32 buffer): decay and moments move alike here
+                p.grad = torch.zeros_like(p)
         self.opt.step()
         return gnorm
 
@@ -193,6 +204,16 @@ class TorchOptimizer(_Base):
                 continue
             self.opt.state[p] = {"step": torch.tensor(float(steps[n])),
                                  **{k: bufs[n][k].view(p.shape) for k in STATE_KEYS}}
+
+
+def weight_decay_groups(named: Dict[str, torch.nn.Parameter], weight_decay: float) -> List[dict]:
+    """AdamW parameter groups with megatron-core's default rule (``megatron.core.optimizer``: no weight decay on
+    one-dimensional parameters and biases: norms, sinks, scales), so the CPU target's optimizer takes the step
+    of the GPU targets' distributed optimizer."""
+    decay = [p for n, p in named.items() if p.ndim > 1 and not n.endswith(".bias")]
+    keep = [p for n, p in named.items() if p.ndim <= 1 or n.endswith(".bias")]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0})
+            if g["params"]]
 
 
 def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
@@ -266,6 +287,10 @@ class MegatronOptimizer(_Base):
                                   adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
                                   use_distributed_optimizer=True, clip_grad=cfg.grad_clip)
         self.opt = get_megatron_optimizer(oconfig, [self.ddp])
+        from .fused_optim import install
+
+        # torch's fused AdamW and a device-side gradient norm where megatron-core fell back to unfused ones
+        self.kernels = install([part.optimizer for part in self._parts()])
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -278,14 +303,22 @@ class MegatronOptimizer(_Base):
         return ((n, p.main_grad) for n, p in self.named.items() if getattr(p, "main_grad", None) is not None)
 
     def step(self) -> float:
+        """Reduce, one global gradient norm (its one host read), the check, clipping, Adam on the fp32 shards and
+        the copy back into the model's weights. megatron-core's own ``step()`` would prepare the gradients and
+        compute the norm a second time; its pieces are called once each instead."""
         self.ddp.finish_grad_sync()                # bucketed reduce-scatter of the fp32 gradients
-        self.opt.prepare_grads()
+        self.opt.prepare_grads()                   # the fp32 shards' .grad: views of the reduced buffer
         gnorm = float(self.opt.get_grad_norm())
         self._check(gnorm)                         # before anything is updated
-        ok, _norm, _zeros = self.opt.step()        # clip by the global norm, Adam on the fp32 shards, copy back
-        if not ok:
-            raise RuntimeError("megatron-core's optimizer skipped the step")
+        clip = self.cfg.grad_clip
+        coef = min(1.0, clip / (gnorm + 1e-6)) if clip > 0 else 1.0   # megatron-core's clip_grad_by_total_norm_fp32
+        with clipped([part.optimizer for part in self._parts()], coef):   # inside the fused Adam kernel
+            if not self.opt.step_with_ready_grads():   # Adam on the fp32 shards, copy back (and all-gather)
+                raise RuntimeError("megatron-core's optimizer skipped the step")
         return gnorm
+
+    def describe(self) -> str:
+        return f"megatron-core DistributedOptimizer: {self.kernels['adam']}, gradient norm {self.kernels['grad_norm']}"
 
     def _parts(self):
         """The distributed optimizers megatron-core built (a ChainedOptimizer holds several)."""

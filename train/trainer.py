@@ -59,7 +59,7 @@ from . import data as D
 from .async_rollout import RolloutPipeline
 from .checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from .engines import SamplingParams
-from .losses import (group_advantages, k3, mtp_loss, policy_loss, sample_mean_diag, sft_loss_sum,
+from .losses import (group_advantages, grpo_loss, mtp_loss, sample_mean_diag, sft_loss_sum,
                      zero_variance_group_frac)
 from .metrics import MetricsLogger, truncate_after
 from .distributed import ParallelGroups, check_divisible
@@ -68,7 +68,7 @@ from .model import build_train_model, full_view, load_model_source
 from .optim import build_optimizer
 from .replay import routing_match
 from .weight_sync import sync_weights
-from . import state_io, step_guard
+from . import profiling, state_io, step_guard
 from .config_checks import check_mode, check_static_shapes, check_train_options, check_true_on_policy
 from .run_folder import cleanup_failed_start, config_differences, has_progress
 from core.errors import UserInputError
@@ -135,7 +135,7 @@ class TrainConfig:
     normalize_adv_std: bool = True
     # replay
     routing_replay: bool = True
-    indexer_replay: bool = False             # seam only (kernels.reference.indexer.indexer_hook); not wired
+    indexer_replay: bool = False             # refused when true: not built (train.config_checks says why)
     # MTP
     mtp_coef: float = 0.0
     # megatron's indexer KL loss weight (dsa_indexer_loss_coeff); None = off
@@ -177,6 +177,9 @@ class TrainConfig:
     save_at_end: bool = True
     keep_last: int = 2
     export_at_end: bool = True
+    # profile the run's last N steps with torch.profiler (global rank 0): device time per category, kernels and
+    # host syncs per step, written to RUN_DIR/profile/budget.json (train.profiling); 0 = off
+    profile_steps: int = 0
 
     def __post_init__(self) -> None:
         from .config_checks import validate
@@ -191,7 +194,7 @@ class TrainConfig:
 
 
 # settings a resumed run may change: they do not change what is trained
-RESUME_MAY_CHANGE = ("tracker",)
+RESUME_MAY_CHANGE = ("tracker", "profile_steps")
 
 
 def _compared(desc: Dict, keys) -> Dict:
@@ -293,6 +296,7 @@ class _Run:
             self.model.row_invariant = True
         self.source_desc = load_model_source(self.model, self.ckpt_source)
         self.optim = build_optimizer(self.model, cfg, run_config)
+        self.profiler = None               # profile_steps: set in run(), once the start step is known
         self.ref_model = None
         if mode == "grpo" and cfg.kl_coef > 0:
             self.ref_model = build_train_model(self.model_config, run_config, impl=cfg.train_impl,
@@ -436,7 +440,8 @@ class _Run:
         mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
         t0 = time.perf_counter()
         self.model.train()
-        self.optim.zero_grad()
+        with profiling.scope("zero_grad"):
+            self.optim.zero_grad()
         _maybe_kill(step, "train")
         # every rank divides by the step's GLOBAL response-token count: the summed gradient is the token mean
         n_local = float(mask.sum())
@@ -491,7 +496,8 @@ class _Run:
     def _clip_and_step(self) -> float:
         """Reduce the gradients over data (and context) parallel, clip, step (``train.optim``: a non-finite
         gradient norm stops the run before the update); returns the pre-clip global gradient norm."""
-        gnorm = self.optim.step()
+        with profiling.scope("optimizer"):
+            gnorm = self.optim.step()
         step_guard.check_parameters(self.model)           # the update itself blew up (e.g. lr=inf)
         return gnorm
 
@@ -623,7 +629,8 @@ class _Run:
         _maybe_kill(step, "train")
         t0 = time.perf_counter()
         self.model.train()
-        self.optim.zero_grad()
+        with profiling.scope("zero_grad"):
+            self.optim.zero_grad()
         local_tokens = float(sum(int(it["mask"].sum()) for it in items))
         total_tokens = self.dist.sum_over_dp([local_tokens])[0]
         loss_acc = pg_acc = kl_acc = clip_acc = mtp_acc = aux_acc = 0.0
@@ -631,15 +638,12 @@ class _Run:
         for i, it in enumerate(items):
             fwd = self.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                            with_mtp=cfg.mtp_coef > 0, **lkw(it))
-            pg_sum, clipped, _n = policy_loss(fwd.logprobs, it["old"], it["adv"], it["mask"],
-                                              clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-            loss = pg_sum / max(total_tokens, 1.0)
-            pg_acc += float(loss.detach())
+            loss, pg_term, kl_term, clipped = grpo_loss(
+                fwd.logprobs, it["old"], it["adv"], it["mask"], total_tokens=total_tokens, ref_logp=it.get("ref"),
+                kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            pg_acc += float(pg_term.detach())
             clip_acc += float(clipped)
-            if self.ref_model is not None:
-                kl_tok = k3(fwd.logprobs, it["ref"])
-                kl_term = (kl_tok * it["mask"]).sum() / max(total_tokens, 1.0)
-                loss = loss + cfg.kl_coef * kl_term
+            if kl_term is not None:
                 kl_acc += float(kl_term.detach())
             if cfg.mtp_coef > 0:
                 m = mtp_loss(fwd.mtp_logits, it["ids"], it["mask"])
@@ -791,17 +795,23 @@ class _Run:
                                                   start_step=self.start_step, run_dir=self.run_dir,
                                                   source=self.source_desc) if main else ()):
                     run_log.log.info(line)
+                if main:
+                    run_log.log.info(f"optimizer: {self.optim.describe()}")
                 if main and self.start_step >= self.steps:
                     run_log.log.info(f"{self.run_dir}: already at step {self.start_step} >= --steps {self.steps}")
+                self.profiler = self._step_profiler()
                 for step in range(self.start_step + 1, self.steps + 1):
                     t0 = time.perf_counter()
                     try:
-                        row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
+                        with self.profiler.step(step) if self.profiler else contextlib.nullcontext():
+                            row = self.grpo_step(step) if self.mode == "grpo" else self.sft_step(step)
                         step_guard.check_loss(row)
                     except step_guard.NonFiniteError as exc:
                         found = latest_checkpoint(self.run_dir)
                         raise step_guard.diverged(step, exc, self.run_dir, found and found[0], self.cfg.lr) from None
                     dt = time.perf_counter() - t0
+                    if self.profiler is not None:
+                        self.profiler.after_step(step)
                     row["step"] = step
                     row["time_step"] = dt
                     row["tokens_per_s"] = row["tokens"] / dt if dt > 0 else 0.0
@@ -818,7 +828,12 @@ class _Run:
                         _maybe_kill(step, "checkpoint")
                         save_checkpoint(self.run_dir, step, self.model, self.optim, keep_last=self.cfg.keep_last,
                                         extra={"mode": self.mode, "layout": self._layout()}, groups=self.dist)
+                budget = profiling.read_budget(self.run_dir) if self.profiler else None
+                for line in profiling.format_budget(budget) if budget and main else ():
+                    run_log.log.info(line)
         finally:
+            if self.profiler is not None:
+                self.profiler.close()
             if logger is not None:
                 logger.close()
             if self.rollouts is not None:    # a run that failed mid-step: the engine must not be generating
@@ -833,6 +848,17 @@ class _Run:
                 result["hf_export"] = str(export_model(view, self.run_dir / "hf", tokenizer=self.tok))
             self.dist.barrier()
         return result
+
+    def _step_profiler(self) -> Optional[profiling.StepProfiler]:
+        """``profile_steps``: global rank 0 profiles the run's last steps (train.profiling); compiled blocks fuse
+        across modules, so their profile has op names only."""
+        n = self.cfg.profile_steps
+        if n <= 0 or not self.dist.is_main or self.start_step >= self.steps:
+            return None
+        model = getattr(self.model, "module", None)
+        model = model if isinstance(model, torch.nn.Module) else self.model
+        return profiling.StepProfiler(model, self.run_dir, first=max(self.start_step + 1, self.steps - n + 1),
+                                      last=self.steps, module_scopes=not self.cfg.compile_blocks)
 
     def _layout(self) -> Dict[str, int]:
         d = self.dist

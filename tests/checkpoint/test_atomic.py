@@ -50,6 +50,18 @@ def test_atomic_path_for_writers_that_want_a_path(tmp_path):
     assert p.read_text() == "0\n1\n2\n"
 
 
-def test_fsync_dir_skips_what_it_cannot_open(tmp_path):
+def test_fsync_dir_syncs_the_folder_and_skips_what_it_cannot_open(tmp_path, monkeypatch):
+    synced, closed = [], []
+    real_fsync, real_close = os.fsync, os.close
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    monkeypatch.setattr(os, "close", lambda fd: closed.append(fd) or real_close(fd))
     fsync_dir(tmp_path)
-    fsync_dir(tmp_path / "missing")
+    assert synced == [tmp_path.stat().st_ino] and len(closed) == 1      # the folder itself, its fd closed
+    assert fsync_dir(tmp_path / "missing") is None                      # cannot open: skipped, no error
+    assert len(synced) == 1
+
+    def refuse(fd):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", refuse)                            # a mount that cannot fsync a folder
+    assert fsync_dir(tmp_path) is None and len(closed) == 2             # skipped, and the fd still closed

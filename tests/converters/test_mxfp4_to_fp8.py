@@ -11,6 +11,7 @@ from converters.mxfp4_to_fp8 import (
 )
 from converters.staging import SENTINEL, read_sentinel
 from core.checkpoint import open_checkpoint, prepare_checkpoint, write_checkpoint
+from core.checkpoint.errors import CheckpointError
 from core.checkpoint.formats import (
     E8M0_DTYPE, FP4_VALUES, fp4_dequantize, fp4_pack, fp8_block_dequantize,
 )
@@ -276,7 +277,7 @@ def test_convert_reports_inexact_tiles(tmp_path):
 
 def test_rejects_non_mxfp4_input(tmp_path):
     src = prepare_checkpoint(tmp_path / "fp8", preset("tiny"), dtype="fp8", seed=0)
-    with pytest.raises(Exception, match="mxfp4-experts"):
+    with pytest.raises(CheckpointError, match="input is a 'fp8' checkpoint, expected 'mxfp4-experts'"):
         convert_mxfp4_to_fp8(src, tmp_path / "out", progress_bar=False)
     assert not (tmp_path / "out").exists()
 

@@ -9,7 +9,18 @@ from core.config import preset
 
 
 def test_bf16_is_identity():
-    assert schemes.bf16().publish_format == "bf16"
+    s = schemes.bf16()
+    assert s.publish_format == "bf16"
+    w, b = torch.randn(128, 256), torch.randn(7, dtype=torch.bfloat16)
+    names = ["layers.0.attn.wq_a.weight", "layers.1.ffn.experts.0.w1.weight"]
+    out = list(s.publish(zip(names, [w, b])))
+    assert [n for n, _ in out] == names                      # no scales added, nothing renamed
+    for (_, got), want in zip(out, [w, b]):                    # the tensors themselves (detached), not copies
+        assert got.dtype == want.dtype and got.data_ptr() == want.data_ptr() and torch.equal(got, want)
+    model = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert s.prepare_training(model) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_fp8_publish():
@@ -18,6 +29,13 @@ def test_fp8_publish():
     out = dict(s.publish([("layers.0.attn.wq_a.weight", w), ("layers.0.attn.wo_a.weight", w)]))
     assert out["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert out["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    # dequantized by hand (one power-of-two scale per 128x128 block) it is the weight to e4m3's rounding (3
+    # mantissa bits: at most 2^-4 relative, or half the smallest subnormal step of its block near zero)
+    scale = out["layers.0.attn.wq_a.scale"].float()
+    assert scale.shape == (1, 2) and torch.equal(scale, 2.0 ** scale.log2().round())
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    back = out["layers.0.attn.wq_a.weight"].float() * full
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + full * 2 ** -10).all()
     assert out["layers.0.attn.wo_a.weight"] is not None and "layers.0.attn.wo_a.scale" not in out
     s32 = schemes.FP8Scheme(scale_format="fp32")
     assert dict(s32.publish([("mtp.0.h_proj.weight", w)]))["mtp.0.h_proj.scale"].dtype == torch.float32
@@ -58,8 +76,10 @@ def _records():
     return {r.name: r for r in dsv4_quant_schemes()}
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4-fp8", "nvfp4", "qat"])
-def test_plugin_records_load(name):
+@pytest.mark.parametrize("name,factory,publish_format", [
+    ("bf16", schemes.bf16, "bf16"), ("fp8", schemes.fp8, "fp8"), ("mxfp4-fp8", schemes.mxfp4_fp8, "fp8"),
+    ("nvfp4", schemes.nvfp4, "nvfp4"), ("qat", schemes.qat, "bf16")])
+def test_plugin_records_load_their_scheme(name, factory, publish_format):
     obj = _records()[name].load()()
-    if name != "bf16":
-        assert obj.name == name
+    assert type(obj) is type(factory()) and obj == factory()
+    assert obj.name == name and obj.publish_format == publish_format

@@ -3,8 +3,10 @@
 Blocks share their code, and a block's layer-specific constants (compress ratio, routing kind, the layer id
 routing replay looks up) make dynamo compile one variant per layer. Past dynamo's default limit of 8
 variants the remaining layers would silently run uncompiled (V4-Flash has 43 layers), so
-``compile_blocks`` raises the limit to the number of blocks. Checked by tracing only (``backend="eager"``),
-with dynamo told to fail instead of falling back. With the indexer KL loss on: steps after the first trace
+``compile_blocks`` raises the limit to the number of blocks. Compiled through ``aot_eager`` (dynamo's graphs
+and AOTAutograd's forward and backward graphs, run without Inductor's C++ build, as
+tests/impl_miles/test_compile.py does), so "compiled equals eager" compares two different executions; a
+backend that counts its calls shows every block ran compiled; dynamo is told to fail instead of falling back. With the indexer KL loss on: steps after the first trace
 nothing new, and CUDA graphs are refused."""
 
 from __future__ import annotations
@@ -13,6 +15,19 @@ import pytest
 import torch
 
 from tests.impl_megatron.conftest import run_config
+
+
+def _counting_aot_eager():
+    """``aot_eager`` that records each graph dynamo hands it: ``(backend, graphs)``."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager, graphs = lookup_backend("aot_eager"), []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    return backend, graphs
 
 
 def test_every_block_of_a_deep_model_compiles(tiny_config):
@@ -28,9 +43,15 @@ def test_every_block_of_a_deep_model_compiles(tiny_config):
     ids = torch.randint(0, c.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 50, 96])
     torch._dynamo.reset()
+    backend, graphs = _counting_aot_eager()
+    ran = []                         # (layer, inside compiled code) per block call
+    for i, block in enumerate(compiled.decoder.layers):
+        block.register_forward_pre_hook(lambda mod, args, i=i: ran.append((i, torch.compiler.is_compiling())))
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
-        compile_blocks(compiled, backend="eager")
+        compile_blocks(compiled, backend=backend)
         out = compiled(ids, cu)
+    assert sorted(i for i, inside in ran if inside) == list(range(n)), ran    # every block ran compiled
+    assert len(graphs) >= n
     torch.testing.assert_close(out, eager(ids, cu), atol=1e-5, rtol=1e-5)
 
 
@@ -56,7 +77,8 @@ def test_compiled_steps_with_the_indexer_kl_loss_trace_once(tiny_config):
     layout = compiled.layout_for(ids, torch.tensor([0, 50, 96]))
     torch._dynamo.reset()
     counters.clear()
-    compile_blocks(compiled, backend="eager")
+    backend, _ = _counting_aot_eager()
+    compile_blocks(compiled, backend=backend)
     graphs = []
     for step in range(3):
         for m in (eager, compiled):

@@ -5,8 +5,8 @@ fp32 (and a logsumexp with the sink for lse). Error = ||o - ref||_F / ||ref||_F;
 Bounds: o <= 1e-2 (bf16 P and output rounding are ~4e-3), lse max-abs <= 2e-3.
 
 Every numeric case runs once per PV variant (``VARIANTS``; the variants differ only in how O += P.V is
-issued, see the kernel header). The refusal cases run anywhere; the rest need an sm_90 GPU (skipped
-elsewhere, with the reason).
+issued, see the kernel header). Everything here needs an sm_90 GPU (skipped elsewhere, with the reason); the
+refusals that CPU tensors reach run in the CPU suite (test_cuda_backend.py).
 """
 
 import os
@@ -245,28 +245,15 @@ def test_triton_backward_takes_the_cuda_forward():
         assert _rel(a, b) <= 2e-2, n
 
 
-def test_refusals_name_the_fix():
-    dev = "cuda" if _gpu_reason() is None else "cpu"
-    q = torch.randn(4, 64, 512, device=dev).bfloat16()
-    kv = torch.randn(10, 512, device=dev).bfloat16()
-    idx = torch.zeros(4, 8, dtype=torch.int32, device=dev)
-    sink = torch.zeros(64, device=dev)
+@needs_gpu
+def test_refusals_on_the_gpu_name_the_fix():
+    """The refusals that need CUDA tensors to reach (the rest run in the CPU suite: test_cuda_backend.py)."""
+    q = torch.randn(4, 64, 512, device="cuda").bfloat16()
+    kv = torch.randn(10, 512, device="cuda").bfloat16()
+    idx = torch.zeros(4, 8, dtype=torch.int32, device="cuda")
+    sink = torch.zeros(64, device="cuda")
     f = CA.sparse_attention_fwd
-    with pytest.raises(ValueError, match="bf16"):
-        f(q.half(), kv.half(), idx, sink, 0.1)
-    with pytest.raises(ValueError, match="head dim 512"):
-        f(q[..., :256].contiguous(), kv[:, :256].contiguous(), idx, sink, 0.1)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        f(q[:, :32].contiguous(), kv, idx, sink[:32], 0.1)
-    with pytest.raises(ValueError, match="shape mismatch"):
-        f(q, kv, idx[:3], sink, 0.1)
-    with pytest.raises(ValueError, match="int32"):
-        f(q, kv, idx.float(), sink, 0.1)
-    if dev == "cpu":
-        with pytest.raises(ValueError, match="CUDA"):
-            f(q, kv, idx, sink, 0.1)
-    else:
-        with pytest.raises(ValueError, match="contiguous"):
-            f(q.transpose(0, 1).contiguous().transpose(0, 1), kv, idx, sink, 0.1)
-        with pytest.raises(ValueError, match="CUDA"):
-            f(q.cpu(), kv, idx, sink, 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        f(q.transpose(0, 1).contiguous().transpose(0, 1), kv, idx, sink, 0.1)
+    with pytest.raises(ValueError, match="CUDA"):
+        f(q.cpu(), kv, idx, sink, 0.1)

@@ -77,3 +77,27 @@ def test_only_the_variants_that_compute_the_function_are_reachable(monkeypatch):
         monkeypatch.setenv("DSV4_CUDA_ATTN_VARIANT", bad)
         with pytest.raises(ValueError, match="DSV4_CUDA_ATTN_VARIANT"):
             CA.default_variant()
+
+
+def test_the_kernel_launcher_refuses_what_the_kernel_does_not_take():
+    """``kernels.cuda.attention.sparse_attention_fwd`` on CPU tensors: each wrong input is refused by name before
+    the device check (the GPU-only refusals: test_cuda_attention_gpu.py)."""
+    from kernels.cuda import attention as CA
+
+    q = torch.randn(4, 64, 512).bfloat16()
+    kv = torch.randn(10, 512).bfloat16()
+    idx = torch.zeros(4, 8, dtype=torch.int32)
+    sink = torch.zeros(64)
+    f = CA.sparse_attention_fwd
+    with pytest.raises(ValueError, match=r"takes bf16 q and kv, got torch.float16, torch.float16: cast them with \.bfloat16\(\) or use --kernel-backend triton"):
+        f(q.half(), kv.half(), idx, sink, 0.1)
+    with pytest.raises(ValueError, match="built for head dim 512, got 256: use --kernel-backend triton for other head dims"):
+        f(q[..., :256].contiguous(), kv[:, :256].contiguous(), idx, sink, 0.1)
+    with pytest.raises(ValueError, match="takes a multiple of 64 heads, got 32: pad the heads to a multiple of 64 or use --kernel-backend triton"):
+        f(q[:, :32].contiguous(), kv, idx, sink[:32], 0.1)
+    with pytest.raises(ValueError, match=r"shape mismatch between q \[T,H,D\], kv \[Tkv,D\], idx \[T,K\] and sink \[H\]"):
+        f(q, kv, idx[:3], sink, 0.1)
+    with pytest.raises(ValueError, match=r"idx must be int32 \(or int64\), got torch.float32"):
+        f(q, kv, idx.float(), sink, 0.1)
+    with pytest.raises(ValueError, match=r"needs CUDA tensors: move q, kv, idx and sink to the GPU \(\.cuda\(\)\)"):
+        f(q, kv, idx, sink, 0.1)

@@ -6,6 +6,7 @@ each sample's start, overlap pools the previous group) and never call the code u
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -236,7 +237,7 @@ def test_layout_facts_and_segment_ids():
     assert lay.num_segments == 3 and lay.total_tokens == 7 and lay.max_seqlen == 4
     assert lay.seqlens.tolist() == [3, 0, 4]
     assert segment_ids(cu, torch.arange(7)).tolist() == [0, 0, 0, 2, 2, 2, 2]
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'global_start'"):
         lay.global_start = 0  # frozen
 
 

@@ -91,3 +91,25 @@ def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
     assert "tensor-parallel size must be 1" in res["rows"][-1]["error"] and len(res["commands"]) == 2
     with pytest.raises(SystemExit, match="other settings"):
         main(args[:5] + ["128"] + args[6:] + ["--layouts", "miles:1", "--append"])
+
+
+def test_profile_batch_and_options(tmp_path, monkeypatch, capsys):
+    """--profile adds untimed profiled steps and their budget; --batch N trains N sequences per step in
+    micro-batches of one; --set passes a training option."""
+    monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "cache"))
+    out, work = tmp_path / "train-cli.json", tmp_path / "work"
+    assert main(["--hardware", "cpu", "--model", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1",
+                 "--layouts", "miles:1", "--profile", "1", "--batch", "2", "--set", "recompute=full",
+                 "--out", str(out), "--work-dir", str(work)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert "--steps 3" in row["train_command"] and "profile_steps=1" in row["train_command"]
+    assert "batch_size=2 " in row["train_command"] and "micro_batch_size=1" in row["train_command"]
+    assert " recompute=full" in row["train_command"]
+    assert row["timed_steps"] == 1                  # step 2 only: step 3 ran under the profiler, untimed
+    assert row["sequences_per_step"] == 2 and row["tokens_per_step"] == 128
+    metrics = [json.loads(line) for line in (work / "miles-1" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["micro_batches"] for m in metrics] == [2, 2, 2]
+    budget = row["budget"]
+    assert budget["steps"] == [3, 3] and budget["device"] == "cpu"
+    assert {r["category"] for r in budget["rows"]} >= {"moe expert GEMMs", "optimizer: adam"}
+    assert "step budget of miles:1" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """A short GRPO job on CPU for both implementations (``miles``: BSHD, ``megatron``: THD packed; fp32, built
-from a run config): finite metrics, train/rollout log-prob agreement, routing replay, weight sync checks,
+from a run config): complete, finite metrics whose total loss is the sum of its terms (the terms' values
+against a hand-computed oracle: tests/train/test_rl_objective.py), train/rollout log-prob agreement, routing replay, weight sync checks,
 TensorBoard events, plots, the HF export and the refusal to overwrite a run without --resume.
 
 Plus two checks of the reference training model (``train_impl="reference"``, still a choice of the
@@ -65,6 +66,19 @@ def test_metrics_are_complete_and_finite(grpo_run):
         assert r["weight_check_ok"] is True
         assert r["grad_norm"] > 0  # valid_bytes rewards differ inside a group -> a real policy gradient
         assert r["mtp_loss"] is not None and math.isfinite(r["mtp_loss"])
+
+
+def test_the_logged_loss_is_the_sum_of_its_logged_terms(grpo_run):
+    """loss = pg_loss + kl_coef x kl_loss + mtp_coef x mtp_loss + indexer_loss (kl_coef 0.05, mtp_coef 0.3 above);
+    the values of the policy and KL terms themselves are held to a hand-computed oracle in
+    tests/train/test_rl_objective.py."""
+    from train.metrics import read_metrics
+
+    for r in read_metrics(grpo_run[0]):
+        assert r["kl_loss"] is not None and r["mtp_loss"] > 0
+        want = r["pg_loss"] + 0.05 * r["kl_loss"] + 0.3 * r["mtp_loss"] + (r["indexer_loss"] or 0.0)
+        assert r["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+        assert 0.0 <= r["pg_clipfrac"] <= 1.0 and r["response_tokens"] > 0
 
 
 def test_train_and_rollout_logprobs_agree_in_fp32(grpo_run):

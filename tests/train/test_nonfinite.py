@@ -110,3 +110,20 @@ def test_export_and_weight_sync_refuse_nan_weights(tmp_path):
             sync_weights(model, engine, version=1)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_the_shared_finite_check_finds_nan_and_inf_and_passes_the_largest_finite_values(dtype):
+    from core.finite import first_nonfinite
+
+    big = torch.finfo(dtype).max
+    ok = [("a", torch.full((3, 4), big).to(dtype)), ("b", torch.tensor([-big, 0.0, 1.0]).to(dtype)),
+          ("ints", torch.tensor([1, 2])), ("empty", torch.empty(0, dtype=dtype))]
+    assert first_nonfinite(ok) is None                      # max |x| of the dtype is finite, not an overflow
+    for bad_value in (float("nan"), float("inf"), float("-inf")):
+        if dtype == torch.float8_e4m3fn and math.isinf(bad_value):
+            continue                                        # e4m3fn has no inf: it saturates or is NaN
+        bad = torch.zeros(5, dtype=torch.float32)
+        bad[3] = bad_value
+        found = first_nonfinite(ok + [("w", bad.to(dtype))])
+        assert found == ("w", 1, 5), (bad_value, found)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from core.config import preset
+from core.errors import UserInputError
 from core.ports import free_port
 from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
 from train.engines import SamplingParams, sample_seed
@@ -140,7 +141,7 @@ def test_tensor_sync_without_the_sglang_package_is_one_line_naming_the_fix(tmp_p
         # disk sync needs no serializer
         e = make_sglang_engine(CFG, url=fake.url, settings=TrainConfig(sglang_weight_sync="disk"), run_dir=tmp_path)
         assert e.weight_update == "disk" and e.disk_dir == str(tmp_path / "sglang_weights")
-        with pytest.raises(Exception, match="nvfp4"):
+        with pytest.raises(UserInputError, match="published format nvfp4.*Fix: choose a --quant"):
             make_sglang_engine(CFG, url=fake.url, settings=TrainConfig(sglang_weight_sync="disk"), run_dir=tmp_path,
                                publish_format="nvfp4")
 

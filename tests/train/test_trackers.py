@@ -13,6 +13,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from core.errors import UserInputError
+
 FAST = ("prompts_per_step=2", "group_size=2", "max_new_tokens=4")
 
 
@@ -150,7 +152,7 @@ def test_a_tracker_whose_library_is_missing_is_refused_in_one_line_before_any_wo
     line = one_line_error(res)
     assert "--tracker mlflow" in line and "pip install mlflow" in line
     assert not run.exists()
-    with pytest.raises(Exception, match="pip install mlflow"):       # the library entry point refuses too
+    with pytest.raises(UserInputError, match="--tracker mlflow: .*Fix: pip install mlflow"):       # the library entry point refuses too
         from train.trainer import run_training
 
         run_training(None, "tiny", mode="sft", steps=1, run_dir=run, tracker=("mlflow",), progress=False)

@@ -1,0 +1,93 @@
+"""The step budget of ``dsv4 train`` (``profile_steps``, train.profiling): every op of the profiled steps lands in
+the row of the model part that ran it, backward ops included (found through autograd's sequence numbers), the
+trainer's optimizer and zero_grad in their own rows, and the budget is written after the last profiled step.
+
+On the CPU a row's time is its ops' own CPU time (on a GPU: their kernels'), so the attribution is the same code
+path that the GPU budget of bench.train_cli uses."""
+
+import json
+
+import pytest
+
+from ._impl_helpers import run_config, small_config, write_data
+
+
+def test_module_scopes_of_both_implementations_cover_the_named_parts():
+    from train.model import build_train_model
+    from train.profiling import module_scope
+
+    c = small_config()
+    for impl in ("miles", "megatron"):
+        names = [n for n, _ in build_train_model(c, run_config(impl, c), seed=0).module.named_modules()]
+        scopes = {n.rsplit(".", 1)[-1]: module_scope(n) for n in names if n}
+        assert scopes["experts"] == "moe experts" and scopes["router"] == "moe router"
+        assert scopes["shared_experts"] == "moe shared expert" and scopes["indexer"] == "indexer"
+        assert scopes["compressor"] == "compressor" and scopes["core_attention"] == "sparse attention"
+        assert scopes["output_layer"] == "output head" and scopes["input_layernorm"] == "norms"
+        assert scopes["self_attention_hyper_connection"] == "mhc"
+        assert module_scope("decoder.layers.1.mlp.experts.linear_fc1") is None   # inside the experts' scope
+
+
+def test_category_refines_a_scope_by_op_name():
+    from train.profiling import category
+
+    assert category("moe experts", "aten::_grouped_mm") == "moe expert GEMMs"
+    assert category("moe experts", "aten::index_select") == "moe permute/unpermute"
+    assert category("moe experts", "aten::stack") == "moe expert weight stacking"
+    assert category("sparse attention", "dsv4_triton::sparse_attention_bwd") == "sparse attention (kernel)"
+    assert category(None, "dsv4_triton::hc_pre") == "mhc"
+    assert category("indexer", "aten::topk") == "indexer top-k"
+    assert category("attention", "aten::mm") == "attention projections"
+    assert category("optimizer", "aten::_foreach_norm") == "optimizer: gradient norm"
+    assert category("optimizer", "aten::_fused_adamw_") == "optimizer: adam"
+    assert category("optimizer", "aten::_foreach_mul_", "Optimizer.step#AdamW.step") == "optimizer: adam"
+    assert category(None, "aten::log_softmax") == "outside the model (loss, log-probs, metrics)"
+
+
+def test_the_projects_triton_kernels_are_placed_by_name():
+    from train.profiling import kernel_category
+
+    assert kernel_category("_bwd_dkv_kernel") == "sparse attention (kernel)"
+    assert kernel_category("_post_bwd_kernel") == "mhc" and kernel_category("_sinkhorn_fwd_kernel") == "mhc"
+    assert kernel_category("_indexer_kernel") == "indexer"
+    assert kernel_category("triton_poi_fused_add_0") is None
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_profiled_steps_write_a_budget_with_backward_in_the_model_rows(tmp_path, impl):
+    from train.profiling import read_budget
+    from train.trainer import run_training
+
+    c = small_config()
+    run_training(run_config(impl, c), c, mode="sft", steps=3, run_dir=tmp_path / "run", progress=False,
+                 export_at_end=False, save_at_end=False, batch_size=2, data=write_data(tmp_path / "d.jsonl"),
+                 profile_steps=2)
+    b = read_budget(tmp_path / "run")
+    assert b is not None and b["profiled_steps"] == 2 and b["steps"] == [2, 3] and b["module_scopes"]
+    rows = {r["category"]: r for r in b["rows"]}
+    # the backward of the experts' GEMMs and of the attention projections found their forward's scope
+    assert rows["moe expert GEMMs"]["fwd_ms"] > 0 and rows["moe expert GEMMs"]["bwd_ms"] > 0
+    assert rows["attention projections"]["bwd_ms"] > 0
+    assert rows["output head (logits GEMM)"]["bwd_ms"] > 0       # the root module's scope
+    # (megatron's attention calls its indexer's methods, not its forward: with the reference kernels its ops
+    # are the sparse attention's; the GPU backends' indexer op is found by name)
+    for name in ("compressor", "mhc (torch ops) and block glue", "norms", "moe router", "moe shared expert",
+                 *(("indexer",) if impl == "miles" else ())):
+        assert rows[name]["total_ms"] > 0, name
+    # the trainer's own ranges: the optimizer outside the forward and backward
+    adam = rows["optimizer: adam"]
+    assert adam["other_ms"] > 0 and adam["fwd_ms"] == 0 and adam["bwd_ms"] == 0
+    # most of the time is inside the model's rows: the unscoped row is the loss and metrics only
+    outside = rows["outside the model (loss, log-probs, metrics)"]["total_ms"]
+    assert outside < 0.5 * b["op_time_ms"]
+    assert sum(r["total_ms"] for r in b["rows"]) == pytest.approx(b["op_time_ms"], rel=1e-6)
+    assert b["step_ms"] > 0 and b["host_syncs_per_step"] >= 0
+    json.dumps(b)
+
+
+def test_profile_steps_is_range_checked():
+    from core.config import ConfigError
+    from train.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match="'profile_steps' = -1 is out of range"):
+        TrainConfig(profile_steps=-1)

@@ -1,0 +1,129 @@
+"""Fused multi-tensor kernels for megatron-core's distributed optimizer when neither Transformer Engine nor Apex
+is installed (the GPU machines this project is measured on have neither).
+
+Why: without them megatron-core 0.19 falls back to
+
+* ``torch.optim.AdamW`` in its default *foreach* mode: about six passes over the fp32 master weights, moments
+  and gradients (measured on one H200 at flash-shaped: about 150 ms of device time per step);
+* ``megatron.core.utils.local_multi_tensor_l2_norm`` for the gradient norm: one ``torch.norm`` per tensor and
+  ``torch.tensor(list of CUDA scalars)``, which reads every norm back to the host (about 900 host
+  synchronisations per step at flash-shaped);
+* ``local_multi_tensor_scale``: one ``dst.copy_(src * scale)`` per tensor.
+
+What this installs instead (torch's own kernels, the same math):
+
+* :func:`use_fused_adam`: torch's fused AdamW (``fused=True``: one multi-tensor CUDA kernel updates parameters
+  and both moments of every tensor in a pass), set on the optimizer's param groups before any state exists;
+* :func:`foreach_l2_norm`: ``torch._foreach_norm`` over the tensors and one norm of the norms, left on the
+  device (megatron-core reads it back once, for the step's clipping and its metric);
+* :func:`foreach_scale`: ``torch._foreach_mul_`` / ``torch._foreach_copy_`` over the tensor lists;
+* :func:`clipped`: gradient clipping folded into the fused AdamW kernel (its ``grad_scale`` input divides every
+  gradient as it is read), instead of a pass that rewrites every fp32 gradient (about 13 ms of the step).
+
+Only megatron-core's own fallbacks are replaced: with Apex or Transformer Engine present their fused kernels stay
+(:func:`install` says which ran in its description).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Sequence
+
+import torch
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag, tensor_lists: Sequence[List[torch.Tensor]], per_tensor: bool,
+                    *args):
+    """Drop-in for ``amp_C.multi_tensor_l2norm``: ``(norm of all tensors as a [1] fp32 tensor, None)``, with no
+    host synchronisation."""
+    if per_tensor:
+        raise ValueError("foreach_l2_norm: per-tensor norms are not used by the trainer")
+    tensors = [t for t in tensor_lists[0] if t.numel()]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=_device(tensor_lists)), None
+    norms = torch._foreach_norm(tensors, 2)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag, tensor_lists: Sequence[List[torch.Tensor]], scale: float):
+    """Drop-in for ``amp_C.multi_tensor_scale``: ``dst[i] = src[i] * scale`` over two lists."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if all(s is d for s, d in zip(src, dst)):
+        if scale != 1.0:
+            torch._foreach_mul_(list(dst), scale)
+        return
+    torch._foreach_copy_(list(dst), list(src))
+    if scale != 1.0:
+        torch._foreach_mul_(list(dst), scale)
+
+
+def _device(tensor_lists) -> torch.device:
+    for ts in tensor_lists:
+        for t in ts:
+            return t.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def use_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Switch a torch ``Adam`` / ``AdamW`` to its fused kernel (before its first step: the step counters are
+    then created on the device, as the fused kernel needs). False when it is another optimizer, or its
+    parameters are not all on a device the fused kernel supports."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(optimizer.state.get(p) for p in params):
+        raise RuntimeError("use_fused_adam: the optimizer has already stepped; switch it before its first step")
+    if not params or any(p.device.type not in ("cuda", "cpu") or not p.is_floating_point() for p in params):
+        return False
+    for g in optimizer.param_groups:
+        g["fused"], g["foreach"] = True, False
+    optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
+    return True
+
+
+def install(torch_optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, str]:
+    """Use the fused kernels in megatron-core's optimizer modules (where they fell back) and in the torch
+    optimizers it built; returns what runs, for the run's description."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
+
+    out = {}
+    if clip_grads.l2_norm_impl is getattr(mcore_utils, "local_multi_tensor_l2_norm", None):
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    if clip_grads.l2_norm_impl is foreach_l2_norm:           # (installed by an earlier optimizer of this process)
+        out["grad_norm"] = "torch._foreach_norm (on the device)"
+    else:
+        out["grad_norm"] = f"{getattr(clip_grads.l2_norm_impl, '__module__', '?')} multi_tensor_l2norm"
+    local_scale = getattr(mcore_utils, "local_multi_tensor_scale", None)
+    for mod in (clip_grads, mcore_optimizer):
+        if getattr(mod, "multi_tensor_scale_impl", None) is local_scale:
+            mod.multi_tensor_scale_impl = foreach_scale
+    fused = [use_fused_adam(o) for o in torch_optimizers]
+    out["adam"] = ("torch fused AdamW" if fused and all(fused) else
+                   ", ".join(sorted({type(o).__module__ + "." + type(o).__name__ for o in torch_optimizers})))
+    return out
+
+
+@contextlib.contextmanager
+def clipped(torch_optimizers: Sequence[torch.optim.Optimizer], coef: float):
+    """Inside: the optimizers' next ``step()`` sees every gradient times ``coef`` (clipping by the global norm).
+    A fused Adam applies it in its own kernel (``grad_scale = 1 / coef``); any other optimizer's gradients
+    are scaled here, in one multi-tensor pass."""
+    scaled = []
+    if coef != 1.0:
+        for o in torch_optimizers:
+            params = [p for g in o.param_groups for p in g["params"] if p.grad is not None]
+            if not params:
+                continue
+            if all(g.get("fused") for g in o.param_groups):
+                o.grad_scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=params[0].device)
+                scaled.append(o)
+            else:
+                torch._foreach_mul_([p.grad for p in params], coef)
+    try:
+        yield
+    finally:
+        for o in scaled:
+            del o.grad_scale
