@@ -37,7 +37,8 @@ def _rise(rewards):
     return sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
 
 
-@pytest.mark.parametrize("impl,seed", [("miles", 0), ("miles", 1), ("megatron", 0)])
+# miles with seed 0 is the main job itself, which tests/jobs_test.py runs and holds to the same margin
+@pytest.mark.parametrize("impl,seed", [("miles", 1), ("megatron", 0)])
 def test_grpo_raises_the_reward(tmp_path, impl, seed):
     rewards, flat = _main_job_rewards(impl, seed, tmp_path / "run")
     assert _rise(rewards) > MARGIN, rewards

@@ -1,0 +1,179 @@
+"""Per-GPU memory estimate of a training layout (``dsv4 inspect``; formulas in docs/training.md).
+
+What one GPU holds when the model trains under a layout (tensor parallel ``tp``, context parallel ``cp``,
+expert parallel ``ep``, ``world`` GPUs in all) with Megatron's mixed precision and DistributedOptimizer:
+
+* **weights**: every tensor of the weight contract (``core.weight_contract.native_names``) that this
+  rank holds: the tensor-parallel ones (:data:`TP_SPLIT`, the layout both implementations and upstream
+  Megatron use) cut by ``tp``, the routed experts ``E / ep`` per rank; in the run's ``dtype``, except
+  the fp32-kept tensors (mHC, sinks, compressor ``ape`` and norms, router bias) and ``tid2eid`` (int64);
+* **gradients**: Megatron's main-gradient buffer, fp32 for every trainable weight this rank holds (with
+  bf16 weights Megatron accumulates and reduces gradients in fp32);
+* **optimizer** (DistributedOptimizer): per trainable weight an fp32 master copy (none for weights that
+  are fp32 already) and Adam's two fp32 moments, sharded over the data-parallel ranks that hold a
+  replica of it: ``world / (tp * pp)`` for dense weights (the data- and context-parallel group),
+  ``world / (tp * ep * pp)`` for routed experts (the expert data-parallel group);
+* **activations** (a lower bound): with full activation recomputation, what stays alive through the
+  backward pass: every block's input (``hc_mult`` residual streams of ``dim``, in the run's dtype), and
+  the logits of the main head and of each MTP head, fp32 over the full vocabulary (the implementations
+  gather it), with their fp32 log-softmax, for ``seq * micro_batch / cp`` tokens per rank. The block
+  being recomputed, attention and MoE intermediates, communication buffers and the allocator's slack
+  come on top.
+
+Nothing here builds a model: counts come from the contract's shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional, Tuple
+
+from core import weight_contract as wc
+from core.errors import UserInputError
+
+__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "rank_tensors", "default_world"]
+
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+#: Native tensors split by tensor parallelism: ``(name pattern, dim, chunks)``; a ``chunks = 2`` tensor is
+#: cat(gate, up) and each half is split. Everything else is replicated on every TP rank.
+TP_SPLIT: Tuple[Tuple["re.Pattern", int, int], ...] = tuple((re.compile(p), d, c) for p, d, c in (
+    (r"(.*\.)?embedding\.word_embeddings\.weight", 0, 1),      # vocabulary
+    (r"(.*\.)?output_layer\.weight", 0, 1),                    # vocabulary
+    (r".*self_attention\.linear_q_up_proj\.weight", 0, 1),     # heads
+    (r".*self_attention\.linear_o_group_proj", 0, 1),          # output groups
+    (r".*self_attention\.linear_proj\.weight", 1, 1),          # output groups (row parallel)
+    (r".*self_attention\.core_attention\.attn_sink", 0, 1),    # heads
+    (r".*mlp\.experts\.linear_fc1\.weight\d+", 0, 2),          # each expert's ffn
+    (r".*mlp\.experts\.linear_fc2\.weight\d+", 1, 1),
+    (r".*mlp\.shared_experts\.linear_fc1\.weight", 0, 2),
+    (r".*mlp\.shared_experts\.linear_fc2\.weight", 1, 1),
+))
+_RX_EXPERT = re.compile(r".*\.mlp\.experts\.linear_fc[12]\.weight(\d+)\Z")
+
+
+_NUMBERS = re.compile(r"(?<=\.)\d+(?=\.)|(?<=weight)\d+\Z")    # layers.N. / mtp.N. / ...weightN (expert)
+
+
+def _tp_split(name: str) -> Optional[Tuple[int, int]]:
+    return _tp_split_of_form(_NUMBERS.sub("0", name))
+
+
+@functools.lru_cache(maxsize=None)
+def _tp_split_of_form(name: str) -> Optional[Tuple[int, int]]:
+    """The split of every name that differs from ``name`` only in its numbers (layer, expert: the patterns
+    match any number there), so V4-Pro's 172k native names are matched in a few hundred forms."""
+    for rx, dim, chunks in TP_SPLIT:
+        if rx.fullmatch(name):
+            return dim, chunks
+    return None
+
+
+def default_world(tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1) -> int:
+    """The fewest GPUs the layout runs on: dense weights need ``tp * cp * pp`` ranks per replica, routed
+    experts ``tp * ep * pp`` (expert tensor parallel = ``tp``)."""
+    return tp * pp * (cp * ep // math.gcd(cp, ep))
+
+
+def rank_tensors(config, *, tp: int = 1, ep: int = 1) -> Dict[str, Tuple[int, str, bool, bool]]:
+    """``native name -> (elements on one rank, kind, trainable, routed expert)`` of the tensors one rank of
+    the layout holds (rank 0's experts; every rank holds as many). ``kind``: ``"fp32"`` (kept in fp32),
+    ``"int64"`` (``tid2eid``) or ``"run"`` (the run's dtype)."""
+    E = config.n_routed_experts
+    if E % ep:
+        raise UserInputError(f"expert-parallel size {ep} must divide the {E} routed experts")
+    local_experts = E // ep
+    out = {}
+    for name, (shape, dt) in wc.native_names(config).items():
+        m = _RX_EXPERT.fullmatch(name)
+        if m and int(m.group(1)) >= local_experts:
+            continue
+        n = math.prod(shape)
+        split = _tp_split(name)
+        if split is not None and tp > 1:
+            dim, chunks = split
+            if shape[dim] % (chunks * tp):
+                raise UserInputError(f"tensor-parallel size {tp} does not divide {name} (dim {dim} of "
+                                     f"{tuple(shape)}{' in 2 halves' if chunks == 2 else ''})")
+            n //= tp
+        kind = "int64" if not dt.is_floating_point else ("fp32" if wc.keeps_fp32(name) else "run")
+        out[name] = (n, kind, wc.is_trainable(name), m is not None)
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One GPU's share of a layout (bytes; see the module docstring)."""
+
+    tp: int
+    cp: int
+    ep: int
+    pp: int
+    world: int
+    dp: int            # data-parallel replicas of the dense weights (world / (tp * cp * pp))
+    dense_shards: int  # ranks the dense weights' optimizer state is sharded over (world / (tp * pp))
+    expert_shards: int  # ranks the routed experts' optimizer state is sharded over (world / (tp * ep * pp))
+    dtype: str
+    seq: int
+    micro_batch: int
+    tokens_per_rank: int
+    parameters: int            # elements held (weights, frozen tables and buffers)
+    trainable_dense: int       # trainable elements held, outside the routed experts
+    trainable_expert: int      # trainable routed-expert elements held
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int           # lower bound (full recomputation)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, world: Optional[int] = None,
+                    dtype: str = "bf16", seq: int = 4096, micro_batch: int = 1) -> MemoryEstimate:
+    """The per-GPU memory of training ``config`` under the layout (see the module docstring)."""
+    if dtype not in DTYPE_BYTES:
+        raise UserInputError(f"unknown dtype {dtype!r}; valid choices: {', '.join(DTYPE_BYTES)}")
+    for what, v in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("seq", seq), ("micro_batch", micro_batch)):
+        if not isinstance(v, int) or v < 1:
+            raise UserInputError(f"{what} must be a positive integer, got {v!r}")
+    if pp != 1:
+        raise UserInputError("the memory estimate covers pipeline-parallel size 1 only (dsv4 runs --pp 1)")
+    world = default_world(tp, cp, ep, pp) if world is None else int(world)
+    if world < 1 or world % (tp * cp * pp) or world % (tp * ep * pp):
+        raise UserInputError(f"{world} GPUs do not fit the layout: the world size must be a multiple of "
+                             f"tp*cp*pp = {tp * cp * pp} (dense replicas) and of tp*ep*pp = {tp * ep * pp} "
+                             f"(expert replicas); e.g. {default_world(tp, cp, ep, pp)}")
+    if seq % cp:
+        raise UserInputError(f"sequence length {seq} does not split over {cp} context-parallel ranks")
+    a = DTYPE_BYTES[dtype]
+    size = {"run": a, "fp32": 4, "int64": 8}
+    tensors = rank_tensors(config, tp=tp, ep=ep)
+    weights = sum(n * size[kind] for n, kind, _t, _e in tensors.values())
+    dense = sum(n for n, _k, t, e in tensors.values() if t and not e)
+    expert = sum(n for n, _k, t, e in tensors.values() if t and e)
+    gradients = 4 * (dense + expert)
+    dense_shards, expert_shards = world // (tp * pp), world // (tp * ep * pp)
+    master = 4 if a != 4 else 0  # weights held in fp32 are their own master copy
+
+    def optimizer_share(experts: bool, shards: int) -> int:
+        held = sum(n * (8 + (master if kind == "run" else 0)) for n, kind, t, e in tensors.values() if t and e == experts)
+        return math.ceil(held / shards)
+
+    optimizer = optimizer_share(False, dense_shards) + optimizer_share(True, expert_shards)
+    tokens = seq * micro_batch // cp
+    M = config.n_mtp_layers
+    per_token = ((config.n_layers + M) * config.hc_mult * config.dim * a
+                 + (1 + M) * config.vocab_size * (4 + 4))
+    return MemoryEstimate(
+        tp=tp, cp=cp, ep=ep, pp=pp, world=world, dp=world // (tp * cp * pp), dense_shards=dense_shards,
+        expert_shards=expert_shards, dtype=dtype, seq=seq, micro_batch=micro_batch, tokens_per_rank=tokens,
+        parameters=sum(n for n, *_ in tensors.values()), trainable_dense=dense, trainable_expert=expert,
+        weights=weights, gradients=gradients, optimizer=optimizer, activations=tokens * per_token)

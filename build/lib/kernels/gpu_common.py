@@ -1,0 +1,190 @@
+"""Torch-side glue shared by the GPU kernel backends (``kernels/triton``, ``kernels/tilelang``).
+
+The triton and tilelang backends never import each other (the cuda backend is the triton backend with a CUDA
+C++ attention forward, and imports it on purpose); each one passes its raw kernel launchers to the helpers here:
+
+* :func:`check_attention_inputs`: the shape / dtype / device checks of the THD attention launchers;
+* :func:`dsink_from_delta`: ``d_sink[h] = -sum_t Delta * exp(sink - lse)`` (``lse2`` in log2 units);
+* :func:`make_attention_api`: the THD entry point and the batched entry point (same contract as
+  ``kernels.reference.attention.sparse_attention_with_sink``) over a backend's ``sparse_attention_fwd`` /
+  ``sparse_attention_bwd`` custom ops (``kernels.gpu_ops``, which also gives them their autograd);
+* :func:`indexer_scores_batched`, :func:`indexer_topk`: the indexer's batched entry point and top-k;
+* :func:`make_ops`: the op table of a backend (its kernels + the reference ops it names for the rest).
+
+Only torch is imported here (no triton, no tilelang).
+"""
+
+import types
+from typing import Callable, Optional
+
+import torch
+
+from core.kernel_ops import OpTable
+from kernels.gpu_ops import traceable
+from kernels.reference.topk import stable_topk
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse attention with sink
+# ----------------------------------------------------------------------------------------------
+
+
+def check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                           backend: str, need_cuda: bool = True, cuda_hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]``, ``sink [H]`` suit the
+    ``backend`` kernels (bf16/fp16 q and kv of one dtype, power-of-two head dim >= 32, CUDA tensors when
+    ``need_cuda``; ``cuda_hint`` is appended to that message)."""
+    if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or sink.dim() != 1:
+        raise ValueError(f"expected q [T,H,D], kv [Tkv,D], idx [T,K], sink [H]; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}, {tuple(idx.shape)}, {tuple(sink.shape)}")
+    T, H, D = q.shape
+    if kv.shape[1] != D or idx.shape[0] != T or sink.shape[0] != H:
+        raise ValueError("shape mismatch between q, kv, idx and sink")
+    if D < 32 or D & (D - 1):
+        raise ValueError(f"head dim {D} must be a power of two >= 32 for the {backend} kernels")
+    if q.dtype not in HALF_DTYPES or kv.dtype != q.dtype:
+        raise ValueError(f"the {backend} kernels take bf16/fp16 q and kv of one dtype, got {q.dtype}, {kv.dtype}")
+    if need_cuda and not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
+        raise ValueError(f"the {backend} kernels need CUDA tensors{cuda_hint}")
+
+
+def dsink_from_delta(delta: torch.Tensor, sink: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """``d_sink[h] = -sum_t Delta * exp(sink - lse)``; lse2 is in log2 units, exp(x) = exp2(x*log2e)."""
+    return -(delta * torch.exp2(sink.float()[None, :] * LOG2E - lse2)).sum(0)
+
+
+def local_copy(fn: Callable, module: str) -> Callable:
+    """A copy of the function ``fn`` whose ``__module__`` is ``module`` (the backend module that exports it)."""
+    f = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    f.__kwdefaults__, f.__doc__, f.__qualname__ = fn.__kwdefaults__, fn.__doc__, fn.__name__
+    f.__dict__.update(fn.__dict__)
+    f.__module__ = module
+    return f
+
+
+def make_attention_api(ops, check: Callable, kernel_supports: Callable, module: str):
+    """Entry points over one backend's attention custom ops (``ops``: its namespace of
+    :mod:`kernels.gpu_ops`, whose ``sparse_attention_fwd`` carries the backward through
+    ``sparse_attention_bwd``).
+
+    ``check(q, kv, idx, sink)`` raises for THD inputs the kernels do not take (it runs before the op, so also
+    while ``torch.compile`` traces); ``kernel_supports(q, kv)`` says whether batched inputs run the kernels
+    (else they are refused); ``module`` (the backend module's ``__name__``) becomes the ``__module__`` of what
+    is returned. Returns ``(sparse_attention_with_sink_thd, sparse_attention_with_sink)``, both
+    :func:`kernels.gpu_ops.traceable`."""
+    backend = module.split(".")[1] if module.startswith("kernels.") else module
+
+    def sparse_attention_with_sink_thd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                                       scale: Optional[float] = None, return_lse: bool = False):
+        """THD entry point: ``q [T,H,D]``, ``kv [Tkv,D]``, ``idx [T,K]`` (int32/int64, ``-1`` = empty),
+        ``sink [H]`` -> ``o [T,H,D]`` (and ``lse [T,H]`` fp32, natural log, not differentiable, when
+        ``return_lse``)."""
+        check(q, kv, idx, sink)
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        o, lse2 = ops.sparse_attention_fwd(q, kv, idx, sink, float(scale))
+        return (o, lse2.detach() * LN2) if return_lse else o
+
+    def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                                   sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """Same contract as ``kernels.reference.attention.sparse_attention_with_sink``:
+        ``q [B,S,H,D]``, ``kv [B,N,D]``, ``indices [B,S,K]`` or ``[S,K]`` (``-1`` = ignore), ``sink [H]``.
+
+        Inputs the kernels take (bf16/fp16, power-of-two head dim >= 32; the backend says which) run them,
+        batch flattened to THD with row ids offset by ``b*N``; anything else is refused (:func:`refusal`):
+        the reference op is a backend of its own (``--kernel-backend none``), never a silent stand-in."""
+        B, S, H, D = q.shape
+        N = kv.shape[1]
+        if not kernel_supports(q, kv):
+            raise refusal(backend, "sparse attention", q, kv)
+        if indices.dim() == 2:
+            indices = indices.unsqueeze(0).expand(B, -1, -1)
+        idx = indices.to(torch.int64)
+        offs = (torch.arange(B, device=idx.device, dtype=torch.int64) * N).view(B, 1, 1)
+        idx = torch.where(idx >= 0, idx + offs, torch.full_like(idx, -1)).to(torch.int32)
+        o = sparse_attention_with_sink_thd(q.reshape(B * S, H, D), kv.reshape(B * N, D),
+                                           idx.reshape(B * S, -1), sink, scale)
+        return o.view(B, S, H, D)
+
+    for obj in (sparse_attention_with_sink_thd, sparse_attention_with_sink):
+        obj.__module__ = module
+        obj.__qualname__ = obj.__name__
+        traceable(obj)
+    return sparse_attention_with_sink_thd, sparse_attention_with_sink
+
+
+def refusal(backend: str, what: str, q: torch.Tensor, kv: torch.Tensor) -> ValueError:
+    """The error a GPU backend raises for inputs its kernels do not take (instead of handing them on)."""
+    return ValueError(
+        f"the {backend} {what} kernels take bf16/fp16 CUDA tensors with a power-of-two head dim >= 32; got "
+        f"{q.dtype} / {kv.dtype}, head dim {q.shape[-1]}, on {q.device}. Fix: run with --dtype bf16 on a GPU "
+        f"target, or choose --kernel-backend none (the PyTorch reference ops) for this input")
+
+
+def half_pow2_head_dim(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """bf16/fp16 q and kv of one dtype with a power-of-two head dim >= 32."""
+    D = q.shape[-1]
+    return q.dtype in HALF_DTYPES and kv.dtype == q.dtype and not (D < 32 or D & (D - 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# indexer
+# ----------------------------------------------------------------------------------------------
+
+
+def indexer_scores_batched(scores_thd: Callable, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``q [B,S,H,D]``, ``k [B,N,D]``, ``w [B,S,H]`` -> fp32 ``[B,S,N]``, one ``scores_thd`` call per batch."""
+    B, S, H, D = q.shape
+    return torch.stack([scores_thd(q[b], k[b], w[b]) for b in range(B)]) if B else \
+        q.new_empty(0, S, k.shape[1], dtype=torch.float32)
+
+
+def refuse_grad(backend: str, *tensors: torch.Tensor) -> None:
+    """The indexer kernels have no backward: refuse inputs that want a gradient rather than drop it."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(f"the {backend} indexer kernel has no backward, and its inputs require a gradient (a "
+                         f"trained indexer: megatron's indexer KL loss). Fix: train the indexer with "
+                         f"--kernel-backend none, or keep it frozen (no indexer KL loss)")
+
+
+@traceable
+def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The reference model's stable top-k (``kernels.reference.topk.stable_topk``: ties -> lowest id,
+    ids ascending, ``-1`` padding last where fewer scores are finite) over the last dim of the kernel's
+    fp32 scores, so a GPU backend picks the entries the reference picks. Returns int32 ``[..., min(topk, N)]``."""
+    return stable_topk(scores, topk).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# op table
+# ----------------------------------------------------------------------------------------------
+
+GPU_DTYPES = ("bf16", "fp16")
+
+
+MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
+
+
+def make_ops(backend: str, attention, indexer, mhc=None) -> OpTable:
+    """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
+    op names plus the THD extras, and the mHC ops (``MHC_OPS``) of its ``mhc`` module when it has one; the
+    reference ops (backend ``none``) for every op it has no kernel for."""
+    from kernels.reference.backend import NAME as REFERENCE, reference_functions
+
+    own = dict(
+        sparse_attention_with_sink=attention.sparse_attention_with_sink,
+        indexer_scores=indexer.indexer_scores,
+        sparse_attention_with_sink_thd=attention.sparse_attention_with_sink_thd,
+        indexer_scores_thd=indexer.indexer_scores_thd,
+        indexer_topk=indexer.indexer_topk,
+    )
+    if mhc is not None:
+        own.update({name: getattr(mhc, name) for name in MHC_OPS})
+    delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
+    # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
+    return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

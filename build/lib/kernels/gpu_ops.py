@@ -1,0 +1,278 @@
+"""The GPU kernel backends' launchers as ``torch.library`` custom ops, so ``torch.compile`` traces through them.
+
+Why: a kernel launcher is Python that ``torch.compile`` cannot trace (Triton's JIT, TileLang's JIT, raw data
+pointers), and an opaque call (``torch.compiler.disable``) splits every compiled block into many small graphs
+that Inductor cannot fuse across. A custom op is one node of the graph instead: Dynamo, AOTAutograd and
+Inductor see only its schema and its *fake* implementation (the output shapes and dtypes), the real launcher
+runs when the compiled graph runs. The backward of an op with a gradient is a custom op of its own, wired
+with ``register_autograd``, so AOTAutograd puts it in the compiled backward graph.
+
+Ops, per namespace (``dsv4_triton``, ``dsv4_tilelang``, ``dsv4_cuda``; :data:`TRITON`, :data:`TILELANG`,
+:data:`CUDA`), all on flattened contiguous layouts (the entry points reshape; outputs are fresh contiguous
+tensors):
+
+* ``sparse_attention_fwd(q [T,H,D], kv [Tkv,D], idx [T,K], sink [H], scale) -> (o [T,H,D] q.dtype,
+  lse2 [T,H] fp32 log2 units)``, with autograd through ``sparse_attention_bwd(q, kv, idx, sink, o, lse2, do,
+  scale) -> (dq, dkv, dsink [H] fp32)``;
+  (``dsv4_cuda`` has only these two: its forward is the CUDA C++ kernel, its backward the Triton one);
+* ``indexer_scores(q [T,H,D], k [N,D], w [T,H], ks?, ke?) -> [T,N] fp32`` (no backward: the entry point
+  refuses inputs that require a gradient before the op is reached);
+* triton only, the fused mHC kernels (``x [T,n,d]``, fp32 mapping weights): ``hc_pre -> (u [T,d], post [T,n],
+  comb [T,n,n], pre [T,NP], mix [T,MP], rho [T])`` (the last three are what its backward reads),
+  ``hc_head -> (y [T,d], pre, mix, rho)``, ``hc_post(f [T,d], x, post, comb) -> [T,n,d]``,
+  ``sinkhorn(logits [T,n,n], iters, eps) -> [T,n,n]``, each with a ``<name>_bwd`` op.
+
+The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
+so this module imports only torch: the schemas and fake implementations load, and can be tested, on a machine
+without triton or tilelang. The input checks (refusals with the fix) stay in the backends' entry points, which
+run before an op is called, so they also run while ``torch.compile`` traces. The entry points that call only
+torch code and these ops carry ``traceable = True`` (:func:`traceable`); ``engine.compile`` keeps them in the
+compiled graph.
+
+``custom_op``, not ``triton_op``: one registration serves both backends (TileLang's launchers are not Triton),
+and Inductor could not fuse into these hand-written kernels anyway; it fuses the torch code around them.
+"""
+
+import importlib
+import types
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["TRITON", "TILELANG", "CUDA", "traceable", "padded", "mix_width"]
+
+
+def traceable(fn: Callable) -> Callable:
+    """Mark ``fn`` (an op-table entry point) as built from torch code and registered custom ops only, so
+    ``torch.compile`` traces it without a graph break (``engine.compile.opaque_kernel_ops`` reads the mark)."""
+    fn.traceable = True
+    return fn
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to a power of two (the side of a token's mHC register tile, ``NP``); a loop of
+    comparisons, so a fake implementation may pass a symbolic size."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def mix_width(m: int) -> int:
+    """The mHC mixing GEMM's padded width ``MP``: a power of two >= 16 (``tl.dot``'s smallest)."""
+    return max(16, padded(m))
+
+
+def _launcher(module: str, name: str) -> Callable:
+    """``kernels.<backend>.<module>.<name>``, imported on the first real call (not when tracing)."""
+    return getattr(importlib.import_module(module), name)
+
+
+def _empty(like: torch.Tensor, *shape, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return like.new_empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse attention with sink
+# ----------------------------------------------------------------------------------------------
+
+
+def _attention_ops(ns: str, module: str) -> dict:
+    @torch.library.custom_op(f"{ns}::sparse_attention_fwd", mutates_args=())
+    def fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launcher(module, "sparse_attention_fwd")(q, kv, idx, sink, scale)
+
+    @fwd.register_fake
+    def _(q, kv, idx, sink, scale):
+        T, H, _ = q.shape
+        return _empty(q, *q.shape), _empty(q, T, H, dtype=torch.float32)
+
+    @torch.library.custom_op(f"{ns}::sparse_attention_bwd", mutates_args=())
+    def bwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, o: torch.Tensor,
+            lse2: torch.Tensor, do: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _launcher(module, "sparse_attention_bwd")(q, kv, idx, sink, o, lse2, do, scale)
+
+    @bwd.register_fake
+    def _(q, kv, idx, sink, o, lse2, do, scale):
+        return _empty(q, *q.shape), _empty(kv, *kv.shape), _empty(q, q.shape[1], dtype=torch.float32)
+
+    def setup(ctx, inputs, output):
+        q, kv, idx, sink, scale = inputs
+        ctx.save_for_backward(q, kv, idx, sink, *output)
+        ctx.scale = scale
+
+    def backward(ctx, do, _dlse2):  # lse2 is not differentiable: the entry points hand it on detached
+        q, kv, idx, sink, o, lse2 = ctx.saved_tensors
+        dq, dkv, dsink = bwd(q, kv, idx, sink, o, lse2, _grad(do, torch.zeros_like, o), ctx.scale)
+        return dq, dkv, None, dsink.to(sink.dtype), None
+
+    fwd.register_autograd(backward, setup_context=setup)
+    return dict(sparse_attention_fwd=fwd, sparse_attention_bwd=bwd)
+
+
+def _grad(g: Optional[torch.Tensor], zeros: Callable, *args, **kwargs) -> torch.Tensor:
+    """An output's incoming gradient, ``zeros(*args, **kwargs)`` where autograd passes none."""
+    return zeros(*args, **kwargs) if g is None else g
+
+
+# ----------------------------------------------------------------------------------------------
+# indexer
+# ----------------------------------------------------------------------------------------------
+
+
+def _indexer_ops(ns: str, module: str) -> dict:
+    @torch.library.custom_op(f"{ns}::indexer_scores", mutates_args=())
+    def scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: Optional[torch.Tensor],
+               ke: Optional[torch.Tensor]) -> torch.Tensor:
+        return _launcher(module, "indexer_scores_launch")(q, k, w, ks, ke)
+
+    @scores.register_fake
+    def _(q, k, w, ks, ke):
+        return _empty(q, q.shape[0], k.shape[0], dtype=torch.float32)
+
+    return dict(indexer_scores=scores)
+
+
+# ----------------------------------------------------------------------------------------------
+# mHC (triton): hc_pre / hc_head share the mixing GEMM + coefficient kernels (``kernels/triton/mhc.py``)
+# ----------------------------------------------------------------------------------------------
+
+
+def _coef_fake(x, fn, has_res):
+    T, n, d = x.shape
+    f32 = torch.float32
+    saved = (_empty(x, T, padded(n), dtype=f32), _empty(x, T, mix_width(fn.shape[0]), dtype=f32),
+             _empty(x, T, dtype=f32))
+    u = _empty(x, T, d)
+    return (u, _empty(x, T, n, dtype=f32), _empty(x, T, n, n, dtype=f32), *saved) if has_res else (u, *saved)
+
+
+def _mhc_ops(ns: str, module: str) -> dict:
+    mhc, sink_mod = f"{module}.mhc", f"{module}.sinkhorn"
+    T6 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    T4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @torch.library.custom_op(f"{ns}::hc_pre", mutates_args=())
+    def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+               hc_eps: float, iters: int) -> T6:
+        return _launcher(mhc, "hc_pre_fwd")(x, fn, scale, base, norm_eps, hc_eps, iters)
+
+    hc_pre.register_fake(lambda x, fn, scale, base, norm_eps, hc_eps, iters: _coef_fake(x, fn, True))
+
+    @torch.library.custom_op(f"{ns}::hc_pre_bwd", mutates_args=())
+    def hc_pre_bwd(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor,
+                   mix: torch.Tensor, rho: torch.Tensor, du: torch.Tensor, dpost: torch.Tensor, dcomb: torch.Tensor,
+                   hc_eps: float, iters: int) -> T4:
+        return _launcher(mhc, "hc_pre_bwd")(x, fn, scale, base, pre, mix, rho, du, dpost, dcomb, hc_eps, iters)
+
+    @torch.library.custom_op(f"{ns}::hc_head", mutates_args=())
+    def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float) -> T4:
+        return _launcher(mhc, "hc_head_fwd")(x, fn, scale, base, norm_eps, hc_eps)
+
+    hc_head.register_fake(lambda x, fn, scale, base, norm_eps, hc_eps: _coef_fake(x, fn, False))
+
+    @torch.library.custom_op(f"{ns}::hc_head_bwd", mutates_args=())
+    def hc_head_bwd(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor,
+                    mix: torch.Tensor, rho: torch.Tensor, dy: torch.Tensor, hc_eps: float) -> T4:
+        return _launcher(mhc, "hc_head_bwd")(x, fn, scale, base, pre, mix, rho, dy, hc_eps)
+
+    def coef_bwd_fake(x, fn, scale, base, *rest):
+        return _empty(x, *x.shape), _empty(fn, *fn.shape), _empty(scale, *scale.shape), _empty(base, *base.shape)
+
+    hc_pre_bwd.register_fake(coef_bwd_fake)
+    hc_head_bwd.register_fake(coef_bwd_fake)
+
+    def pre_setup(ctx, inputs, output):
+        x, fn, scale, base, _, hc_eps, iters = inputs
+        ctx.save_for_backward(x, fn, scale, base, *output[3:])
+        ctx.hc_eps, ctx.iters = hc_eps, iters
+
+    def pre_backward(ctx, du, dpost, dcomb, *_saved):
+        x, fn, scale, base, pre, mix, rho = ctx.saved_tensors
+        T, n, d = x.shape
+        f32 = torch.float32
+        grads = hc_pre_bwd(x, fn, scale, base, pre, mix, rho, _grad(du, x.new_zeros, T, d),
+                           _grad(dpost, x.new_zeros, T, n, dtype=f32), _grad(dcomb, x.new_zeros, T, n, n, dtype=f32),
+                           ctx.hc_eps, ctx.iters)
+        return (*grads, None, None, None)
+
+    def head_setup(ctx, inputs, output):
+        x, fn, scale, base, _, hc_eps = inputs
+        ctx.save_for_backward(x, fn, scale, base, *output[1:])
+        ctx.hc_eps = hc_eps
+
+    def head_backward(ctx, dy, *_saved):
+        x, fn, scale, base, pre, mix, rho = ctx.saved_tensors
+        dy = _grad(dy, x.new_zeros, x.shape[0], x.shape[2])
+        return (*hc_head_bwd(x, fn, scale, base, pre, mix, rho, dy, ctx.hc_eps), None, None)
+
+    hc_pre.register_autograd(pre_backward, setup_context=pre_setup)
+    hc_head.register_autograd(head_backward, setup_context=head_setup)
+
+    @torch.library.custom_op(f"{ns}::hc_post", mutates_args=())
+    def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return _launcher(mhc, "hc_post_fwd")(f, x, post, comb)
+
+    hc_post.register_fake(lambda f, x, post, comb: _empty(x, *x.shape))
+
+    @torch.library.custom_op(f"{ns}::hc_post_bwd", mutates_args=())
+    def hc_post_bwd(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    g: torch.Tensor) -> T4:
+        return _launcher(mhc, "hc_post_bwd")(f, x, post, comb, g)
+
+    hc_post_bwd.register_fake(lambda f, x, post, comb, g: tuple(_empty(t, *t.shape) for t in (f, x, post, comb)))
+
+    def post_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def post_backward(ctx, g):
+        f, x, post, comb = ctx.saved_tensors
+        return hc_post_bwd(f, x, post, comb, _grad(g, torch.zeros_like, x))
+
+    hc_post.register_autograd(post_backward, setup_context=post_setup)
+
+    @torch.library.custom_op(f"{ns}::sinkhorn", mutates_args=())
+    def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return _launcher(sink_mod, "sinkhorn_fwd")(logits, iters, eps)
+
+    sinkhorn.register_fake(lambda logits, iters, eps: _empty(logits, *logits.shape))
+
+    @torch.library.custom_op(f"{ns}::sinkhorn_bwd", mutates_args=())
+    def sinkhorn_bwd(logits: torch.Tensor, g: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return _launcher(sink_mod, "sinkhorn_bwd")(logits, g, iters, eps)
+
+    sinkhorn_bwd.register_fake(lambda logits, g, iters, eps: _empty(logits, *logits.shape))
+
+    def sinkhorn_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.iters, ctx.eps = inputs[1], inputs[2]
+
+    def sinkhorn_backward(ctx, g):
+        (logits,) = ctx.saved_tensors
+        return sinkhorn_bwd(logits, _grad(g, torch.zeros_like, logits), ctx.iters, ctx.eps), None, None
+
+    sinkhorn.register_autograd(sinkhorn_backward, setup_context=sinkhorn_setup)
+    return dict(hc_pre=hc_pre, hc_pre_bwd=hc_pre_bwd, hc_head=hc_head, hc_head_bwd=hc_head_bwd, hc_post=hc_post,
+                hc_post_bwd=hc_post_bwd, sinkhorn=sinkhorn, sinkhorn_bwd=sinkhorn_bwd)
+
+
+def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None
+              ) -> types.SimpleNamespace:
+    """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
+    ``OpOverload`` every torch version's dynamo traces as a graph node). ``attention``: the module with the
+    attention launchers (default ``<package>.attention``)."""
+    ops = dict(_attention_ops(ns, attention or f"{package}.attention"))
+    if indexer:
+        ops.update(_indexer_ops(ns, f"{package}.indexer"))
+    if mhc:
+        ops.update(_mhc_ops(ns, package))
+    library = getattr(torch.ops, ns)
+    return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
+
+
+# registered once per process, when this module is first imported
+TRITON = _register("dsv4_triton", "kernels.triton", mhc=True)
+TILELANG = _register("dsv4_tilelang", "kernels.tilelang", mhc=False)
+CUDA = _register("dsv4_cuda", "kernels.cuda", mhc=False, indexer=False, attention="kernels.cuda.ops")

@@ -1,0 +1,340 @@
+"""KV-cached generation with the reference model: batched prefill, then one-token decode steps.
+
+The math is the reference model's (``model.py``); this module only keeps what a new token needs from the
+tokens before it, per sequence (one cache row = one sequence, "slot"):
+
+* **window KV** (every layer): a ring of ``W = window_size`` rows ``[B, W, D]``; position ``p`` lives in row
+  ``p % W``, and a query at ``p`` attends to rows ``s < min(p + 1, W)`` (the last ``W`` positions, itself
+  included);
+* **compressor state** (CSA and HCA layers, and the indexer's compressor on CSA layers): the fp32
+  projections ``a = W_kv x`` and gate scores ``z = W_gate x + ape[p % m]`` of the current, incomplete block
+  (``[B, m, kappa*c]``), and for the overlapping ratio-4 compressor the first-half channels of the previous
+  complete block (``[B, m, c]``; kv 0 / score -inf before block 0). When a token completes block ``i``
+  (``(p + 1) % m == 0``) the entry ``C_i`` is pooled exactly as in prefill and the current block becomes
+  the previous one;
+* **compressed entries**: the attention compressor's entries ``[B, N, D]`` and, on CSA layers, the indexer's
+  compressed keys ``[B, N, c_I]``, ``N = max_len // m``; entry ``j`` is visible to ``p`` when
+  ``j < (p + 1) // m``;
+* **positions** ``pos [B]``: how many tokens each row holds (the next token's position), kept on the host
+  so that which rows complete a block is known without a device sync.
+
+Hyper-connections (mHC) and the MoE act on each token alone: they need no state. The MTP block is not run
+while generating (no speculative decoding), so nothing is cached for it.
+
+:func:`prefill` runs the reference forward itself (``DeepseekV4Model.hidden_streams``) on the prompts,
+right-padded to one length, and forward hooks copy out what the caches hold; padding sits after every real
+token and the model is causal, so it changes nothing a real position computes. Each row's state is read at
+its own length. :func:`decode_step` then feeds one token per row at that row's position. The logits of
+both equal the full forward's at the same positions (up to float summation order): the Lightning Indexer's
+top-k is :func:`.topk.stable_topk` here and in the forward, so an exact score tie picks the same entries on
+the cache's ``max_len // 4``-entry rows as on the forward's. Both call the kernel ops of the model's modules
+(``model.ops_in_use``; the reference functions by default). The routing seam (``moe.routing_hook``) sees
+every token once: the prompt in prefill, each new
+token in the decode step that feeds it. The indexer-replay seam is not consulted by :func:`decode_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields, replace
+from typing import List, Optional, Sequence
+
+import torch
+
+from .attention import sparse_attention_with_sink
+from .compressor import Compressor, hadamard_transform
+from .indexer import indexer_input_dtype, indexer_scores
+from .layers import compute_dtype, linear_fp32, rms_normalize
+from .rope import apply_rope, rope_cos_sin
+from .topk import stable_topk
+
+__all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step"]
+
+
+@dataclass
+class CompressorCache:
+    """One compressor's state for ``B`` rows (see the module docstring)."""
+
+    a: torch.Tensor                  # [B, m, kappa*c] fp32: W_kv x of the current block's tokens (slot p % m)
+    z: torch.Tensor                  # [B, m, kappa*c] fp32: W_gate x + ape
+    prev_a: Optional[torch.Tensor]   # [B, m, c] overlap only: the previous block's a[..., :c] (0 before block 0)
+    prev_z: Optional[torch.Tensor]   # [B, m, c] overlap only: the previous block's z[..., :c] (-inf before block 0)
+    entries: torch.Tensor            # [B, N, c] compressed entries (the model's dtype); row j valid if j < pos // m
+
+
+@dataclass
+class LayerCache:
+    """One layer's caches: the window ring, and on compressed layers the compressor(s)."""
+
+    window: torch.Tensor                     # [B, W, D] ring of rotated KV rows
+    compressor: Optional[CompressorCache]    # attention compressor (CSA and HCA layers)
+    indexer: Optional[CompressorCache]       # the Lightning Indexer's compressor (CSA layers)
+
+
+def _select_tensors(obj, rows: torch.Tensor):
+    """A copy of a cache dataclass with every tensor field indexed by ``rows`` along dim 0."""
+    changes = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = v.index_select(0, rows.to(v.device))
+        elif isinstance(v, CompressorCache):
+            changes[f.name] = _select_tensors(v, rows)
+    return replace(obj, **changes)
+
+
+@dataclass
+class DecodeCache:
+    """The caches of ``B`` sequences (rows) for every trunk layer."""
+
+    layers: List[LayerCache]
+    pos: torch.Tensor        # [B] long, on the CPU: tokens each row holds (= the next token's position)
+    max_len: int             # capacity: positions 0 .. max_len - 1
+
+    @property
+    def batch(self) -> int:
+        return int(self.pos.shape[0])
+
+    def select(self, rows) -> "DecodeCache":
+        """The cache of rows ``rows`` (a list or a long tensor; repeats copy a row, e.g. one prompt's prefill
+        for its ``n`` samples; leaving rows out drops finished sequences)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        return DecodeCache([_select_tensors(lc, rows) for lc in self.layers], self.pos.index_select(0, rows),
+                           self.max_len)
+
+
+# ------------------------------------------------------------------ prefill
+def _tail_state(comp: Compressor, x: torch.Tensor, lengths: torch.Tensor, n_entries: int,
+                entries: Optional[torch.Tensor]) -> CompressorCache:
+    """The state a compressor holds after ``lengths[b]`` tokens of ``x [B, S, d]`` (its input), with
+    ``entries [B, >=, c]`` the prefill's pooled entries (None: none were pooled)."""
+    B, S, _ = x.shape
+    m, c = comp.ratio, comp.head_dim
+    ct = compute_dtype(x)
+    start = (lengths // m) * m - (m if comp.overlap else 0)          # first position of the slots to fill
+    slots = (m * 2) if comp.overlap else m
+    posn = (start.to(x.device)[:, None] + torch.arange(slots, device=x.device)[None, :]).clamp(0, S - 1)
+    xs = torch.gather(x, 1, posn[..., None].expand(-1, -1, x.shape[-1]))
+    a = linear_fp32(xs, comp.wkv.weight).to(ct)
+    ape = comp.ape.to(ct).repeat(slots // m, 1)
+    z = linear_fp32(xs, comp.wgate.weight).to(ct) + ape
+    prev_a = prev_z = None
+    if comp.overlap:
+        has_prev = (lengths >= m).to(x.device)[:, None, None]
+        prev_a = torch.where(has_prev, a[:, :m, :c], torch.zeros_like(a[:, :m, :c]))
+        prev_z = torch.where(has_prev, z[:, :m, :c], torch.full_like(z[:, :m, :c], float("-inf")))
+        a, z = a[:, m:], z[:, m:]
+    out = x.new_zeros(B, n_entries, c)
+    if entries is not None and entries.shape[1]:
+        k = min(entries.shape[1], n_entries)
+        out[:, :k] = entries[:, :k].to(out.dtype)
+    return CompressorCache(a.contiguous(), z.contiguous(), prev_a, prev_z, out)
+
+
+def _layer_cache(attn, got: dict, lengths: torch.Tensor, max_len: int) -> LayerCache:
+    """One layer's cache from what its attention computed in prefill (``got``: its input ``x``, the KV before
+    RoPE ``kv``, and the entries ``comp`` / ``index`` of the compressors that ran), read at each row's length."""
+    kv_pre = got["kv"]
+    B, S, D = kv_pre.shape
+    dev, W = kv_pre.device, attn.window
+    cos, sin = rope_cos_sin(attn.inv_freq.to(dev), torch.arange(S, device=dev))
+    kv = apply_rope(kv_pre, cos, sin)                                   # the reference's window rows
+    # ring row s holds the last position p < length with p % W == s (p < 0: empty, masked when read)
+    s = torch.arange(W)
+    p = (lengths[:, None] - 1) - ((lengths[:, None] - 1 - s[None, :]) % W)
+    window = torch.gather(kv, 1, p.clamp(0, S - 1).to(dev)[..., None].expand(-1, -1, D))
+    window = torch.where((p >= 0).to(dev)[..., None], window, torch.zeros_like(window))
+    comp = index = None
+    if attn.ratio:
+        comp = _tail_state(attn.compressor, got["x"], lengths, max_len // attn.ratio, got.get("comp"))
+        if attn.ratio == 4:
+            index = _tail_state(attn.indexer.compressor, got["x"], lengths, max_len // 4, got.get("index"))
+    return LayerCache(window.contiguous(), comp, index)
+
+
+@contextlib.contextmanager
+def _capture(model, lengths: torch.Tensor, max_len: int):
+    """Forward hooks that build each trunk layer's cache when its attention has run, from the attention's
+    input, the KV before RoPE and the entries of each compressor (absent when a compressor did not run:
+    fewer tokens than its ratio); only the caches outlive the layer."""
+    caches: List[Optional[LayerCache]] = [None] * len(model.layers)
+    got = {}
+    handles = []
+
+    def keep(key):
+        return lambda mod, args, out: got.__setitem__(key, out)
+
+    def build(i):
+        def hook(mod, args, out):
+            caches[i] = _layer_cache(mod, {**got, "x": args[0]}, lengths, max_len)
+            got.clear()
+        return hook
+
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        handles.append(attn.kv_norm.register_forward_hook(keep("kv")))
+        if attn.ratio:
+            handles.append(attn.compressor.register_forward_hook(keep("comp")))
+            if attn.ratio == 4:
+                handles.append(attn.indexer.compressor.register_forward_hook(keep("index")))
+        handles.append(attn.register_forward_hook(build(i)))
+    try:
+        yield caches
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _final_logits(model, x: torch.Tensor) -> torch.Tensor:
+    """Trunk streams ``[B, L, n, d]`` -> fp32 logits ``[B, L, V]``: ``DeepseekV4Model.forward``'s head, with
+    the head GEMM the training implementations run (:func:`.layers.linear_fp32`, as miles' and megatron's
+    output layers): for a bf16 model one bf16 GEMM with an fp32 result on a GPU instead of an fp32 copy of
+    the ``[V, d]`` head weight and an fp32 GEMM every step (the same products, exact in fp32, summed in
+    another order); the very same computation in fp32, fp64 and on the CPU."""
+    return linear_fp32(model.collapse(x), model.head.weight)
+
+
+def prefill(model, prompts: Sequence[Sequence[int]], *, max_len: int, device=None):
+    """Run the prompts (lists of token ids, any lengths >= 1) as one right-padded batch.
+
+    Returns ``(cache, logits)``: the :class:`DecodeCache` of the ``len(prompts)`` rows, with room for
+    ``max_len`` positions per row, and the fp32 logits ``[B, V]`` at each prompt's last token."""
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    if not len(prompts) or int(lengths.min()) < 1:
+        raise ValueError("prefill needs at least one prompt, each of at least one token")
+    S = int(lengths.max())
+    if max_len < S:
+        raise ValueError(f"max_len {max_len} is shorter than the longest prompt ({S} tokens)")
+    device = device if device is not None else model.embed.weight.device
+    ids = torch.zeros(len(prompts), S, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+    ids = ids.to(device)
+    with _capture(model, lengths, max_len) as layers:
+        streams = model.hidden_streams(ids)
+    last = (lengths - 1).to(device)
+    logits = _final_logits(model, streams[torch.arange(len(prompts), device=device), last].unsqueeze(1))[:, 0]
+    return DecodeCache(layers, lengths.clone(), max_len), logits
+
+
+# -------------------------------------------------------------- decode step
+def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
+                   inv_freq: torch.Tensor) -> None:
+    """Add one token per row (``x [B, 1, d]`` at positions ``pos``, CPU) to the compressor state and pool
+    the entry of every block it completes (in place)."""
+    B = x.shape[0]
+    m, c = comp.ratio, comp.head_dim
+    ct = cc.a.dtype
+    dev = x.device
+    rows = torch.arange(B, device=dev)
+    slot = (pos % m).to(dev)
+    cc.a[rows, slot] = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
+    cc.z[rows, slot] = linear_fp32(x[:, 0], comp.wgate.weight).to(ct) + comp.ape.to(ct)[slot]
+    done = torch.nonzero((pos + 1) % m == 0).flatten()          # host positions: no device sync
+    if not len(done):
+        return
+    e = done.to(dev)
+    a, z = cc.a[e], cc.z[e]
+    if comp.overlap:   # entry i pools block i-1's first-half channels and block i's second half (2m slots)
+        a = torch.cat((cc.prev_a[e], a[..., c:]), dim=1)
+        z = torch.cat((cc.prev_z[e], z[..., c:]), dim=1)
+    pooled = (torch.softmax(z, dim=1) * a).sum(dim=1)             # per-channel softmax over the slots
+    pooled = comp.norm(pooled.to(cc.entries.dtype))
+    block = pos[done] // m
+    cos, sin = rope_cos_sin(inv_freq.to(dev), (block * m).to(dev)[:, None])
+    pooled = apply_rope(pooled[:, None], cos, sin)[:, 0]
+    if comp.rotate:
+        pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
+    cc.entries[e, block.to(dev)] = pooled
+    if comp.overlap:
+        cc.prev_a[e] = cc.a[e, :, :c]
+        cc.prev_z[e] = cc.z[e, :, :c]
+
+
+def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The Lightning Indexer's top-k picks ``[B, k]`` (entry ids, -1 = none) for one query per row."""
+    B = x.shape[0]
+    N = cc.entries.shape[1]
+    if N == 0:
+        return torch.empty(B, 0, dtype=torch.long, device=x.device)
+    ops = indexer.ops
+    ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
+    q = apply_rope(indexer.wq_b(cq).view(B, 1, indexer.n_heads, indexer.head_dim), cos, sin)
+    q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
+    w = indexer.weights_proj(x).to(ct) * (indexer.head_dim * indexer.n_heads) ** -0.5
+    scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
+    limit = ((pos + 1) // indexer.ratio).to(x.device)[:, None]
+    scores = scores.masked_fill(torch.arange(N, device=x.device)[None, :] >= limit, float("-inf"))
+    return stable_topk(scores, indexer.topk)   # the forward's rule: the same picks on a row of any length
+
+
+def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
+    """``attn.inv_freq`` (a CPU float64 attribute) on ``dev``, copied once per device and kept on the module:
+    a CUDA-graph capture cannot record a copy from host memory."""
+    got = getattr(attn, "_inv_freq_on", None)
+    if got is None or got.device != dev:
+        got = attn._inv_freq_on = attn.inv_freq.to(dev)
+    return got
+
+
+def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=None) -> torch.Tensor:
+    """``Attention.forward`` for one new token per row: ``x [B, 1, d]`` (attn_norm-ed) -> ``[B, 1, d]``.
+
+    ``pos``: the rows' positions, on the host (this module's steps) or on the device (``slots``'s static
+    step); ``compress(comp, x, cache, pos, inv_freq)`` adds the token to a compressor (default
+    :func:`_compress_step`, which needs host positions)."""
+    compress = compress or _compress_step
+    B = x.shape[0]
+    H, D, W = attn.n_heads, attn.head_dim, attn.window
+    dev = x.device
+    pos_d = pos.to(dev)
+    inv_freq = device_inv_freq(attn, dev)
+    cos, sin = rope_cos_sin(inv_freq, pos_d[:, None])                      # [B, 1, r/2]
+
+    cq = attn.q_norm(attn.wq_a(x))
+    q = rms_normalize(attn.wq_b(cq).view(B, 1, H, D), attn.eps).to(x.dtype)
+    q = apply_rope(q, cos, sin)
+    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    lc.window[torch.arange(B, device=dev), pos_d % W] = kv[:, 0]
+
+    s = torch.arange(W, device=dev)[None, :]
+    idx = torch.where(s < (pos_d[:, None] + 1).clamp(max=W), s, torch.full_like(s, -1))   # [B, W]
+    kv_all = lc.window
+    if attn.ratio:
+        compress(attn.compressor, x, lc.compressor, pos, inv_freq)
+        entries = lc.compressor.entries
+        if attn.ratio == 4:
+            compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq)
+            cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
+        else:
+            j = torch.arange(entries.shape[1], device=dev)[None, :]
+            cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, torch.full_like(j, -1))
+        idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
+        kv_all = torch.cat((lc.window, entries.to(lc.window.dtype)), dim=1)
+
+    attend = sparse_attention_with_sink if attn.ops is None else attn.ops.sparse_attention_with_sink
+    o = attend(q, kv_all, idx[:, None], attn.attn_sink, attn.scale)
+    o = apply_rope(o, cos, sin, inverse=True)
+    G, R = attn.o_groups, attn.o_lora_rank
+    o = o.reshape(B, 1, G, H * D // G)
+    wo_a = attn.wo_a.weight.to(o.dtype).view(G, R, H * D // G)
+    return attn.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+
+
+def decode_step(model, cache: DecodeCache, tokens: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row (``tokens [B]`` long, at the positions ``cache.pos``) and return the fp32
+    logits ``[B, V]`` of the next token. Updates ``cache`` in place (``pos`` advances by one)."""
+    if tokens.dim() != 1 or tokens.shape[0] != cache.batch:
+        raise ValueError(f"decode_step: want {cache.batch} tokens (one per row), got shape {tuple(tokens.shape)}")
+    if int(cache.pos.max()) >= cache.max_len:
+        raise ValueError(f"decode_step: a row is full (max_len {cache.max_len})")
+    ids = tokens.to(model.embed.weight.device)[:, None]                         # [B, 1]
+    x = model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+    for layer, lc in zip(model.layers, cache.layers):                           # Block.forward, one token
+        u, post, comb = layer._hc("attn", x)
+        x = layer.hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos), x, post, comb)
+        u, post, comb = layer._hc("ffn", x)
+        x = layer.hc_post(layer.ffn(layer.ffn_norm(u), ids), x, post, comb)
+    cache.pos += 1
+    return _final_logits(model, x)[:, 0]

@@ -1,0 +1,123 @@
+"""Small shared building blocks: a bare ``Linear``, ``RMSNorm`` and the fp32-keeping mixin."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "linear_fp32"]
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 if any input is fp64 (lets tests run the whole model in double precision)."""
+    dt = torch.float32
+    for t in tensors:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+class KeepFP32(nn.Module):
+    """Mixin: the tensors named in ``_fp32_names`` (direct params/buffers of the module) keep
+    float32 storage when the module is cast (``.to(torch.bfloat16)``, ``.half()``, ...).
+    Device moves and ``to_empty`` still apply. Casting to float64 is allowed (tests)."""
+
+    _fp32_names: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        keep = set()
+        for n in self._fp32_names:
+            t = self._parameters.get(n, None)
+            if t is None:
+                t = self._buffers.get(n, None)
+            if t is not None:
+                keep.add(id(t))
+
+        def guarded(t):
+            out = fn(t)
+            if (id(t) in keep and t.dtype == torch.float32 and out.is_floating_point()
+                    and out.dtype not in (torch.float32, torch.float64)):
+                if t.is_meta or out.is_meta:
+                    return torch.empty_like(out, dtype=torch.float32)
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(guarded, recurse=recurse)
+
+
+class Linear(nn.Module):
+    """``y = x W^T`` (no bias). Storage only ``weight [out, in]``; no costly init at construction
+    (``init_weights`` initializes), so huge configs build quickly on the meta device."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS normalisation over the last dim, computed in fp32 (fp64 for fp64 input)."""
+    ct = compute_dtype(x)
+    xf = x.to(ct)
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(KeepFP32):
+    """``x * rsqrt(mean(x^2) + eps) * w`` in fp32, cast back to the input dtype; weight stays fp32."""
+
+    _fp32_names = ("weight",)
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_normalize(x, self.eps)
+        return (y * self.weight.to(y.dtype)).to(x.dtype)
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with fp32 accumulation and an fp32 result. Half-precision CUDA operands run one tensor-core
+    GEMM (``torch.mm(..., out_dtype=float32)``); elsewhere the operands are upcast first (same products,
+    exact in fp32, so the same value up to summation order)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    ct = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return a.to(ct) @ b.to(ct)
+
+
+class _HalfInputFp32Linear(torch.autograd.Function):
+    """``y [N, d] @ w [V, d]^T`` -> fp32 for half-precision ``y`` and ``w`` without fp32 copies of either.
+    Backward takes the output gradient in the operands' dtype (as a bf16 megatron linear does) and
+    accumulates in fp32."""
+
+    @staticmethod
+    def forward(ctx, y, w):
+        ctx.save_for_backward(y, w)
+        return _mm_fp32_out(y, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w = ctx.saved_tensors
+        g = g.to(y.dtype)
+        dy = _mm_fp32_out(g, w).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dw = _mm_fp32_out(g.t(), y).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dy, dw
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` in fp32 (fp64 if either operand is fp64): the GEMMs whose result DeepSeek-V4 keeps in fp32
+    (compressor projections, logits). For bf16 / fp16 ``x`` and ``w`` of one dtype this is one tensor-core
+    GEMM with fp32 accumulation and output (the products of half-precision values are exact in fp32, so it
+    equals the upcast fp32 GEMM up to summation order); otherwise the operands are upcast."""
+    if x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+        return _HalfInputFp32Linear.apply(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    ct = compute_dtype(x, w)
+    return F.linear(x.to(ct), w.to(ct))

@@ -1,0 +1,281 @@
+"""A decode step with static shapes and no host synchronisation, so that a CUDA graph can record it.
+
+:func:`kernels.reference.decode.decode_step` is exact but dynamic: finished rows leave the batch, the rows
+that complete a compressor block are found from host positions, and the reference MoE loops over the experts
+that were hit (``torch.unique(...).tolist()``, a host sync per layer). None of that can be replayed from a
+CUDA graph, whose shapes, launches and addresses are fixed at capture. This module keeps the same math with
+fixed shapes:
+
+* :class:`SlotCache`: the caches of a fixed number of slots ``M`` (each tensor ``[M, ...]``, allocated
+  once), with the positions ``pos [M]`` on the device. A prefill's :class:`~kernels.reference.decode.DecodeCache`
+  rows are copied into free slots in place (:meth:`SlotCache.load`), rows move between slots in place
+  (:meth:`SlotCache.move`), so every address a graph recorded stays valid;
+* :func:`static_decode_step` feeds one token to each of the first ``b`` slots; inactive slots (``active``
+  False) run too and do not advance (a slot's garbage stays in its own rows: every op is per row);
+* compressor blocks: every row's entry is pooled each step and written only where the token completes a
+  block (``torch.where`` on device positions), instead of selecting the completing rows on the host;
+* the MoE (:func:`moe_decode`) reads each layer's experts as one stacked tensor (:func:`stack_expert_weights`
+  re-points the expert parameters into it, so weight updates still land there): on CUDA in bf16, the
+  (token, expert) assignments are sorted by expert and run as ``torch._grouped_mm`` with device offsets
+  ("grouped"); elsewhere every expert runs on every token as one batched matmul, weighted 0 where it was not
+  picked ("dense": ``E / k`` times the routed work, meant for small models and the CPU).
+
+The step is two parts: :func:`static_step_checks` (host-side: refusals, each layer's MoE path, RoPE frequencies
+put on the device once) and :func:`static_step_body` (the device work, plain tensor code that ``torch.compile``
+can trace whole: no pointer reads, no device queries, no Python state changed).
+
+The step returns the fp32 logits ``[b, V]`` and the learned-routing layers' experts ``[b, layers, k]`` (the
+routing seam is not consulted: a replay hook cannot be recorded into a graph, so an installed one is
+refused). As in :func:`~kernels.reference.decode.decode_step`, the indexer-replay seam is not consulted, and the
+kernel ops are those of the model's modules (``kernels.reference.model.ops_in_use``; the reference functions by
+default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .compressor import Compressor, hadamard_transform
+from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq
+from .layers import compute_dtype, linear_fp32
+from .moe import _has_negative_ids, current_routing_hook, swiglu
+from .rope import apply_rope, rope_cos_sin
+
+__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "static_decode_step",
+           "static_step_checks", "static_step_body"]
+
+
+def _map_tensors(obj, fn, other=None):
+    """Apply ``fn(tensor[, other's tensor])`` to every tensor field of a cache dataclass (recursively);
+    returns a new dataclass of the results."""
+    changes = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        w = getattr(other, f.name) if other is not None else None
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = fn(v) if other is None else fn(v, w)
+        elif isinstance(v, CompressorCache):
+            changes[f.name] = _map_tensors(v, fn, w)
+    return replace(obj, **changes)
+
+
+@dataclass
+class SlotCache:
+    """The caches of ``M`` slots for every trunk layer; ``pos [M]`` long on the device."""
+
+    layers: List[LayerCache]
+    pos: torch.Tensor
+    max_len: int
+
+    @property
+    def slots(self) -> int:
+        return int(self.pos.shape[0])
+
+    @classmethod
+    def like(cls, template: DecodeCache, slots: int) -> "SlotCache":
+        """``slots`` empty slots shaped like ``template``'s rows (same capacity, dtypes and device)."""
+        layers = [_map_tensors(lc, lambda t: t.new_zeros((slots,) + tuple(t.shape[1:]))) for lc in template.layers]
+        dev = template.layers[0].window.device
+        return cls(layers, torch.zeros(slots, dtype=torch.long, device=dev), template.max_len)
+
+    def view(self, b: int) -> "SlotCache":
+        """The first ``b`` slots, as views (in-place updates reach this cache)."""
+        return SlotCache([_map_tensors(lc, lambda t: t[:b]) for lc in self.layers], self.pos[:b], self.max_len)
+
+    def load(self, slots: Sequence[int], cache: DecodeCache, rows: Sequence[int]) -> None:
+        """Copy ``cache``'s rows ``rows`` into ``slots`` (in place)."""
+        if cache.max_len != self.max_len:
+            raise ValueError(f"SlotCache.load: the prefill's capacity {cache.max_len} is not the slots' "
+                             f"{self.max_len} (prefill with max_len={self.max_len})")
+        dev = self.pos.device
+        dst = torch.as_tensor(list(slots), dtype=torch.long, device=dev)
+        src = torch.as_tensor(list(rows), dtype=torch.long, device=dev)
+        for mine, theirs in zip(self.layers, cache.layers):
+            _map_tensors(mine, lambda d, s: d.index_copy_(0, dst, s.index_select(0, src)), theirs)
+        self.pos.index_copy_(0, dst, cache.pos.to(dev).index_select(0, src))
+
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy slots ``src`` to slots ``dst`` (in place; e.g. packing the live slots at the front)."""
+        dev = self.pos.device
+        d = torch.as_tensor(list(dst), dtype=torch.long, device=dev)
+        s = torch.as_tensor(list(src), dtype=torch.long, device=dev)
+        for lc in self.layers:
+            _map_tensors(lc, lambda t: t.index_copy_(0, d, t.index_select(0, s)))
+        self.pos.index_copy_(0, d, self.pos.index_select(0, s))
+
+
+# ------------------------------------------------------------ compressors
+def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
+                     inv_freq: torch.Tensor) -> None:
+    """``decode._compress_step`` with device positions: every row's entry is pooled and written where the
+    token completes a block, so the launches do not depend on the positions (in place)."""
+    B = x.shape[0]
+    m, c = comp.ratio, comp.head_dim
+    ct = cc.a.dtype
+    rows = torch.arange(B, device=x.device)
+    slot = pos % m
+    cc.a[rows, slot] = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
+    cc.z[rows, slot] = linear_fp32(x[:, 0], comp.wgate.weight).to(ct) + comp.ape.to(ct)[slot]
+    N = cc.entries.shape[1]
+    if N == 0:          # capacity below one block: no token can complete one
+        return
+    done = (pos + 1) % m == 0
+    a, z = cc.a, cc.z
+    if comp.overlap:    # entry i pools block i-1's first-half channels and block i's second half (2m slots)
+        a = torch.cat((cc.prev_a, a[..., c:]), dim=1)
+        z = torch.cat((cc.prev_z, z[..., c:]), dim=1)
+    pooled = comp.norm((torch.softmax(z, dim=1) * a).sum(dim=1).to(cc.entries.dtype))
+    block = pos // m
+    cos, sin = rope_cos_sin(inv_freq, (block * m)[:, None])
+    pooled = apply_rope(pooled[:, None], cos, sin)[:, 0]
+    if comp.rotate:
+        pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
+    at = block.clamp(max=N - 1)                  # rows that complete nothing write their entry back unchanged
+    cc.entries[rows, at] = torch.where(done[:, None], pooled, cc.entries[rows, at])
+    if comp.overlap:
+        cc.prev_a.copy_(torch.where(done[:, None, None], cc.a[..., :c], cc.prev_a))
+        cc.prev_z.copy_(torch.where(done[:, None, None], cc.z[..., :c], cc.prev_z))
+
+
+# -------------------------------------------------------------------- MoE
+def stack_expert_weights(model) -> None:
+    """Hold each trunk MoE layer's ``w1``, ``w3``, ``w2`` as one ``[E, out, in]`` tensor, the expert
+    parameters becoming views of it (their values, names and ``state_dict`` are unchanged; in-place weight
+    updates land in the stack). Call again whenever the expert tensors are replaced (a dtype or device move)."""
+    for layer in model.layers:
+        moe = layer.ffn
+        stacks = {}
+        for name in ("w1", "w3", "w2"):
+            lins = [getattr(e, name) for e in moe.experts]
+            stack = torch.stack([lin.weight.detach() for lin in lins])
+            for i, lin in enumerate(lins):
+                lin.weight.data = stack[i]
+            stacks[name] = stack
+        moe._expert_stacks = stacks
+
+
+def _stacks(moe):
+    st = getattr(moe, "_expert_stacks", None)
+    if st is None or any(getattr(e, n).weight.data_ptr() != st[n][i].data_ptr()
+                         for n in ("w1", "w3", "w2") for i, e in enumerate(moe.experts)):
+        raise RuntimeError("the decode MoE reads each layer's experts as one stacked tensor: call "
+                           "kernels.reference.slots.stack_expert_weights(model) after building the model or "
+                           "replacing its expert tensors")
+    return st["w1"], st["w3"], st["w2"]
+
+
+def moe_decode_path(x: torch.Tensor, moe) -> str:
+    """``"grouped"`` (bf16 on a CUDA GPU of compute capability 9.0+, 8-element-aligned expert dims: what
+    ``torch._grouped_mm`` runs there) or ``"dense"``."""
+    w1 = moe._expert_stacks["w1"] if hasattr(moe, "_expert_stacks") else None
+    ok = (x.is_cuda and x.dtype == torch.bfloat16 and w1 is not None and w1.dtype == torch.bfloat16
+          and w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return "grouped" if ok else "dense"
+
+
+def _grouped(x, weights, idx, w1, w3, w2, limit, ct):
+    """(token, expert) pairs sorted by expert, each expert's rows one group of ``torch._grouped_mm``."""
+    T, k = idx.shape
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    xs = x.index_select(0, order // k)
+    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(w1.shape[0], device=x.device),
+                              right=True).to(torch.int32)                       # each expert's end row
+    hid = swiglu(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs).to(ct),
+                 torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs).to(ct), limit)
+    hid = hid * weights.reshape(-1).index_select(0, order).to(ct)[:, None]   # routing weight before w2
+    out = torch._grouped_mm(hid.to(x.dtype), w2.transpose(1, 2), offs=offs).to(ct)
+    return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)
+
+
+def _dense(x, weights, idx, w1, w3, w2, limit, ct):
+    """Every expert on every token (one batched matmul), weighted 0 where the token did not pick it."""
+    hid = swiglu(torch.matmul(x, w1.transpose(1, 2)).to(ct), torch.matmul(x, w3.transpose(1, 2)).to(ct), limit)
+    gate = torch.zeros(x.shape[0], w1.shape[0], dtype=ct, device=x.device).scatter(1, idx, weights.to(ct))
+    hid = hid * gate.t()[:, :, None]                                              # [E, T, I]
+    return torch.matmul(hid.to(x.dtype), w2.transpose(1, 2)).to(ct).sum(dim=0)
+
+
+def moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: Optional[str] = None):
+    """``MoE.forward`` without host syncs: ``x [..., d]`` -> ``(y [..., d], idx [T, k])``. ``path``: None
+    (:func:`moe_decode_path`), ``"grouped"`` or ``"dense"``."""
+    _stacks(moe)
+    path = path or moe_decode_path(x.reshape(-1, x.shape[-1]), moe)
+    if path not in ("grouped", "dense"):
+        raise ValueError(f"moe_decode: path must be 'grouped' or 'dense', got {path!r}")
+    return _moe_decode(moe, x, input_ids, path)
+
+
+def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
+    """:func:`moe_decode` once its host-side checks have passed (traceable: no ``data_ptr``, no device query)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, idx = moe.gate(x, input_ids)
+    ct = compute_dtype(x)
+    st = moe._expert_stacks
+    w1, w3, w2 = (st[n].to(x.dtype) for n in ("w1", "w3", "w2"))
+    y = (_grouped if path == "grouped" else _dense)(x, weights, idx, w1, w3, w2, moe.experts[0].limit, ct)
+    y = y + moe.shared_experts(x).to(ct)
+    return y.to(x.dtype).view(shape), idx
+
+
+# ------------------------------------------------------------------- step
+def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = None) -> Tuple[str, ...]:
+    """The host-side part of :func:`static_decode_step`, run before the step's device work (and outside
+    ``torch.compile``'s tracing: it reads pointers, the device's compute capability, module state): refuses an
+    installed routing hook, stale expert stacks and hash tables with negative ids, puts each attention's RoPE
+    frequencies on the device, and returns each layer's MoE path (``moe_path`` for all, or
+    :func:`moe_decode_path`)."""
+    if current_routing_hook() is not None:
+        raise RuntimeError("static_decode_step returns the routed experts instead of calling the routing seam; "
+                           "uninstall the routing hook (routing replay is not supported while decoding)")
+    if moe_path not in (None, "grouped", "dense"):
+        raise ValueError(f"static_decode_step: moe_path must be 'grouped' or 'dense', got {moe_path!r}")
+    dev = tokens.device
+    x = model.embed.weight[:1]                                  # the dtype and device the MoE sees
+    paths = []
+    for layer in model.layers:
+        _stacks(layer.ffn)
+        gate = layer.ffn.gate
+        if gate.hash and _has_negative_ids(gate.tid2eid):
+            raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
+        device_inv_freq(layer.attn, dev)
+        paths.append(moe_path or moe_decode_path(x, layer.ffn))
+    return tuple(paths)
+
+
+def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
+                       moe_path: Optional[str] = None):
+    """Feed ``tokens [b]`` (long, device) to the ``b = cache.slots`` slots at ``cache.pos``; slots with
+    ``active [b]`` (bool, device) False compute too but do not advance. Returns the fp32 logits ``[b, V]``
+    and the learned-routing layers' experts ``[b, n_learned, k]``. Every shape depends on ``b`` only and no
+    value is read on the host; the caller keeps every active slot's position below ``cache.max_len``.
+
+    This is :func:`static_step_checks` followed by :func:`static_step_body`; ``torch.compile`` takes the body
+    (``train.slot_decoder.compiled_decode_step``)."""
+    return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path))
+
+
+def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
+                     moe_paths: Sequence[str]):
+    """The device work of :func:`static_decode_step` (``moe_paths``: one per layer, from
+    :func:`static_step_checks`): pure tensor code, no host sync, traceable by ``torch.compile``."""
+    ids = tokens[:, None]
+    x = model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+    routes = []
+    for layer, lc, path in zip(model.layers, cache.layers, moe_paths):          # Block.forward, one token
+        u, post, comb = layer._hc("attn", x)
+        x = layer.hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked), x, post, comb)
+        u, post, comb = layer._hc("ffn", x)
+        f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
+        x = layer.hc_post(f, x, post, comb)
+        if not layer.ffn.gate.hash:
+            routes.append(idx)
+    cache.pos.add_(active.to(cache.pos.dtype))
+    k = model.config.n_activated_experts
+    routes = torch.stack(routes, dim=1) if routes else torch.empty(len(tokens), 0, k, dtype=torch.long,
+                                                                   device=tokens.device)
+    return _final_logits(model, x)[:, 0], routes

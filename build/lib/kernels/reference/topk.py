@@ -1,0 +1,65 @@
+"""The Lightning Indexer's stable top-k: one fixed, length-independent rule for every implementation.
+
+``torch.topk`` picks the k largest scores, but which of several exactly tied entries at the k-th
+place it returns depends on the row's length and the device's algorithm. Indexer scores tie often
+(an entry scores exactly 0 when every head's ReLU is off; with the tiny preset's 4 heads that is
+common), so a query could pick a different entry in a full forward, in the forward of a prefix, and
+in the KV-cached decode step (rows of ``max_len // 4`` entries). :func:`stable_topk` fixes the rule:
+
+* the k largest scores, ties broken by the lowest entry index;
+* ``-inf`` scores (invisible entries) are never picked: fewer than k finite scores leave ``-1``;
+* the picks come in a canonical order: ascending entry index, then the ``-1`` padding. The order
+  also fixes the order in which sparse attention sums the picked entries.
+
+Appending entries to a row (more tokens after the query: ``-inf`` for it) therefore never changes its
+picks, and every caller (reference forward and decode, the GPU backends, both megatron-core
+implementations, packed THD and CP) gets the same ids.
+
+Cost: no sort of the row. One ``topk`` finds the k-th largest value ``thr``; every entry above ``thr``
+is taken, plus the lowest-index entries equal to ``thr`` (a cumulative count) up to k; a second
+``topk`` (smallest k of a distinct integer key) lists the taken ids in ascending order. Rows are
+processed in chunks so the row-sized temporaries stay bounded. No host synchronisation (CUDA-graph
+safe). Scores must not hold NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["stable_topk"]
+
+# Row chunks hold at most this many scores, so the int64 temporaries stay near 64 MiB each.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _stable_topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`stable_topk` of 2-D ``scores [R, N]`` with ``0 < k <= N``."""
+    N = scores.shape[-1]
+    thr = scores.topk(k, dim=-1).values[:, -1:]                  # k-th largest value (tie-independent)
+    finite = scores > float("-inf")
+    above = (scores > thr) & finite
+    tied = (scores == thr) & finite
+    need = k - above.sum(dim=-1, keepdim=True)                   # how many tied entries to take
+    take = above | (tied & (tied.cumsum(dim=-1) <= need))        # the lowest-index ties
+    j = torch.arange(N, device=scores.device)
+    key = torch.where(take, j, N)                                # distinct for taken entries, N for the rest
+    ids = key.topk(k, dim=-1, largest=False, sorted=True).values  # taken ids ascending, then N padding
+    return torch.where(ids < N, ids, -1)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``scores [..., N]`` -> int64 entry ids ``[..., min(k, N)]``: the ``min(k, N)`` largest finite scores
+    of each row, ties broken by the lowest index, in ascending index order, ``-1`` padding at the end
+    where fewer than that are finite."""
+    N = scores.shape[-1]
+    k = min(int(k), N)
+    lead = scores.shape[:-1]
+    if k <= 0:
+        return torch.empty(*lead, 0, dtype=torch.long, device=scores.device)
+    rows = scores.detach().reshape(-1, N)
+    step = max(1, CHUNK_ELEMENTS // N)
+    if rows.shape[0] <= step:
+        out = _stable_topk_rows(rows, k)
+    else:
+        out = torch.cat([_stable_topk_rows(rows[r:r + step], k) for r in range(0, rows.shape[0], step)])
+    return out.reshape(*lead, k)

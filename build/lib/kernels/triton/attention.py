@@ -1,0 +1,274 @@
+"""Triton sparse MQA attention with an attention sink (DeepSeek-V4 CSA/HCA/window layers).
+
+Math (reference_system.md §1.7; ``kernels.reference.attention.sparse_attention_with_sink``)::
+
+    z_j   = scale * <q[t,h], kv[idx[t,j]]>            j over the K slots of row t, idx = -1 skipped
+    m     = max(max_j z_j, sink[h])                   the sink is a logit (not scaled) in the denominator only
+    Z     = sum_j exp(z_j - m) + exp(sink[h] - m)
+    o     = sum_j exp(z_j - m) / Z * kv[idx[t,j]]
+    lse   = m + log Z                                 (natural log, fp32; the kernels keep it in log2 units)
+
+Backward, with Delta[t,h] = <o[t,h], do[t,h]>::
+
+    P_j    = exp(z_j - lse);   dS_j = P_j * (<do, kv_j> - Delta)
+    dq     = scale * sum_j dS_j kv_j
+    dkv_j += scale * dS_j q + P_j do                  (fp32 scatter-add with atomics over the selected rows)
+    d_sink = -sum_t Delta[t,h] * exp(sink[h] - lse[t,h])
+
+Layout is flattened THD: ``q [T,H,D]``, ``kv [Tkv,D]`` (one shared K=V head), ``idx [T,K]`` int32
+with ``-1`` for empty slots, ``sink [H]`` fp32. Inputs bf16/fp16, accumulation fp32.
+
+Kernels (one program = one query token x a block of ``BH`` heads; for H=128 the two head blocks of a
+token are adjacent in launch order so the second one reads the gathered KV rows from L2):
+
+* ``_fwd_kernel``: online softmax over ``BK``-row gathered KV tiles. The running max starts at the
+  sink logit and the running sum at 1 (the sink's own term), so a row whose slots are all ``-1``
+  gives ``o = 0``, ``lse = sink`` with no NaN.
+* ``_delta_kernel``: ``Delta = sum_d o*do`` in fp32.
+* ``_bwd_dq_kernel``: recomputes S and dP per tile; dq accumulates in fp32 registers
+  (deterministic); writes ``P`` and ``scale*dS`` (bf16, ``[T,H,K]``) for the next pass.
+* ``_bwd_dkv_kernel``: one program = one token x one ``DC``-wide slice of D, over all heads:
+  ``dkv[idx] += (scale*dS)^T q + P^T do`` with vectorised fp32 atomics (``REDG.F32x4``) into an fp32
+  buffer, cast to kv.dtype at the end. Reducing over all H heads in-register before the atomic halves
+  the atomic traffic for H=128 compared with one atomic per 64-head block. dkv is NOT bitwise
+  deterministic run to run (fp32 addition order of the atomics); dq, d_sink, o and lse are.
+* d_sink is a torch reduction of ``-Delta*exp(sink-lse)`` over tokens (deterministic).
+
+Known limitation (Triton codegen): with a chained dot and ``M = BH = 64`` rows on 8 warps, Triton
+assigns both warpgroups to the M axis, so the ``q.kv^T`` (and ``do.kv^T``) products are computed by both
+warpgroups redundantly; the tensor-core work of the forward is 1.5x the useful FLOPs. See bench.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common, gpu_ops
+from kernels.gpu_common import LN2, LOG2E  # noqa: F401  (re-exported: bench.py uses A.LOG2E)
+
+__all__ = [
+    "sparse_attention_with_sink",
+    "sparse_attention_with_sink_thd",
+    "sparse_attention_fwd",
+    "sparse_attention_bwd",
+    "FWD_CONFIG",
+    "BWD_CONFIG",
+]
+
+# Launch parameters; bench.py may override them per call (the ``config`` argument).
+FWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=2)
+# (fastest of bench.py's sweep on the H200; BK=64 with 2 stages does not fit in shared memory)
+BWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=1,     # dq pass
+                  BK2=64, DC=64, num_warps2=4, num_stages2=3)  # dkv pass
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kernel(Q, KV, IDX, SINK, O, LSE2,
+                H, K, scale_log2,
+                stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
+                BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+
+    q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None], other=0.0)
+    # the sink is the first "key": running max = sink (log2 units), running sum = 1
+    m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    l_i = tl.full([BH], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BH, D], dtype=tl.float32)
+
+    idx_row = IDX + t * stride_it
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BK)
+        idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        kv = tl.load(KV + rows[:, None] * stride_kv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kv)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(O.dtype.element_ty), mask=hmask[:, None])
+    tl.store(LSE2 + t * H + offs_h, m_i + tl.log2(l_i), mask=hmask)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, N, D: tl.constexpr, BR: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < N
+    offs_d = tl.arange(0, D)
+    ptr = r.to(tl.int64)[:, None] * D + offs_d[None, :]
+    o = tl.load(O + ptr, mask=rmask[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + ptr, mask=rmask[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + r, tl.sum(o * do, 1), mask=rmask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, KV, IDX, DO, LSE2, DELTA, DQ, PT, DST,
+                   H, K, scale, scale_log2,
+                   stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh,
+                   BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """dq for one (head block, token); also writes P and scale*dS (bf16) as [T, H, K] for the dkv pass."""
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+
+    q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_d[None, :], mask=hmask[:, None],
+                 other=0.0)
+    lse2 = tl.load(LSE2 + t * H + offs_h, mask=hmask, other=0.0)
+    delta = tl.load(DELTA + t * H + offs_h, mask=hmask, other=0.0)
+
+    dq = tl.zeros([BH, D], dtype=tl.float32)
+    idx_row = IDX + t * stride_it
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < K
+        idx = tl.load(idx_row + offs_k, mask=kmask, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        kv = tl.load(KV + rows[:, None] * stride_kv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kv))
+        dp = tl.dot(do, tl.trans(kv))
+        keep = hmask[:, None] & valid[None, :]
+        p = tl.where(keep, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kv.dtype), kv, dq)
+        pk = (t * H + offs_h[:, None]) * K + offs_k[None, :]
+        smask = hmask[:, None] & kmask[None, :]
+        tl.store(PT + pk, p.to(PT.dtype.element_ty), mask=smask)
+        tl.store(DST + pk, (ds * scale).to(DST.dtype.element_ty), mask=smask)
+
+    tl.store(DQ + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _bwd_dkv_kernel(Q, DO, IDX, PT, DST, DKV,
+                    H, K,
+                    stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
+                    HP: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr, D: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
+    """dkv[idx[t,k], chunk] += dS^T q + P^T do over all heads of token t, for one D chunk (atomics)."""
+    c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, HP)
+    hmask = offs_h < H
+    offs_c = c * DC + tl.arange(0, DC)
+    qc = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_c[None, :], mask=hmask[:, None], other=0.0)
+    doc = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_c[None, :], mask=hmask[:, None],
+                  other=0.0)
+    idx_row = IDX + t * stride_it
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < K
+        idx = tl.load(idx_row + offs_k, mask=kmask, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        pk = (t * H + offs_h[None, :]) * K + offs_k[:, None]
+        lmask = kmask[:, None] & hmask[None, :]
+        dsT = tl.load(DST + pk, mask=lmask, other=0.0)
+        pT = tl.load(PT + pk, mask=lmask, other=0.0)
+        acc = tl.dot(dsT, qc)
+        acc = tl.dot(pT, doc, acc)
+        tl.atomic_add(DKV + rows[:, None] * D + offs_c[None, :], acc, mask=valid[:, None], sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
+    gpu_common.check_attention_inputs(q, kv, idx, sink, "triton", need_cuda=not _interpreting(),
+                                      cuda_hint=" (or TRITON_INTERPRET=1 for CPU debugging)")
+
+
+def _head_block(H: int, BH: int) -> int:
+    return max(16, min(BH, triton.next_power_of_2(H)))
+
+
+def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                         scale: float, config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Forward only. Returns ``o [T,H,D]`` (q.dtype) and ``lse2 [T,H]`` fp32 in log2 units."""
+    _check(q, kv, idx, sink)
+    cfg = {**FWD_CONFIG, **(config or {})}
+    q, kv = q.contiguous(), kv.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    T, H, D = q.shape
+    K = idx.shape[1]
+    o = torch.empty_like(q)
+    lse2 = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return o, lse2
+    BH = _head_block(H, cfg["BH"])
+    grid = (triton.cdiv(H, BH), T)
+    _fwd_kernel[grid](q, kv, idx, sink, o, lse2, H, K, float(scale) * LOG2E,
+                      q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
+                      BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+    return o, lse2
+
+
+def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[dict] = None):
+    """Backward. Returns ``dq [T,H,D]`` (q.dtype), ``dkv [Tkv,D]`` (kv.dtype), ``dsink [H]`` fp32."""
+    cfg = {**BWD_CONFIG, **(config or {})}
+    q, kv, o, do = q.contiguous(), kv.contiguous(), o.contiguous(), do.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    T, H, D = q.shape
+    K = idx.shape[1]
+    delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if T > 0:
+        BR = 16
+        _delta_kernel[(triton.cdiv(T * H, BR),)](o, do, delta, T * H, D=D, BR=BR, num_warps=4)
+        BH = _head_block(H, cfg["BH"])
+        pt = torch.empty(T, H, K, dtype=q.dtype, device=q.device)
+        dst = torch.empty(T, H, K, dtype=q.dtype, device=q.device)
+        _bwd_dq_kernel[(triton.cdiv(H, BH), T)](
+            q, kv, idx, do, lse2, delta, dq, pt, dst, H, K, float(scale), float(scale) * LOG2E,
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), do.stride(0), do.stride(1),
+            BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+        DC = min(cfg["DC"], D)
+        _bwd_dkv_kernel[(D // DC, T)](
+            q, do, idx, pt, dst, dkv32, H, K,
+            q.stride(0), q.stride(1), idx.stride(0), do.stride(0), do.stride(1),
+            HP=max(16, triton.next_power_of_2(H)), BK=cfg["BK2"], DC=DC, D=D,
+            NUM_STAGES=cfg["num_stages2"], num_warps=cfg["num_warps2"])
+    dsink = gpu_common.dsink_from_delta(delta, sink, lse2)
+    return dq, dkv32.to(kv.dtype), dsink
+
+
+# THD and batched entry points over the dsv4_triton custom ops (kernels.gpu_ops: autograd, torch.compile);
+# bf16/fp16 with a power-of-two head dim >= 32 run the triton kernels; anything else, e.g. fp32/fp64 or odd
+# head dims, is refused with the fix
+sparse_attention_with_sink_thd, sparse_attention_with_sink = gpu_common.make_attention_api(
+    gpu_ops.TRITON, _check, gpu_common.half_pow2_head_dim, __name__)

@@ -1,0 +1,43 @@
+"""Entry point of the `triton` kernel backend."""
+
+from typing import Optional
+
+from core.kernel_ops import OpTable  # noqa: F401 (the return type)
+from core.probes import python_package_missing
+
+
+def unavailable_reason() -> Optional[str]:
+    return python_package_missing("triton")
+
+
+def ops() -> "OpTable":
+    """Return the triton implementations of the DeepSeek-V4 ops, by the reference op names.
+
+    Triton kernels (CUDA tensors; ``kernels/triton/attention.py``, ``indexer.py``, ``mhc.py``, ``sinkhorn.py``):
+
+    * ``sparse_attention_with_sink(q, kv, indices, sink, scale)``: forward + backward kernels for
+      bf16/fp16 inputs with a power-of-two head dim; other inputs are refused with the fix (the run's
+      ``--dtype`` is checked against the backend's dtypes at parse time already).
+    * ``indexer_scores(q, k, w)``: bf16/fp16 ``q`` and ``k``, fp32 ``w``, fp32 accumulation and fp32 scores
+      (the reference returns the input dtype); no backward, so inputs that require a gradient are refused.
+      The table declares ``indexer_inputs="activation"``: every caller passes ``q`` and ``k`` in the run's
+      dtype (``kernels.reference.indexer.indexer_input_dtype``). fp32 ``q`` and ``k`` (never a run's input:
+      ``--dtype fp32`` is refused with this backend) would run as IEEE fp32 dots.
+    * ``hc_pre``, ``hc_post``, ``hc_head``, ``sinkhorn``: fused mHC kernels, forward + backward, fp32
+      coefficient math; bf16/fp16 streams, fp32 mapping weights / coefficients, hc_mult <= 8; other inputs
+      are refused with the reason (``kernels/triton/mhc_checks.py``).
+
+    Each kernel launcher is a ``torch.library`` custom op (``dsv4_triton::...``, ``kernels/gpu_ops.py``), so
+    ``torch.compile`` (``--compile``) traces these entry points into its graphs without a graph break.
+
+    Named from the reference set (backend ``none``; no Triton kernel yet): ``hadamard_transform``;
+    :func:`core.kernel_ops.kernels_ran` counts it under ``none.``.
+
+    Extra names beyond the reference set (THD entry points): ``sparse_attention_with_sink_thd``
+    (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
+    segment ``ks/ke`` ranges), ``indexer_topk``.
+    """
+    from kernels import gpu_common
+    from kernels.triton import attention, indexer, mhc
+
+    return gpu_common.make_ops("triton", attention, indexer, mhc)

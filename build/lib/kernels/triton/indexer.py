@@ -1,0 +1,132 @@
+"""Triton Lightning-Indexer scores and top-k (reference_system.md §1.6; ``kernels.reference.indexer``).
+
+    I[t, j] = sum_h w[t, h] * relu(<q[t, h, :], k[j, :]>)        fp32 accumulation, fp32 output
+
+THD layout: ``q [T, H, D]``, ``k [N, D]``, ``w [T, H]``; optional per-query key ranges
+``ks [T]``, ``ke [T]`` (int32; visible keys ``ks[t] <= j < ke[t]``, e.g. causal ``ke = (p+1)//4``
+or segment-local ranges of a packed THD batch). Scores outside the range are ``-inf`` and a
+``[BT, BN]`` tile that no query of the block can see is not computed at all.
+
+One program = ``BT`` queries x ``BN`` keys; the loop over heads does one ``[BT, D] x [D, BN]`` dot per
+head, applies ReLU and the weight, and accumulates in fp32 registers. Top-k is the reference's stable
+top-k (``kernels.reference.topk``) on the fp32 scores (``-1`` where fewer entries are visible).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common, gpu_ops
+
+__all__ = ["indexer_scores", "indexer_scores_thd", "indexer_scores_launch", "indexer_topk", "INDEXER_CONFIG"]
+
+INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _indexer_kernel(Q, K, W, KS, KE, OUT,
+                    T, N, H,
+                    stride_qt, stride_qh, stride_kn, stride_wt, stride_ot,
+                    HAS_RANGE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                    PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    tmask = offs_t < T
+    nmask = offs_n < N
+    out_ptr = OUT + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    omask = tmask[:, None] & nmask[None, :]
+
+    run = True
+    if HAS_RANGE:
+        ks = tl.load(KS + offs_t, mask=tmask, other=0)
+        ke = tl.load(KE + offs_t, mask=tmask, other=0)
+        lo = tl.min(tl.where(tmask, ks, N), 0)
+        hi = tl.max(tl.where(tmask, ke, 0), 0)
+        run = (pid_n * BN < hi) & (pid_n * BN + BN > lo)
+    if run:
+        offs_d = tl.arange(0, D)
+        k = tl.load(K + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        acc = tl.zeros([BT, BN], dtype=tl.float32)
+        q_base = Q + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+        w_base = W + offs_t.to(tl.int64) * stride_wt
+        for h in tl.range(0, H, num_stages=NUM_STAGES):
+            qh = tl.load(q_base + h * stride_qh, mask=tmask[:, None], other=0.0)
+            wh = tl.load(w_base + h, mask=tmask, other=0.0).to(tl.float32)
+            s = tl.dot(qh, tl.trans(k), input_precision=PRECISION)
+            acc += tl.maximum(s, 0.0) * wh[:, None]
+        if HAS_RANGE:
+            vis = (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
+            acc = tl.where(vis, acc, float("-inf"))
+        tl.store(out_ptr, acc, mask=omask)
+    else:
+        tl.store(out_ptr, tl.full([BT, BN], float("-inf"), tl.float32), mask=omask)
+
+
+@gpu_ops.traceable
+def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                       ks: Optional[torch.Tensor] = None, ke: Optional[torch.Tensor] = None,
+                       config: Optional[dict] = None) -> torch.Tensor:
+    """``q [T,H,D]``, ``k [N,D]``, ``w [T,H]`` (+ optional ``ks, ke [T]``) -> fp32 scores ``[T, N]``.
+
+    The checks run here, then the ``dsv4_triton::indexer_scores`` custom op (``kernels.gpu_ops``) launches
+    :func:`indexer_scores_launch`; a ``config`` (launch settings, bench.py) calls the launcher directly."""
+    T, H, D = q.shape
+    if k.shape[1] != D or w.shape != (T, H):
+        raise ValueError(f"expected q [T,H,D], k [N,D], w [T,H]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(w.shape)}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"indexer head dim {D} must be a power of two >= 16")
+    if (ks is None) != (ke is None):
+        raise ValueError("give both ks and ke, or neither")
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not q.is_cuda:
+        raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    gpu_common.refuse_grad("triton", q, k, w)
+    if config is not None:
+        return indexer_scores_launch(q, k, w, ks, ke, config)
+    return gpu_ops.TRITON.indexer_scores(q, k, w, ks, ke)
+
+
+def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: Optional[torch.Tensor],
+                          ke: Optional[torch.Tensor], config: Optional[dict] = None) -> torch.Tensor:
+    """The launcher of :func:`indexer_scores_thd` (inputs already checked)."""
+    T, H, D = q.shape
+    N = k.shape[0]
+    cfg = {**INDEXER_CONFIG, **(config or {})}
+    dt = torch.promote_types(q.dtype, k.dtype)
+    q, k = q.to(dt).contiguous(), k.to(dt).contiguous()
+    w = w.contiguous()
+    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    if T == 0 or N == 0:
+        return out
+    has_range = ks is not None
+    if has_range:
+        ks = ks.to(torch.int32).contiguous()
+        ke = ke.to(torch.int32).contiguous()
+    else:
+        ks = ke = torch.empty(1, dtype=torch.int32, device=q.device)
+    precision = "ieee" if dt == torch.float32 or dt == torch.float64 else "tf32"
+    if dt == torch.float64:
+        q, k = q.float(), k.float()
+    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(T, cfg["BT"]))
+    _indexer_kernel[grid](q, k, w, ks, ke, out, T, N, H,
+                          q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0),
+                          HAS_RANGE=has_range, BT=cfg["BT"], BN=cfg["BN"], D=D, PRECISION=precision,
+                          NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+    return out
+
+
+@gpu_ops.traceable
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``kernels.reference.indexer.indexer_scores``: ``q [B,S,H,D]``, ``k [B,N,D]``,
+    ``w [B,S,H]`` -> ``[B,S,N]``, computed with fp32 accumulation and returned in fp32."""
+    return gpu_common.indexer_scores_batched(indexer_scores_thd, q, k, w)
+
+
+indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # the stable top-k, shared by the GPU backends

@@ -1,0 +1,80 @@
+"""How `dsv4` reports a failure: one line ``error: ...`` with the fix, never a traceback.
+
+Why: expected failures (bad data, a full disk, a read-only output, a damaged
+checkpoint) used to print 40 lines of traceback with the useful line buried
+inside. :func:`report` turns an exception into one line and an exit code:
+
+* user errors (:class:`core.errors.UserInputError`, :class:`core.config.ConfigError`
+  and their subclasses): the message as is, exit 1;
+* operating-system errors a user can fix (no space, quota, read-only file
+  system, permission denied, missing file): the path, the reason and the fix,
+  exit 1;
+* anything else is a bug: one line naming the exception plus
+  "rerun with --debug for the traceback", exit 1.
+
+``dsv4 --debug ...`` (or ``DSV4_DEBUG=1``) re-raises instead, so the full
+traceback is shown.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+__all__ = ["debug_enabled", "set_debug", "one_line"]
+
+_DEBUG = {"on": False}
+
+_OS_FIX = {
+    errno.ENOSPC: "free some space or write elsewhere",
+    errno.EDQUOT: "free some space (disk quota exceeded) or write elsewhere",
+    errno.EROFS: "the file system is read-only; choose an output on a writable one",
+    errno.EACCES: "check the permissions of the path, or choose another one",
+    errno.EPERM: "check the permissions of the path, or choose another one",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "check the path: a part of it is a file, not a folder",
+    errno.EISDIR: "check the path: it is a folder, a file was expected",
+}
+
+
+def set_debug(on: bool) -> None:
+    _DEBUG["on"] = bool(on)
+    # ranks started by the trainer (train.launch) inherit it through the environment; a later command in the
+    # same process (tests) without --debug takes it back
+    if on and "DSV4_DEBUG" not in os.environ:
+        os.environ["DSV4_DEBUG"] = "1"
+        _DEBUG["env_set"] = True
+    elif not on and _DEBUG.pop("env_set", False):
+        os.environ.pop("DSV4_DEBUG", None)
+
+
+def debug_enabled() -> bool:
+    return _DEBUG["on"] or os.environ.get("DSV4_DEBUG", "") not in ("", "0")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _os_error(exc: BaseException):
+    """The OSError at the root of ``exc`` (DCP and others wrap them), if it is one a user can fix."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _OS_FIX:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def one_line(exc: BaseException, *, expected: tuple) -> str:
+    """The message `dsv4` prints (after ``error: ``) for ``exc``."""
+    if isinstance(exc, expected):
+        return str(exc).strip() or type(exc).__name__
+    os_err = _os_error(exc)
+    if os_err is not None:
+        where = os_err.filename or ""
+        reason = os_err.strerror or _first_line(os_err)
+        return f"{where + ': ' if where else ''}{reason}; {_OS_FIX[os_err.errno]}"
+    return f"unexpected {type(exc).__name__}: {_first_line(exc)} (rerun with --debug for the traceback)"

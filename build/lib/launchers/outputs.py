@@ -1,0 +1,71 @@
+"""How `dsv4 convert` and `dsv4 export` write their output folders safely.
+
+Why: both used to write straight to ``--out``: ``--overwrite`` (and export,
+always) replaced whatever folder was there, inputs and unrelated files
+included; concurrent runs into one folder all reported "wrote"; a full disk
+was found half-way through. Here each runs as a staged output
+(:func:`converters.staging.run_stage`): refused when ``--out`` is, contains or
+sits inside an input (:func:`core.path_safety.refuse_overlap`), free space
+checked first, built in a temporary sibling and renamed into place with a
+completion sentinel, a rerun or concurrent run with the same inputs reports
+"already ...", and ``--overwrite`` replaces only a folder whose sentinel shows
+dsv4 wrote it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional
+
+from core.errors import UserInputError
+from core.path_safety import refuse_overlap
+
+__all__ = ["staged_output", "native_bytes"]
+
+
+def staged_output(out: Path, build: Callable[[Path], object], *, name: str, inputs: Mapping,
+                  input_paths: Iterable[Optional[Path]], required_bytes: Optional[int], overwrite: bool) -> bool:
+    """Build ``out`` with ``build(tmp)`` as a stage; True when this call wrote it, False when it was already there."""
+    from converters.staging import StageConflict, run_stage
+
+    refuse_overlap(out, input_paths)
+    try:
+        result = run_stage(out, build, name=name, inputs=dict(inputs), required_bytes=required_bytes,
+                           overwrite=overwrite, verbose=False)
+    except StageConflict as exc:
+        msg = str(exc)
+        hint = "" if "refusing to replace" in msg else " (pass --overwrite to replace it)"
+        raise UserInputError(msg + hint) from None
+    return result.built
+
+
+def native_bytes(config) -> int:
+    """Bytes of a native checkpoint of ``config`` (bf16 weights, fp32-kept tensors), plus 5% for metadata."""
+    import torch
+
+    from core import weight_contract as wc
+
+    total = 0
+    for shape, dt in wc.native_names(config).values():
+        n = 1
+        for d in shape:
+            n *= int(d)
+        size = 2 if dt.is_floating_point and dt != torch.float32 else torch.empty((), dtype=dt).element_size()
+        total += n * size
+    return int(total * 1.05)
+
+
+def real(p) -> str:
+    return os.path.realpath(os.fspath(p))
+
+
+def export_run(run_dir: Path, out: Path, *, step: Optional[int], weight_format: str, overwrite: bool) -> bool:
+    """`dsv4 export` as a staged output; True when this call wrote ``out``."""
+    from train.export import export_hf, export_source
+
+    found_step, _folder = export_source(run_dir, step)
+    return staged_output(out, lambda tmp: export_hf(run_dir, tmp, step=found_step, weight_format=weight_format),
+                         name="export", inputs={"run_dir": real(run_dir), "step": found_step,
+                                                "weight_format": weight_format},
+                         input_paths=[run_dir], required_bytes=None, overwrite=overwrite)

@@ -1,0 +1,113 @@
+"""Which kernel backend serves each op of the built-in rollout engine, in prefill and in the decode step.
+
+Why: the engine (:class:`train.engines.ReferenceEngine`) runs the reference model's math with the run's kernel
+backend (``--kernel-backend``; the assembly hands it the run's op table). Its **prefill** calls that table the
+way the training forward does, so an input a kernel does not take is refused there, with the fix, exactly as
+in training. The **decode step** feeds one token per slot, at other shapes (``S = 1``, the whole cache as
+keys), and is recorded into CUDA graphs on a GPU. A GPU kernel that cannot serve that input refuses it (the
+backends' contract: a ``ValueError`` that gives the reason). Failing every rollout for it would be wrong, and
+handing the input to the reference op behind the caller's back would be a silent fallback. So the engine
+decides once, when it is built: :func:`decode_choices` gives each op the engine calls the inputs of a one-token
+decode step (the engine's dtypes and device, the model's head sizes) and keeps the run's kernel where it takes
+them, and the reference op (backend ``none``) where it refuses. The choice and the refusal are recorded on
+the engine (``engine.decode_ops`` ``{op: backend}``, ``engine.decode_refusals`` ``{op: reason}``) and logged
+once. Only ``ValueError`` counts as a refusal; any other error is a bug and propagates.
+
+The probes call each op's own function (not the counting wrapper of ``core.kernel_ops``), so
+:func:`core.kernel_ops.kernels_ran` counts only the engine's real work.
+
+``sinkhorn`` is not called on its own: the reference model's ``hc_pre`` (and a backend's fused one) runs the
+Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from core.kernel_ops import OpTable
+
+__all__ = ["ENGINE_OPS", "engine_ops", "decode_choices", "decode_inputs"]
+
+# the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use)
+ENGINE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post", "hc_head")
+
+
+def engine_ops(config) -> Tuple[str, ...]:
+    """The ops a generate call of ``config``'s model calls: the indexer's only with CSA (ratio 4) layers."""
+    csa = 4 in tuple(config.compress_ratios[: config.n_layers])
+    return tuple(n for n in ENGINE_OPS if csa or n not in ("indexer_scores", "hadamard_transform"))
+
+
+def decode_inputs(config, dtype: torch.dtype, device, table: Optional[OpTable] = None) -> Dict[str, list]:
+    """Per op, the argument tuples a one-token decode step passes it (one slot, a few keys), in the dtypes the
+    engine uses there: the model's ``dtype`` for streams, queries and KV, fp32 for the mHC coefficients and
+    the sink, the compute dtype (fp32; fp64 for an fp64 model) for the indexer's weights and the query's
+    Hadamard rotation, and for the indexer's ``q`` and ``k`` the dtype the decode step casts them to for
+    ``table`` (:func:`kernels.reference.indexer.indexer_input_dtype`: the model's dtype for a bf16/fp16
+    kernel, else the compute dtype; None: the reference ops)."""
+    from kernels.reference.indexer import indexer_input_dtype
+
+    c = config
+    g = torch.Generator().manual_seed(0)
+    ct = torch.promote_types(dtype, torch.float32)
+    it = indexer_input_dtype(table, dtype)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+
+    n, d, H, D, K = c.hc_mult, c.dim, c.n_heads, c.head_dim, 4
+    mix = (2 + n) * n
+    x = r(1, 1, n, d)
+    idx = torch.tensor([[[0, 1, 2, -1]]], dtype=torch.long, device=device)
+    out = {
+        "sparse_attention_with_sink": [(r(1, 1, H, D), r(1, K, D), idx, r(H, dt=torch.float32), D ** -0.5)],
+        "hc_pre": [(x, r(mix, n * d, dt=torch.float32), r(3, dt=torch.float32), r(mix, dt=torch.float32),
+                    c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)],
+        "hc_post": [(r(1, 1, d), x, r(1, 1, n, dt=torch.float32), r(1, 1, n, n, dt=torch.float32))],
+        "hc_head": [(x, r(n, n * d, dt=torch.float32), r(1, dt=torch.float32), r(n, dt=torch.float32),
+                     c.norm_eps, c.hc_eps)],
+    }
+    HI, cI = c.index_n_heads, c.index_head_dim
+    out["indexer_scores"] = [(r(1, 1, HI, cI, dt=it), r(1, K, cI, dt=it), r(1, 1, HI, dt=ct))]
+    # the indexer's query (compute dtype) and a pooled entry of the indexer's compressor (the model's dtype)
+    out["hadamard_transform"] = [(r(1, 1, HI, cI, dt=ct),), (r(1, cI),)]
+    return out
+
+
+def _refusal(fn, calls) -> Optional[str]:
+    raw = getattr(fn, "__wrapped__", fn)          # the op itself, not core.kernel_ops' counting wrapper
+    for args in calls:
+        try:
+            with torch.no_grad():
+                raw(*args)
+        except ValueError as e:                   # a backend's refusal (its contract); anything else propagates
+            return str(e)
+    return None
+
+
+def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtype, device
+                   ) -> Tuple[OpTable, Dict[str, str], Dict[str, str]]:
+    """``(decode_table, served, refusals)``: the op table of the decode step (``table``'s op where it takes a
+    one-token decode step's inputs, ``reference``'s where it refuses them), ``{op: backend}`` for the ops the
+    engine calls, and ``{op: the refusal}`` for the ops handed to ``reference``."""
+    inputs = decode_inputs(config, dtype, device, table)
+    chosen, served, refusals = {}, {}, {}
+    called = engine_ops(config)
+    for name in table.names():
+        who, fn = table.provider[name], getattr(table, name)
+        if name in called and who != reference.backend:
+            reason = _refusal(fn, inputs[name])
+            if reason is not None:
+                refusals[name] = reason
+                who, fn = reference.backend, getattr(reference, name)
+        chosen[name] = (who, fn)
+        if name in called:
+            served[name] = who
+    if not refusals:
+        return table, served, refusals
+    # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)
+    indexer_inputs = (reference if "indexer_scores" in refusals else table).indexer_inputs
+    return (OpTable(table.backend, {}, delegated=chosen, dtypes=table.dtypes, indexer_inputs=indexer_inputs),
+            served, refusals)

@@ -1,0 +1,723 @@
+"""Rollout engines: the protocol, published-weight decoding, sampling, and the built-in reference engine.
+
+A rollout engine (the fifth plugin axis, ``dsv4_rollout_engines``; records in
+:mod:`train.engines_plugin`) generates samples and takes weight updates:
+
+* ``generate(prompts, params, *, n, seed) -> [[Sample] * n for each prompt]``;
+* ``begin_update(version)`` / ``load_bucket([(official name, published tensor)])`` / ``finish_update()``;
+* ``held_weights() -> {official name: tensor}`` - what it computes with (for the weight checker), or
+  ``None`` when it cannot show them (a remote server);
+* ``shutdown()``.
+
+:class:`ReferenceEngine` generates with the reference model built from the EXPORTED, official-named (HF)
+weights it was sent - never from the trainer's module - so every step exercises the real weight sync path
+(export -> optional FP8 / NVFP4 publishing -> decode + load here -> weight checker). It runs on the device,
+in the dtype and with the kernel op table it is given (the assembly passes the run's: a GPU target's device,
+bf16 there, the ``--kernel-backend``'s ops): prefill calls the table's ops, the decode step calls them where
+they take a one-token step's inputs and the reference ops where they refuse them, a choice made once per
+engine and recorded in ``decode_ops`` / ``decode_refusals`` (:mod:`train.engine_ops`).
+
+:class:`TrainModuleEngine` (``true_on_policy`` with miles / megatron) is the exception: it draws from
+the trainer's own module and takes no weight sync.
+
+Generation (``kv_cache=True``, the default) runs the prompts x ``n`` samples through ``max_slots`` cache
+slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are admitted into free slots by
+:func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
+:func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
+replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
+one (continuous batching), and live slots are packed into the smallest bucket; with ``compile`` the step's
+device work is TorchInductor code (up to three compiles for all buckets; :mod:`train.slot_decoder`). ``kv_cache=False`` is
+the former engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the
+whole prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
+so they draw the same tokens.
+
+Sampling (on the model's device): temperature, then top-k (``top_k > 0``) and top-p truncation of the
+tempered distribution, then inverse-CDF sampling with one uniform per step from the sample's own
+``torch.Generator`` (seeded by :func:`sample_seed` from the call's ``seed``, the prompt's index and the
+sample's index; the uniforms are drawn on the CPU, so a sample does not depend on the device, on the other
+samples in the batch or on when they stop). The log-probability of a sampled token is taken under
+``softmax(logits / temperature)`` (the full distribution, not the truncated one), which is what the trainer
+recomputes. Routed experts of the learned-routing layers are recorded per token when the token is first
+fed (the prompt at prefill, each response token at the decode step that feeds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from core import weight_contract as wc
+
+from .replay import RoutingRecorder, empty_routing, learned_layers, routing_context
+
+log = logging.getLogger("dsv4")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    stop_token_ids: Tuple[int, ...] = (1,)
+    top_k: int = 0                          # 0 = no top-k truncation
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (greedy decoding is not supported by the sampler)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 = off)")
+
+
+@dataclass
+class Sample:
+    prompt_ids: List[int]
+    response_ids: List[int]                 # includes the stop token when finish_reason == "stop"
+    logprobs: torch.Tensor                  # [len(response_ids)] fp32, rollout-side
+    finish_reason: str = "length"           # "stop" | "length"
+    routed_experts: Optional[torch.Tensor] = None  # [len(prompt)+len(response)-1, n_layers, k], -1 = none
+    extra: Dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------- published weights
+def published_in_fp32(name: str) -> bool:
+    """Whether the official tensor ``name`` is published (and held by an engine) in fp32 whatever the run's
+    dtype: the weight contract's fp32-kept tensors and the router bias."""
+    return wc.keeps_fp32(name) or name.endswith("gate.bias")
+
+
+def decode_published(named: Iterable[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None
+                     ) -> Dict[str, torch.Tensor]:
+    """Published tensors (:func:`converters.publish.publish_bucket`) -> logical official tensors.
+
+    FP8: ``x.weight`` (e4m3) + ``x.scale``; NVFP4: ``x.weight`` (uint8) + ``x.weight_scale`` +
+    ``x.weight_scale_2``; anything else passes through. ``dtype`` is the dtype dequantised weights get
+    (default fp32)."""
+    from converters.fp8_quantizer import dequantize_fp8_blocks
+    from converters.nvfp4 import nvfp4_dequantize
+
+    items = dict(named)
+    out: Dict[str, torch.Tensor] = {}
+    used = set()
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    for n, t in items.items():
+        if n in used:
+            continue
+        base = n[: -len(".weight")] if n.endswith(".weight") else None
+        if base is not None and n + "_scale" in items and n + "_scale_2" in items and t.dtype == torch.uint8:
+            out[n] = nvfp4_dequantize(t, items[n + "_scale"], items[n + "_scale_2"], dtype=dtype or torch.float32)
+            used.update((n + "_scale", n + "_scale_2"))
+        elif base is not None and base + ".scale" in items and t.dtype == fp8:
+            out[n] = dequantize_fp8_blocks(t, items[base + ".scale"], dtype=dtype or torch.float32)
+            used.add(base + ".scale")
+        else:
+            out[n] = t
+        used.add(n)
+    return out
+
+
+# ----------------------------------------------------------------- sampling
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of prompt ``prompt_index`` in a ``generate(..., seed=seed)`` call."""
+    return (int(seed) * 1_000_003 + prompt_index * 9973 + sample_index * 7919 + 1) % (2 ** 63)
+
+
+def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """``[len(seeds), steps]`` float64 uniforms in [0, 1): row ``i`` is the stream of a CPU
+    ``torch.Generator`` seeded with ``seeds[i]`` (column ``t`` draws the token of step ``t``)."""
+    out = torch.empty(len(seeds), steps, dtype=torch.float64)
+    for i, s in enumerate(seeds):
+        out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``logits [N, V]``, uniforms ``u [N]`` -> (token ids [N], their log-probs under softmax(logits/T) [N]),
+    on ``logits``' device.
+
+    The kept tokens (top-k, then the smallest prefix of the sorted distribution whose mass reaches top_p;
+    the top token always) are laid out in order (by probability when truncating, else by id) and the
+    token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums)."""
+    return sample_from_logprobs(torch.log_softmax(logits.float() / params.temperature, dim=-1), u, params)
+
+
+def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingParams
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` from the tempered log-probs ``logp [N, V]`` themselves (the ``true_on_policy``
+    engine passes the trainer's op's output)."""
+    probs = logp.exp()
+    order = None
+    if params.top_p < 1.0 or params.top_k:
+        probs, order = probs.sort(dim=-1, descending=True)
+        keep = (probs.cumsum(-1) - probs) < params.top_p
+        if params.top_k:
+            keep[:, params.top_k:] = False
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    cdf = probs.double().cumsum(-1)
+    target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, target, right=True)
+    choice = torch.minimum(choice, cdf.argmax(-1, keepdim=True))   # the last token with mass (u*mass rounding)
+    tok = (choice if order is None else order.gather(-1, choice)).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+# true_on_policy: the dtypes the lockstep engine is built for per device type (docs/rollout.md#true-on-policy);
+# fp32 on a GPU is not tested (the rule true-on-policy refuses it)
+ON_POLICY_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
+
+
+class RolloutEngineBase:
+    name = "base"
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
+        """``first_prompt``: the index of ``prompts[0]`` among the step's prompts (a data-parallel rank
+        generates its share; seeds follow the index in the step, so every layout samples the same)."""
+        raise NotImplementedError
+
+    def begin_update(self, version: int) -> None:
+        raise NotImplementedError
+
+    def load_bucket(self, bucket: List[Tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def finish_update(self) -> None:
+        raise NotImplementedError
+
+    def held_weights(self) -> Optional[Dict[str, torch.Tensor]]:
+        return None
+
+    def release_memory(self) -> None:
+        """Colocated mode (``colocate``): give the device memory back while the trainer computes; the next
+        ``begin_update`` takes it again and the update that follows sends every tensor."""
+        raise NotImplementedError(f"the {self.name} rollout engine cannot release its memory: train without colocate")
+
+    def resume_memory(self) -> None:
+        raise NotImplementedError(f"the {self.name} rollout engine cannot release its memory: train without colocate")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ReferenceEngine(RolloutEngineBase):
+    """Generates with :class:`kernels.reference.model.DeepseekV4Model` from exported weights, on ``device`` in
+    ``dtype``; ``kv_cache=False`` re-runs the prefix for every token (the former engine; module docstring).
+
+    ``max_slots``: how many samples decode at once (None: every sample of a call); more wait and take the
+    slot of the next one to finish. ``cuda_graphs``: replay the decode step from CUDA graphs (None: on a CUDA
+    device; True elsewhere is refused). ``compile``: run the decode step's device work as ``torch.compile`` code
+    (None / False: eager; True: Inductor; a string: that ``torch.compile`` backend, e.g. ``"aot_eager"`` in
+    tests), each slot bucket compiled when the slots are built (before the graphs are captured); a kernel
+    backend's op that ``torch.compile`` cannot trace stays eager inside it
+    (:func:`engine.compile.opaque_kernel_ops`; the GPU backends' ops are traced custom ops). ``prefill_batch``: at
+    most this many prompts per prefill forward (None: every admitted prompt in one; the reference prefill holds
+    ``[rows, length, keys, head_dim]`` gathers).
+
+    ``ops``: the kernel op table to compute with (``core.kernel_ops.OpTable``; None: the reference ops, backend
+    ``none``). Prefill (and the uncached engine) calls it as is; the decode step calls ``decode_table``: the
+    same ops, except the reference op for each op that refuses a one-token step's inputs
+    (:func:`train.engine_ops.decode_choices`). ``prefill_ops`` / ``decode_ops``: ``{op: backend}`` for the
+    ops a generate call runs; ``decode_refusals``: ``{op: why the run's kernel does not serve decode}``."""
+
+    name = "reference"
+
+    def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
+                 device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
+                 cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None, ops=None,
+                 true_on_policy: bool = False, compile=None):
+        from kernels.reference import backend as reference
+        from kernels.reference.model import DeepseekV4Model
+
+        from .engine_ops import decode_choices, engine_ops
+
+        self.config, self.dtype, self.record_routing = config, dtype, record_routing
+        self.device, self.kv_cache = torch.device(device), kv_cache
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, the engine is on {self.device} "
+                             "(leave cuda_graphs unset or pass False)")
+        for name, v in (("max_slots", max_slots), ("prefill_batch", prefill_batch)):
+            if v is not None and (isinstance(v, bool) or int(v) < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None (no limit), got {v!r}")
+        self.max_slots, self.prefill_batch = max_slots, prefill_batch
+        if true_on_policy:
+            why = [w for bad, w in (
+                (kv_cache, "kv_cache=True (the cached decode step computes other op shapes)"),
+                (bool(compile), "compile (the compiled decode step rounds differently)"),
+                (self.device.type not in ON_POLICY_DTYPES, f"device {self.device} (not built there)"),
+                (self.device.type in ON_POLICY_DTYPES and dtype not in ON_POLICY_DTYPES[self.device.type],
+                 f"dtype {dtype} on {self.device.type} (not built there)"),
+                (ops is not None and any(b != "none" for b in ops.provider.values()), "kernel ops other than the "
+                 "reference ops")) if bad]
+            if why:
+                raise ValueError("true_on_policy=True is exact only for the uncached engine with the reference ops, "
+                                 "in fp32 or bf16 on the CPU, in bf16 on a CUDA device; got " + "; ".join(why))
+        self.true_on_policy = bool(true_on_policy)
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.ops = ops if ops is not None else reference.ops()
+        self.prefill_ops = {n: self.ops.provider[n] for n in engine_ops(config)}
+        self.decode_table, self.decode_ops, self.decode_refusals = decode_choices(
+            self.ops, reference.ops(), config, dtype, self.device)
+        for name, why in self.decode_refusals.items():
+            log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
+                        "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
+        self.compile = _compile_backend(compile, kv_cache)
+        self._fullgraph = True        # torch.compile's: no graph break in the decode step
+        if self.compile:              # untraceable kernel ops run eagerly inside it (a graph break each)
+            from engine.compile import kernel_op_names, opaque_kernel_ops
+
+            self._fullgraph = not set(kernel_op_names(self.decode_table)) & set(engine_ops(config))
+            self.decode_table = opaque_kernel_ops(self.decode_table)
+        self._decoder = None          # train.slot_decoder.SlotDecoder, built by the first cached generate
+        self.positions_fed = 0        # token positions fed to the model by generate() (work done)
+        self.model = DeepseekV4Model(config, device=device)
+        if dtype != torch.float32:
+            self.model.to(dtype)
+            # Hold each tensor in the dtype it is published in: the model also keeps its RMSNorm weights in
+            # fp32, but they arrive in `dtype` and an RMSNorm upcasts its weight anyway (same values). The
+            # true-on-policy engine keeps the reference training model's own dtypes (its RMSNorm weights in fp32,
+            # trained away from bf16 values), sent as they are (train.weight_sync.sync_weights, lossless=True).
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                if t.dtype == torch.float32 and not published_in_fp32(name) and not true_on_policy:
+                    t.data = t.data.to(dtype)
+        self.model.eval().requires_grad_(False)
+        if kv_cache:              # the decode step reads each layer's experts as one stacked tensor
+            from kernels.reference.slots import stack_expert_weights
+
+            stack_expert_weights(self.model)
+        self.version: Optional[int] = None
+        self._received: Optional[set] = None
+        self._loaded_once = self._complete_before = self._released = False
+        self._shapes: List[Tuple[torch.Tensor, Tuple[int, ...]]] = []
+
+    # -- weights ---------------------------------------------------------
+    # An update is loaded IN PLACE, bucket by bucket, into the tensors the engine computes with: the engine
+    # never holds a second copy of the weights (which matters when it shares the trainer's GPU). While an
+    # update is under way, and after one that failed, the engine refuses to generate until an update
+    # completes; an update that follows a release (``release_memory``) must send every tensor.
+    def begin_update(self, version: int) -> None:
+        self._received = set()
+        self._complete_before, self._loaded_once = self._loaded_once, False
+        self._next_version = version
+        if self._released:
+            self.resume_memory()
+
+    def load_bucket(self, bucket) -> None:
+        if self._received is None:
+            raise RuntimeError("load_bucket before begin_update")
+        sd = self.model.state_dict()
+        with torch.no_grad():
+            for n, t in decode_published(bucket, self.dtype).items():
+                if n in self._received:
+                    raise ValueError(f"weight update: {n!r} arrived twice")
+                if n not in sd:
+                    raise ValueError(f"weight update does not fit the engine: unexpected {n!r}")
+                dst = sd[n]
+                if tuple(dst.shape) != tuple(t.shape):
+                    raise ValueError(f"weight update: {n!r} has shape {tuple(t.shape)}, engine {tuple(dst.shape)}")
+                dst.copy_(t.to(dst.device, dst.dtype))
+                self._received.add(n)
+
+    def finish_update(self) -> None:
+        got, self._received = self._received, None
+        if got is None:
+            raise RuntimeError("finish_update before begin_update")
+        missing = sorted(set(self.model.state_dict()) - got)
+        if missing and not self._complete_before:
+            raise ValueError(f"weight update does not fit the engine: missing {missing[:5]} ({len(missing)})")
+        self._loaded_once = True
+        self.version = self._next_version
+
+    def release_memory(self) -> None:
+        """Colocated mode: free the weights, the decode slots' KV cache and their CUDA graphs while the trainer
+        uses the device. The storage is given back; the next update (``begin_update``) allocates the weights
+        again and must send every tensor, since nothing is kept; the next generate builds the slots again (and
+        captures their graphs: they hold the addresses of the tensors they read)."""
+        if self._released:
+            return
+        self._decoder = None
+        for layer in self.model.layers:               # the decode MoE's stacked experts (kernels.reference.slots)
+            layer.ffn.__dict__.pop("_expert_stacks", None)
+        for t in self.model.state_dict(keep_vars=True).values():
+            self._shapes.append((t, tuple(t.shape)))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._released, self._loaded_once = True, False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()     # give the blocks back to the driver: other processes may share the GPU
+
+    def resume_memory(self) -> None:
+        """Allocate the released weights again (uninitialized: an update fills them before any generate)."""
+        for t, shape in self._shapes:
+            t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+        self._shapes, self._released = [], False
+        if self.kv_cache:
+            from kernels.reference.slots import stack_expert_weights
+
+            stack_expert_weights(self.model)
+
+    def held_bytes(self) -> int:
+        """Device bytes the engine holds now: its weights and its decode slots' KV cache (0 while released)."""
+        seen, total = set(), 0
+        tensors = list(self.model.state_dict().values())
+        if self._decoder is not None:
+            tensors += self._decoder.cache_tensors()
+        for t in tensors:                             # expert weights are views of one stack: count storage once
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def held_weights(self):
+        return dict(self.model.state_dict())
+
+    # -- generation ------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
+        if not self._loaded_once:
+            raise RuntimeError("the reference engine has no weights yet (sync weights first)")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts or n < 1:
+            return [[] for _ in prompts]
+        seeds = [[sample_seed(seed, first_prompt + pi, j) for j in range(n)] for pi in range(len(prompts))]
+        if self.kv_cache:
+            with self._computing("decode"):               # prefills nest the prefill table inside
+                return self._generate_cached(prompts, params, n, seeds)
+        with self._computing("prefill"):                  # the uncached engine runs only full forwards
+            return [self._generate_lockstep(p, params, s) for p, s in zip(prompts, seeds)]
+
+    def reserve(self, slots: int, positions: int) -> None:
+        """Build the decode slots (capture their CUDA graphs, compile their step) for ``slots`` samples of up to
+        ``positions`` fed tokens now, so that a timed ``generate`` within those sizes does not."""
+        self._decoder_for(slots, positions)
+
+    def _decoder_for(self, slots: int, need_len: int):
+        """The engine's :class:`~train.slot_decoder.SlotDecoder`, rebuilt (and its graphs recaptured) only when
+        a call needs more slots or positions than it has; capacity is rounded up to 64 positions."""
+        from kernels.reference.decode import prefill
+        from train.slot_decoder import SlotDecoder
+
+        dec = self._decoder
+        if dec is None or not dec.fits(slots, need_len):
+            if dec is not None:
+                slots, need_len = max(slots, dec.slots), max(need_len, dec.max_len)
+                self._decoder = dec = None
+            with self._computing("decode"):   # the decode step's ops: the graphs record them; the template
+                cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # is shapes only
+                dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs,
+                                                  compile=self.compile, fullgraph=self._fullgraph)
+        return dec
+
+    def _computing(self, phase: str):
+        """The model computes with this phase's op table (``"prefill"``: ``ops``, ``"decode"``: ``decode_table``)
+        within the ``with`` block."""
+        from kernels.reference.model import ops_in_use
+
+        return ops_in_use(self.model, self.ops if phase == "prefill" else self.decode_table)
+
+    def _prefill(self, prompts: List[List[int]], max_len: int, routed=None, ids=(), P=()):
+        """Prefill each distinct prompt once; the cache rows and last logits of ``prompts`` in order. With
+        ``routed``, samples ``ids`` (prompt lengths ``P[id]``) get their prompts' routed experts."""
+        from kernels.reference.decode import prefill
+
+        distinct: Dict[Tuple[int, ...], int] = {}
+        for p in prompts:
+            distinct.setdefault(tuple(p), len(distinct))
+        firsts = [list(p) for p in distinct]
+        src = torch.tensor([distinct[tuple(p)] for p in prompts])
+        S = max(len(p) for p in firsts)
+        rec = RoutingRecorder(len(firsts), S) if routed is not None else None
+        with routing_context(rec), self._computing("prefill"):
+            cache, logits = prefill(self.model, firsts, max_len=max_len)
+        self.positions_fed += len(firsts) * S
+        if rec is not None:
+            got = rec.as_tensor(self.config)[src]                              # [rows, S, layers, k]
+            got[torch.arange(S)[None, :] >= torch.tensor([P[i] for i in ids])[:, None]] = -1   # padding
+            routed[list(ids), :S] = got
+        return cache.select(src), logits[src.to(logits.device)]
+
+    def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
+                         seeds: List[List[int]]) -> List[List[Sample]]:
+        """Every prompt's ``n`` samples through the slots (continuous batching, module docstring)."""
+        c, dev, T = self.config, self.model.embed.weight.device, params.max_new_tokens
+        items = [(pi, j) for pi in range(len(prompts)) for j in range(n)]       # sample id -> (prompt, j)
+        P = [len(prompts[pi]) for pi, _ in items]
+        M = min(self.max_slots or len(items), len(items))
+        u = sample_uniforms([seeds[pi][j] for pi, j in items], T).to(dev)
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
+        tokens = torch.zeros(len(items), T, dtype=torch.long, device=dev)
+        logps = torch.zeros(len(items), T, dtype=torch.float32, device=dev)
+        lengths = [T] * len(items)
+        routed = None
+        if self.record_routing:
+            routed = empty_routing(max(P) + T, c).unsqueeze(0).repeat(len(items), 1, 1, 1)
+        fed_ids, fed_pos, fed_routes = [], [], []     # per decode step: samples, positions, [rows, layers, k]
+
+        def stopped(tok):                             # the one host sync per step (none without stop tokens)
+            return torch.isin(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
+
+        waiting = list(range(len(items)))[::-1]       # popped from the end: in sample order
+        sample_of = [-1] * M                          # slot -> sample id (-1: free)
+        drawn = [0] * M                               # slot -> index of its sample's last drawn token
+        last = torch.zeros(M, dtype=torch.long, device=dev)   # slot -> the token it feeds next
+        dec, view = None, None                        # view: device index tensors of the live slots
+        while True:
+            free = [s for s in range(M) if sample_of[s] < 0]
+            if waiting and free:                      # admit the next samples: prefill them into free slots
+                take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
+                slots = free[: len(take)]
+                dec = self._decoder_for(M, max(P) + T - 1)      # the last drawn token is never fed
+                step = self.prefill_batch or len(take)
+                logits = []
+                for i in range(0, len(take), step):
+                    part = take[i: i + step]
+                    cache, lg = self._prefill([prompts[items[s][0]] for s in part], dec.max_len, routed, part, P)
+                    dec.cache.load(slots[i: i + step], cache, range(len(part)))
+                    logits.append(lg)
+                logits = torch.cat(logits)
+                ids = torch.tensor(take, device=dev)
+                tok, lp = sample_tokens(logits, u[ids, 0], params)
+                tokens[ids, 0], logps[ids, 0] = tok, lp
+                last[torch.tensor(slots, device=dev)] = tok
+                for s, slot, stop in zip(take, slots, stopped(tok)):
+                    if stop:
+                        lengths[s] = 1
+                    elif T > 1:
+                        sample_of[slot], drawn[slot] = s, 0
+                view = None
+                continue
+            live = [s for s in range(M) if sample_of[s] >= 0]
+            if not live:
+                break
+            b = dec.bucket(len(live))
+            if live[-1] >= b:                         # pack the live slots into the first b
+                src = [s for s in live if s >= b]
+                dst = [s for s in range(b) if sample_of[s] < 0][: len(src)]
+                dec.cache.move(src, dst)
+                last[torch.tensor(dst, device=dev)] = last[torch.tensor(src, device=dev)]
+                for s, d in zip(src, dst):
+                    sample_of[d], drawn[d], sample_of[s] = sample_of[s], drawn[s], -1
+                live, view = [s for s in range(M) if sample_of[s] >= 0], None
+            if view is None:
+                mask = torch.zeros(b, dtype=torch.bool)
+                mask[live] = True
+                view = (torch.tensor(live, device=dev), mask.to(dev),
+                        torch.tensor([sample_of[s] for s in live], device=dev),
+                        torch.tensor([drawn[s] for s in live], device=dev))
+            rows, mask, ids, t = view
+            logits, routes = dec.step(b, last[:b], mask)
+            self.positions_fed += len(live)
+            if routed is not None:                    # the fed token (index drawn) sits at position P + drawn
+                fed_ids.append([sample_of[s] for s in live])
+                fed_pos.append([P[sample_of[s]] + drawn[s] for s in live])
+                fed_routes.append(routes.index_select(0, rows))
+            t = t + 1
+            tok, lp = sample_tokens(logits.index_select(0, rows), u[ids, t], params)
+            tokens[ids, t], logps[ids, t] = tok, lp
+            last[rows] = tok
+            view = (rows, mask, ids, t)
+            for s, stop in zip(live, stopped(tok)):
+                drawn[s] += 1
+                if stop:
+                    lengths[sample_of[s]] = drawn[s] + 1
+                if stop or drawn[s] == T - 1:
+                    sample_of[s], view = -1, None
+        if fed_routes:                                # one device -> host copy for the whole call
+            learned = torch.tensor(learned_layers(c), dtype=torch.long)   # empty when every layer is hash-routed
+            rows = torch.tensor([i for step in fed_ids for i in step])
+            pos = torch.tensor([p for step in fed_pos for p in step])
+            routed[rows[:, None], pos[:, None], learned[None, :]] = torch.cat(fed_routes).cpu()
+
+        tokens, logps = tokens.cpu(), logps.cpu()
+        out = []
+        for pi, prompt in enumerate(prompts):
+            r = slice(pi * n, (pi + 1) * n)
+            out.append(samples_of(prompt, tokens[r], logps[r], lengths[r],
+                                     None if routed is None else routed[r], params))
+        return out
+
+    def _generate_lockstep(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
+        """The uncached path: one prompt's ``n`` samples in lockstep, every token from a forward without a cache
+        over the known prefix. With ``true_on_policy``, each new token comes from a forward over the whole
+        ``[n, P + max_new_tokens]`` batch (positions not drawn yet hold the first stop token; attention is
+        causal, so they do not reach the drawn positions), run with
+        :func:`kernels.reference.moe.row_invariant_experts` and the trainer's own log-prob op
+        (:func:`train.model.next_token_logprobs`). The trainer scores the same ``[n, P + max_new_tokens]``
+        shape the same way, on the same device, with the same weights in the same dtypes (the engine keeps the
+        training model's fp32 tensors), so each token's log-prob is the trainer's bit for bit: on a GPU too, since
+        every kernel of the forward (cuBLAS GEMMs included) computes a row from that row and the shape alone, and
+        equal shapes pick equal kernels."""
+        from kernels.reference.moe import row_invariant_experts
+
+        from .model import next_token_logprobs
+
+        on_policy = self.true_on_policy
+
+        def draw(ids, L, u):
+            rec = RoutingRecorder(*ids.shape) if self.record_routing else None
+            with routing_context(rec), (row_invariant_experts() if on_policy else contextlib.nullcontext()):
+                out = self.model(ids)
+            if on_policy:
+                tok, lp = sample_from_logprobs(next_token_logprobs(out, params.temperature)[:, L - 1], u, params)
+            else:
+                tok, lp = sample_tokens(out[:, L - 1], u, params)
+            return tok, lp, None if rec is None else rec.layers
+
+        T = params.max_new_tokens
+        samples, fed = lockstep_samples(prompt, params, seeds, self.config, self.model.embed.weight.device, draw,
+                                        (lambda L: len(prompt) + T) if on_policy else (lambda L: L),
+                                        self.record_routing)
+        self.positions_fed += fed
+        return samples
+
+
+def samples_of(prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
+               routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
+    """Rows of ``tokens``/``logps [n, T]`` (CPU) and ``routed [n, >=, layers, k]`` as Samples."""
+    out = []
+    P = len(prompt)
+    for i, R in enumerate(lengths):
+        resp = tokens[i, :R].tolist()
+        finish = "stop" if resp and resp[-1] in params.stop_token_ids else "length"
+        out.append(Sample(prompt, resp, logps[i, :R].clone(), finish,
+                          routed[i, :P + R - 1].clone() if routed is not None else None))
+    return out
+
+
+def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int], config, device, draw, width,
+                     record_routing: bool) -> Tuple[List[Sample], int]:
+    """One prompt's ``n = len(seeds)`` samples drawn in lockstep without a cache: for each new token,
+    ``draw(ids [n, W], L, u [n]) -> (tokens [n], their log-probs [n], {learned layer: idx [n, W, k]} or None)``
+    runs one forward over the first ``W = width(L)`` positions of ``ids [n, P + max_new_tokens]`` (the first
+    ``L`` known; the rest hold the first stop token) and samples position ``L - 1``. Returns the samples and the
+    positions fed."""
+    n, T, P = len(seeds), params.max_new_tokens, len(prompt)
+    u = sample_uniforms(seeds, T).to(device)
+    pad = params.stop_token_ids[0] if params.stop_token_ids else 0
+    ids = torch.full((n, P + T), pad, dtype=torch.long, device=device)
+    ids[:, :P] = torch.tensor(prompt, dtype=torch.long, device=device)
+    routed = empty_routing(P + T, config).unsqueeze(0).repeat(n, 1, 1, 1)
+    tokens = torch.zeros(n, T, dtype=torch.long)
+    lps = torch.zeros(n, T)
+    done = torch.zeros(n, dtype=torch.bool)
+    lengths = torch.full((n,), T, dtype=torch.long)
+    stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
+    fed = 0
+    for t in range(T):
+        L = P + t                             # tokens known; the next one is drawn from position L - 1
+        W = width(L)
+        tok, lp, layers = draw(ids[:, :W], L, u[:, t])
+        fed += n * W
+        if record_routing:
+            first = 0 if t == 0 else L - 1   # positions fed with their final token for the first time
+            for layer, idx in layers.items():
+                routed[:, first:L, layer] = idx[:, first:L].cpu()
+        tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
+        tokens[:, t] = tok
+        lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
+        if t + 1 < T:
+            ids[:, L] = tok.to(device)
+        newly = (~done) & torch.isin(tok, stops)
+        lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
+        done |= newly
+        if bool(done.all()):
+            break
+    return samples_of(prompt, tokens, lps, lengths.tolist(), routed if record_routing else None, params), fed
+
+
+class TrainModuleEngine(RolloutEngineBase):
+    """``true_on_policy`` for an implementation's training model (``train_impl`` miles or megatron): generates
+    from the trainer's OWN module (:class:`train.model.ImplTrainModel`), one prompt's ``n`` samples in lockstep
+    (:func:`lockstep_samples`), each token drawn from :meth:`~train.model.ImplTrainModel.next_token_logprobs`
+    over the whole ``[n, P + max_new_tokens]`` batch, the very forward and op with which the trainer then scores
+    that batch (:meth:`~train.model.ImplTrainModel.forward_train`; the module runs its experts row-invariant,
+    ``model.row_invariant``). Kernels, weights and reduction order are then shared by construction, not
+    reproduced by a second model.
+
+    No weight sync: the engine computes with the trainer's parameters themselves, so there is nothing to send
+    (sending them into themselves would be work with no effect), and the trainer skips the sync for it
+    (``reads_trainer_weights``; :meth:`train.trainer.Trainer.grpo_step`). ``generate`` requires the module in
+    eval mode (the trainer's rollout phase) and runs without autograd."""
+
+    name = "trainer-module"
+    reads_trainer_weights = True
+
+    def __init__(self, model):
+        if not getattr(model, "row_invariant", False):
+            raise ValueError("TrainModuleEngine needs the training model's row-invariant experts "
+                             "(model.row_invariant = True): the grouped experts make a token's output depend on "
+                             "the other tokens' routing")
+        if not hasattr(model, "next_token_logprobs"):
+            raise ValueError(f"the training model {type(model).__name__} has no next_token_logprobs to draw from")
+        self.model = model
+        self.version: Optional[int] = None
+        self.positions_fed = 0
+
+    def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
+                 first_prompt: int = 0) -> List[List[Sample]]:
+        if self.model.training:
+            raise RuntimeError("TrainModuleEngine.generate: the training module is in train mode (call .eval())")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if n < 1:
+            return [[] for _ in prompts]
+        def draw(ids, L, u):
+            logp, layers = self.model.next_token_logprobs(ids, params.temperature)
+            tok, lp = sample_from_logprobs(logp[:, L - 1], u, params)
+            return tok, lp, layers
+
+        out = []
+        for pi, prompt in enumerate(prompts):
+            seeds = [sample_seed(seed, first_prompt + pi, j) for j in range(n)]
+            with torch.no_grad():
+                samples, fed = lockstep_samples(prompt, params, seeds, self.model.config, self.model.device, draw,
+                                                lambda L: len(prompt) + params.max_new_tokens, True)
+            self.positions_fed += fed
+            out.append(samples)
+        return out
+
+    def _no_sync(self, *a, **k):
+        raise RuntimeError("TrainModuleEngine computes with the trainer's module: it takes no weight update")
+
+    begin_update = load_bucket = finish_update = _no_sync
+
+
+def _compile_backend(compile, kv_cache: bool) -> Optional[str]:
+    """The engine's ``compile`` option as a ``torch.compile`` backend name (None: eager)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        compile = "inductor"
+    if not isinstance(compile, str) or not compile:
+        raise ValueError(f"compile must be None, True, False or a torch.compile backend name, got {compile!r}")
+    if not kv_cache:
+        raise ValueError("compile applies to the cached decode step; the uncached engine (kv_cache=False) runs "
+                         "full forwards: drop compile or use kv_cache=True")
+    return compile
+
+
+def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
+    """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
+    ...). From the trainer's ``settings`` (its ``TrainConfig``) the engine takes ``rollout_max_slots``,
+    ``rollout_cuda_graphs`` and ``rollout_compile`` as ``max_slots``, ``cuda_graphs`` and ``compile`` (an option
+    given here wins); ``run_dir`` and ``publish_format`` are not used: the engine holds the weights it is sent,
+    in any published format, in memory."""
+    if settings is not None:
+        kwargs.setdefault("max_slots", getattr(settings, "rollout_max_slots", None))
+        kwargs.setdefault("cuda_graphs", getattr(settings, "rollout_cuda_graphs", None))
+        kwargs.setdefault("compile", getattr(settings, "rollout_compile", None))
+        if getattr(settings, "true_on_policy", False):
+            kwargs.setdefault("true_on_policy", True)
+            kwargs.setdefault("kv_cache", False)
+    return ReferenceEngine(config, **kwargs)

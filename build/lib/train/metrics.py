@@ -1,0 +1,123 @@
+"""Metrics: ``RUN_DIR/metrics.jsonl`` (one object per step), the run's trackers (:mod:`train.trackers`:
+TensorBoard events in ``RUN_DIR/tb`` by default, wandb, MLflow), console.
+
+Every line has at least :data:`REQUIRED_KEYS`. Values that do not apply to a mode are ``null`` (SFT has
+no reward or rollout). Time per phase is in seconds: ``time_rollout``, ``time_logprobs``, ``time_train``,
+``time_update_weights`` (and ``time_step``). GRPO rows also hold ``rollout_policy_lag`` (the step minus the
+weights version its samples came from: 1 with ``async_rollout`` but at a run's first step), ``time_rollout_wait``,
+``at_train_end`` and, with ``async_rollout``, ``at_next_rollout_issued`` (seconds from the step's start), and
+``zero_variance_group_frac``, the fraction of prompt groups whose rewards were all equal and so gave no gradient
+(``train.losses``). On
+resume, :func:`truncate_after` drops the lines of steps after the checkpoint (they are recomputed) and the
+TensorBoard writer purges events past that step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Dict, List
+
+from core.atomic import write_text_atomically
+
+from .trackers import DEFAULT as DEFAULT_TRACKERS, TB_DIR
+
+METRICS_FILE = "metrics.jsonl"
+REQUIRED_KEYS = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
+                 "tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights")
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
+               "weight_sync_seconds", "wall_time", "time_rollout_wait", "at_next_rollout_issued", "at_train_end")
+
+
+def read_metrics(run_dir) -> List[Dict]:
+    p = Path(run_dir) / METRICS_FILE
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line after a crash
+    return out
+
+
+def truncate_after(run_dir, step: int) -> None:
+    """Keep only the lines with ``step <= step`` (atomic rewrite)."""
+    p = Path(run_dir) / METRICS_FILE
+    if not p.exists():
+        return
+    keep = [r for r in read_metrics(run_dir) if int(r.get("step", 0)) <= step]
+    write_text_atomically(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else v
+    return v
+
+
+class MetricsLogger:
+    """Writes each step's row to ``metrics.jsonl`` (fsynced: the run's record) and then to the run's
+    trackers (:mod:`train.trackers`: TensorBoard by default; a tracker that fails mid-run is dropped with
+    one warning, the run and this file go on)."""
+
+    def __init__(self, run_dir, *, start_step: int = 0, trackers=DEFAULT_TRACKERS, config=None,
+                 run_name: str = ""):
+        from .trackers import open_trackers
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._trackers = open_trackers(trackers, self.run_dir, start_step=start_step, config=config or {},
+                                       run_name=run_name or self.run_dir.name)
+        self._f = open(self.path, "a")
+
+    def log(self, row: Dict) -> None:
+        from .trackers import log_all, scalars
+
+        missing = [k for k in REQUIRED_KEYS if k not in row]
+        if missing:
+            raise KeyError(f"metrics row lacks {missing}")
+        row = {k: _clean(v) for k, v in row.items()}
+        self._f.write(json.dumps(row, sort_keys=True) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        log_all(self._trackers, int(row["step"]), scalars(row))
+
+    def close(self) -> None:
+        from .trackers import close_all
+
+        self._f.close()
+        close_all(self._trackers)
+
+
+def summary_line(row: Dict, total_steps: int) -> str:
+    def f(k, fmt="{:.4g}"):
+        v = row.get(k)
+        return "-" if v is None else fmt.format(v)
+
+    zero_var = row.get("zero_variance_group_frac")
+    flat = ""
+    if zero_var is not None:
+        flat = f"zero-var groups {zero_var:.0%}  "
+        if zero_var >= 1.0:
+            flat += "(no learning signal: every group's rewards are equal)  "
+    return (f"step {row['step']}/{total_steps}  loss {f('loss')}  reward {f('reward_mean')}  {flat}"
+            f"|lp diff| {f('train_rollout_logprob_abs_diff', '{:.2e}')}  kl {f('train_rollout_kl', '{:.2e}')}  "
+            f"gnorm {f('grad_norm')}  tok/s {f('tokens_per_s', '{:.0f}')}  "
+            f"[rollout {f('time_rollout', '{:.2f}')}s logprobs {f('time_logprobs', '{:.2f}')}s "
+            f"train {f('time_train', '{:.2f}')}s sync {f('time_update_weights', '{:.2f}')}s]")
+
+
+def tensorboard_scalars(run_dir) -> Dict[str, List]:
+    """Read back the TensorBoard scalars (tag -> [(step, value)]) - for tests and tools."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / TB_DIR))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -1,0 +1,102 @@
+"""Keeps a started SGLang server from outliving the process that started it (train.sglang_engine, launch mode).
+
+Why: the engine starts the server in a session of its own, so that ``shutdown`` can signal the whole process
+group (SGLang's scheduler and detokenizer processes too). The same thing means that nothing stops the server
+when its owner dies without calling ``shutdown`` - a SIGKILLed Ray engine actor, an OOM-killed trainer: the
+server would keep its GPU and port until someone kills it by hand.
+
+So the engine does not start the server itself but this script, as the new session's leader::
+
+    python -I sglang_guard.py OWNER_PID PDEATHSIG -- SERVER COMMAND...
+
+It starts ``SERVER COMMAND`` (the exact :func:`train.sglang_engine.server_command`, same process group, same
+output) and stops the whole group - SIGTERM, then SIGKILL after :data:`GRACE_S` - as soon as:
+
+* its parent is no longer ``OWNER_PID`` (the owner died and the guard was re-parented), checked every
+  :data:`POLL_S`; this works on any POSIX system and whatever thread started the guard;
+* it receives SIGTERM, SIGINT or SIGHUP. With ``PDEATHSIG`` = 1 (Linux) the guard asks the kernel to send it
+  SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a dead owner is noticed at once. The kernel
+  sends that signal when the parent *thread* that forked the guard exits, not the parent process; the engine
+  asks for it only when it starts the guard from its main thread, which lives as long as its process.
+
+When the server exits on its own, the guard exits with the server's code (128 + N after signal N), so the
+engine's start-up check reports the server's exit; whatever the server left in the group is stopped by the
+engine's ``shutdown``, as before.
+
+It imports only the standard library and is run by its path with ``-I``: it needs neither the project on the
+path nor anything the server's environment (``PYTHONPATH``) brings, which it passes on unchanged.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+POLL_S = 0.2         # how often the guard checks that its owner is alive
+GRACE_S = 20.0       # SIGTERM to SIGKILL, when the guard stops the group
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _Stop(Exception):
+    """A stop signal: raised by the handler, so it ends the guard's sleep at once."""
+
+
+def _on_signal(signum, _frame) -> None:
+    raise _Stop(signum)
+
+
+def _ask_for_parent_death_signal() -> None:
+    """SIGTERM to this process when the thread that started it exits (Linux; elsewhere the polling is all)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        print(f"sglang_guard: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); watching the owner "
+              f"every {POLL_S} s only", file=sys.stderr, flush=True)
+
+
+def _stop_group(server: Optional[subprocess.Popen]) -> None:
+    """SIGTERM to the group (the server and its workers; this process ignores it from now on), SIGKILL after
+    ``GRACE_S`` or once the server has exited - which ends this process too. ``server`` is None when the stop
+    came while it was being started: the group holds whatever was started."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while server is not None and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(0, signal.SIGKILL)
+
+
+def main(argv) -> int:
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: sglang_guard.py OWNER_PID PDEATHSIG -- COMMAND...", file=sys.stderr)
+        return 2
+    owner, pdeathsig, cmd = int(argv[0]), argv[1] == "1", argv[3:]
+    server = None
+    try:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _on_signal)
+        if pdeathsig:
+            _ask_for_parent_death_signal()
+        if os.getppid() != owner:       # the owner died before the guard could watch it: start nothing
+            return 1
+        server = subprocess.Popen(cmd)
+        while os.getppid() == owner:
+            code = server.poll()
+            if code is not None:
+                return code if code >= 0 else 128 - code
+            time.sleep(POLL_S)
+    except _Stop:
+        pass
+    _stop_group(server)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
