@@ -96,7 +96,7 @@ def replace_readme_tables(text: str, combos, host) -> str:
 
 
 # ------------------------------------------------------------------ docs/cli.md's option reference
-CLI_BEGIN = "<!-- cli-reference:begin (generated from the click commands by `python -m launchers.generated docs/cli.md`) -->"
+CLI_BEGIN = "<!-- cli-reference:begin (generated from the click commands by `python -m launchers.cli_doc docs/cli.md`) -->"
 CLI_END = "<!-- cli-reference:end -->"
 
 
@@ -136,13 +136,3 @@ def cli_reference_markdown(group) -> str:
 def replace_cli_reference(text: str, group) -> str:
     return _replace_between(text, CLI_BEGIN, CLI_END, cli_reference_markdown(group))
 
-
-if __name__ == "__main__":  # python -m launchers.generated docs/cli.md
-    import sys
-
-    from core.atomic import write_text_atomically
-    from launchers.cli import main as _dsv4
-
-    _path = sys.argv[1]
-    with open(_path, encoding="utf-8") as _f:
-        write_text_atomically(_path, replace_cli_reference(_f.read(), _dsv4))

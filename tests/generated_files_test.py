@@ -36,7 +36,7 @@ def test_cli_doc_equals_the_help_of_every_command():
     doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     assert doc == generated.replace_cli_reference(doc, main), (
         "docs/cli.md's option reference differs from `dsv4 COMMAND --help`; run: "
-        "python -m launchers.generated docs/cli.md")
+        "python -m launchers.cli_doc docs/cli.md")
 
 
 def test_cli_doc_reference_holds_each_help_text():
