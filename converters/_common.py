@@ -44,8 +44,10 @@ class Layout:
         if not self.path.is_dir():
             raise CheckpointError("checkpoint folder does not exist", file=str(self.path))
         cfg = self.path / CONFIG_FILE
+        from core.bounded_io import load_json
+
         try:
-            self.config_dict = json.loads(cfg.read_text())
+            self.config_dict = load_json(cfg, what="config file")
         except FileNotFoundError:
             raise CheckpointError("config.json not found", file=str(cfg)) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -53,7 +55,7 @@ class Layout:
         idx = self.path / INDEX_FILE
         if idx.exists():
             try:
-                wm = json.loads(idx.read_text())["weight_map"]
+                wm = load_json(idx, what="checkpoint index")["weight_map"]
             except (KeyError, TypeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"malformed index: {e!r}", file=str(idx)) from e
             self.weight_map: Dict[str, str] = dict(wm)

@@ -143,6 +143,7 @@ def convert_fp8_to_bf16(in_dir, out_dir, *, device=None, validate: bool = True, 
               "config_sha256": file_digest(in_path / CONFIG_FILE)}
     res = run_stage(out_dir, lambda tmp: convert_into(in_path, tmp, device=device, validate=validate,
                                                       progress_bar=progress_bar),
-                    name=STAGE_NAME, inputs=inputs, required_bytes=estimate_output_bytes(layout),
+                    name=STAGE_NAME, input_paths=[in_path], inputs=inputs,
+                    required_bytes=estimate_output_bytes(layout),
                     lock_dir=lock_dir, overwrite=overwrite, verbose=verbose)
     return res.path

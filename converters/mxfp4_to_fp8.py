@@ -308,6 +308,7 @@ def convert_mxfp4_to_fp8(in_dir, out_dir, *, device=None, scale_format: str = "u
     res = run_stage(out_dir, lambda tmp: convert_into(in_path, tmp, device=device, scale_format=scale_format,
                                                       on_inexact=on_inexact, validate=validate,
                                                       progress_bar=progress_bar),
-                    name=STAGE_NAME, inputs=inputs, required_bytes=estimate_output_bytes(layout),
+                    name=STAGE_NAME, input_paths=[in_path], inputs=inputs,
+                    required_bytes=estimate_output_bytes(layout),
                     lock_dir=lock_dir, overwrite=overwrite, verbose=verbose)
     return res.path

@@ -38,7 +38,10 @@ run rebuilds.
 An existing ``dest_dir`` with a sentinel of different inputs raises
 :class:`StageConflict` unless ``overwrite=True``. One without a sentinel (not
 made by a completed stage: possibly the user's own data) always raises, with
-``overwrite=True`` too: ``--overwrite`` replaces only what dsv4 wrote. An
+``overwrite=True`` too: ``--overwrite`` replaces only what dsv4 wrote. The
+sentinel lists the files the stage wrote (``"files"``), and a folder holding
+any other file is refused too (:mod:`core.overwrite`). A destination that is,
+contains or sits inside an input (``input_paths``) is refused before anything. An
 empty folder counts as free. Concurrent writers with ``overwrite=True``
 build once: a result completed after a writer started counts as done for it
 (``StageResult.built`` False, so exactly one process reports "wrote").
@@ -56,14 +59,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from filelock import FileLock, Timeout
 
 from core.atomic import fsync_dir
 from core.errors import UserInputError
+from core.overwrite import SENTINEL, manifest, refuse_foreign
 
-SENTINEL = ".dsv4-complete.json"
 LOCK_DIR_ENV = "DSV4_LOCK_DIR"
 DEFAULT_LOCK_DIR_NAME = ".dsv4-locks"
 
@@ -218,7 +221,7 @@ def check_disk_space(path, required_bytes: Optional[int]) -> None:
         raise InsufficientDiskSpace(p, required_bytes, free)
 
 
-def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
+def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str, input_paths: Iterable,
               inputs: Optional[Mapping[str, Any]] = None, required_bytes: Optional[int] = None,
               lock_dir=None, lock_timeout: Optional[float] = None, overwrite: bool = False,
               verbose: bool = True) -> StageResult:
@@ -226,11 +229,16 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
 
     ``build_fn`` receives an empty directory on the destination's file system
     and fills it; its return value is ignored, an exception aborts the stage
-    (temp dir removed, destination untouched). ``inputs`` (JSON-able) is stored
+    (temp dir removed, destination untouched). ``input_paths``: every file or folder the stage reads (no
+    default, so that no stage forgets it): a destination that is, contains or sits inside one of them is
+    refused first (:func:`core.path_safety.refuse_overlap`). ``inputs`` (JSON-able) is stored
     in the sentinel and must match on reruns. ``required_bytes``: free space
     checked before building. ``lock_timeout``: seconds to wait for another
     process (None: forever). Returns a :class:`StageResult`.
     """
+    from core.path_safety import refuse_overlap
+
+    refuse_overlap(dest_dir, input_paths)
     dest = normalize_dest(dest_dir)
     want = _canon(inputs)
     started = time.time()
@@ -262,6 +270,8 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
             return StageResult(dest, False, s)
         if s is None and dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()):
             dest.rmdir()  # an empty folder (made by the user, or by a failed start) is free to use
+        if overwrite and s is not None and dest.is_dir():
+            refuse_foreign(dest, s, stage=name)     # the user's own files in dsv4's output: never deleted
         if overwrite and s is None and dest.exists():
             raise StageConflict(f"{name}: {dest} was not written by dsv4 (no {SENTINEL}); refusing to replace "
                                 f"it even with --overwrite, which only replaces dsv4's own outputs. Fix: choose "
@@ -295,7 +305,7 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str,
             _maybe_pause("before-sentinel")
             sentinel = {"complete": True, "stage": name, "inputs": want, "created_unix": time.time(),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 3),
-                        "host": socket.gethostname(), "pid": os.getpid()}
+                        "host": socket.gethostname(), "pid": os.getpid(), "files": manifest(tmp)}
             (tmp / SENTINEL).write_text(json.dumps(sentinel, indent=2, sort_keys=True) + "\n")
             _fsync_tree(tmp)
             _maybe_pause("before-rename")

@@ -52,12 +52,23 @@ def upstream_key(native_name: str):
 
 
 def is_torch_dist_checkpoint(path) -> bool:
+    """Whether ``path`` is a megatron-core dist checkpoint of the torch_dist backend. One of another backend
+    (``"sharded_backend": "zarr"``, megatron-core's older format) is refused here by name, rather than read as
+    an HF folder and reported as missing its config.json."""
+    from core.bounded_io import load_json
+
     p = Path(path)
     try:
-        meta = json.loads((p / "metadata.json").read_text())
-    except (OSError, ValueError):
+        meta = load_json(p / "metadata.json", what="megatron-core checkpoint metadata")
+    except (OSError, ValueError, UserInputError):
         return False
-    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" and (p / ".metadata").is_file()
+    backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
+    if isinstance(backend, str) and backend != "torch_dist":
+        raise TorchDistError(f"{p}: a megatron-core dist checkpoint of the sharded_backend {backend[:40]!r} "
+                             f"(metadata.json); dsv4 reads only 'torch_dist' ones. Fix: re-save it with "
+                             f"megatron-core's torch_dist backend, or convert its HF checkpoint with "
+                             f"dsv4 convert --format torch_dist")
+    return backend == "torch_dist" and (p / ".metadata").is_file()
 
 
 @contextlib.contextmanager

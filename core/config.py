@@ -280,9 +280,10 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path) -> "ModelConfig":
+        from core.bounded_io import load_json
+
         try:
-            with open(path) as f:
-                d = json.load(f)
+            d = load_json(path, what="config file")
         except json.JSONDecodeError as e:
             raise ConfigError(f"malformed JSON in {path}: {e}") from e
         except OSError as e:

@@ -389,6 +389,7 @@ def load_native(path, *, impl: Optional[str] = None, config=None, device: str = 
 
     check_finite(state.items(), where=str(p),
                  fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
+    _check_routing(state.items(), p, _cfg)
     meta = dict(meta)
     meta["loaded_by"] = impl
     return state, meta
@@ -442,7 +443,18 @@ def load_native_pieces(path, wanted, *, impl: Optional[str] = None, config=None)
 
     check_finite(((f"{n}@{off}", t) for n, pieces in wanted.items() for off, t in pieces), where=str(p),
                  fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
+    _check_routing(((n, t) for n, pieces in wanted.items() for _off, t in pieces), p, _cfg)
     return dict(meta, loaded_by=impl)
+
+
+def _check_routing(named, p: Path, config) -> None:
+    """The hash layers' routing tables read (whole or in row slices) name existing experts, none twice in a row
+    (core.routing_table)."""
+    from core.routing_table import check_tid2eid, is_tid2eid
+
+    for name, t in named:
+        if is_tid2eid(name) and isinstance(t, torch.Tensor):
+            check_tid2eid(name, t, config.n_routed_experts, where=p)
 
 
 def read_tensor_pieces(path, wanted) -> None:

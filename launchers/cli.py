@@ -411,7 +411,7 @@ def training_options(func):
     --config (launchers.config_file)."""
     for decl, kwargs in reversed((
         ("--mode", dict(type=click.Choice(["sft", "grpo"]), default="grpo", show_default=True, help="SFT on responses, or GRPO with a verifiable reward.")),
-        ("--steps", dict(type=click.IntRange(min=1), default=8, show_default=True, help="Total optimizer steps (a resumed run counts the steps already done).")),
+        ("--steps", dict(type=click.IntRange(min=1, max=10 ** 9), default=8, show_default=True, help="Total optimizer steps (a resumed run counts the steps already done).")),
         ("--run-dir", dict(type=click.Path(file_okay=False), default=None, help="Run folder (metrics.jsonl, train.log, TensorBoard events, checkpoints, plots). Default: dsv4-runs/IMPL-MODE-TIME.")),
         ("--resume", dict(is_flag=True, help="Continue the run in --run-dir from its last complete step.")),
         ("--data", dict(type=click.Path(dir_okay=False), default=None, help="JSONL data (prompt + response, or prompt + reward spec). Default: the built-in task.")),
@@ -578,6 +578,13 @@ def _prepared_training(opts: dict, kw: dict):
     ``--print-config`` printed them."""
     t = _training(opts, kw)
     world = t.trainer_num_gpus if t.opts.get("orchestrator") == "ray" else _train_world(t.nproc_per_node)
+    if t.nproc_per_node is not None and t.opts.get("orchestrator") != "ray":
+        from train.dist_env import DistEnvError, check_local_ranks
+
+        try:
+            check_local_ranks(t.nproc_per_node, gpu=t.opts.get("hardware") not in (None, "cpu"))
+        except DistEnvError as exc:
+            _fail(str(exc), EXIT_INVALID)
     host, run = resolve(t.opts, job="train", world=world)
     if t.print_config:
         _print_config(run, t)

@@ -315,21 +315,31 @@ def read_file(path) -> Dict[str, Any]:
     """The raw settings of a TOML or JSON file (sections flattened)."""
     path = Path(path)
     where = str(path)
+    from core.bounded_io import (MAX_JSON_DEPTH, SMALL_JSON_LIMIT, BoundedReadError, json_depth, loads_bounded,
+                                 read_text)
+
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, limit=SMALL_JSON_LIMIT, what="--config")
+    except BoundedReadError as exc:
+        raise ConfigFileError(str(exc)) from None
     except FileNotFoundError:
         raise ConfigFileError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigFileError(f"--config {path}: cannot read it ({exc})") from None
     suffix = path.suffix.lower()
     if suffix == ".toml":
+        if json_depth(text.encode("utf-8")) > MAX_JSON_DEPTH:     # arrays and inline tables nest alike
+            raise ConfigFileError(f"--config {path} nests more than {MAX_JSON_DEPTH} levels deep; a settings file "
+                                  f"is a flat table of keys. Fix: check the path")
         try:
             return _flatten(tomllib.loads(text), where)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigFileError(f"{path}: not valid TOML ({exc})") from None
     if suffix == ".json":
         try:
-            data = json.loads(text)
+            data = loads_bounded(text.encode("utf-8"), source=path, what="--config")
+        except BoundedReadError as exc:
+            raise ConfigFileError(str(exc)) from None
         except json.JSONDecodeError as exc:
             raise ConfigFileError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 __all__ = ["debug_enabled", "set_debug", "one_line"]
 
@@ -34,7 +35,13 @@ _OS_FIX = {
     errno.ENOENT: "check the path",
     errno.ENOTDIR: "check the path: a part of it is a file, not a folder",
     errno.EISDIR: "check the path: it is a folder, a file was expected",
+    errno.ENAMETOOLONG: "a name in the path is longer than the file system allows (255 bytes a name); choose a "
+                        "shorter one",
+    errno.EFBIG: "the file is larger than the file system allows; write elsewhere",
+    errno.EIO: "the device reported an I/O error; check the disk, or write elsewhere",
 }
+# Rust libraries (safetensors, tokenizers) report an OS error as text: "... (os error 28)"
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)|No space left on device|File name too long")
 
 
 def set_debug(on: bool) -> None:
@@ -58,12 +65,19 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _os_error(exc: BaseException):
-    """The OSError at the root of ``exc`` (DCP and others wrap them), if it is one a user can fix."""
+    """The OSError at the root of ``exc`` (DCP and others wrap them), if it is one a user can fix; an error of
+    a Rust library that names one only in its text (``(os error 28)``) counts as that OSError."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in _OS_FIX:
             return exc
+        m = _OS_ERROR_TEXT.search(str(exc))
+        if m:
+            code = (int(m.group(1)) if m.group(1) else
+                    errno.ENOSPC if "No space" in m.group(0) else errno.ENAMETOOLONG)
+            if code in _OS_FIX:
+                return OSError(code, os.strerror(code))
         exc = exc.__cause__ or exc.__context__
     return None
 

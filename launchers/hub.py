@@ -179,7 +179,7 @@ def prepare_from_hub(repo: str, out: Path, *, revision: Optional[str] = None, en
     out = normalize_dest(out)
     download = _download_dir(out)
     try:
-        result = run_stage(out, lambda tmp: _build(repo, revision, endpoint, download, tmp), name="prepare",
+        result = run_stage(out, lambda tmp: _build(repo, revision, endpoint, download, tmp), name="prepare", input_paths=(),
                            inputs={"hf_repo": repo, "revision": revision}, overwrite=overwrite, verbose=False)
     except StageConflict as exc:
         raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc

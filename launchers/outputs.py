@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
 from core.errors import UserInputError
-from core.path_safety import refuse_overlap
 
 __all__ = ["staged_output", "native_bytes"]
 
@@ -29,9 +28,9 @@ def staged_output(out: Path, build: Callable[[Path], object], *, name: str, inpu
     """Build ``out`` with ``build(tmp)`` as a stage; True when this call wrote it, False when it was already there."""
     from converters.staging import StageConflict, run_stage
 
-    refuse_overlap(out, input_paths)
     try:
-        result = run_stage(out, build, name=name, inputs=dict(inputs), required_bytes=required_bytes,
+        result = run_stage(out, build, name=name, input_paths=input_paths, inputs=dict(inputs),
+                           required_bytes=required_bytes,
                            overwrite=overwrite, verbose=False)
     except StageConflict as exc:
         msg = str(exc)

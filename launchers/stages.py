@@ -191,6 +191,7 @@ def prepare(preset: str, out: Path, dtype: str, seed: int, overwrite: bool = Fal
             out,
             lambda tmp: prepare_checkpoint(tmp, config, dtype=dtype, seed=seed, overwrite=True),
             name="prepare",
+            input_paths=(),                     # a preset: no input files
             inputs=inputs,
             required_bytes=total_bytes(official_tensor_specs(config, dtype)),
             overwrite=overwrite,
@@ -218,9 +219,7 @@ def prepare_hub(repo: str, out: Optional[Path], *, revision: Optional[str], endp
 def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
     """MXFP4 routed experts -> FP8 128x128 blocks, losslessly, as a safe stage."""
     from converters.mxfp4_to_fp8 import convert_mxfp4_to_fp8
-    from core.path_safety import refuse_overlap
 
-    refuse_overlap(out, [in_dir])
     return convert_mxfp4_to_fp8(in_dir, out, overwrite=overwrite)
 
 
@@ -282,9 +281,10 @@ def print_memory(m) -> None:
 
 
 def _load_tokens(path: Path, vocab_size: int) -> list[list[int]]:
+    from core.bounded_io import JSON_LIMIT, load_json
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = load_json(path, what="token file", limit=JSON_LIMIT)
     except (OSError, json.JSONDecodeError) as exc:
         raise UserInputError(f"cannot read token file {path}: {exc}") from exc
     if not isinstance(data, list) or not all(
@@ -345,7 +345,11 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     from core.finite import finite_json
     from core.kernel_ops import kernels_ran, reset_kernels_ran
 
+    from core.sequence_limits import check_sequences
+
     sequences = _load_tokens(tokens, run.model.vocab_size)
+    check_sequences([len(s) for s in sequences], run.model, source=f"token file {tokens}",
+                    device="cuda" if run.selection.hardware.gpu else "cpu")   # before the model is built
     reset_kernels_ran()
     if run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed
@@ -475,7 +479,7 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
 
     # one folder per contract version: a checkpoint converted under older names is never picked up again
     native = hf.parent / f"{hf.name}-native-v{CONTRACT_VERSION}-{run.impl}"
-    run_stage(native, lambda tmp: convert_into(run, hf, tmp), name="convert",
+    run_stage(native, lambda tmp: convert_into(run, hf, tmp), name="convert", input_paths=[hf],
               inputs={"hf": str(hf), "impl": run.impl, "contract_version": CONTRACT_VERSION}, verbose=False)
     return train(run, native, mode=mode, steps=steps, run_dir=run_dir, resume=resume, **overrides)
 

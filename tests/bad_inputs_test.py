@@ -221,6 +221,512 @@ def test_a_failed_start_does_not_block_a_plain_rerun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+
+# ======================================================= issue 35: nothing lost, nothing hangs
+# Each row of the issue's probe table: no input lost, no hang (every case under 30 s), no "unexpected" line,
+# peak memory under 2 GB for every bad-file case.
+FAST = 30          # seconds: a bad input is refused before any real work
+
+
+def refused(proc, *words, code=1):
+    """The one ``error:`` line of a refusal that names ``words``, never an "unexpected" one."""
+    line = one_line_error(proc, code)
+    assert "unexpected" not in line, line
+    for w in words:
+        assert w in line, (w, line)
+    return line
+
+
+def tree(folder):
+    """Every file under ``folder`` with its bytes: what must survive a refused command unchanged."""
+    from pathlib import Path
+
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+_MEASURED = ("import atexit, resource, runpy, sys\n"
+             "atexit.register(lambda: sys.stderr.write('maxrss_kib %d\\n' % "
+             "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
+             "sys.argv[0] = 'dsv4'\n"
+             "runpy.run_module('launchers.cli', run_name='__main__', alter_sys=True)\n")
+
+
+def dsv4_bounded(*args, env=None):
+    """``dsv4 ARGS`` that must end within :data:`FAST` seconds with a peak RSS under 2 GB (a bad-file case)."""
+    from tests.cli_process import run_code
+
+    proc = run_code(_MEASURED, [str(a) for a in args], env={**os.environ, **(env or {})}, timeout=FAST)
+    rss = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("maxrss_kib ")]
+    assert rss and rss[-1] < 2 * 2**20, (rss, proc.stderr[-2000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "fp8"
+    proc = dsv4("prepare", "--preset", "tiny", "--weight-format", "fp8", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A real run: two SFT steps, a checkpoint after each (step_000001, step_000002), metrics."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    proc = dsv4("-q", "train", "--mode", "sft", "--steps", "2", "--save-every", "1", "--run-dir", str(run),
+                "export_at_end=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+def copy_run(trained_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, symlinks=True)
+    return run
+
+
+def resume(run, steps=2, **env):
+    return dsv4("train", "--mode", "sft", "--steps", str(steps), "--save-every", "1", "--run-dir", str(run),
+                "--resume", "export_at_end=false", env=env, timeout=FAST)
+
+
+# -- row 1: dequantize onto / inside its input
+@pytest.mark.parametrize("where", ["same", "inside"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_dequantize_onto_or_inside_its_input_is_refused(fp8, where, overwrite):
+    before = tree(fp8)
+    out = fp8 if where == "same" else fp8 / "sub"
+    res = dsv4_here("dequantize", "--in", str(fp8), "--out", str(out), *(["--overwrite"] if overwrite else []))
+    assert res.exit_code == 1 and "error: --out" in res.output and "the input" in res.output, res.output
+    assert "--overwrite" not in res.output.split("Fix:")[0]         # the refusal never suggests it
+    assert tree(fp8) == before
+
+
+def test_every_staged_command_checks_its_output_against_its_inputs():
+    """The one shared check: run_stage has no default for its inputs, so a new stage cannot leave them out."""
+    import inspect
+
+    from converters.staging import run_stage
+
+    param = inspect.signature(run_stage).parameters["input_paths"]
+    assert param.default is inspect.Parameter.empty and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+# -- row 2: --overwrite onto an earlier output that now also holds the user's files
+def test_overwrite_keeps_an_output_that_holds_the_users_files(tiny, tmp_path):
+    out = tmp_path / "native"
+    assert dsv4_here("convert", "--hf", str(tiny), "--out", str(out)).exit_code == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}")
+    before = tree(out)
+    res = dsv4_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
+    assert res.exit_code == 1, res.output
+    assert "notes.txt" in res.output and "eval/scores.json" in res.output and "unexpected" not in res.output
+    assert tree(out) == before
+    (out / "notes.txt").unlink()            # only dsv4's files again: replaced
+    import shutil
+
+    shutil.rmtree(out / "eval")
+    res = dsv4_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
+    assert res.exit_code == 0 and "wrote" in res.output, res.output
+
+
+def test_overwrite_refuses_a_sentinel_that_lists_no_files(tiny, tmp_path):
+    import json
+
+    from core.overwrite import SENTINEL
+
+    out = tmp_path / "native"
+    assert dsv4_here("convert", "--hf", str(tiny), "--out", str(out)).exit_code == 0
+    s = json.loads((out / SENTINEL).read_text())
+    del s["files"]                          # as an earlier version wrote it
+    (out / SENTINEL).write_text(json.dumps(s))
+    res = dsv4_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
+    assert res.exit_code == 1 and "did not record its files" in res.output, res.output
+
+
+# -- rows 3, 4, 6 and the step counter: --resume never restarts silently
+def test_resume_refuses_a_latest_pointer_outside_the_run(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    ck = run / "checkpoints"
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(ck / "step_000002", other / "step_000009")
+    (ck / "step_000009").symlink_to(other / "step_000009")
+    (ck / "latest").write_text("step_000009\n")
+    before = tree(run)
+    refused(resume(run, steps=12), str(ck / "latest"), "outside", "Fix:")
+    assert tree(run) == before and (ck / "step_000001").is_dir()
+    (ck / "latest").write_text("../../other/step_000009\n")
+    before = tree(run)
+    refused(resume(run, steps=12), "not a step_NNNNNN folder", "Fix:")
+    assert tree(run) == before
+
+
+def test_resume_with_every_state_emptied_does_not_start_over(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    for st in run.glob("checkpoints/step_*/state.json"):
+        st.write_text("")
+    before = tree(run)
+    refused(resume(run, steps=3), "state.json", "Fix:")
+    assert tree(run) == before                  # checkpoints kept, metrics.jsonl not rewritten
+
+
+@pytest.mark.parametrize("content", ['{"hello": "world"}', "[1, 2]", '{"step": "two", "complete": true}',
+                                     '{"step": 7, "complete": true}'])
+def test_resume_with_a_foreign_state_json_names_it(trained_run, tmp_path, content):
+    run = copy_run(trained_run, tmp_path)
+    (run / "checkpoints" / "step_000002" / "state.json").write_text(content)
+    refused(resume(run, steps=3), "step_000002/state.json", "Fix:")
+
+
+def test_resume_of_a_missing_folder_or_a_folder_that_is_not_a_run(tmp_path):
+    missing = tmp_path / "nope"
+    refused(resume(missing), "does not exist", "Fix:")
+    assert not missing.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    refused(resume(mine), "not a dsv4 run folder", "Fix:")
+    assert tree(mine) == {"thesis.tex": b"precious"} and sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]
+
+
+def test_a_step_counter_past_steps_is_an_error(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    ck = run / "checkpoints"
+    (ck / "step_000002").rename(ck / "step_000999")
+    (ck / "step_000999" / "state.json").write_text('{"step": 999, "complete": true}')
+    (ck / "latest").write_text("step_000999\n")
+    refused(resume(run, steps=5), "step 999", "past --steps 5", "Fix:")
+
+
+def test_absurd_steps_are_refused_at_parse_time(tmp_path):
+    proc = dsv4("train", "--steps", "99999999999999999999999", "--run-dir", str(tmp_path / "r"), timeout=FAST)
+    assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_pruning_removes_only_real_step_folders_of_the_run(tmp_path):
+    from train.checkpointing import _prune
+
+    root = tmp_path / "run" / "checkpoints"
+    outside = tmp_path / "elsewhere" / "step_000001"
+    outside.mkdir(parents=True)
+    (outside / "keep.bin").write_text("x")
+    (root).mkdir(parents=True)
+    (root / "step_000001").symlink_to(outside)
+    for s in (2, 3, 4):
+        (root / f"step_{s:06d}").mkdir()
+        (root / f"step_{s:06d}" / "state.json").write_text(f'{{"step": {s}, "complete": true}}')
+    _prune(root, keep_last=1, keep="step_000005")          # the new one is not in place: nothing goes
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002", "step_000003", "step_000004"]
+    _prune(root, keep_last=1, keep="step_000004")
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000004"]
+    assert (outside / "keep.bin").exists()
+
+
+# -- row 5: one writer per run folder
+_HOLD = ("import sys, time\nfrom train.run_lock import hold_run_lock\nhold_run_lock(sys.argv[1])\n"
+         "print('held', flush=True)\ntime.sleep(600)\n")
+
+
+@pytest.fixture
+def lock_holder():
+    procs = []
+
+    def hold(run):
+        p = subprocess.Popen([sys.executable, "-c", _HOLD, str(run)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert p.stdout.readline().strip() == "held"
+        procs.append(p)
+        return p
+
+    yield hold
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(trained_run, tmp_path, lock_holder):
+    run = copy_run(trained_run, tmp_path)
+    holder = lock_holder(run)
+    before = tree(run)
+    line = refused(resume(run, steps=3), f"process {holder.pid}", "in use", "Fix:")
+    assert "host" in line
+    fresh = tmp_path / "fresh"
+    holder2 = lock_holder(fresh)
+    refused(dsv4("train", "--mode", "sft", "--steps", "1", "--run-dir", str(fresh), timeout=FAST),
+            f"process {holder2.pid}")
+    assert fresh.is_dir()                        # the holder's folder is not removed by the refused start
+    holder.kill()
+    holder.wait()
+    before.pop(".dsv4-run.lock", None)
+    after = tree(run)
+    after.pop(".dsv4-run.lock", None)
+    assert after == before
+
+
+def test_the_run_lock_dies_with_its_holder(tmp_path, lock_holder):
+    from train.run_lock import RunFolderBusy, hold_run_lock, read_holder, release_run_lock
+
+    run = tmp_path / "run"
+    holder = lock_holder(run)
+    assert read_holder(run)["pid"] == holder.pid
+    with pytest.raises(RunFolderBusy, match=f"process {holder.pid}"):
+        hold_run_lock(run)
+    holder.kill()                                # kill -9: the kernel drops the lock
+    holder.wait()
+    hold_run_lock(run)
+    assert read_holder(run)["pid"] == os.getpid()
+    release_run_lock(run)
+
+
+# -- rows 7, 8 and the last row: files that are not regular files, read bounded
+def _ck_with(tiny, tmp_path, name, make):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny, ck)
+    (ck / name).unlink()
+    make(ck / name)
+    return ck
+
+
+def _zero(p):
+    p.symlink_to("/dev/zero")
+
+
+def _fifo(p):
+    os.mkfifo(p)
+
+
+def _tokens(tmp_path):
+    t = tmp_path / "t.json"
+    t.write_text("[[0, 5, 6]]")
+    return t
+
+
+@pytest.mark.parametrize("make, kind", [(_zero, "character device"), (_fifo, "FIFO")])
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json",
+                                  "model-00001-of-00001.safetensors"])
+def test_checkpoint_files_that_are_devices_or_fifos(tiny, tmp_path, name, make, kind):
+    ck = _ck_with(tiny, tmp_path, name, make)
+    refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), name, kind, "Fix:")
+
+
+@pytest.mark.parametrize("make, kind", [(_zero, "character device"), (_fifo, "FIFO")])
+def test_tokens_config_and_data_that_are_devices_or_fifos(tiny, tmp_path, make, kind):
+    bad = tmp_path / "bad.json"
+    make(bad)
+    refused(dsv4_bounded("logprobs", "--checkpoint", tiny, "--tokens", bad), str(bad), kind)
+    refused(dsv4_bounded("train", "--config", bad, "--run-dir", tmp_path / "r"), str(bad), kind, code=2)
+    refused(dsv4_bounded("train", "--mode", "sft", "--data", bad, "--steps", "1", "--run-dir", tmp_path / "r"),
+            str(bad), kind)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_huge_token_file_is_refused_by_its_size(tiny, tmp_path, monkeypatch):
+    import core.bounded_io as bio
+
+    big = tmp_path / "big.json"
+    big.write_text("[[" + "1, " * 2000 + "1]]")
+    monkeypatch.setattr(bio, "JSON_LIMIT", 1000)
+    res = dsv4_here("logprobs", "--checkpoint", str(tiny), "--tokens", str(big))
+    assert res.exit_code == 1 and "over the limit of 1,000 bytes" in res.output, res.output
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_deeply_nested_json_is_one_line(tiny, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text(DEEP)
+    refused(dsv4_bounded("logprobs", "--checkpoint", tiny, "--tokens", deep), "100000 levels deep")
+    refused(dsv4_bounded("train", "--config", deep, "--run-dir", tmp_path / "r"), "levels deep", code=2)
+    ck = _ck_with(tiny, tmp_path, "config.json", lambda p: p.write_text('{"a": ' + DEEP + "}"))
+    refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), "levels deep")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": ' + DEEP + "}\n")
+    refused(dsv4_bounded("train", "--mode", "sft", "--data", data, "--steps", "1", "--run-dir", tmp_path / "r"),
+            f"{data}:1", "levels deep")
+
+
+def test_a_torch_dist_checkpoint_of_another_backend_is_named(tmp_path):
+    ck = tmp_path / "zarr"
+    ck.mkdir()
+    (ck / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+    refused(dsv4("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path), timeout=FAST), "zarr",
+            "torch_dist", "Fix:")
+
+
+# -- row 9: sequences longer than the model takes
+def test_a_sequence_past_the_models_maximum_is_refused_before_allocation(tiny, tmp_path):
+    long = tmp_path / "long.json"
+    long.write_text("[[1, 2], [" + "5, " * 1_048_576 + "5]]")          # tiny: max_position_embeddings 2^20
+    refused(dsv4_bounded("logprobs", "--checkpoint", tiny, "--tokens", long), "sequence 1", "1,048,577 tokens",
+            "maximum", "Fix:")
+
+
+def test_a_sequence_past_the_memory_at_hand_is_refused(tiny, tmp_path, monkeypatch):
+    import core.sequence_limits as sl
+
+    monkeypatch.setattr(sl, "available_bytes", lambda device="cpu": 2**30)
+    t = tmp_path / "t.json"
+    t.write_text("[[" + "5, " * 200_000 + "5]]")       # 200k tokens x 1024-word vocabulary: > 1 GiB of logits
+    res = dsv4_here("logprobs", "--checkpoint", str(tiny), "--tokens", str(t))
+    assert res.exit_code == 1 and "GiB free on cpu" in res.output and "unexpected" not in res.output, res.output
+
+
+def test_sft_and_grpo_data_past_the_models_maximum_is_refused(tmp_path):
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": "' + "x" * 1_100_000 + '"}\n')
+    refused(dsv4("train", "--mode", "sft", "--data", data, "--steps", "1", "batch_size=1",
+                 "--run-dir", tmp_path / "r", timeout=FAST), "SFT data", "sequence 1", "maximum")
+    assert not (tmp_path / "r").exists()
+    data.write_text('{"prompt": "a", "reward": {"type": "exact_match", "answer": "1"}}\n')
+    refused(dsv4("train", "--mode", "grpo", "--data", data, "--steps", "1", "max_new_tokens=1048576",
+                 "--run-dir", tmp_path / "r", timeout=FAST), "GRPO data", "sequence 0", "maximum")
+    assert not (tmp_path / "r").exists()
+
+
+# -- row 10: distributed start-up
+def _rank_env(**kw):
+    from core.ports import free_port
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+@pytest.mark.parametrize("env, words", [
+    (dict(RANK=5), ("RANK=5", "outside the world", "Fix:")),
+    (dict(LOCAL_RANK=3, LOCAL_WORLD_SIZE=2), ("LOCAL_RANK=3",)),
+    (dict(RANK="one"), ("RANK='one'", "not an integer")),
+])
+def test_an_inconsistent_launcher_environment_is_refused(tmp_path, env, words):
+    refused(dsv4("train", "--steps", "1", "--run-dir", tmp_path / "r", env=_rank_env(**env), timeout=FAST), *words)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_partial_launcher_environment_is_refused_not_ignored(tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    proc = dsv4("train", "--steps", "1", "--run-dir", tmp_path / "r", timeout=FAST,
+                env={**env, "MASTER_ADDR": "", "LOCAL_RANK": ""})
+    refused(proc, "partial")
+    from train.dist_env import DistEnvError, launcher_env
+
+    with pytest.raises(DistEnvError, match="no LOCAL_RANK, MASTER_ADDR, MASTER_PORT"):
+        launcher_env(env)
+    assert launcher_env({"MASTER_ADDR": "x", "MASTER_PORT": "1"}) is None      # exported for other tools
+
+
+def test_a_world_of_two_with_one_rank_started_names_the_missing_rank(tmp_path):
+    proc = dsv4("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r", "rendezvous_timeout_s=3",
+                env=_rank_env(), timeout=FAST + 30)
+    refused(proc, "waited 3 s", "ranks 1", "rendezvous_timeout_s")
+
+
+def test_a_taken_master_port_is_named(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = dsv4("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
+                    "rendezvous_timeout_s=3", env=_rank_env(MASTER_PORT=port), timeout=FAST + 30)
+    refused(proc, f"MASTER_PORT {port}", "taken")
+
+
+def test_more_local_ranks_than_the_machine_holds_are_refused(tmp_path):
+    proc = dsv4("train", "--nproc-per-node", "1000", "--mode", "sft", "batch_size=1000", "--steps", "1",
+                "--run-dir", tmp_path / "r", timeout=FAST)
+    refused(proc, "--nproc-per-node 1000", "Fix:", code=2)
+    assert not (tmp_path / "r").exists()
+
+
+# -- row 12: tid2eid
+def _with_tid2eid(tiny, tmp_path, edit):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny, ck)
+    shard = sorted(ck.glob("model-*.safetensors"))[0]
+    d = load_file(str(shard))
+    name = sorted(n for n in d if n.endswith("tid2eid"))[0]
+    edit(d[name])
+    save_file(d, str(shard), metadata={"format": "pt"})
+    return ck, name
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.__setitem__((3, 1), int(t[3, 0])), ("row 3", "names an expert twice")),
+    (lambda t: t.__setitem__((0, 0), 99), ("row 0", "[99]", "outside 0 ..")),
+    (lambda t: t.__setitem__((0, 0), -1), ("row 0", "[-1]", "outside 0 ..")),
+])
+def test_a_damaged_routing_table_is_refused_by_name(tiny, tmp_path, edit, words):
+    ck, name = _with_tid2eid(tiny, tmp_path, edit)
+    refused(dsv4("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path), timeout=FAST), name, *words)
+    res = dsv4_here("convert", "--hf", str(ck), "--out", str(tmp_path / "nat"))
+    assert res.exit_code == 1 and name in res.output and "unexpected" not in res.output, res.output
+
+
+# -- row 13: the rest of the "unexpected <ExceptionType>" lines
+def test_overlapping_safetensors_ranges_are_named(tiny, tmp_path):
+    import json
+    import struct
+
+    ck = _ck_with(tiny, tmp_path, "model-00001-of-00001.safetensors", lambda p: None)
+    src = sorted(tiny.glob("model-*.safetensors"))[0].read_bytes()
+    (n,) = struct.unpack("<Q", src[:8])
+    hdr = json.loads(src[8:8 + n])
+    entries = sorted(((k, v) for k, v in hdr.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"])
+    by_shape = {}
+    for k, v in entries[:-1]:                              # two same-size tensors, neither the last one
+        key = (v["dtype"], tuple(v["shape"]))
+        if key in by_shape:
+            hdr[k]["data_offsets"] = hdr[by_shape[key]]["data_offsets"]
+            break
+        by_shape[key] = k
+    else:
+        pytest.fail("no two tensors of one shape")
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    raw += b" " * (n - len(raw))
+    (ck / "model-00001-of-00001.safetensors").write_bytes(src[:8] + raw + src[8 + n:])
+    line = refused(dsv4("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path), timeout=FAST), "overlap")
+    assert "Fix" in line or "re-download" in line
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_a_disk_that_fills_up_during_a_write_is_one_line(tiny, tmp_path, monkeypatch, command, trained_run):
+    from launchers import stages
+    from train import export
+
+    def full(*a, **k):                                     # as safetensors (Rust) reports it
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                           "\"No space left on device\" }) (os error 28)")
+
+    monkeypatch.setattr(stages, "convert_into", full)
+    monkeypatch.setattr(export, "export_hf", full)
+    args = (["convert", "--hf", str(tiny)] if command == "convert" else ["export", "--run-dir", str(trained_run)])
+    res = dsv4_here(*args, "--out", str(tmp_path / "out"))
+    assert res.exit_code == 1 and "No space left on device; free some space" in res.output, res.output
+    assert "unexpected" not in res.output and not (tmp_path / "out").exists()
+
+
+def test_a_name_over_255_bytes_is_one_line(tiny, tmp_path):
+    refused(dsv4("convert", "--hf", tiny, "--out", tmp_path / ("n" * 300), timeout=FAST), "longer than the file "
+            "system allows")
+
+
 if __name__ == "__main__":
     from tests.runner import main as run_tests
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from core.atomic import fsync_file, write_text_atomically
+from core.errors import UserInputError
 
 from . import state_io
 
@@ -144,15 +145,30 @@ def _write_small_files(tmp: Path, step: int, optimizer, optim_step, extra) -> No
 
 
 def _complete(p: Path) -> Optional[int]:
+    """The step of a complete checkpoint folder; None for anything else (a missing, damaged or foreign
+    ``state.json``: read bounded, never trusted)."""
+    from core.bounded_io import load_json
+
     try:
-        st = json.loads((p / "state.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        st = load_json(p / "state.json", what="checkpoint state")
+    except (OSError, ValueError, UserInputError):
         return None
-    return int(st["step"]) if st.get("complete") else None
+    if not isinstance(st, dict) or st.get("complete") is not True:
+        return None
+    step = st.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    return step
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
-    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name)), key=lambda p: p.name)
+    """Remove all but the newest ``keep_last`` step folders, after ``keep`` (the new one) is complete and in
+    place; only real folders inside ``root`` (a link out of it is never followed, nor removed)."""
+    real_root = os.path.realpath(root)
+    steps = sorted((p for p in root.iterdir() if _STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir()
+                    and os.path.dirname(os.path.realpath(p)) == real_root), key=lambda p: p.name)
+    if keep not in {p.name for p in steps} or _complete(root / keep) is None:
+        return                     # the new checkpoint is not complete in place: nothing is removed
     for p in steps[:-keep_last] if keep_last > 0 else []:
         if p.name != keep:
             shutil.rmtree(p, ignore_errors=True)

@@ -259,6 +259,7 @@ def validate(cfg) -> None:
     _int("sglang_tp_size", cfg.sglang_tp_size, 1, 1 << 10)
     _int("sglang_port", cfg.sglang_port, 0, 65535)
     _number("sglang_startup_timeout_s", cfg.sglang_startup_timeout_s, lo=0, lo_open=True)
+    _number("rendezvous_timeout_s", cfg.rendezvous_timeout_s, lo=0, lo_open=True, hi=86400)
     try:
         shlex.split(cfg.sglang_server_args)
     except (ValueError, AttributeError):

@@ -141,18 +141,25 @@ def compute_reward(text: str, ids: Sequence[int], spec: Optional[Dict]) -> float
 # --------------------------------------------------------------- the files
 def load_jsonl(path, mode: Optional[str] = None) -> List[Example]:
     """Read and validate a data file; ``mode`` ("sft"/"grpo") checks the needed field is present."""
+    from core.bounded_io import DATA_LIMIT, BoundedReadError, json_depth, MAX_JSON_DEPTH, read_text
+
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: data file not found")
     out: List[Example] = []
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_text(p, limit=DATA_LIMIT, what="data file")
+    except BoundedReadError as e:
+        raise DataError(str(e)) from None
+    except FileNotFoundError:
+        raise DataError(f"{p}: data file not found") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{p}: cannot read the data file ({e})") from None
     for lineno, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         if not s or s.startswith("#"):
             continue
+        if ("[" in s or "{" in s) and json_depth(s.encode("utf-8")) > MAX_JSON_DEPTH:
+            raise DataError(f"{p}:{lineno}: JSON nested more than {MAX_JSON_DEPTH} levels deep; a data line is an "
+                            f"object of strings. Fix: check the file")
         try:
             d = json.loads(s)
         except json.JSONDecodeError as e:
@@ -236,6 +243,13 @@ def encode_prompt(tok, prompt: str) -> List[int]:
 
 def encode_response(tok, response: str) -> List[int]:
     return list(tok.encode(response)) + [tok.eos_token_id]
+
+
+def example_lengths(tok, examples, mode: str, max_new_tokens: int) -> List[int]:
+    """The longest sequence each example makes: SFT prompt + response, GRPO prompt + ``max_new_tokens``
+    (checked against the model's maximum before the model is built, ``core.sequence_limits``)."""
+    return [len(encode_prompt(tok, ex.prompt)) + (len(encode_response(tok, ex.response)) if mode == "sft"
+                                                  else max_new_tokens) for ex in examples]
 
 
 def decode_response(tok, ids: Sequence[int]) -> str:

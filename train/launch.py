@@ -42,10 +42,10 @@ class RankFailed(UserInputError):
 
 def launched_env() -> Optional[dict]:
     """torch.distributed's environment when this process was started by torchrun, srun or the elastic
-    launcher; None otherwise."""
-    if all(k in os.environ for k in ENV):
-        return {k: os.environ[k] for k in ENV}
-    return None
+    launcher; None otherwise; a partial or inconsistent one is refused (:func:`train.dist_env.launcher_env`)."""
+    from .dist_env import launcher_env
+
+    return launcher_env()
 
 
 def env_world_size() -> Optional[int]:
@@ -61,8 +61,9 @@ def joined_ranks() -> bool:
                                           and dist.get_world_size() > 1)
 
 
-def init_rank(run) -> None:
-    """Join the run's process groups from the launcher's environment (idempotent)."""
+def init_rank(run, *, rendezvous_timeout_s: Optional[float] = None) -> None:
+    """Join the run's process groups from the launcher's environment (idempotent), after every rank met within
+    ``rendezvous_timeout_s`` (:func:`train.dist_env.rendezvous`; None: its default)."""
     from core.assembly import assemble
 
     if dist.is_available() and dist.is_initialized():
@@ -83,9 +84,13 @@ def init_rank(run) -> None:
     parts = assemble(run)
     if not parts.selection.hardware.gpu:     # CPU ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    from .dist_env import DEFAULT_TIMEOUT_S, rendezvous
+
+    store = rendezvous(int(env["RANK"]), world, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                       timeout_s=rendezvous_timeout_s or DEFAULT_TIMEOUT_S)
     parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,
                                     port=int(env["MASTER_PORT"]), master_addr=env["MASTER_ADDR"],
-                                    local_rank=int(env["LOCAL_RANK"]))
+                                    local_rank=int(env["LOCAL_RANK"]), store=store)
 
 
 def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:

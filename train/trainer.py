@@ -70,8 +70,10 @@ from .replay import routing_match
 from .weight_sync import sync_weights
 from . import profiling, state_io, step_guard
 from .config_checks import check_mode, check_static_shapes, check_train_options, check_true_on_policy
-from .run_folder import cleanup_failed_start, config_differences, has_progress
+from .run_folder import config_differences, has_progress
+from .run_claim import claimed_run_folder
 from core.errors import UserInputError
+from core.sequence_limits import check_sequences
 
 MODES = ("sft", "grpo")
 REF_MODEL_FILE = "ref_model.safetensors"     # the KL reference policy's weights (safetensors: never unpickled)
@@ -128,6 +130,9 @@ class TrainConfig:
     sglang_port: int = 0
     sglang_server_args: str = ""
     sglang_startup_timeout_s: float = 900.0
+    # several ranks (torchrun / srun / local ranks): seconds each rank waits for the others to start before it
+    # names the ranks it waited for and stops (train.dist_env)
+    rendezvous_timeout_s: float = 300.0
     # GRPO loss
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -194,7 +199,7 @@ class TrainConfig:
 
 
 # settings a resumed run may change: they do not change what is trained
-RESUME_MAY_CHANGE = ("tracker", "profile_steps")
+RESUME_MAY_CHANGE = ("tracker", "profile_steps", "rendezvous_timeout_s")
 
 
 def _compared(desc: Dict, keys) -> Dict:
@@ -272,6 +277,8 @@ class _Run:
         self.model_config, self.ckpt_source = _resolve_model_config(run_config, model_source)
         self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
         self.examples = D.load_data(cfg.data, mode)
+        check_sequences(D.example_lengths(self.tok, self.examples, mode, cfg.max_new_tokens), self.model_config,
+                        source=f"{mode.upper()} data {cfg.data or '(built-in)'}")   # before the model is built
         torch.manual_seed(cfg.seed)
         # the run's dtype (--dtype); the reference loop of tests without a run config trains in fp32
         self.dtype = run_config.torch_dtype if run_config is not None else torch.float32
@@ -436,6 +443,8 @@ class _Run:
             p, r = D.encode_prompt(tok, ex.prompt), D.encode_response(tok, ex.response)
             seqs.append(p + r)
             masks.append([0] * (len(p) - 1) + [1] * len(r))   # next-token targets that are response tokens
+        check_sequences([len(s) for s in seqs], self.model_config, source=f"SFT data {cfg.data or '(built-in)'}",
+                        device="cuda" if torch.cuda.is_initialized() else "cpu")   # one sequence: a lower bound
         ids = _pad_batch(seqs, tok.eos_token_id, cfg.pad_to_length)   # padding: never a target (mask 0)
         mask = torch.tensor([m + [0] * (ids.shape[1] - 1 - len(m)) for m in masks], dtype=torch.bool)
         t0 = time.perf_counter()
@@ -909,7 +918,8 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     if run_config is not None:
         check_divisible(run_config, mode, cfg)     # before any rank starts
         check_train_options(run_config, cfg)
-    with cleanup_failed_start(run_dir):  # a start that fails before its first step leaves no run folder
+    # one writer per run folder (train.run_claim: lock, resume checks); a failed start leaves no run folder
+    with claimed_run_folder(run_dir, resume=resume, steps=steps):
         if run_config is not None and run_config.orchestrator == "ray":
             from .ray_launch import run_on_ray
 
@@ -930,5 +940,5 @@ def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, prog
     from .launch import init_rank
 
     if run_config is not None and run_config.world > 1:
-        init_rank(run_config)
+        init_rank(run_config, rendezvous_timeout_s=cfg.rendezvous_timeout_s)
     return _Run(run_config, model_source, mode, steps, run_dir, resume, cfg, progress).run()

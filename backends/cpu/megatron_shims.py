@@ -472,7 +472,7 @@ def shims_applied() -> bool:
 
 def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, pp: int = 1, cp: int = 1,
                            ep: int = 1, port: int | None = None, seed: int = 1234,
-                           master_addr: str = "127.0.0.1") -> None:
+                           master_addr: str = "127.0.0.1", store=None) -> None:
     """Apply the shims, start a gloo process group (``MASTER_ADDR``/``MASTER_PORT`` from the
     arguments or the environment; a one-process world uses an in-memory store, so
     concurrent single-process jobs never race for a TCP port) and initialize
@@ -483,7 +483,9 @@ def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, p
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        if world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
+        if store is not None:          # the ranks met on it already (train.dist_env.rendezvous)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        elif world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         else:
             os.environ["MASTER_ADDR"] = master_addr

@@ -49,7 +49,7 @@ class NvidiaTarget:
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
                            port: Optional[int] = None, seed: int = 1234, master_addr: Optional[str] = None,
-                           local_rank: Optional[int] = None) -> None:
+                           local_rank: Optional[int] = None, store=None) -> None:
         """NCCL process group plus megatron's model-parallel groups for this rank (idempotent for the
         same world). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port;
         ``MASTER_ADDR`` from ``master_addr``, the environment, or this machine. The device is
@@ -76,7 +76,11 @@ class NvidiaTarget:
                     raise ValueError("NvidiaTarget.init_process_group: pass port= (or set MASTER_PORT) "
                                      "for world_size > 1")
                 os.environ["MASTER_PORT"] = str(free_port())
-            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device(local))
+            if store is not None:      # the ranks met on it already (train.dist_env.rendezvous)
+                dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                        device_id=self.device(local))
+            else:
+                dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device(local))
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                          context_parallel_size=cp, expert_model_parallel_size=ep)

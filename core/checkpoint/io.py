@@ -149,11 +149,13 @@ def read_safetensors_header(path: Union[str, Path]) -> Dict[str, HeaderEntry]:
     Detects truncated files (data section shorter than the header claims),
     garbage headers, unknown dtypes and inconsistent offsets.
     """
+    from core.bounded_io import loads_bounded, open_regular
+
     path = Path(path)
     fname = path.name
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, what="shard") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"corrupt safetensors file: {size} bytes, too short for a header",
@@ -166,7 +168,7 @@ def read_safetensors_header(path: Union[str, Path]) -> Dict[str, HeaderEntry]:
     except OSError as e:
         raise CheckpointError(f"cannot read shard: {e}", file=fname) from e
     try:
-        hdr = json.loads(raw.decode("utf-8"))
+        hdr = loads_bounded(raw, source=path, what="safetensors header of")
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"corrupt safetensors header: {e}", file=fname) from e
     if not isinstance(hdr, dict):
@@ -196,7 +198,22 @@ def read_safetensors_header(path: Union[str, Path]) -> Dict[str, HeaderEntry]:
     if max_end != data_len:
         raise CheckpointError(f"corrupt shard: data section is {data_len} bytes but tensors cover "
                               f"{max_end}", file=fname)
+    _check_no_overlap(out, fname)
     return out
+
+
+def _check_no_overlap(entries: Dict[str, HeaderEntry], fname: str) -> None:
+    """Tensors' byte ranges must tile the data section without overlapping (as safetensors itself demands):
+    two tensors over the same bytes are a crafted or damaged header, refused by name before any read."""
+    end, prev = 0, None
+    for name, e in sorted(entries.items(), key=lambda kv: kv[1].offsets):
+        b = e.offsets[0]
+        if b < end and e.offsets[1] > b:
+            raise CheckpointError(f"corrupt safetensors header: the byte ranges of '{prev}' and '{name}' overlap "
+                                  f"({b} < {end}); the shard is damaged or crafted: re-download or re-convert it",
+                                  tensor=name, file=fname)
+        if e.offsets[1] > b:
+            end, prev = e.offsets[1], name
 
 
 # ---------------------------------------------------------------------------
@@ -214,10 +231,15 @@ def _check_index_entry(name: str, fname, ckpt: Path, index_file: str) -> None:
                               f"plain file names in {ckpt}", tensor=name, file=fname)
 
 
-def _finite(name: str, t: torch.Tensor, where: Path) -> torch.Tensor:
-    """Every tensor read from a checkpoint is refused if it holds NaN/inf (core.finite)."""
+def _finite(name: str, t: torch.Tensor, where: Path, n_experts: Optional[int] = None) -> torch.Tensor:
+    """Every tensor read from a checkpoint is refused if it holds NaN/inf (core.finite), and a hash layer's
+    routing table if it names experts that do not exist or one twice (core.routing_table; ``n_experts``:
+    the config's ``n_routed_experts``)."""
     from core.finite import check_finite_tensor
+    from core.routing_table import check_tid2eid, is_tid2eid
 
+    if n_experts is not None and is_tid2eid(name):
+        check_tid2eid(name, t, n_experts, where=where)
     return check_finite_tensor(name, t, where=str(where),
                                fix="the checkpoint is damaged or was saved from a diverged run; use an earlier one")
 
@@ -317,7 +339,7 @@ class CheckpointReader:
                 for n in names_here:
                     t = f.get_tensor(n)
                     if not dequantize:
-                        yield n, _finite(n, t, self.path / fname)
+                        yield n, _finite(n, t, self.path / fname, self.config.n_routed_experts)
                         continue
                     spec = self.specs[n]
                     td = target_dtype(n)
@@ -331,7 +353,7 @@ class CheckpointReader:
                             t = fp4_dequantize(t, sc, dtype=out_dtype)
                     elif td is not None and t.is_floating_point() and t.dtype != torch.float32:
                         t = t.to(td)
-                    yield n, _finite(n, t, self.path / fname)
+                    yield n, _finite(n, t, self.path / fname, self.config.n_routed_experts)
 
     def get_tensor(self, name: str, dequantize: bool = True, dtype: DtypeArg = torch.bfloat16) -> torch.Tensor:
         """One tensor (opens at most two shards, one after the other)."""
@@ -341,9 +363,12 @@ class CheckpointReader:
 
 
 def _load_json(path: Path, what: str):
+    from core.bounded_io import load_json
+
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{what} not found in {path.parent}", file=path.name) from None
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        return load_json(path, what=what)
     except FileNotFoundError:
         raise CheckpointError(f"{what} not found in {path.parent}", file=path.name) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -359,6 +384,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
     (a ModelConfig) overrides config.json's architecture (config.json must
     still be valid JSON).
     """
+    from core.bounded_io import check_regular
     from core.config import ConfigError, ModelConfig
     from core.path_safety import inside_folder
 
@@ -403,9 +429,10 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
     headers: Dict[str, Dict[str, HeaderEntry]] = {}
     for fname in shard_files:
         p = ckpt / fname
-        if not p.is_file():
+        if not os.path.exists(p):
             some = next(n for n, v in weight_map.items() if v == fname)
             raise CheckpointError("shard listed in the index does not exist", tensor=some, file=fname)
+        check_regular(p, what="shard")      # a FIFO or a device: refused by its kind, never opened blocking
         inside_folder(ckpt, fname, what="shard")  # a symlink out of the folder is not followed
         headers[fname] = read_safetensors_header(p)
     if weight_map is None:

@@ -97,7 +97,8 @@ class BoxReader:
                  else self._slice(name, tuple(slice(o, o + s) for o, s in zip(offsets, sizes))))
             if t.is_floating_point() and t.dtype != torch.float32:
                 t = t.to(dtype)
-        return _finite(name, t.contiguous(), self.reader.path / self.reader.weight_map[name])
+        return _finite(name, t.contiguous(), self.reader.path / self.reader.weight_map[name],
+                       self.reader.config.n_routed_experts)
 
     def _fp8(self, name, offsets, sizes, shape, dtype):
         (r0, c0), (nr, nc) = offsets, sizes

@@ -39,7 +39,7 @@ def build(tmp):
             time.sleep(3600)
     (tmp / "payload.json").write_text(json.dumps({"v": inputs["v"]}))
 
-res = run_stage(dest, build, name="demo", inputs=inputs, required_bytes=1000,
+res = run_stage(dest, build, name="demo", input_paths=(), inputs=inputs, required_bytes=1000,
                 overwrite=(mode == "overwrite"), verbose=False)
 d = Path(res.path)
 ok = read_sentinel(d) is not None and all((d / f"part{k}.bin").stat().st_size == 100_000 for k in range(4)) \
@@ -183,19 +183,19 @@ def test_rerun_skips_and_conflicts(tmp_path):
         calls.append(tmp)
         (tmp / "f").write_text("x")
 
-    r1 = run_stage(dest, build, name="s", inputs={"a": 1}, verbose=False)
-    r2 = run_stage(dest, build, name="s", inputs={"a": 1}, verbose=False)
+    r1 = run_stage(dest, build, name="s", input_paths=(), inputs={"a": 1}, verbose=False)
+    r2 = run_stage(dest, build, name="s", input_paths=(), inputs={"a": 1}, verbose=False)
     assert r1.built and not r2.built and len(calls) == 1
     assert json.loads((dest / SENTINEL).read_text())["inputs"] == {"a": 1}
     with pytest.raises(StageConflict, match="inputs"):
-        run_stage(dest, build, name="s", inputs={"a": 2}, verbose=False)
-    r3 = run_stage(dest, build, name="s", inputs={"a": 2}, overwrite=True, verbose=False)
+        run_stage(dest, build, name="s", input_paths=(), inputs={"a": 2}, verbose=False)
+    r3 = run_stage(dest, build, name="s", input_paths=(), inputs={"a": 2}, overwrite=True, verbose=False)
     assert r3.built and read_sentinel(dest)["inputs"] == {"a": 2}
     other = tmp_path / "manual"
     other.mkdir()
     (other / "x").write_text("user data")
     with pytest.raises(StageConflict, match="not a completed stage"):
-        run_stage(other, build, name="s", verbose=False)
+        run_stage(other, build, name="s", input_paths=(), verbose=False)
     assert (other / "x").read_text() == "user data"
 
 
@@ -205,14 +205,14 @@ def test_failed_build_leaves_nothing(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        run_stage(tmp_path / "d", build, name="s", verbose=False)
+        run_stage(tmp_path / "d", build, name="s", input_paths=(), verbose=False)
     assert not (tmp_path / "d").exists() and _stale(tmp_path / "d") == []
 
 
 def test_disk_space_checked_before_writing(tmp_path, monkeypatch):
     built = []
     with pytest.raises(InsufficientDiskSpace) as ei:
-        run_stage(tmp_path / "d", lambda t: built.append(t), name="s", required_bytes=10**18, verbose=False)
+        run_stage(tmp_path / "d", lambda t: built.append(t), name="s", input_paths=(), required_bytes=10**18, verbose=False)
     msg = str(ei.value)
     assert str(10**18) in msg and "bytes needed" in msg and "available" in msg
     assert ei.value.needed == 10**18 and 0 <= ei.value.available < 10**18
@@ -223,4 +223,4 @@ def test_disk_space_checked_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(staging.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=1234))
     with pytest.raises(InsufficientDiskSpace, match="1234 bytes available"):
-        run_stage(tmp_path / "d", lambda t: None, name="s", required_bytes=5000, verbose=False)
+        run_stage(tmp_path / "d", lambda t: None, name="s", input_paths=(), required_bytes=5000, verbose=False)
