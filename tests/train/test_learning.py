@@ -17,7 +17,7 @@ from train import losses
 from train.data import MAIN_JOB_SETTINGS
 
 STEPS = 20
-MARGIN = 0.15        # last 5 steps' mean reward over the first 5's; measured rises: 0.3 to 0.5
+MARGIN = 0.15        # last 5 steps' mean reward over the first 5's; the main job (miles, seed 0) rose by 0.49
 
 
 def _main_job_rewards(impl: str, seed: int, run_dir):
