@@ -43,7 +43,7 @@ def test_grpo_raises_the_reward(tmp_path, impl, seed):
     rewards, _flat = _main_job_rewards(impl, seed, tmp_path / "run")
     assert _rise(rewards) > MARGIN, rewards
     # (at most 2 of 20 steps without a learning signal is asked of the main job itself, seed 0: jobs_test.py.
-    # Seed 1 had 5 such steps in a run that rose: once the policy answers alike, a group's rewards tie.)
+    # Seed 1 had 5 such steps in a run that rose, 4 of them its last 4: a policy that answers alike ties a group.)
 
 
 @pytest.fixture
