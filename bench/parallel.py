@@ -129,23 +129,21 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
     target = parts.target
     if hardware == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // layout["world"]))
-    target.init_process_group(rank, layout["world"], tp=layout["tp"], cp=layout["cp"], ep=layout["ep"],
-                              port=port)
+    ranks = target.init_process_group(rank, layout["world"], tp=layout["tp"], cp=layout["cp"], ep=layout["ep"],
+                                      port=port)   # this rank's engine.layout.ParallelLayout
     try:
-        from megatron.core import parallel_state as ps
-
         device = parts.device()
         torch.manual_seed(0)
         m = parts.build_model(c).to(device).train()   # the run's dtype: bf16 on nvidia, fp32 on the CPU
-        seed = ps.get_expert_model_parallel_rank() if layout["ep"] > 1 else 0  # ep: its own sequence per rank
+        seed = ranks.ep_rank if layout["ep"] > 1 else 0  # ep: its own sequence per rank
         ids = torch.randint(0, c.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seed)).to(device)
         loss_fn = _loss_fn(m, layout, ids)
         params = [p for p in m.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
         if layout["cp"] > 1:
-            sync = (ps.get_context_parallel_group(), False, params)
+            sync = (ranks.group("cp"), False, params)
         elif layout["ep"] > 1:
-            sync = (ps.get_data_parallel_group(), True, [p for p in params if not getattr(p, "expert_parallel", False)])
+            sync = (ranks.group("dp"), True, [p for p in params if not getattr(p, "expert_parallel", False)])
         else:
             sync = None
 
@@ -169,7 +167,7 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
         dt = (time.perf_counter() - t0) / steps
         if layout["cp"] > 1:  # each CP rank holds its rows' share of the loss
             loss = loss.detach().clone()
-            dist.all_reduce(loss, group=ps.get_context_parallel_group())
+            dist.all_reduce(loss, group=ranks.group("cp"))
         export = _export_throughput(m, c, rank, device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         res = {"step_ms": dt * 1e3, "peak_mem_gb": peak,

@@ -151,7 +151,7 @@ def profile_decode(generate, device: torch.device, steps: int, top: int = 15) ->
 
 def _engine(config, device, dtype, seed, **kw):
     from kernels.reference.model import init_weights
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
 
     engine = ReferenceEngine(config, dtype=dtype, device=device, **kw)
     init_weights(engine.model, seed, draw_on_device=True)   # on a GPU: drawn there (seconds, not minutes)
@@ -223,7 +223,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
     with the result so far after every row (``main`` writes it, so a run stopped by a time limit keeps the rows
     it measured). ``profile_steps``: > 0 profiles that many decode steps of each cached row
     (:func:`profile_decode`, the row's ``profile``)."""
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     config = model_config(model)
     dev = torch.device(device)

@@ -31,7 +31,7 @@ eager (``--compile`` passes ``dsv4 train --compile``); ``export_at_end=false``, 
 plus fp32 optimizer state) is about 80 GB, more than a one-GPU machine's disk may hold.
 
 Step budget (``--profile N``): ``dsv4 train`` runs N more steps after the timed ones under ``torch.profiler``
-(``profile_steps=N``, :mod:`train.profiling`); the row's ``budget`` is ``RUN_DIR/profile/budget.json``: GPU time
+(``profile_steps=N``, :mod:`reporting.profiling`); the row's ``budget`` is ``RUN_DIR/profile/budget.json``: GPU time
 per category (forward, backward, optimizer), kernels and host synchronisations per step, host gaps. The profiled
 steps are not timed.
 
@@ -238,7 +238,7 @@ def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, step
         return row
     row.update(summarize(read_metrics(run_dir), warmup, last=steps))
     if profile:
-        from train.profiling import read_budget
+        from reporting.profiling import read_budget
 
         row["budget"] = read_budget(run_dir)
     fl = step_flops(config, seq, layout["dp"] * batch, active_params(config))["total"]
@@ -433,7 +433,7 @@ def main(argv=None) -> int:
                 f"dsv4 train (SFT), {args.model}, {args.seq} tokens per sequence, {result['machine']}")
     for r in result["rows"]:
         if r.get("budget"):
-            from train.profiling import format_budget
+            from reporting.profiling import format_budget
 
             print(f"\nstep budget of {r['layout']} ({r['budget']['profiled_steps']} profiled steps):")
             print("\n".join(format_budget(r["budget"], top=40)))

@@ -2,7 +2,8 @@
 
 One hook per configuration axis. Each returns a list of typed records
 (core/records.py); a plugin module implements any subset of them with
-``@hookimpl``. Built-in plugins are listed in core/plugins.py; third-party
+``@hookimpl``. One more hook, ``dsv4_job_rules``, adds a job's rules to the
+combination table (core/combinations.py). Built-in plugins are listed in core/plugins.py; third-party
 distributions register a module under the entry-point group ``dsv4.plugins``:
 
     [project.entry-points."dsv4.plugins"]
@@ -44,6 +45,15 @@ def dsv4_hardware_targets() -> list:
 def dsv4_rollout_engines() -> list:
     """Return RolloutEngine records (engines that generate rollouts and take weight updates)."""
 
+
+@hookspec
+def dsv4_job_rules() -> list:
+    """Return Rule records (core.combinations.Rule): a job's own rules (the trainer's, the rollout side's, an
+    orchestrator's), checked with the combination table's axis-capability rules."""
+
+
+# The hook that adds rules to the combination table (core.combinations.table_rules).
+RULES_HOOK = "dsv4_job_rules"
 
 # Hook name -> axis (core.records.AXES) it feeds.
 HOOK_AXIS = {

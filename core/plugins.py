@@ -82,6 +82,7 @@ class PluginHost:
         self._sources: dict[str, PluginSource] = {}
         self.skipped: list[tuple[PluginSource, str]] = []
         self._records: dict[str, dict[str, BackendRecord]] = {axis: {} for axis in AXES}
+        self._rules: dict[str, object] = {}     # rule name -> core.combinations.Rule, in load order
 
         for module_name in builtin_modules:
             source = PluginSource(module_name, BUILTIN_PROVIDER, builtin=True)
@@ -120,16 +121,19 @@ class PluginHost:
             except pluggy.PluginValidationError as exc:
                 raise PluginError(
                     f"plugin {source.module} ({source.distribution}) implements a hook that does not exist: {exc}. "
-                    f"Valid hooks: {', '.join(sorted(hookspecs.HOOK_AXIS))}"
+                    f"Valid hooks: {', '.join(sorted([*hookspecs.HOOK_AXIS, hookspecs.RULES_HOOK]))}"
                 ) from exc
             records = self._collect(module, source)
             self._check_unique(records, source)
+            rules = self._collect_rules(module, source)
         except Exception:
             if self._pm.is_registered(module):
                 self._pm.unregister(module)
             raise
         for record in records:
             self._records[record.axis][record.name] = record
+        for rule in rules:
+            self._rules[rule.name] = rule
         self._sources[name] = source
 
     def _collect(self, module: ModuleType, source: PluginSource) -> list[BackendRecord]:
@@ -148,6 +152,23 @@ class PluginHost:
                     )
                 records.append(record.with_provider(source.distribution))
         return records
+
+    def _collect_rules(self, module: ModuleType, source: PluginSource) -> list:
+        """The module's ``dsv4_job_rules``: Rule records whose names no loaded plugin took."""
+        from core.combinations import CAPABILITY_RULES, Rule
+
+        impls = [i for i in self._pm.hook.dsv4_job_rules.get_hookimpls() if i.plugin is module]
+        rules = list(impls[0].function() or []) if impls else []
+        taken = {r.name for r in CAPABILITY_RULES} | set(self._rules)
+        for rule in rules:
+            if not isinstance(rule, Rule):
+                raise PluginError(f"plugin {source.module} ({source.distribution}): {hookspecs.RULES_HOOK} returned "
+                                  f"{type(rule).__name__}, expected core.combinations.Rule records")
+            if rule.name in taken:
+                raise PluginError(f"plugin {source.module} ({source.distribution}): rule {rule.name!r} is already "
+                                  f"in the combination table; rename the rule")
+            taken.add(rule.name)
+        return rules
 
     def _check_unique(self, records: list[BackendRecord], source: PluginSource) -> None:
         seen: dict[tuple[str, str], str] = {}
@@ -180,6 +201,10 @@ class PluginHost:
             raise UnknownBackendError(
                 f"unknown {AXIS_OPTION[axis]} {name!r}; valid choices: {', '.join(choices)}.{hint}"
             ) from None
+
+    def job_rules(self) -> list:
+        """The job rules the plugins added to the combination table (``dsv4_job_rules``), in load order."""
+        return list(self._rules.values())
 
     def sources(self) -> list[PluginSource]:
         return list(self._sources.values())

@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from core.combinations import JOBS, ORCHESTRATORS, WEIGHT_TRANSPORTS, Selection, check, default_dtype, layout_world
+from core.combinations import (JOBS, ORCHESTRATORS, WEIGHT_TRANSPORTS, Selection, check, default_dtype, layout_world,
+                                table_rules)
 from core.records import ATTENTION, DTYPES, HARDWARE, KERNEL, QKV_FORMATS, QUANT, ROLLOUT
 
 
@@ -73,6 +74,9 @@ class RunConfig:
     rollout_num_gpus: Optional[int] = None
     rollout_num_nodes: Optional[int] = None
     weight_transport: Optional[str] = None
+    # The table's rules this run was checked against (core.combinations.table_rules of the plugin host): the job
+    # rules the plugins added, kept for the trainer's option checks (train_option_problems), made where no host is.
+    rules: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def dp(self) -> int:
@@ -80,7 +84,7 @@ class RunConfig:
         return self.world // (self.tp * self.cp)
 
     def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("selection", "model")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("selection", "model", "rules")}
         out["providers"] = {
             "impl": self.selection.impl.provider,
             "kernel_backend": self.selection.kernel.provider,
@@ -190,6 +194,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         rollout_num_gpus=choices.rollout_num_gpus,
         rollout_num_nodes=choices.rollout_num_nodes,
         weight_transport=choices.weight_transport,
+        rules=table_rules(host),
     )
 
 

@@ -1,6 +1,9 @@
 """megatron-core glue shared by the ``miles`` and ``megatron`` implementations of DeepSeek-V4.
 
-* :mod:`engine.runtime` - ``ensure_megatron()`` (CPU shims + import), parallel-state accessors.
+* :mod:`engine.layout` - the run's parallel layout (``ParallelLayout``: sizes, this rank's place, process groups),
+  built once per rank by the hardware target; the one module that touches megatron-core's ``parallel_state``.
+* :mod:`engine.runtime` - ``ensure_megatron()`` (CPU shims + import), ``ensure_parallel_state`` (the layout has the
+  model's sizes).
 * :mod:`engine.config` - ``make_transformer_config`` (ModelConfig + parallel sizes -> TransformerConfig).
 * :mod:`engine.tp` - TP sharding metadata on parameters, shard / gather helpers, fp32 keep marks.
 * :mod:`engine.layers` - ``Linear`` (replicated), ``RMSNorm``, ``KeepFP32Module``.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .expert_parallel import expert_banks, expert_name
-from .runtime import ep_group, ep_world, tp_group, tp_rank, tp_world
+from .layout import current as parallel_layout
 from .tp import full_shape, gather_tensor, shard_tensor, tp_pieces, tp_spec
 
 __all__ = ["native_tensors", "load_native_tensors", "load_native_slices", "load_hf_checkpoint", "load_hf_tensors",
@@ -38,8 +38,9 @@ def load_native_tensors(model: nn.Module, items: Iterable[Tuple[str, torch.Tenso
     Returns the names loaded; with ``strict`` every model tensor must be covered and every name must
     exist in the model."""
     targets = native_tensors(model)
-    rank, world = tp_rank(), tp_world()
-    held_banks = expert_banks(targets) if ep_world() > 1 else set()
+    layout = parallel_layout()
+    rank, world = layout.tp_rank, layout.tp
+    held_banks = expert_banks(targets) if parallel_layout().ep > 1 else set()
     done = []
     for name, full in items:
         dst = targets.get(name)
@@ -92,7 +93,8 @@ def load_hf_tensors(targets: Dict[str, torch.Tensor], reader, config, *, strict:
     from core.weight_contract import native_names, official_boxes
 
     contract = native_names(config)
-    rank, world = tp_rank(), tp_world()
+    layout = parallel_layout()
+    rank, world = layout.tp_rank, layout.tp
     used, done = set(), []
     with BoxReader(reader) as boxes:
         for name, dst in targets.items():
@@ -124,7 +126,7 @@ _OFFICIAL_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 def held_official_names(held_native: Iterable[str], official: Iterable[str]):
     """The official tensors a rank needs when it holds ``held_native``: every tensor but the routed experts
     another expert-parallel rank holds (None: all of them, without expert parallelism)."""
-    if ep_world() == 1:
+    if parallel_layout().ep == 1:
         return None
     experts = {parsed[1] for parsed in map(expert_name, held_native) if parsed is not None}
     keep = []
@@ -138,7 +140,7 @@ def held_official_names(held_native: Iterable[str], official: Iterable[str]):
 def full_native_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Full (TP-gathered, every EP rank's experts) detached copies of every native tensor (collective over
     the TP and EP groups)."""
-    group = tp_group()
+    group = parallel_layout().group("tp")
     local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in native_tensors(model).items()}
     return with_every_expert(local)
 
@@ -146,8 +148,8 @@ def full_native_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 def full_native_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Full (TP-gathered, every EP rank's experts) gradients of the parameters that have one (collective
     over TP and EP; under EP an expert without a gradient counts as zeros, so every rank takes part)."""
-    group = tp_group()
-    ep = ep_world() > 1
+    group = parallel_layout().group("tp")
+    ep = parallel_layout().ep > 1
     out = {}
     for n, p in model.named_parameters():
         grad = p.grad
@@ -163,10 +165,10 @@ def with_every_expert(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]
     group; ranks hold equal, contiguous expert ranges), in global expert order."""
     import torch.distributed as dist
 
-    world = ep_world()
+    world = parallel_layout().ep
     if world == 1:
         return named
-    group = ep_group()
+    group = parallel_layout().group("ep")
     banks: Dict[str, list] = {}
     for n in named:
         parsed = expert_name(n)
@@ -206,7 +208,9 @@ def load_native_slices(named: Iterable[Tuple[str, torch.Tensor]], checkpoint, co
     whole tensors it slices, as before. Returns the checkpoint's metadata."""
     from core.native_checkpoint import load_native_pieces
 
-    rank, world = tp_rank(), tp_world()
+    layout = parallel_layout()
+
+    rank, world = layout.tp_rank, layout.tp
     wanted = {n: tp_pieces(t.data.view(-1), tuple(t.shape), 0, tp_spec(t), rank, world) for n, t in named}
     return load_native_pieces(checkpoint, wanted, config=config)
 

@@ -21,7 +21,7 @@ group of a grouped GEMM (``torch._grouped_mm`` for bf16; a per-expert loop for f
 with no host synchronisation; an expert no token chose gets an exact-zero gradient (as in megatron's
 grouped GEMM), not ``None``.
 
-Routing seam (R3 record / replay, ``train.replay``): a learned-routing TRUNK layer's top-k ``idx``
+Routing seam (R3 record / replay, ``rollout.replay``): a learned-routing TRUNK layer's top-k ``idx``
 goes through :func:`kernels.reference.moe.apply_routing_hook` at the same point as the reference
 ``Gate`` (after selection, before the weights are gathered), so a replayed pick gets this forward's
 score as its weight. Hash layers (``tid2eid``) and MTP routers (``layer_id >= n_layers``) never do.
@@ -47,7 +47,8 @@ from kernels.reference.layers import compute_dtype
 from kernels.reference.moe import route, row_invariant_active, row_invariant_mix, swiglu
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
-from .runtime import ensure_megatron, ep_group, ep_rank, ep_world, tp_group, tp_world
+from .layout import current as parallel_layout
+from .runtime import ensure_megatron
 from .tp import mark_keep_in_fp32, mark_tp
 
 __all__ = ["DSv4Router", "DSv4GroupedExperts", "DSv4SharedExperts", "DSv4MoE", "grouped_linear"]
@@ -104,7 +105,8 @@ class DSv4GroupedExperts(nn.Module):
     def __init__(self, model_config, params_dtype=torch.float32, std: float | None = 0.02):
         super().__init__()
         c = model_config
-        tp, ep = tp_world(), ep_world()
+        layout = parallel_layout()
+        tp, ep = layout.tp, layout.ep
         if c.moe_inter_dim % tp:
             raise ValueError(f"moe_inter_dim {c.moe_inter_dim} is not divisible by tp={tp}")
         if c.n_routed_experts % ep:
@@ -114,7 +116,7 @@ class DSv4GroupedExperts(nn.Module):
         self.limit = c.swiglu_limit
         self.ep = ep
         self.num_local_experts = c.n_routed_experts // ep
-        first = ep_rank() * self.num_local_experts
+        first = parallel_layout().ep_rank * self.num_local_experts
         inter = c.moe_inter_dim // tp
         self.linear_fc1 = _WeightBank(self.num_local_experts, (2 * inter, c.dim), params_dtype, 0, 2, std, first)
         self.linear_fc2 = _WeightBank(self.num_local_experts, (c.dim, inter), params_dtype, 1, 1, std, first)
@@ -160,10 +162,10 @@ class DSv4GroupedExperts(nn.Module):
 
         if row_invariant_active():
             return self._row_invariant(x, weights, idx)
-        tp = tp_world()
+        tp = parallel_layout().tp
         if tp > 1:
-            x = mappings.copy_to_tensor_model_parallel_region(x, tp_group())
-            weights = mappings.copy_to_tensor_model_parallel_region(weights, tp_group())
+            x = mappings.copy_to_tensor_model_parallel_region(x, parallel_layout().group("tp"))
+            weights = mappings.copy_to_tensor_model_parallel_region(weights, parallel_layout().group("tp"))
         ct = compute_dtype(x)
         T, k = idx.shape
         experts, order = idx.reshape(-1).sort(stable=True)      # assignments grouped by expert
@@ -173,7 +175,7 @@ class DSv4GroupedExperts(nn.Module):
         if self.ep > 1:
             from .expert_parallel import ExpertDispatch
 
-            dispatch = ExpertDispatch(experts, self.num_local_experts, ep_group())
+            dispatch = ExpertDispatch(experts, self.num_local_experts, parallel_layout().group("ep"))
             experts, rows, gate_w = dispatch.local_experts, dispatch.scatter(rows), dispatch.scatter(gate_w)
         ends = torch.searchsorted(experts, torch.arange(self.num_local_experts, device=idx.device), right=True)
         w1, w2 = self.stacked_weights()
@@ -185,7 +187,7 @@ class DSv4GroupedExperts(nn.Module):
             out = dispatch.gather(out)
         y = torch.zeros_like(out).index_copy(0, order, out).view(T, k, -1).sum(dim=1)
         if tp > 1:
-            y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group())
+            y = mappings.reduce_from_tensor_model_parallel_region(y, parallel_layout().group("tp"))
         return y
 
     def _row_invariant(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -196,8 +198,9 @@ class DSv4GroupedExperts(nn.Module):
         trainer's over the sampled sequence agree bit for bit), where the grouped GEMM's groups follow the
         routing of every token. One rank only (no tensor or expert parallelism: their collectives would mix the
         rows again); costs ``n_routed_experts / n_activated_experts`` times the routed FLOPs."""
-        if self.ep > 1 or tp_world() > 1:
-            raise NotImplementedError(f"row-invariant experts (true_on_policy) run on one rank, not tp={tp_world()} "
+        tp = parallel_layout().tp
+        if self.ep > 1 or tp > 1:
+            raise NotImplementedError(f"row-invariant experts (true_on_policy) run on one rank, not tp={tp} "
                                       f"ep={self.ep}")
         ct = compute_dtype(x)
 
@@ -249,10 +252,10 @@ class DSv4SharedExperts(nn.Module):
         inter = c.moe_inter_dim * c.n_shared_experts
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             c.dim, 2 * inter, config=tconfig, init_method=init, bias=False, gather_output=False,
-            tp_group=tp_group())
+            tp_group=parallel_layout().group("tp"))
         self.linear_fc2 = row_parallel_linear(
             inter, c.dim, config=tconfig, init_method=init, bias=False, input_is_parallel=True,
-            skip_bias_add=False, tp_group=tp_group())
+            skip_bias_add=False, tp_group=parallel_layout().group("tp"))
         mark_tp(self.linear_fc1.weight, 0, 2)  # rank slice of gate and of up
         mark_tp(self.linear_fc2.weight, 1, 1)
         clamp = getattr(tconfig, "activation_func_clamp_shared_expert", c.shared_expert_clamp)

@@ -1,11 +1,11 @@
-"""Importing megatron-core safely (CPU shims first) and parallel-state accessors."""
+"""Importing megatron-core safely (CPU shims first), and the check that a model's parallel sizes are this rank's
+layout's (the layout itself: :mod:`engine.layout`)."""
 
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
-__all__ = ["ensure_megatron", "ensure_parallel_state", "tp_world", "tp_rank", "tp_group", "ep_world", "ep_rank",
-           "ep_group", "is_distributed"]
+__all__ = ["ensure_megatron", "ensure_parallel_state"]
 
 
 def ensure_megatron():
@@ -28,61 +28,24 @@ def ensure_megatron():
     return megatron.core
 
 
-def ensure_parallel_state(tp: int, ep: int = 1) -> None:
-    """megatron's model-parallel state must already exist with these tensor- and expert-parallel sizes."""
-    ensure_megatron()
-    from megatron.core import parallel_state as ps
+def ensure_parallel_state(tp: int, ep: int = 1, cp: Optional[int] = None):
+    """This rank's layout (``engine.layout``), which must exist with these tensor-, expert- and (when given)
+    context-parallel sizes; returns it. A model is built after the hardware target's ``init_process_group``."""
+    from .layout import current
 
-    if not ps.model_parallel_is_initialized():
+    ensure_megatron()
+    layout = current()
+    if not layout.distributed:
         raise RuntimeError(
             "megatron model-parallel state is not initialized: call the hardware target's "
             f"init_process_group(rank, world_size, tp={tp}) before building a model"
         )
-    have = ps.get_tensor_model_parallel_world_size()
-    if have != tp:
-        raise ValueError(f"the run asks for tensor-parallel size {tp} but megatron is initialized with {have}")
-    have = ps.get_expert_model_parallel_world_size()
-    if have != ep:
-        raise ValueError(f"the run asks for expert-parallel size {ep} but megatron is initialized with {have}; "
+    if layout.tp != tp:
+        raise ValueError(f"the run asks for tensor-parallel size {tp} but megatron is initialized with {layout.tp}")
+    if layout.ep != ep:
+        raise ValueError(f"the run asks for expert-parallel size {ep} but megatron is initialized with {layout.ep}; "
                          f"call the hardware target's init_process_group(rank, world, ep={ep})")
-
-
-def is_distributed() -> bool:
-    ensure_megatron()
-    from megatron.core import parallel_state as ps
-
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
-
-
-def _parallel_state(query: str, default):
-    """megatron's ``parallel_state.<query>()``, or ``default`` in a process without a process group."""
-    if not is_distributed():
-        return default
-    from megatron.core import parallel_state as ps
-
-    return getattr(ps, query)()
-
-
-def tp_world() -> int:
-    return _parallel_state("get_tensor_model_parallel_world_size", 1)
-
-
-def tp_rank() -> int:
-    return _parallel_state("get_tensor_model_parallel_rank", 0)
-
-
-def tp_group():
-    return _parallel_state("get_tensor_model_parallel_group", None)
-
-
-def ep_world() -> int:
-    """Expert-parallel size (megatron's expert-model-parallel group; 1 without a process group)."""
-    return _parallel_state("get_expert_model_parallel_world_size", 1)
-
-
-def ep_rank() -> int:
-    return _parallel_state("get_expert_model_parallel_rank", 0)
-
-
-def ep_group():
-    return _parallel_state("get_expert_model_parallel_group", None)
+    if cp is not None and layout.cp != cp:
+        raise ValueError(f"the run asks for context-parallel size {cp} but megatron is initialized with {layout.cp}; "
+                         f"call the hardware target's init_process_group(rank, world, tp=..., cp={cp})")
+    return layout

@@ -60,18 +60,14 @@ __all__ = [
 
 
 def cp_group_info() -> tuple[int, int, Any]:
-    """``(cp, cp_rank, group)`` from megatron's parallel state (``(1, 0, None)`` when not initialized)."""
-    try:
-        from megatron.core import parallel_state as ps
-    except Exception:  # pragma: no cover - megatron not importable: no CP
+    """``(cp, cp_rank, group)`` of this rank's layout (``engine.layout``; ``(1, 0, None)`` without context
+    parallelism)."""
+    from .layout import current
+
+    layout = current()
+    if layout.cp == 1:
         return 1, 0, None
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and ps.model_parallel_is_initialized()):
-        return 1, 0, None
-    cp = ps.get_context_parallel_world_size()
-    if cp == 1:
-        return 1, 0, None
-    return cp, ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    return layout.cp, layout.cp_rank, layout.group("cp")
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""The explicit list of built-in plugin modules (one per backend package).
+"""The explicit list of built-in plugin modules (one per backend package, one per job's rules).
 
 core/ never imports a backend; the launcher hands this list to the plugin host.
 A new built-in backend adds its plugin module here and a dependency in
@@ -22,7 +22,11 @@ BUILTIN_PLUGINS = (
     # quantization schemes
     "converters.plugin",
     # rollout engines
-    "train.engines_plugin",
+    "rollout.plugin",
+    # the jobs' own rules of the combination table (dsv4_job_rules): the trainer's, the rollout side's, Ray's
+    "train.rules",
+    "rollout.rules",
+    "orchestration.rules",
 )
 
 

@@ -492,7 +492,7 @@ def _training(opts: dict, kw: dict) -> _Training:
 
 def _check_orchestration(orchestrator, job: dict) -> None:
     """The Ray options need --orchestrator ray, which starts every rank itself (as an actor)."""
-    from train.launch import launched_env
+    from orchestration.launch import launched_env
 
     if orchestrator != "ray":
         given = [f"--{k.replace('_', '-')}" for k in _RAY_JOB_KEYS if job[k] is not None]
@@ -552,7 +552,7 @@ def _train_world(nproc_per_node) -> int | None:
     ``--nproc-per-node`` (None: the layout's default, tp x cp x ep)."""
     import os
 
-    from train.launch import env_world_size
+    from orchestration.launch import env_world_size
 
     world = env_world_size()
     if world is None:
@@ -566,7 +566,7 @@ def _train_world(nproc_per_node) -> int | None:
 
 def _check_launched_run_dir(run_dir) -> None:
     """Ranks started by torchrun / srun each compute their defaults: the run folder must be named."""
-    from train.launch import env_world_size
+    from orchestration.launch import env_world_size
 
     if (env_world_size() or 1) > 1 and not run_dir:
         _fail("a run started by torchrun / srun needs one run folder for every rank. Fix: add --run-dir DIR",
@@ -579,7 +579,7 @@ def _prepared_training(opts: dict, kw: dict):
     t = _training(opts, kw)
     world = t.trainer_num_gpus if t.opts.get("orchestrator") == "ray" else _train_world(t.nproc_per_node)
     if t.nproc_per_node is not None and t.opts.get("orchestrator") != "ray":
-        from train.dist_env import DistEnvError, check_local_ranks
+        from orchestration.dist_env import DistEnvError, check_local_ranks
 
         try:
             check_local_ranks(t.nproc_per_node, gpu=t.opts.get("hardware") not in (None, "cpu"))
@@ -592,7 +592,7 @@ def _prepared_training(opts: dict, kw: dict):
     from core.combinations import InvalidCombination
     from core.config import ConfigError
     from train.config_checks import check_mode, check_train_options
-    from train.trackers import check_available
+    from reporting.trackers import check_available
 
     cfg = _train_config(t)
     try:                                           # before any stage runs
@@ -656,7 +656,7 @@ def export_cmd(opts, run_dir, out, step, weight_format, overwrite):
 def plot_cmd(opts, run_dir, smoothing):
     """Write PNG curves of a run, axes labelled with units: reward, loss, grad norm, learning rate,
     log-prob diff, KL, groups with all-equal rewards, tokens/s, time per phase, and a summary."""
-    from train import plot_run
+    from launchers.plot import plot_run
 
     for path in plot_run(stages.user_path(run_dir), smoothing=smoothing):
         click.echo(str(path))

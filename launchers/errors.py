@@ -46,7 +46,7 @@ _OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)|No space left on device|File na
 
 def set_debug(on: bool) -> None:
     _DEBUG["on"] = bool(on)
-    # ranks started by the trainer (train.launch) inherit it through the environment; a later command in the
+    # ranks started by the trainer (orchestration.launch) inherit it through the environment; a later command in the
     # same process (tests) without --debug takes it back
     if on and "DSV4_DEBUG" not in os.environ:
         os.environ["DSV4_DEBUG"] = "1"

@@ -140,10 +140,10 @@ def _ep_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
 
 def _spawn(worker, nprocs: int, run, *args) -> object:
     """Run ``worker(rank, free port, run, *args, out_path)`` on ``nprocs`` local processes, started as the run's
-    hardware target asks (``train.local_workers``); rank 0's result."""
+    hardware target asks (``orchestration.local_workers``); rank 0's result."""
     from core.assembly import assemble
     from core.ports import free_port
-    from train.local_workers import start_processes
+    from orchestration.local_workers import start_processes
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.pt"

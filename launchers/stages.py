@@ -422,7 +422,7 @@ def convert_into(run, hf_dir: Path, out: Path, fmt: str = "native") -> Path:
 def train(run, model_dir: Path, *, mode: str, steps: int, run_dir: Path, resume: bool, **overrides) -> dict:
     """SFT or GRPO on the run's implementation, from an HF or native checkpoint."""
     from core.path_safety import refuse_overlap
-    from train import run_training
+    from orchestration import run_training
 
     refuse_overlap(run_dir, [model_dir, overrides.get("data")], out_option="--run-dir")
     result = run_training(
@@ -496,7 +496,7 @@ def reward_trend(metrics_path: Path, n: int = 5):
 def main_job(run, steps: int = 20) -> None:
     """The default job: full-train GRPO on the embedded tiny model (the built-in task, with its settings
     ``train.data.MAIN_JOB_SETTINGS``), then plots."""
-    from train import plot_run
+    from launchers.plot import plot_run
     from train.data import MAIN_JOB_SETTINGS
 
     print_run_config(run)

@@ -430,7 +430,7 @@ def test_pruning_removes_only_real_step_folders_of_the_run(tmp_path):
 
 
 # -- row 5: one writer per run folder
-_HOLD = ("import sys, time\nfrom train.run_lock import hold_run_lock\nhold_run_lock(sys.argv[1])\n"
+_HOLD = ("import sys, time\nfrom orchestration.run_lock import hold_run_lock\nhold_run_lock(sys.argv[1])\n"
          "print('held', flush=True)\ntime.sleep(600)\n")
 
 
@@ -471,7 +471,7 @@ def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(trained_ru
 
 
 def test_the_run_lock_dies_with_its_holder(tmp_path, lock_holder):
-    from train.run_lock import RunFolderBusy, hold_run_lock, read_holder, release_run_lock
+    from orchestration.run_lock import RunFolderBusy, hold_run_lock, read_holder, release_run_lock
 
     run = tmp_path / "run"
     holder = lock_holder(run)
@@ -618,7 +618,7 @@ def test_a_partial_launcher_environment_is_refused_not_ignored(tmp_path):
     proc = dsv4("train", "--steps", "1", "--run-dir", tmp_path / "r", timeout=FAST,
                 env={**env, "MASTER_ADDR": "", "LOCAL_RANK": ""})
     refused(proc, "partial")
-    from train.dist_env import DistEnvError, launcher_env
+    from orchestration.dist_env import DistEnvError, launcher_env
 
     with pytest.raises(DistEnvError, match="no LOCAL_RANK, MASTER_ADDR, MASTER_PORT"):
         launcher_env(env)

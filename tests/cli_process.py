@@ -8,7 +8,7 @@ alone. Here each run is a fork of a zygote: one process per test process (and pe
 ``START_PREFIXES``) that imported those modules once (``PRELOAD``: what the cpu target's rank forkserver
 preloads, then the launcher and the trainer) and never ran a torch op, so no OpenMP pool is forked. The child
 
-* takes the run's environment and working directory (``train.local_workers.adopt``, as a forked rank does)
+* takes the run's environment and working directory (``orchestration.local_workers.adopt``, as a forked rank does)
   and, without ``PYTHONSAFEPATH``, puts that directory first on ``sys.path`` as ``-m`` does,
 * writes stdout and stderr to files of its own, reads stdin from /dev/null, leads a process group of its own
   (a timeout kills the group: the run's own ranks and servers with it),
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Dict, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ("backends.cpu.worker_preload", "launchers.cli", "train.trainer", "core.assembly")
+PRELOAD = ("backends.cpu.worker_preload", "launchers.cli", "orchestration.training", "core.assembly")
 FRESH_ENV = "DSV4_TEST_FRESH_CLI"
 #: Variables read when an interpreter starts or as a preloaded library is imported (the interpreter's own,
 #: OpenMP's, torch's logging and allocator settings, the trackers', the dynamic loader's): runs that differ in
@@ -196,7 +196,7 @@ def _child(request: dict, channel: Sequence[int]) -> None:
             out = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, fd)
             os.close(out)
-        from train.local_workers import adopt
+        from orchestration.local_workers import adopt
 
         adopt({"env": request["env"], "cwd": request["cwd"]})
         try:

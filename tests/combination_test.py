@@ -17,7 +17,7 @@ Every row:
   its ``indexer_scores``: the tiny model has CSA layers), through ``core.kernel_ops.kernels_ran``;
 * publishes the implementation's exported weights (nudged off every quantization grid, as after a
   training step) through ``assemble(run).scheme.publish``, checks the published format and an
-  element-wise bound per format, decodes them (``train.engines.decode_published``) and checks that the
+  element-wise bound per format, decodes them (``rollout.reference_engine.decode_published``) and checks that the
   decoded weights score within :data:`PUBLISH_TOL` of the source.
 
 The qat row also checks ``scheme.prepare_training(model)``: the fake-quant forward differs from the
@@ -306,7 +306,7 @@ def test_published_weights_decode_within_the_formats_bound_and_score_like_the_so
     import torch
 
     from converters.quant_allowlist import is_routed_expert_weight
-    from train.engines import decode_published
+    from rollout.reference_engine import decode_published
 
     scheme = parts.scheme
     fmt = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4"}[scheme.publish_format]

@@ -1,11 +1,11 @@
 """Gloo ranks on the CPU for multi-process tests, started the way the product starts the cpu target's local
-ranks (``train.local_workers``: forked from a server that imported the CPU shims and megatron-core once, each
+ranks (``orchestration.local_workers``: forked from a server that imported the CPU shims and megatron-core once, each
 rank in the test's environment and folder of its launch)."""
 
 
 def spawn_cpu_ranks(fn, args: tuple, nprocs: int) -> None:
     """``fn(rank, *args)`` on ``nprocs`` processes, joined (``torch.multiprocessing.spawn``'s signature)."""
     from backends.cpu.target import CpuTarget
-    from train.local_workers import start_processes
+    from orchestration.local_workers import start_processes
 
     start_processes(fn, tuple(args), nprocs, CpuTarget())

@@ -26,13 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Package -> the packages it may import, top to bottom (docs/architecture.md, "Layering").
 MAY_IMPORT = {
-    "bench": {"launchers", "train", "engine", "backends", "kernels", "converters", "core"},
-    "launchers": {"train", "engine", "backends", "kernels", "converters", "core"},
-    "train": {"engine", "backends", "kernels", "converters", "core"},
-    "backends": {"engine", "kernels", "converters", "core"},
-    "engine": {"kernels", "converters", "core"},
-    "kernels": {"core"},
-    "converters": {"core"},
+    "bench": {"launchers", "orchestration", "train", "rollout", "engine", "backends", "kernels", "converters",
+              "reporting", "core"},
+    "launchers": {"orchestration", "train", "rollout", "engine", "backends", "kernels", "converters", "reporting",
+                  "core"},
+    "orchestration": {"train", "rollout", "engine", "backends", "kernels", "converters", "reporting", "core"},
+    "train": {"rollout", "engine", "backends", "kernels", "converters", "reporting", "core"},
+    "rollout": {"engine", "backends", "kernels", "converters", "reporting", "core"},
+    "backends": {"engine", "kernels", "converters", "reporting", "core"},
+    "engine": {"kernels", "converters", "reporting", "core"},
+    "kernels": {"reporting", "core"},
+    "converters": {"reporting", "core"},
+    "reporting": {"core"},
     "core": set(),
 }
 PACKAGES = tuple(MAY_IMPORT)
@@ -153,7 +158,7 @@ def _where(module: str, line: int) -> str:
 def test_the_source_is_there():
     for pkg in PACKAGES:
         assert pkg in MODULES, f"{pkg}/__init__.py is not in the runfiles"
-    assert {"core.thd", "train.trainer", "launchers.cli"} <= set(MODULES)
+    assert {"core.thd", "train.trainer", "rollout.reference_engine", "orchestration.launch", "launchers.cli"} <= set(MODULES)
 
 
 def test_no_package_imports_one_above_it():
@@ -193,11 +198,56 @@ def test_no_import_circles():
     assert not report, "import circles:\n" + "\n".join(report)
 
 
+# The one product module that may touch megatron-core's parallel-state globals: it starts them and builds the
+# run's layout (issue #33, item 2); every other module reads the layout.
+LAYOUT_MODULE = "engine.layout"
+PARALLEL_STATE = ("megatron.core.parallel_state", "megatron.core.mpu")
+
+
+def _parallel_state_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that import megatron-core's parallel state or reach it as an attribute."""
+    tree = ast.parse(path.read_text(), str(path))
+    lines = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr in ("parallel_state", "mpu"):
+            names = [ast.unparse(node)]
+        if any(n == ps or n.startswith(ps + ".") for n in names for ps in PARALLEL_STATE):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_layout_module_reads_megatrons_parallel_state():
+    wrong = [f"{path.relative_to(ROOT)}:{line}" for module, path in MODULES.items() if module != LAYOUT_MODULE
+             for line in _parallel_state_reads(path)]
+    assert not wrong, ("megatron-core's parallel_state read outside engine/layout.py (read the run's layout, "
+                       "engine.layout.current(), instead):\n" + "\n".join(wrong))
+    assert _parallel_state_reads(MODULES[LAYOUT_MODULE]), "engine/layout.py no longer starts the parallel state"
+
+
+def test_the_parallel_state_checker_sees_every_spelling(tmp_path):
+    spellings = ["from megatron.core import parallel_state as ps", "import megatron.core.parallel_state",
+                 "from megatron.core.parallel_state import get_data_parallel_group",
+                 "import megatron.core\nx = megatron.core.parallel_state", "from megatron.core import mpu"]
+    for i, text in enumerate(spellings):
+        f = tmp_path / f"m{i}.py"
+        f.write_text(text + "\n")
+        assert _parallel_state_reads(f), text
+    ok = tmp_path / "ok.py"
+    ok.write_text("from megatron.core import tensor_parallel\nfrom engine.layout import current\n")
+    assert not _parallel_state_reads(ok)
+
+
 def test_the_checker_sees_a_circle_and_a_wrong_import():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b": 1}, "b": {}}) == []
     assert "launchers" not in MAY_IMPORT["train"] and "backends" not in MAY_IMPORT["engine"]
+    assert "orchestration" not in MAY_IMPORT["train"] and "train" not in MAY_IMPORT["rollout"]
 
 
 if __name__ == "__main__":

@@ -189,6 +189,58 @@ def test_a_third_party_backend_extends_the_table_without_core_edits(entry_points
     )
 
 
+# Each job rule and the module it lives in, beside the code it guards (issue #33, item 4).
+JOB_RULE_HOMES = {
+    "train.rules": ["train-layout", "train-context-parallel-thd", "train-cuda-graphs", "packing-thd",
+                    "true-on-policy"],
+    "rollout.rules": ["rollout-hardware", "rollout-url", "rollout-publish-format", "async-rollout"],
+    "orchestration.rules": ["orchestrator-options", "orchestrator-rollout", "rollout-num-gpus", "rollout-num-nodes",
+                            "weight-transport-hardware", "weight-transport-placement", "ray-colocate"],
+}
+
+
+def test_the_job_rules_live_beside_their_code_and_join_the_table(entry_points):
+    from core.combinations import CAPABILITY_RULES, table_rules
+
+    host = PluginHost(BUILTIN_PLUGINS)
+    homes = {}
+    for rule in host.job_rules():
+        homes.setdefault(rule.check.__module__, []).append(rule.name)
+    assert homes == JOB_RULE_HOMES
+    assert not {r.check.__module__ for r in CAPABILITY_RULES} - {"core.combinations"}
+    jobs = {n for names in JOB_RULE_HOMES.values() for n in names}
+    assert not jobs & {r.name for r in CAPABILITY_RULES}
+    assert [r.name for r in table_rules(host)] == [*(n for names in JOB_RULE_HOMES.values() for n in names),
+                                                   *(r.name for r in CAPABILITY_RULES)]
+    # registered through the host: without the rules' plugin module the trainer's layout rule is not in the table
+    layout = Choices(tp=2, world=3, job="train", impl="miles")
+    with pytest.raises(InvalidCombination, match="3 ranks do not split into --tp 2"):
+        normalize(layout, host)
+    bare = PluginHost([m for m in BUILTIN_PLUGINS if m != "train.rules"], third_party=False)
+    assert normalize(layout, bare).world == 3
+    assert [r.name for r in normalize(Choices(), host).rules] == [r.name for r in table_rules(host)]
+
+
+def test_a_plugin_adds_a_job_rule_and_cannot_take_a_rules_name(entry_points):
+    from core.combinations import Rule
+
+    def refuse_fp8(sel, host):
+        return "no fp8 here. Fix: use --quant bf16." if sel.quant.name == "fp8" else None
+
+    _module("fake_rule", dsv4_job_rules=lambda: [Rule("site-no-fp8", "this site refuses fp8", refuse_fp8)])
+    entry_points.append(_EntryPoint("rule", "fake_rule", "site-rules"))
+    host = PluginHost(BUILTIN_PLUGINS, strict=True)
+    with pytest.raises(InvalidCombination, match=r"^no fp8 here\. Fix: use --quant bf16\.$"):
+        normalize(Choices(quant="fp8"), host)
+    for name in ("runnable", "train-layout"):
+        _module("fake_rule_dup", dsv4_job_rules=lambda: [Rule(name, "d", refuse_fp8)])
+        with pytest.raises(PluginError, match=f"rule '{name}' is already in the combination table"):
+            PluginHost([*BUILTIN_PLUGINS, "fake_rule_dup"], third_party=False)
+    _module("fake_rule_type", dsv4_job_rules=lambda: [("name", "d", refuse_fp8)])
+    with pytest.raises(PluginError, match="returned tuple, expected core.combinations.Rule records"):
+        PluginHost(["fake_rule_type"], third_party=False)
+
+
 def test_make_host_reads_the_environment_switches(entry_points, monkeypatch):
     monkeypatch.setenv(plugins_module.NO_THIRD_PARTY_ENV, "yes")
     monkeypatch.setenv(plugins_module.STRICT_ENV, "1")

@@ -59,8 +59,9 @@ def test_a_rules_only_target_does_not_pass_for_a_runnable_one():
 
 def test_every_hook_and_record_is_documented():
     docs = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
-    for hook in hookspecs.HOOK_AXIS:
+    for hook in [*hookspecs.HOOK_AXIS, hookspecs.RULES_HOOK]:
         assert (getattr(hookspecs, hook).__doc__ or "").strip(), f"hook {hook} has no docstring"
+        assert f"`{hook}`" in docs, f"hook {hook} appears nowhere in README.md or docs/"
     for record in RECORDS:
         assert record.description.strip(), record.name
         assert f"`{record.name}`" in docs or f"{AXIS_OPTION[record.axis]} {record.name}" in docs, \

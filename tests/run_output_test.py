@@ -53,7 +53,7 @@ def test_detect_hardware_chooses_nvidia_when_torch_sees_a_gpu(monkeypatch, caplo
     import torch
 
     from launchers.console import detect_hardware
-    from train import run_log
+    from reporting import run_log
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")

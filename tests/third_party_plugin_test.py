@@ -18,7 +18,7 @@ import pytest
 
 RUNFILES_ROOT = Path(os.path.abspath(__file__)).parent.parent
 EXAMPLE = RUNFILES_ROOT / "examples" / "dsv4_example_plugin"
-REPO_PACKAGES = ("core", "backends", "kernels", "converters", "engine", "launchers", "train")
+REPO_PACKAGES = ("core", "backends", "kernels", "converters", "engine", "launchers", "orchestration", "reporting", "rollout", "train")
 
 
 def _pip_install(source: Path, target: Path) -> None:

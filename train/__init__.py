@@ -1,28 +1,22 @@
-"""DeepSeek-V4 training loop: SFT and GRPO with a pluggable rollout engine (issue #7).
+"""The trainer: the SFT / GRPO loop of one rank, its losses, optimizer, checkpoints, metrics and data (issue #7).
 
-Entry points (wired into ``dsv4 train`` / ``dsv4 export`` / ``dsv4 plot`` by the launcher):
+Entry points (wired into ``dsv4 train`` / ``dsv4 export`` by the launcher):
 
-* :func:`train.trainer.run_training` - the SFT / GRPO loop (metrics, checkpoints, resume).
+* :func:`train.trainer.train_rank` - one rank's SFT / GRPO loop (metrics, checkpoints, resume); the ranks are
+  started by :func:`orchestration.run_training`, above this package.
 * :func:`train.export.export_hf` - a run's last complete checkpoint -> an HF-format checkpoint.
-* :func:`train.plot.plot_run` - PNG curves from ``RUN_DIR/metrics.jsonl``.
 
 Modules: :mod:`.data` (JSONL data, built-in task, rewards, tokenization), :mod:`.model` (the
 ``TrainModel`` protocol and the adapters; ``build_train_model`` is where an implementation plugs in),
-:mod:`.engines` (rollout-engine protocol + the built-in reference engine), :mod:`.sglang_engine`
-(SGLang server adapter), :mod:`.weight_sync`, :mod:`.losses`, :mod:`.replay` (routing replay R3 and the
-indexer-replay seam), :mod:`.metrics`, :mod:`.run_log` (what a run prints: configuration, step lines, progress,
-``RUN_DIR/train.log``), :mod:`.checkpointing`.
+:mod:`.losses`, :mod:`.optim`, :mod:`.distributed` (the trainer's ranks), :mod:`.metrics` (``metrics.jsonl``),
+:mod:`.checkpointing`, :mod:`.run_folder` (where a run starts, resume), :mod:`.sft` and :mod:`.grpo` (the steps).
+What a run prints and its trackers are :mod:`reporting`'s. The rollout engines,
+weight sync and routing replay are the rollout side's (:mod:`rollout`, below this package).
 
 Importing this package imports nothing heavy; the functions below import lazily.
 """
 
 from __future__ import annotations
-
-
-def run_training(*args, **kwargs):
-    from .trainer import run_training as _run
-
-    return _run(*args, **kwargs)
 
 
 def export_hf(*args, **kwargs):
@@ -31,10 +25,4 @@ def export_hf(*args, **kwargs):
     return _export(*args, **kwargs)
 
 
-def plot_run(*args, **kwargs):
-    from .plot import plot_run as _plot
-
-    return _plot(*args, **kwargs)
-
-
-__all__ = ["run_training", "export_hf", "plot_run"]
+__all__ = ["export_hf"]

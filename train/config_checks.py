@@ -48,7 +48,7 @@ def _int(key: str, v: Any, lo: int, hi: int) -> None:
 
 
 def _trackers(names: Any) -> None:
-    from .trackers import TRACKERS
+    from reporting.trackers import TRACKERS
 
     allowed = f"a list of {', '.join(TRACKERS)} (each at most once; none alone)"
     if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
@@ -60,7 +60,7 @@ def _trackers(names: Any) -> None:
 
 def _cuda_graphs(cfg) -> None:
     """``cuda_graphs`` and ``pad_to_length`` against the other knobs (the layout is the combination table's:
-    ``core.combinations``, rule ``train-cuda-graphs``)."""
+    :mod:`train.rules`, rule ``train-cuda-graphs``)."""
     if cfg.pad_to_length is not None:
         _int("pad_to_length", cfg.pad_to_length, 2, _BIG)
         if cfg.max_tokens_per_rank is not None:
@@ -116,7 +116,7 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
 
 # true_on_policy: the training models it is exact with (docs/rollout.md#true-on-policy). reference: the built-in
 # engine runs the reference model on the trainer's shapes; miles, megatron: the engine draws from the trainer's own
-# module (train.engines.TrainModuleEngine), whose experts (engine.moe.DSv4MoE, shared by both) honour
+# module (rollout.reference_engine.TrainModuleEngine), whose experts (engine.moe.DSv4MoE, shared by both) honour
 # row_invariant_experts; tested on the CPU in fp32 and bf16 and on one NVIDIA GPU in bf16 (the reference kernel
 # ops: cuBLAS is deterministic for equal shapes on one stream). Another implementation's MoE may not honour it.
 ON_POLICY_IMPLS = ("reference", "miles", "megatron")
@@ -170,20 +170,21 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
                                           "use --hardware cpu, or --hardware nvidia --dtype bf16")
     if dist is not None and getattr(dist, "world", 1) != 1:
         raise _true_on_policy_refusal(f"the run has {dist.world} ranks", "train on one rank")
-    if run_config is not None:                   # the run's choices: rule ``true-on-policy`` (core.combinations)
+    if run_config is not None:                   # the run's choices: rule ``true-on-policy`` (train.rules)
         import dataclasses
 
         from core.combinations import InvalidCombination, train_option_problems
 
-        problems = train_option_problems(dataclasses.replace(run_config.selection, true_on_policy=True))
+        problems = train_option_problems(dataclasses.replace(run_config.selection, true_on_policy=True),
+                                         run_config.rules)
         if problems:
             raise InvalidCombination("\n".join(problems))
 
 
 def check_train_options(run_config, cfg, host=None) -> None:
-    """The trainer's options that the combination table checks with the run's layout (``core.combinations``:
-    rules ``train-cuda-graphs``, ``ray-colocate``, ``async-rollout``, ``true-on-policy``); raises its
-    InvalidCombination."""
+    """The trainer's options that the combination table checks with the run's layout (the run's rules that read
+    them: ``train-cuda-graphs``, ``true-on-policy`` in :mod:`train.rules`, ``async-rollout`` in
+    :mod:`rollout.rules`, ``ray-colocate`` in :mod:`orchestration.rules`); raises the table's InvalidCombination."""
     import dataclasses
 
     from core.combinations import InvalidCombination, train_option_problems
@@ -193,12 +194,13 @@ def check_train_options(run_config, cfg, host=None) -> None:
     if cfg.indexer_replay:
         raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
                           "top-k picks yet, and the miles and megatron models do not read the replay seam "
-                          "(train.replay has a recorder and replayer for the reference model only). Fix: drop "
+                          "(rollout.replay has a recorder and replayer for the reference model only). Fix: drop "
                           "indexer_replay (routing_replay replays the experts)")
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout),
-                                                         true_on_policy=bool(cfg.true_on_policy)), host)
+                                                         true_on_policy=bool(cfg.true_on_policy)),
+                                     run_config.rules, host)
     if problems:
         raise InvalidCombination("\n".join(problems))
     sel = run_config.selection
@@ -248,7 +250,7 @@ def validate(cfg) -> None:
     if cfg.indexer_replay:
         raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
                           "top-k picks yet, and the miles and megatron models do not read the replay seam "
-                          "(train.replay has a recorder and replayer for the reference model only). Fix: drop "
+                          "(rollout.replay has a recorder and replayer for the reference model only). Fix: drop "
                           "indexer_replay (routing_replay replays the experts)")
     from engine.recompute import MODES
 

@@ -1,8 +1,8 @@
 """The trainer's ranks: data, tensor, context and expert parallel groups, and how work splits over them.
 
 Layout (``world = dp x tp x cp``; pipeline parallel is 1; checked at parse time by the combination table's
-``train-layout`` rule): the hardware target starts megatron-core's parallel state (``initialize_model_parallel``),
-and :class:`ParallelGroups` reads it back:
+``train-layout`` rule): the hardware target builds this rank's layout (``engine.layout``), and
+:class:`ParallelGroups` is the trainer's view of it:
 
 * **data parallel** (``dp``): each data-parallel rank trains on its own share of the step's samples (SFT
   sequences, GRPO prompt groups: contiguous chunks, so the global order is the same for every layout).
@@ -41,22 +41,21 @@ class ParallelGroups:
         self._groups = groups or {}
 
     @classmethod
-    def current(cls) -> "ParallelGroups":
-        """From megatron's parallel state (set up by the hardware target); all ones without a process group."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    def of(cls, layout) -> "ParallelGroups":
+        """The trainer's view of this rank's layout (``engine.layout.ParallelLayout``, built by the hardware
+        target); all ones on one rank."""
+        if layout.world == 1:
             return cls()
-        from megatron.core import parallel_state as ps
+        groups = {"dp": layout.group("dp"), "cp": layout.group("cp"), "tp_cp": layout.group("tp_cp")}
+        return cls(rank=layout.rank, world=layout.world, dp=layout.dp, dp_rank=layout.dp_rank, tp=layout.tp,
+                   tp_rank=layout.tp_rank, cp=layout.cp, cp_rank=layout.cp_rank, ep=layout.ep, groups=groups)
 
-        groups = {
-            "dp": ps.get_data_parallel_group(),
-            "cp": ps.get_context_parallel_group(),
-            "tp_cp": ps.get_tensor_and_context_parallel_group(),
-        }
-        return cls(rank=dist.get_rank(), world=dist.get_world_size(),
-                   dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
-                   tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                   cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
-                   ep=ps.get_expert_model_parallel_world_size(), groups=groups)
+    @classmethod
+    def current(cls) -> "ParallelGroups":
+        """Of this process's layout (``engine.layout.current``); all ones without a process group."""
+        from engine.layout import current
+
+        return cls.of(current())
 
     # -- roles -------------------------------------------------------------
     @property

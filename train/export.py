@@ -17,21 +17,6 @@ from core import weight_contract as wc
 from core.finite import checked
 
 CONFIG_FILE = "train_config.json"  # in a run folder: every knob of the run (written by train.trainer)
-# the HF checkpoint weight format that holds weights published in each format (converters.publish)
-_CHECKPOINT_FORMAT = {"bf16": "bf16", "fp8": "fp8"}
-
-
-def checkpoint_format(publish_format: str, *, purpose: str) -> str:
-    """The HF checkpoint weight format (``write_checkpoint``) of weights published as ``publish_format``; a
-    one-line error for a format no checkpoint writer here produces (NVFP4). ``purpose`` says what needs it."""
-    from core.errors import UserInputError
-
-    fmt = _CHECKPOINT_FORMAT.get(publish_format)
-    if fmt is None:
-        raise UserInputError(f"{purpose} needs an HF checkpoint in the published format {publish_format}, and "
-                             f"dsv4 writes checkpoints in {' or '.join(sorted(_CHECKPOINT_FORMAT))} only. Fix: "
-                             f"choose a --quant that publishes one of those")
-    return fmt
 
 
 def export_model(train_model, out_dir, *, weight_format: str = "bf16", tokenizer=None,

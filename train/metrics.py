@@ -1,4 +1,4 @@
-"""Metrics: ``RUN_DIR/metrics.jsonl`` (one object per step), the run's trackers (:mod:`train.trackers`:
+"""Metrics: ``RUN_DIR/metrics.jsonl`` (one object per step), the run's trackers (:mod:`reporting.trackers`:
 TensorBoard events in ``RUN_DIR/tb`` by default, wandb, MLflow), console.
 
 Every line has at least :data:`REQUIRED_KEYS`. Values that do not apply to a mode are ``null`` (SFT has
@@ -22,7 +22,7 @@ from typing import Dict, List
 
 from core.atomic import write_text_atomically
 
-from .trackers import DEFAULT as DEFAULT_TRACKERS, TB_DIR
+from reporting.trackers import DEFAULT as DEFAULT_TRACKERS, TB_DIR
 
 METRICS_FILE = "metrics.jsonl"
 REQUIRED_KEYS = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
@@ -63,12 +63,12 @@ def _clean(v):
 
 class MetricsLogger:
     """Writes each step's row to ``metrics.jsonl`` (fsynced: the run's record) and then to the run's
-    trackers (:mod:`train.trackers`: TensorBoard by default; a tracker that fails mid-run is dropped with
+    trackers (:mod:`reporting.trackers`: TensorBoard by default; a tracker that fails mid-run is dropped with
     one warning, the run and this file go on)."""
 
     def __init__(self, run_dir, *, start_step: int = 0, trackers=DEFAULT_TRACKERS, config=None,
                  run_name: str = ""):
-        from .trackers import open_trackers
+        from reporting.trackers import open_trackers
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +78,7 @@ class MetricsLogger:
         self._f = open(self.path, "a")
 
     def log(self, row: Dict) -> None:
-        from .trackers import log_all, scalars
+        from reporting.trackers import log_all, scalars
 
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
@@ -90,28 +90,10 @@ class MetricsLogger:
         log_all(self._trackers, int(row["step"]), scalars(row))
 
     def close(self) -> None:
-        from .trackers import close_all
+        from reporting.trackers import close_all
 
         self._f.close()
         close_all(self._trackers)
-
-
-def summary_line(row: Dict, total_steps: int) -> str:
-    def f(k, fmt="{:.4g}"):
-        v = row.get(k)
-        return "-" if v is None else fmt.format(v)
-
-    zero_var = row.get("zero_variance_group_frac")
-    flat = ""
-    if zero_var is not None:
-        flat = f"zero-var groups {zero_var:.0%}  "
-        if zero_var >= 1.0:
-            flat += "(no learning signal: every group's rewards are equal)  "
-    return (f"step {row['step']}/{total_steps}  loss {f('loss')}  reward {f('reward_mean')}  {flat}"
-            f"|lp diff| {f('train_rollout_logprob_abs_diff', '{:.2e}')}  kl {f('train_rollout_kl', '{:.2e}')}  "
-            f"gnorm {f('grad_norm')}  tok/s {f('tokens_per_s', '{:.0f}')}  "
-            f"[rollout {f('time_rollout', '{:.2f}')}s logprobs {f('time_logprobs', '{:.2f}')}s "
-            f"train {f('time_train', '{:.2f}')}s sync {f('time_update_weights', '{:.2f}')}s]")
 
 
 def tensorboard_scalars(run_dir) -> Dict[str, List]:

@@ -7,7 +7,7 @@ The trainer never touches an implementation's internals. It needs (``TrainModel`
   per-token log-probs ``[B, S-1]`` of ``log softmax(logits / temperature)`` at the next token, the MTP
   logits (when asked; computed with the output head and embedding DETACHED, so the MTP loss trains the
   MTP blocks and the trunk only) and the routing actually used in learned layers (for replay checks);
-  ``routing_replay`` is ``[B, S, n_layers, k]`` (see :mod:`train.replay`);
+  ``routing_replay`` is ``[B, S, n_layers, k]`` (see :mod:`rollout.replay`);
 * ``logprobs(input_ids, routing_replay=None, temperature=1.0) -> [B, S-1]``;
 * ``native_tensors()`` - ``(native name, tensor)`` of every contract tensor (weight sync, checkpoints);
 * ``load_native_state(state)`` - the inverse (resume);
@@ -36,7 +36,8 @@ from torch import nn
 
 from core import weight_contract as wc
 
-from .replay import RoutingRecorder, RoutingReplayer, routing_context
+from rollout.logprobs import next_token_logprobs
+from rollout.replay import RoutingRecorder, RoutingReplayer, routing_context
 
 REFERENCE = "reference"
 
@@ -62,15 +63,6 @@ class TrainModel(Protocol):
     def native_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]: ...
 
     def load_native_state(self, state: Dict[str, torch.Tensor]) -> None: ...
-
-
-def next_token_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``[B,S,V]`` logits -> ``[B,S-1,V]`` log-probs of every next token under ``softmax(logits/T)``. The
-    ``true_on_policy`` rollout engine samples from this same op on the same shape (``train.engines``)."""
-    lg = logits[:, :-1].float()
-    if temperature != 1.0:
-        lg = lg / temperature
-    return torch.log_softmax(lg, dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -294,7 +286,7 @@ class ImplTrainModel(_TrainModelBase):
         self.indexer_loss_coeff = indexer_loss_coeff
         self.device = torch.device("cpu") if device is None else torch.device(device)
         # true_on_policy: forward with kernels.reference.moe.row_invariant_experts (engine.moe honours it), as
-        # the rollout engine that draws from this module does (train.engines.TrainModuleEngine)
+        # the rollout engine that draws from this module does (rollout.reference_engine.TrainModuleEngine)
         self.row_invariant = False
         params = inspect.signature(module.mtp_logits).parameters if hasattr(module, "mtp_logits") else {}
         self._mtp_takes_streams = "hidden_streams" in params
@@ -353,7 +345,7 @@ class ImplTrainModel(_TrainModelBase):
         """``[B, S]`` ids -> (``[B, S-1, V]`` log-probs of every next token on the model's device, the learned
         layers' routing ``{layer: idx [B, S, k]}``): the very forward and op of :meth:`forward_train` (which
         gathers the next token's entry from this tensor), for the ``true_on_policy`` engine that samples from
-        this module (:class:`train.engines.TrainModuleEngine`)."""
+        this module (:class:`rollout.reference_engine.TrainModuleEngine`)."""
         logits, _ids, hook, _mtp, _aux = self._forward_rows(input_ids, None, False)
         return next_token_logprobs(logits, temperature), _used(hook)
 
@@ -502,10 +494,12 @@ class ImplTrainModel(_TrainModelBase):
         ones (tensor-parallel slices; its experts, whole), for checkpoints written piece by piece
         (``core.dcp_shards``; :meth:`load_native_shards` reads them back). The views share the tensors'
         memory."""
-        from engine.runtime import tp_rank, tp_world
+        from engine.layout import current as parallel_layout
         from engine.tp import full_shape, tp_pieces, tp_spec
 
-        rank, world = tp_rank(), tp_world()
+        layout = parallel_layout()
+
+        rank, world = layout.tp_rank, layout.tp
         out = {}
         for n, t in self.native_tensors():
             spec = tp_spec(t)
@@ -525,10 +519,10 @@ class ImplTrainModel(_TrainModelBase):
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
         experts): a collective over the tensor- and expert-parallel groups."""
         from engine.loading import with_every_expert
-        from engine.runtime import tp_group
+        from engine.layout import current as parallel_layout
         from engine.tp import gather_tensor, tp_spec
 
-        group = tp_group()
+        group = parallel_layout().group("tp")
         local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in self.native_tensors()}
         return with_every_expert(local)
 
@@ -565,7 +559,7 @@ def setup_process(parts):
     """What a job does before building a model: the run's hardware target (``parts``, the run's
     ``core.assembly.Assembly``) sets the process up (on the CPU: megatron-core's shims) and, when no process
     group exists, starts a one-rank group with megatron's parallel state. Several-rank runs start their
-    groups first (:func:`train.launch.init_rank`). Returns the target."""
+    groups first (:func:`orchestration.launch.init_rank`). Returns the target."""
     from engine.thd_attention import cp_group_info
 
     import torch.distributed as dist
@@ -573,7 +567,7 @@ def setup_process(parts):
     cp = parts.run.cp
     if dist.is_initialized() and cp_group_info()[0] != cp:
         raise ValueError(f"--cp {cp}: this process's context-parallel group has "
-                         f"{cp_group_info()[0]} ranks (train.launch starts them)")
+                         f"{cp_group_info()[0]} ranks (orchestration.launch starts them)")
     return parts.setup_process()
 
 
@@ -581,7 +575,7 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                       dtype: Optional[torch.dtype] = None, seed: int = 0,
                       dsa_indexer_loss_coeff: Optional[float] = None,
                       compile_blocks: bool = False, cuda_graphs: bool = False,
-                      recompute: str = "none", initialize: bool = True) -> _TrainModelBase:
+                      recompute: str = "none", initialize: bool = True, parts=None) -> _TrainModelBase:
     """THE place an implementation is plugged in.
 
     ``impl``: ``None`` = the run's implementation (``run_config.impl``; ``"reference"`` without a run
@@ -595,8 +589,13 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     ``initialize=False``: the caller loads weights next (:func:`load_model_source`), so the random init is
     skipped (it took most of the startup of a large model: a one-core draw of every weight, all overwritten)
     and every floating weight starts as NaN instead; :func:`load_model_source` then checks that the load
-    wrote them all (``core.finite.check_written``).
+    wrote them all (``core.finite.check_written``). ``parts``: the run's assembly (``core.assembly.assemble``), made
+    once per rank by its caller (None: assembled here).
     """
+    if parts is None and run_config is not None:
+        from core.assembly import assemble
+
+        parts = assemble(run_config)
     impl = impl or (run_config.impl if run_config is not None else REFERENCE)
     if impl == REFERENCE:
         if recompute != "none":
@@ -608,15 +607,12 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
         if dsa_indexer_loss_coeff is not None:
             raise ValueError("dsa_indexer_loss_coeff: the reference training model has no indexer KL loss")
         return ReferenceTrainModel(model_config, dtype=dtype or torch.float32, seed=seed,
-                                   device=_reference_device(run_config), initialize=initialize)
+                                   device=_reference_device(parts), initialize=initialize)
     if run_config is None:
         raise ValueError(f"--impl {impl}: building an implementation's training model needs the run config")
     if impl != run_config.impl:
         raise ValueError(f"train_impl {impl!r} is not the run's implementation ({run_config.impl!r}); "
                          f"use the run's or 'reference'")
-    from core.assembly import assemble
-
-    parts = assemble(run_config)
     setup_process(parts)
     options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
@@ -637,15 +633,12 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
                           indexer_loss_coeff=dsa_indexer_loss_coeff, device=device)
 
 
-def _reference_device(run_config):
-    """The device of the reference training model: the run's (a GPU target's current CUDA device, set up as
-    the target sets a process up: TF32 off), the CPU without a run config."""
-    if run_config is None:
+def _reference_device(parts):
+    """The device of the reference training model: the run's (``parts``, its assembly: a GPU target's current CUDA
+    device, set up as the target sets a process up: TF32 off), the CPU without a run config."""
+    if parts is None:
         return torch.device("cpu")
-    from core.assembly import assemble
-
-    parts = assemble(run_config)
-    if run_config.selection.hardware.gpu:
+    if parts.selection.hardware.gpu:
         parts.target.setup()
     return parts.device()
 

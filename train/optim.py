@@ -47,12 +47,6 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _ps():
-    from megatron.core import parallel_state as ps
-
-    return ps
-
-
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -62,9 +56,11 @@ def _pieces(p: torch.nn.Parameter, flat: torch.Tensor, start: int = 0):
     tensor flattened (``flat``): where they lie in the FULL parameter (``engine.tp.tp_pieces``)."""
     rank, world = 0, 1
     if _initialized():
-        from engine.runtime import tp_rank, tp_world
+        from engine.layout import current as parallel_layout
 
-        rank, world = tp_rank(), tp_world()
+        layout = parallel_layout()
+
+        rank, world = layout.tp_rank, layout.tp
     spec = tp_spec(p)
     return full_shape(p.shape, spec, world), tp_pieces(flat, tuple(p.shape), start, spec, rank, world)
 
@@ -128,11 +124,13 @@ class TorchOptimizer(_Base):
     def _reduce(self) -> None:
         if not _initialized():
             return
-        ps = _ps()
+        from engine.layout import current
+
+        layout = current()
         dense = [p for p in self.params if not _is_expert(p)]
         experts = [p for p in self.params if _is_expert(p)]
-        all_reduce_grads(dense, ps.get_data_parallel_group(with_context_parallel=True))
-        all_reduce_grads(experts, ps.get_expert_data_parallel_group())
+        all_reduce_grads(dense, layout.group("dp_cp"))
+        all_reduce_grads(experts, layout.group("expert_dp"))
 
     def _global_norm(self) -> float:
         """sqrt of the sum of squares of the FULL model's gradients: replicated tensors counted once, tensor-
@@ -151,14 +149,16 @@ class TorchOptimizer(_Base):
             else:
                 replicated += sq
         if _initialized():
-            ps = _ps()
-            if ps.get_tensor_model_parallel_world_size() > 1:
-                dist.all_reduce(tp_sharded, group=ps.get_tensor_model_parallel_group())
+            from engine.layout import current
+
+            layout = current()
+            if layout.tp > 1:
+                dist.all_reduce(tp_sharded, group=layout.group("tp"))
             # expert banks: split over expert parallel, and (as tensors) over the expert tensor-parallel group
-            if ps.get_expert_model_parallel_world_size() > 1:
-                dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
-            if ps.get_expert_tensor_parallel_world_size() > 1:
-                dist.all_reduce(experts, group=ps.get_expert_tensor_parallel_group())
+            if layout.ep > 1:
+                dist.all_reduce(experts, group=layout.group("ep"))
+            if layout.etp > 1:
+                dist.all_reduce(experts, group=layout.group("etp"))
         return float((replicated + tp_sharded + experts).sqrt())
 
     def step(self) -> float:
@@ -218,12 +218,12 @@ def weight_decay_groups(named: Dict[str, torch.nn.Parameter], weight_decay: floa
 
 def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
     """Merge the step counts of every expert-parallel rank (each holds other experts)."""
-    from engine.runtime import ep_group, ep_world
+    from engine.layout import current as parallel_layout
 
-    if not _initialized() or ep_world() == 1:
+    if not _initialized() or parallel_layout().ep == 1:
         return steps
-    parts = [None] * ep_world()
-    dist.all_gather_object(parts, steps, group=ep_group())
+    parts = [None] * parallel_layout().ep
+    dist.all_gather_object(parts, steps, group=parallel_layout().group("ep"))
     merged: Dict[str, int] = {}
     for part in parts:
         for n, v in part.items():

@@ -47,8 +47,8 @@ two costs of importing it, see 4 and 5):
    ``torch.compile`` is :func:`compile_on_first_call`: the same compile, done when the
    function first runs.
 
-:func:`init_cpu_process_group` starts a gloo process group and megatron's
-``parallel_state.initialize_model_parallel`` on top of it (shims applied first).
+:func:`init_cpu_process_group` starts a gloo process group and the run's layout on top of it
+(``engine.layout.initialize``: megatron's model-parallel state; shims applied first).
 """
 
 from __future__ import annotations
@@ -413,16 +413,17 @@ def model_parallel_cpu_manual_seed(seed: int, tp_rank: int | None = None, ep_ran
     Seeds the CPU generator with ``seed`` (data parallel) and installs a
     :class:`CpuRNGStatesTracker` as megatron's global tracker with the model-parallel
     state ``seed + 2718 + tp_rank`` and the expert state ``seed + 1024 + 100 ep + etp``
-    (megatron's offsets)."""
-    from megatron.core import parallel_state as ps
+    (megatron's offsets); the ranks not given are this rank's (``engine.layout``)."""
+    from engine.layout import current
 
     mrandom = _tracker_base()
+    layout = current()
     if tp_rank is None:
-        tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+        tp_rank = layout.tp_rank
     if ep_rank is None:
-        ep_rank = ps.get_expert_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+        ep_rank = layout.ep_rank
     if etp_rank is None:
-        etp_rank = ps.get_expert_tensor_parallel_rank() if ps.model_parallel_is_initialized() else 0
+        etp_rank = layout.etp_rank
     tracker = CpuRNGStatesTracker()
     torch.manual_seed(seed)
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
@@ -472,18 +473,20 @@ def shims_applied() -> bool:
 
 def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, pp: int = 1, cp: int = 1,
                            ep: int = 1, port: int | None = None, seed: int = 1234,
-                           master_addr: str = "127.0.0.1", store=None) -> None:
+                           master_addr: str = "127.0.0.1", store=None):
     """Apply the shims, start a gloo process group (``MASTER_ADDR``/``MASTER_PORT`` from the
     arguments or the environment; a one-process world uses an in-memory store, so
     concurrent single-process jobs never race for a TCP port) and initialize
     megatron's model-parallel groups (``tp``, ``pp``, ``cp``, ``ep``; data parallel takes
-    the rest), then seed the CPU RNG tracker. Idempotent for the same world."""
+    the rest) through the run's layout (``engine.layout.initialize``), then seed the CPU RNG
+    tracker. Idempotent for the same world. Returns this rank's layout."""
     apply_megatron_cpu_shims()
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+
+    from engine.layout import initialize
 
     if not dist.is_initialized():
-        if store is not None:          # the ranks met on it already (train.dist_env.rendezvous)
+        if store is not None:          # the ranks met on it already (orchestration.dist_env.rendezvous)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         elif world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -494,16 +497,16 @@ def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, p
             elif "MASTER_PORT" not in os.environ:
                 raise ValueError("init_cpu_process_group: pass port= (or set MASTER_PORT) for world_size > 1")
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp, expert_model_parallel_size=ep)
+    layout = initialize(tp, pp=pp, cp=cp, ep=ep)
     model_parallel_cpu_manual_seed(seed)
+    return layout
 
 
 def destroy_cpu_process_group() -> None:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
+    from engine.layout import destroy
+
+    destroy()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -13,7 +13,7 @@ class CpuTarget:
     """Runs on the host CPU; several ranks talk over gloo."""
 
     distributed_backend = "gloo"
-    # local ranks fork from a server that imported the shims and megatron-core once (train.local_workers)
+    # local ranks fork from a server that imported the shims and megatron-core once (orchestration.local_workers)
     local_worker_start = "forkserver"
     worker_preload = ("backends.cpu.worker_preload",)
 
@@ -28,17 +28,18 @@ class CpuTarget:
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
                            port: int | None = None, seed: int = 1234, master_addr: str | None = None,
-                           local_rank: int | None = None, store=None) -> None:
+                           local_rank: int | None = None, store=None):
         """gloo process group plus megatron's model-parallel groups for this rank (``MASTER_ADDR``: the
-        argument, the environment, or this machine; ``store``: the c10d store the ranks met on, if any)."""
+        argument, the environment, or this machine; ``store``: the c10d store the ranks met on, if any); returns
+        this rank's layout (``engine.layout``)."""
         import os
 
         from backends.cpu.megatron_shims import init_cpu_process_group
 
         self.setup()
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        init_cpu_process_group(rank, world_size, tp=tp, cp=cp, ep=ep, port=port, seed=seed, master_addr=addr,
-                               store=store)
+        return init_cpu_process_group(rank, world_size, tp=tp, cp=cp, ep=ep, port=port, seed=seed, master_addr=addr,
+                                      store=store)
 
     def destroy_process_group(self) -> None:
         """Tear down megatron's parallel groups and the gloo process group (the nvidia target's counterpart)."""

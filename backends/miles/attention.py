@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_, attribute_on, row_parallel_linear
-from engine.runtime import ensure_megatron, tp_group, tp_world
+from engine.layout import current as parallel_layout
+from engine.runtime import ensure_megatron
 from engine.thd_attention import (
     ThdContext,
     all_gather_cp,
@@ -144,7 +145,7 @@ class DeepSeekV4Attention(nn.Module):
         ensure_megatron()
         from megatron.core import tensor_parallel
 
-        tp = tp_world()
+        tp = parallel_layout().tp
         if c.o_groups % tp:
             raise ValueError(f"tensor parallel {tp} must divide o_groups {c.o_groups}")
         self.ops = ops
@@ -160,7 +161,7 @@ class DeepSeekV4Attention(nn.Module):
         self.q_layernorm = RMSNorm(c.q_lora_rank, c.norm_eps, params_dtype)
         self.linear_q_up_proj = tensor_parallel.ColumnParallelLinear(
             c.q_lora_rank, c.n_heads * c.head_dim, config=tconfig, init_method=init, bias=False,
-            gather_output=False, tp_group=tp_group())
+            gather_output=False, tp_group=parallel_layout().group("tp"))
         self.linear_kv_proj = Linear(c.dim, c.head_dim, params_dtype, std)
         self.kv_layernorm = RMSNorm(c.head_dim, c.norm_eps, params_dtype)
         group_in = c.n_heads * c.head_dim // c.o_groups
@@ -169,7 +170,7 @@ class DeepSeekV4Attention(nn.Module):
         mark_tp(self.linear_o_group_proj, 0)
         self.linear_proj = row_parallel_linear(
             c.o_groups * c.o_lora_rank, c.dim, config=tconfig, init_method=init, bias=False,
-            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group())
+            input_is_parallel=True, skip_bias_add=False, tp_group=parallel_layout().group("tp"))
         self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype, std)
         if self.ratio == 4:
             self.core_attention.indexer.ops = ops   # the run's indexer kernels, BSHD and THD alike
@@ -215,8 +216,8 @@ class DeepSeekV4Attention(nn.Module):
         grouped low-rank output projection (``wo_a`` per group, ``wo_b``). Shared by BSHD and THD."""
         from megatron.core.tensor_parallel import mappings
 
-        if tp_world() > 1:
-            kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, tp_group())
+        if parallel_layout().tp > 1:
+            kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, parallel_layout().group("tp"))
         o = self.ops.sparse_attention_with_sink(q, kv_all, idx, self.core_attention.attn_sink, self.scale)
         o = apply_rope(o, cos, sin, inverse=True)
         B, S, H, D = o.shape

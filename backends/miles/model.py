@@ -33,7 +33,8 @@ from torch import nn
 
 from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
 from engine.moe import DSv4MoE
-from engine.runtime import ensure_megatron, tp_group, tp_world
+from engine.layout import current as parallel_layout
+from engine.runtime import ensure_megatron
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.tp import mark_keep_in_fp32, mark_tp
 
@@ -184,7 +185,7 @@ class _Embedding(nn.Module):
 
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             c.vocab_size, c.dim, init_method=lambda w: torch.nn.init.normal_(w, 0.0, std), config=tconfig,
-            tp_group=tp_group())
+            tp_group=parallel_layout().group("tp"))
         mark_tp(self.word_embeddings.weight, 0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -204,13 +205,13 @@ class DeepSeekV4MilesModel(nn.Module):
 
         c = model_config
         self.config, self.tconfig, self.ops = c, tconfig, ops
-        if c.vocab_size % tp_world():
-            raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tp={tp_world()}")
+        if c.vocab_size % parallel_layout().tp:
+            raise ValueError(f"vocab_size {c.vocab_size} is not divisible by tp={parallel_layout().tp}")
         self.embedding = _Embedding(c, tconfig, std)
         self.decoder = DeepSeekV4Decoder(c, tconfig, ops, params_dtype, std, freeze_indexer)
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             c.dim, c.vocab_size, config=tconfig, init_method=lambda w: torch.nn.init.normal_(w, 0.0, std),
-            bias=False, gather_output=True, tp_group=tp_group())
+            bias=False, gather_output=True, tp_group=parallel_layout().group("tp"))
         mark_tp(self.output_layer.weight, 0)
         if c.n_mtp_layers:
             self.mtp = DeepSeekV4MTP(c, tconfig, ops, params_dtype, std, freeze_indexer)
@@ -245,12 +246,12 @@ class DeepSeekV4MilesModel(nn.Module):
         """Full-vocab logits in fp32 (vocab-parallel GEMM, then TP all-gather)."""
         from megatron.core.tensor_parallel import mappings
 
-        tp = tp_world()
+        tp = parallel_layout().tp
         if tp > 1:
-            y = mappings.copy_to_tensor_model_parallel_region(y, tp_group())
+            y = mappings.copy_to_tensor_model_parallel_region(y, parallel_layout().group("tp"))
         logits = linear_fp32(y, self.output_layer.weight)
         if tp > 1:
-            logits = mappings.gather_from_tensor_model_parallel_region(logits, tp_group())
+            logits = mappings.gather_from_tensor_model_parallel_region(logits, parallel_layout().group("tp"))
         return logits
 
     def forward(self, input_ids: torch.Tensor, return_hidden_streams: bool = False, *,

@@ -49,9 +49,9 @@ class NvidiaTarget:
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
                            port: Optional[int] = None, seed: int = 1234, master_addr: Optional[str] = None,
-                           local_rank: Optional[int] = None, store=None) -> None:
+                           local_rank: Optional[int] = None, store=None):
         """NCCL process group plus megatron's model-parallel groups for this rank (idempotent for the
-        same world). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port;
+        same world); returns this rank's layout (``engine.layout``). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port;
         ``MASTER_ADDR`` from ``master_addr``, the environment, or this machine. The device is
         ``cuda:local_rank`` (default: ``LOCAL_RANK``, else ``rank % device_count``)."""
         import torch.distributed as dist
@@ -64,8 +64,9 @@ class NvidiaTarget:
             local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
         local = local_rank
         torch.cuda.set_device(local)
-        from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
+
+        from engine.layout import initialize
 
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -76,20 +77,20 @@ class NvidiaTarget:
                     raise ValueError("NvidiaTarget.init_process_group: pass port= (or set MASTER_PORT) "
                                      "for world_size > 1")
                 os.environ["MASTER_PORT"] = str(free_port())
-            if store is not None:      # the ranks met on it already (train.dist_env.rendezvous)
+            if store is not None:      # the ranks met on it already (orchestration.dist_env.rendezvous)
                 dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
                                         device_id=self.device(local))
             else:
                 dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device(local))
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                         context_parallel_size=cp, expert_model_parallel_size=ep)
+        layout = initialize(tp, cp=cp, ep=ep)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return layout
 
     def destroy_process_group(self) -> None:
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        ps.destroy_model_parallel()
+        from engine.layout import destroy
+
+        destroy()
         if dist.is_initialized():
             dist.destroy_process_group()

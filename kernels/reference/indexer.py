@@ -16,7 +16,7 @@ Input precision: ``q`` and ``k`` reach ``indexer_scores`` in the dtype :func:`in
 (the one rule of every caller: this forward, the decode step, the miles and megatron indexers): the compute
 dtype for the reference op, the model's activation dtype for a bf16/fp16 kernel; ``w`` in the compute dtype.
 
-Indexer-replay seam (off by default; used by ``train.replay``): :func:`indexer_hook` installs, for the
+Indexer-replay seam (off by default; used by ``rollout.replay``): :func:`indexer_hook` installs, for the
 current context, ``hook(indexer_module, picks [B,S,k]) -> picks``, called with the final top-k picks
 (``-1`` = none). No hook installed = unchanged behaviour.
 """

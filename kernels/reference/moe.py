@@ -7,7 +7,7 @@
     expert(x) = w2( silu(min(w1 x, L)) * clamp(w3 x, -L, L) )      (L = swiglu_limit; no clamp if L <= 0)
     y = sum_k w_k expert_k(x) + shared(x)             (shared clamped too unless shared_expert_clamp=False)
 
-Routing seam (R3 routing record / replay; used by ``train.replay``): :func:`routing_hook` installs, for
+Routing seam (R3 routing record / replay; used by ``rollout.replay``): :func:`routing_hook` installs, for
 the current context, ``hook(layer_id, idx [T,k]) -> idx [T,k]``. It is called with the top-k expert
 indices of LEARNED-routing trunk layers only (``Gate.replayable``): hash layers (``tid2eid``) and MTP
 routers (``layer_id >= n_layers``) never reach it. A recorder returns ``idx`` unchanged; a replayer

@@ -255,7 +255,7 @@ def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: to
     value is read on the host; the caller keeps every active slot's position below ``cache.max_len``.
 
     This is :func:`static_step_checks` followed by :func:`static_step_body`; ``torch.compile`` takes the body
-    (``train.slot_decoder.compiled_decode_step``)."""
+    (``rollout.slot_decoder.compiled_decode_step``)."""
     return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path))
 
 

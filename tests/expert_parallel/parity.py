@@ -19,7 +19,7 @@ def ep_results(impl: str, official: dict, ep: int, rank: int, dev: torch.device,
                dtype: str = "fp32") -> dict:
     """``{"logprobs" [SEQS, S-1] (all ranks'), "loss" (summed over ranks), "grads" (official names, full)}``,
     in ``dtype`` (fp32 by default, also on a GPU, whose run default is bf16: the parity bounds are fp32's)."""
-    from engine.runtime import ep_group
+    from engine.layout import current as parallel_layout
     from tests.impl_miles._helpers import token_ids
     from tests.thd_impl._common import build, grads_official
 
@@ -39,7 +39,7 @@ def ep_results(impl: str, official: dict, ep: int, rank: int, dev: torch.device,
     loss.backward()
     total, lps = loss.detach().clone(), lp.detach()
     if ep > 1:
-        group = ep_group()
+        group = parallel_layout().group("ep")
         for name, p in m.named_parameters():
             if p.requires_grad and not getattr(p, "expert_parallel", False):
                 if p.grad is None:

@@ -213,7 +213,7 @@ def test_the_indexer_kernel_scores_bf16_queries_and_keys(ckpt, tiny, impl, backe
     from engine.loading import load_hf_checkpoint
     from kernels.reference.model import DeepseekV4Model
     from launchers.builtin_plugins import make_host
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
 
     if impl == "megatron" and backend == "tilelang":
         pytest.skip("tilelang does not serve megatron (the table refuses it)")

@@ -1,4 +1,4 @@
-"""A fake SGLang server for the CPU tests: SGLang's native HTTP API as train/sglang_engine.py speaks it.
+"""A fake SGLang server for the CPU tests: SGLang's native HTTP API as rollout/sglang_engine.py speaks it.
 
 It does NOT run a model. ``/generate`` answers deterministic samples derived from each sample's
 ``sampling_seed`` (token ids, log-probabilities, a finish reason and routed experts for every position),
@@ -8,7 +8,7 @@ and the weight endpoints record what they receive, so a test can check what the 
   command line, the worker's pid);
 * ``POST /generate``: ``input_ids`` (a list) with one ``sampling_params`` per input;
 * ``POST /update_weights_from_tensor``: ``serialized_named_tensors`` in the base64 ``torch.save`` stand-in
-  format (:func:`train.sglang_engine.torch_b64_serialize`; SGLang's own serializer needs the sglang
+  format (:func:`rollout.sglang_engine.torch_b64_serialize`; SGLang's own serializer needs the sglang
   package), one entry per TP rank; ``POST /flush_cache`` closes a weight version;
 * ``POST /update_weights_from_disk``: reads the HF checkpoint at ``model_path`` (a weight version);
 * ``POST /get_weights_by_name``.
@@ -61,10 +61,10 @@ def install_fake_launcher(tmp_path, monkeypatch) -> Path:
 def dsv4_rollout_engines():
     """The built-in ``sglang`` record (same factory: the real adapter) declared runnable on the CPU: ``gpu=False``
     and no availability probe, because the server it starts there is the fake of :func:`install_fake_launcher`.
-    A plugin host built with this module in place of ``train.engines_plugin`` lets a CPU test run the trainer's
+    A plugin host built with this module in place of ``rollout.plugin`` lets a CPU test run the trainer's
     launch mode (``--rollout-engine sglang`` without ``--rollout-url``)."""
     return [RolloutEngine(name="sglang", description="the SGLang adapter for a fake server on the CPU (tests)",
-                          factory="train.sglang_engine:make_sglang_engine", gpu=False, server=True,
+                          factory="rollout.sglang_engine:make_sglang_engine", gpu=False, server=True,
                           routed_experts=True, weight_update=("tensor", "disk"),
                           publish_formats=("bf16", "fp8", "nvfp4"))]
 
@@ -73,7 +73,7 @@ def fake_sample(prompt: List[int], sp: Dict[str, Any], config) -> Dict[str, Any]
     """One ``/generate`` answer, a function of the prompt and the sample's ``sampling_seed`` only."""
     import torch
 
-    from train.sglang_engine import encode_routed_experts
+    from rollout.sglang_engine import encode_routed_experts
 
     seed = int(sp.get("sampling_seed") or 0)
     max_new = int(sp["max_new_tokens"])
@@ -135,7 +135,7 @@ class FakeSGLang:
         self.tensors.append(tensors)
 
     def post(self, path: str, req: Dict[str, Any]):
-        from train.sglang_engine import torch_b64_deserialize
+        from rollout.sglang_engine import torch_b64_deserialize
 
         if path in self.fail:
             if path == "/generate":

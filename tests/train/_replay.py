@@ -9,8 +9,8 @@ import torch
 def synced_rollout(model, config):
     """``(ids [2, S], routed [2, S, n_layers, top-k])`` of two samples generated from ``model``'s synced weights
     (``-1`` where the engine recorded nothing: hash layers and positions past a sample)."""
-    from train.engines import ReferenceEngine, SamplingParams
-    from train.weight_sync import sync_weights
+    from rollout.reference_engine import ReferenceEngine, SamplingParams
+    from rollout.weight_sync import sync_weights
 
     engine = ReferenceEngine(config)
     assert sync_weights(model, engine, version=1).ok

@@ -1,4 +1,4 @@
-"""Asynchronous rollout (``async_rollout=true``, train/async_rollout.py) under the local orchestrator, on the CPU.
+"""Asynchronous rollout (``async_rollout=true``, rollout/async_rollout.py) under the local orchestrator, on the CPU.
 
 The reference is the synchronous run of the same GRPO job (tiny miles model, fp32), with every engine call
 recorded by a wrapper around the run's engine:
@@ -91,13 +91,13 @@ class Recording:
 
 def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
     """A run through run_training with its engine recorded; returns (metrics rows, the record)."""
-    import train.trainer as T
+    from core.assembly import Assembly
+    from orchestration import run_training
+    from rollout.async_rollout import RolloutPipeline
     from train.metrics import read_metrics
 
-    from train.async_rollout import RolloutPipeline
-
     log = {"generate": [], "weights": {}, "updated_while_generating": []}
-    made, take, taken = T._rollout_engine, RolloutPipeline.take, threading.Semaphore(0)
+    made, take, taken = Assembly.rollout_engine, RolloutPipeline.take, threading.Semaphore(0)
 
     def take_and_release(pipeline, step):
         if pipeline.pending is not None:
@@ -105,10 +105,10 @@ def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
         return take(pipeline, step)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(T, "_rollout_engine", lambda *a, **k: Recording(made(*a, **k), log, taken))
+        mp.setattr(Assembly, "rollout_engine", lambda parts, *a, **k: Recording(made(parts, *a, **k), log, taken))
         mp.setattr(RolloutPipeline, "take", take_and_release)
-        T.run_training(run_config(), small_config(), mode="grpo", steps=steps, run_dir=run_dir, resume=resume,
-                       data=data, **{**KW, **kw})
+        run_training(run_config(), small_config(), mode="grpo", steps=steps, run_dir=run_dir, resume=resume,
+                     data=data, **{**KW, **kw})
     return read_metrics(run_dir), log
 
 
@@ -122,7 +122,8 @@ def runs(tmp_path_factory):
 
 
 def _step_seed(step):
-    from train.trainer import TrainConfig, _step_seed
+    from train.step_common import step_seed as _step_seed
+    from train.trainer import TrainConfig
 
     return _step_seed(TrainConfig().seed, step)
 
@@ -136,7 +137,7 @@ def _by_seed(log, step):
 def _fresh_draw(weights, step, data):
     """What a fresh reference engine given ``weights`` draws for ``step`` (its prompts and seed)."""
     from train import data as D
-    from train.engines import SamplingParams, make_reference_engine
+    from rollout.reference_engine import SamplingParams, make_reference_engine
     from train.trainer import TrainConfig
 
     cfg = TrainConfig(data=data, **{k: KW[k] for k in ("max_new_tokens", "prompts_per_step", "group_size")})
@@ -239,7 +240,7 @@ def test_refusals():
 
 
 def test_the_pipeline_holds_one_call_and_waits_for_it():
-    from train.async_rollout import RolloutPipeline
+    from rollout.async_rollout import RolloutPipeline
 
     started, release = threading.Event(), threading.Event()
 

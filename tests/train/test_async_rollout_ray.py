@@ -1,6 +1,6 @@
 """Asynchronous rollout under ``--orchestrator ray`` (a local Ray cluster on the CPU, gloo), through the CLI.
 
-The engine actor's generate for step k+1 is sent (an ObjectRef, train/ray_engines.py ``generate_async``) right
+The engine actor's generate for step k+1 is sent (an ObjectRef, orchestration/ray_engines.py ``generate_async``) right
 after step k's weight sync and resolved at step k+1, before its sync. The reference is the local orchestrator's
 async run of the same job (the engine in a worker thread): same schedule, same seeds, so every metrics row must
 be the same. Checked: the rows equal the local async run's, the lag is 0, 1, 1, the next step's generate was

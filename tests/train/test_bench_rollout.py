@@ -40,7 +40,7 @@ def test_the_compile_flag_reaches_the_engine(monkeypatch):
     """``--compile on`` -> ``run_bench(compile=True)`` -> ``ReferenceEngine(compile=True)`` (stopped there: the
     Inductor compile is for the GPU run)."""
     from bench import rollout
-    from train import engines
+    from rollout import reference_engine as engines
 
     seen = []
 
@@ -65,7 +65,7 @@ def test_the_transformers_row_loads_every_weight_without_a_random_init():
     import torch
 
     from bench import rollout
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     config = rollout.model_config("tiny")
     engine = rollout._engine(config, torch.device("cpu"), torch.float32, 0, kv_cache=True)

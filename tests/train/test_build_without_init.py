@@ -125,6 +125,7 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
     init, and the resumed run's metrics equal those of a run that was not interrupted. The first run of a
     folder, and a --resume that finds no checkpoint, still draw the init."""
     import train.trainer as trainer
+    from orchestration import run_training
     from train.checkpointing import latest_checkpoint
     from train.metrics import read_metrics
 
@@ -144,12 +145,12 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
         return real(*a, **k)
 
     monkeypatch.setattr(trainer, "build_train_model", recording)
-    trainer.run_training(rc, c, steps=3, run_dir=tmp_path / "straight", **kw)
+    run_training(rc, c, steps=3, run_dir=tmp_path / "straight", **kw)
     per_run = len(built)                                       # the model, and GRPO's KL reference
     assert per_run == (2 if mode == "grpo" else 1)
-    trainer.run_training(rc, c, steps=2, run_dir=tmp_path / "run", resume=True, **kw)   # nothing to resume
+    run_training(rc, c, steps=2, run_dir=tmp_path / "run", resume=True, **kw)   # nothing to resume
     assert built == [True] * 2 * per_run and latest_checkpoint(tmp_path / "run")[0] == 2
-    trainer.run_training(rc, c, steps=3, run_dir=tmp_path / "run", resume=True, **kw)
+    run_training(rc, c, steps=3, run_dir=tmp_path / "run", resume=True, **kw)
     assert built[2 * per_run:] == [False] * per_run, built
     got, want = without_timing(read_metrics(tmp_path / "run")), without_timing(read_metrics(tmp_path / "straight"))
     assert [r["step"] for r in got] == [1, 2, 3]

@@ -26,9 +26,9 @@ PROMPTS = [[0, 5, 6, 7, 8], [0, 9, 10]]
 
 
 def _engine_and_model():
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     model = build_train_model(CFG, seed=0)
     engine = ReferenceEngine(CFG)
@@ -37,7 +37,7 @@ def _engine_and_model():
 
 
 def _generate(engine):
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     return engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6), n=2, seed=3)
 
@@ -47,7 +47,7 @@ def _flat(groups):
 
 
 def test_a_released_engine_holds_nothing_and_samples_the_same_after_the_next_update():
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     engine, model = _engine_and_model()
     before = _flat(_generate(engine))
@@ -118,7 +118,7 @@ def test_a_colocated_grpo_run_takes_the_steps_of_the_same_run_without_it(tmp_pat
 
 def test_the_trainer_releases_the_sglang_servers_memory_after_each_rollout(tmp_path, monkeypatch):
     from tests.train._fake_sglang import FakeSGLang
-    from train import sglang_engine
+    from rollout import sglang_engine
 
     monkeypatch.setattr(sglang_engine, "sglang_serializer", lambda: sglang_engine.torch_b64_serialize)
     with FakeSGLang(CFG) as fake:

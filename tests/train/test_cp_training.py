@@ -53,7 +53,7 @@ def assert_first_step_equal(got, want):
 
 
 def _grpo(impl, root, cp, mtp_coef, **kw):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     c = small_config()
     run_dir = root / f"cp{cp}"
@@ -85,7 +85,7 @@ def test_grpo_cp2_matches_cp1(tmp_path, impl, mtp_coef):
 
 
 def test_sft_dynamic_batching_accumulates_like_one_batch(tmp_path):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     c = small_config()
     rc = run_config("miles", c)
@@ -127,7 +127,7 @@ def test_cli_train_thd_cp2(tmp_path):
 def test_resume_cp2_continues_like_cp1(tmp_path):
     """A cp=2 run stopped after step 1 and resumed (every rank loads rank 0's checkpoint) gives the
     uninterrupted cp=1 run's step 2."""
-    from train.trainer import run_training
+    from orchestration import run_training
 
     c = small_config()
     kw = dict(mode="sft", batch_size=4, lr=1e-3, export_at_end=False, progress=False)

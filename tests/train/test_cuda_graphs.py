@@ -36,11 +36,12 @@ def run_config(impl, **kw):
 
 def one_step(impl, run_dir, **knobs):
     """One SFT step of a fresh run: ``(metrics row, {parameter: gradient})``."""
+    from train.sft import sft_step
     from train.trainer import TrainConfig, _Run
 
     cfg = TrainConfig(batch_size=4, mtp_coef=0.3, grad_clip=1e9, lr=1e-3, **knobs)
     run = _Run(run_config(impl), small_config(), "sft", 1, run_dir, False, cfg, False)
-    row = run.sft_step(1)
+    row = sft_step(run, 1)
     grads = {n: p.grad.detach().clone() for n, p in run.model.named_parameters() if p.grad is not None}
     return row, grads
 

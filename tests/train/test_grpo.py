@@ -42,7 +42,7 @@ def run_config(impl: str):
 
 @pytest.fixture(scope="module", params=IMPLS)
 def grpo_run(request, tmp_path_factory):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     rc = run_config(request.param)
     assert rc.qkv_format == {"miles": "bshd", "megatron": "thd"}[request.param]
@@ -99,7 +99,7 @@ def test_routing_replay_makes_train_routing_equal_the_rollouts(grpo_run):
 def test_tensorboard_plots_and_export(grpo_run):
     from core.checkpoint import open_checkpoint
     from train.metrics import tensorboard_scalars
-    from train.plot import plot_run
+    from launchers.plot import plot_run
 
     run, result, _ = grpo_run
     tb = tensorboard_scalars(run)
@@ -116,7 +116,7 @@ def test_reference_model_replay_changes_routing_of_a_drifted_model_and_never_tou
     replay it uses exactly the rollout's experts. Hash layers and MTP never reach the seam."""
     from kernels.reference.moe import routing_hook
     from train.model import build_train_model
-    from train.replay import routing_match
+    from rollout.replay import routing_match
 
     from ._replay import synced_rollout
 
@@ -140,7 +140,7 @@ def test_reference_model_replay_changes_routing_of_a_drifted_model_and_never_tou
 
 def test_reference_model_indexer_replay_seam_is_off_by_default_and_replays_when_on():
     from train.model import build_train_model
-    from train.replay import IndexerRecorder, IndexerReplayer
+    from rollout.replay import IndexerRecorder, IndexerReplayer
 
     c = small_config()
     m = build_train_model(c, seed=0)
@@ -170,7 +170,7 @@ def test_export_hf_from_the_run_folder_matches_the_end_of_run_export(grpo_run, t
 
 
 def test_an_existing_run_needs_resume(grpo_run):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     from core.errors import UserInputError
 

@@ -24,7 +24,7 @@ ROW_KEYS = ("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl",
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-{p[1] or 'default'}")
 def grpo_run(request, tmp_path_factory):
     from train.metrics import read_metrics
-    from train.trainer import run_training
+    from orchestration import run_training
 
     impl, fmt = request.param
     c = small_config()
@@ -63,7 +63,7 @@ def test_grpo_routing_replay_matches_the_rollout(grpo_run):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_one_sft_step(impl, tmp_path):
     from train.metrics import read_metrics
-    from train.trainer import run_training
+    from orchestration import run_training
 
     c = small_config()
     extra = {"dsa_indexer_loss_coeff": 0.1} if impl == "megatron" else {}
@@ -126,7 +126,7 @@ def test_mtp_loss_never_reaches_the_embedding_or_the_output_head(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_shared_router_seam_is_learned_trunk_layers_only(impl, monkeypatch):
     import train.model as tm
-    from train.replay import RoutingRecorder
+    from rollout.replay import RoutingRecorder
 
     c = small_config()
     m = tm.build_train_model(c, run_config(impl, c), seed=0)
@@ -164,7 +164,7 @@ def test_replay_overrides_the_routing_of_a_drifted_implementation(impl):
     """Engine rollout from the implementation's synced weights; then the implementation's routers drift:
     on its own it routes differently, with replay it uses exactly the rollout's experts."""
     from train.model import build_train_model
-    from train.replay import routing_match
+    from rollout.replay import routing_match
 
     from ._replay import synced_rollout
 

@@ -106,9 +106,9 @@ def test_the_reference_ops_keep_scoring_in_the_compute_dtype(dtype, want):
 
 
 def _engine(table, dtype=torch.bfloat16):
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     engine = ReferenceEngine(SMALL, dtype=dtype, ops=table)
     assert sync_weights(build_train_model(SMALL, seed=0), engine, version=1, engine_dtype=dtype).ok
@@ -116,8 +116,8 @@ def _engine(table, dtype=torch.bfloat16):
 
 
 def test_the_engines_prefill_and_decode_give_a_bf16_kernel_bf16_queries_and_keys():
-    from train.engine_ops import decode_inputs
-    from train.engines import SamplingParams
+    from rollout.engine_ops import decode_inputs
+    from rollout.reference_engine import SamplingParams
 
     calls = []
     table = _table(calls, "activation")

@@ -1,4 +1,4 @@
-"""Local ranks on the CPU start from a preloaded forkserver (train/local_workers.py), and still see their
+"""Local ranks on the CPU start from a preloaded forkserver (orchestration/local_workers.py), and still see their
 parent's environment and working directory as they are at each launch, not as they were when the server
 started (the server outlives the launch that started it)."""
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from train.launch import launch_local_ranks
+from orchestration.launch import launch_local_ranks
 
 
 def run_config(world=2):
@@ -26,7 +26,7 @@ def what_a_rank_sees(key):
 
 def test_the_cpu_target_forks_its_ranks_from_a_preloaded_server():
     from core.assembly import assemble
-    from train.local_workers import start_method
+    from orchestration.local_workers import start_method
 
     target = assemble(run_config()).target
     assert start_method(target, ["train.trainer"]) == "forkserver"
@@ -54,7 +54,7 @@ def test_a_later_launch_sees_the_parents_environment_and_folder_of_its_own_time(
 
 
 def test_adopt_keeps_what_the_launcher_set(monkeypatch, tmp_path):
-    from train.local_workers import adopt
+    from orchestration.local_workers import adopt
 
     parent = {"env": {"PATH": os.environ.get("PATH", ""), "KEEP": "parent"}, "cwd": str(tmp_path)}
     monkeypatch.setenv("RANK", "3")

@@ -27,10 +27,13 @@ def _plant(path, marker):
 
 def _run(tmp_path, steps, resume):
     from core.config import preset
-    from train.trainer import run_training
+    from orchestration import run_training
+
+    from ._impl_helpers import run_config
 
     c = preset("tiny").replace(**SMALL)
-    return run_training(None, c, mode="sft", steps=steps, run_dir=tmp_path / "run", resume=resume, **KW)
+    return run_training(run_config("miles", c), c, mode="sft", steps=steps, run_dir=tmp_path / "run", resume=resume,
+                        train_impl="reference", **KW)
 
 
 def test_resume_never_unpickles_a_planted_file(tmp_path):

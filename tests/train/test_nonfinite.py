@@ -58,13 +58,15 @@ def test_json_output_never_holds_nan():
 
 def test_exploding_weights_stop_training_with_the_step_and_keep_the_last_good_checkpoint(tmp_path):
     from train.checkpointing import latest_checkpoint
+    from orchestration import run_training
     from train.step_guard import TrainingDiverged
-    from train.trainer import run_training
+
+    from ._impl_helpers import run_config
 
     run = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match=r"training diverged at step (\d+).*lower --lr") as info:
-        run_training(None, _tiny(), mode="sft", steps=6, run_dir=run, batch_size=2, lr=1e30, save_every=1,
-                     progress=False)
+        run_training(run_config("miles", _tiny()), _tiny(), mode="sft", steps=6, run_dir=run, batch_size=2, lr=1e30,
+                     save_every=1, progress=False, train_impl="reference")
     found = latest_checkpoint(run)
     bad_step = int(re.search(r"step (\d+)", str(info.value)).group(1))
     assert found is None or found[0] < bad_step
@@ -101,8 +103,8 @@ def test_export_and_weight_sync_refuse_nan_weights(tmp_path):
         export_model(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
-    from train.engines import make_reference_engine
-    from train.weight_sync import sync_weights
+    from rollout.reference_engine import make_reference_engine
+    from rollout.weight_sync import sync_weights
 
     engine = make_reference_engine(model.config, dtype=torch.float32)
     try:

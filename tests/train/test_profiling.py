@@ -1,4 +1,4 @@
-"""The step budget of ``dsv4 train`` (``profile_steps``, train.profiling): every op of the profiled steps lands in
+"""The step budget of ``dsv4 train`` (``profile_steps``, reporting.profiling): every op of the profiled steps lands in
 the row of the model part that ran it, backward ops included (found through autograd's sequence numbers), the
 trainer's optimizer and zero_grad in their own rows, and the budget is written after the last profiled step.
 
@@ -14,7 +14,7 @@ from ._impl_helpers import run_config, small_config, write_data
 
 def test_module_scopes_of_both_implementations_cover_the_named_parts():
     from train.model import build_train_model
-    from train.profiling import module_scope
+    from reporting.profiling import module_scope
 
     c = small_config()
     for impl in ("miles", "megatron"):
@@ -29,7 +29,7 @@ def test_module_scopes_of_both_implementations_cover_the_named_parts():
 
 
 def test_category_refines_a_scope_by_op_name():
-    from train.profiling import category
+    from reporting.profiling import category
 
     assert category("moe experts", "aten::_grouped_mm") == "moe expert GEMMs"
     assert category("moe experts", "aten::index_select") == "moe permute/unpermute"
@@ -45,7 +45,7 @@ def test_category_refines_a_scope_by_op_name():
 
 
 def test_the_projects_triton_kernels_are_placed_by_name():
-    from train.profiling import kernel_category
+    from reporting.profiling import kernel_category
 
     assert kernel_category("_bwd_dkv_kernel") == "sparse attention (kernel)"
     assert kernel_category("_post_bwd_kernel") == "mhc" and kernel_category("_sinkhorn_fwd_kernel") == "mhc"
@@ -55,8 +55,8 @@ def test_the_projects_triton_kernels_are_placed_by_name():
 
 @pytest.mark.parametrize("impl", ["miles", "megatron"])
 def test_profiled_steps_write_a_budget_with_backward_in_the_model_rows(tmp_path, impl):
-    from train.profiling import read_budget
-    from train.trainer import run_training
+    from reporting.profiling import read_budget
+    from orchestration import run_training
 
     c = small_config()
     run_training(run_config(impl, c), c, mode="sft", steps=3, run_dir=tmp_path / "run", progress=False,

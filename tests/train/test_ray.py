@@ -249,7 +249,7 @@ def test_a_started_server_per_engine_actor_has_one_gpu():
 
 def test_placement_plan_spreads_the_engines_over_their_nodes():
     """The placement groups and each actor's (group, bundle, share), against the layouts written out by hand."""
-    from train.ray_launch import placement_plan
+    from orchestration.ray_launch import placement_plan
 
     gpu = {"CPU": 1.0, "GPU": 1.0}
     colocated = placement_plan(gpu=True, world=4, model_parallel=2, rollout_num_gpus=None, rollout_num_nodes=None)
@@ -269,7 +269,7 @@ def test_a_packed_bucket_unpacks_to_the_same_bytes():
     bytes, fp32 scales, integer tables) and the odd shapes (a scalar, an empty tensor, a strided view)."""
     import torch
 
-    from train.ray_transport import pack_bucket, unpack_bucket
+    from orchestration.ray_transport import pack_bucket, unpack_bucket
 
     g = torch.Generator().manual_seed(0)
     bucket = [("w", torch.randn(3, 5, generator=g)), ("bf", torch.randn(7, generator=g).to(torch.bfloat16)),

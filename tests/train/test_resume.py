@@ -22,7 +22,7 @@ import torch
 from core.config import preset
 from core.run_config import Choices, normalize
 from launchers.builtin_plugins import make_host
-from train.trainer import run_training
+from orchestration import run_training
 torch.set_num_threads(1)
 c = preset("tiny").replace(**{cfg})
 rc = normalize(Choices(impl={impl!r}, model=c), make_host(third_party=False), model_name="small")

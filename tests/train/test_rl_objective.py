@@ -273,7 +273,7 @@ def one_rank_run(tmp_path_factory):
     """Two GRPO steps of the real trainer on one rank (tiny model, fp32, micro-batches of one sample, a reference
     policy), recording what it passed to and got from ``group_advantages`` and ``grpo_loss``."""
     from train.metrics import read_metrics
-    from train.trainer import run_training
+    from orchestration.training import run_training   # imports the trainer and its steps (train.grpo) now
 
     from ._impl_helpers import run_config, small_config, write_data
 
@@ -318,7 +318,7 @@ def test_two_data_parallel_ranks_take_the_one_rank_step(one_rank_run, tmp_path):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
     from train.metrics import read_metrics
-    from train.trainer import run_training
+    from orchestration.training import run_training   # imports the trainer and its steps (train.grpo) now
 
     from ._impl_helpers import small_config
 

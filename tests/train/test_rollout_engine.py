@@ -22,9 +22,9 @@ N = 3
 
 @pytest.fixture(scope="module")
 def engines():
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     model = build_train_model(CFG, seed=0)
@@ -37,7 +37,7 @@ def engines():
 
 
 def _params(**kw):
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 12, **kw})
 
@@ -96,9 +96,9 @@ def test_a_samples_tokens_do_not_depend_on_the_rest_of_the_batch():
     fp32 rounding by about 1e-7, and the tiny model's nearly flat distribution (top-p 0.95 keeps about 930 of
     1024 tokens) puts some uniform draws that close to a token boundary (seed 3 does in fp32); what this test
     checks is the sampling streams and the per-row cache, not fp32 rounding."""
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     e = ReferenceEngine(CFG, dtype=torch.float64)
     sync_weights(build_train_model(CFG, seed=0), e, version=1, engine_dtype=torch.float64)
@@ -141,7 +141,7 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
 
 
 def test_sample_tokens_inverse_cdf_with_top_p_and_top_k():
-    from train.engines import SamplingParams, sample_tokens
+    from rollout.reference_engine import SamplingParams, sample_tokens
 
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.25, 0.15]]))
     p = lambda **kw: SamplingParams(max_new_tokens=1, **kw)          # noqa: E731
@@ -162,9 +162,9 @@ def test_a_bf16_engine_passes_the_weight_check_and_follows_the_fp32_forward(engi
     """bf16 (a GPU run's default): the engine holds each tensor in the dtype it is published in (its RMSNorm
     weights too, which the reference model would keep in fp32), so the checker passes; its samples' log-probs
     stay close to the fp32 forward's."""
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     e = ReferenceEngine(CFG, dtype=torch.bfloat16)
     rep = sync_weights(build_train_model(CFG, seed=0), e, version=1, engine_dtype=torch.bfloat16)
@@ -198,9 +198,9 @@ def test_continuous_batching_draws_the_all_at_once_samples(engines, slots):
     """More samples than slots: a waiting sample is prefilled into the slot of the next one to finish (prompts
     of 3 to 10 tokens, about one token in five a stop). Every sample equals its all-at-once draw, and the
     uncached engine's (5 slots: at most two prompts per prefill forward)."""
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     e = ReferenceEngine(CFG, max_slots=slots, prefill_batch=2 if slots == 5 else None)   # 5: two per prefill
     assert sync_weights(build_train_model(CFG, seed=0), e, version=1).ok
@@ -213,7 +213,7 @@ def test_continuous_batching_draws_the_all_at_once_samples(engines, slots):
 
 
 def test_bad_engine_options_are_refused():
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
 
     with pytest.raises(ValueError, match="max_slots"):
         ReferenceEngine(CFG, max_slots=0)
@@ -224,9 +224,9 @@ def test_bad_engine_options_are_refused():
 def test_a_model_whose_layers_are_all_hash_routed_generates_with_both_engines():
     """No learned-routing layer (every trunk layer hash-routed): nothing to record per token, and both engines
     still draw the same samples (the cached one used to fail building an empty index of layers)."""
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     cfg = CFG.replace(n_layers=2, compress_ratios=(0, 0, 0), n_hash_layers=2)
     model = build_train_model(cfg, seed=0)

@@ -33,14 +33,14 @@ PROMPTS = [[0, 5, 6, 7, 8], [0, 9, 10]]
 
 def _synced(engine):
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     assert sync_weights(build_train_model(CFG, seed=0), engine, version=1).ok
     return engine
 
 
 def _params(**kw):
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 6, "stop_token_ids": (), **kw})
 
@@ -84,7 +84,7 @@ def test_the_assembly_gives_the_engine_the_runs_ops_and_generate_runs_them():
     from core.assembly import assemble
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
-    from train.engine_ops import ENGINE_OPS, engine_ops
+    from rollout.engine_ops import ENGINE_OPS, engine_ops
 
     run = normalize(Choices(rollout_engine="reference", hardware="cpu", kernel_backend="none", model=CFG),
                     make_host(third_party=False))
@@ -99,8 +99,8 @@ def test_the_assembly_gives_the_engine_the_runs_ops_and_generate_runs_them():
 
 @pytest.mark.parametrize("kv_cache", [True, False])
 def test_the_engine_calls_the_op_table_it_is_given(kv_cache):
-    from train.engine_ops import ENGINE_OPS
-    from train.engines import ReferenceEngine
+    from rollout.engine_ops import ENGINE_OPS
+    from rollout.reference_engine import ReferenceEngine
 
     fake = _synced(ReferenceEngine(CFG, ops=_fake(), kv_cache=kv_cache))
     assert fake.prefill_ops == fake.decode_ops == {op: "fake" for op in ENGINE_OPS}
@@ -112,7 +112,7 @@ def test_the_engine_calls_the_op_table_it_is_given(kv_cache):
 
 
 def test_an_op_that_refuses_decode_inputs_runs_the_reference_op_in_decode_explicitly(caplog):
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
 
     with caplog.at_level("WARNING", logger="dsv4"):
         e = _synced(ReferenceEngine(CFG, ops=_fake(refuse_decode=("hc_pre",))))
@@ -132,7 +132,7 @@ def test_the_compiled_decode_step_draws_the_eager_steps_samples():
     takes sample after sample."""
     import torch._dynamo.utils
 
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
 
     op = "sparse_attention_with_sink"
     params = _params(stop_token_ids=tuple(range(2, 1024, 5)))
@@ -152,7 +152,7 @@ def test_the_compiled_decode_step_draws_the_eager_steps_samples():
 
 
 def test_the_rollout_settings_reach_the_engine():
-    from train.engines import ReferenceEngine, make_reference_engine
+    from rollout.reference_engine import ReferenceEngine, make_reference_engine
     from train.trainer import TrainConfig
 
     e = make_reference_engine(CFG, settings=TrainConfig(rollout_max_slots=2, rollout_cuda_graphs=False,
@@ -183,7 +183,7 @@ STEP_KEYS = ("loss", "pg_loss", "grad_norm", "reward_mean", "response_tokens")
 
 def test_a_grpo_run_with_two_rollout_slots_takes_the_steps_of_the_default_run(tmp_path, monkeypatch):
     from kernels.reference.slots import static_decode_step
-    from train import engines, slot_decoder
+    from rollout import reference_engine as engines, slot_decoder
 
     made, real, compiles = [], engines.make_reference_engine, []
 

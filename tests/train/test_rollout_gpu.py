@@ -60,8 +60,8 @@ def train_model():
 
 
 def _engine(model, device, dtype=torch.float32, kv_cache=True, **kw):
-    from train.engines import ReferenceEngine
-    from train.weight_sync import sync_weights
+    from rollout.reference_engine import ReferenceEngine
+    from rollout.weight_sync import sync_weights
 
     e = ReferenceEngine(CFG, dtype=dtype, device=device, kv_cache=kv_cache, **kw)
     assert sync_weights(model, e, version=1, engine_dtype=dtype).ok
@@ -69,7 +69,7 @@ def _engine(model, device, dtype=torch.float32, kv_cache=True, **kw):
 
 
 def _params(**kw):
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 12, "stop_token_ids": tuple(range(2, 1024, 5)),
                              **kw})
@@ -158,7 +158,7 @@ def _teacher_forced_logprobs(engine, dec, samples):
 
 def test_compiled_graph_decode_follows_the_eager_step_bf16(train_model):
     from kernels.reference.decode import prefill
-    from train.slot_decoder import SlotDecoder
+    from rollout.slot_decoder import SlotDecoder
 
     e = _engine(train_model, "cuda", dtype=torch.bfloat16, compile=True, max_slots=2)
     assert e.cuda_graphs and e.compile == "inductor"
@@ -190,8 +190,8 @@ def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     from core.run_config import Choices, normalize
     from engine.compile import kernel_op_names
     from launchers.builtin_plugins import make_host
-    from train.engines import ReferenceEngine, SamplingParams
-    from train.weight_sync import sync_weights
+    from rollout.reference_engine import ReferenceEngine, SamplingParams
+    from rollout.weight_sync import sync_weights
 
     run = normalize(Choices(impl="miles", hardware="nvidia", kernel_backend="triton", rollout_engine="reference",
                             model=CFG), make_host(third_party=False), model_name="tiny")
@@ -272,7 +272,7 @@ def test_the_nvidia_runs_engine_is_on_its_gpu_in_bf16():
 def test_grpo_rolls_out_on_the_gpu(tmp_path):
     from core.assembly import assemble
     from train.metrics import read_metrics
-    from train.trainer import run_training
+    from orchestration import run_training
 
     run = _nvidia_run()
     assemble(run).setup_process()
@@ -299,8 +299,8 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
-    from train.engines import ReferenceEngine, SamplingParams
-    from train.weight_sync import sync_weights
+    from rollout.reference_engine import ReferenceEngine, SamplingParams
+    from rollout.weight_sync import sync_weights
 
     run = normalize(Choices(impl="miles", hardware="nvidia", kernel_backend=backend, rollout_engine="reference",
                             model=CFG), make_host(third_party=False), model_name="tiny")

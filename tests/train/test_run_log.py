@@ -10,7 +10,7 @@ import torch
 
 @pytest.fixture
 def console_at_info():
-    from train import run_log
+    from reporting import run_log
 
     run_log.configure_console(logging.INFO)
     yield run_log
@@ -57,7 +57,7 @@ def test_step_line_keeps_the_phase_timings_and_says_why_a_step_did_not_learn(con
 
 
 def test_quiet_console_shows_errors_only(capsys):
-    from train import run_log
+    from reporting import run_log
 
     run_log.configure_console(logging.ERROR)
     try:
@@ -91,7 +91,7 @@ def test_plots_have_labelled_axes_smoothing_and_the_new_panels(tmp_path):
 
     import matplotlib.pyplot as plt
 
-    from train.plot import PHASES, ema, figures, plot_run
+    from launchers.plot import PHASES, ema, figures, plot_run
 
     rows = [_row(s, loss=1.0 / s, grad_norm=float(s % 3)) for s in range(1, 13)]
     figs = figures(rows, smoothing=0.6, title="run")

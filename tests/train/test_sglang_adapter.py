@@ -15,8 +15,8 @@ from core.config import preset
 from core.errors import UserInputError
 from core.ports import free_port
 from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
-from train.engines import SamplingParams, sample_seed
-from train.sglang_engine import (SGLangEngine, SGLangError, SGLangServerConfig, SGLangSetupError,
+from rollout.reference_engine import SamplingParams, sample_seed
+from rollout.sglang_engine import (SGLangEngine, SGLangError, SGLangServerConfig, SGLangSetupError,
                                  make_sglang_engine, server_command, torch_b64_serialize)
 from train.trainer import TrainConfig
 

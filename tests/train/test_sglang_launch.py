@@ -6,14 +6,14 @@ Why these tests: the real server needs a GPU and the sglang package, which these
 train` refuses launch mode on a CPU ``--hardware`` (the ``sglang`` record is a GPU one); the trainer's own
 launch-mode run is in tests/train/test_sglang_training.py (a test plugin host). Here:
 
-* the engine (``make_sglang_engine`` without a URL) runs the exact :func:`train.sglang_engine.server_command` on
-  the run's ``sglang_init`` folder and port, under its guard (:mod:`train.sglang_guard`, the group's leader),
+* the engine (``make_sglang_engine`` without a URL) runs the exact :func:`rollout.sglang_engine.server_command` on
+  the run's ``sglang_init`` folder and port, under its guard (:mod:`rollout.sglang_guard`, the group's leader),
   waits for it, generates, pushes tensors the server then holds, and ``shutdown`` ends the server, its worker
   and the guard;
 * an owner process SIGKILLed - the engine started from its main thread (Linux's parent-death signal) or from a
   thread that has exited since (the guard's polling; the server must survive that thread) - takes its server
   down within seconds;
-* a Ray engine actor (:class:`train.ray_engines.EngineActor`) in launch mode starts its server at the first
+* a Ray engine actor (:class:`orchestration.ray_engines.EngineActor`) in launch mode starts its server at the first
   weight update with the exact command line, generates; SIGKILLed, its server goes with it, and its proxy's
   re-sync starts a new one in the restarted actor, which ``shutdown`` stops.
 """
@@ -30,7 +30,7 @@ import pytest
 from core.config import preset
 from core.ports import free_port
 from tests.train._fake_sglang import install_fake_launcher, process_gone
-from train.engines import SamplingParams
+from rollout.reference_engine import SamplingParams
 from train.trainer import TrainConfig
 
 CFG = preset("tiny")
@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
 
 def test_the_engine_runs_the_exact_command_generates_takes_weights_and_stops_everything(tmp_path, monkeypatch):
     from core.checkpoint import open_checkpoint
-    from train.sglang_engine import make_sglang_engine, torch_b64_serialize
+    from rollout.sglang_engine import make_sglang_engine, torch_b64_serialize
 
     state_file = install_fake_launcher(tmp_path, monkeypatch)
     run = tmp_path / "run"
@@ -113,7 +113,7 @@ def test_the_engine_runs_the_exact_command_generates_takes_weights_and_stops_eve
 OWNER = """
 import sys, threading, time
 from core.config import preset
-from train.sglang_engine import make_sglang_engine
+from rollout.sglang_engine import make_sglang_engine
 from train.trainer import TrainConfig
 
 init, run, where = sys.argv[1:4]
@@ -189,7 +189,7 @@ def _fake_plugin_run_config():
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import BUILTIN_PLUGINS
 
-    modules = [m for m in BUILTIN_PLUGINS if m != "train.engines_plugin"] + ["tests.train._fake_sglang"]
+    modules = [m for m in BUILTIN_PLUGINS if m != "rollout.plugin"] + ["tests.train._fake_sglang"]
     host = PluginHost(modules, third_party=False)
     return normalize(Choices(hardware="cpu", rollout_engine="sglang", model=CFG, job="train", orchestrator="ray"),
                      host, model_name="tiny")
@@ -199,7 +199,7 @@ def test_a_ray_engine_actor_launches_its_server_and_a_killed_actor_takes_it_down
     import ray
 
     from core.checkpoint import open_checkpoint
-    from train.ray_engines import EngineActor, RayEngineProxy, server_options
+    from orchestration.ray_engines import EngineActor, RayEngineProxy, server_options
 
     state_file = install_fake_launcher(tmp_path, monkeypatch)
     rc = _fake_plugin_run_config()

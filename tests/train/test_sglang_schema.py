@@ -1,4 +1,4 @@
-"""The SGLang client (train/sglang_engine.py) against SGLang's own request schema, not only the fake server.
+"""The SGLang client (rollout/sglang_engine.py) against SGLang's own request schema, not only the fake server.
 
 Read from the sglang package's source, parsed (``ast``) and never imported (its import needs CUDA kernels):
 the HTTP routes of ``sglang/srt/entrypoints/http_server.py`` and the request struct each route's handler takes
@@ -109,8 +109,8 @@ def schema():
 def sent(tmp_path_factory):
     """(path, payload) of every request the client sends in a generate / update / read / release round."""
     from tests.train._fake_sglang import FakeSGLang
-    from train.engines import SamplingParams
-    from train.sglang_engine import SGLangEngine, SGLangServerConfig, torch_b64_serialize
+    from rollout.reference_engine import SamplingParams
+    from rollout.sglang_engine import SGLangEngine, SGLangServerConfig, torch_b64_serialize
 
     calls = []
     real = SGLangEngine._post
@@ -153,7 +153,7 @@ def test_every_request_uses_a_route_and_fields_sglang_defines(schema, sent):
 
 
 def test_the_launch_command_uses_flags_sglang_defines(schema):
-    from train.sglang_engine import SGLangServerConfig, server_command
+    from rollout.sglang_engine import SGLangServerConfig, server_command
 
     _, _, flags = schema
     cmd = server_command(SGLangServerConfig(model_path="/ckpt", port=31000, tp_size=2, dtype="bfloat16",

@@ -11,7 +11,7 @@ tests/train/_fake_sglang.py (SGLang itself needs a GPU and the sglang package; n
   through disk, and stops the server at the end and when the run fails.
 
 Tensor sync sends SGLang's MultiprocessingSerializer payloads, which need the sglang package; the connect
-test substitutes the base64 `torch.save` stand-in the fake reads (``train.sglang_engine.sglang_serializer``).
+test substitutes the base64 `torch.save` stand-in the fake reads (``rollout.sglang_engine.sglang_serializer``).
 """
 
 import json
@@ -23,9 +23,9 @@ from click.testing import CliRunner
 from core.config import preset
 from core.ports import free_port
 from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
-from train import sglang_engine
-from train.engines import sample_seed
-from train.trainer import _step_seed
+from rollout import sglang_engine
+from rollout.reference_engine import sample_seed
+from train.step_common import step_seed as _step_seed
 
 CFG = preset("tiny")
 
@@ -143,9 +143,9 @@ def _launch_run(tmp_path, **overrides):
     from core.run_config import Choices, normalize
     from launchers import stages
     from launchers.builtin_plugins import BUILTIN_PLUGINS
-    from train import run_training
+    from orchestration import run_training
 
-    modules = [m for m in BUILTIN_PLUGINS if m != "train.engines_plugin"] + ["tests.train._fake_sglang"]
+    modules = [m for m in BUILTIN_PLUGINS if m != "rollout.plugin"] + ["tests.train._fake_sglang"]
     host = PluginHost(modules, third_party=False)
     rc = normalize(Choices(hardware="cpu", rollout_engine="sglang", model=CFG, job="train"), host, model_name="tiny")
     assert rc.rollout_url is None and not rc.selection.hardware.gpu
@@ -177,7 +177,7 @@ def test_train_starts_a_server_on_the_exported_weights_syncs_through_disk_and_st
 
 
 def test_a_failing_run_stops_the_server_it_started(tmp_path, monkeypatch):
-    from train.sglang_engine import SGLangError
+    from rollout.sglang_engine import SGLangError
 
     state_file = install_fake_launcher(tmp_path, monkeypatch)
     with pytest.raises(SGLangError, match="/generate: HTTP 500.*boom"):

@@ -13,8 +13,8 @@ def test_rollout_engines_are_a_plugin_axis():
     from core.records import ROLLOUT, RolloutEngine
     from launchers.builtin_plugins import BUILTIN_PLUGINS
 
-    assert "train.engines_plugin" in BUILTIN_PLUGINS
-    host = PluginHost(["train.engines_plugin"], third_party=False)
+    assert "rollout.plugin" in BUILTIN_PLUGINS
+    host = PluginHost(["rollout.plugin"], third_party=False)
     assert host.names(ROLLOUT) == ["reference", "sglang"]
     ref = host.get(ROLLOUT, "reference")
     assert isinstance(ref, RolloutEngine) and ref.routed_experts and ref.unavailable_reason() is None
@@ -34,7 +34,7 @@ def _run(rollout_engine: str, hardware: str = "cpu", rollout_url=None):
 
 def test_the_assembly_builds_the_runs_reference_engine_and_refuses_sglang_here():
     from core.assembly import assemble
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
 
     assert isinstance(assemble(_run("reference")).rollout_engine(CFG), ReferenceEngine)
     with pytest.raises(RuntimeError, match="--rollout-engine sglang is not usable here"):
@@ -59,9 +59,9 @@ def test_a_server_at_rollout_url_is_assembled_on_the_cpu_without_the_local_probe
 
 @pytest.mark.parametrize("scheme,bound", [("bf16", 0.0), ("fp8", 0.08), ("nvfp4", 0.25)])
 def test_sync_through_each_publish_scheme_is_checked(scheme, bound):
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     m = build_train_model(CFG)
     e = ReferenceEngine(CFG)
@@ -77,9 +77,9 @@ def test_sync_through_each_publish_scheme_is_checked(scheme, bound):
 
 
 def test_checker_catches_an_engine_that_drops_tid2eid_and_downcasts_fp32_tensors():
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import build_train_model
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     class Broken(ReferenceEngine):
         def load_bucket(self, bucket):

@@ -1,4 +1,4 @@
-"""`dsv4 train --tracker` (train.trackers) on the tiny main job (GRPO, CPU): what MLflow holds, read back
+"""`dsv4 train --tracker` (reporting.trackers) on the tiny main job (GRPO, CPU): what MLflow holds, read back
 through MLflow's own client, against metrics.jsonl; TensorBoard's events likewise (its own reader); the
 resolved configuration as params; --resume continuing the same MLflow run; a tracker failing mid-run
 (warned once, dropped, the run and metrics.jsonl complete); a missing library or a tracker that cannot
@@ -144,7 +144,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning_and_the_run_co
 
 
 def test_a_tracker_whose_library_is_missing_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
-    from train import trackers
+    from reporting import trackers
 
     monkeypatch.setitem(trackers._PACKAGES, "mlflow", ("dsv4_no_such_module", "mlflow"))
     run = tmp_path / "run"
@@ -152,10 +152,14 @@ def test_a_tracker_whose_library_is_missing_is_refused_in_one_line_before_any_wo
     line = one_line_error(res)
     assert "--tracker mlflow" in line and "pip install mlflow" in line
     assert not run.exists()
-    with pytest.raises(UserInputError, match="--tracker mlflow: .*Fix: pip install mlflow"):       # the library entry point refuses too
-        from train.trainer import run_training
+    with pytest.raises(UserInputError, match="--tracker mlflow: .*Fix: pip install mlflow"):   # the library entry point refuses too
+        from core.config import preset
+        from orchestration import run_training
 
-        run_training(None, "tiny", mode="sft", steps=1, run_dir=run, tracker=("mlflow",), progress=False)
+        from ._impl_helpers import run_config
+
+        run_training(run_config("miles", preset("tiny")), "tiny", mode="sft", steps=1, run_dir=run,
+                     tracker=("mlflow",), progress=False, train_impl="reference")
     assert not run.exists()
 
 

@@ -30,9 +30,11 @@ def test_out_of_range_train_config_is_refused(key, value, allowed):
 
 def test_run_training_refuses_a_nan_lr_before_creating_anything(tmp_path):
     from core.config import preset
-    from train.trainer import run_training
+    from orchestration import run_training
+
+    from ._impl_helpers import run_config
 
     with pytest.raises(ConfigError, match="lr"):
-        run_training(None, preset("tiny"), mode="sft", steps=1, run_dir=tmp_path / "run", lr=math.nan,
+        run_training(run_config("miles", preset("tiny")), preset("tiny"), mode="sft", steps=1, run_dir=tmp_path / "run", lr=math.nan,
                      progress=False)
     assert not (tmp_path / "run").exists()

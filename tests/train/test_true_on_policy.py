@@ -20,9 +20,9 @@ from core.config import preset
 
 
 def _engine_and_model(dtype=torch.float32, lossless=True):
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.model import ReferenceTrainModel
-    from train.weight_sync import sync_weights
+    from rollout.weight_sync import sync_weights
 
     c = preset("tiny")
     model = ReferenceTrainModel(c, seed=3, dtype=dtype).eval()
@@ -42,7 +42,7 @@ def _score(c, model, eng, top_p, T=7, n=3, same_routing=True):
     """(per-sample pairs of the trainer's and the engine's log-probs, samples that stopped early); with
     ``same_routing`` the routing the engine recorded is asserted to be the trainer's own (not for the control,
     whose engine holds other weights: a near-tied router choice may differ there too)."""
-    from train.engines import SamplingParams
+    from rollout.reference_engine import SamplingParams
 
     vocab = c.vocab_size
     params = SamplingParams(temperature=0.8, top_p=top_p, max_new_tokens=T, stop_token_ids=tuple(range(5, vocab, 6)), top_k=0)
@@ -95,11 +95,11 @@ def _cpu_run(dtype, impl="miles"):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_grpo_diff_exactly_zero(tmp_path, dtype):
-    """fp32: the loop of tests (no run config); bf16: a ``--hardware cpu --dtype bf16`` run (lossless sync)."""
-    from train.trainer import run_training
+    """A ``--hardware cpu`` run of the reference model, in fp32 and in bf16 (lossless sync)."""
+    from orchestration import run_training
 
     run = tmp_path / "run"
-    run_training(None if dtype == "fp32" else _cpu_run(dtype), "tiny", mode="grpo", steps=2, run_dir=run,
+    run_training(_cpu_run(dtype), "tiny", mode="grpo", steps=2, run_dir=run,
                  progress=False, train_impl="reference", true_on_policy=True, save_every=100, export_at_end=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -119,10 +119,10 @@ def _miles_model():
 
 
 def test_miles_engine_draws_from_the_trainers_module():
-    """train_impl=miles: :class:`train.engines.TrainModuleEngine` samples from the training module itself; the
+    """train_impl=miles: :class:`rollout.reference_engine.TrainModuleEngine` samples from the training module itself; the
     trainer's ``forward_train`` on the padded batch gives the engine's log-probs bit for bit, and the routing the
     engine recorded is the trainer's. It takes no weight update (there is nothing to send)."""
-    from train.engines import SamplingParams, TrainModuleEngine
+    from rollout.reference_engine import SamplingParams, TrainModuleEngine
 
     c, model = _miles_model()
     eng = TrainModuleEngine(model)
@@ -149,7 +149,7 @@ def test_grpo_impl_diff_exactly_zero(tmp_path, impl, true_on_policy, dtype):
     engine sampling from synced weights, the miles module scoring with its grouped experts) is not: in fp32 at
     every step; in bf16 at some step (bf16 rounding of the outputs hides a different summation order often
     enough that a step can come out equal: measured 1.1e-3 then 0.0)."""
-    from train.trainer import run_training
+    from orchestration import run_training
 
     run = tmp_path / "run"
     run_training(_cpu_run(dtype, impl), "tiny", mode="grpo", steps=2, run_dir=run, progress=False, train_impl=impl,
@@ -171,7 +171,7 @@ def test_grpo_impl_diff_exactly_zero(tmp_path, impl, true_on_policy, dtype):
 def test_refusals():
     from core.config import ConfigError
     from train.config_checks import check_true_on_policy
-    from train.engines import ReferenceEngine
+    from rollout.reference_engine import ReferenceEngine
     from train.trainer import TrainConfig
 
     with pytest.raises(ConfigError, match="Fix: set train_impl=reference or miles or megatron"):

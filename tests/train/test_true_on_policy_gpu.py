@@ -10,7 +10,7 @@
   the same shapes with the same weights (the lossless sync keeps the trainer's fp32 RMSNorm weights), and the
   engine samples from exactly those log-probs;
 * ``train_impl=miles`` and ``megatron`` (``--impl`` the same): the engine draws from the trainer's own module
-  (``train.engines.TrainModuleEngine``, the lockstep loop through ``next_token_logprobs``) on the GPU, the same
+  (``rollout.reference_engine.TrainModuleEngine``, the lockstep loop through ``next_token_logprobs``) on the GPU, the same
   3-step run with the same exact zeros and no weight sync;
 * the control: the same run without ``true_on_policy`` (the KV-cached bf16 engine, eager) has a difference above 0,
   so the exact run is not exact by accident of the measure.
@@ -57,7 +57,7 @@ def test_the_reference_training_model_computes_on_the_runs_gpu():
 
 @pytest.mark.parametrize("train_impl", ["reference", "miles", "megatron"])
 def test_grpo_diff_exactly_zero_in_bf16_on_the_gpu(tmp_path, train_impl):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     run = _nvidia_bf16_run(train_impl)
     assert run.torch_dtype == torch.bfloat16
@@ -75,7 +75,7 @@ def test_grpo_diff_exactly_zero_in_bf16_on_the_gpu(tmp_path, train_impl):
 
 
 def test_without_true_on_policy_the_difference_is_not_zero(tmp_path):
-    from train.trainer import run_training
+    from orchestration import run_training
 
     run_training(_nvidia_bf16_run(), CFG, steps=2, run_dir=tmp_path / "control", rollout_cuda_graphs=False, **RUN)
     rows = _rows(tmp_path / "control")

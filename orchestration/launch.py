@@ -10,7 +10,7 @@ Two ways in, one code path:
 * **one command on one machine**: without that environment, a run of several ranks (``--nproc-per-node G``,
   or ``tp x cp x ep`` by default) starts them as local workers through torch.distributed's elastic launcher
   (:func:`launch_local_ranks`, what torchrun itself uses), which gives each worker the same environment;
-  they start as the hardware target asks (``train.local_workers``: spawned on GPUs, forked from a preloaded
+  they start as the hardware target asks (``orchestration.local_workers``: spawned on GPUs, forked from a preloaded
   server on the CPU).
 
 A failing rank stops the others (the elastic agent's job); the error that reaches the user is the first
@@ -42,8 +42,8 @@ class RankFailed(UserInputError):
 
 def launched_env() -> Optional[dict]:
     """torch.distributed's environment when this process was started by torchrun, srun or the elastic
-    launcher; None otherwise; a partial or inconsistent one is refused (:func:`train.dist_env.launcher_env`)."""
-    from .dist_env import launcher_env
+    launcher; None otherwise; a partial or inconsistent one is refused (:func:`orchestration.dist_env.launcher_env`)."""
+    from orchestration.dist_env import launcher_env
 
     return launcher_env()
 
@@ -61,16 +61,17 @@ def joined_ranks() -> bool:
                                           and dist.get_world_size() > 1)
 
 
-def init_rank(run, *, rendezvous_timeout_s: Optional[float] = None) -> None:
+def init_rank(run, parts, *, rendezvous_timeout_s: Optional[float] = None):
     """Join the run's process groups from the launcher's environment (idempotent), after every rank met within
-    ``rendezvous_timeout_s`` (:func:`train.dist_env.rendezvous`; None: its default)."""
-    from core.assembly import assemble
+    ``rendezvous_timeout_s`` (:func:`orchestration.dist_env.rendezvous`; None: its default); returns this rank's layout
+    (``engine.layout.ParallelLayout``, built by the hardware target). ``parts``: the run's assembly."""
+    from engine.layout import current
 
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() != run.world:
             raise UserInputError(f"this process group has {dist.get_world_size()} ranks, the run's layout "
                                  f"{run.world}")
-        return
+        return current()
     env = launched_env()
     if env is None:
         raise UserInputError(f"a run of {run.world} ranks needs torch.distributed's environment ({', '.join(ENV)}); "
@@ -81,16 +82,15 @@ def init_rank(run, *, rendezvous_timeout_s: Optional[float] = None) -> None:
                              f"{run.world}. Fix: pass --nproc-per-node to match the launcher, or leave it out "
                              f"under torchrun")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    parts = assemble(run)
     if not parts.selection.hardware.gpu:     # CPU ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    from .dist_env import DEFAULT_TIMEOUT_S, rendezvous
+    from orchestration.dist_env import DEFAULT_TIMEOUT_S, rendezvous
 
     store = rendezvous(int(env["RANK"]), world, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                        timeout_s=rendezvous_timeout_s or DEFAULT_TIMEOUT_S)
-    parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,
-                                    port=int(env["MASTER_PORT"]), master_addr=env["MASTER_ADDR"],
-                                    local_rank=int(env["LOCAL_RANK"]), store=store)
+    return parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,
+                                           port=int(env["MASTER_PORT"]), master_addr=env["MASTER_ADDR"],
+                                           local_rank=int(env["LOCAL_RANK"]), store=store)
 
 
 def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:
@@ -118,7 +118,7 @@ def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:
 
 
 def _worker(fn: Callable, args: tuple, errors: str, parent: dict) -> Any:
-    """One local rank: ``fn(*args)`` in its parent's environment (``train.local_workers.adopt``); a failure is
+    """One local rank: ``fn(*args)`` in its parent's environment (``orchestration.local_workers.adopt``); a failure is
     written for the parent before it propagates (with its traceback on stderr under ``--debug``)."""
     from .local_workers import adopt
 

@@ -140,7 +140,7 @@ class CollectiveSender:
                  for r, a in enumerate(self.actors)]
         self.group = open_group(self.backend, self._store, 0, world)   # gloo: returns once every rank joined
         ray.get(joins)
-        from .run_log import log
+        from reporting.run_log import log
 
         log.info(f"weight transport {self.backend}: a process group of this trainer rank and {len(self.actors)} "
                  f"engine actor(s), its store at {host}:{self._store.port}")

@@ -1,24 +1,24 @@
 """Rollout engines as Ray actors (``--orchestrator ray``), reached through the engine protocol.
 
-Why a proxy: the trainer loop talks to its engine through the protocol of :mod:`train.engines` (``generate``,
+Why a proxy: the trainer loop talks to its engine through the protocol of :mod:`rollout.reference_engine` (``generate``,
 ``begin_update`` / ``load_bucket`` / ``finish_update``, ``held_weights``, ``shutdown``). Under Ray each
 data-parallel leader's engine lives in an actor of its own (:class:`EngineActor`, created by
-:mod:`train.ray_launch`), and :class:`RayEngineProxy` speaks the same protocol in the trainer's process, so the
-loop and the weight sync (:func:`train.weight_sync.sync_weights`) are unchanged.
+:mod:`orchestration.ray_launch`), and :class:`RayEngineProxy` speaks the same protocol in the trainer's process, so the
+loop and the weight sync (:func:`rollout.weight_sync.sync_weights`) are unchanged.
 
 * **Weights** (``--weight-transport``): ``objects`` (the default) puts each published bucket (the weight
   contract's atomic groups, in the run's publish format) in Ray's object store once and hands the actor the
   ref; the proxy keeps the refs of the last complete update, so it can load them again into a restarted actor
   without the trainer. ``gloo`` / ``nccl`` broadcast each bucket's bytes from the leader to its engine actor
   over a process group of their own, and ``cuda-ipc`` hands a colocated actor an IPC handle to them
-  (:mod:`train.ray_transport`); the actor loads them through the same ``load_bucket``.
+  (:mod:`orchestration.ray_transport`); the actor loads them through the same ``load_bucket``.
 * **Faults**: the actor is created with ``max_restarts``; a call that finds it dead waits for Ray to restart it
   (a new process, the engine built again without weights), loads the last complete update into it and sends
   the call again. A restarted engine that has not been re-synced refuses to generate
   (:class:`EngineNotSynced`), so it never samples from the wrong weights. The direct transports keep no copy
   of the weights to load: there the proxy raises :class:`EngineLost`, and the launcher restarts the trainer
   group from its last checkpoint (its first step syncs every engine again).
-* **Asynchronous rollout** (``async_rollout=true``, :mod:`train.async_rollout`): :meth:`RayEngineProxy.generate_async`
+* **Asynchronous rollout** (``async_rollout=true``, :mod:`rollout.async_rollout`): :meth:`RayEngineProxy.generate_async`
   sends the actor call and returns at once; the trainer resolves it (``result()``) at the next step, before the
   next weight update, so the actor generates while the trainer trains. A dead actor is re-synced then and asked
   again, as for a synchronous call.
@@ -26,7 +26,7 @@ loop and the weight sync (:func:`train.weight_sync.sync_weights`) are unchanged.
   ``release_memory`` after each rollout, which the proxy forwards: the engine frees its weights and KV cache in
   its actor until the next update (docs/rollout.md, "Colocated mode").
 
-:func:`rank_engine` is what :func:`train.trainer._rollout_engine` returns under Ray: the proxy of this
+:func:`rank_engine` is the engine source :func:`orchestration.training._rank_main` gives the trainer under Ray: the proxy of this
 data-parallel rank's engine, from the handles the trainer actor was given (:func:`set_rank_engines`).
 """
 
@@ -57,7 +57,7 @@ class EngineNotSynced(RuntimeError):
 
 class EngineLost(RuntimeError):
     """An engine actor died under a weight transport that keeps no copy of the weights to re-sync it with: the
-    launcher restarts the trainer group from its last checkpoint (:mod:`train.ray_launch`)."""
+    launcher restarts the trainer group from its last checkpoint (:mod:`orchestration.ray_launch`)."""
 
 
 class EngineActor:
@@ -382,7 +382,7 @@ class RayEngineProxy:
         import ray
         from ray.exceptions import RayActorError
 
-        from .run_log import log
+        from reporting.run_log import log
 
         if self.transport != "objects":
             self._lost(cause)
@@ -455,10 +455,10 @@ def set_rank_engines(actors: Sequence[Any], *, max_restarts: int, colocated: boo
 
 def rank_engine() -> RayEngineProxy:
     """This data-parallel leader's engine proxy (the trainer's engine under ``--orchestrator ray``)."""
-    from .distributed import ParallelGroups
+    from train.distributed import ParallelGroups
 
     if not _RANK_ENGINES:
-        raise RuntimeError("--orchestrator ray: this process is not a trainer actor of train.ray_launch (no engines)")
+        raise RuntimeError("--orchestrator ray: this process is not a trainer actor of orchestration.ray_launch (no engines)")
     groups = ParallelGroups.current()
     actors = _RANK_ENGINES["actors"]
     if len(actors) != groups.dp:

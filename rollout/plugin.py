@@ -1,8 +1,8 @@
 """Built-in rollout engines (the fifth plugin axis, ``dsv4_rollout_engines``).
 
-* ``reference`` - :class:`train.engines.ReferenceEngine`: generates with the reference model from the
+* ``reference`` - :class:`rollout.reference_engine.ReferenceEngine`: generates with the reference model from the
   exported HF-named weights, KV-cached and batched, on the run's device (CPU or any torch device; no server).
-* ``sglang`` - :class:`train.sglang_engine.SGLangEngine`: starts an SGLang server from the run's starting
+* ``sglang`` - :class:`rollout.sglang_engine.SGLangEngine`: starts an SGLang server from the run's starting
   weights (a GPU target and the ``sglang`` package here), or connects to one at ``--rollout-url`` (any
   target: the server runs elsewhere, so the probe below does not apply).
 """
@@ -36,7 +36,7 @@ def dsv4_rollout_engines():
             name="reference",
             description="reference model generating from the exported HF-named weights (KV-cached, batched; "
                         "the run's device)",
-            factory="train.engines:make_reference_engine",
+            factory="rollout.reference_engine:make_reference_engine",
             gpu=False,
             routed_experts=True,
             weight_update=("tensor",),
@@ -46,8 +46,8 @@ def dsv4_rollout_engines():
             name="sglang",
             description="SGLang server (started by the trainer, or at --rollout-url): generate, weight updates "
                         "from tensors or disk, routed experts",
-            factory="train.sglang_engine:make_sglang_engine",
-            availability="train.engines_plugin:sglang_unavailable",
+            factory="rollout.sglang_engine:make_sglang_engine",
+            availability="rollout.plugin:sglang_unavailable",
             gpu=True,
             server=True,
             routed_experts=True,

@@ -19,7 +19,7 @@ while one is in flight. Seeds are unchanged: a batch's prompts and sample seeds 
 ``k``'s samples are exactly what a synchronous engine draws at step ``k`` from the same weights.
 
 How a call runs in the background: an engine that offers ``generate_async`` (the Ray proxy,
-:class:`train.ray_engines.RayEngineProxy`: the actor call is already asynchronous, its ObjectRef resolved at the
+:class:`orchestration.ray_engines.RayEngineProxy`: the actor call is already asynchronous, its ObjectRef resolved at the
 next step) is asked through it; any other engine's ``generate`` runs in one worker thread of this process (an
 in-process engine on the CPU, or a server engine whose ``generate`` is an HTTP call; the combination table's rule
 ``async-rollout`` refuses an in-process engine on a GPU under the local orchestrator).
@@ -28,9 +28,12 @@ in-process engine on the CPU, or a server engine whose ``generate`` is an HTTP c
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+log = logging.getLogger("dsv4")       # the run's logger (reporting.run_log sets its handlers)
 
 __all__ = ["InFlight", "RolloutPipeline"]
 
@@ -93,8 +96,6 @@ class RolloutPipeline:
             try:
                 got.handle.result()
             except Exception as exc:
-                from .run_log import log
-
                 log.warning(f"async rollout: the batch of step {got.step}, in flight when the run stopped, failed "
                             f"too: {type(exc).__name__}: {exc}")
         if self._pool is not None:

@@ -60,7 +60,7 @@ def _state_of(folder: Path) -> Tuple[Optional[int], str]:
 
 
 def _step_folders(root: Path) -> List[Path]:
-    from .checkpointing import _STEP_RE
+    from train.checkpointing import _STEP_RE
 
     return sorted(p for p in root.iterdir() if _STEP_RE.match(p.name)) if root.is_dir() else []
 
@@ -70,7 +70,7 @@ def _pointer(root: Path) -> Optional[Path]:
     from core.bounded_io import BoundedReadError, read_text
     from core.path_safety import PathSafetyError, inside_folder
 
-    from .checkpointing import _STEP_RE, LATEST
+    from train.checkpointing import _STEP_RE, LATEST
 
     path = root / LATEST
     if not os.path.lexists(path):
@@ -97,8 +97,8 @@ def _pointer(root: Path) -> Optional[Path]:
 def check_resume(run_dir, steps: int) -> Optional[int]:
     """Check that ``run_dir`` can be resumed (module docstring); the step it resumes from (None: no checkpoint
     yet). Reads only small files, bounded."""
-    from .checkpointing import CKPT_DIR
-    from .export import CONFIG_FILE
+    from train.checkpointing import CKPT_DIR
+    from train.export import CONFIG_FILE
 
     run = Path(run_dir)
     if not run.exists():

@@ -9,7 +9,7 @@ Two modes (``dsv4 train --rollout-engine sglang``; docs/training.md, "Rollout en
   (:func:`server_command`) in its own process group, its output in ``RUN_DIR/sglang_server.log``. It polls
   ``GET /health`` until the server answers 200 (a progress line every 30 s, at most
   ``sglang_startup_timeout_s``) and stops the whole group when the run ends, fails, or the start fails. The
-  group's leader is a small watchdog (:mod:`train.sglang_guard`) that starts the server and stops the group
+  group's leader is a small watchdog (:mod:`rollout.sglang_guard`) that starts the server and stops the group
   when the engine's process dies without stopping it (SIGKILL, OOM): a killed owner takes its server down.
 * **connect** (``--rollout-url http://HOST:PORT``): the server runs elsewhere, so any ``--hardware`` may
   use it. At start the engine asks ``GET /health`` once (an unreachable URL is a one-line error naming the
@@ -21,11 +21,11 @@ Then, either way (SGLang's native HTTP API):
 * generate: one ``POST /generate`` per call, with ``input_ids`` (each prompt ``n`` times) and one
   ``sampling_params`` per sample (temperature, top_p, top_k, max_new_tokens, stop_token_ids,
   ``no_stop_trim`` so the stop token is returned, and ``sampling_seed`` =
-  :func:`train.engines.sample_seed` of the call's seed, the prompt's index in the step and the sample's
+  :func:`rollout.reference_engine.sample_seed` of the call's seed, the prompt's index in the step and the sample's
   index), ``return_logprob`` and ``return_routed_experts``. Each answer's ``output_ids``,
   ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), ``meta_info.finish_reason``
   and ``meta_info.routed_experts`` (base64 of int32, token-major ``[seq_len, n_layers, topk]``) become a
-  :class:`train.engines.Sample`; hash layers' entries are blanked (never replayed).
+  :class:`rollout.reference_engine.Sample`; hash layers' entries are blanked (never replayed).
 * weights, ``sglang_weight_sync=tensors`` (default): ``POST /update_weights_from_tensor`` per bucket with
   ``serialized_named_tensors`` (one entry per server TP rank), then ``POST /flush_cache``. The serializer
   is SGLang's ``MultiprocessingSerializer`` (CUDA IPC handles / shared memory: the server must run on the
@@ -66,7 +66,7 @@ import torch
 
 from core.errors import UserInputError
 
-from .engines import RolloutEngineBase, Sample, SamplingParams, sample_seed
+from .reference_engine import RolloutEngineBase, Sample, SamplingParams, sample_seed
 
 log = logging.getLogger("dsv4")
 
@@ -196,7 +196,7 @@ def _exit_status(proc: subprocess.Popen) -> Optional[int]:
 
 
 def guarded_command(cmd: Sequence[str]) -> List[str]:
-    """``cmd`` run under :mod:`train.sglang_guard` for this process: the server stops when this process dies.
+    """``cmd`` run under :mod:`rollout.sglang_guard` for this process: the server stops when this process dies.
     The guard asks for Linux's parent-death signal only when called from the main thread (the signal follows
     the thread that forks, and the main thread lives as long as the process); from any other thread it relies
     on polling its parent alone."""
@@ -241,7 +241,7 @@ class SGLangEngine(RolloutEngineBase):
     def start(self) -> None:
         """Launch mode: start the server in its own process group and wait for it; a failed start stops it.
 
-        The group's leader is :mod:`train.sglang_guard` (:func:`guarded_command`), which starts the server and
+        The group's leader is :mod:`rollout.sglang_guard` (:func:`guarded_command`), which starts the server and
         stops the group when this process dies without calling :meth:`shutdown` (a SIGKILLed Ray engine actor):
         a server in a session of its own would otherwise outlive its owner."""
         cmd = server_command(self.server)
@@ -438,7 +438,7 @@ class SGLangEngine(RolloutEngineBase):
 
     def load_bucket(self, bucket) -> None:
         if self.weight_update == "disk":
-            from .engines import decode_published
+            from .reference_engine import decode_published
 
             self._disk_tensors.update(decode_published(bucket, torch.float32))
             return
@@ -470,13 +470,23 @@ class SGLangEngine(RolloutEngineBase):
         return torch.tensor(ans, dtype=torch.float32).flatten().tolist()
 
 
+# The engine's settings when its factory is given no trainer settings; the trainer's TrainConfig takes its
+# defaults from here (train.trainer), so the two never disagree.
+DEFAULT_SETTINGS = {
+    "sglang_weight_sync": "tensors",
+    "sglang_tp_size": 1,
+    "sglang_port": 0,
+    "sglang_server_args": "",
+    "sglang_startup_timeout_s": 900.0,
+    "colocate": False,
+}
+
+
 def _setting(settings, name: str):
-    """A ``sglang_*`` field of the trainer's settings (a TrainConfig), else its default there."""
+    """A ``sglang_*`` field of the trainer's settings (a TrainConfig), else its default (:data:`DEFAULT_SETTINGS`)."""
     if settings is not None and hasattr(settings, name):
         return getattr(settings, name)
-    from .trainer import TrainConfig
-
-    return getattr(TrainConfig, name)
+    return DEFAULT_SETTINGS[name]
 
 
 def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optional[str] = None,
@@ -489,10 +499,10 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
     ``sglang_server_args``); ``run_dir``: where the server log and the disk-sync weights go;
     ``publish_format``: the format of the weights the trainer sends; ``port``: a started server's port (else
     ``sglang_port``, 0 = a free one); the Ray launcher also gives each engine actor its own ``log_file`` and
-    ``disk_dir`` (train.ray_engines)."""
+    ``disk_dir`` (orchestration.ray_engines)."""
     from core.ports import free_port
 
-    from .export import checkpoint_format
+    from .weight_sync import checkpoint_format
 
     kwargs.pop("dtype", None)     # the server loads the checkpoint's dtype on its own GPUs
     kwargs.pop("device", None)

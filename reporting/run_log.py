@@ -118,8 +118,6 @@ class _EtaColumn(ProgressColumn):
 
 def step_line(row: Dict[str, Any], total: int, s_per_step: float, left: float) -> str:
     """The per-step console / log line: the metrics, the phase timings, seconds per step and time left."""
-    from .metrics import summary_line
-
     return f"{summary_line(row, total)}  {s_per_step:.2f} s/step  ETA {_clock(left)}"
 
 
@@ -188,3 +186,22 @@ def config_lines(run_config, cfg, *, mode: str, steps: int, start_step: int, run
                  f"model_source={source}")
     lines.append(f"config: train {_pairs({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})}")
     return lines
+
+
+def summary_line(row: Dict, total_steps: int) -> str:
+    """The step line's metrics: loss, reward, the rollout-vs-train diagnostics, throughput, phase timings."""
+    def f(k, fmt="{:.4g}"):
+        v = row.get(k)
+        return "-" if v is None else fmt.format(v)
+
+    zero_var = row.get("zero_variance_group_frac")
+    flat = ""
+    if zero_var is not None:
+        flat = f"zero-var groups {zero_var:.0%}  "
+        if zero_var >= 1.0:
+            flat += "(no learning signal: every group's rewards are equal)  "
+    return (f"step {row['step']}/{total_steps}  loss {f('loss')}  reward {f('reward_mean')}  {flat}"
+            f"|lp diff| {f('train_rollout_logprob_abs_diff', '{:.2e}')}  kl {f('train_rollout_kl', '{:.2e}')}  "
+            f"gnorm {f('grad_norm')}  tok/s {f('tokens_per_s', '{:.0f}')}  "
+            f"[rollout {f('time_rollout', '{:.2f}')}s logprobs {f('time_logprobs', '{:.2f}')}s "
+            f"train {f('time_train', '{:.2f}')}s sync {f('time_update_weights', '{:.2f}')}s]")

@@ -25,9 +25,25 @@ import torch
 from core.finite import check_finite
 from core.export import WeightCheckReport, check_weights, export_buckets, tensor_nbytes
 
-from .engines import decode_published, published_in_fp32
+from .reference_engine import decode_published, published_in_fp32
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+
+# the HF checkpoint weight format that holds weights published in each format (converters.publish)
+_CHECKPOINT_FORMAT = {"bf16": "bf16", "fp8": "fp8"}
+
+
+def checkpoint_format(publish_format: str, *, purpose: str) -> str:
+    """The HF checkpoint weight format (``write_checkpoint``) of weights published as ``publish_format``; a
+    one-line error for a format no checkpoint writer here produces (NVFP4). ``purpose`` says what needs it."""
+    from core.errors import UserInputError
+
+    fmt = _CHECKPOINT_FORMAT.get(publish_format)
+    if fmt is None:
+        raise UserInputError(f"{purpose} needs an HF checkpoint in the published format {publish_format}, and "
+                             f"dsv4 writes checkpoints in {' or '.join(sorted(_CHECKPOINT_FORMAT))} only. Fix: "
+                             f"choose a --quant that publishes one of those")
+    return fmt
 
 
 @dataclass

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .metrics import read_metrics
+from train.metrics import read_metrics
 
 # (metrics key, title, y-axis label with its unit)
 CURVES = (

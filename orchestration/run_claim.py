@@ -4,10 +4,10 @@ Why: the trainer used to create the run folder and start writing with no look at
 or whether ``--resume`` had anything to resume (docs/bad-inputs.md, "Run folders"). :func:`claimed_run_folder`
 is the one gate a training run passes first:
 
-1. ``steps`` within 1 .. :data:`train.resume_checks.MAX_STEPS`;
-2. with ``resume``: :func:`train.resume_checks.check_resume` (folder, pointer, state, step counter), before
+1. ``steps`` within 1 .. :data:`orchestration.resume_checks.MAX_STEPS`;
+2. with ``resume``: :func:`orchestration.resume_checks.check_resume` (folder, pointer, state, step counter), before
    anything is created;
-3. the run folder's lock (:mod:`train.run_lock`), taken by the process that writes the run's own files: a
+3. the run folder's lock (:mod:`orchestration.run_lock`), taken by the process that writes the run's own files: a
    one-process run, the launcher of local ranks, the Ray driver, or rank 0 under torchrun / srun;
 4. ``resume`` checked again under the lock (another run may have written meanwhile);
 5. a start that fails before its first step removes the folder it created (:mod:`train.run_folder`), but
@@ -24,7 +24,7 @@ from pathlib import Path
 from core.errors import UserInputError
 
 from .resume_checks import MAX_STEPS, check_resume
-from .run_folder import cleanup_failed_start, has_progress
+from train.run_folder import cleanup_failed_start, has_progress
 from .run_lock import hold_run_lock, release_run_lock
 
 __all__ = ["claimed_run_folder", "check_steps"]
@@ -38,9 +38,9 @@ def check_steps(steps) -> None:
 
 def _writes_run_files() -> bool:
     """Whether this process writes the run folder's own files: not a rank other than 0 of torchrun / srun."""
-    from .launch import launched_env
+    from .dist_env import launcher_env     # (orchestration.launch.launched_env reads it too)
 
-    env = launched_env()
+    env = launcher_env()
     return env is None or int(env["RANK"]) == 0
 
 

@@ -1,4 +1,4 @@
-"""Keeps a started SGLang server from outliving the process that started it (train.sglang_engine, launch mode).
+"""Keeps a started SGLang server from outliving the process that started it (rollout.sglang_engine, launch mode).
 
 Why: the engine starts the server in a session of its own, so that ``shutdown`` can signal the whole process
 group (SGLang's scheduler and detokenizer processes too). The same thing means that nothing stops the server
@@ -9,7 +9,7 @@ So the engine does not start the server itself but this script, as the new sessi
 
     python -I sglang_guard.py OWNER_PID PDEATHSIG -- SERVER COMMAND...
 
-It starts ``SERVER COMMAND`` (the exact :func:`train.sglang_engine.server_command`, same process group, same
+It starts ``SERVER COMMAND`` (the exact :func:`rollout.sglang_engine.server_command`, same process group, same
 output) and stops the whole group - SIGTERM, then SIGKILL after :data:`GRACE_S` - as soon as:
 
 * its parent is no longer ``OWNER_PID`` (the owner died and the guard was re-parented), checked every

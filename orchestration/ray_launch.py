@@ -12,16 +12,16 @@ object store for weights). The run's code is unchanged inside the actors:
   data-parallel leader (rank ``j x tp x cp``, megatron's rank order), each taking half of it. With
   ``--rollout-num-nodes M`` the engines get a placement group of their own, created first: M bundles of
   ``N / M`` GPUs, strategy STRICT_SPREAD (each bundle on another node), engines ``j`` in bundle ``j // (N / M)``.
-* **Weights** (``--weight-transport``): Ray's object store, or directly (:mod:`train.ray_transport`); the
+* **Weights** (``--weight-transport``): Ray's object store, or directly (:mod:`orchestration.ray_transport`); the
   launcher logs which.
 * **Trainer group**: one :class:`TrainerRank` actor per rank sets torch.distributed's environment (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = rank 0's node, ``MASTER_PORT`` = a
-  free port there) and runs the same rank entry point torchrun's ranks run (``train.trainer._rank_main``), so
+  free port there) and runs the same rank entry point torchrun's ranks run (``orchestration.training._rank_main``), so
   torch.distributed and megatron-core start exactly as under torchrun. On GPUs Ray gives each actor its GPU as
   ``CUDA_VISIBLE_DEVICES``, so ``LOCAL_RANK`` is 0 there.
-* **Engines**: one :class:`train.ray_engines.EngineActor` per data-parallel rank, created here (they outlive a
+* **Engines**: one :class:`orchestration.ray_engines.EngineActor` per data-parallel rank, created here (they outlive a
   restarted trainer group) with ``max_restarts``; the trainer reaches them through
-  :class:`train.ray_engines.RayEngineProxy`.
+  :class:`orchestration.ray_engines.RayEngineProxy`.
 * **Faults**: an engine actor that dies is restarted by Ray and re-synced by its proxy. A trainer actor that
   dies ends the group; the group is started again with ``--resume`` (the last complete checkpoint; nothing is
   lost: the steps after it are trained again) up to ``--ray-max-restarts`` times. An error a rank raises is not
@@ -69,7 +69,7 @@ class TrainerRank:
         from core.known_warnings import filter_known_warnings
 
         from .ray_engines import set_rank_engines
-        from .run_log import configure_console
+        from reporting.run_log import configure_console
 
         for key in [k for k in os.environ if k.startswith("DSV4_") and k not in env]:
             del os.environ[key]        # a worker inherits its node's environment: the run's DSV4_* win
@@ -108,7 +108,7 @@ def _connect(address: Optional[str], cpus: int) -> None:
     share this machine's cores as the local launcher's do."""
     import ray
 
-    from .run_log import log
+    from reporting.run_log import log
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     local = {} if address else {"num_cpus": max(os.cpu_count() or 1, cpus)}
@@ -241,7 +241,7 @@ def _start_engines(run, model_config, cfg, run_dir, groups, plan: Placement, max
         where = ray.get([a.ready.remote() for a in actors])
     except Exception as exc:
         raise _engine_error(exc) from None
-    from .run_log import log
+    from reporting.run_log import log
 
     mode = "colocated" if colocated else f"disaggregated ({run.rollout_num_gpus} bundle(s) of their own)"
     nodes = len({w["node_id"] for w in where})
@@ -286,13 +286,13 @@ def _rank_env(trainers: List[Any], gpu: bool) -> List[Dict[str, str]]:
 
 def _run_group(run, groups, plan: Placement, engines, placement, fn, args, first_attempt: bool):
     """One trainer group: start it, run every rank, return rank 0's result. A dead actor, or an engine actor
-    lost under a direct weight transport (:class:`train.ray_engines.EngineLost`), is :class:`_GroupDied`; a
+    lost under a direct weight transport (:class:`orchestration.ray_engines.EngineLost`), is :class:`_GroupDied`; a
     rank's own error is re-raised as the launcher's one-line error."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
     from .ray_engines import EngineLost
-    from .run_log import _console_handler
+    from reporting.run_log import _console_handler
 
     gpu = run.selection.hardware.gpu
     remote = ray.remote(max_restarts=0, max_task_retries=0)(TrainerRank)
@@ -334,7 +334,7 @@ def _stop_servers(run, engines) -> None:
     themselves end with the job."""
     import ray
 
-    from .run_log import log
+    from reporting.run_log import log
 
     if not engines or not run.selection.rollout.server or run.rollout_url is not None:
         return
@@ -356,8 +356,8 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
     """Run ``fn(run, model_source, mode, steps, run_dir, resume, cfg, progress)`` (the trainer's rank entry
     point) on ``run.world`` trainer actors with their engines (built for ``model_config``); returns rank 0's
     result."""
-    from .checkpointing import latest_checkpoint
-    from .run_log import log
+    from train.checkpointing import latest_checkpoint
+    from reporting.run_log import log
 
     try:
         import ray

@@ -1,7 +1,7 @@
 """Rollout engines: the protocol, published-weight decoding, sampling, and the built-in reference engine.
 
 A rollout engine (the fifth plugin axis, ``dsv4_rollout_engines``; records in
-:mod:`train.engines_plugin`) generates samples and takes weight updates:
+:mod:`rollout.plugin`) generates samples and takes weight updates:
 
 * ``generate(prompts, params, *, n, seed) -> [[Sample] * n for each prompt]``;
 * ``begin_update(version)`` / ``load_bucket([(official name, published tensor)])`` / ``finish_update()``;
@@ -15,18 +15,18 @@ weights it was sent - never from the trainer's module - so every step exercises 
 in the dtype and with the kernel op table it is given (the assembly passes the run's: a GPU target's device,
 bf16 there, the ``--kernel-backend``'s ops): prefill calls the table's ops, the decode step calls them where
 they take a one-token step's inputs and the reference ops where they refuse them, a choice made once per
-engine and recorded in ``decode_ops`` / ``decode_refusals`` (:mod:`train.engine_ops`).
+engine and recorded in ``decode_ops`` / ``decode_refusals`` (:mod:`rollout.engine_ops`).
 
 :class:`TrainModuleEngine` (``true_on_policy`` with miles / megatron) is the exception: it draws from
 the trainer's own module and takes no weight sync.
 
 Generation (``kv_cache=True``, the default) runs the prompts x ``n`` samples through ``max_slots`` cache
-slots (default: all at once; :mod:`train.slot_decoder`): waiting samples are admitted into free slots by
+slots (default: all at once; :mod:`rollout.slot_decoder`): waiting samples are admitted into free slots by
 :func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
 :func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
 replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
 one (continuous batching), and live slots are packed into the smallest bucket; with ``compile`` the step's
-device work is TorchInductor code (up to three compiles for all buckets; :mod:`train.slot_decoder`). ``kv_cache=False`` is
+device work is TorchInductor code (up to three compiles for all buckets; :mod:`rollout.slot_decoder`). ``kv_cache=False`` is
 the former engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the
 whole prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
 so they draw the same tokens.
@@ -224,7 +224,7 @@ class ReferenceEngine(RolloutEngineBase):
     ``ops``: the kernel op table to compute with (``core.kernel_ops.OpTable``; None: the reference ops, backend
     ``none``). Prefill (and the uncached engine) calls it as is; the decode step calls ``decode_table``: the
     same ops, except the reference op for each op that refuses a one-token step's inputs
-    (:func:`train.engine_ops.decode_choices`). ``prefill_ops`` / ``decode_ops``: ``{op: backend}`` for the
+    (:func:`rollout.engine_ops.decode_choices`). ``prefill_ops`` / ``decode_ops``: ``{op: backend}`` for the
     ops a generate call runs; ``decode_refusals``: ``{op: why the run's kernel does not serve decode}``."""
 
     name = "reference"
@@ -275,7 +275,7 @@ class ReferenceEngine(RolloutEngineBase):
 
             self._fullgraph = not set(kernel_op_names(self.decode_table)) & set(engine_ops(config))
             self.decode_table = opaque_kernel_ops(self.decode_table)
-        self._decoder = None          # train.slot_decoder.SlotDecoder, built by the first cached generate
+        self._decoder = None          # rollout.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)
         self.model = DeepseekV4Model(config, device=device)
         if dtype != torch.float32:
@@ -283,7 +283,7 @@ class ReferenceEngine(RolloutEngineBase):
             # Hold each tensor in the dtype it is published in: the model also keeps its RMSNorm weights in
             # fp32, but they arrive in `dtype` and an RMSNorm upcasts its weight anyway (same values). The
             # true-on-policy engine keeps the reference training model's own dtypes (its RMSNorm weights in fp32,
-            # trained away from bf16 values), sent as they are (train.weight_sync.sync_weights, lossless=True).
+            # trained away from bf16 values), sent as they are (rollout.weight_sync.sync_weights, lossless=True).
             for name, t in self.model.state_dict(keep_vars=True).items():
                 if t.dtype == torch.float32 and not published_in_fp32(name) and not true_on_policy:
                     t.data = t.data.to(dtype)
@@ -402,10 +402,10 @@ class ReferenceEngine(RolloutEngineBase):
         self._decoder_for(slots, positions)
 
     def _decoder_for(self, slots: int, need_len: int):
-        """The engine's :class:`~train.slot_decoder.SlotDecoder`, rebuilt (and its graphs recaptured) only when
+        """The engine's :class:`~rollout.slot_decoder.SlotDecoder`, rebuilt (and its graphs recaptured) only when
         a call needs more slots or positions than it has; capacity is rounded up to 64 positions."""
         from kernels.reference.decode import prefill
-        from train.slot_decoder import SlotDecoder
+        from rollout.slot_decoder import SlotDecoder
 
         dec = self._decoder
         if dec is None or not dec.fits(slots, need_len):
@@ -552,14 +552,14 @@ class ReferenceEngine(RolloutEngineBase):
         ``[n, P + max_new_tokens]`` batch (positions not drawn yet hold the first stop token; attention is
         causal, so they do not reach the drawn positions), run with
         :func:`kernels.reference.moe.row_invariant_experts` and the trainer's own log-prob op
-        (:func:`train.model.next_token_logprobs`). The trainer scores the same ``[n, P + max_new_tokens]``
+        (:func:`rollout.logprobs.next_token_logprobs`). The trainer scores the same ``[n, P + max_new_tokens]``
         shape the same way, on the same device, with the same weights in the same dtypes (the engine keeps the
         training model's fp32 tensors), so each token's log-prob is the trainer's bit for bit: on a GPU too, since
         every kernel of the forward (cuBLAS GEMMs included) computes a row from that row and the shape alone, and
         equal shapes pick equal kernels."""
         from kernels.reference.moe import row_invariant_experts
 
-        from .model import next_token_logprobs
+        from .logprobs import next_token_logprobs
 
         on_policy = self.true_on_policy
 

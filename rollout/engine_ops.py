@@ -1,6 +1,6 @@
 """Which kernel backend serves each op of the built-in rollout engine, in prefill and in the decode step.
 
-Why: the engine (:class:`train.engines.ReferenceEngine`) runs the reference model's math with the run's kernel
+Why: the engine (:class:`rollout.reference_engine.ReferenceEngine`) runs the reference model's math with the run's kernel
 backend (``--kernel-backend``; the assembly hands it the run's op table). Its **prefill** calls that table the
 way the training forward does, so an input a kernel does not take is refused there, with the fix, exactly as
 in training. The **decode step** feeds one token per slot, at other shapes (``S = 1``, the whole cache as

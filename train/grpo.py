@@ -1,0 +1,236 @@
+"""One GRPO step as its named phases, each a function of the run (:class:`train.trainer._Run`):
+
+    sync       the trained weights into the rollout engine (export -> publish -> load -> check)
+    rollout    P prompts x G samples each on the leader's engine (temperature / top-p), broadcast to its ranks
+    reward     each sample's reward, the groups' tensors and advantages, regrouped into micro-batches
+    logprobs   old log-probs recomputed by the training model (no grad; routing replayed), the reference
+               policy's when kl_coef > 0; rollout-vs-train diagnostics
+    train      clipped policy loss (+ k3 KL penalty, + MTP loss, + the model's own term), one optimizer step
+
+With ``async_rollout`` the rollout of step k+1 is sent right after step k's weight sync and runs while step k
+computes log-probs and trains; step k takes its own batch (in flight since step k-1) before its sync, so it trains
+one step off-policy (:mod:`rollout.async_rollout`; metric ``rollout_policy_lag``). Every phase adds its metrics to
+the step's row ``out``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from reporting import profiling
+from rollout.reference_engine import SamplingParams
+from rollout.replay import routing_match
+from rollout.weight_sync import sync_weights
+
+from . import data as D
+from .losses import grpo_loss, mtp_loss, sample_mean_diag, zero_variance_group_frac
+from .model import full_view
+from .step_common import group_tensors, maybe_kill, packed_items, sample_items, step_seed
+
+__all__ = ["grpo_step", "sync_phase", "rollout_phase", "reward_phase", "logprobs_phase", "train_phase"]
+
+
+def grpo_step(run, step: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    t_step = time.perf_counter()
+    # async rollout: this step's batch, in flight since the previous step's sync, is taken before this step's
+    # sync (the engine is never updated while it generates); None for a run's (or a resumed run's) first step
+    taken = run.rollouts.take(step) if run.rollouts is not None else None
+    sync_phase(run, step, out)
+    t0 = time.perf_counter()
+    batch, groups = rollout_phase(run, step, taken, out, t_step)
+    rewards, items = reward_phase(run, batch, groups, out, t0)
+    n_samples = logprobs_phase(run, step, items, out)
+    train_phase(run, step, items, rewards, n_samples, out, t_step)
+    return out
+
+
+def sync_phase(run, step: int, out: Dict[str, Any]) -> None:
+    """update_weights: every rank takes part in gathering the full weights; each leader's engine loads them."""
+    cfg = run.cfg
+    maybe_kill(step, "update_weights")
+    run.model.eval()
+    view = full_view(run.model, run.dist)
+    if run.dist.is_leader and getattr(run.engine, "reads_trainer_weights", False):
+        # no sync: the engine computes with this very module (rollout.reference_engine.TrainModuleEngine)
+        run.engine.version = step
+        out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_buckets=0,
+                   weight_quant_max_rel_err=0.0)
+    elif run.dist.is_leader:
+        rep = sync_weights(view, run.engine, version=step, scheme=run.publish_format,
+                           engine_dtype=run.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
+                           check=cfg.check_weights, lossless=cfg.true_on_policy)
+        if rep.check is not None and not rep.check.ok:
+            raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
+        out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
+                   weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
+                   weight_quant_max_rel_err=rep.max_quant_rel_err)
+
+
+def step_prompts(run, step: int):
+    """This data-parallel rank's examples of ``step``, their encoded prompts and the index of its first prompt in
+    the step (sample seeds follow it, whatever the layout)."""
+    batch = run.dist.share(D.batch_for_step(run.examples, run.cfg.seed, step, run.cfg.prompts_per_step))
+    return batch, [D.encode_prompt(run.tok, ex.prompt) for ex in batch], run.dist.dp_rank * len(batch)
+
+
+def generate(run, step: int, version: int, *, in_background: bool = False):
+    """Generate the batch of ``step`` on the leader's engine (which holds weights ``version``): now, or issued to
+    the async pipeline (:mod:`rollout.async_rollout`)."""
+    cfg = run.cfg
+    _batch, prompts, first = step_prompts(run, step)
+    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (run.tok.eos_token_id,), cfg.top_k)
+    kw = dict(n=cfg.group_size, seed=step_seed(cfg.seed, step), first_prompt=first)
+    if in_background:
+        return run.rollouts.issue(step, version, prompts, params, **kw)
+    return run.engine.generate(prompts, params, **kw)
+
+
+def rollout_phase(run, step: int, taken, out: Dict[str, Any], t_step: float):
+    """This data-parallel rank's prompts, on its leader's engine (broadcast to its TP x CP ranks); each sample's
+    seed is a function of (seed, step, the prompt's index in the step), whatever the layout. Returns the rank's
+    examples and their sample groups."""
+    maybe_kill(step, "rollout")
+    t0 = time.perf_counter()
+    batch, _prompts, _first = step_prompts(run, step)
+    groups = None
+    if run.dist.is_leader:
+        if taken is None:             # generated now, from the weights just loaded
+            groups, version = generate(run, step, step), step
+            wait = time.perf_counter() - t0
+        else:
+            groups, version, wait = taken
+        out.update(rollout_policy_lag=step - version, time_rollout_wait=wait)
+        if run.cfg.colocate:
+            run.engine.release_memory()
+        # what the engine holds, asked before it is busy with the next batch (an actor answers in call order)
+        out.update(run.engine_memory())
+        if run.rollouts is not None and step < run.steps:   # the next batch, from the weights just loaded
+            generate(run, step + 1, step, in_background=True)
+            out["at_next_rollout_issued"] = time.perf_counter() - t_step
+    groups, lag = run.dist.broadcast_from_leader((groups, out.get("rollout_policy_lag")))
+    out["rollout_policy_lag"] = lag
+    out.update(run.memory_phase_start())
+    return batch, groups
+
+
+def reward_phase(run, batch, groups, out: Dict[str, Any], t_rollout: float):
+    """Each sample's reward (its prompt's rule on the decoded response), each group's tensors and advantages
+    (``time_rollout`` ends here, counted from ``t_rollout``), regrouped into the micro-batches the next phases run
+    (packed, or ``micro_batch_size`` rows): ``(rewards per group, micro-batch items)``."""
+    rewards, items = [], []
+    for ex, samples in zip(batch, groups):
+        r = []
+        for s in samples:
+            body = s.response_ids[:-1] if s.finish_reason == "stop" else s.response_ids
+            r.append(D.compute_reward(D.decode_response(run.tok, s.response_ids), body, ex.reward))
+        r = torch.tensor(r)
+        rewards.append(r)
+        items.append(group_tensors(run, samples, r))
+    out["time_rollout"] = time.perf_counter() - t_rollout
+    if run.packed:                   # dynamic batching: micro-batches of samples across groups
+        items, out["packing_efficiency"] = packed_items(run, items)
+        out["micro_batches"] = len(items)
+    elif run.cfg.micro_batch_size is not None:   # micro-batches of micro_batch_size samples across groups
+        items = sample_items(run, items)
+        out["micro_batches"] = len(items)
+    return rewards, items
+
+
+def _forward_kw(run, item) -> Dict[str, Any]:
+    return {"lengths": item["lengths"]} if run.packed else {}
+
+
+def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> float:
+    """The old (and reference) log-probs of every item, and how far the rollout's are from them; returns the
+    step's sample count (over data parallel)."""
+    maybe_kill(step, "logprobs")
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    diffs, kls, matches, w = [], [], [], []
+    with torch.no_grad():
+        for it in items:
+            fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
+                                          **_forward_kw(run, it))
+            it["old"] = fwd.logprobs
+            if run.ref_model is not None:
+                it["ref"] = run.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
+                                                   temperature=cfg.temperature, **_forward_kw(run, it))
+            d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])
+            diffs.append(d)
+            kls.append(k)
+            w.append(it["ids"].shape[0])
+            if it["routed"] is not None:
+                matches.append(routing_match(fwd.routing_used, it["routed"]))
+    out["time_logprobs"] = time.perf_counter() - t0
+    n_samples, diff_sum, kl_sum, match_sum, match_n = run.dist.sum_over_dp([
+        float(sum(w)), sum(d * n for d, n in zip(diffs, w)), sum(k * n for k, n in zip(kls, w)),
+        float(sum(matches)), float(len(matches))])
+    out["train_rollout_logprob_abs_diff"] = diff_sum / n_samples
+    out["train_rollout_kl"] = kl_sum / n_samples
+    out["routing_replay_match"] = (match_sum / match_n) if match_n else None
+    return n_samples
+
+
+def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
+    """One micro-batch's loss: clipped policy loss, + k3 KL to the reference, + MTP, + the model's own term,
+    each divided by the step's GLOBAL response-token count (gradients are summed); adds each term to ``acc``."""
+    cfg = run.cfg
+    loss, pg_term, kl_term, clipped = grpo_loss(
+        fwd.logprobs, it["old"], it["adv"], it["mask"], total_tokens=total_tokens, ref_logp=it.get("ref"),
+        kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    acc["pg"] += float(pg_term.detach())
+    acc["clip"] += float(clipped)
+    frac = float(it["mask"].sum()) / max(total_tokens, 1.0)
+    if kl_term is not None:
+        acc["kl"] += float(kl_term.detach())
+    if cfg.mtp_coef > 0:
+        m = mtp_loss(fwd.mtp_logits, it["ids"], it["mask"])
+        if m is not None:
+            loss = loss + cfg.mtp_coef * m * frac
+            acc["mtp"] += float(m.detach()) * frac
+    if fwd.aux_loss is not None:     # implementation's own term (indexer KL), token-weighted
+        loss = loss + fwd.aux_loss * frac
+        acc["aux"] += float(fwd.aux_loss.detach()) * frac
+        acc["have_aux"] = 1.0
+    return loss
+
+
+def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], n_samples: float,
+                out: Dict[str, Any], t_step: float) -> None:
+    """The policy update over every micro-batch (gradients accumulated), one optimizer step, the step's metrics."""
+    maybe_kill(step, "train")
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    run.model.train()
+    with profiling.scope("zero_grad"):
+        run.optim.zero_grad()
+    total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
+    acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
+    for i, it in enumerate(items):
+        fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
+                                      with_mtp=cfg.mtp_coef > 0, **_forward_kw(run, it))
+        loss = _item_loss(run, it, fwd, total_tokens, acc)
+        with run.accumulating(i, len(items)):
+            loss.backward()
+        acc["loss"] += float(loss.detach())
+    gnorm = run.clip_and_step()
+    out["time_train"] = time.perf_counter() - t0
+    out["at_train_end"] = time.perf_counter() - t_step
+    out.update(run.memory_phase_end())
+    loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc, tokens = run.dist.sum_over_dp([
+        acc["loss"], acc["pg"], acc["kl"], acc["mtp"], acc["aux"], acc["clip"],
+        float(sum(it["ids"].numel() for it in items))])
+    allr = torch.tensor(run.dist.gather_over_dp(torch.cat(rewards).tolist()))
+    zero_var_groups, n_groups = run.dist.sum_over_dp([zero_variance_group_frac(rewards) * len(rewards),
+                                                      float(len(rewards))])
+    out.update(loss=loss_acc, pg_loss=pg_acc, kl_loss=kl_acc if run.ref_model is not None else None,
+               mtp_loss=mtp_acc if cfg.mtp_coef > 0 else None, grad_norm=gnorm,
+               indexer_loss=aux_acc if acc["have_aux"] else None,
+               pg_clipfrac=clip_acc / max(total_tokens, 1.0), reward_mean=float(allr.mean()),
+               zero_variance_group_frac=zero_var_groups / max(n_groups, 1.0),
+               reward_std=float(allr.std(unbiased=False)), response_len_mean=total_tokens / n_samples,
+               tokens=int(tokens), response_tokens=int(total_tokens))
