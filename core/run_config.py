@@ -252,5 +252,15 @@ def availability_problems(run: RunConfig) -> list[str]:
     ):
         reason = record.unavailable_reason() if record is not None else None
         if reason:
-            problems.append(f"{option} {record.name} is not usable on this machine: {reason}")
+            problems.append(f"{option} {record.name} is not usable on this machine: {reason}. "
+                            f"Fix: {_AVAILABILITY_FIX.get(option, _AVAILABILITY_FIX['other']).format(option=option)}")
     return problems
+
+
+# what a user does about a backend this machine cannot run
+_AVAILABILITY_FIX = {
+    "--hardware": "run on a machine with that hardware and a torch build for it (README, \"Quick start on a GPU "
+                  "node\"), or use --hardware cpu",
+    "other": "install what it needs (`dsv4 plugins` says what each backend needs and whether it runs here), "
+             "or choose another {option}",
+}

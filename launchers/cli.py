@@ -38,7 +38,7 @@ EXIT_NOT_BUILT = 3
 # option name -> (click declaration kwargs); default None means "not given here".
 _RUN_OPTIONS = (
     ("--impl", dict(help="Attention implementation: miles (the plugin path) or megatron (the Megatron-native design); `dsv4 plugins` shows what each supports. Default: miles.")),
-    ("--kernel-backend", dict(help="Kernel backend: none (PyTorch reference), triton, tilelang, cudnn.")),
+    ("--kernel-backend", dict(help="Kernel backend: none (PyTorch reference), triton, tilelang, cuda, cudnn; `dsv4 plugins` shows which run here.")),
     ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
     ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm. Default: train and full-train detect it (nvidia when torch sees a CUDA device, else cpu) and say so; other commands: cpu.")),
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
@@ -61,8 +61,12 @@ TRAIN_RUN_KEYS = frozenset({"orchestrator", "rollout_num_gpus", "rollout_num_nod
 _OUTPUT = {"quiet": False, "verbose": False}
 
 
+_DEBUG_HELP = "Show the full traceback of a failure (default: one line `error: ...`)."
+
+
 def output_options(func):
-    """-q / -v, accepted before or after the subcommand name."""
+    """--debug / -q / -v, accepted before or after the subcommand name."""
+    func = click.option("--debug", is_flag=True, help=_DEBUG_HELP)(func)
     func = click.option("-v", "--verbose", is_flag=True, help="Also show debug lines (every metric of every step) and the known library warnings that are hidden by default.")(func)
     return click.option("-q", "--quiet", is_flag=True, help="Print only errors and the final result.")(func)
 
@@ -72,7 +76,7 @@ def _configure_output(quiet: bool, verbose: bool) -> None:
     from launchers.console import configure
 
     if quiet and verbose:
-        _fail("give at most one of -q/--quiet and -v/--verbose", EXIT_INVALID)
+        _fail("-q/--quiet and -v/--verbose both given. Fix: give at most one of them", EXIT_INVALID)
     _OUTPUT.update(quiet=quiet, verbose=verbose)
     configure(quiet=quiet, verbose=verbose)
     stages.log.quiet = quiet
@@ -177,7 +181,11 @@ def subcommand(name: str, **kwargs):
         @output_options
         @click.pass_context
         @functools.wraps(func)
-        def command(ctx, quiet=False, verbose=False, **params):
+        def command(ctx, quiet=False, verbose=False, debug=False, **params):
+            if debug:
+                from launchers.errors import set_debug
+
+                set_debug(True)
             if quiet or verbose:
                 _configure_output(quiet or _OUTPUT["quiet"], verbose or _OUTPUT["verbose"])
             opts = _merged(ctx, {k: params.pop(k) for k in list(params) if k in RUN_KEYS})
@@ -191,7 +199,6 @@ def subcommand(name: str, **kwargs):
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @run_options
 @output_options
-@click.option("--debug", is_flag=True, help="Show the full traceback of a failure (default: one line `error: ...`).")
 @click.pass_context
 def main(ctx: click.Context, debug: bool = False, quiet: bool = False, verbose: bool = False, **opts):
     """Train DeepSeek-V4 (V4-Flash, V4-Pro, tiny test models) for RL and SFT.
@@ -283,15 +290,17 @@ def prepare_cmd(opts, preset: Optional[str], out: Optional[str], weight_format: 
     if hf_repo:
         given = [o for o, v in (("--preset", preset), ("--weight-format", weight_format), ("--seed", seed)) if v is not None]
         if given:
-            _fail(f"--hf-repo downloads a checkpoint as published: {', '.join(given)} do not apply", EXIT_INVALID)
+            _fail(f"--hf-repo downloads a checkpoint as published: {', '.join(given)} do not apply. "
+                  f"Fix: drop {', '.join(given)}", EXIT_INVALID)
         stages.prepare_hub(hf_repo, stages.user_path(out) if out else None, revision=hf_revision,
                            endpoint=hf_endpoint, overwrite=overwrite)
         return
     given = [o for o, v in (("--hf-revision", hf_revision), ("--hf-endpoint", hf_endpoint)) if v is not None]
     if given:
-        _fail(f"{', '.join(given)} only apply with --hf-repo", EXIT_INVALID)
+        _fail(f"{', '.join(given)} only apply with --hf-repo. Fix: add --hf-repo ORG/NAME, or drop "
+              f"{', '.join(given)}", EXIT_INVALID)
     if not out:
-        _fail("prepare --preset needs --out DIR", EXIT_INVALID)
+        _fail("prepare --preset needs an output folder. Fix: add --out DIR", EXIT_INVALID)
     stages.prepare(preset=preset or "tiny", out=stages.user_path(out), dtype=weight_format or "bf16",
                    seed=0 if seed is None else seed, overwrite=overwrite)
 
@@ -334,6 +343,9 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     processes that each hold 1/N of the routed experts and score every N-th
     sequence. The output format is the same either way, so runs are directly
     comparable.
+
+    Indexer-score ties at the k-th place are broken by the lowest entry index
+    (torch.topk may pick other tied entries: docs/interop.md, "Ties of indexer scores").
     """
     opts = {**opts, "model": opts.get("model") or checkpoint}
     run = resolve(opts, job="score")[1]
@@ -472,7 +484,7 @@ def _training(opts: dict, kw: dict) -> _Training:
         fields["data"] = str(stages.user_path(fields["data"]))
     job = {k: values.get(k, kw[k]) for k in _JOB_KEYS}
     if job["resume"] and not job["run_dir"]:
-        _fail("--resume needs --run-dir (the run to continue)", EXIT_INVALID)
+        _fail("--resume needs the run to continue. Fix: add --run-dir RUN_DIR", EXIT_INVALID)
     _check_orchestration(run_opts.get("orchestrator"), job)
     return _Training(run_opts, job["mode"], job["steps"], job["run_dir"], job["resume"], fields, print_config,
                      job["nproc_per_node"], job["trainer_num_gpus"], job["ray_address"], job["ray_max_restarts"])
@@ -557,7 +569,8 @@ def _check_launched_run_dir(run_dir) -> None:
     from orchestration.launch import env_world_size
 
     if (env_world_size() or 1) > 1 and not run_dir:
-        _fail("a run started by torchrun / srun needs --run-dir (every rank must use the same folder)", EXIT_INVALID)
+        _fail("a run started by torchrun / srun needs one run folder for every rank. Fix: add --run-dir DIR",
+              EXIT_INVALID)
 
 
 def _prepared_training(opts: dict, kw: dict):
@@ -626,7 +639,7 @@ def full_train_cmd(opts, **kw):
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="Run folder.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="HF checkpoint directory to write.")
 @click.option("--step", type=int, default=None, help="Checkpoint step (default: the last complete one).")
-@click.option("--weight-format", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+@click.option("--weight-format", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True, help="Weight format of the written checkpoint: bf16, or fp8 (128x128 blocks, as the official checkpoints).")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export (only a folder dsv4 wrote).")
 def export_cmd(opts, run_dir, out, step, weight_format, overwrite):
     """Write a run's checkpoint as an official-format HF checkpoint."""

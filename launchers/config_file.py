@@ -45,7 +45,7 @@ SECTIONS = ("run", "train")
 # command-line options that set a TrainConfig field of another name
 OPTION_FIELDS = {"compile": "compile_blocks"}
 # options of the commands that are not settings
-NOT_SETTINGS = frozenset({"config", "print_config", "quiet", "verbose", "help"})
+NOT_SETTINGS = frozenset({"config", "print_config", "quiet", "verbose", "debug", "help"})
 LISTING = "`dsv4 train --print-config` lists every key"
 _NONE = ("none", "null")
 _TRUE = ("true", "yes", "on", "1")
@@ -221,10 +221,46 @@ def _norm(key: Any) -> str:
     return str(key).strip().replace("-", "_")
 
 
+# Other trainers' names (Hugging Face TRL / transformers, verl, OpenRLHF, Megatron-LM) of dsv4's settings:
+# refused, each naming dsv4's key, so a setting is never silently dropped or half-understood.
+OTHER_TRAINERS_NAMES = {
+    "learning_rate": ("lr", ""),
+    "num_steps": ("steps", ""),
+    "max_steps": ("steps", ""),
+    "train_iters": ("steps", ""),
+    "total_training_steps": ("steps", ""),
+    "global_batch_size": ("batch_size", "SFT's sequences per step; a GRPO step has prompts_per_step x group_size samples"),
+    "train_batch_size": ("batch_size", "SFT's sequences per step; a GRPO step has prompts_per_step x group_size samples"),
+    "per_device_train_batch_size": ("micro_batch_size", "samples per forward/backward on each rank"),
+    "rollout_batch_size": ("prompts_per_step", "prompts per GRPO step; each is sampled group_size times"),
+    "n_samples_per_prompt": ("group_size", ""),
+    "num_generations": ("group_size", ""),
+    "rollout_n": ("group_size", ""),
+    "max_response_length": ("max_new_tokens", ""),
+    "max_completion_length": ("max_new_tokens", ""),
+    "kl_coeff": ("kl_coef", ""),
+    "clip_ratio": ("clip_low", "and clip_high: the lower and upper clip range of the ratio"),
+    "eps_clip": ("clip_low", "and clip_high: the lower and upper clip range of the ratio"),
+    "random_seed": ("seed", ""),
+    "max_grad_norm": ("grad_clip", ""),
+    "clip_grad": ("grad_clip", ""),
+    "save_steps": ("save_every", ""),
+    "save_interval": ("save_every", ""),
+    "output_dir": ("run_dir", ""),
+}
+
+
 def _unknown(key: str, where: str, valid: Iterable[str]) -> ConfigFileError:
-    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]!r}? " if near else ""
-    return ConfigFileError(f"unknown key {key!r} in {where}; {hint}({LISTING})")
+    valid = list(valid)
+    ours, note = OTHER_TRAINERS_NAMES.get(key, (None, ""))
+    if ours in valid:
+        return ConfigFileError(f"unknown key {key!r} in {where}; did you mean {ours!r}? (dsv4's name of that "
+                               f"setting{': ' + note if note else ''}) Fix: write {ours}=... ({LISTING})")
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if near:
+        return ConfigFileError(f"unknown key {key!r} in {where}; did you mean {near[0]!r}? Fix: write "
+                               f"{near[0]}=... ({LISTING})")
+    return ConfigFileError(f"unknown key {key!r} in {where}. Fix: use one of dsv4's keys ({LISTING})")
 
 
 def _parse(table: Mapping[str, Setting], key: str, value: Any, where: str) -> Any:

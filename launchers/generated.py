@@ -83,7 +83,7 @@ def quant_schemes_markdown(host) -> str:
 
 def _replace_between(text: str, begin: str, end: str, body: str) -> str:
     if begin not in text or end not in text:
-        raise ValueError(f"README has no generated-table markers ({begin} ... {end})")
+        raise ValueError(f"no generated-table markers ({begin} ... {end})")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{body}{end}{tail}"
@@ -93,3 +93,46 @@ def replace_readme_tables(text: str, combos, host) -> str:
     """The README with both generated tables rewritten."""
     text = _replace_between(text, README_BEGIN, README_END, combinations_markdown(combos) + not_runnable_markdown(host))
     return _replace_between(text, QUANT_BEGIN, QUANT_END, quant_schemes_markdown(host))
+
+
+# ------------------------------------------------------------------ docs/cli.md's option reference
+CLI_BEGIN = "<!-- cli-reference:begin (generated from the click commands by `python -m launchers.cli_doc docs/cli.md`) -->"
+CLI_END = "<!-- cli-reference:end -->"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def cli_reference_markdown(group) -> str:
+    """Every command's own options with their `--help` text (click's own help records), the shared ones
+    once: docs/cli.md cannot drift from `dsv4 COMMAND --help`."""
+    import click
+
+    ctx = click.Context(group, info_name="dsv4")
+    shared = {p.name for p in group.params}
+    lines = ["Shared options (every subcommand; before or after its name):", "",
+             "| option | help |", "| --- | --- |"]
+    for param in group.params:
+        record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+        if record:
+            lines.append(f"| `{_cell(record[0])}` | {_cell(record[1])} |")
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        sub = click.Context(command, info_name=name, parent=ctx)
+        pieces = " ".join(command.collect_usage_pieces(sub))
+        summary = (command.help or "").split("\n\n")[0]
+        lines += ["", f"### `dsv4 {name} {pieces}`", "", _cell(summary), ""]
+        own = [p for p in command.params
+               if isinstance(p, click.Option) and p.name not in shared and p.get_help_record(sub)]
+        if own:
+            lines += ["| option | help |", "| --- | --- |"]
+            for param in own:
+                opts, help_text = param.get_help_record(sub)
+                lines.append(f"| `{_cell(opts)}` | {_cell(help_text)} |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_cli_reference(text: str, group) -> str:
+    return _replace_between(text, CLI_BEGIN, CLI_END, cli_reference_markdown(group))
+

@@ -484,13 +484,26 @@ def full_train(run, *, mode: str, steps: int, run_dir: Path, resume: bool, **ove
     return train(run, native, mode=mode, steps=steps, run_dir=run_dir, resume=resume, **overrides)
 
 
+def reward_trend(metrics_path: Path, n: int = 5):
+    """(mean reward of the first ``n`` steps, of the last ``n``) of a GRPO run's metrics.jsonl; None
+    for a run of fewer than 2n steps."""
+    rewards = [json.loads(line)["reward_mean"] for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    if len(rewards) < 2 * n:
+        return None
+    return sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+
+
 def main_job(run, steps: int = 20) -> None:
-    """The default job: full-train GRPO on the embedded tiny model, then plots."""
+    """The default job: full-train GRPO on the embedded tiny model (the built-in task, with its settings
+    ``train.data.MAIN_JOB_SETTINGS``), then plots."""
     from launchers.plot import plot_run
+    from train.data import MAIN_JOB_SETTINGS
 
     print_run_config(run)
     run_dir = default_run_dir(run, "grpo")
-    result = full_train(run, mode="grpo", steps=steps, run_dir=run_dir, resume=False)
+    settings = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in MAIN_JOB_SETTINGS.items())
+    log.print(f"main job: `dsv4 train --steps {steps} {settings}` on the built-in task (docs/training.md)")
+    result = full_train(run, mode="grpo", steps=steps, run_dir=run_dir, resume=False, **MAIN_JOB_SETTINGS)
     plots = plot_run(run_dir)
     title = f"GRPO on the embedded tiny model with --impl {run.impl} ({steps} steps)"
     table = Table(title=title, min_width=len(title) + 4)  # the title on one line, whatever the values' widths
@@ -502,5 +515,8 @@ def main_job(run, steps: int = 20) -> None:
             value = last[key]
             table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
     out.print(table)
+    rewards = reward_trend(run_dir / "metrics.jsonl")
+    if rewards:
+        out.print(f"reward_mean: first 5 steps {rewards[0]:.3f}, last 5 steps {rewards[1]:.3f}")
     print_stages()
     out.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots)}")

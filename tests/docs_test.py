@@ -156,6 +156,71 @@ def test_a_broken_link_is_caught(tmp_path):
     assert "other.md#no-such-section (no heading" in problems[1]
 
 
+
+# ---------------------------------------------------------------- install paths: one Python range, exact GPU commands
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _supported_minors() -> list:
+    """The 3.x versions pyproject.toml's requires-python admits (">=3.A,<3.B" -> 3.A .. 3.B-1)."""
+    spec = _pyproject()["project"]["requires-python"]
+    match = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", spec.replace(" ", ""))
+    assert match, f"requires-python {spec!r}: expected the form '>=3.A,<3.B' (an upper bound: untested versions are not claimed)"
+    return [f"3.{m}" for m in range(int(match.group(1)), int(match.group(2)))]
+
+
+def _lock(name: str) -> dict:
+    pins = {}
+    for line in (ROOT / "third_party" / name).read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            pkg, version = line.strip().split("==")
+            pins[pkg.lower()] = version
+    return pins
+
+
+def test_one_python_range_for_every_install_path():
+    minors = _supported_minors()
+    spec = _pyproject()["project"]["requires-python"]
+    stated = " or ".join(minors)                                     # "3.11 or 3.12"
+    assert f"Python {stated}" in (ROOT / "README.md").read_text(encoding="utf-8")
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    assert f"Python {stated}:" in install and f'`requires-python = "{spec}"`' in install
+    # the Bazel venv accepts exactly these versions
+    bzl = (ROOT / "third_party" / "python_venv.bzl").read_text(encoding="utf-8")
+    listed = re.search(r"^SUPPORTED_PYTHON = \[(.*)\]$", bzl, re.M)
+    assert listed and re.findall(r'"([\d.]+)"', listed.group(1)) == minors
+    assert f"({stated}, pyproject.toml)" in bzl
+    # CI checks the lowest
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8") if (ROOT / ".ci" / "run").is_file() else None
+    if ci is not None:                        # (not in Bazel's runfiles)
+        assert "requires-python" in ci
+
+
+def test_the_gpu_commands_install_the_measured_versions():
+    """The README's GPU install names the lock and extras that exist, and they pin the recorded versions."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = 'pip install -c third_party/requirements-gpu.lock ".[gpu,tilelang]"'
+    assert command in readme and command in (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    extras = _pyproject()["project"]["optional-dependencies"]
+    gpu = _lock("requirements-gpu.lock")
+    recorded = {"torch": "2.11.0", "triton": "3.6.0", "tilelang": "0.1.15", "megatron-core": "0.19.2",
+                "transformers": "5.24.0"}
+    for pkg, version in recorded.items():
+        assert gpu[pkg] == version, (pkg, gpu.get(pkg))
+    for spec in extras["gpu"] + extras["tilelang"]:       # every exact pin of the extras is the lock's
+        if "==" in spec:
+            pkg, version = spec.split("==")
+            assert gpu[pkg.lower()] == version, spec
+    assert "torch 2.11.0+cu130, Triton 3.6.0, TileLang 0.1.15" in readme
+    assert gpu["cuda-toolkit"].startswith("13.0.")            # PyPI's torch 2.11.0 is the CUDA 13.0 build
+    # the CPU locks and the GPU lock agree on the packages they share with dsv4's own pins
+    cpu = {**_lock("requirements.lock"), **_lock("requirements-nodeps.lock")}
+    assert cpu["megatron-core"] == gpu["megatron-core"] and cpu["transformers"] == gpu["transformers"]
+
+
 if __name__ == "__main__":
     from tests.runner import main as run_tests
 

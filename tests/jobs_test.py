@@ -165,6 +165,13 @@ def test_the_main_job_trains_the_embedded_model_with_grpo(tmp_path):
         assert (r["grad_norm"] == 0.0) == (r["zero_variance_group_frac"] == 1.0), r
     assert any(r["grad_norm"] > 0 for r in rows)
     _assert_trained(tmp_path / "cache" / "tiny-bf16-seed0", run_dir / "hf")
+    # it learns (seed 0; tests/train/test_learning.py: another seed, megatron, and the flipped-sign control)
+    from launchers import stages
+
+    first, last = stages.reward_trend(run_dir / "metrics.jsonl")
+    assert last - first > 0.15, [r["reward_mean"] for r in rows]     # test_learning.py's MARGIN
+    assert f"reward_mean: first 5 steps {first:.3f}, last 5 steps {last:.3f}" in proc.stdout
+    assert sum(r["zero_variance_group_frac"] == 1.0 for r in rows) <= 2
 
 
 def _assert_trained(start, export):

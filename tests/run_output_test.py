@@ -31,7 +31,7 @@ def test_quiet_train_prints_only_the_final_result_and_still_logs_to_the_run_fold
 def test_quiet_and_verbose_together_is_one_line():
     res = dsv4("-q", "-v", "validate")
     assert res.exit_code == 2
-    assert res.stderr == "error: give at most one of -q/--quiet and -v/--verbose\n"
+    assert res.stderr == "error: -q/--quiet and -v/--verbose both given. Fix: give at most one of them\n"
 
 
 def test_hardware_is_detected_and_said_unless_given():

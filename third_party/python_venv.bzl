@@ -47,14 +47,43 @@ def _run(rctx, args, what, log):
         ))
     return result
 
+# The Python versions dsv4 supports: pyproject.toml's requires-python (">=3.11,<3.13"), the one statement of
+# it; //tests:docs_test holds this list to it. (Not read from pyproject.toml here: any edit of that file
+# would then rebuild the venv.)
+SUPPORTED_PYTHON = ["3.11", "3.12"]
+
+# requirements.lock is installed in batches of this many pins, so the first build shows its progress.
+BATCH = 12
+
 def _find_python(rctx):
+    """The first of ``interpreters`` on PATH whose version is supported; any other is refused by name."""
+    seen = []
     for name in rctx.attr.interpreters:
         path = rctx.which(name)
-        if path:
+        if not path:
+            continue
+        result = rctx.execute([path, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], quiet = True)
+        version = result.stdout.strip()
+        if result.return_code == 0 and version in SUPPORTED_PYTHON:
             return path
-    fail("python_venv: no Python interpreter found (looked for {}). Install Python 3.11.".format(
+        seen.append("{} ({})".format(path, version or "does not run"))
+    fail("python_venv: no supported Python (3.11 or 3.12, pyproject.toml) among {}; found: {}. Fix: install Python 3.11.".format(
         ", ".join(rctx.attr.interpreters),
+        ", ".join(seen) or "none",
     ))
+
+def lock_pins(text):
+    """The ``name==version`` lines of a lock file's text (comments and blank lines dropped)."""
+    pins = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            pins.append(line)
+    return pins
+
+def batches(pins, size):
+    """``pins`` in consecutive lists of at most ``size``."""
+    return [pins[i:i + size] for i in range(0, len(pins), size)]
 
 def _python_venv_impl(rctx):
     python = _find_python(rctx)
@@ -64,7 +93,25 @@ def _python_venv_impl(rctx):
     _run(rctx, [python, "-m", "venv", str(venv)], "creating the virtualenv", "logs/venv.log")
     vpython = str(venv) + "/bin/python"
     pip = [vpython, "-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
-    _run(rctx, pip + ["-r", str(lock)], "pip install -r requirements.lock (torch, transformers, ...)", "logs/pip.log")
+    pins = lock_pins(rctx.read(lock))
+    parts = batches(pins, BATCH)
+    done = 0
+    for i, part in enumerate(parts):
+        # -c: every dependency a batch pulls in takes its locked version too
+        _run(
+            rctx,
+            pip + ["-c", str(lock)] + part,
+            "pip install batch {}/{} ({}{}): {} of {} packages of requirements.lock installed".format(
+                i + 1,
+                len(parts),
+                " ".join(part[:3]),
+                " ..." if len(part) > 3 else "",
+                done,
+                len(pins),
+            ),
+            "logs/pip-{}.log".format(i + 1),
+        )
+        done += len(part)
     _run(
         rctx,
         pip + ["--no-deps", "--ignore-requires-python", "-r", str(no_deps_lock)],

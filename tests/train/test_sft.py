@@ -35,6 +35,8 @@ def test_sft_lowers_the_loss_on_the_builtin_data(tmp_path, impl):
 def test_builtin_data_file_is_the_generator_output_and_validates():
     import json
 
+    import pytest
+
     from train import data as D
 
     rows = [json.loads(x) for x in D.BUILTIN_DATA.read_text().splitlines()]
@@ -42,10 +44,17 @@ def test_builtin_data_file_is_the_generator_output_and_validates():
     for mode in ("sft", "grpo"):
         assert len(D.load_data(None, mode)) == D.BUILTIN_SIZE
     ex = D.load_data(None, "grpo")[0]
-    assert D.compute_reward(ex.response, [], ex.reward) == 1.0
-    # partial credit: "770" for "77" gets both positions (0.5) and all-digit characters (0.25)
-    assert D.compute_reward(ex.response + "0", [], ex.reward) == 0.75
-    assert D.compute_reward("xyz", [], ex.reward) == 0.0
+    assert ex.response == "77" and ex.reward["type"] == "char_closeness"
+    assert D.compute_reward(ex.response, [57, 57], ex.reward) == 1.0
+    # "770" for "77" (ids 57 57 50, no stop at 2 tokens): both positions exact -> 0.8 x 1
+    assert D.compute_reward("770", [57, 57, 50], ex.reward) == pytest.approx(0.8)
+    # "6" then eos for "77": 1 - 1/128 at the first position, nothing at the second -> 0.8 x (127/128) / 2
+    assert D.compute_reward("6", [56], ex.reward) == pytest.approx(0.8 * (127 / 128) / 2)
+    # "76" then eos: right length (0.2) + (1 + 127/128) / 2 x 0.8
+    assert D.compute_reward("76", [57, 56], ex.reward) == pytest.approx(0.2 + 0.8 * (1 + 127 / 128) / 2)
+    # padding ids (>= 258) are far from every byte: no credit
+    assert D.compute_reward("", [900, 900], ex.reward) == pytest.approx(0.2)
+    assert D.compute_reward("", [900, 900, 900], ex.reward) == 0.0
     assert D.compute_reward("\x00", [], {"type": "exact_match", "answer": "77"}) == 0.0
 
 
