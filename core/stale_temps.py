@@ -25,7 +25,8 @@ __all__ = ["remove_stale", "stale_temporaries"]
 _TEMP = re.compile(r"^\..+\.(?:tmp|old|stage)-(\d+)-[0-9a-f]{4,}$")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs on this host (signal 0; one we may not signal runs too)."""
     if pid <= 0:
         return False
     try:
@@ -45,7 +46,7 @@ def stale_temporaries(parent) -> List[Path]:
     out = []
     for child in p.iterdir():
         m = _TEMP.match(child.name)
-        if m and child.is_dir() and not child.is_symlink() and not _alive(int(m.group(1))):
+        if m and child.is_dir() and not child.is_symlink() and not pid_alive(int(m.group(1))):
             out.append(child)
     return sorted(out)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from core.errors import UserInputError
+from core.stale_temps import pid_alive
 
 __all__ = ["LOCK_FILE", "RunFolderBusy", "hold_run_lock", "release_run_lock", "read_holder"]
 
@@ -38,16 +39,6 @@ _HELD: Dict[str, int] = {}          # realpath of the run folder -> the open des
 
 class RunFolderBusy(UserInputError):
     """Another process holds the run folder."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_holder(run_dir) -> Optional[dict]:
@@ -66,7 +57,7 @@ def _describe(holder: Optional[dict]) -> str:
     pid, host = holder.get("pid"), holder.get("host")
     started = holder.get("started", "?")
     text = f"process {pid} on host {host} (started {started}"
-    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         text += "; that process is gone, so a process it started (a rank or server) still holds the lock"
     return text + ")"
 

@@ -5,19 +5,8 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class _Ops(TorchDispatchMode):
-    """Records the name of every aten op that runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
+from ._ops import RecordedOps
 
 
 def _tensors(seed=0):
@@ -75,7 +64,7 @@ def test_fused_adamw_runs_the_fused_kernel_and_matches_adamw_by_definition():
     assert use_fused_adam(opt)
     grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * k + i)) for i, p in
               enumerate(params)] for k in range(3)]
-    with _Ops() as ops:
+    with RecordedOps() as ops:
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()
@@ -92,7 +81,7 @@ def test_default_adamw_does_not_run_the_fused_kernel_and_a_stepped_optimizer_is_
     p = torch.nn.Parameter(torch.randn(4))
     opt = torch.optim.AdamW([p], lr=1e-2)
     p.grad = torch.ones(4)
-    with _Ops() as ops:
+    with RecordedOps() as ops:
         opt.step()
     assert "_fused_adamw_" not in ops.names      # what the test above would see without use_fused_adam
     with pytest.raises(RuntimeError, match="already stepped"):
@@ -137,7 +126,7 @@ def test_clipping_inside_the_fused_kernel_equals_scaled_gradients():
             assert use_fused_adam(opt)
         for k in range(3):
             p.grad = torch.sin(torch.arange(12.0) + k) * 1e-7     # small next to eps: the scale shows
-            with _Ops() as ops, clipped([opt], coef):
+            with RecordedOps() as ops, clipped([opt], coef):
                 opt.step()
         assert not hasattr(opt, "grad_scale")              # the scale applies to that one step only
         return p.detach(), ops.names

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._impl_helpers import small_config
+from ._ops import RecordedOps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
 
 
 def _run_config(dtype: str):
@@ -48,7 +39,7 @@ def _step(model, optim, ids):
     optim.zero_grad()
     fwd = model.forward_train(ids)
     (-fwd.logprobs.float().mean()).backward()
-    with _Ops() as ops:
+    with RecordedOps() as ops:
         gnorm = optim.step()
     return gnorm, ops.names
 
