@@ -61,7 +61,8 @@ def _fake_reader(tmp_path, weights):
         specs[name] = TensorSpec(tuple(q.shape), q.dtype, EXPERT, quant, tuple(w.shape), torch.bfloat16)
         specs[sn] = TensorSpec(tuple(s.shape), s.dtype, SCALE, scale_of=name)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    return SimpleNamespace(path=tmp_path, specs=specs, weight_map={n: "model.safetensors" for n in tensors})
+    return SimpleNamespace(path=tmp_path, specs=specs, weight_map={n: "model.safetensors" for n in tensors},
+                           config=SimpleNamespace(n_routed_experts=8))   # as a real reader's (tid2eid checks)
 
 
 def test_partial_blocks(tmp_path):
