@@ -123,7 +123,7 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
     """``dsv4 train --resume`` without ``--model`` (the model from a config): the run's checkpoint fills every
     weight, so the model (and GRPO's KL reference, read back from the run folder) is built without random
     init, and the resumed run's metrics equal those of a run that was not interrupted. The first run of a
-    folder, and a --resume that finds no checkpoint, still draw the init."""
+    folder still draws the init (a --resume of a folder that holds no run is refused: bad_inputs_test)."""
     import train.trainer as trainer
     from orchestration import run_training
     from train.checkpointing import latest_checkpoint
@@ -148,7 +148,7 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
     run_training(rc, c, steps=3, run_dir=tmp_path / "straight", **kw)
     per_run = len(built)                                       # the model, and GRPO's KL reference
     assert per_run == (2 if mode == "grpo" else 1)
-    run_training(rc, c, steps=2, run_dir=tmp_path / "run", resume=True, **kw)   # nothing to resume
+    run_training(rc, c, steps=2, run_dir=tmp_path / "run", **kw)   # a new run (--resume on no run is refused)
     assert built == [True] * 2 * per_run and latest_checkpoint(tmp_path / "run")[0] == 2
     run_training(rc, c, steps=3, run_dir=tmp_path / "run", resume=True, **kw)
     assert built[2 * per_run:] == [False] * per_run, built

@@ -68,8 +68,7 @@ def test_train_connects_to_rollout_url_on_the_cpu_pushes_weights_and_trains_on_i
 
     # the trainer pushed its weights at the start of every step: all of them, by the names and shapes of its
     # HF export. The first push is the starting checkpoint; each later one the weights after the step before,
-    # which changed them exactly when that step had a learning signal (the fake's samples are fixed: step 1's
-    # groups have equal rewards, step 2's do not)
+    # which changed them exactly when that step had a learning signal (some group's rewards differ)
     st = fake.state
     assert [v["how"] for v in st["versions"]] == ["tensors"] * 3
     exported = _shapes(run / "hf")
@@ -78,9 +77,11 @@ def test_train_connects_to_rollout_url_on_the_cpu_pushes_weights_and_trains_on_i
     start = dict(open_checkpoint(saved["model_source"]).iter_tensors(dequantize=True))
     pushed = fake.tensors
     assert all(torch.equal(pushed[0][n].float(), start[n].float()) for n in exported)
-    assert [r["zero_variance_group_frac"] for r in rows[:2]] == [1.0, 0.0] and rows[0]["grad_norm"] == 0
-    assert all(torch.equal(pushed[1][n], pushed[0][n]) for n in exported)
-    assert any(not torch.equal(pushed[2][n], pushed[1][n]) for n in exported)
+    for k in (1, 2):        # a step changed the weights exactly when it had a learning signal
+        same = all(torch.equal(pushed[k][n], pushed[k - 1][n]) for n in exported)
+        flat = rows[k - 1]["zero_variance_group_frac"] == 1.0
+        assert same == flat and (rows[k - 1]["grad_norm"] == 0) == flat, (k, rows[k - 1])
+    assert any(r["zero_variance_group_frac"] < 1.0 for r in rows[:2])      # the changing branch ran
     assert all(r["weight_sync_buckets"] >= 1 and r["weight_sync_bytes"] > 0 for r in rows)
 
     # it generated on the server (one request per step, the seed of every prompt and sample) and trained on
