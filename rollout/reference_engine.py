@@ -38,7 +38,9 @@ sample's index; the uniforms are drawn on the CPU, so a sample does not depend o
 samples in the batch or on when they stop). The log-probability of a sampled token is taken under
 ``softmax(logits / temperature)`` (the full distribution, not the truncated one), which is what the trainer
 recomputes. Routed experts of the learned-routing layers are recorded per token when the token is first
-fed (the prompt at prefill, each response token at the decode step that feeds it).
+fed (the prompt at prefill, each response token at the decode step that feeds it); with ``record_indexer`` so are
+the Lightning Indexer's top-k picks of every trunk CSA layer (``Sample.indexer_picks``, for indexer replay): the
+prefill's through the indexer seam, the decode step's as an output of the static step (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ import torch
 
 from core import weight_contract as wc
 
-from .replay import RoutingRecorder, empty_routing, learned_layers, routing_context
+from .replay import (IndexerPicksRecorder, RoutingRecorder, empty_indexer_picks, empty_routing, indexer_context,
+                     learned_layers, routing_context)
 
 log = logging.getLogger("dsv4")
 
@@ -84,6 +87,8 @@ class Sample:
     finish_reason: str = "length"           # "stop" | "length"
     routed_experts: Optional[torch.Tensor] = None  # [len(prompt)+len(response)-1, n_layers, k], -1 = none
     extra: Dict = field(default_factory=dict)
+    # record_indexer: [len(prompt)+len(response)-1, n_csa_layers, index_topk] int32 (rollout.replay), -1 = none
+    indexer_picks: Optional[torch.Tensor] = None
 
 
 # ------------------------------------------------------- published weights
@@ -232,13 +237,14 @@ class ReferenceEngine(RolloutEngineBase):
     def __init__(self, config, *, dtype: torch.dtype = torch.float32, record_routing: bool = True,
                  device="cpu", kv_cache: bool = True, max_slots: Optional[int] = None,
                  cuda_graphs: Optional[bool] = None, prefill_batch: Optional[int] = None, ops=None,
-                 true_on_policy: bool = False, compile=None):
+                 true_on_policy: bool = False, compile=None, record_indexer: bool = False):
         from kernels.reference import backend as reference
         from kernels.reference.model import DeepseekV4Model
 
         from .engine_ops import decode_choices, engine_ops
 
         self.config, self.dtype, self.record_routing = config, dtype, record_routing
+        self.record_indexer = bool(record_indexer)   # indexer replay: Sample.indexer_picks (module docstring)
         self.device, self.kv_cache = torch.device(device), kv_cache
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, the engine is on {self.device} "
@@ -415,7 +421,8 @@ class ReferenceEngine(RolloutEngineBase):
             with self._computing("decode"):   # the decode step's ops: the graphs record them; the template
                 cache, _ = prefill(self.model, [[0]], max_len=-(-need_len // 64) * 64)   # is shapes only
                 dec = self._decoder = SlotDecoder(self.model, cache, slots, cuda_graphs=self.cuda_graphs,
-                                                  compile=self.compile, fullgraph=self._fullgraph)
+                                                  compile=self.compile, fullgraph=self._fullgraph,
+                                                  indexer_picks=self.record_indexer)
         return dec
 
     def _computing(self, phase: str):
@@ -425,9 +432,10 @@ class ReferenceEngine(RolloutEngineBase):
 
         return ops_in_use(self.model, self.ops if phase == "prefill" else self.decode_table)
 
-    def _prefill(self, prompts: List[List[int]], max_len: int, routed=None, ids=(), P=()):
+    def _prefill(self, prompts: List[List[int]], max_len: int, routed=None, ids=(), P=(), picks=None):
         """Prefill each distinct prompt once; the cache rows and last logits of ``prompts`` in order. With
-        ``routed``, samples ``ids`` (prompt lengths ``P[id]``) get their prompts' routed experts."""
+        ``routed`` (``picks``), samples ``ids`` (prompt lengths ``P[id]``) get their prompts' routed experts
+        (indexer picks)."""
         from kernels.reference.decode import prefill
 
         distinct: Dict[Tuple[int, ...], int] = {}
@@ -437,9 +445,14 @@ class ReferenceEngine(RolloutEngineBase):
         src = torch.tensor([distinct[tuple(p)] for p in prompts])
         S = max(len(p) for p in firsts)
         rec = RoutingRecorder(len(firsts), S) if routed is not None else None
-        with routing_context(rec), self._computing("prefill"):
+        irec = IndexerPicksRecorder(self.model, self.config) if picks is not None else None
+        with routing_context(rec), indexer_context(irec), self._computing("prefill"):
             cache, logits = prefill(self.model, firsts, max_len=max_len)
         self.positions_fed += len(firsts) * S
+        if irec is not None:
+            got = irec.as_tensor(len(firsts), S)[src]                         # [rows, S, n_csa, topk]
+            got[torch.arange(S)[None, :] >= torch.tensor([P[i] for i in ids])[:, None]] = -1   # padding
+            picks[list(ids), :S] = got
         if rec is not None:
             got = rec.as_tensor(self.config)[src]                              # [rows, S, layers, k]
             got[torch.arange(S)[None, :] >= torch.tensor([P[i] for i in ids])[:, None]] = -1   # padding
@@ -461,7 +474,10 @@ class ReferenceEngine(RolloutEngineBase):
         routed = None
         if self.record_routing:
             routed = empty_routing(max(P) + T, c).unsqueeze(0).repeat(len(items), 1, 1, 1)
+        picks = empty_indexer_picks(max(P) + T, c).unsqueeze(0).repeat(len(items), 1, 1, 1) \
+            if self.record_indexer else None
         fed_ids, fed_pos, fed_routes = [], [], []     # per decode step: samples, positions, [rows, layers, k]
+        fed_picks = []                                # per decode step: [rows, n_csa, index_topk]
 
         def stopped(tok):                             # the one host sync per step (none without stop tokens)
             return torch.isin(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
@@ -481,7 +497,8 @@ class ReferenceEngine(RolloutEngineBase):
                 logits = []
                 for i in range(0, len(take), step):
                     part = take[i: i + step]
-                    cache, lg = self._prefill([prompts[items[s][0]] for s in part], dec.max_len, routed, part, P)
+                    cache, lg = self._prefill([prompts[items[s][0]] for s in part], dec.max_len, routed, part, P,
+                                              picks)
                     dec.cache.load(slots[i: i + step], cache, range(len(part)))
                     logits.append(lg)
                 logits = torch.cat(logits)
@@ -515,12 +532,15 @@ class ReferenceEngine(RolloutEngineBase):
                         torch.tensor([sample_of[s] for s in live], device=dev),
                         torch.tensor([drawn[s] for s in live], device=dev))
             rows, mask, ids, t = view
-            logits, routes = dec.step(b, last[:b], mask)
+            logits, routes, *step_picks = dec.step(b, last[:b], mask)
             self.positions_fed += len(live)
-            if routed is not None:                    # the fed token (index drawn) sits at position P + drawn
+            if routed is not None or picks is not None:   # the fed token (index drawn) sits at position P + drawn
                 fed_ids.append([sample_of[s] for s in live])
                 fed_pos.append([P[sample_of[s]] + drawn[s] for s in live])
-                fed_routes.append(routes.index_select(0, rows))
+                if routed is not None:
+                    fed_routes.append(routes.index_select(0, rows))
+                if picks is not None:
+                    fed_picks.append(step_picks[0].index_select(0, rows))
             t = t + 1
             tok, lp = sample_tokens(logits.index_select(0, rows), u[ids, t], params)
             tokens[ids, t], logps[ids, t] = tok, lp
@@ -537,13 +557,18 @@ class ReferenceEngine(RolloutEngineBase):
             rows = torch.tensor([i for step in fed_ids for i in step])
             pos = torch.tensor([p for step in fed_pos for p in step])
             routed[rows[:, None], pos[:, None], learned[None, :]] = torch.cat(fed_routes).cpu()
+        if fed_picks:                                 # likewise
+            rows = torch.tensor([i for step in fed_ids for i in step])
+            pos = torch.tensor([p for step in fed_pos for p in step])
+            picks[rows, pos] = torch.cat(fed_picks).to("cpu", torch.int32)
 
         tokens, logps = tokens.cpu(), logps.cpu()
         out = []
         for pi, prompt in enumerate(prompts):
             r = slice(pi * n, (pi + 1) * n)
             out.append(samples_of(prompt, tokens[r], logps[r], lengths[r],
-                                     None if routed is None else routed[r], params))
+                                     None if routed is None else routed[r], params,
+                                     None if picks is None else picks[r]))
         return out
 
     def _generate_lockstep(self, prompt: List[int], params: SamplingParams, seeds: List[int]) -> List[Sample]:
@@ -565,39 +590,45 @@ class ReferenceEngine(RolloutEngineBase):
 
         def draw(ids, L, u):
             rec = RoutingRecorder(*ids.shape) if self.record_routing else None
-            with routing_context(rec), (row_invariant_experts() if on_policy else contextlib.nullcontext()):
+            irec = IndexerPicksRecorder(self.model, self.config) if self.record_indexer else None
+            with routing_context(rec), indexer_context(irec), \
+                    (row_invariant_experts() if on_policy else contextlib.nullcontext()):
                 out = self.model(ids)
             if on_policy:
                 tok, lp = sample_from_logprobs(next_token_logprobs(out, params.temperature)[:, L - 1], u, params)
             else:
                 tok, lp = sample_tokens(out[:, L - 1], u, params)
-            return tok, lp, None if rec is None else rec.layers
+            return tok, lp, None if rec is None else rec.layers, None if irec is None else irec.as_tensor(*ids.shape)
 
         T = params.max_new_tokens
         samples, fed = lockstep_samples(prompt, params, seeds, self.config, self.model.embed.weight.device, draw,
                                         (lambda L: len(prompt) + T) if on_policy else (lambda L: L),
-                                        self.record_routing)
+                                        self.record_routing, self.record_indexer)
         self.positions_fed += fed
         return samples
 
 
 def samples_of(prompt: List[int], tokens: torch.Tensor, logps: torch.Tensor, lengths: List[int],
-               routed: Optional[torch.Tensor], params: SamplingParams) -> List[Sample]:
-    """Rows of ``tokens``/``logps [n, T]`` (CPU) and ``routed [n, >=, layers, k]`` as Samples."""
+               routed: Optional[torch.Tensor], params: SamplingParams,
+               picks: Optional[torch.Tensor] = None) -> List[Sample]:
+    """Rows of ``tokens``/``logps [n, T]`` (CPU), ``routed [n, >=, layers, k]`` and the indexer ``picks
+    [n, >=, n_csa, index_topk]`` as Samples."""
     out = []
     P = len(prompt)
     for i, R in enumerate(lengths):
         resp = tokens[i, :R].tolist()
         finish = "stop" if resp and resp[-1] in params.stop_token_ids else "length"
         out.append(Sample(prompt, resp, logps[i, :R].clone(), finish,
-                          routed[i, :P + R - 1].clone() if routed is not None else None))
+                          routed[i, :P + R - 1].clone() if routed is not None else None,
+                          indexer_picks=picks[i, :P + R - 1].clone() if picks is not None else None))
     return out
 
 
 def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int], config, device, draw, width,
-                     record_routing: bool) -> Tuple[List[Sample], int]:
+                     record_routing: bool, record_indexer: bool = False) -> Tuple[List[Sample], int]:
     """One prompt's ``n = len(seeds)`` samples drawn in lockstep without a cache: for each new token,
-    ``draw(ids [n, W], L, u [n]) -> (tokens [n], their log-probs [n], {learned layer: idx [n, W, k]} or None)``
+    ``draw(ids [n, W], L, u [n]) -> (tokens [n], their log-probs [n], {learned layer: idx [n, W, k]} or None,
+    indexer picks [n, W, n_csa, index_topk] or None)``
     runs one forward over the first ``W = width(L)`` positions of ``ids [n, P + max_new_tokens]`` (the first
     ``L`` known; the rest hold the first stop token) and samples position ``L - 1``. Returns the samples and the
     positions fed."""
@@ -607,6 +638,7 @@ def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int]
     ids = torch.full((n, P + T), pad, dtype=torch.long, device=device)
     ids[:, :P] = torch.tensor(prompt, dtype=torch.long, device=device)
     routed = empty_routing(P + T, config).unsqueeze(0).repeat(n, 1, 1, 1)
+    picks = empty_indexer_picks(P + T, config).unsqueeze(0).repeat(n, 1, 1, 1) if record_indexer else None
     tokens = torch.zeros(n, T, dtype=torch.long)
     lps = torch.zeros(n, T)
     done = torch.zeros(n, dtype=torch.bool)
@@ -616,12 +648,14 @@ def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int]
     for t in range(T):
         L = P + t                             # tokens known; the next one is drawn from position L - 1
         W = width(L)
-        tok, lp, layers = draw(ids[:, :W], L, u[:, t])
+        tok, lp, layers, got_picks = draw(ids[:, :W], L, u[:, t])
         fed += n * W
+        first = 0 if t == 0 else L - 1       # positions fed with their final token for the first time
         if record_routing:
-            first = 0 if t == 0 else L - 1   # positions fed with their final token for the first time
             for layer, idx in layers.items():
                 routed[:, first:L, layer] = idx[:, first:L].cpu()
+        if picks is not None:
+            picks[:, first:L] = got_picks[:, first:L]
         tok = torch.where(done, torch.full_like(tok.cpu(), pad), tok.cpu())
         tokens[:, t] = tok
         lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
@@ -632,7 +666,8 @@ def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int]
         done |= newly
         if bool(done.all()):
             break
-    return samples_of(prompt, tokens, lps, lengths.tolist(), routed if record_routing else None, params), fed
+    return samples_of(prompt, tokens, lps, lengths.tolist(), routed if record_routing else None, params,
+                      picks), fed
 
 
 class TrainModuleEngine(RolloutEngineBase):
@@ -675,7 +710,7 @@ class TrainModuleEngine(RolloutEngineBase):
         def draw(ids, L, u):
             logp, layers = self.model.next_token_logprobs(ids, params.temperature)
             tok, lp = sample_from_logprobs(logp[:, L - 1], u, params)
-            return tok, lp, layers
+            return tok, lp, layers, None                  # no indexer picks (indexer_replay refuses it)
 
         out = []
         for pi, prompt in enumerate(prompts):
@@ -710,13 +745,15 @@ def _compile_backend(compile, kv_cache: bool) -> Optional[str]:
 def make_reference_engine(config, *, settings=None, run_dir=None, publish_format=None, **kwargs) -> ReferenceEngine:
     """Factory named by the ``reference`` RolloutEngine record (``dtype``, ``device``, ``ops``, ``kv_cache``,
     ...). From the trainer's ``settings`` (its ``TrainConfig``) the engine takes ``rollout_max_slots``,
-    ``rollout_cuda_graphs`` and ``rollout_compile`` as ``max_slots``, ``cuda_graphs`` and ``compile`` (an option
+    ``rollout_cuda_graphs``, ``rollout_compile`` and ``indexer_replay`` as ``max_slots``, ``cuda_graphs``, ``compile``
+    and ``record_indexer`` (an option
     given here wins); ``run_dir`` and ``publish_format`` are not used: the engine holds the weights it is sent,
     in any published format, in memory."""
     if settings is not None:
         kwargs.setdefault("max_slots", getattr(settings, "rollout_max_slots", None))
         kwargs.setdefault("cuda_graphs", getattr(settings, "rollout_cuda_graphs", None))
         kwargs.setdefault("compile", getattr(settings, "rollout_compile", None))
+        kwargs.setdefault("record_indexer", bool(getattr(settings, "indexer_replay", False)))
         if getattr(settings, "true_on_policy", False):
             kwargs.setdefault("true_on_policy", True)
             kwargs.setdefault("kv_cache", False)

@@ -19,7 +19,7 @@ picks per CSA layer (keyed by the indexer's module path) when ``indexer_replay``
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -154,3 +154,140 @@ class IndexerReplayer:
         from kernels.reference.indexer import indexer_hook
 
         return indexer_hook(self)
+
+
+# ------------------------------------------------ indexer replay (per CSA layer)
+# Picks of one sequence are an int32 tensor ``[S, n_csa, index_topk]``: row ``t`` holds, for every trunk CSA
+# layer (``csa_layers``, ascending), the compressed entries (block ids within the sequence: entry ``j`` pools
+# positions ``[4j, 4j+4)``, visible to ``t`` when ``j < (t+1) // 4``) the engine's Lightning Indexer picked
+# for the query at position ``t``, in the stable top-k's order (ascending ids, ``-1`` padding last); a row is
+# all ``-1`` where nothing was recorded (positions never fed, padding) and where nothing is visible yet.
+def csa_layers(config) -> List[int]:
+    """Trunk layers with a Lightning Indexer (compress ratio 4): the picks' second axis, in this order."""
+    return [i for i in range(config.n_layers) if config.compress_ratios[i] == 4]
+
+
+def empty_indexer_picks(seq_len: int, config) -> torch.Tensor:
+    return torch.full((seq_len, len(csa_layers(config)), config.index_topk), -1, dtype=torch.int32)
+
+
+def indexer_slots(model: nn.Module, config) -> Dict[int, int]:
+    """``id(indexer module) -> its CSA slot`` for the trunk's indexers of any model (reference
+    ``layers.<i>.attn.indexer``, miles / megatron ``decoder.layers.<i>....indexer``); MTP indexers are not
+    replayed (they are not part of the picks)."""
+    import re
+
+    slot = {layer: i for i, layer in enumerate(csa_layers(config))}
+    out = {}
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if parts[-1] == "indexer" and "mtp" not in parts and m and int(m.group(1)) in slot:
+            out[id(mod)] = slot[int(m.group(1))]
+    return out
+
+
+def pad_picks(picks: torch.Tensor, width: int) -> torch.Tensor:
+    """``[..., k]`` picks -> ``[..., width]`` (``-1`` columns appended; ``k <= width``)."""
+    k = picks.shape[-1]
+    if k > width:
+        raise ValueError(f"indexer picks have {k} columns, more than index_topk {width}")
+    return torch.nn.functional.pad(picks, (0, width - k), value=-1) if k < width else picks
+
+
+class IndexerPicksRecorder:
+    """Indexer hook recording one forward's trunk picks; :meth:`as_tensor` -> ``[B, S, n_csa, index_topk]``."""
+
+    def __init__(self, model: nn.Module, config):
+        self.config = config
+        self._slots = indexer_slots(model, config)
+        self.picks: Dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, picks: torch.Tensor) -> torch.Tensor:
+        slot = self._slots.get(id(module))
+        if slot is not None:
+            self.picks[slot] = picks.detach()
+        return picks
+
+    def as_tensor(self, batch: int, seq_len: int) -> torch.Tensor:
+        out = torch.full((batch, seq_len, len(csa_layers(self.config)), self.config.index_topk), -1,
+                         dtype=torch.int32)
+        for slot, p in self.picks.items():
+            out[:, :, slot] = pad_picks(p, self.config.index_topk).to("cpu", torch.int32)
+        return out
+
+    def context(self):
+        from kernels.reference.indexer import indexer_hook
+
+        return indexer_hook(self)
+
+
+class IndexerPicksReplayer:
+    """Indexer hook replaying ``picks [B, S, n_csa, K]`` (the engine's, see above) in every trunk CSA layer: a
+    row with any recorded pick replaces the forward's own row; an all ``-1`` row keeps the forward's own (its
+    own is all ``-1`` too where nothing is visible). Counts ``rows`` replayed and ``same``: rows where the
+    forward's own picks were the recorded ones (``match``)."""
+
+    def __init__(self, model: nn.Module, config, picks: torch.Tensor):
+        if picks.dim() != 4:
+            raise ValueError(f"indexer picks must be [B, S, n_csa, k], got {tuple(picks.shape)}")
+        self._slots = indexer_slots(model, config)
+        if picks.shape[2] != len(csa_layers(config)):
+            raise ValueError(f"indexer replay: {picks.shape[2]} CSA layers recorded, the model has "
+                             f"{len(csa_layers(config))}")
+        self.picks = picks
+        self.rows = self.same = 0
+        self.layers: List[int] = []
+
+    def __call__(self, module, own: torch.Tensor) -> torch.Tensor:
+        slot = self._slots.get(id(module))
+        if slot is None:
+            return own
+        want = self.picks[:, :, slot].to(own.device, own.dtype)
+        if want.shape[:2] != own.shape[:2]:
+            raise ValueError(f"indexer replay: recorded picks of {tuple(want.shape[:2])} positions, the forward "
+                             f"has {tuple(own.shape[:2])} (batch/sequence mismatch)")
+        k = own.shape[-1]
+        if want.shape[-1] > k:     # the forward's rows are min(index_topk, S // 4) wide: the rest must be -1
+            if bool((want[..., k:] >= 0).any()):
+                raise ValueError(f"indexer replay: recorded picks beyond the forward's {k} columns")
+            want = want[..., :k]
+        use = (want >= 0).any(-1, keepdim=True)
+        self.rows += int(use.sum())
+        self.same += int(((want == own).all(-1, keepdim=True) & use).sum())
+        self.layers.append(slot)
+        return torch.where(use, want, own)
+
+    @classmethod
+    def of(cls, model: nn.Module, config, picks: Optional[torch.Tensor]) -> Optional["IndexerPicksReplayer"]:
+        return None if picks is None else cls(model, config, picks)
+
+    def result(self, impl: str) -> Tuple[int, int]:
+        """``(same, rows)`` of the forward, which must have gone through every trunk CSA layer's seam."""
+        if sorted(set(self.layers)) != list(range(self.picks.shape[2])):
+            raise NotImplementedError(f"--impl {impl}: its indexer does not call kernels.reference.indexer's "
+                                      f"indexer_hook in every CSA layer here, so indexer replay cannot work")
+        return self.same, self.rows
+
+    def context(self):
+        from kernels.reference.indexer import indexer_hook
+
+        return indexer_hook(self)
+
+
+def batch_indexer_picks(samples, S: int) -> torch.Tensor:
+    """The samples' recorded picks as ``[n, S, n_csa, index_topk]`` (-1 padded) for the trainer's replay; refused
+    when the engine recorded none."""
+    if any(getattr(s, "indexer_picks", None) is None for s in samples):
+        raise RuntimeError("indexer_replay: the rollout engine returned no indexer picks. Fix: use --rollout-engine "
+                           "reference (it records them), or drop indexer_replay")
+    p0 = samples[0].indexer_picks
+    out = torch.full((len(samples), S) + tuple(p0.shape[1:]), -1, dtype=p0.dtype)
+    for i, s in enumerate(samples):
+        out[i, :s.indexer_picks.shape[0]] = s.indexer_picks
+    return out
+
+
+def indexer_context(hook):
+    """Install an indexer hook (``None`` = no-op context)."""
+    return contextlib.nullcontext() if hook is None else hook.context()

@@ -67,10 +67,10 @@ def compiled_decode_step(backend: str = "inductor", fullgraph: bool = True):
     options = {"emulate_precision_casts": True} if backend == "inductor" else None
     body = torch.compile(static_step_body, backend=backend, dynamic=None, fullgraph=fullgraph, options=options)
 
-    def step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor):
+    def step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor, indexer_picks: bool = False):
         paths = static_step_checks(model, tokens)
         with dynamo_config.patch(fail_on_recompile_limit_hit=True):   # never fall back to eager quietly
-            return body(model, cache, tokens, active, paths)
+            return body(model, cache, tokens, active, paths, indexer_picks)
 
     return step
 
@@ -79,11 +79,13 @@ class SlotDecoder:
     """``M`` slots shaped like ``template``'s rows, and the decode step over the first ``b`` of them.
 
     ``compile``: None (eager), or the ``torch.compile`` backend of the step (``"inductor"``; module
-    docstring); ``fullgraph``: passed to ``torch.compile``."""
+    docstring); ``fullgraph``: passed to ``torch.compile``. ``indexer_picks``: the step also returns the CSA
+    layers' indexer top-k (indexer replay's recording; an output of the graph like the routes)."""
 
     def __init__(self, model, template: DecodeCache, slots: int, *, cuda_graphs: bool,
-                 compile: Optional[str] = None, fullgraph: bool = True):
+                 compile: Optional[str] = None, fullgraph: bool = True, indexer_picks: bool = False):
         self.model = model
+        self.indexer_picks = bool(indexer_picks)
         self.cache = SlotCache.like(template, slots)
         dev = self.cache.pos.device
         if cuda_graphs and dev.type != "cuda":
@@ -93,7 +95,7 @@ class SlotDecoder:
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
         self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.buckets = graph_buckets(slots) if cuda_graphs or compile else list(range(1, slots + 1))
-        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, Tuple[torch.Tensor, ...]]] = {}
         if cuda_graphs:
             self._capture_all()
         elif compile:
@@ -114,7 +116,8 @@ class SlotDecoder:
     def _eager(self, b: int):
         """The step on the first ``b`` slots, run now (compiled code included; not a graph replay)."""
         with torch.no_grad():
-            return self._step_fn(self.model, self.cache.view(b), self.tokens[:b], self.active[:b])
+            return self._step_fn(self.model, self.cache.view(b), self.tokens[:b], self.active[:b],
+                                 indexer_picks=self.indexer_picks)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -127,8 +130,8 @@ class SlotDecoder:
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                logits, routes = self._eager(b)
-            self._graphs[b] = (g, logits, routes)
+                outputs = self._eager(b)
+            self._graphs[b] = (g, outputs)
         self.cache.pos.zero_()                     # warm-up ran with every slot inactive: nothing advanced
 
     def _compile_all(self) -> None:
@@ -139,16 +142,17 @@ class SlotDecoder:
 
     def step(self, b: int, tokens: torch.Tensor, active: torch.Tensor):
         """One decode step on slots ``[0, b)`` (``b`` a bucket): ``tokens [b]`` fed, ``active [b]`` advance.
-        Returns ``(logits [b, V], routes [b, n_learned, k])``, valid until the next step."""
+        Returns ``(logits [b, V], routes [b, n_learned, k])`` (and the indexer picks ``[b, n_csa, index_topk]``
+        with ``indexer_picks``), valid until the next step."""
         if b not in self.buckets:
             raise ValueError(f"SlotDecoder.step: {b} slots is not a bucket ({self.buckets})")
         self.tokens[:b].copy_(tokens)
         self.active[:b].copy_(active)
         if not self.cuda_graphs:
             return self._eager(b)
-        g, logits, routes = self._graphs[b]
+        g, outputs = self._graphs[b]
         g.replay()
-        return logits, routes
+        return outputs
 
     def cache_tensors(self) -> List[torch.Tensor]:
         """Every tensor of the slots' caches (for memory accounting)."""
@@ -165,5 +169,7 @@ class SlotDecoder:
             walk(lc)
         return out
 
-    def fits(self, slots: int, max_len: int, cuda_graphs: Optional[bool] = None) -> bool:
-        return slots <= self.slots and max_len <= self.max_len and cuda_graphs in (None, self.cuda_graphs)
+    def fits(self, slots: int, max_len: int, cuda_graphs: Optional[bool] = None,
+             indexer_picks: Optional[bool] = None) -> bool:
+        return (slots <= self.slots and max_len <= self.max_len and cuda_graphs in (None, self.cuda_graphs)
+                and indexer_picks in (None, self.indexer_picks))

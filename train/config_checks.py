@@ -181,6 +181,43 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
             raise InvalidCombination("\n".join(problems))
 
 
+def _indexer_replay_refusal(what: str, fix: str) -> ConfigError:
+    return ConfigError(f"training option 'indexer_replay' is not built with {what}. Fix: {fix}, or drop indexer_replay")
+
+
+def _check_indexer_replay_options(cfg) -> None:
+    """The TrainConfig knobs indexer replay is not built with (docs/training.md#one-step)."""
+    if cfg.max_tokens_per_rank is not None:
+        raise _indexer_replay_refusal("packed micro-batches (max_tokens_per_rank: the THD indexers do not read the "
+                                      "replay seam)", "drop max_tokens_per_rank")
+    if cfg.true_on_policy:
+        raise _indexer_replay_refusal("true_on_policy (its engine draws from the trainer's own forward, whose "
+                                      "picks need no replay)", "drop true_on_policy")
+    if cfg.train_impl not in (None, "reference", "miles"):
+        raise _indexer_replay_refusal(f"train_impl={cfg.train_impl!r}", "use train_impl=miles or reference")
+
+
+def _check_indexer_replay_run(run_config, cfg) -> None:
+    """Indexer replay with the run's choices: the built-in engine records the picks; the reference model and miles
+    BSHD replay them; one rank of tensor and context parallelism; the local orchestrator."""
+    sel = run_config.selection
+    impl = cfg.train_impl or run_config.impl
+    for bad, what, fix in (
+            (sel.rollout is not None and sel.rollout.name != "reference",
+             f"--rollout-engine {getattr(sel.rollout, 'name', None)} (it returns no indexer picks)",
+             "use --rollout-engine reference"),
+            (impl not in ("reference", "miles"), f"--impl {impl} (its THD indexer does not read the replay seam)",
+             "use --impl miles"),
+            (impl == "miles" and run_config.qkv_format != "bshd", "--qkv-format thd (the packed indexer does not "
+             "read the replay seam)", "use --qkv-format bshd"),
+            (sel.tp > 1, f"--tp {sel.tp} (not tested)", "use --tp 1"),
+            (sel.cp > 1, f"--cp {sel.cp} (the context-parallel indexer does not read the replay seam)", "use --cp 1"),
+            (sel.orchestrator != "local", f"--orchestrator {sel.orchestrator} (not tested)",
+             "use --orchestrator local")):
+        if bad:
+            raise _indexer_replay_refusal(what, fix)
+
+
 def check_train_options(run_config, cfg, host=None) -> None:
     """The trainer's options that the combination table checks with the run's layout (the run's rules that read
     them: ``train-cuda-graphs``, ``true-on-policy`` in :mod:`train.rules`, ``async-rollout`` in
@@ -192,10 +229,7 @@ def check_train_options(run_config, cfg, host=None) -> None:
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
     if cfg.indexer_replay:
-        raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
-                          "top-k picks yet, and the miles and megatron models do not read the replay seam "
-                          "(rollout.replay has a recorder and replayer for the reference model only). Fix: drop "
-                          "indexer_replay (routing_replay replays the experts)")
+        _check_indexer_replay_run(run_config, cfg)
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout),
@@ -248,10 +282,7 @@ def validate(cfg) -> None:
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
     if cfg.indexer_replay:
-        raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
-                          "top-k picks yet, and the miles and megatron models do not read the replay seam "
-                          "(rollout.replay has a recorder and replayer for the reference model only). Fix: drop "
-                          "indexer_replay (routing_replay replays the experts)")
+        _check_indexer_replay_options(cfg)
     from engine.recompute import MODES
 
     if cfg.recompute not in MODES:

@@ -141,7 +141,10 @@ def reward_phase(run, batch, groups, out: Dict[str, Any], t_rollout: float):
 
 
 def _forward_kw(run, item) -> Dict[str, Any]:
-    return {"lengths": item["lengths"]} if run.packed else {}
+    kw = {"lengths": item["lengths"]} if run.packed else {}
+    if item.get("picks") is not None:            # indexer_replay: the engine's indexer picks
+        kw["indexer_replay"] = item["picks"]
+    return kw
 
 
 def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> float:
@@ -150,7 +153,7 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
     maybe_kill(step, "logprobs")
     cfg = run.cfg
     t0 = time.perf_counter()
-    diffs, kls, matches, w = [], [], [], []
+    diffs, kls, matches, w, ixr = [], [], [], [], [0, 0]
     with torch.no_grad():
         for it in items:
             fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
@@ -165,13 +168,17 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
             w.append(it["ids"].shape[0])
             if it["routed"] is not None:
                 matches.append(routing_match(fwd.routing_used, it["routed"]))
+            if fwd.indexer_replay is not None:   # (own picks = recorded, replayed rows)
+                ixr = [ixr[0] + fwd.indexer_replay[0], ixr[1] + fwd.indexer_replay[1]]
     out["time_logprobs"] = time.perf_counter() - t0
-    n_samples, diff_sum, kl_sum, match_sum, match_n = run.dist.sum_over_dp([
+    n_samples, diff_sum, kl_sum, match_sum, match_n, ix_same, ix_rows = run.dist.sum_over_dp([
         float(sum(w)), sum(d * n for d, n in zip(diffs, w)), sum(k * n for k, n in zip(kls, w)),
-        float(sum(matches)), float(len(matches))])
+        float(sum(matches)), float(len(matches)), float(ixr[0]), float(ixr[1])])
     out["train_rollout_logprob_abs_diff"] = diff_sum / n_samples
     out["train_rollout_kl"] = kl_sum / n_samples
     out["routing_replay_match"] = (match_sum / match_n) if match_n else None
+    if cfg.indexer_replay:   # fraction of replayed (position, CSA layer) rows the trainer's own indexer picked alike
+        out["indexer_replay_match"] = (ix_same / ix_rows) if ix_rows else None
     return n_samples
 
 

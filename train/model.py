@@ -7,7 +7,8 @@ The trainer never touches an implementation's internals. It needs (``TrainModel`
   per-token log-probs ``[B, S-1]`` of ``log softmax(logits / temperature)`` at the next token, the MTP
   logits (when asked; computed with the output head and embedding DETACHED, so the MTP loss trains the
   MTP blocks and the trunk only) and the routing actually used in learned layers (for replay checks);
-  ``routing_replay`` is ``[B, S, n_layers, k]`` (see :mod:`rollout.replay`);
+  ``routing_replay`` is ``[B, S, n_layers, k]`` (see :mod:`rollout.replay`); ``indexer_replay=[B, S, n_csa, k]``
+  (keyword, the engine's indexer picks) replaces the forward's own top-k in every trunk CSA layer;
 * ``logprobs(input_ids, routing_replay=None, temperature=1.0) -> [B, S-1]``;
 * ``native_tensors()`` - ``(native name, tensor)`` of every contract tensor (weight sync, checkpoints);
 * ``load_native_state(state)`` - the inverse (resume);
@@ -37,7 +38,7 @@ from torch import nn
 from core import weight_contract as wc
 
 from rollout.logprobs import next_token_logprobs
-from rollout.replay import RoutingRecorder, RoutingReplayer, routing_context
+from rollout.replay import IndexerPicksReplayer, RoutingRecorder, RoutingReplayer, indexer_context, routing_context
 
 REFERENCE = "reference"
 
@@ -48,6 +49,7 @@ class TrainForward:
     mtp_logits: Optional[List[torch.Tensor]] = None  # per depth k: [B, S-1-k, V], on the model's device
     routing_used: Optional[Dict[int, torch.Tensor]] = None  # learned layer -> [B, S, k]
     aux_loss: Optional[torch.Tensor] = None          # implementation's own loss term (megatron: indexer KL)
+    indexer_replay: Optional[Tuple[int, int]] = None  # indexer replay: (rows own picks = recorded, rows replayed)
 
 
 @runtime_checkable
@@ -113,17 +115,20 @@ class ReferenceTrainModel(_TrainModelBase):
             self.model.to(dtype)  # KeepFP32 modules keep their fp32 tensors
         self.model.to(self.device)
 
-    def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False):
+    def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False,
+                      indexer_replay=None):
         m = self.model
         from kernels.reference.moe import row_invariant_experts
 
         ids = input_ids.to(self.device)
         hook = _hook_for(routing_replay, input_ids)
+        irep = IndexerPicksReplayer.of(m, self.config, indexer_replay)
         with routing_context(hook), (row_invariant_experts() if self.row_invariant else contextlib.nullcontext()):
-            logits, streams = m(ids, return_hidden_streams=True)
+            with indexer_context(irep):
+                logits, streams = m(ids, return_hidden_streams=True)
             mtp = self._mtp_logits_detached(ids, streams) if with_mtp and len(m.mtp) else None
         lp = token_logprobs(logits, ids, temperature).to(input_ids.device)
-        return TrainForward(lp, mtp, _used(hook))
+        return TrainForward(lp, mtp, _used(hook), indexer_replay=irep and irep.result(REFERENCE))
 
     def _mtp_logits_detached(self, input_ids, streams) -> List[torch.Tensor]:
         """Like ``DeepseekV4Model.mtp_logits`` but the shared embedding and output head are detached."""
@@ -325,7 +330,10 @@ class ImplTrainModel(_TrainModelBase):
         return out, None, None
 
     def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False,
-                      lengths: Optional[List[int]] = None):
+                      lengths: Optional[List[int]] = None, indexer_replay=None):
+        if lengths is not None and indexer_replay is not None:
+            raise NotImplementedError(f"--impl {self.impl}: indexer replay is not built for packed micro-batches "
+                                      f"(drop max_tokens_per_rank)")
         if lengths is not None:
             if not self.packs_streams:
                 raise ValueError(f"--impl {self.impl}: packed micro-batches need --qkv-format thd")
@@ -333,12 +341,14 @@ class ImplTrainModel(_TrainModelBase):
                 raise ValueError(f"--impl {self.impl}: true_on_policy scores the padded rows, not packed "
                                  f"micro-batches (drop max_tokens_per_rank)")
             return self._forward_stream(input_ids, list(lengths), routing_replay, temperature, with_mtp)
-        logits, ids, hook, mtp, aux = self._forward_rows(input_ids, routing_replay, with_mtp)
+        irep = IndexerPicksReplayer.of(self.module, self.config, indexer_replay)
+        with indexer_context(irep):
+            logits, ids, hook, mtp, aux = self._forward_rows(input_ids, routing_replay, with_mtp)
         # log-probs on the model's device: only [B, S-1] of them travel, never the [B, S, vocab] logits
         lp = token_logprobs(logits, ids, temperature).to(input_ids.device)
         if aux is not None:
             aux = aux.to(input_ids.device)
-        return TrainForward(lp, mtp, _used(hook), aux)
+        return TrainForward(lp, mtp, _used(hook), aux, irep and irep.result(self.impl))
 
     def next_token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0
                             ) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 from core.errors import UserInputError
+from rollout.replay import batch_indexer_picks
 
 from .losses import group_advantages
 
@@ -68,7 +69,7 @@ def group_tensors(run, samples, rewards: torch.Tensor) -> Dict[str, torch.Tensor
             routed[i, :re.shape[0]] = re
     adv = group_advantages(rewards, normalize_std=cfg.normalize_adv_std)
     return {"ids": ids, "mask": mask, "rollout_lp": rollout_lp, "routed": routed, "adv": adv,
-            "lengths": [len(q) for q in seqs]}
+            "lengths": [len(q) for q in seqs], "picks": batch_indexer_picks(samples, S) if cfg.indexer_replay else None}
 
 
 def sample_items(run, items):
@@ -89,11 +90,12 @@ def packed_items(run, items):
 
 def _rows(flat, idx: List[int]):
     """The rows ``idx`` of a flat batch, trimmed to their longest sample."""
-    lengths, routed = flat["lengths"], flat["routed"]
+    lengths, routed, picks = flat["lengths"], flat["routed"], flat.get("picks")
     Sm = max(lengths[i] for i in idx)
     return {"ids": flat["ids"][idx, :Sm], "mask": flat["mask"][idx, :Sm - 1],
             "rollout_lp": flat["rollout_lp"][idx, :Sm - 1], "adv": flat["adv"][idx],
-            "routed": None if routed is None else routed[idx, :Sm], "lengths": [lengths[i] for i in idx]}
+            "routed": None if routed is None else routed[idx, :Sm], "lengths": [lengths[i] for i in idx],
+            "picks": None if picks is None else picks[idx, :Sm]}
 
 
 def flat_samples(items, pad_id: int):
@@ -106,11 +108,13 @@ def flat_samples(items, pad_id: int):
         extra = torch.full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), fill, dtype=t.dtype)
         return torch.cat([t, extra], dim=1)
 
-    routed = None
+    routed = picks = None
     if all(it["routed"] is not None for it in items):
         routed = torch.cat([pad(it["routed"], S, -1) for it in items])
+    if all(it.get("picks") is not None for it in items):
+        picks = torch.cat([pad(it["picks"], S, -1) for it in items])
     return {"ids": torch.cat([pad(it["ids"], S, pad_id) for it in items]),
             "mask": torch.cat([pad(it["mask"], S - 1, False) for it in items]),
             "rollout_lp": torch.cat([pad(it["rollout_lp"], S - 1, 0.0) for it in items]),
             "adv": torch.cat([it["adv"] for it in items]), "routed": routed,
-            "lengths": [n for it in items for n in it["lengths"]]}
+            "lengths": [n for it in items for n in it["lengths"]], "picks": picks}

@@ -126,7 +126,9 @@ class TrainConfig:
     normalize_adv_std: bool = True
     # replay
     routing_replay: bool = True
-    indexer_replay: bool = False             # refused when true: not built (train.config_checks says why)
+    # the engine records the indexer's top-k picks (CSA layers) and the trainer replays them; built for the
+    # built-in engine with train_impl reference or miles (BSHD), one rank (train.config_checks refuses the rest)
+    indexer_replay: bool = False
     # MTP
     mtp_coef: float = 0.0
     # megatron's indexer KL loss weight (dsa_indexer_loss_coeff); None = off

@@ -278,12 +278,14 @@ def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
     return got
 
 
-def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=None) -> torch.Tensor:
+def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=None,
+            picks: Optional[list] = None) -> torch.Tensor:
     """``Attention.forward`` for one new token per row: ``x [B, 1, d]`` (attn_norm-ed) -> ``[B, 1, d]``.
 
     ``pos``: the rows' positions, on the host (this module's steps) or on the device (``slots``'s static
     step); ``compress(comp, x, cache, pos, inv_freq)`` adds the token to a compressor (default
-    :func:`_compress_step`, which needs host positions)."""
+    :func:`_compress_step`, which needs host positions). ``picks``: a list the indexer's top-k ``[B, k]`` of a
+    CSA layer is appended to (indexer replay's recording)."""
     compress = compress or _compress_step
     B = x.shape[0]
     H, D, W = attn.n_heads, attn.head_dim, attn.window
@@ -307,6 +309,8 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
         if attn.ratio == 4:
             compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq)
             cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
+            if picks is not None:
+                picks.append(cidx)
         else:
             j = torch.arange(entries.shape[1], device=dev)[None, :]
             cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, torch.full_like(j, -1))

@@ -26,7 +26,9 @@ can trace whole: no pointer reads, no device queries, no Python state changed).
 
 The step returns the fp32 logits ``[b, V]`` and the learned-routing layers' experts ``[b, layers, k]`` (the
 routing seam is not consulted: a replay hook cannot be recorded into a graph, so an installed one is
-refused). As in :func:`~kernels.reference.decode.decode_step`, the indexer-replay seam is not consulted, and the
+refused); with ``indexer_picks=True`` also each CSA layer's indexer top-k ``[b, n_csa, index_topk]`` (long,
+``-1`` padded; what indexer replay records, an output like the routes). As in
+:func:`~kernels.reference.decode.decode_step`, the indexer-replay seam is not consulted, and the
 kernel ops are those of the model's modules (``kernels.reference.model.ops_in_use``; the reference functions by
 default).
 """
@@ -37,6 +39,7 @@ from dataclasses import dataclass, fields, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
 from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq
@@ -248,27 +251,31 @@ def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = No
 
 
 def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
-                       moe_path: Optional[str] = None):
+                       moe_path: Optional[str] = None, indexer_picks: bool = False):
     """Feed ``tokens [b]`` (long, device) to the ``b = cache.slots`` slots at ``cache.pos``; slots with
     ``active [b]`` (bool, device) False compute too but do not advance. Returns the fp32 logits ``[b, V]``
     and the learned-routing layers' experts ``[b, n_learned, k]``. Every shape depends on ``b`` only and no
     value is read on the host; the caller keeps every active slot's position below ``cache.max_len``.
 
     This is :func:`static_step_checks` followed by :func:`static_step_body`; ``torch.compile`` takes the body
-    (``rollout.slot_decoder.compiled_decode_step``)."""
-    return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path))
+    (``rollout.slot_decoder.compiled_decode_step``). ``indexer_picks``: also return the CSA layers' indexer
+    top-k ``[b, n_csa, index_topk]`` (a third output)."""
+    return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path),
+                            indexer_picks)
 
 
 def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
-                     moe_paths: Sequence[str]):
+                     moe_paths: Sequence[str], indexer_picks: bool = False):
     """The device work of :func:`static_decode_step` (``moe_paths``: one per layer, from
     :func:`static_step_checks`): pure tensor code, no host sync, traceable by ``torch.compile``."""
     ids = tokens[:, None]
     x = model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     routes = []
+    picks = [] if indexer_picks else None
     for layer, lc, path in zip(model.layers, cache.layers, moe_paths):          # Block.forward, one token
         u, post, comb = layer._hc("attn", x)
-        x = layer.hc_post(_attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked), x, post, comb)
+        att = _attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked, picks)
+        x = layer.hc_post(att, x, post, comb)
         u, post, comb = layer._hc("ffn", x)
         f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
         x = layer.hc_post(f, x, post, comb)
@@ -278,4 +285,10 @@ def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torc
     k = model.config.n_activated_experts
     routes = torch.stack(routes, dim=1) if routes else torch.empty(len(tokens), 0, k, dtype=torch.long,
                                                                    device=tokens.device)
-    return _final_logits(model, x)[:, 0], routes
+    logits = _final_logits(model, x)[:, 0]
+    if picks is None:
+        return logits, routes
+    topk = model.config.index_topk
+    picks = (torch.stack([F.pad(p, (0, topk - p.shape[-1]), value=-1) for p in picks], dim=1) if picks
+             else torch.empty(len(tokens), 0, topk, dtype=torch.long, device=tokens.device))
+    return logits, routes, picks

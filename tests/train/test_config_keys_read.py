@@ -50,7 +50,7 @@ def test_every_training_setting_is_read_by_product_code_or_refused():
     unread = [f.name for f in dataclasses.fields(TrainConfig) if not _reads(f.name, sources)]
     ignored = [n for n in unread if not _refused_when_on(n)]
     assert not ignored, f"training settings that no product code reads (accepted and ignored): {ignored}"
-    assert unread == ["indexer_replay"]          # the one switch refused as not built (docs/training.md)
+    assert unread == []                          # indexer_replay is read since it was built (2026-12-02)
 
 
 def test_the_search_finds_a_read_and_misses_an_unread_name():
@@ -59,9 +59,12 @@ def test_the_search_finds_a_read_and_misses_an_unread_name():
     assert not _reads("no_such_setting_anywhere", sources)
 
 
-def test_indexer_replay_is_refused_with_the_reason():
+def test_indexer_replay_is_refused_where_it_is_not_built_with_the_reason():
+    """Built for the built-in engine and the reference / miles BSHD models; the rest is refused
+    (tests/train/test_indexer_replay.py checks every refusal)."""
     from core.config import ConfigError
     from train.trainer import TrainConfig
 
-    with pytest.raises(ConfigError, match="'indexer_replay' is not built.*Fix: drop indexer_replay"):
-        TrainConfig(indexer_replay=True)
+    assert TrainConfig(indexer_replay=True).indexer_replay
+    with pytest.raises(ConfigError, match="'indexer_replay' is not built with packed .*Fix: drop max_tokens_per_rank"):
+        TrainConfig(indexer_replay=True, max_tokens_per_rank=64)
