@@ -54,6 +54,7 @@ __all__ = [
     "compressed_kv",
     "indexer_topk",
     "segment_topk",
+    "replayed_segment_picks",
     "cp_group_info",
     "gather_sequence_cp",
 ]
@@ -317,6 +318,28 @@ def segment_topk(scores: Tensor, layout: ThdLayout, topk: int, ratio: int = 4) -
         top = stable_topk(s[:, r0:r1, c0:c1], topk)
         out[:, r0:r1, :top.shape[-1]] = torch.where(top >= 0, top + c0, top)
     return out
+
+
+def replayed_segment_picks(indexer, picks: Tensor, layout: ThdLayout, ratio: int = 4) -> Tensor:
+    """The indexer-replay seam (:func:`kernels.reference.indexer.indexer_hook`) for the flat per-segment picks
+    ``[B, L, k]`` of :func:`segment_topk` (each segment's compressed start added): the hook sees segment-local
+    ids (the blocks of the query's own sequence, as the reference forward of that sequence alone numbers them)
+    and its answer is made flat again. No hook installed: ``picks`` unchanged."""
+    from kernels.reference.indexer import current_indexer_hook
+
+    hook = current_indexer_hook()
+    if hook is None:
+        return picks
+    L = picks.shape[1]
+    cu, cu_c, g0 = layout.host_cu_seqlens(), layout.host_compressed_cu_seqlens(ratio), layout.global_start
+    off = torch.zeros(L, dtype=picks.dtype)
+    for b in range(layout.num_segments):
+        r0, r1 = max(cu[b] - g0, 0), min(cu[b + 1] - g0, L)
+        if r1 > r0:
+            off[r0:r1] = cu_c[b]
+    off = off.to(picks.device)[None, :, None]
+    out = hook(indexer, torch.where(picks >= 0, picks - off, picks))
+    return torch.where(out >= 0, out + off, out)
 
 
 def picks_to_rows(picks: Tensor, ctx: ThdContext, ratio: int, offset: int) -> Tensor:

@@ -188,30 +188,26 @@ def _indexer_replay_refusal(what: str, fix: str) -> ConfigError:
 def _check_indexer_replay_options(cfg) -> None:
     """The TrainConfig knobs indexer replay is not built with (docs/training.md#one-step)."""
     if cfg.max_tokens_per_rank is not None:
-        raise _indexer_replay_refusal("packed micro-batches (max_tokens_per_rank: the THD indexers do not read the "
-                                      "replay seam)", "drop max_tokens_per_rank")
+        raise _indexer_replay_refusal("packed micro-batches (max_tokens_per_rank: the trainer's packed stream does "
+                                      "not carry the picks)", "drop max_tokens_per_rank")
     if cfg.true_on_policy:
         raise _indexer_replay_refusal("true_on_policy (its engine draws from the trainer's own forward, whose "
                                       "picks need no replay)", "drop true_on_policy")
-    if cfg.train_impl not in (None, "reference", "miles"):
-        raise _indexer_replay_refusal(f"train_impl={cfg.train_impl!r}", "use train_impl=miles or reference")
 
 
 def _check_indexer_replay_run(run_config, cfg) -> None:
-    """Indexer replay with the run's choices: the built-in engine records the picks; the reference model and miles
-    BSHD replay them; one rank of tensor and context parallelism; the local orchestrator."""
+    """Indexer replay with the run's choices: the built-in engine records the picks; the reference, miles (BSHD or
+    THD) and megatron models replay them, one row per segment; one rank of tensor and context parallelism; the
+    local orchestrator."""
     sel = run_config.selection
-    impl = cfg.train_impl or run_config.impl
     for bad, what, fix in (
             (sel.rollout is not None and sel.rollout.name != "reference",
              f"--rollout-engine {getattr(sel.rollout, 'name', None)} (it returns no indexer picks)",
              "use --rollout-engine reference"),
-            (impl not in ("reference", "miles"), f"--impl {impl} (its THD indexer does not read the replay seam)",
-             "use --impl miles"),
-            (impl == "miles" and run_config.qkv_format != "bshd", "--qkv-format thd (the packed indexer does not "
-             "read the replay seam)", "use --qkv-format bshd"),
+            (getattr(run_config, "max_tokens_per_rank", None) is not None, "--max-tokens-per-rank (the trainer's "
+             "packed stream does not carry the picks)", "drop --max-tokens-per-rank"),
             (sel.tp > 1, f"--tp {sel.tp} (not tested)", "use --tp 1"),
-            (sel.cp > 1, f"--cp {sel.cp} (the context-parallel indexer does not read the replay seam)", "use --cp 1"),
+            (sel.cp > 1, f"--cp {sel.cp} (the picks are not split over context-parallel ranks)", "use --cp 1"),
             (sel.orchestrator != "local", f"--orchestrator {sel.orchestrator} (not tested)",
              "use --orchestrator local")):
         if bad:

@@ -341,6 +341,8 @@ class ImplTrainModel(_TrainModelBase):
                 raise ValueError(f"--impl {self.impl}: true_on_policy scores the padded rows, not packed "
                                  f"micro-batches (drop max_tokens_per_rank)")
             return self._forward_stream(input_ids, list(lengths), routing_replay, temperature, with_mtp)
+        if indexer_replay is not None and self.qkv_format == "thd":   # one segment per row (pack_rows)
+            indexer_replay = indexer_replay.reshape(1, -1, *indexer_replay.shape[2:])
         irep = IndexerPicksReplayer.of(self.module, self.config, indexer_replay)
         with indexer_context(irep):
             logits, ids, hook, mtp, aux = self._forward_rows(input_ids, routing_replay, with_mtp)

@@ -49,6 +49,7 @@ from engine.thd_attention import (
     hca_indices,
     indexer_topk,
     picks_to_rows,
+    replayed_segment_picks,
     segment_topk,
 )
 from engine.tp import mark_keep_in_fp32
@@ -179,8 +180,8 @@ class Indexer(MegatronModule):
     def topk_indices(self, scores: torch.Tensor, layout: ThdLayout) -> torch.Tensor:
         """``[T, min(topk, max_seqlen // 4)]`` flat compressed ids (ascending per row), ``-1`` where fewer
         are visible: the stable top-k per segment (``engine.thd_attention.segment_topk``), the picks of
-        the sample run alone and of the reference model."""
-        return segment_topk(scores.unsqueeze(0), layout, self.topk)[0]
+        the sample run alone and of the reference model; replaced by the recorded ones under indexer replay."""
+        return replayed_segment_picks(self, segment_topk(scores.unsqueeze(0), layout, self.topk), layout)[0]
 
 
 # ---------------------------------------------------------------------------- indexer loss (pure)

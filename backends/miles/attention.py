@@ -51,6 +51,7 @@ from engine.thd_attention import (
     indexer_topk,
     indexer_visible_mask,
     picks_to_rows,
+    replayed_segment_picks,
 )
 from engine.tp import mark_keep_in_fp32, mark_tp
 from kernels.reference.attention import compressed_visible_indices, window_indices
@@ -245,7 +246,7 @@ class DeepSeekV4Attention(nn.Module):
             scores = self.ops.indexer_scores(qi, k.to(it), w)                        # [B, L, G]
             visible = indexer_visible_mask(thd, scores.shape[-1], x.device)
             scores = scores.masked_fill(~visible[None], float("-inf"))
-            return indexer_topk(scores, thd, ind.topk)
+            return replayed_segment_picks(ind, indexer_topk(scores, thd, ind.topk), thd.layout)  # indexer replay
 
     def _forward_thd(self, x: torch.Tensor, thd: ThdContext) -> torch.Tensor:
         B, L, _ = x.shape

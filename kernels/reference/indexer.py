@@ -32,7 +32,7 @@ from .rope import apply_rope, rope_cos_sin
 from .seam import HookSeam
 from .topk import stable_topk
 
-__all__ = ["Indexer", "indexer_scores", "indexer_input_dtype", "indexer_hook"]
+__all__ = ["Indexer", "indexer_scores", "indexer_input_dtype", "indexer_hook", "current_indexer_hook"]
 
 _INDEXER = HookSeam("dsv4_indexer_hook")
 
@@ -40,6 +40,12 @@ _INDEXER = HookSeam("dsv4_indexer_hook")
 def indexer_hook(hook):
     """Install ``hook(indexer_module, picks) -> picks`` for every Indexer in this context."""
     return _INDEXER.installed(hook)
+
+
+def current_indexer_hook():
+    """The hook installed in this context (None: none); for the packed (THD) indexers of the implementations,
+    which compute their top-k outside :class:`Indexer` (``engine.thd_attention.replayed_segment_picks``)."""
+    return _INDEXER.current()
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

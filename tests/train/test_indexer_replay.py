@@ -6,8 +6,10 @@ for every position it feeds, and the trainer's forward uses exactly those picks 
   step, slots reused and packed) and the uncached one; an engine not asked records nothing;
 * replay: a trainer whose indexer weights are perturbed (so its own picks differ) gives the unperturbed model's
   log-probs bit for bit when it replays the engine's picks, and other log-probs without; for the reference
-  training model and miles (BSHD);
-* a GRPO run through ``orchestration.run_training`` with ``indexer_replay=true`` logs ``indexer_replay_match``;
+  training model, miles (BSHD, and THD with a segment per row: the segments' compressed offsets) and megatron
+  (THD);
+* a GRPO run through ``orchestration.run_training`` with ``indexer_replay=true`` (miles, megatron) logs
+  ``indexer_replay_match``;
 * every combination that is not built is refused before any work, with the fix.
 
 Sequences run past ``4 * index_topk`` = 32 tokens, so the indexer truncates (with fewer visible entries every
@@ -103,10 +105,11 @@ def _train_model(impl, reference):
 
     if impl == "reference":
         return reference if reference is not None else build_train_model(CFG, seed=1)
-    return build_train_model(CFG, run_config(impl, CFG), seed=0)
+    name, _, fmt = impl.partition("-")        # miles-thd: miles with --qkv-format thd
+    return build_train_model(CFG, run_config(name, CFG, fmt or None), seed=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "miles"])
+@pytest.mark.parametrize("impl", ["reference", "miles", "miles-thd", "megatron"])
 def test_replay_makes_the_trainer_attend_to_exactly_the_recorded_picks(reference, impl):
     model = _train_model(impl, reference).eval()
     ids, picks, lengths = _replay_batch(model, _engine(model, record_indexer=True))
@@ -148,13 +151,14 @@ def _write_data(path, n=8):
     return str(path)
 
 
-def test_grpo_with_indexer_replay_logs_the_match(tmp_path):
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_grpo_with_indexer_replay_logs_the_match(tmp_path, impl):
     from orchestration import run_training
     from tests.train._impl_helpers import run_config
     from train.metrics import read_metrics
 
     torch.set_num_threads(min(torch.get_num_threads(), 2))
-    run_training(run_config("miles", CFG), CFG, mode="grpo", steps=2, run_dir=tmp_path / "run",
+    run_training(run_config(impl, CFG), CFG, mode="grpo", steps=2, run_dir=tmp_path / "run",
                  data=_write_data(tmp_path / "data.jsonl"), max_new_tokens=6, prompts_per_step=1, group_size=2,
                  lr=1e-3, indexer_replay=True, progress=False)
     rows = read_metrics(tmp_path / "run")
@@ -166,7 +170,6 @@ def test_grpo_with_indexer_replay_logs_the_match(tmp_path):
 @pytest.mark.parametrize("kw, says", [
     (dict(max_tokens_per_rank=64), "packed micro-batches.*Fix: drop max_tokens_per_rank"),
     (dict(true_on_policy=True), "true_on_policy.*Fix: drop true_on_policy"),
-    (dict(train_impl="megatron"), "train_impl='megatron'.*Fix: use train_impl=miles or reference"),
 ])
 def test_unbuilt_training_options_are_refused(kw, says):
     from core.config import ConfigError
@@ -177,8 +180,7 @@ def test_unbuilt_training_options_are_refused(kw, says):
 
 
 @pytest.mark.parametrize("choices, says", [
-    (dict(impl="megatron"), "--impl megatron .*Fix: use --impl miles"),
-    (dict(qkv_format="thd"), "--qkv-format thd .*Fix: use --qkv-format bshd"),
+    (dict(impl="megatron", max_tokens_per_rank=64), "--max-tokens-per-rank .*Fix: drop --max-tokens-per-rank"),
     (dict(rollout_engine="sglang", rollout_url="http://127.0.0.1:1"), "--rollout-engine sglang .*Fix: use "
                                                                       "--rollout-engine reference"),
     (dict(cp=2), "--cp 2 .*Fix: use --cp 1"),
@@ -196,4 +198,6 @@ def test_unbuilt_runs_are_refused(choices, says):
     rc = normalize(Choices(model=CFG, **choices), make_host(third_party=False), model_name="small")
     with pytest.raises(ConfigError, match=f"'indexer_replay' is not built with {says}, or drop indexer_replay"):
         check_train_options(rc, cfg)
-    check_train_options(normalize(Choices(model=CFG), make_host(third_party=False), model_name="small"), cfg)
+    for built in ("miles", "megatron"):
+        check_train_options(normalize(Choices(model=CFG, impl=built), make_host(third_party=False),
+                                      model_name="small"), cfg)
