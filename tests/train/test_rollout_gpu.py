@@ -345,3 +345,38 @@ def test_weights_drawn_on_the_gpu_are_seeded_by_name():
     assert not torch.equal(a[name], c[name])
     assert abs(a[name].float().std().item() - 0.02) < 2e-3
     assert all(torch.all(t == 1) for n, t in a.items() if n.endswith("norm.weight"))
+
+
+@pytest.mark.parametrize("compile", [None, "inductor"], ids=["graphs", "compiled-graphs"])
+def test_cuda_graph_decode_records_the_indexer_picks(compile):
+    """Indexer replay's recording on the GPU: the picks the decode step returns from its CUDA graphs (compiled or
+    not) equal the eager step's and the full forward's at every position (fp32; 32 indexer heads: no exact score
+    ties; sequences past 32 tokens: the indexer truncates)."""
+    from rollout.replay import IndexerPicksRecorder
+    from train.model import build_train_model
+
+    cfg = CFG.replace(index_n_heads=32)
+    model = build_train_model(cfg, seed=0)
+    prompts = [list(range(2, 40)), [0, 9, 10]]
+    params = _params(max_new_tokens=20, stop_token_ids=())
+
+    def engine(**kw):
+        from rollout.reference_engine import ReferenceEngine
+        from rollout.weight_sync import sync_weights
+
+        e = ReferenceEngine(cfg, device="cuda", record_indexer=True, **kw)
+        assert sync_weights(model, e, version=1).ok
+        return e
+
+    graphs = engine(compile=compile)
+    got = graphs.generate(prompts, params, n=3, seed=1)
+    assert graphs._decoder._graphs
+    want = engine(cuda_graphs=False).generate(prompts, params, n=3, seed=1)
+    for a, b in _pairs(got, want):
+        assert a.response_ids == b.response_ids and torch.equal(a.indexer_picks, b.indexer_picks)
+        seq = a.prompt_ids + a.response_ids
+        rec = IndexerPicksRecorder(graphs.model, cfg)
+        with rec.context(), torch.no_grad():
+            graphs.model(torch.tensor([seq], device="cuda"))
+        assert torch.equal(a.indexer_picks, rec.as_tensor(1, len(seq))[0, :-1])
+    assert (got[0][0].indexer_picks >= 0).sum(-1).max() == cfg.index_topk
