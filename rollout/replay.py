@@ -11,9 +11,15 @@ routing trunk layers. :class:`RoutingRecorder` records what a forward picked; :c
 substitutes the recorded picks (row by row: a row with any ``-1`` keeps this forward's own choice) and
 remembers what it actually used, so a test or metric can compare train-side routing with the rollout's.
 
-The indexer seam (:func:`kernels.reference.indexer.indexer_hook`) is off by default:
-:class:`IndexerRecorder` / :class:`IndexerReplayer` record and replay the Lightning Indexer's top-k
-picks per CSA layer (keyed by the indexer's module path) when ``indexer_replay`` is switched on.
+Indexer replay (``indexer_replay=true``) goes through the indexer seam
+(:func:`kernels.reference.indexer.indexer_hook`; no hook installed = unchanged behaviour). The picks of one
+sequence are ``[S, n_csa, index_topk]`` (format below): the rollout engine records them with
+:class:`IndexerPicksRecorder` (prefill, uncached forwards) and as the static decode step's output, and the
+trainer replays them with :class:`IndexerPicksReplayer`, which finds each trunk indexer of any model (reference,
+miles, megatron) by its module path (``layers.<i>``) and counts how many replayed rows the forward's own top-k
+picked alike (``indexer_replay_match``). The THD indexers of the implementations hand the seam segment-local
+ids (``engine.thd_attention.replayed_segment_picks``). :class:`IndexerRecorder` / :class:`IndexerReplayer` are
+the seam's plain form for the reference model (keyed by module path, picks as the forward gives them).
 """
 
 from __future__ import annotations

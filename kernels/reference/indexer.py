@@ -18,7 +18,8 @@ dtype for the reference op, the model's activation dtype for a bf16/fp16 kernel;
 
 Indexer-replay seam (off by default; used by ``rollout.replay``): :func:`indexer_hook` installs, for the
 current context, ``hook(indexer_module, picks [B,S,k]) -> picks``, called with the final top-k picks
-(``-1`` = none). No hook installed = unchanged behaviour.
+(``-1`` = none). No hook installed = unchanged behaviour. The implementations' packed (THD) indexers call the
+installed hook (:func:`current_indexer_hook`) through ``engine.thd_attention.replayed_segment_picks``.
 """
 
 from __future__ import annotations
