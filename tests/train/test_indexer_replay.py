@@ -201,3 +201,26 @@ def test_unbuilt_runs_are_refused(choices, says):
     for built in ("miles", "megatron"):
         check_train_options(normalize(Choices(model=CFG, impl=built), make_host(third_party=False),
                                       model_name="small"), cfg)
+
+
+def test_dsv4_train_replays_the_indexer_and_refuses_what_is_not_built(tmp_path):
+    """``dsv4 train ... indexer_replay=true`` as a user types it (the tiny preset: one CSA layer)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from launchers.cli import main
+
+    def dsv4(*args):
+        return CliRunner().invoke(main, [str(a) for a in args])
+
+    common = ("train", "--hardware", "cpu", "--steps", 1, "prompts_per_step=1", "group_size=2", "max_new_tokens=4",
+              "indexer_replay=true")
+    res = dsv4(*common, "--run-dir", tmp_path / "run")
+    assert res.exit_code == 0, res.output
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["indexer_replay_match"] == 1.0
+    res = dsv4(*common, "--run-dir", tmp_path / "packed", "--qkv-format", "thd", "--max-tokens-per-rank", 256)
+    assert res.exit_code != 0
+    assert "'indexer_replay' is not built with packed micro-batches" in res.output
+    assert "Fix: drop max_tokens_per_rank" in res.output and not (tmp_path / "packed" / "metrics.jsonl").exists()
