@@ -164,8 +164,8 @@ class IndexerReplayer:
 
 # ------------------------------------------------ indexer replay (per CSA layer)
 # Picks of one sequence are an int32 tensor ``[S, n_csa, index_topk]``: row ``t`` holds, for every trunk CSA
-# layer (``csa_layers``, ascending), the compressed entries (block ids within the sequence: entry ``j`` pools
-# positions ``[4j, 4j+4)``, visible to ``t`` when ``j < (t+1) // 4``) the engine's Lightning Indexer picked
+# layer (``csa_layers``, ascending), the compressed entries (block ids within the sequence: entry ``j`` is the
+# block ending at position ``4j + 3``, visible to ``t`` when ``j < (t+1) // 4``) the engine's Lightning Indexer picked
 # for the query at position ``t``, in the stable top-k's order (ascending ids, ``-1`` padding last); a row is
 # all ``-1`` where nothing was recorded (positions never fed, padding) and where nothing is visible yet.
 def csa_layers(config) -> List[int]:
