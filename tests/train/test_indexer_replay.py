@@ -3,7 +3,8 @@ for every position it feeds, and the trainer's forward uses exactly those picks 
 
 * the engine's recorded picks (``Sample.indexer_picks``) equal the reference model's full-forward picks of the
   same sequence at every prompt and generated position, through the cached engine (prefill, the static decode
-  step, slots reused and packed) and the uncached one; an engine not asked records nothing;
+  step, slots reused and packed; eager, and traced whole by ``torch.compile``) and the uncached one; an engine
+  not asked records nothing;
 * replay: a trainer whose indexer weights are perturbed (so its own picks differ) gives the unperturbed model's
   log-probs bit for bit when it replays the engine's picks, and other log-probs without; for the reference
   training model, miles (BSHD, and THD with a segment per row: the segments' compressed offsets) and megatron
@@ -60,7 +61,8 @@ def reference():
     return build_train_model(CFG, seed=0)
 
 
-@pytest.mark.parametrize("kw", [dict(kv_cache=True, max_slots=3), dict(kv_cache=False)], ids=["cached", "uncached"])
+@pytest.mark.parametrize("kw", [dict(kv_cache=True, max_slots=3), dict(kv_cache=True, max_slots=2, compile="aot_eager"),
+                                dict(kv_cache=False)], ids=["cached", "compiled", "uncached"])
 def test_the_engine_records_the_full_forwards_picks(reference, kw):
     T, prompts = (8, PROMPTS) if kw["kv_cache"] else (3, PROMPTS[:1])      # the uncached engine is slow
     e = _engine(reference, record_indexer=True, **kw)
