@@ -162,7 +162,7 @@ def test_grpo_with_indexer_replay_logs_the_match(tmp_path, impl):
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     run_training(run_config(impl, CFG), CFG, mode="grpo", steps=2, run_dir=tmp_path / "run",
                  data=_write_data(tmp_path / "data.jsonl"), max_new_tokens=6, prompts_per_step=1, group_size=2,
-                 lr=1e-3, indexer_replay=True, progress=False)
+                 lr=1e-3, kl_coef=0.05, mtp_coef=0.3, indexer_replay=True, progress=False)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:   # the engine's cached decode and the trainer's full forward pick alike in fp32
