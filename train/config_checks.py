@@ -187,9 +187,6 @@ def _indexer_replay_refusal(what: str, fix: str) -> ConfigError:
 
 def _check_indexer_replay_options(cfg) -> None:
     """The TrainConfig knobs indexer replay is not built with (docs/training.md#one-step)."""
-    if cfg.max_tokens_per_rank is not None:
-        raise _indexer_replay_refusal("packed micro-batches (max_tokens_per_rank: the trainer's packed stream does "
-                                      "not carry the picks)", "drop max_tokens_per_rank")
     if cfg.true_on_policy:
         raise _indexer_replay_refusal("true_on_policy (its engine draws from the trainer's own forward, whose "
                                       "picks need no replay)", "drop true_on_policy")
@@ -197,17 +194,16 @@ def _check_indexer_replay_options(cfg) -> None:
 
 def _check_indexer_replay_run(run_config, cfg) -> None:
     """Indexer replay with the run's choices: the built-in engine records the picks; the reference, miles (BSHD or
-    THD) and megatron models replay them, one row per segment; one rank of tensor and context parallelism; the
-    local orchestrator."""
+    THD) and megatron models replay them (rows or packed micro-batches); one rank of tensor and context
+    parallelism; the local orchestrator."""
     sel = run_config.selection
     for bad, what, fix in (
             (sel.rollout is not None and sel.rollout.name != "reference",
              f"--rollout-engine {getattr(sel.rollout, 'name', None)} (it returns no indexer picks)",
              "use --rollout-engine reference"),
-            (getattr(run_config, "max_tokens_per_rank", None) is not None, "--max-tokens-per-rank (the trainer's "
-             "packed stream does not carry the picks)", "drop --max-tokens-per-rank"),
             (sel.tp > 1, f"--tp {sel.tp} (not tested)", "use --tp 1"),
-            (sel.cp > 1, f"--cp {sel.cp} (the picks are not split over context-parallel ranks)", "use --cp 1"),
+            (sel.cp > 1, f"--cp {sel.cp} (megatron's context-parallel indexer does not read the replay seam; "
+             "not tested)", "use --cp 1"),
             (sel.orchestrator != "local", f"--orchestrator {sel.orchestrator} (not tested)",
              "use --orchestrator local")):
         if bad:

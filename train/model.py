@@ -331,16 +331,17 @@ class ImplTrainModel(_TrainModelBase):
 
     def forward_train(self, input_ids, *, routing_replay=None, temperature: float = 1.0, with_mtp: bool = False,
                       lengths: Optional[List[int]] = None, indexer_replay=None):
-        if lengths is not None and indexer_replay is not None:
-            raise NotImplementedError(f"--impl {self.impl}: indexer replay is not built for packed micro-batches "
-                                      f"(drop max_tokens_per_rank)")
         if lengths is not None:
             if not self.packs_streams:
                 raise ValueError(f"--impl {self.impl}: packed micro-batches need --qkv-format thd")
             if self.row_invariant:
                 raise ValueError(f"--impl {self.impl}: true_on_policy scores the padded rows, not packed "
                                  f"micro-batches (drop max_tokens_per_rank)")
-            return self._forward_stream(input_ids, list(lengths), routing_replay, temperature, with_mtp)
+            irep = IndexerPicksReplayer.of(self.module, self.config, self._stream_picks(indexer_replay, lengths))
+            with indexer_context(irep):
+                fwd = self._forward_stream(input_ids, list(lengths), routing_replay, temperature, with_mtp)
+            fwd.indexer_replay = irep and irep.result(self.impl)
+            return fwd
         if indexer_replay is not None and self.qkv_format == "thd":   # one segment per row (pack_rows)
             indexer_replay = indexer_replay.reshape(1, -1, *indexer_replay.shape[2:])
         irep = IndexerPicksReplayer.of(self.module, self.config, indexer_replay)
@@ -360,6 +361,24 @@ class ImplTrainModel(_TrainModelBase):
         this module (:class:`rollout.reference_engine.TrainModuleEngine`)."""
         logits, _ids, hook, _mtp, _aux = self._forward_rows(input_ids, None, False)
         return next_token_logprobs(logits, temperature), _used(hook)
+
+    def _stream_picks(self, picks, lengths):
+        """Indexer replay of a packed micro-batch: the rows' picks ``[B, S, n_csa, k]`` laid out as this rank's
+        slice of the stream :meth:`_forward_stream` packs (``[1, n, n_csa, k]``, -1 on padding); None: None."""
+        if picks is None:
+            return None
+        from engine.thd_attention import cp_group_info
+
+        from .distributed import pack
+
+        B, S = picks.shape[:2]
+        cp, rank, _ = cp_group_info()
+        (mb,) = pack(list(lengths), self.config, cp, None).micro_batches
+        n = mb.num_tokens // cp
+        flat = picks.reshape(B * S, *picks.shape[2:])
+        stream = torch.full((mb.num_tokens,) + tuple(flat.shape[1:]), -1, dtype=flat.dtype)
+        stream[:mb.num_real_tokens] = flat[torch.cat([i * S + torch.arange(L) for i, L in enumerate(lengths)])]
+        return stream[rank * n:(rank + 1) * n][None]
 
     def _forward_rows(self, input_ids, routing_replay, with_mtp):
         """One forward over the rows ``[B, S]`` (BSHD, or THD with a segment per row): ``(logits [B, S, V],

@@ -66,5 +66,5 @@ def test_indexer_replay_is_refused_where_it_is_not_built_with_the_reason():
     from train.trainer import TrainConfig
 
     assert TrainConfig(indexer_replay=True).indexer_replay
-    with pytest.raises(ConfigError, match="'indexer_replay' is not built with packed .*Fix: drop max_tokens_per_rank"):
-        TrainConfig(indexer_replay=True, max_tokens_per_rank=64)
+    with pytest.raises(ConfigError, match="'indexer_replay' is not built with true_on_policy .*Fix: drop true_on"):
+        TrainConfig(indexer_replay=True, true_on_policy=True)

@@ -8,9 +8,9 @@ for every position it feeds, and the trainer's forward uses exactly those picks 
 * replay: a trainer whose indexer weights are perturbed (so its own picks differ) gives the unperturbed model's
   log-probs bit for bit when it replays the engine's picks, and other log-probs without; for the reference
   training model, miles (BSHD, and THD with a segment per row: the segments' compressed offsets) and megatron
-  (THD);
-* a GRPO run through ``orchestration.run_training`` with ``indexer_replay=true`` (miles, megatron) logs
-  ``indexer_replay_match``;
+  (THD, rows and a packed micro-batch of the real tokens);
+* a GRPO run through ``orchestration.run_training`` with ``indexer_replay=true`` (miles; megatron with packed
+  micro-batches) logs ``indexer_replay_match``;
 * every combination that is not built is refused before any work, with the fix.
 
 Sequences run past ``4 * index_topk`` = 32 tokens, so the indexer truncates (with fewer visible entries every
@@ -108,19 +108,20 @@ def _train_model(impl, reference):
     if impl == "reference":
         return reference if reference is not None else build_train_model(CFG, seed=1)
     name, _, fmt = impl.partition("-")        # miles-thd: miles with --qkv-format thd
-    return build_train_model(CFG, run_config(name, CFG, fmt or None), seed=0)
+    return build_train_model(CFG, run_config(name, CFG, "thd" if fmt else None), seed=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "miles", "miles-thd", "megatron"])
+@pytest.mark.parametrize("impl", ["reference", "miles", "miles-thd", "megatron", "megatron-packed"])
 def test_replay_makes_the_trainer_attend_to_exactly_the_recorded_picks(reference, impl):
     model = _train_model(impl, reference).eval()
     ids, picks, lengths = _replay_batch(model, _engine(model, record_indexer=True))
     drifted = _perturbed(model, impl).eval()
+    kw = {"lengths": lengths} if impl.endswith("-packed") else {}   # one packed stream of the real tokens
     with torch.no_grad():
-        base = model.forward_train(ids)
-        same = model.forward_train(ids, indexer_replay=picks)
-        own = drifted.forward_train(ids)
-        rep = drifted.forward_train(ids, indexer_replay=picks)
+        base = model.forward_train(ids, **kw)
+        same = model.forward_train(ids, indexer_replay=picks, **kw)
+        own = drifted.forward_train(ids, **kw)
+        rep = drifted.forward_train(ids, indexer_replay=picks, **kw)
     valid = torch.arange(ids.shape[1] - 1)[None, :] < torch.tensor(lengths)[:, None] - 1
 
     def eq(a, b):
@@ -153,8 +154,8 @@ def _write_data(path, n=8):
     return str(path)
 
 
-@pytest.mark.parametrize("impl", ["miles", "megatron"])
-def test_grpo_with_indexer_replay_logs_the_match(tmp_path, impl):
+@pytest.mark.parametrize("impl, packed", [("miles", None), ("megatron", 256)], ids=["miles", "megatron-packed"])
+def test_grpo_with_indexer_replay_logs_the_match(tmp_path, impl, packed):
     from orchestration import run_training
     from tests.train._impl_helpers import run_config
     from train.metrics import read_metrics
@@ -162,15 +163,14 @@ def test_grpo_with_indexer_replay_logs_the_match(tmp_path, impl):
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     run_training(run_config(impl, CFG), CFG, mode="grpo", steps=2, run_dir=tmp_path / "run",
                  data=_write_data(tmp_path / "data.jsonl"), max_new_tokens=6, prompts_per_step=1, group_size=2,
-                 lr=1e-3, kl_coef=0.05, mtp_coef=0.3, indexer_replay=True, progress=False)
+                 lr=1e-3, kl_coef=0.05, mtp_coef=0.3, indexer_replay=True, max_tokens_per_rank=packed, progress=False)
     rows = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2] and all(("packing_efficiency" in r) == bool(packed) for r in rows)
     for r in rows:   # the engine's cached decode and the trainer's full forward pick alike in fp32
         assert r["indexer_replay_match"] == 1.0 and r["routing_replay_match"] == 1.0, r
 
 
 @pytest.mark.parametrize("kw, says", [
-    (dict(max_tokens_per_rank=64), "packed micro-batches.*Fix: drop max_tokens_per_rank"),
     (dict(true_on_policy=True), "true_on_policy.*Fix: drop true_on_policy"),
 ])
 def test_unbuilt_training_options_are_refused(kw, says):
@@ -182,7 +182,6 @@ def test_unbuilt_training_options_are_refused(kw, says):
 
 
 @pytest.mark.parametrize("choices, says", [
-    (dict(impl="megatron", max_tokens_per_rank=64), "--max-tokens-per-rank .*Fix: drop --max-tokens-per-rank"),
     (dict(rollout_engine="sglang", rollout_url="http://127.0.0.1:1"), "--rollout-engine sglang .*Fix: use "
                                                                       "--rollout-engine reference"),
     (dict(cp=2), "--cp 2 .*Fix: use --cp 1"),
@@ -222,7 +221,7 @@ def test_dsv4_train_replays_the_indexer_and_refuses_what_is_not_built(tmp_path):
     assert res.exit_code == 0, res.output
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["indexer_replay_match"] == 1.0
-    res = dsv4(*common, "--run-dir", tmp_path / "packed", "--qkv-format", "thd", "--max-tokens-per-rank", 256)
+    res = dsv4(*common, "--run-dir", tmp_path / "cp", "--qkv-format", "thd", "--cp", 2)
     assert res.exit_code != 0
-    assert "'indexer_replay' is not built with packed micro-batches" in res.output
-    assert "Fix: drop max_tokens_per_rank" in res.output and not (tmp_path / "packed" / "metrics.jsonl").exists()
+    assert "'indexer_replay' is not built with --cp 2" in res.output
+    assert "Fix: use --cp 1" in res.output and not (tmp_path / "cp" / "metrics.jsonl").exists()
