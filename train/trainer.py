@@ -126,8 +126,8 @@ class TrainConfig:
     normalize_adv_std: bool = True
     # replay
     routing_replay: bool = True
-    # the engine records the indexer's top-k picks (CSA layers) and the trainer replays them; built for the
-    # built-in engine with train_impl reference or miles (BSHD), one rank (train.config_checks refuses the rest)
+    # the built-in engine records the indexer's top-k picks (CSA layers), the trainer (reference, miles, megatron;
+    # rows or packed) replays them; tp = cp = 1, local orchestrator (train.config_checks refuses the rest)
     indexer_replay: bool = False
     # MTP
     mtp_coef: float = 0.0
