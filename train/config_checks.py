@@ -196,6 +196,12 @@ def check_train_options(run_config, cfg, host=None) -> None:
                           "top-k picks yet, and the miles and megatron models do not read the replay seam "
                           "(rollout.replay has a recorder and replayer for the reference model only). Fix: drop "
                           "indexer_replay (routing_replay replays the experts)")
+    if cfg.weight_sync == "shared":
+        from rollout.shared_weights import refusal_message, run_refusal
+
+        why = run_refusal(run_config, cfg)
+        if why:
+            raise ConfigError(refusal_message(why))
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout),
@@ -275,6 +281,12 @@ def validate(cfg) -> None:
         _fail("rollout_compile", cfg.rollout_compile, "must be true or false")
     _trackers(cfg.tracker)
     _cuda_graphs(cfg)
+    if cfg.weight_sync not in ("auto", "shared", "copy"):
+        _fail("weight_sync", cfg.weight_sync, "must be one of auto, shared, copy")
+    if cfg.weight_sync == "shared" and cfg.async_rollout:
+        raise ConfigError("training option 'weight_sync' = shared lets the engine compute with the trainer's weights "
+                          "in place, and 'async_rollout' generates while the trainer updates them. Fix: "
+                          "weight_sync=auto (copies with async_rollout) or drop async_rollout")
     if cfg.async_rollout and cfg.colocate:
         raise ConfigError("training option 'async_rollout' generates the next step's samples while the trainer "
                           "trains, and 'colocate' frees the engine's memory for the trainer during that time. Fix: "

@@ -1,6 +1,7 @@
 """One GRPO step as its named phases, each a function of the run (:class:`train.trainer._Run`):
 
-    sync       the trained weights into the rollout engine (export -> publish -> load -> check)
+    sync       the trained weights into the rollout engine (export -> publish -> load -> check; or shared in
+               place with the built-in engine in this process: rollout.shared_weights)
     rollout    P prompts x G samples each on the leader's engine (temperature / top-p), broadcast to its ranks
     reward     each sample's reward, the groups' tensors and advantages, regrouped into micro-batches
     logprobs   old log-probs recomputed by the training model (no grad; routing replayed), the reference
@@ -53,21 +54,26 @@ def sync_phase(run, step: int, out: Dict[str, Any]) -> None:
     cfg = run.cfg
     maybe_kill(step, "update_weights")
     run.model.eval()
-    view = full_view(run.model, run.dist)
+    # a sharing engine reads this rank's own tensors (whole on every rank: rollout.shared_weights.weight_sync_mode)
+    sharer = run.weight_sync.sharer
+    view = run.model if sharer is not None else full_view(run.model, run.dist)
     if run.dist.is_leader and getattr(run.engine, "reads_trainer_weights", False):
         # no sync: the engine computes with this very module (rollout.reference_engine.TrainModuleEngine)
         run.engine.version = step
-        out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_buckets=0,
-                   weight_quant_max_rel_err=0.0)
+        out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_shared_bytes=0,
+                   weight_sync_buckets=0, weight_quant_max_rel_err=0.0)
     elif run.dist.is_leader:
-        rep = sync_weights(view, run.engine, version=step, scheme=run.publish_format,
-                           engine_dtype=run.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
-                           check=cfg.check_weights, lossless=cfg.true_on_policy)
+        if sharer is not None:                # the engine computes with the trainer's memory (rollout.shared_weights)
+            rep = sharer.sync(view, version=step, check=cfg.check_weights)
+        else:
+            rep = sync_weights(view, run.engine, version=step, scheme=run.publish_format,
+                               engine_dtype=run.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
+                               check=cfg.check_weights, lossless=cfg.true_on_policy)
         if rep.check is not None and not rep.check.ok:
             raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
         out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
-                   weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
-                   weight_quant_max_rel_err=rep.max_quant_rel_err)
+                   weight_sync_bytes=rep.bytes, weight_sync_shared_bytes=rep.shared_bytes,
+                   weight_sync_buckets=rep.buckets, weight_quant_max_rel_err=rep.max_quant_rel_err)
 
 
 def step_prompts(run, step: int):

@@ -116,7 +116,7 @@ def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     data = write_data(root / "data.jsonl")
-    sync = _train(root / "sync", data)
+    sync = _train(root / "sync", data, weight_sync="copy")   # copied: the recording sees every update
     asyn = _train(root / "async", data, async_rollout=True)
     return sync, asyn, data
 
