@@ -3,10 +3,30 @@ trainer's own memory, the trainer's expert banks are one buffer that the grouped
 read without a copy, and a GRPO run that shares trains exactly as one that copies (the copy path,
 rollout.weight_sync, is the reference: export -> publish -> load -> check)."""
 
+import json
+
 import pytest
 import torch
 
-from tests.train.test_grpo import run_config, small_config, write_data
+from core.config import preset
+
+
+def small_config():
+    # 3 trunk layers (layer 0 hash-routed, 1-2 learned; layer 1 CSA with an indexer) + 1 MTP layer (test_grpo's)
+    return preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 0, 0), n_hash_layers=1)
+
+
+def run_config(impl: str):
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    return normalize(Choices(impl=impl, model=small_config()), make_host(third_party=False), model_name="small")
+
+
+def write_data(path, n=16):
+    rows = [{"prompt": f"{i}+{i}=", "reward": {"type": "valid_bytes"}} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
 
 
 def _trainer():
