@@ -340,6 +340,23 @@ class ImplTrainModel(_TrainModelBase):
             aux = aux.to(input_ids.device)
         return TrainForward(lp, mtp, _used(hook), aux)
 
+    def forward_stage(self, input_ids, streams=None, *, routing_replay=None, temperature: float = 1.0):
+        """This pipeline stage's forward (:mod:`train.pipeline`): ``(the streams [B, S, hc, d] for the next stage,
+        or on the last stage the TrainForward; the routing of this stage's layers)``; ``streams``: the previous
+        stage's, flattened (None on the first stage)."""
+        from engine.pipeline import is_last
+        from engine.layout import current
+
+        ids, hook, c = input_ids.to(self.device), _hook_for(routing_replay, input_ids), self.config
+        x = None if streams is None else streams.reshape(*ids.shape, c.hc_mult, c.dim).to(
+            self.device, self.module.tconfig.params_dtype)
+        with routing_context(hook):
+            if not is_last(current()):
+                return self.module.hidden_streams(ids, streams=x), _used(hook)
+            logits = self.module(ids, streams=x)
+        return TrainForward(token_logprobs(logits, ids, temperature).to(input_ids.device), None, _used(hook)), \
+            _used(hook)
+
     def next_token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0
                             ) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:
         """``[B, S]`` ids -> (``[B, S-1, V]`` log-probs of every next token on the model's device, the learned
@@ -522,9 +539,11 @@ class ImplTrainModel(_TrainModelBase):
         from engine.layout import current as parallel_layout
         from engine.tp import gather_tensor, tp_spec
 
+        from engine.pipeline import full_stage_tensors
+
         group = parallel_layout().group("tp")
         local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in self.native_tensors()}
-        return with_every_expert(local)
+        return full_stage_tensors(with_every_expert(local), parallel_layout())   # and every pipeline stage's
 
     def load_checkpoint(self, path) -> None:
         """An HF checkpoint: this rank reads only its share (its tensor-parallel rows / columns, its experts;
@@ -617,6 +636,10 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
     module = parts.build_model(model_config, params_dtype=dtype, initialize=initialize, **options)
+    from engine.layout import current
+    from engine.pipeline import split_stage
+
+    split_stage(module, model_config.n_layers, current())   # --pp: this stage's layers (global names) only
     parts.scheme.prepare_training(module)            # QAT: fake quantization; the other schemes: nothing
     device = parts.device()
     module.to(device)

@@ -159,6 +159,9 @@ class TorchOptimizer(_Base):
                 dist.all_reduce(experts, group=layout.group("ep"))
             if layout.etp > 1:
                 dist.all_reduce(experts, group=layout.group("etp"))
+            if layout.pp > 1:          # each pipeline stage holds its own parameters
+                dist.all_reduce(replicated.add_(tp_sharded).add_(experts), group=layout.group("pp"))
+                tp_sharded.zero_(), experts.zero_()
         return float((replicated + tp_sharded + experts).sqrt())
 
     def step(self) -> float:
