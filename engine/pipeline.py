@@ -6,7 +6,7 @@ Why here: the split and the schedule are the same for every implementation whose
 (megatron) names of ``core.weight_contract`` (``embedding``, ``decoder.layers.N``, ``decoder.final_layernorm``,
 ``decoder.hc_head_*``, ``output_layer``, ``mtp``), and the schedule is megatron-core's own
 (``megatron.core.pipeline_parallel.get_forward_backward_func``: non-interleaved 1F1B), which this module only
-feeds; the trainer (``train.pipeline``) says what a micro-batch's forward and loss are.
+feeds; the trainer's steps say what a micro-batch's loss is (:func:`run_items`, :func:`forward_items`).
 
 The split (:func:`stage_layers`, :func:`split_stage`): stage ``s`` of ``P`` holds a contiguous range of the
 decoder layers, as even as the count allows (the first ``n_layers % P`` stages take one layer more); stage 0 also
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["stage_layers", "split_stage", "OtherStage", "is_first", "is_last", "run_schedule",
-           "from_last_stage", "gather_over_stages", "full_stage_tensors"]
+           "from_last_stage", "gather_over_stages", "full_stage_tensors", "pipelined", "run_items", "forward_items"]
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> range:
@@ -215,3 +215,62 @@ def full_stage_tensors(local: Dict[str, torch.Tensor], layout) -> Dict[str, torc
             dist.broadcast(t, src=src, group=group)
             out[name] = t
     return out
+
+
+# -- the trainer's micro-batches (train.sft, train.grpo) -------------------------------------------------------------
+# The loss runs on the last stage only, so a step's running sums (``acc``) are filled there and then broadcast to
+# the other stages; each stage records the routing of the layers it holds, merged over the stages for the replay
+# check. ``model`` is the trainer's model (``train.model.ImplTrainModel``: ``forward_stage``, ``config``); an item
+# is a micro-batch dict with its ``ids [B, S]``.
+
+def pipelined() -> bool:
+    """Whether this rank is one stage of several."""
+    from engine.layout import current
+
+    return current().pp > 1
+
+
+def _items_schedule(model, items: List[dict], forward_kw: Callable, loss: Callable, forward_only: bool):
+    """Run ``items`` through the stages, ``loss(k, item, out)`` on the last stage; returns every micro-batch's
+    routing merged over the stages (``{k: {layer: idx}}``)."""
+    from engine.layout import current
+
+    c, used = model.config, {}
+
+    def stage(mb, streams):
+        k, it = mb
+        out, used[k] = model.forward_stage(it["ids"], streams, **forward_kw(it))
+        return out
+
+    run_schedule(list(enumerate(items)), [tuple(it["ids"].shape) for it in items], c.hc_mult * c.dim, stage,
+                 lambda mb, out: loss(mb[0], mb[1], out), forward_only=forward_only)
+    merged: Dict[int, dict] = {k: {} for k in range(len(items))}
+    for part in gather_over_stages(used, current()):
+        for k, layers in part.items():
+            merged[k].update(layers)
+    return merged
+
+
+def run_items(model, items: List[dict], forward_kw: Callable, loss: Callable, acc: Dict[str, float]) -> None:
+    """Forward and backward of every micro-batch; ``loss(item, out)`` adds to ``acc`` on the last stage, whose
+    sums every stage then takes (in place)."""
+    from engine.layout import current
+
+    _items_schedule(model, items, forward_kw, lambda k, it, out: loss(it, out), forward_only=False)
+    acc.update(from_last_stage(dict(acc), current()))
+
+
+def forward_items(model, items: List[dict], forward_kw: Callable) -> list:
+    """Every micro-batch's forward without gradients: ``(log-probs, routing of every layer)`` on every stage."""
+    from engine.layout import current
+
+    lps: Dict[int, torch.Tensor] = {}
+
+    def keep(k, it, out):
+        lps[k] = out.logprobs.detach()
+        return out.logprobs.sum() * 0
+
+    with torch.no_grad():
+        used = _items_schedule(model, items, forward_kw, keep, forward_only=True)
+    lps = from_last_stage(lps, current())
+    return [(lps[k], used[k]) for k in range(len(items))]

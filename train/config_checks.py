@@ -182,7 +182,7 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
 
 
 def _check_pipeline_options(run_config, cfg) -> None:
-    """What ``--pp`` > 1 is built for (train.pipeline): the last stage computes the policy / SFT loss of one model."""
+    """What ``--pp`` > 1 is built for (engine.pipeline.run_items): the last stage computes the policy / SFT loss of one model."""
     pp = getattr(run_config, "pp", 1)
     for key, bad, why in (("mtp_coef", cfg.mtp_coef > 0, "the MTP blocks on the last stage read the embedding of "
                            "the first"), ("kl_coef", cfg.kl_coef > 0, "the reference model is not split into stages"),

@@ -20,6 +20,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from engine.pipeline import forward_items, pipelined, run_items
 from reporting import profiling
 from rollout.reference_engine import SamplingParams
 from rollout.replay import routing_match
@@ -27,8 +28,7 @@ from rollout.weight_sync import sync_weights
 
 from . import data as D
 from .losses import grpo_loss, mtp_loss, sample_mean_diag, zero_variance_group_frac
-from .model import full_view
-from .pipeline import forward_items, pipelined, run_items
+from .model import TrainForward, full_view
 from .step_common import group_tensors, maybe_kill, packed_items, sample_items, step_seed
 
 __all__ = ["grpo_step", "sync_phase", "rollout_phase", "reward_phase", "logprobs_phase", "train_phase"]
@@ -153,9 +153,9 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
     t0 = time.perf_counter()
     diffs, kls, matches, w = [], [], [], []
     with torch.no_grad():
-        fwds = forward_items(run, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature)) \
-            if pipelined() else [None] * len(items)          # --pp: through the stages, on every stage
-        for it, fwd in zip(items, fwds):
+        fwds = [TrainForward(lp, None, used) for lp, used in forward_items(run.model, items, lambda it: dict(
+            routing_replay=it["routed"], temperature=cfg.temperature))] if pipelined() else [None] * len(items)
+        for it, fwd in zip(items, fwds):                   # --pp: through the stages, on every stage
             fwd = fwd or run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                                  **_forward_kw(run, it))
             it["old"] = fwd.logprobs
@@ -215,7 +215,7 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
     acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
     if pipelined():                  # --pp: megatron-core's schedule, the loss on the last stage
-        run_items(run, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature),
+        run_items(run.model, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature),
                   lambda it, fwd: _item_loss(run, it, fwd, total_tokens, acc), acc)
     for i, it in enumerate(items if not pipelined() else ()):
         fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,

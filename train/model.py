@@ -341,7 +341,7 @@ class ImplTrainModel(_TrainModelBase):
         return TrainForward(lp, mtp, _used(hook), aux)
 
     def forward_stage(self, input_ids, streams=None, *, routing_replay=None, temperature: float = 1.0):
-        """This pipeline stage's forward (:mod:`train.pipeline`): ``(the streams [B, S, hc, d] for the next stage,
+        """This pipeline stage's forward (:func:`engine.pipeline.run_items`): ``(the streams [B, S, hc, d] for the next stage,
         or on the last stage the TrainForward; the routing of this stage's layers)``; ``streams``: the previous
         stage's, flattened (None on the first stage)."""
         from engine.pipeline import is_last
@@ -534,7 +534,7 @@ class ImplTrainModel(_TrainModelBase):
 
     def full_native_tensors(self) -> Dict[str, torch.Tensor]:
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
-        experts): a collective over the tensor- and expert-parallel groups."""
+        experts, every pipeline stage's tensors): a collective over the tensor-, expert- and pipeline groups."""
         from engine.loading import with_every_expert
         from engine.layout import current as parallel_layout
         from engine.tp import gather_tensor, tp_spec

@@ -38,7 +38,7 @@ def _train_layout(sel: Selection, host) -> Optional[str]:
 
 
 def _train_pipeline(sel: Selection, host) -> Optional[str]:
-    """The trainer's pipeline stages (train.pipeline) are built alone: every rank one stage of the one model, rows
+    """The trainer's pipeline stages (engine.pipeline.run_items) are built alone: every rank one stage of the one model, rows
     of padded samples (BSHD) sent between stages."""
     if sel.job != "train" or sel.pp <= 1:
         return None

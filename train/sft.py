@@ -10,11 +10,11 @@ from typing import Any, Dict, List
 import torch
 
 from core.sequence_limits import check_sequences
+from engine.pipeline import pipelined, run_items
 from reporting import profiling
 
 from . import data as D
 from .losses import mtp_loss, sft_loss_sum
-from .pipeline import pipelined, run_items
 from .step_common import maybe_kill, pad_batch
 
 __all__ = ["sft_step"]
@@ -78,7 +78,7 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     acc = dict(loss=0.0, mtp=0.0, aux=0.0, have_mtp=0.0, have_aux=0.0)
     items = [dict(zip(("ids", "mask", "kw"), _micro_batch(run, ids, mask, lengths, idx))) for idx in mbs]
     if pipelined():                  # --pp: megatron-core's schedule runs the items, the loss on the last stage
-        run_items(run, items, lambda it: {}, lambda it, fwd: _loss(run, it, fwd, n_global, acc), acc)
+        run_items(run.model, items, lambda it: {}, lambda it, fwd: _loss(run, it, fwd, n_global, acc), acc)
     for k, it in enumerate(items if not pipelined() else ()):   # each adds its NLL sum / the step's tokens
         if cfg.cuda_graphs:          # the previous micro-batch's graph outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
