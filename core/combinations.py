@@ -241,8 +241,9 @@ def _impl_pp(sel: Selection, host) -> Optional[str]:
 
 def _pp_job(sel: Selection, host) -> Optional[str]:
     """Pipeline stages are built for training (engine.pipeline: megatron-core's schedule over the trainer's
-    micro-batches); every other job runs the whole model on each rank, and a stage needs a decoder layer."""
-    if sel.pp <= 1:
+    micro-batches); every other job runs the whole model on each rank, and a stage needs a decoder layer (an
+    implementation without stages is refused by ``impl-pipeline-parallel`` alone)."""
+    if sel.pp <= 1 or not sel.impl.pipeline_parallel:
         return None
     if sel.job != "train":
         return f"--pp {sel.pp}: pipeline parallelism is built for dsv4 train only. Fix: use --pp 1."
