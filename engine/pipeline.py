@@ -96,7 +96,8 @@ def split_stage(module: nn.Module, n_layers: int, layout) -> nn.Module:
 
 
 def _cpu_scratch():
-    """megatron's schedule makes its token counter with ``device="cuda"``; without CUDA it is made on the CPU."""
+    """megatron's schedule makes its token counter with ``device="cuda"``; without CUDA, inside the schedule
+    every tensor asked for on ``cuda`` is made on the CPU (the model's own tensors never ask for it there)."""
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     from torch.overrides import TorchFunctionMode
@@ -141,7 +142,7 @@ def run_schedule(micro_batches: Sequence[Any], shapes: Sequence[tuple], hidden: 
     """Run megatron-core's pipeline schedule over ``micro_batches`` on this stage.
 
     ``shapes[k]``: ``(B, S)`` of micro-batch k (every stage knows it: every stage has the ids, which hash-routed
-    layers look up); ``hidden``: ``hc x d``. ``stage_fn(mb, streams)`` runs this stage (``streams [B, S, hc, d]``
+    layers look up); ``hidden``: ``hc x d``. ``stage_fn(mb, streams)`` runs this stage (``streams [B, S, hc x d]``
     fp32 from the previous stage, None on the first) and returns the streams for the next stage, or on the last
     stage whatever ``loss_fn(mb, out)`` takes; ``loss_fn`` returns the scalar to backpropagate (its value is
     the caller's, nothing rescales it) and is called on the last stage only. Gradients accumulate in the

@@ -16,7 +16,7 @@
   and the trainer options ``--pp`` does not build), one line each naming the fix.
 """
 
-import glob
+import json
 
 import pytest
 import torch
@@ -58,6 +58,8 @@ def straight(tmp_path_factory):
 def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight):
     train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3")
     assert metrics_rows(tmp_path / "run")[0]["world_size"] == 2
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 1
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
