@@ -47,7 +47,7 @@ class ParallelGroups:
         target); all ones on one rank."""
         if layout.world == 1:
             return cls()
-        # the ranks sharing samples: tensor x context parallel, or the pipeline stages (--pp runs alone)
+        # the ranks sharing samples: tensor x context parallel, or the pipeline stages (--pp: no tp, cp with it)
         share = layout.group("pp") if layout.pp > 1 else layout.group("tp_cp")
         groups = {"dp": layout.group("dp"), "cp": layout.group("cp"), "tp_cp": share}
         return cls(rank=layout.rank, world=layout.world, dp=layout.dp, dp_rank=layout.dp_rank, tp=layout.tp,
