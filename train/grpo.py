@@ -153,13 +153,19 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
     t0 = time.perf_counter()
     diffs, kls, matches, w = [], [], [], []
     with torch.no_grad():
-        fwds = [TrainForward(lp, None, used) for lp, used in forward_items(run.model, items, lambda it: dict(
-            routing_replay=it["routed"], temperature=cfg.temperature))] if pipelined() else [None] * len(items)
-        for it, fwd in zip(items, fwds):                   # --pp: through the stages, on every stage
+        def kw(it):
+            return dict(routing_replay=it["routed"], temperature=cfg.temperature)
+        fwds = [TrainForward(lp, None, used) for lp, used in forward_items(run.model, items, kw)] \
+            if pipelined() else [None] * len(items)       # --pp: through the stages, on every stage
+        refs = [lp for lp, _ in forward_items(run.ref_model, items, kw)] if pipelined() and run.ref_model is not None \
+            else None
+        for i, (it, fwd) in enumerate(zip(items, fwds)):
             fwd = fwd or run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                                  **_forward_kw(run, it))
             it["old"] = fwd.logprobs
-            if run.ref_model is not None:
+            if refs is not None:
+                it["ref"] = refs[i]
+            elif run.ref_model is not None:
                 it["ref"] = run.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
                                                    temperature=cfg.temperature, **_forward_kw(run, it))
             d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])

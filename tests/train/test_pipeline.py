@@ -11,9 +11,9 @@
 * A ``--pp 2`` checkpoint resumes at ``--pp 1`` and a ``--pp 1`` one at ``--pp 2`` (global names, DCP reshards;
   the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
   uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
-* A GRPO step with ``--pp 2`` (two ranks, and four): the rollout engine on stage 0 of each data-parallel rank gets
-  every stage's weights (the sync's check passes), routing replay covers every layer, and the step equals the
-  one-rank step.
+* GRPO with ``--pp 2`` (two ranks, and four), with the KL penalty (the reference model is split into the same
+  stages): the rollout engine on stage 0 of each data-parallel rank gets every stage's weights (the sync's check
+  passes), routing replay covers every layer, and two steps equal the one-rank steps.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build), one line each naming the fix.
 """
@@ -94,24 +94,28 @@ def test_a_checkpoint_resumes_on_the_other_pipeline_layout(tmp_path, straight, f
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
-GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "1", "--lr", "1e-3", "micro_batch_size=3")
+GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05")
 
 
 @pytest.fixture(scope="module")
 def grpo_one_rank(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo1") / "run"
     train_cli(d, *GRPO)
-    return metrics_rows(d)[0]
+    return metrics_rows(d)
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=["pp2", "pp2-dp2"])
 def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, ranks):
     train_cli(tmp_path / "run", *GRPO, "--pp", "2", "--nproc-per-node", str(ranks))
-    (got,), want = metrics_rows(tmp_path / "run"), grpo_one_rank
-    assert got["weight_check_ok"] is True and got["routing_replay_match"] == 1.0
-    assert got["reward_mean"] == want["reward_mean"]
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
-    assert got["train_rollout_logprob_abs_diff"] == pytest.approx(want["train_rollout_logprob_abs_diff"], abs=1e-7)
+    rows = metrics_rows(tmp_path / "run")
+    assert len(rows) == 2 and rows[1]["kl_loss"] != 0.0     # step 2: the policy moved off the reference model
+    for got, want in zip(rows, grpo_one_rank):
+        assert got["weight_check_ok"] is True and got["routing_replay_match"] == 1.0
+        assert got["reward_mean"] == want["reward_mean"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+        assert got["kl_loss"] == pytest.approx(want["kl_loss"], rel=1e-5, abs=1e-9)
+        assert got["train_rollout_logprob_abs_diff"] == pytest.approx(want["train_rollout_logprob_abs_diff"],
+                                                                      abs=1e-7)
 
 
 def test_stages_hold_contiguous_even_layer_ranges():
@@ -148,7 +152,7 @@ def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     assert message in str(err.value) and "Fix:" in str(err.value)
 
 
-@pytest.mark.parametrize("knob", [dict(mtp_coef=0.1), dict(kl_coef=0.1), dict(recompute="full"),
+@pytest.mark.parametrize("knob", [dict(mtp_coef=0.1), dict(recompute="full"),
                                   dict(compile_blocks=True), dict(train_impl="reference")])
 def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
     from core.config import ConfigError
