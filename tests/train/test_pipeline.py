@@ -169,3 +169,37 @@ def test_the_cli_refuses_an_unbuilt_pipeline_layout_in_one_line(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--pp 2 runs with data parallelism only" in proc.stderr and "Fix: use --tp 1 --cp 1 --ep 1" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_uneven_split_keeps_global_names_and_the_stages_compose_to_the_whole_model():
+    """3 decoder layers on 2 stages (stage 0: layers 0-1 and the embedding; stage 1: layer 2, the head and the MTP
+    block), cut from one model in one process: every contract tensor is on exactly one stage under its global
+    name, and stage 0's streams fed to stage 1 give the whole model's logits (fp32, exactly)."""
+    from types import SimpleNamespace
+
+    from core import weight_contract as wc
+    from engine.pipeline import OtherStage, split_stage
+    from train.model import build_train_model
+
+    from ._impl_helpers import run_config, small_config
+
+    config = small_config()
+
+    def build():          # the same seed: the same weights every time
+        return build_train_model(config, run_config("miles", config), seed=3).module.eval()
+
+    whole = build()
+    stages = [split_stage(build(), config.n_layers, SimpleNamespace(pp=2, pp_rank=s)) for s in (0, 1)]
+    names = [{n for n, _ in wc.module_tensors(m, config)} for m in stages]
+    assert not names[0] & names[1] and names[0] | names[1] == {n for n, _ in wc.module_tensors(whole, config)}
+    assert any(n.startswith("embedding.") for n in names[0]) and not any(n.startswith("embedding.") for n in names[1])
+    assert {n.split(".")[2] for n in names[0] if n.startswith("decoder.layers.")} == {"0", "1"}
+    assert {n.split(".")[2] for n in names[1] if n.startswith("decoder.layers.")} == {"2"}
+    assert any(n.startswith("output_layer.") for n in names[1]) and any(n.startswith("mtp.") for n in names[1])
+    assert not any(n.startswith(("output_layer.", "mtp.", "decoder.final_layernorm", "decoder.hc_head"))
+                   for n in names[0])
+    assert isinstance(stages[0].decoder.layers[2], OtherStage) and isinstance(stages[1].decoder.layers[0], OtherStage)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        streams = stages[0].hidden_streams(ids)
+        assert torch.equal(stages[1](ids, streams=streams), whole(ids))
