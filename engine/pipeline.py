@@ -237,13 +237,14 @@ def _items_schedule(model, items: List[dict], forward_kw: Callable, loss: Callab
     from engine.layout import current
 
     c, used = model.config, {}
+    hidden = c.hc_mult * c.dim + (c.dim if items and forward_kw(items[0]).get("with_mtp") else 0)
 
     def stage(mb, streams):
         k, it = mb
         out, used[k] = model.forward_stage(it["ids"], streams, **forward_kw(it))
         return out
 
-    run_schedule(list(enumerate(items)), [tuple(it["ids"].shape) for it in items], c.hc_mult * c.dim, stage,
+    run_schedule(list(enumerate(items)), [tuple(it["ids"].shape) for it in items], hidden, stage,
                  lambda mb, out: loss(mb[0], mb[1], out), forward_only=forward_only)
     merged: Dict[int, dict] = {k: {} for k in range(len(items))}
     for part in gather_over_stages(used, current()):

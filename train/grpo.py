@@ -221,7 +221,8 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
     acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
     if pipelined():                  # --pp: megatron-core's schedule, the loss on the last stage
-        run_items(run.model, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature),
+        run_items(run.model, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature,
+                                                    with_mtp=cfg.mtp_coef > 0),
                   lambda it, fwd: _item_loss(run, it, fwd, total_tokens, acc), acc)
     for i, it in enumerate(items if not pipelined() else ()):
         fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,

@@ -340,21 +340,28 @@ class ImplTrainModel(_TrainModelBase):
             aux = aux.to(input_ids.device)
         return TrainForward(lp, mtp, _used(hook), aux)
 
-    def forward_stage(self, input_ids, streams=None, *, routing_replay=None, temperature: float = 1.0):
-        """This pipeline stage's forward (:func:`engine.pipeline.run_items`): ``(the streams [B, S, hc, d] for the next stage,
-        or on the last stage the TrainForward; the routing of this stage's layers)``; ``streams``: the previous
-        stage's, flattened (None on the first stage)."""
-        from engine.pipeline import is_last
+    def forward_stage(self, input_ids, streams=None, *, routing_replay=None, temperature: float = 1.0,
+                      with_mtp: bool = False):
+        """This pipeline stage's forward (:func:`engine.pipeline.run_items`): ``(the streams [B, S, hc x d] for the
+        next stage, or on the last stage the TrainForward; the routing of this stage's layers)``; ``streams``: the
+        previous stage's (None on the first). ``with_mtp``: the token embeddings [B, S, d] travel after the streams
+        (detached: the MTP loss does not train the embedding) to the last stage's MTP blocks."""
         from engine.layout import current
+        from engine.pipeline import is_first, is_last
 
-        ids, hook, c = input_ids.to(self.device), _hook_for(routing_replay, input_ids), self.config
-        x = None if streams is None else streams.reshape(*ids.shape, c.hc_mult, c.dim).to(
-            self.device, self.module.tconfig.params_dtype)
+        ids, hook, c, dt = input_ids.to(self.device), _hook_for(routing_replay, input_ids), self.config, \
+            self.module.tconfig.params_dtype
+        x, emb = (None, None) if streams is None else (streams[..., :c.hc_mult * c.dim].reshape(
+            *ids.shape, c.hc_mult, c.dim).to(self.device, dt), streams[..., c.hc_mult * c.dim:].to(self.device, dt))
         with routing_context(hook):
+            emb = self.module.embedding(ids).detach() if with_mtp and is_first(current()) else emb
             if not is_last(current()):
-                return self.module.hidden_streams(ids, streams=x), _used(hook)
-            logits = self.module(ids, streams=x)
-        return TrainForward(token_logprobs(logits, ids, temperature).to(input_ids.device), None, _used(hook)), \
+                out = self.module.hidden_streams(ids, streams=x).flatten(2)
+                return (torch.cat([out, emb.to(out.dtype)], -1) if with_mtp else out), _used(hook)
+            logits, h = self.module(ids, streams=x, return_hidden_streams=True)
+            with detached_weights(self.module):
+                mtp = self.module.mtp_logits(ids, h, embedded=emb) if with_mtp and self._has_mtp() else None
+        return TrainForward(token_logprobs(logits, ids, temperature).to(input_ids.device), mtp, _used(hook)), \
             _used(hook)
 
     def next_token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0

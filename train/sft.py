@@ -78,7 +78,7 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     acc = dict(loss=0.0, mtp=0.0, aux=0.0, have_mtp=0.0, have_aux=0.0)
     items = [dict(zip(("ids", "mask", "kw"), _micro_batch(run, ids, mask, lengths, idx))) for idx in mbs]
     if pipelined():                  # --pp: megatron-core's schedule runs the items, the loss on the last stage
-        run_items(run.model, items, lambda it: {}, lambda it, fwd: _loss(run, it, fwd, n_global, acc), acc)
+        run_items(run.model, items, lambda it: {"with_mtp": cfg.mtp_coef > 0}, lambda it, fwd: _loss(run, it, fwd, n_global, acc), acc)
     for k, it in enumerate(items if not pipelined() else ()):   # each adds its NLL sum / the step's tokens
         if cfg.cuda_graphs:          # the previous micro-batch's graph outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()

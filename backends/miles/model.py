@@ -300,7 +300,7 @@ class DeepSeekV4MilesModel(nn.Module):
 
     # -------------------------------------------------------------------- MTP
     def mtp_logits(self, input_ids: torch.Tensor, hidden_streams: torch.Tensor | None = None, *,
-                   cu_seqlens: torch.Tensor | None = None) -> list:
+                   cu_seqlens: torch.Tensor | None = None, embedded: torch.Tensor | None = None) -> list:
         """One ``[B, S-1-k, V]`` tensor per MTP depth ``k`` (row ``i`` predicts ``t_{i+k+2}``).
 
         Packed / context parallel: one ``[B, L, V]`` tensor per depth over the same rows and layout
@@ -324,6 +324,7 @@ class DeepSeekV4MilesModel(nn.Module):
         layers = self.mtp.layers if hasattr(self, "mtp") else []
         for k, layer in enumerate(layers):
             tau = input_ids[:, k + 1:]
-            h = layer(h[:, :-1], tau, self.embedding(tau))
+            # embedded: the embeddings of input_ids [B, S, d] (a pipeline's last stage holds no embedding)
+            h = layer(h[:, :-1], tau, self.embedding(tau) if embedded is None else embedded[:, k + 1:])
             out.append(self._logits(layer.collapse(h)))
         return out

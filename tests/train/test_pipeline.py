@@ -1,10 +1,10 @@
 """Pipeline parallelism (``dsv4 train --pp 2``) on the CPU: two gloo ranks, one stage each, through the CLI.
 
-* SFT with ``--pp 2`` takes the one-rank steps (and with four ranks, data parallel 2 x 2 stages, the two-rank
-  data-parallel run's): on the tiny model (4 decoder layers: 2 per stage) with three
-  micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences: 3, 3, 2, so the padded stream exchange
-  is exercised), every step's loss and gradient norm and the final fp32 weights of the run's checkpoint equal the
-  one-rank run's. Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three
+* SFT with the MTP loss (the token embeddings travel to the last stage) and ``--pp 2`` takes the one-rank steps
+  (with four ranks, data parallel 2 x 2 stages, the two-rank data-parallel run's): on the tiny model (4 decoder
+  layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences: 3, 3, 2,
+  so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the final fp32
+  weights of the run's checkpoint equal the one-rank run's. Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three
   AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows in the same order (the
   streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is added in another order
   (over the stages); on this machine every value came out identical.
@@ -12,7 +12,7 @@
   the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
   uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
 * GRPO with ``--pp 2`` (two ranks, and four), with the KL penalty (the reference model is split into the same
-  stages): the rollout engine on stage 0 of each data-parallel rank gets every stage's weights (the sync's check
+  stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights (the sync's check
   passes), routing replay covers every layer, and two steps equal the one-rank steps.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build), one line each naming the fix.
@@ -25,7 +25,7 @@ import torch
 
 from ._cli import metrics_rows, train_cli
 
-SFT = ("--impl", "miles", "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "micro_batch_size=3")
+SFT = ("--impl", "miles", "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "micro_batch_size=3", "mtp_coef=0.3")
 PP2 = ("--pp", "2", "--nproc-per-node", "2")
 
 
@@ -43,6 +43,7 @@ def _assert_same_run(got_dir, want_dir, steps):
     for a, b in zip(got, want[steps[0] - 1:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), a["step"]
+        assert a["mtp_loss"] == pytest.approx(b["mtp_loss"], rel=1e-6), a["step"]
     w_got, w_want = _weights(got_dir, steps[-1]), _weights(want_dir, steps[-1])
     assert w_got.keys() == w_want.keys() and len(w_got) > 100
     worst = max(float((w_got[k].double() - w_want[k].double()).abs().max()) for k in w_got)
@@ -94,7 +95,8 @@ def test_a_checkpoint_resumes_on_the_other_pipeline_layout(tmp_path, straight, f
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
-GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05")
+GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05",
+        "mtp_coef=0.1")
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +116,7 @@ def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_p
         assert got["reward_mean"] == want["reward_mean"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
         assert got["kl_loss"] == pytest.approx(want["kl_loss"], rel=1e-5, abs=1e-9)
+        assert got["mtp_loss"] == pytest.approx(want["mtp_loss"], rel=1e-6)
         assert got["train_rollout_logprob_abs_diff"] == pytest.approx(want["train_rollout_logprob_abs_diff"],
                                                                       abs=1e-7)
 
@@ -152,7 +155,7 @@ def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     assert message in str(err.value) and "Fix:" in str(err.value)
 
 
-@pytest.mark.parametrize("knob", [dict(mtp_coef=0.1), dict(recompute="full"),
+@pytest.mark.parametrize("knob", [dict(recompute="full"),
                                   dict(compile_blocks=True), dict(train_impl="reference")])
 def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
     from core.config import ConfigError
