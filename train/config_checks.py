@@ -185,7 +185,6 @@ def _check_pipeline_options(run_config, cfg) -> None:
     """What ``--pp`` > 1 is built for (engine.pipeline.run_items): the last stage computes the policy / SFT loss of one model."""
     pp = getattr(run_config, "pp", 1)
     for key, bad, why in (("compile_blocks", cfg.compile_blocks, "compiled blocks are not cut into stages"),
-                          ("recompute", cfg.recompute != "none", "recomputation is not wired into the stages"),
                           ("train_impl", cfg.train_impl is not None, "the reference training model is one process")):
         if pp > 1 and bad:
             raise ConfigError(f"training option {key!r} = {getattr(cfg, key)!r} with --pp {pp}: not built ({why}). "

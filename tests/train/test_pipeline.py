@@ -4,7 +4,8 @@
   (with four ranks, data parallel 2 x 2 stages, the two-rank data-parallel run's): on the tiny model (4 decoder
   layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences: 3, 3, 2,
   so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the final fp32
-  weights of the run's checkpoint equal the one-rank run's. Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three
+  weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each stage
+  checkpoints its own blocks). Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three
   AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows in the same order (the
   streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is added in another order
   (over the stages); on this machine every value came out identical.
@@ -15,7 +16,7 @@
   stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights (the sync's check
   passes), routing replay covers every layer, and two steps equal the one-rank steps.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
-  and the trainer options ``--pp`` does not build), one line each naming the fix.
+  and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``), one line each naming the fix.
 """
 
 import json
@@ -66,8 +67,9 @@ def straight_dp2(tmp_path_factory):
     return d
 
 
-def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight):
-    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3")
+@pytest.mark.parametrize("knobs", [(), ("recompute=full",)], ids=["plain", "recompute"])
+def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight, knobs):
+    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", *knobs)
     assert metrics_rows(tmp_path / "run")[0]["world_size"] == 2
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 1
@@ -155,8 +157,7 @@ def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     assert message in str(err.value) and "Fix:" in str(err.value)
 
 
-@pytest.mark.parametrize("knob", [dict(recompute="full"),
-                                  dict(compile_blocks=True), dict(train_impl="reference")])
+@pytest.mark.parametrize("knob", [dict(compile_blocks=True), dict(train_impl="reference")])
 def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
     from core.config import ConfigError
     from train.config_checks import check_train_options
