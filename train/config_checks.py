@@ -181,6 +181,16 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
             raise InvalidCombination("\n".join(problems))
 
 
+def _check_pipeline_options(run_config, cfg) -> None:
+    """What ``--pp`` > 1 is built for (engine.pipeline.run_items): the last stage computes the policy / SFT loss of one model."""
+    pp = getattr(run_config, "pp", 1)
+    for key, bad, why in (("compile_blocks", cfg.compile_blocks, "compiled blocks are not cut into stages"),
+                          ("train_impl", cfg.train_impl is not None, "the reference training model is one process")):
+        if pp > 1 and bad:
+            raise ConfigError(f"training option {key!r} = {getattr(cfg, key)!r} with --pp {pp}: not built ({why}). "
+                              f"Fix: drop {key}, or use --pp 1")
+
+
 def check_train_options(run_config, cfg, host=None) -> None:
     """The trainer's options that the combination table checks with the run's layout (the run's rules that read
     them: ``train-cuda-graphs``, ``true-on-policy`` in :mod:`train.rules`, ``async-rollout`` in
@@ -191,6 +201,7 @@ def check_train_options(run_config, cfg, host=None) -> None:
 
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
+    _check_pipeline_options(run_config, cfg)
     if cfg.indexer_replay:
         raise ConfigError("training option 'indexer_replay' is not built: no rollout engine records the indexer's "
                           "top-k picks yet, and the miles and megatron models do not read the replay seam "

@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from engine.pipeline import forward_items, pipelined, run_items
 from reporting import profiling
 from rollout.reference_engine import SamplingParams
 from rollout.replay import routing_match
@@ -28,7 +29,7 @@ from rollout.weight_sync import sync_weights
 
 from . import data as D
 from .losses import grpo_loss, mtp_loss, sample_mean_diag, zero_variance_group_frac
-from .model import full_view
+from .model import TrainForward, full_view
 from .step_common import group_tensors, maybe_kill, packed_items, sample_items, step_seed
 
 __all__ = ["grpo_step", "sync_phase", "rollout_phase", "reward_phase", "logprobs_phase", "train_phase"]
@@ -158,11 +159,19 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
     t0 = time.perf_counter()
     diffs, kls, matches, w = [], [], [], []
     with torch.no_grad():
-        for it in items:
-            fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
-                                          **_forward_kw(run, it))
+        def kw(it):
+            return dict(routing_replay=it["routed"], temperature=cfg.temperature)
+        fwds = [TrainForward(lp, None, used) for lp, used in forward_items(run.model, items, kw)] \
+            if pipelined() else [None] * len(items)       # --pp: through the stages, on every stage
+        refs = [lp for lp, _ in forward_items(run.ref_model, items, kw)] if pipelined() and run.ref_model is not None \
+            else None
+        for i, (it, fwd) in enumerate(zip(items, fwds)):
+            fwd = fwd or run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
+                                                 **_forward_kw(run, it))
             it["old"] = fwd.logprobs
-            if run.ref_model is not None:
+            if refs is not None:
+                it["ref"] = refs[i]
+            elif run.ref_model is not None:
                 it["ref"] = run.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
                                                    temperature=cfg.temperature, **_forward_kw(run, it))
             d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])
@@ -202,6 +211,7 @@ def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
         loss = loss + fwd.aux_loss * frac
         acc["aux"] += float(fwd.aux_loss.detach()) * frac
         acc["have_aux"] = 1.0
+    acc["loss"] += float(loss.detach())
     return loss
 
 
@@ -216,13 +226,16 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
         run.optim.zero_grad()
     total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
     acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
-    for i, it in enumerate(items):
+    if pipelined():                  # --pp: megatron-core's schedule, the loss on the last stage
+        run_items(run.model, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature,
+                                                    with_mtp=cfg.mtp_coef > 0),
+                  lambda it, fwd: _item_loss(run, it, fwd, total_tokens, acc), acc)
+    for i, it in enumerate(items if not pipelined() else ()):
         fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                       with_mtp=cfg.mtp_coef > 0, **_forward_kw(run, it))
         loss = _item_loss(run, it, fwd, total_tokens, acc)
         with run.accumulating(i, len(items)):
             loss.backward()
-        acc["loss"] += float(loss.detach())
     gnorm = run.clip_and_step()
     out["time_train"] = time.perf_counter() - t0
     out["at_train_end"] = time.perf_counter() - t_step

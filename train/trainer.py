@@ -477,7 +477,7 @@ class _Run:
 
     def _layout(self) -> Dict[str, int]:
         d = self.dist
-        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "optimizer": self.optim.kind}
+        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "pp": d.pp, "optimizer": self.optim.kind}
 
 
 def train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, *, layout=None,
