@@ -67,7 +67,7 @@ def summarize(rows: list, warmup: int) -> dict:
 
 def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, **kw) -> dict:
     """One ``dsv4 train --mode grpo`` run in ``folder`` (run/, dsv4.log) and its summary row."""
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     row = {"weight_sync": mode}
     if folder.exists():

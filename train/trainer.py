@@ -59,7 +59,7 @@ from .export import export_model
 from .grpo import grpo_step
 from .model import build_train_model, full_view, load_model_source
 from .optim import build_optimizer
-from .metrics import MetricsLogger
+from reporting.metrics import MetricsLogger
 from .run_folder import open_run, resumes
 from .sft import sft_step
 from .step_common import maybe_kill

@@ -110,7 +110,7 @@ def test_the_engine_computes_with_the_trainers_memory_and_samples_as_a_copy_sync
 
 def _grpo(tmp_path, weight_sync, **kw):
     from orchestration import run_training
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     root = tmp_path / weight_sync
     root.mkdir()
