@@ -208,7 +208,7 @@ def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, step
                hardware: str, env: dict, compile_blocks: bool = False, profile: int = 0, batch: int = 1,
                options=()) -> dict:
     """Run ``dsv4 train`` for one layout in ``folder`` (data.jsonl, run/, dsv4.log) and read its metrics."""
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     row = {"layout": layout["name"], "impl": layout["impl"], "dp": layout["dp"], "tp": layout["tp"],
            "cp": layout["cp"], "ep": layout["ep"], "gpus": layout["world"], "seq": seq,

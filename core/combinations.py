@@ -67,7 +67,8 @@ class Selection:
     tp: int = 1
     cp: int = 1
     ep: int = 1
-    # Number of ranks of the run (None = tp x cp x ep: one data-parallel group per expert-parallel rank).
+    pp: int = 1
+    # Number of ranks of the run (None = tp x cp x ep x pp: one data-parallel group per expert-parallel rank).
     world: Optional[int] = None
     rollout: Optional[RolloutEngine] = None
     dtype: str = "fp32"
@@ -79,6 +80,7 @@ class Selection:
     n_heads: Optional[int] = None
     head_dim: Optional[int] = None
     compress_ratios: Optional[tuple] = None
+    n_layers: Optional[int] = None
     # The run's packing budget (tokens per context-parallel rank), when known.
     max_tokens_per_rank: Optional[int] = None
     # The URL of a running rollout server to connect to (--rollout-url; None = the engine runs or starts here).
@@ -233,6 +235,24 @@ def _impl_ep(sel: Selection, host) -> Optional[str]:
     return _unsupported_parallelism(sel, host, "expert parallelism", "--ep", sel.ep, "expert_parallel")
 
 
+def _impl_pp(sel: Selection, host) -> Optional[str]:
+    return _unsupported_parallelism(sel, host, "pipeline parallelism", "--pp", sel.pp, "pipeline_parallel")
+
+
+def _pp_job(sel: Selection, host) -> Optional[str]:
+    """Pipeline stages are built for training (engine.pipeline: megatron-core's schedule over the trainer's
+    micro-batches); every other job runs the whole model on each rank, and a stage needs a decoder layer (an
+    implementation without stages is refused by ``impl-pipeline-parallel`` alone)."""
+    if sel.pp <= 1 or not sel.impl.pipeline_parallel:
+        return None
+    if sel.job != "train":
+        return f"--pp {sel.pp}: pipeline parallelism is built for dsv4 train only. Fix: use --pp 1."
+    if sel.n_layers is not None and sel.n_layers < sel.pp:
+        return (f"--pp {sel.pp} gives each stage at least one decoder layer, and the model has {sel.n_layers}. "
+                f"Fix: use --pp {sel.n_layers} or fewer.")
+    return None
+
+
 def _cp_tokens_per_rank(sel: Selection, host) -> Optional[str]:
     """Each CP rank takes the compressor's left-boundary rows from the previous rank only, so it must
     hold at least that many tokens (core.thd_cp.check_cp_config)."""
@@ -320,7 +340,7 @@ def _kernel_dtype(sel: Selection, host) -> Optional[str]:
 def layout_world(sel) -> int:
     """The run's number of ranks: the given world size, or ``tp x cp x ep`` (each expert-parallel rank its own
     data-parallel rank)."""
-    return sel.world if sel.world is not None else sel.tp * sel.cp * sel.ep
+    return sel.world if sel.world is not None else sel.tp * sel.cp * sel.ep * sel.pp
 
 
 @dataclass(frozen=True)
@@ -350,6 +370,8 @@ CAPABILITY_RULES: tuple[Rule, ...] = (
     Rule("context-parallel-tokens", "each context-parallel rank holds the compressor boundary rows", _cp_tokens_per_rank),
     Rule("impl-expert-parallel", "the implementation supports expert parallelism", _impl_ep),
     Rule("expert-parallel-alone", "expert parallelism runs with tensor and context parallel 1", _ep_alone),
+    Rule("impl-pipeline-parallel", "the implementation supports pipeline parallelism", _impl_pp),
+    Rule("pipeline-train", "pipeline parallelism runs dsv4 train, at least one decoder layer per stage", _pp_job),
     Rule("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),
     Rule("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     Rule("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),

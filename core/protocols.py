@@ -65,6 +65,7 @@ class Target(Protocol):
     def setup(self) -> None: ...
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                           pp: int = 1,
                            port: Optional[int] = None, seed: int = 1234, store: Any = None) -> Any:
         """Join the run's process group (on ``store``, the c10d store the ranks met on, if any) and start its
         parallel layout; returns this rank's layout (``engine.layout.ParallelLayout``)."""

@@ -126,6 +126,7 @@ class AttentionImpl(BackendRecord):
     max_tensor_parallel: Optional[int] = None
     context_parallel: bool = True
     expert_parallel: bool = True
+    pipeline_parallel: bool = False   # --pp > 1: the model splits into stages (engine.pipeline)
     tp_hint: str = ""
 
     axis: ClassVar[str] = ATTENTION

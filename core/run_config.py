@@ -80,8 +80,8 @@ class RunConfig:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the ranks left after tensor and context parallelism (pipeline parallel is 1)."""
-        return self.world // (self.tp * self.cp)
+        """Data-parallel size: the ranks left after tensor, context and pipeline parallelism."""
+        return self.world // (self.tp * self.cp * self.pp)
 
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("selection", "model", "rules")}
@@ -115,10 +115,6 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
             raise ValueError(f"--{name} must be a positive integer (got {value!r})")
     if choices.world is not None and (not isinstance(choices.world, int) or choices.world < 1):
         raise ValueError(f"the number of ranks must be a positive integer (got {choices.world!r})")
-    if choices.pp != 1:
-        raise ValueError(
-            f"--pp {choices.pp}: pipeline parallelism is not supported by either implementation yet. Fix: use --pp 1."
-        )
     impl = host.get(ATTENTION, choices.impl)
     kernel = host.get(KERNEL, choices.kernel_backend)
     quant = host.get(QUANT, choices.quant)
@@ -154,6 +150,8 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         tp=choices.tp,
         cp=choices.cp,
         ep=choices.ep,
+        pp=choices.pp,
+        n_layers=getattr(model, "n_layers", None),
         o_groups=getattr(model, "o_groups", None),
         n_routed_experts=getattr(model, "n_routed_experts", None),
         n_heads=getattr(model, "n_heads", None),

@@ -580,13 +580,14 @@ def _join(parts: List[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _cut(t: torch.Tensor, n: int, dim: int, name: str) -> List[torch.Tensor]:
+def _cut(t: torch.Tensor, n: int, dim: int, name: str, clone: bool = True) -> List[torch.Tensor]:
     if n == 1:
         return [t]
     size = t.shape[dim]
     if size % n:
         raise WeightContractError(f"tensor {name!r}: dim {dim} of size {size} does not split into {n} parts")
-    return [p.clone(memory_format=torch.contiguous_format) for p in torch.split(t, size // n, dim=dim)]
+    parts = torch.split(t, size // n, dim=dim)
+    return [p.clone(memory_format=torch.contiguous_format) for p in parts] if clone else list(parts)
 
 
 def _missing_message(direction: str, pending, side: str) -> str:
@@ -648,7 +649,7 @@ def hf_to_native(name_tensor_iter: Iterable[Tuple[str, torch.Tensor]], config) -
 
 
 def native_to_hf(native_iter: Iterable[Tuple[str, torch.Tensor]], config, *,
-                 official_dtypes: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+                 official_dtypes: bool = False, clone_cuts: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
     """Native ``(name, tensor)`` pairs -> official ``(name, tensor)`` pairs, streaming.
 
     Inverse of :func:`hf_to_native`: the three alphas are packed into
@@ -656,7 +657,9 @@ def native_to_hf(native_iter: Iterable[Tuple[str, torch.Tensor]], config, *,
     w1/w3. Dtypes are kept (fp32 stays
     fp32) unless ``official_dtypes=True``, which casts every tensor to the
     official checkpoint's logical dtype (bf16 for linears and norms, int64 for
-    tid2eid) for writing an HF checkpoint. Raises like :func:`hf_to_native`.
+    tid2eid) for writing an HF checkpoint. ``clone_cuts=False``: the pieces of a split tensor (w1 / w3 of
+    ``linear_fc1``) are views of it, not copies (``rollout.shared_weights``: the engine computes with the
+    trainer's memory). Raises like :func:`hf_to_native`.
     """
     specs = official_specs(config)
     seen: set = set()
@@ -675,7 +678,7 @@ def native_to_hf(native_iter: Iterable[Tuple[str, torch.Tensor]], config, *,
             t = _gather_group(pending, b, pos, t, b.native_names, name)
             if t is None:
                 continue
-        for n, piece in zip(b.official_names, _cut(t, len(rule.official), rule.dim, name)):
+        for n, piece in zip(b.official_names, _cut(t, len(rule.official), rule.dim, name, clone_cuts)):
             if official_dtypes and piece.dtype != specs[n].logical_dtype:
                 piece = piece.to(specs[n].logical_dtype)
             yield n, piece

@@ -54,10 +54,13 @@ def opaque_kernel_ops(ops):
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's transformer blocks: ``decoder.layers`` and, if present, ``mtp.layers``."""
-    blocks = list(model.decoder.layers)
+    """The model's transformer blocks: ``decoder.layers`` and, if present, ``mtp.layers`` (a pipeline stage's own
+    only: another stage's are placeholders, ``engine.pipeline.OtherStage``)."""
+    from .pipeline import OtherStage
+
+    blocks = [b for b in model.decoder.layers if not isinstance(b, OtherStage)]
     mtp = getattr(model, "mtp", None)
-    if mtp is not None:
+    if mtp is not None and not isinstance(mtp, OtherStage):
         blocks += list(mtp.layers)
     return blocks
 

@@ -62,6 +62,7 @@ def make_transformer_config(model_config, run_config=None, *, params_dtype=torch
         context_parallel_size=p["cp"],
         expert_model_parallel_size=p["ep"],
         pipeline_model_parallel_size=p["pp"],
+        pipeline_dtype=params_dtype,     # required with pp > 1 (the trainer's schedule sends fp32: engine.pipeline)
         normalization="RMSNorm",
         layernorm_epsilon=c.norm_eps,
         gated_linear_unit=True,

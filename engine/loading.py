@@ -113,7 +113,7 @@ def load_hf_tensors(targets: Dict[str, torch.Tensor], reader, config, *, strict:
             dst.copy_(local.to(dst.dtype))
             done.append(name)
     if strict:
-        needed = held_official_names(targets, reader.logical_specs())
+        needed = held_official_names(targets, reader.logical_specs(), config)
         unplaced = sorted(set(reader.logical_specs() if needed is None else needed) - used)
         if unplaced:
             raise KeyError(f"{len(unplaced)} checkpoint tensor(s) have no place in the model, e.g. {unplaced[:5]}")
@@ -123,9 +123,14 @@ def load_hf_tensors(targets: Dict[str, torch.Tensor], reader, config, *, strict:
 _OFFICIAL_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def held_official_names(held_native: Iterable[str], official: Iterable[str]):
+def held_official_names(held_native: Iterable[str], official: Iterable[str], config=None):
     """The official tensors a rank needs when it holds ``held_native``: every tensor but the routed experts
-    another expert-parallel rank holds (None: all of them, without expert parallelism)."""
+    another expert-parallel rank holds (None: all of them, without expert or pipeline parallelism); a pipeline
+    stage (engine.pipeline) needs those of the native tensors it holds."""
+    if parallel_layout().pp > 1 and config is not None:
+        from core.weight_contract import native_to_official_names
+
+        return sorted({o for n in held_native for o in native_to_official_names(n, config)})
     if parallel_layout().ep == 1:
         return None
     experts = {parsed[1] for parsed in map(expert_name, held_native) if parsed is not None}

@@ -45,6 +45,7 @@ from torch import nn
 
 from kernels.reference.layers import compute_dtype
 from kernels.reference.moe import route, row_invariant_active, row_invariant_mix, swiglu
+from kernels.reference.stacks import stacked_view
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
 from .layout import current as parallel_layout
@@ -84,19 +85,61 @@ class DSv4Router(KeepFP32Module):
 
 class _WeightBank(nn.Module):
     """Holds ``weight{first} .. weight{first+n-1}`` (megatron's grouped-GEMM naming, global expert ids; under
-    expert parallelism ``first`` is this rank's first expert). ``bank[i]`` is the ``i``-th LOCAL expert."""
+    expert parallelism ``first`` is this rank's first expert). ``bank[i]`` is the ``i``-th LOCAL expert.
+
+    The experts are views of ONE ``[n, *shape]`` buffer, registered from the last to the first: megatron-core's
+    DDP lays parameters out in reverse registration order, so in its buffer too the bank's experts lie one after
+    another in expert order. :meth:`stacked` then hands the grouped GEMM that memory as ``[n, *shape]`` without a
+    copy (and a rollout engine sharing the trainer's weights reads the same memory, ``rollout.shared_weights``);
+    when a move split them apart (``module.to`` moves each parameter on its own), it stacks a copy as before."""
 
     def __init__(self, n: int, shape, dtype, tp_dim: int, tp_chunks: int, std: float | None, first: int = 0):
         super().__init__()
         self.n, self.first = n, first
-        for e in range(first, first + n):
-            p = nn.Parameter(init_normal_(torch.empty(*shape, dtype=dtype), std))
+        bank = torch.empty(n, *shape, dtype=dtype)
+        for i in range(n):             # one draw per expert, in expert order (the random init of a separate tensor each)
+            init_normal_(bank[i], std)
+        for i in reversed(range(n)):
+            p = nn.Parameter(bank[i])
             mark_tp(p, tp_dim, tp_chunks)
             p.expert_parallel = True   # not replicated over the EP group: never averaged across it
-            self.register_parameter(f"weight{e}", p)
+            self.register_parameter(f"weight{first + i}", p)
+        # the parameter objects in expert order (read every forward; a module's getattr is slow) and the last
+        # stack view with the addresses it was made for (a moved expert shows another address)
+        self._experts = tuple(self[i] for i in range(n))
+        self._view = (None, None)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return getattr(self, f"weight{self.first + i}")
+
+    def experts(self) -> list:
+        return list(self._experts)
+
+    def stacked(self) -> torch.Tensor:
+        """``[n, *shape]``: the experts' own memory when they lie one after another (no copy; gradients flow
+        to each ``weight{e}``), else ``torch.stack`` of them (a copy)."""
+        experts = self._experts
+        addresses = [p.data_ptr() for p in experts]
+        if self._view[0] != addresses:
+            view = stacked_view(experts)
+            self._view = (addresses, None if view is None else view.detach())
+        view = self._view[1]
+        if view is not None:
+            return _StackedExperts.apply(view, *experts)
+        return torch.stack(experts)
+
+
+class _StackedExperts(torch.autograd.Function):
+    """The experts' memory seen as one ``[n, *shape]`` tensor (``view``, made by ``stacked_view``: no copy); the
+    gradient of the stack goes back to each expert as its slice."""
+
+    @staticmethod
+    def forward(ctx, view, *experts):
+        return view.view_as(view)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.unbind(0))
 
 
 class DSv4GroupedExperts(nn.Module):
@@ -146,7 +189,10 @@ class DSv4GroupedExperts(nn.Module):
 
     def stacked_weights(self):
         """``(fc1 [E, 2I, d], fc2 [E, d, I])``: every expert's forward weights stacked for the grouped GEMM
-        (a copy of the expert weights per forward; gradients flow back to each ``weight{e}``)."""
+        (the bank's own memory, no copy, where the experts lie one after another: ``_WeightBank.stacked``; a
+        copy under QAT, whose forward weights are computed); gradients flow back to each ``weight{e}``."""
+        if self.qat_expert_format is None:
+            return self.linear_fc1.stacked(), self.linear_fc2.stacked()
         pairs = [self.expert_weights(e) for e in range(self.num_local_experts)]
         return torch.stack([w1 for w1, _ in pairs]), torch.stack([w2 for _, w2 in pairs])
 

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from train.metrics import read_metrics
+from reporting.metrics import read_metrics
 
 # (metrics key, title, y-axis label with its unit)
 CURVES = (

@@ -88,7 +88,7 @@ def init_rank(run, parts, *, rendezvous_timeout_s: Optional[float] = None):
 
     store = rendezvous(int(env["RANK"]), world, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                        timeout_s=rendezvous_timeout_s or DEFAULT_TIMEOUT_S)
-    return parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep,
+    return parts.target.init_process_group(int(env["RANK"]), world, tp=run.tp, cp=run.cp, ep=run.ep, pp=run.pp,
                                            port=int(env["MASTER_PORT"]), master_addr=env["MASTER_ADDR"],
                                            local_rank=int(env["LOCAL_RANK"]), store=store)
 

@@ -4,8 +4,10 @@
   resolved configuration and the step line.
 * :mod:`.trackers` - where each step's scalars go besides ``metrics.jsonl``: TensorBoard, wandb, MLflow.
 * :mod:`.profiling` - ``profile_steps``: where a training step's time goes (``RUN_DIR/profile/budget.json``).
+* :mod:`.metrics` - ``RUN_DIR/metrics.jsonl``: the trainer writes a row per step, resume truncates it, the plots
+  and benchmarks read it.
 
 Why a package of its own: the trainer, the rollout side, the orchestrators and the launcher all print through the
-one logger, so it sits low (it imports only ``core``) and each of them may use it. ``metrics.jsonl`` itself is the
-trainer's (:mod:`train.metrics`); the plots of a run are the launcher's (:mod:`launchers.plot`).
+one logger, so it sits low (it imports only ``core``) and each of them may use it. The plots of a run are the
+launcher's (:mod:`launchers.plot`).
 """

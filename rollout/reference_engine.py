@@ -302,6 +302,11 @@ class ReferenceEngine(RolloutEngineBase):
         self._received: Optional[set] = None
         self._loaded_once = self._complete_before = self._released = False
         self._shapes: List[Tuple[torch.Tensor, Tuple[int, ...]]] = []
+        self._params = self.model.state_dict(keep_vars=True)   # name -> the engine's tensor object (its .data moves)
+        self._expected = {n: tuple(t.shape) for n, t in self._params.items()}
+        self._shared: dict = {}       # name -> the trainer's address it shares (rollout.shared_weights)
+        self._moved = False           # a shared update changed what a tensor points at
+        self._stack_copied = False    # the decode MoE's stacks are copies, not the shared experts
 
     # -- weights ---------------------------------------------------------
     # An update is loaded IN PLACE, bucket by bucket, into the tensors the engine computes with: the engine
@@ -341,6 +346,95 @@ class ReferenceEngine(RolloutEngineBase):
         self._loaded_once = True
         self.version = self._next_version
 
+    # Shared weights (rollout.shared_weights): the engine's tensors ARE the trainer's memory where they can be
+    # (same dtype, device and shape); the rest is copied in at every update. The stacked experts of the decode
+    # MoE become views of the trainer's expert banks, and the decode slots are built again once after the
+    # tensors moved (their CUDA graphs hold the addresses they read).
+    def begin_share(self, version: int) -> None:
+        self._received = set()
+        self._complete_before, self._loaded_once = self._loaded_once, False
+        self._next_version = version
+        if self._released:                # nothing to allocate: each tensor is shared or allocated as it comes
+            self._shapes, self._released = [], False
+            self._moved = True
+
+    def share_tensor(self, name: str, src: torch.Tensor, live: bool = True) -> int:
+        """Make the engine's ``name`` the memory of ``src`` (``live``: a view of the trainer's weights) where it can
+        compute with it as it is, else copy ``src`` in; returns the bytes copied (0: shared)."""
+        if self._received is None:
+            raise RuntimeError("share_tensor before begin_share")
+        if name in self._received:
+            raise ValueError(f"weight update: {name!r} arrived twice")
+        dst = self._params.get(name)
+        if dst is None:
+            raise ValueError(f"weight update does not fit the engine: unexpected {name!r}")
+        if tuple(src.shape) != self._expected[name]:
+            raise ValueError(f"weight update: {name!r} has shape {tuple(src.shape)}, engine {self._expected[name]}")
+        self._received.add(name)
+        if live and src.dtype == dst.dtype and src.device == dst.device:
+            if not (dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride()):
+                dst.data, self._moved = src, True
+            self._shared[name] = src.data_ptr()
+            return 0
+        if name in self._shared or dst.numel() != src.numel():   # never write into the trainer's memory
+            dst.data = torch.empty(self._expected[name], dtype=dst.dtype, device=dst.device)
+            self._shared.pop(name, None)
+            self._moved = True
+        dst.copy_(src)
+        return dst.numel() * dst.element_size()
+
+    def finish_share(self) -> int:
+        """End a shared update; returns the bytes the decode MoE's expert stacks copied (0: views)."""
+        self.finish_update()
+        copied = 0
+        if self._moved:
+            self._decoder = None          # its slots and graphs read the former addresses
+            if self.kv_cache:
+                from kernels.reference.slots import stack_expert_weights
+
+                copied = stack_expert_weights(self.model)    # a copied stack re-points its experts into it
+                self._stack_copied = copied > 0
+                self._shared = {n: ptr for n, ptr in self._shared.items() if self._params[n].data_ptr() == ptr}
+            self._moved = False
+        return copied
+
+    @property
+    def shared_names(self) -> set:
+        """The engine's tensors that are the trainer's memory now."""
+        return set(self._shared)
+
+    def shared_addresses(self) -> Dict[str, int]:
+        """``{name: address}`` of the shared tensors as they are now (a moved one shows another address)."""
+        return {n: self._params[n].data_ptr() for n in self._shared}
+
+    def copied_names(self) -> List[str]:
+        """The engine's tensors that hold copies (of weights it could not share), by official name."""
+        return [n for n in self._expected if n not in self._shared]
+
+    @property
+    def holds_weights(self) -> bool:
+        """Whether the last update completed and the weights were not released since."""
+        return self._loaded_once and not self._released
+
+    @property
+    def reusable_share(self) -> bool:
+        """Whether the next sync may keep this share (its decode MoE reads the shared experts in place)."""
+        return self.holds_weights and not self._stack_copied
+
+    def copy_into(self, name: str, src: torch.Tensor) -> int:
+        """Copy ``src`` into the engine's own tensor ``name`` (not a shared one); returns the bytes copied."""
+        if name in self._shared:
+            raise ValueError(f"{name!r} is the trainer's memory: it is not copied into")
+        dst = self._params[name]
+        dst.copy_(src)
+        return dst.numel() * dst.element_size()
+
+    def bump(self, version: int) -> None:
+        """The trainer's step already updated the shared weights in place: only the version moves."""
+        if not self.holds_weights:
+            raise RuntimeError("bump: the engine holds no complete weights (share them first)")
+        self.version = version
+
     def release_memory(self) -> None:
         """Colocated mode: free the weights, the decode slots' KV cache and their CUDA graphs while the trainer
         uses the device. The storage is given back; the next update (``begin_update``) allocates the weights
@@ -355,6 +449,7 @@ class ReferenceEngine(RolloutEngineBase):
             self._shapes.append((t, tuple(t.shape)))
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         self._released, self._loaded_once = True, False
+        self._shared = {}                 # shared tensors are the trainer's: dropping them frees nothing
         if self.device.type == "cuda":
             torch.cuda.empty_cache()     # give the blocks back to the driver: other processes may share the GPU
 
@@ -370,8 +465,10 @@ class ReferenceEngine(RolloutEngineBase):
 
     def held_bytes(self) -> int:
         """Device bytes the engine holds now: its weights and its decode slots' KV cache (0 while released)."""
-        seen, total = set(), 0
-        tensors = list(self.model.state_dict().values())
+        held = self.model.state_dict()
+        seen = {held[n].untyped_storage().data_ptr() for n in self._shared}   # the trainer's memory, not the engine's
+        total = 0
+        tensors = list(held.values())
         if self._decoder is not None:
             tensors += self._decoder.cache_tensors()
         for t in tensors:                             # expert weights are views of one stack: count storage once

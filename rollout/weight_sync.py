@@ -54,6 +54,7 @@ class SyncReport:
     bytes: int
     check: Optional[WeightCheckReport]
     max_quant_rel_err: float = 0.0
+    shared_bytes: int = 0           # bytes the engine reads in place (rollout.shared_weights), none moved
 
     @property
     def ok(self) -> bool:

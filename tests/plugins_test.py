@@ -191,8 +191,8 @@ def test_a_third_party_backend_extends_the_table_without_core_edits(entry_points
 
 # Each job rule and the module it lives in, beside the code it guards (issue #33, item 4).
 JOB_RULE_HOMES = {
-    "train.rules": ["train-layout", "train-context-parallel-thd", "train-cuda-graphs", "packing-thd",
-                    "true-on-policy"],
+    "train.rules": ["train-layout", "train-pipeline", "train-context-parallel-thd", "train-cuda-graphs",
+                    "packing-thd", "true-on-policy"],
     "rollout.rules": ["rollout-hardware", "rollout-url", "rollout-publish-format", "async-rollout"],
     "orchestration.rules": ["orchestrator-options", "orchestrator-rollout", "rollout-num-gpus", "rollout-num-nodes",
                             "weight-transport-hardware", "weight-transport-placement", "ray-colocate"],

@@ -62,9 +62,9 @@ UNSUPPORTED_CASES = [
         message = "unknown --kernel-backend 'trton'; valid choices: cuda, cudnn, none, tilelang, triton. Did you mean 'triton'?",
     ),
     struct(
-        name = "pipeline_parallel",
-        args = ["--pp", "2"],
-        message = "--pp 2: pipeline parallelism is not supported by either implementation yet. Fix: use --pp 1.",
+        name = "megatron_pipeline_parallel",
+        args = ["--impl", "megatron", "--pp", "2"],
+        message = "--impl megatron does not support pipeline parallelism (got --pp 2). Fix: use --pp 1, or --impl miles.",
     ),
     struct(
         name = "miles_tp_not_dividing_o_groups",

@@ -181,6 +181,16 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
             raise InvalidCombination("\n".join(problems))
 
 
+def _check_pipeline_options(run_config, cfg) -> None:
+    """What ``--pp`` > 1 is built for (engine.pipeline.run_items): the last stage computes the policy / SFT loss of one model."""
+    pp = getattr(run_config, "pp", 1)
+    for key, bad, why in (("compile_blocks", cfg.compile_blocks, "compiled blocks are not cut into stages"),
+                          ("train_impl", cfg.train_impl is not None, "the reference training model is one process")):
+        if pp > 1 and bad:
+            raise ConfigError(f"training option {key!r} = {getattr(cfg, key)!r} with --pp {pp}: not built ({why}). "
+                              f"Fix: drop {key}, or use --pp 1")
+
+
 def _indexer_replay_refusal(what: str, fix: str) -> ConfigError:
     return ConfigError(f"training option 'indexer_replay' is not built with {what}. Fix: {fix}, or drop indexer_replay")
 
@@ -195,13 +205,15 @@ def _check_indexer_replay_options(cfg) -> None:
 def _check_indexer_replay_run(run_config, cfg) -> None:
     """Indexer replay with the run's choices: the built-in engine records the picks; the reference, miles (BSHD or
     THD) and megatron models replay them (rows or packed micro-batches); one rank of tensor and context
-    parallelism; the local orchestrator."""
+    or pipeline parallelism; the local orchestrator."""
     sel = run_config.selection
     for bad, what, fix in (
             (sel.rollout is not None and sel.rollout.name != "reference",
              f"--rollout-engine {getattr(sel.rollout, 'name', None)} (it returns no indexer picks)",
              "use --rollout-engine reference"),
             (sel.tp > 1, f"--tp {sel.tp} (not tested)", "use --tp 1"),
+            (getattr(run_config, "pp", 1) > 1, f"--pp {getattr(run_config, 'pp', 1)} (the pipeline's micro-batch "
+             "driver does not carry the picks)", "use --pp 1"),
             (sel.cp > 1, f"--cp {sel.cp} (megatron's context-parallel indexer does not read the replay seam; "
              "not tested)", "use --cp 1"),
             (sel.orchestrator != "local", f"--orchestrator {sel.orchestrator} (not tested)",
@@ -220,8 +232,15 @@ def check_train_options(run_config, cfg, host=None) -> None:
 
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
+    _check_pipeline_options(run_config, cfg)
     if cfg.indexer_replay:
         _check_indexer_replay_run(run_config, cfg)
+    if cfg.weight_sync == "shared":
+        from rollout.shared_weights import refusal_message, run_refusal
+
+        why = run_refusal(run_config, cfg)
+        if why:
+            raise ConfigError(refusal_message(why))
     problems = train_option_problems(dataclasses.replace(run_config.selection, cuda_graphs=bool(cfg.cuda_graphs),
                                                          colocate=bool(cfg.colocate),
                                                          async_rollout=bool(cfg.async_rollout),
@@ -298,6 +317,12 @@ def validate(cfg) -> None:
         _fail("rollout_compile", cfg.rollout_compile, "must be true or false")
     _trackers(cfg.tracker)
     _cuda_graphs(cfg)
+    if cfg.weight_sync not in ("auto", "shared", "copy"):
+        _fail("weight_sync", cfg.weight_sync, "must be one of auto, shared, copy")
+    if cfg.weight_sync == "shared" and cfg.async_rollout:
+        raise ConfigError("training option 'weight_sync' = shared lets the engine compute with the trainer's weights "
+                          "in place, and 'async_rollout' generates while the trainer updates them. Fix: "
+                          "weight_sync=auto (copies with async_rollout) or drop async_rollout")
     if cfg.async_rollout and cfg.colocate:
         raise ConfigError("training option 'async_rollout' generates the next step's samples while the trainer "
                           "trains, and 'colocate' frees the engine's memory for the trainer during that time. Fix: "

@@ -34,10 +34,11 @@ class ParallelGroups:
     """This process's place in the run's layout (one process: every size 1, no communication)."""
 
     def __init__(self, *, rank: int = 0, world: int = 1, dp: int = 1, dp_rank: int = 0, tp: int = 1,
-                 tp_rank: int = 0, cp: int = 1, cp_rank: int = 0, ep: int = 1, groups: Optional[dict] = None):
+                 tp_rank: int = 0, cp: int = 1, cp_rank: int = 0, ep: int = 1, groups: Optional[dict] = None,
+                 pp: int = 1, pp_rank: int = 0):
         self.rank, self.world = rank, world
         self.dp, self.dp_rank, self.tp, self.tp_rank = dp, dp_rank, tp, tp_rank
-        self.cp, self.cp_rank, self.ep = cp, cp_rank, ep
+        self.cp, self.cp_rank, self.ep, self.pp, self.pp_rank = cp, cp_rank, ep, pp, pp_rank
         self._groups = groups or {}
 
     @classmethod
@@ -46,9 +47,12 @@ class ParallelGroups:
         target); all ones on one rank."""
         if layout.world == 1:
             return cls()
-        groups = {"dp": layout.group("dp"), "cp": layout.group("cp"), "tp_cp": layout.group("tp_cp")}
+        # the ranks sharing samples: tensor x context parallel, or the pipeline stages (--pp: no tp, cp with it)
+        share = layout.group("pp") if layout.pp > 1 else layout.group("tp_cp")
+        groups = {"dp": layout.group("dp"), "cp": layout.group("cp"), "tp_cp": share}
         return cls(rank=layout.rank, world=layout.world, dp=layout.dp, dp_rank=layout.dp_rank, tp=layout.tp,
-                   tp_rank=layout.tp_rank, cp=layout.cp, cp_rank=layout.cp_rank, ep=layout.ep, groups=groups)
+                   tp_rank=layout.tp_rank, cp=layout.cp, cp_rank=layout.cp_rank, ep=layout.ep, groups=groups,
+                   pp=layout.pp, pp_rank=layout.pp_rank)
 
     @classmethod
     def current(cls) -> "ParallelGroups":
@@ -66,7 +70,7 @@ class ParallelGroups:
     @property
     def is_leader(self) -> bool:
         """Tensor- and context-parallel rank 0 of its data-parallel rank: owns a rollout engine."""
-        return self.tp_rank == 0 and self.cp_rank == 0
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == 0
 
     def share(self, items: Sequence) -> list:
         """This data-parallel rank's contiguous share of the step's ``items`` (the count divides evenly:
@@ -85,7 +89,7 @@ class ParallelGroups:
 
     def broadcast_from_leader(self, obj):
         """The leader's ``obj`` on every rank of its tensor x context group (the ranks sharing samples)."""
-        if self.tp * self.cp == 1:
+        if self.tp * self.cp * self.pp == 1:
             return obj
         group = self._groups["tp_cp"]
         box = [obj]

@@ -1,6 +1,7 @@
 """One GRPO step as its named phases, each a function of the run (:class:`train.trainer._Run`):
 
-    sync       the trained weights into the rollout engine (export -> publish -> load -> check)
+    sync       the trained weights into the rollout engine (export -> publish -> load -> check; or shared in
+               place with the built-in engine in this process: rollout.shared_weights)
     rollout    P prompts x G samples each on the leader's engine (temperature / top-p), broadcast to its ranks
     reward     each sample's reward, the groups' tensors and advantages, regrouped into micro-batches
     logprobs   old log-probs recomputed by the training model (no grad; routing replayed), the reference
@@ -20,6 +21,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from engine.pipeline import forward_items, pipelined, run_items
 from reporting import profiling
 from rollout.reference_engine import SamplingParams
 from rollout.replay import routing_match
@@ -27,7 +29,7 @@ from rollout.weight_sync import sync_weights
 
 from . import data as D
 from .losses import grpo_loss, mtp_loss, sample_mean_diag, zero_variance_group_frac
-from .model import full_view
+from .model import TrainForward, full_view
 from .step_common import group_tensors, maybe_kill, packed_items, sample_items, step_seed
 
 __all__ = ["grpo_step", "sync_phase", "rollout_phase", "reward_phase", "logprobs_phase", "train_phase"]
@@ -53,21 +55,26 @@ def sync_phase(run, step: int, out: Dict[str, Any]) -> None:
     cfg = run.cfg
     maybe_kill(step, "update_weights")
     run.model.eval()
-    view = full_view(run.model, run.dist)
+    # a sharing engine reads this rank's own tensors (whole on every rank: rollout.shared_weights.weight_sync_mode)
+    sharer = run.weight_sync.sharer
+    view = run.model if sharer is not None else full_view(run.model, run.dist)
     if run.dist.is_leader and getattr(run.engine, "reads_trainer_weights", False):
         # no sync: the engine computes with this very module (rollout.reference_engine.TrainModuleEngine)
         run.engine.version = step
-        out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_buckets=0,
-                   weight_quant_max_rel_err=0.0)
+        out.update(time_update_weights=0.0, weight_check_ok=None, weight_sync_bytes=0, weight_sync_shared_bytes=0,
+                   weight_sync_buckets=0, weight_quant_max_rel_err=0.0)
     elif run.dist.is_leader:
-        rep = sync_weights(view, run.engine, version=step, scheme=run.publish_format,
-                           engine_dtype=run.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
-                           check=cfg.check_weights, lossless=cfg.true_on_policy)
+        if sharer is not None:                # the engine computes with the trainer's memory (rollout.shared_weights)
+            rep = sharer.sync(view, version=step, check=cfg.check_weights)
+        else:
+            rep = sync_weights(view, run.engine, version=step, scheme=run.publish_format,
+                               engine_dtype=run.dtype, max_bucket_bytes=cfg.max_bucket_bytes,
+                               check=cfg.check_weights, lossless=cfg.true_on_policy)
         if rep.check is not None and not rep.check.ok:
             raise RuntimeError("weight sync check failed:\n" + rep.check.summary())
         out.update(time_update_weights=rep.seconds, weight_check_ok=None if rep.check is None else rep.check.ok,
-                   weight_sync_bytes=rep.bytes, weight_sync_buckets=rep.buckets,
-                   weight_quant_max_rel_err=rep.max_quant_rel_err)
+                   weight_sync_bytes=rep.bytes, weight_sync_shared_bytes=rep.shared_bytes,
+                   weight_sync_buckets=rep.buckets, weight_quant_max_rel_err=rep.max_quant_rel_err)
 
 
 def step_prompts(run, step: int):
@@ -155,11 +162,19 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
     t0 = time.perf_counter()
     diffs, kls, matches, w, ixr = [], [], [], [], [0, 0]
     with torch.no_grad():
-        for it in items:
-            fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
-                                          **_forward_kw(run, it))
+        def kw(it):
+            return dict(routing_replay=it["routed"], temperature=cfg.temperature)
+        fwds = [TrainForward(lp, None, used) for lp, used in forward_items(run.model, items, kw)] \
+            if pipelined() else [None] * len(items)       # --pp: through the stages, on every stage
+        refs = [lp for lp, _ in forward_items(run.ref_model, items, kw)] if pipelined() and run.ref_model is not None \
+            else None
+        for i, (it, fwd) in enumerate(zip(items, fwds)):
+            fwd = fwd or run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
+                                                 **_forward_kw(run, it))
             it["old"] = fwd.logprobs
-            if run.ref_model is not None:
+            if refs is not None:
+                it["ref"] = refs[i]
+            elif run.ref_model is not None:
                 it["ref"] = run.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
                                                    temperature=cfg.temperature, **_forward_kw(run, it))
             d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])
@@ -203,6 +218,7 @@ def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
         loss = loss + fwd.aux_loss * frac
         acc["aux"] += float(fwd.aux_loss.detach()) * frac
         acc["have_aux"] = 1.0
+    acc["loss"] += float(loss.detach())
     return loss
 
 
@@ -217,13 +233,16 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
         run.optim.zero_grad()
     total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
     acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
-    for i, it in enumerate(items):
+    if pipelined():                  # --pp: megatron-core's schedule, the loss on the last stage
+        run_items(run.model, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature,
+                                                    with_mtp=cfg.mtp_coef > 0),
+                  lambda it, fwd: _item_loss(run, it, fwd, total_tokens, acc), acc)
+    for i, it in enumerate(items if not pipelined() else ()):
         fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                       with_mtp=cfg.mtp_coef > 0, **_forward_kw(run, it))
         loss = _item_loss(run, it, fwd, total_tokens, acc)
         with run.accumulating(i, len(items)):
             loss.backward()
-        acc["loss"] += float(loss.detach())
     gnorm = run.clip_and_step()
     out["time_train"] = time.perf_counter() - t0
     out["at_train_end"] = time.perf_counter() - t_step

@@ -353,6 +353,30 @@ class ImplTrainModel(_TrainModelBase):
             aux = aux.to(input_ids.device)
         return TrainForward(lp, mtp, _used(hook), aux, irep and irep.result(self.impl))
 
+    def forward_stage(self, input_ids, streams=None, *, routing_replay=None, temperature: float = 1.0,
+                      with_mtp: bool = False):
+        """This pipeline stage's forward (:func:`engine.pipeline.run_items`): ``(the streams [B, S, hc x d] for the
+        next stage, or on the last stage the TrainForward; the routing of this stage's layers)``; ``streams``: the
+        previous stage's (None on the first). ``with_mtp``: the token embeddings [B, S, d] travel after the streams
+        (detached: the MTP loss does not train the embedding) to the last stage's MTP blocks."""
+        from engine.layout import current
+        from engine.pipeline import is_first, is_last
+
+        ids, hook, c, dt = input_ids.to(self.device), _hook_for(routing_replay, input_ids), self.config, \
+            self.module.tconfig.params_dtype
+        x, emb = (None, None) if streams is None else (streams[..., :c.hc_mult * c.dim].reshape(
+            *ids.shape, c.hc_mult, c.dim).to(self.device, dt), streams[..., c.hc_mult * c.dim:].to(self.device, dt))
+        with routing_context(hook):
+            emb = self.module.embedding(ids).detach() if with_mtp and is_first(current()) else emb
+            if not is_last(current()):
+                out = self.module.hidden_streams(ids, streams=x).flatten(2)
+                return (torch.cat([out, emb.to(out.dtype)], -1) if with_mtp else out), _used(hook)
+            logits, h = self.module(ids, streams=x, return_hidden_streams=True)
+            with detached_weights(self.module):
+                mtp = self.module.mtp_logits(ids, h, embedded=emb) if with_mtp and self._has_mtp() else None
+        return TrainForward(token_logprobs(logits, ids, temperature).to(input_ids.device), mtp, _used(hook)), \
+            _used(hook)
+
     def next_token_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0
                             ) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:
         """``[B, S]`` ids -> (``[B, S-1, V]`` log-probs of every next token on the model's device, the learned
@@ -548,14 +572,16 @@ class ImplTrainModel(_TrainModelBase):
 
     def full_native_tensors(self) -> Dict[str, torch.Tensor]:
         """Every contract tensor in FULL (tensor-parallel slices gathered, every expert-parallel rank's
-        experts): a collective over the tensor- and expert-parallel groups."""
+        experts, every pipeline stage's tensors): a collective over the tensor-, expert- and pipeline groups."""
         from engine.loading import with_every_expert
         from engine.layout import current as parallel_layout
         from engine.tp import gather_tensor, tp_spec
 
+        from engine.pipeline import full_stage_tensors
+
         group = parallel_layout().group("tp")
         local = {n: gather_tensor(t.detach(), tp_spec(t), group) for n, t in self.native_tensors()}
-        return with_every_expert(local)
+        return full_stage_tensors(with_every_expert(local), parallel_layout())   # and every pipeline stage's
 
     def load_checkpoint(self, path) -> None:
         """An HF checkpoint: this rank reads only its share (its tensor-parallel rows / columns, its experts;
@@ -648,6 +674,10 @@ def build_train_model(model_config, run_config=None, *, impl: Optional[str] = No
     options = {} if dsa_indexer_loss_coeff is None else {"dsa_indexer_loss_coeff": float(dsa_indexer_loss_coeff)}
     torch.manual_seed(seed)
     module = parts.build_model(model_config, params_dtype=dtype, initialize=initialize, **options)
+    from engine.layout import current
+    from engine.pipeline import split_stage
+
+    split_stage(module, model_config.n_layers, current())   # --pp: this stage's layers (global names) only
     parts.scheme.prepare_training(module)            # QAT: fake quantization; the other schemes: nothing
     device = parts.device()
     module.to(device)

@@ -159,6 +159,9 @@ class TorchOptimizer(_Base):
                 dist.all_reduce(experts, group=layout.group("ep"))
             if layout.etp > 1:
                 dist.all_reduce(experts, group=layout.group("etp"))
+            if layout.pp > 1:          # each pipeline stage holds its own parameters
+                dist.all_reduce(replicated.add_(tp_sharded).add_(experts), group=layout.group("pp"))
+                tp_sharded.zero_(), experts.zero_()
         return float((replicated + tp_sharded + experts).sqrt())
 
     def step(self) -> float:
@@ -217,13 +220,18 @@ def weight_decay_groups(named: Dict[str, torch.nn.Parameter], weight_decay: floa
 
 
 def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
-    """Merge the step counts of every expert-parallel rank (each holds other experts)."""
+    """Merge the step counts of every expert-parallel rank (each holds other experts) and pipeline stage."""
     from engine.layout import current as parallel_layout
 
-    if not _initialized() or parallel_layout().ep == 1:
+    layout = parallel_layout()
+    if not _initialized() or layout.ep * layout.pp == 1:
         return steps
-    parts = [None] * parallel_layout().ep
-    dist.all_gather_object(parts, steps, group=parallel_layout().group("ep"))
+    parts = [None] * layout.ep
+    dist.all_gather_object(parts, steps, group=layout.group("ep"))
+    if layout.pp > 1:
+        from engine.pipeline import gather_over_stages
+
+        parts = [p for stage in gather_over_stages(parts, layout) for p in stage]
     merged: Dict[str, int] = {}
     for part in parts:
         for n, v in part.items():

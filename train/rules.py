@@ -37,6 +37,23 @@ def _train_layout(sel: Selection, host) -> Optional[str]:
     return None
 
 
+def _train_pipeline(sel: Selection, host) -> Optional[str]:
+    """The trainer's pipeline stages (engine.pipeline.run_items) are built with data parallelism only (each data-
+    parallel rank's ``--pp`` ranks one stage each), rows of padded samples (BSHD) sent between stages."""
+    if sel.job != "train" or sel.pp <= 1:
+        return None
+    for what, bad, fix in ((f"--tp {sel.tp} --cp {sel.cp} --ep {sel.ep}", sel.tp * sel.cp * sel.ep > 1,
+                            "use --tp 1 --cp 1 --ep 1"),
+                           (f"{layout_world(sel)} ranks", layout_world(sel) % sel.pp,
+                            f"use a rank count that is a multiple of {sel.pp} (the rest is data parallel)"),
+                           (f"--qkv-format {sel.qkv_format}", sel.qkv_format != "bshd", "use --qkv-format bshd"),
+                           ("--max-tokens-per-rank", sel.max_tokens_per_rank is not None, "drop --max-tokens-per-rank")):
+        if bad:
+            return (f"--pp {sel.pp} runs with data parallelism only, one stage per rank, padded rows (got {what}). "
+                    f"Fix: {fix}, or use --pp 1.")
+    return None
+
+
 def _train_cp_thd(sel: Selection, host) -> Optional[str]:
     """The trainer's context parallelism splits packed (THD) micro-batches across ranks (the miles model also
     runs BSHD context parallel, for scoring)."""
@@ -107,6 +124,8 @@ def _true_on_policy(sel: Selection, host) -> Optional[str]:
 RULES = (
     Rule("train-layout", "the run's ranks split into tensor x context x data parallel, expert parallel inside data",
          _train_layout),
+    Rule("train-pipeline", "the trainer's pipeline stages run with data parallelism only (no tp, cp, ep), BSHD rows",
+         _train_pipeline),
     Rule("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
     Rule("train-cuda-graphs", "the trainer's CUDA graphs run on a GPU, one fixed layout, no collectives inside the "
          "blocks", _train_cuda_graphs, train_option=True),

@@ -29,7 +29,7 @@ __all__ = ["has_progress", "cleanup_failed_start", "config_differences", "resume
 
 def has_progress(run_dir) -> bool:
     from .checkpointing import latest_checkpoint
-    from .metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -141,7 +141,7 @@ def _write_or_check_main(run, resume: bool) -> int:
 
     from .checkpointing import latest_checkpoint, load_checkpoint
     from .export import CONFIG_FILE
-    from .metrics import truncate_after
+    from reporting.metrics import truncate_after
 
     p = run.run_dir / CONFIG_FILE
     desc = run.description()

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 import torch
 
 from core.sequence_limits import check_sequences
+from engine.pipeline import pipelined, run_items
 from reporting import profiling
 
 from . import data as D
@@ -43,6 +44,24 @@ def _micro_batch(run, ids, mask, lengths: List[int], idx: List[int]):
     return ids[idx, :Sm], mask[idx, :Sm - 1], {"lengths": [lengths[i] for i in idx]}
 
 
+def _loss(run, it, fwd, n_global: float, acc) -> torch.Tensor:
+    """One micro-batch's loss: its response tokens' NLL sum / the step's response tokens, + MTP and the model's
+    own term weighted by its token share; adds each term to ``acc``."""
+    cfg, sub_ids, sub_mask = run.cfg, it["ids"], it["mask"]
+    loss = sft_loss_sum(fwd.logprobs, sub_mask)[0] / n_global
+    frac = float(sub_mask.sum()) / n_global     # MTP and aux terms weighted by token share
+    total = loss
+    mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
+    if mtp is not None:
+        total = total + cfg.mtp_coef * mtp * frac
+        acc["mtp"], acc["have_mtp"] = acc["mtp"] + float(mtp.detach()) * frac, 1.0
+    if fwd.aux_loss is not None:
+        total = total + fwd.aux_loss * frac
+        acc["aux"], acc["have_aux"] = acc["aux"] + float(fwd.aux_loss.detach()) * frac, 1.0
+    acc["loss"] += float(loss.detach())
+    return total
+
+
 def sft_step(run, step: int) -> Dict[str, Any]:
     cfg = run.cfg
     ids, mask, lengths = _batch(run, step)
@@ -57,24 +76,16 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     else:                            # micro_batch_size rows each (one micro-batch when it is not set)
         mbs, eff = [list(range(ids.shape[0]))[rows] for rows in run.row_chunks(ids.shape[0])], None
     acc = dict(loss=0.0, mtp=0.0, aux=0.0, have_mtp=0.0, have_aux=0.0)
-    for k, idx in enumerate(mbs):    # each adds its response tokens' NLL sum / the step's response tokens
-        sub_ids, sub_mask, kw = _micro_batch(run, ids, mask, lengths, idx)
+    items = [dict(zip(("ids", "mask", "kw"), _micro_batch(run, ids, mask, lengths, idx))) for idx in mbs]
+    if pipelined():                  # --pp: megatron-core's schedule runs the items, the loss on the last stage
+        run_items(run.model, items, lambda it: {"with_mtp": cfg.mtp_coef > 0}, lambda it, fwd: _loss(run, it, fwd, n_global, acc), acc)
+    for k, it in enumerate(items if not pipelined() else ()):   # each adds its NLL sum / the step's tokens
         if cfg.cuda_graphs:          # the previous micro-batch's graph outputs may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
-        fwd = run.model.forward_train(sub_ids, with_mtp=cfg.mtp_coef > 0, **kw)
-        loss = sft_loss_sum(fwd.logprobs, sub_mask)[0] / n_global
-        frac = float(sub_mask.sum()) / n_global     # MTP and aux terms weighted by token share
-        total = loss
-        mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
-        if mtp is not None:
-            total = total + cfg.mtp_coef * mtp * frac
-            acc["mtp"], acc["have_mtp"] = acc["mtp"] + float(mtp.detach()) * frac, 1.0
-        if fwd.aux_loss is not None:
-            total = total + fwd.aux_loss * frac
-            acc["aux"], acc["have_aux"] = acc["aux"] + float(fwd.aux_loss.detach()) * frac, 1.0
+        fwd = run.model.forward_train(it["ids"], with_mtp=cfg.mtp_coef > 0, **it["kw"])
+        total = _loss(run, it, fwd, n_global, acc)
         with run.accumulating(k, len(mbs)):
             total.backward()
-        acc["loss"] += float(loss.detach())
     gnorm = run.clip_and_step()
     t_train = time.perf_counter() - t0
     tokens = float(sum(lengths)) if run.packed else float(ids.numel())

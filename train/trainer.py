@@ -46,6 +46,7 @@ import torch
 from core.assembly import assemble
 from core.sequence_limits import check_sequences
 from rollout.async_rollout import RolloutPipeline
+from rollout.shared_weights import choose_weight_sync
 from reporting import profiling
 from rollout.sglang_engine import DEFAULT_SETTINGS as SGLANG_DEFAULTS
 
@@ -58,7 +59,7 @@ from .export import export_model
 from .grpo import grpo_step
 from .model import build_train_model, full_view, load_model_source
 from .optim import build_optimizer
-from .metrics import MetricsLogger
+from reporting.metrics import MetricsLogger
 from .run_folder import open_run, resumes
 from .sft import sft_step
 from .step_common import maybe_kill
@@ -88,6 +89,11 @@ class TrainConfig:
     top_k: int = 0                           # 0 = off
     check_weights: bool = True
     max_bucket_bytes: int = 64 << 20
+    # how the trained weights reach the rollout engine each GRPO step (rollout.shared_weights): "auto" shares
+    # the trainer's memory with the built-in engine where it can (same process and device, whole weights on
+    # the rank, bf16 publish, no async_rollout or true_on_policy) and copies otherwise; "shared" refuses a
+    # run where it cannot share; "copy" always exports, publishes, loads and checks (rollout.weight_sync)
+    weight_sync: Literal["auto", "shared", "copy"] = "auto"
     # the built-in engine (--rollout-engine reference; docs/rollout.md): how many samples decode at once
     # (continuous batching: a finished sample's slot takes the next waiting one; None = every sample of the
     # step at once), whether its decode step replays CUDA graphs (None = on for a CUDA device; true on
@@ -127,7 +133,7 @@ class TrainConfig:
     # replay
     routing_replay: bool = True
     # the built-in engine records the indexer's top-k picks (CSA layers), the trainer (reference, miles, megatron;
-    # rows or packed) replays them; tp = cp = 1, local orchestrator (train.config_checks refuses the rest)
+    # rows or packed) replays them; tp = cp = pp = 1, local orchestrator (train.config_checks refuses the rest)
     indexer_replay: bool = False
     # MTP
     mtp_coef: float = 0.0
@@ -214,6 +220,20 @@ def resolve_model_config(run_config, model_source):
     raise ValueError("run_training needs a model: a checkpoint folder, a preset name or a ModelConfig")
 
 
+def _export_starting_weights(run, engine: str) -> Path:
+    """The model's weights now (the starting or the resumed ones) as an HF checkpoint in the run's publish
+    format, with the tokenizer: ``RUN_DIR/<engine>_init`` (global rank 0 writes it)."""
+    from rollout.weight_sync import checkpoint_format
+
+    fmt = checkpoint_format(run.publish_format, purpose=f"starting a --rollout-engine {engine} server")
+    path = run.run_dir / f"{engine}_init"
+    view = full_view(run.model, run.dist)
+    if run.dist.is_main:
+        export_model(view, path, weight_format=fmt, tokenizer=run.tok)
+    run.dist.barrier()
+    return path
+
+
 class _Run:
     """One rank's run: set up by :meth:`__init__` (models, optimizer, start step, rollout engine), run by
     :meth:`run` (the steps of :mod:`train.sft` / :mod:`train.grpo`, metrics, checkpoints, the final export)."""
@@ -249,8 +269,15 @@ class _Run:
         # last, so a failure before it leaves no server running (run() stops the engine); none when no step is left
         if mode == "grpo" and self.start_step < self.steps:
             self.engine = self._start_rollout_engine()
-            if cfg.async_rollout and self.engine is not None:
-                self.rollouts = RolloutPipeline(self.engine)
+        try:    # how the weights reach the engine (rollout.shared_weights: in place where it can, else copied)
+            self.weight_sync = choose_weight_sync(cfg, self.engine, self.dist, self.publish_format,
+                                                  next(self.model.parameters()).device)
+        except Exception:
+            if self.engine is not None:
+                self.engine.shutdown()       # a refused run leaves no server running
+            raise
+        if self.engine is not None and cfg.async_rollout:
+            self.rollouts = RolloutPipeline(self.engine)
 
     def _build_models(self, layout) -> None:
         """The training model (loaded from the model source), the optimizer, the KL reference policy (GRPO with
@@ -290,11 +317,11 @@ class _Run:
     def _start_rollout_engine(self):
         """This data-parallel rank's rollout engine (on its leader; None elsewhere). A server engine that the
         trainer starts (no ``--rollout-url``) loads the run's starting weights: every rank takes part in writing
-        them (:meth:`_export_starting_weights`), the leader's factory gets their folder as ``model_path``."""
+        them (:func:`_export_starting_weights`), the leader's factory gets their folder as ``model_path``."""
         run_config, options = self.run_config, {}
         record = run_config.selection.rollout
         if record.server and run_config.rollout_url is None:
-            options["model_path"] = self._export_starting_weights(record.name)
+            options["model_path"] = _export_starting_weights(self, record.name)
         if not self.dist.is_leader:
             return None
         if self.engine_source is not None:
@@ -306,19 +333,6 @@ class _Run:
             return TrainModuleEngine(self.model)
         return self.parts.rollout_engine(self.model_config, dtype=self.dtype, settings=self.cfg, run_dir=self.run_dir,
                                          publish_format=self.publish_format, **options)
-
-    def _export_starting_weights(self, engine: str) -> Path:
-        """The model's weights now (the starting or the resumed ones) as an HF checkpoint in the run's publish
-        format, with the tokenizer: ``RUN_DIR/<engine>_init`` (global rank 0 writes it)."""
-        from rollout.weight_sync import checkpoint_format
-
-        fmt = checkpoint_format(self.publish_format, purpose=f"starting a --rollout-engine {engine} server")
-        path = self.run_dir / f"{engine}_init"
-        view = full_view(self.model, self.dist)
-        if self.dist.is_main:
-            export_model(view, path, weight_format=fmt, tokenizer=self.tok)
-        self.dist.barrier()
-        return path
 
     def description(self) -> Dict[str, Any]:
         """The run's resolved configuration (``train_config.json``; the trackers' params / config)."""
@@ -398,6 +412,8 @@ class _Run:
                     run_log.log.info(line)
                 if main:
                     run_log.log.info(f"optimizer: {self.optim.describe()}")
+                if main and self.engine is not None:
+                    run_log.log.info(self.weight_sync.line())
                 if main and self.start_step >= self.steps:
                     run_log.log.info(f"{self.run_dir}: already at step {self.start_step} >= --steps {self.steps}")
                 self.profiler = self._step_profiler()
@@ -463,7 +479,7 @@ class _Run:
 
     def _layout(self) -> Dict[str, int]:
         d = self.dist
-        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "optimizer": self.optim.kind}
+        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "pp": d.pp, "optimizer": self.optim.kind}
 
 
 def train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, *, layout=None,

@@ -27,6 +27,7 @@ class CpuTarget:
         apply_megatron_cpu_shims()
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                           pp: int = 1,
                            port: int | None = None, seed: int = 1234, master_addr: str | None = None,
                            local_rank: int | None = None, store=None):
         """gloo process group plus megatron's model-parallel groups for this rank (``MASTER_ADDR``: the
@@ -38,7 +39,7 @@ class CpuTarget:
 
         self.setup()
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        return init_cpu_process_group(rank, world_size, tp=tp, cp=cp, ep=ep, port=port, seed=seed, master_addr=addr,
+        return init_cpu_process_group(rank, world_size, tp=tp, pp=pp, cp=cp, ep=ep, port=port, seed=seed, master_addr=addr,
                                       store=store)
 
     def destroy_process_group(self) -> None:

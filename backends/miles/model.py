@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
 from engine.moe import DSv4MoE
+from engine.pipeline import OtherStage
 from engine.layout import current as parallel_layout
 from engine.runtime import ensure_megatron
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
@@ -140,7 +141,8 @@ class DeepSeekV4Decoder(_HCHead):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, input_ids, thd)
+            if not isinstance(layer, OtherStage):     # pipeline parallel: another stage's layer (engine.pipeline)
+                x = layer(x, input_ids, thd)
         return x
 
 
@@ -234,13 +236,16 @@ class DeepSeekV4MilesModel(nn.Module):
 
     # ------------------------------------------------------------------ trunk
     def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                       thd: ThdContext | None = None) -> torch.Tensor:
+                       thd: ThdContext | None = None, streams: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual streams after the decoder layers this model holds. ``streams [B, S, hc, d]``: a later
+        pipeline stage's input (the previous stage's output) instead of the embedding (engine.pipeline)."""
         input_ids = self._rows(input_ids)
         if thd is None:
             thd = self.thd_context(input_ids, cu_seqlens)
-        h = self.embedding(input_ids)
-        x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        return self.decoder(x, input_ids, thd)
+        if streams is None:
+            h = self.embedding(input_ids)
+            streams = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        return self.decoder(streams, input_ids, thd)
 
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits in fp32 (vocab-parallel GEMM, then TP all-gather)."""
@@ -255,9 +260,10 @@ class DeepSeekV4MilesModel(nn.Module):
         return logits
 
     def forward(self, input_ids: torch.Tensor, return_hidden_streams: bool = False, *,
-                cu_seqlens: torch.Tensor | None = None, thd: ThdContext | None = None):
-        """``logits [B, L, V]`` (THD: ``[1, T_local, V]``)."""
-        x = self.hidden_streams(input_ids, cu_seqlens, thd)
+                cu_seqlens: torch.Tensor | None = None, thd: ThdContext | None = None,
+                streams: torch.Tensor | None = None):
+        """``logits [B, L, V]`` (THD: ``[1, T_local, V]``); ``streams``: see :meth:`hidden_streams`."""
+        x = self.hidden_streams(input_ids, cu_seqlens, thd, streams)
         logits = self._logits(self.decoder.collapse(x))
         return (logits, x) if return_hidden_streams else logits
 
@@ -294,7 +300,7 @@ class DeepSeekV4MilesModel(nn.Module):
 
     # -------------------------------------------------------------------- MTP
     def mtp_logits(self, input_ids: torch.Tensor, hidden_streams: torch.Tensor | None = None, *,
-                   cu_seqlens: torch.Tensor | None = None) -> list:
+                   cu_seqlens: torch.Tensor | None = None, embedded: torch.Tensor | None = None) -> list:
         """One ``[B, S-1-k, V]`` tensor per MTP depth ``k`` (row ``i`` predicts ``t_{i+k+2}``).
 
         Packed / context parallel: one ``[B, L, V]`` tensor per depth over the same rows and layout
@@ -318,6 +324,7 @@ class DeepSeekV4MilesModel(nn.Module):
         layers = self.mtp.layers if hasattr(self, "mtp") else []
         for k, layer in enumerate(layers):
             tau = input_ids[:, k + 1:]
-            h = layer(h[:, :-1], tau, self.embedding(tau))
+            # embedded: the embeddings of input_ids [B, S, d] (a pipeline's last stage holds no embedding)
+            h = layer(h[:, :-1], tau, self.embedding(tau) if embedded is None else embedded[:, k + 1:])
             out.append(self._logits(layer.collapse(h)))
         return out

@@ -17,5 +17,6 @@ def dsv4_attention_impls():
             max_tensor_parallel=None,
             context_parallel=True,
             expert_parallel=True,
+            pipeline_parallel=True,     # engine.pipeline: stages of decoder layers, megatron-core's 1F1B
         )
     ]

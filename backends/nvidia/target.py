@@ -48,6 +48,7 @@ class NvidiaTarget:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     def init_process_group(self, rank: int = 0, world_size: int = 1, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                           pp: int = 1,
                            port: Optional[int] = None, seed: int = 1234, master_addr: Optional[str] = None,
                            local_rank: Optional[int] = None, store=None):
         """NCCL process group plus megatron's model-parallel groups for this rank (idempotent for the
@@ -82,7 +83,7 @@ class NvidiaTarget:
                                         device_id=self.device(local))
             else:
                 dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device(local))
-        layout = initialize(tp, cp=cp, ep=ep)
+        layout = initialize(tp, pp=pp, cp=cp, ep=ep)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return layout
 

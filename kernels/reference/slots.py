@@ -46,6 +46,7 @@ from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_lo
 from .layers import compute_dtype, linear_fp32
 from .moe import _has_negative_ids, current_routing_hook, swiglu
 from .rope import apply_rope, rope_cos_sin
+from .stacks import stacked_view
 
 __all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "static_decode_step",
            "static_step_checks", "static_step_body"]
@@ -144,60 +145,98 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
 
 
 # -------------------------------------------------------------------- MoE
-def stack_expert_weights(model) -> None:
-    """Hold each trunk MoE layer's ``w1``, ``w3``, ``w2`` as one ``[E, out, in]`` tensor, the expert
-    parameters becoming views of it (their values, names and ``state_dict`` are unchanged; in-place weight
-    updates land in the stack). Call again whenever the expert tensors are replaced (a dtype or device move)."""
+def stack_expert_weights(model) -> int:
+    """Hold each trunk MoE layer's experts as two stacked tensors, ``w13 [E, 2I, d]`` (expert ``e``'s ``w1`` in
+    rows ``:I``, its ``w3`` in rows ``I:``: one grouped GEMM computes gate and up) and ``w2 [E, d, I]``, the
+    expert parameters being views of them (their values, names and ``state_dict`` are unchanged; in-place
+    weight updates land in the stacks). Where the expert tensors already lie that way in memory - an engine
+    that shares the trainer's weights (``rollout.shared_weights``): the trainer's ``linear_fc1.weight{e}`` is
+    ``cat(w1, w3)`` and its expert bank is one buffer - the stacks are views of that memory and nothing is
+    copied (:func:`kernels.reference.stacks.stacked_view`). Call again whenever the expert tensors are replaced
+    (a dtype or device move, shared weights). Returns the bytes it copied (0 when every stack is a view)."""
+    copied = 0
     for layer in model.layers:
         moe = layer.ffn
-        stacks = {}
-        for name in ("w1", "w3", "w2"):
-            lins = [getattr(e, name) for e in moe.experts]
-            stack = torch.stack([lin.weight.detach() for lin in lins])
-            for i, lin in enumerate(lins):
-                lin.weight.data = stack[i]
-            stacks[name] = stack
-        moe._expert_stacks = stacks
+        w1s = [e.w1.weight for e in moe.experts]
+        w3s = [e.w3.weight for e in moe.experts]
+        w2s = [e.w2.weight for e in moe.experts]
+        w13, w2 = _w13_stack(w1s, w3s), _stack(w2s)
+        copied += sum(t.numel() * t.element_size() for t, made in (w13, w2) if made)
+        moe._expert_stacks = {"w13": w13[0], "w2": w2[0]}
+    return copied
+
+
+def _w13_stack(w1s, w3s):
+    """``(w13, copied)``: a view of the experts' memory where gate and up halves alternate evenly, else a copy."""
+    inter, dim = w1s[0].shape
+    pair = inter * dim
+    gates = stacked_view([w.detach() for w in w1s], step=2 * pair)
+    ups = stacked_view([w.detach() for w in w3s], step=2 * pair)
+    if (gates is not None and ups is not None and gates.dtype == ups.dtype
+            and ups.storage_offset() == gates.storage_offset() + pair):
+        return gates.as_strided((len(w1s), 2 * inter, dim), (2 * pair, dim, 1)), False
+    stack = torch.cat((torch.stack([w.detach() for w in w1s]), torch.stack([w.detach() for w in w3s])), dim=1)
+    for i, (w1, w3) in enumerate(zip(w1s, w3s)):
+        w1.data, w3.data = stack[i, :inter], stack[i, inter:]
+    return stack, True
+
+
+def _stack(ws):
+    """``(stack, copied)``: a view of the experts' memory where they lie one after another, else a copy."""
+    view = stacked_view([w.detach() for w in ws])
+    if view is not None:
+        return view, False
+    stack = torch.stack([w.detach() for w in ws])
+    for i, w in enumerate(ws):
+        w.data = stack[i]
+    return stack, True
 
 
 def _stacks(moe):
     st = getattr(moe, "_expert_stacks", None)
-    if st is None or any(getattr(e, n).weight.data_ptr() != st[n][i].data_ptr()
-                         for n in ("w1", "w3", "w2") for i, e in enumerate(moe.experts)):
-        raise RuntimeError("the decode MoE reads each layer's experts as one stacked tensor: call "
-                           "kernels.reference.slots.stack_expert_weights(model) after building the model or "
-                           "replacing its expert tensors")
-    return st["w1"], st["w3"], st["w2"]
+    if st is not None:
+        w13, w2 = st["w13"], st["w2"]
+        inter = w13.shape[1] // 2
+        fresh = all(e.w1.weight.data_ptr() == w13[i, :inter].data_ptr()
+                    and e.w3.weight.data_ptr() == w13[i, inter:].data_ptr()
+                    and e.w2.weight.data_ptr() == w2[i].data_ptr() for i, e in enumerate(moe.experts))
+        if fresh:
+            return w13, w2
+    raise RuntimeError("the decode MoE reads each layer's experts as one stacked tensor: call "
+                       "kernels.reference.slots.stack_expert_weights(model) after building the model or "
+                       "replacing its expert tensors")
 
 
 def moe_decode_path(x: torch.Tensor, moe) -> str:
     """``"grouped"`` (bf16 on a CUDA GPU of compute capability 9.0+, 8-element-aligned expert dims: what
     ``torch._grouped_mm`` runs there) or ``"dense"``."""
-    w1 = moe._expert_stacks["w1"] if hasattr(moe, "_expert_stacks") else None
-    ok = (x.is_cuda and x.dtype == torch.bfloat16 and w1 is not None and w1.dtype == torch.bfloat16
-          and w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    w13 = moe._expert_stacks["w13"] if hasattr(moe, "_expert_stacks") else None
+    ok = (x.is_cuda and x.dtype == torch.bfloat16 and w13 is not None and w13.dtype == torch.bfloat16
+          and w13.shape[1] % 16 == 0 and w13.shape[2] % 8 == 0
+          and torch.cuda.get_device_capability(x.device) >= (9, 0))
     return "grouped" if ok else "dense"
 
 
-def _grouped(x, weights, idx, w1, w3, w2, limit, ct):
-    """(token, expert) pairs sorted by expert, each expert's rows one group of ``torch._grouped_mm``."""
+def _grouped(x, weights, idx, w13, w2, limit, ct):
+    """(token, expert) pairs sorted by expert, each expert's rows one group of ``torch._grouped_mm`` (gate and
+    up in one: ``w13``)."""
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     xs = x.index_select(0, order // k)
-    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(w1.shape[0], device=x.device),
+    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(w13.shape[0], device=x.device),
                               right=True).to(torch.int32)                       # each expert's end row
-    hid = swiglu(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs).to(ct),
-                 torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs).to(ct), limit)
+    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).to(ct).chunk(2, dim=-1)
+    hid = swiglu(gate, up, limit)
     hid = hid * weights.reshape(-1).index_select(0, order).to(ct)[:, None]   # routing weight before w2
     out = torch._grouped_mm(hid.to(x.dtype), w2.transpose(1, 2), offs=offs).to(ct)
     return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)
 
 
-def _dense(x, weights, idx, w1, w3, w2, limit, ct):
+def _dense(x, weights, idx, w13, w2, limit, ct):
     """Every expert on every token (one batched matmul), weighted 0 where the token did not pick it."""
-    hid = swiglu(torch.matmul(x, w1.transpose(1, 2)).to(ct), torch.matmul(x, w3.transpose(1, 2)).to(ct), limit)
-    gate = torch.zeros(x.shape[0], w1.shape[0], dtype=ct, device=x.device).scatter(1, idx, weights.to(ct))
+    hid = swiglu(*torch.matmul(x, w13.transpose(1, 2)).to(ct).chunk(2, dim=-1), limit)
+    gate = torch.zeros(x.shape[0], w13.shape[0], dtype=ct, device=x.device).scatter(1, idx, weights.to(ct))
     hid = hid * gate.t()[:, :, None]                                              # [E, T, I]
     return torch.matmul(hid.to(x.dtype), w2.transpose(1, 2)).to(ct).sum(dim=0)
 
@@ -219,8 +258,8 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     weights, idx = moe.gate(x, input_ids)
     ct = compute_dtype(x)
     st = moe._expert_stacks
-    w1, w3, w2 = (st[n].to(x.dtype) for n in ("w1", "w3", "w2"))
-    y = (_grouped if path == "grouped" else _dense)(x, weights, idx, w1, w3, w2, moe.experts[0].limit, ct)
+    w13, w2 = (st[n].to(x.dtype) for n in ("w13", "w2"))
+    y = (_grouped if path == "grouped" else _dense)(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
     y = y + moe.shared_experts(x).to(ct)
     return y.to(x.dtype).view(shape), idx
 

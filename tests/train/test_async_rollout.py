@@ -94,7 +94,7 @@ def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
     from core.assembly import Assembly
     from orchestration import run_training
     from rollout.async_rollout import RolloutPipeline
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     log = {"generate": [], "weights": {}, "updated_while_generating": []}
     made, take, taken = Assembly.rollout_engine, RolloutPipeline.take, threading.Semaphore(0)
@@ -116,7 +116,7 @@ def _train(run_dir, data, *, steps=STEPS, resume=False, **kw):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     data = write_data(root / "data.jsonl")
-    sync = _train(root / "sync", data)
+    sync = _train(root / "sync", data, weight_sync="copy")   # copied: the recording sees every update
     asyn = _train(root / "async", data, async_rollout=True)
     return sync, asyn, data
 

@@ -127,7 +127,7 @@ def test_resume_without_a_model_builds_without_init(mode, tmp_path, monkeypatch)
     import train.trainer as trainer
     from orchestration import run_training
     from train.checkpointing import latest_checkpoint
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     from ._metrics import without_timing
 

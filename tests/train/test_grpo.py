@@ -55,7 +55,7 @@ def grpo_run(request, tmp_path_factory):
 
 
 def test_metrics_are_complete_and_finite(grpo_run):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     run = grpo_run[0]
     rows = read_metrics(run)
@@ -72,7 +72,7 @@ def test_the_logged_loss_is_the_sum_of_its_logged_terms(grpo_run):
     """loss = pg_loss + kl_coef x kl_loss + mtp_coef x mtp_loss + indexer_loss (kl_coef 0.05, mtp_coef 0.3 above);
     the values of the policy and KL terms themselves are held to a hand-computed oracle in
     tests/train/test_rl_objective.py."""
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     for r in read_metrics(grpo_run[0]):
         assert r["kl_loss"] is not None and r["mtp_loss"] > 0
@@ -82,7 +82,7 @@ def test_the_logged_loss_is_the_sum_of_its_logged_terms(grpo_run):
 
 
 def test_train_and_rollout_logprobs_agree_in_fp32(grpo_run):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     for r in read_metrics(grpo_run[0]):
         assert r["train_rollout_logprob_abs_diff"] < 1e-4
@@ -90,7 +90,7 @@ def test_train_and_rollout_logprobs_agree_in_fp32(grpo_run):
 
 
 def test_routing_replay_makes_train_routing_equal_the_rollouts(grpo_run):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     for r in read_metrics(grpo_run[0]):
         assert r["routing_replay_match"] == 1.0
@@ -98,7 +98,7 @@ def test_routing_replay_makes_train_routing_equal_the_rollouts(grpo_run):
 
 def test_tensorboard_plots_and_export(grpo_run):
     from core.checkpoint import open_checkpoint
-    from train.metrics import tensorboard_scalars
+    from reporting.metrics import tensorboard_scalars
     from launchers.plot import plot_run
 
     run, result, _ = grpo_run

@@ -23,7 +23,7 @@ ROW_KEYS = ("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl",
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-{p[1] or 'default'}")
 def grpo_run(request, tmp_path_factory):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration import run_training
 
     impl, fmt = request.param
@@ -62,7 +62,7 @@ def test_grpo_routing_replay_matches_the_rollout(grpo_run):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_one_sft_step(impl, tmp_path):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration import run_training
 
     c = small_config()

@@ -191,6 +191,7 @@ def test_unbuilt_training_options_are_refused(kw, says):
                                                                       "--rollout-engine reference"),
     (dict(cp=2), "--cp 2 .*Fix: use --cp 1"),
     (dict(tp=2), "--tp 2 .*Fix: use --tp 1"),
+    (dict(pp=2, job="train"), "--pp 2 .*Fix: use --pp 1"),
     (dict(orchestrator="ray"), "--orchestrator ray .*Fix: use --orchestrator local"),
 ])
 def test_unbuilt_runs_are_refused(choices, says):

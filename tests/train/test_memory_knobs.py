@@ -59,7 +59,7 @@ def test_recompute_is_refused_for_the_reference_model_and_unknown_modes():
 
 @pytest.mark.parametrize("mode", ["sft", "grpo"])
 def test_micro_batches_take_the_one_batch_step(tmp_path, mode):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration import run_training
 
     c = small_config()

@@ -185,7 +185,7 @@ def test_publish_scheme_of_qat_is_bf16():
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_two_qat_training_steps(impl, tmp_path):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration import run_training
 
     c = small_config()

@@ -50,7 +50,7 @@ def _run(impl, run_dir, data, steps, resume, kill_at=None, **kw):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_kill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path, impl):
     from train.checkpointing import latest_checkpoint
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     data = _data(tmp_path)
     ref = tmp_path / "ref"

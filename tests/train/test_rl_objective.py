@@ -272,7 +272,7 @@ GRPO_RUN = dict(mode="grpo", steps=2, progress=False, export_at_end=False, promp
 def one_rank_run(tmp_path_factory):
     """Two GRPO steps of the real trainer on one rank (tiny model, fp32, micro-batches of one sample, a reference
     policy), recording what it passed to and got from ``group_advantages`` and ``grpo_loss``."""
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration.training import run_training   # imports the trainer and its steps (train.grpo) now
 
     from ._impl_helpers import run_config, small_config, write_data
@@ -317,7 +317,7 @@ def test_two_data_parallel_ranks_take_the_one_rank_step(one_rank_run, tmp_path):
     one-rank run's (which the test above holds to the oracle); a rank-local normaliser doubles the loss."""
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration.training import run_training   # imports the trainer and its steps (train.grpo) now
 
     from ._impl_helpers import small_config

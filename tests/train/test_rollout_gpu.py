@@ -271,7 +271,7 @@ def test_the_nvidia_runs_engine_is_on_its_gpu_in_bf16():
 
 def test_grpo_rolls_out_on_the_gpu(tmp_path):
     from core.assembly import assemble
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration import run_training
 
     run = _nvidia_run()

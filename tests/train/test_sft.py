@@ -12,7 +12,7 @@ def test_sft_lowers_the_loss_on_the_builtin_data(tmp_path, impl):
     from core.config import preset
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
     from orchestration import run_training
 
     c = preset("tiny").replace(n_layers=2, compress_ratios=(0, 0, 0), n_hash_layers=1)

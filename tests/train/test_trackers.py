@@ -74,7 +74,7 @@ def history(client, run, key):
 
 
 def test_mlflow_and_tensorboard_hold_the_metrics_of_every_step_and_resume_continues_the_run(tmp_path, mlflow_store):
-    from train.metrics import tensorboard_scalars
+    from reporting.metrics import tensorboard_scalars
 
     run = tmp_path / "run"
     res = dsv4("train", "--hardware", "cpu", "--tracker", "mlflow", "--tracker", "tensorboard", "--run-dir", run,
@@ -119,7 +119,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning_and_the_run_co
                                                                                        monkeypatch):
     import mlflow
 
-    from train.metrics import tensorboard_scalars
+    from reporting.metrics import tensorboard_scalars
 
     real = mlflow.log_metrics
 

@@ -40,7 +40,7 @@ def _nvidia_bf16_run(impl="miles"):
 
 
 def _rows(run_dir):
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     return read_metrics(run_dir)
 

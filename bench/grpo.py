@@ -1,0 +1,156 @@
+"""Benchmark of a GRPO step of ``dsv4 train`` itself (issue #32): where a step's time goes, phase by phase, for each
+way the weights reach the rollout engine.
+
+``python -m bench.grpo --model flash-shaped --hardware nvidia --prompts 8 --group 8 --new-tokens 128``
+
+Each ``--weight-sync`` mode (default ``copy,shared``) is one run of the real command line, as a user starts it::
+
+    python -m launchers.dsv4 train --mode grpo --hardware H --impl I --model M --steps S weight_sync=MODE ...
+
+and the rows are read from its ``RUN_DIR/metrics.jsonl`` after ``--warmup`` steps: the mean of each phase
+(``time_update_weights``, ``time_rollout``, ``time_logprobs``, ``time_train``) and of ``time_step``, the bytes the
+sync copied (``weight_sync_bytes``) and read in place (``weight_sync_shared_bytes``), the train/rollout log-prob
+difference. The weight sync's hardware limit is printed beside it: the bytes it copies at the device's memory
+bandwidth (read and write: 2 x bytes / bandwidth; H200: 4.8e12 B/s). The built-in task's prompts (``data``
+unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4
+prepare`` first, or a checkpoint folder). bf16 and triton kernels on nvidia, fp32 and the reference kernels on
+the CPU; no checkpoint, no export. A JSON object (date, machine, torch version, settings, rows) goes to
+``--out`` and a rich table to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from bench.train_cli import ROOT, _error_line, machine, resolve_model, subprocess_env
+
+H200_HBM_BYTES_PER_S = 4.8e12
+PHASES = ("time_update_weights", "time_rollout", "time_logprobs", "time_train")
+
+
+def grpo_command(mode: str, *, impl: str, model: str, run_dir: Path, steps: int, hardware: str, prompts: int,
+                 group: int, new_tokens: int, options=()) -> list:
+    """The ``dsv4 train --mode grpo`` command line of one weight-sync mode."""
+    return [sys.executable, "-m", "launchers.dsv4", "train", "--mode", "grpo", "--hardware", hardware,
+            "--impl", impl, "--kernel-backend", "triton" if hardware == "nvidia" else "none", "--model", model,
+            "--steps", str(steps), "--run-dir", str(run_dir), "-q", f"weight_sync={mode}",
+            f"prompts_per_step={prompts}", f"group_size={group}", f"max_new_tokens={new_tokens}",
+            f"save_every={1 << 30}", "save_at_end=false", "export_at_end=false", *options]
+
+
+def summarize(rows: list, warmup: int) -> dict:
+    """Mean phase times (ms), bytes and log-prob difference of the rows after the warm-up steps."""
+    timed = [r for r in rows if int(r["step"]) > warmup]
+    if not timed:
+        raise RuntimeError(f"metrics.jsonl holds {len(rows)} steps: none after the {warmup} warm-up steps")
+
+    def mean(key):
+        return sum(float(r.get(key) or 0.0) for r in timed) / len(timed)
+
+    out = {"timed_steps": len(timed), "step_ms": 1e3 * mean("time_step")}
+    out.update({f"{k[len('time_'):]}_ms": 1e3 * mean(k) for k in PHASES})
+    out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
+               logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"))
+    return out
+
+
+def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, **kw) -> dict:
+    """One ``dsv4 train --mode grpo`` run in ``folder`` (run/, dsv4.log) and its summary row."""
+    from reporting.metrics import read_metrics
+
+    row = {"weight_sync": mode}
+    if folder.exists():
+        shutil.rmtree(folder)                   # dsv4 train refuses a run folder that holds a run
+    folder.mkdir(parents=True)
+    cmd = grpo_command(mode, run_dir=folder / "run", hardware=hardware, **kw)
+    row["train_command"] = shlex.join(["python"] + cmd[1:])
+    print(f"$ {row['train_command']}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    row["wall_s"] = time.perf_counter() - t0
+    (folder / "dsv4.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        row.update(error=_error_line(proc.stdout), log_tail=proc.stdout[-3000:])
+        return row
+    row.update(summarize(read_metrics(folder / "run"), warmup))
+    if hardware == "nvidia":
+        row["sync_limit_ms"] = 1e3 * 2 * row["sync_bytes"] / H200_HBM_BYTES_PER_S
+    return row
+
+
+def print_table(rows: list, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "logprobs ms", "train ms", "copied MB",
+                "shared MB", "|lp diff|"):
+        table.add_column(col, justify="left" if col == "weight sync" else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 7)
+            continue
+        table.add_row(r["weight_sync"], f"{r['step_ms']:.1f}", f"{r['update_weights_ms']:.2f}",
+                      f"{r['rollout_ms']:.1f}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
+                      f"{r['sync_bytes'] / 1e6:.3f}", f"{r['shared_bytes'] / 1e6:.1f}",
+                      f"{r['logprob_abs_diff']:.2e}")
+    Console(width=160).print(table)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--impl", default="miles", choices=("miles", "megatron"))
+    p.add_argument("--hardware", default="nvidia" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--weight-sync", default="copy,shared", help="modes to run, comma-separated (auto, shared, copy)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more training options")
+    p.add_argument("--folder", default=None, help="where the runs go (default: a temporary folder)")
+    p.add_argument("--out", default=None, help="JSON file (default bench/results/grpo-<hardware>-<model>.json)")
+    a = p.parse_args(argv)
+    if a.steps <= a.warmup:
+        p.error(f"--steps {a.steps} must exceed --warmup {a.warmup}")
+    env = subprocess_env()
+    model, _config = resolve_model(a.model, env)
+    folder = Path(a.folder) if a.folder else Path(tempfile_dir())
+    rows = []
+    settings = dict(model=a.model, impl=a.impl, hardware=a.hardware, steps=a.steps, warmup=a.warmup,
+                    prompts_per_step=a.prompts, group_size=a.group, max_new_tokens=a.new_tokens, options=a.set)
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"grpo-{a.hardware}-{a.model}.json"
+    for mode in [m.strip() for m in a.weight_sync.split(",") if m.strip()]:
+        rows.append(run_mode(mode, folder=folder / mode, env=env, warmup=a.warmup, hardware=a.hardware,
+                             impl=a.impl, model=model, steps=a.steps, prompts=a.prompts, group=a.group,
+                             new_tokens=a.new_tokens, options=a.set))
+        record = {"bench": "grpo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": machine(a.hardware), "torch": torch.__version__, "command": shlex.join(sys.argv),
+                  "settings": settings, "rows": rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+    print_table(rows, f"dsv4 train --mode grpo, {a.model} ({a.impl}), {machine(a.hardware)}")
+    print(f"wrote {out}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="dsv4-bench-grpo-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

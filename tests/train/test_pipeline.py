@@ -1,0 +1,209 @@
+"""Pipeline parallelism (``dsv4 train --pp 2``) on the CPU: two gloo ranks, one stage each, through the CLI.
+
+* SFT with the MTP loss (the token embeddings travel to the last stage) and ``--pp 2`` takes the one-rank steps
+  (with four ranks, data parallel 2 x 2 stages, the two-rank data-parallel run's): on the tiny model (4 decoder
+  layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences: 3, 3, 2,
+  so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the final fp32
+  weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each stage
+  checkpoints its own blocks). Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three
+  AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows in the same order (the
+  streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is added in another order
+  (over the stages); on this machine every value came out identical.
+* A ``--pp 2`` checkpoint resumes at ``--pp 1`` and a ``--pp 1`` one at ``--pp 2`` (global names, DCP reshards;
+  the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
+  uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
+* GRPO with ``--pp 2`` (two ranks, and four), with the KL penalty (the reference model is split into the same
+  stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights (the sync's check
+  passes), routing replay covers every layer, and two steps equal the one-rank steps.
+* The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
+  and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``), one line each naming the fix.
+"""
+
+import json
+
+import pytest
+import torch
+
+from ._cli import metrics_rows, train_cli
+
+SFT = ("--impl", "miles", "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "micro_batch_size=3", "mtp_coef=0.3")
+PP2 = ("--pp", "2", "--nproc-per-node", "2")
+
+
+def _weights(run_dir, step: int) -> dict:
+    """The fp32 native weights of the run's checkpoint of ``step``."""
+    from core.native_checkpoint import load_native
+
+    state, _meta = load_native(run_dir / "checkpoints" / f"step_{step:06d}" / "model")
+    return state
+
+
+def _assert_same_run(got_dir, want_dir, steps):
+    got, want = metrics_rows(got_dir), metrics_rows(want_dir)
+    assert [r["step"] for r in got] == list(steps)
+    for a, b in zip(got, want[steps[0] - 1:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), a["step"]
+        assert a["mtp_loss"] == pytest.approx(b["mtp_loss"], rel=1e-6), a["step"]
+    w_got, w_want = _weights(got_dir, steps[-1]), _weights(want_dir, steps[-1])
+    assert w_got.keys() == w_want.keys() and len(w_got) > 100
+    worst = max(float((w_got[k].double() - w_want[k].double()).abs().max()) for k in w_got)
+    assert worst <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Three SFT steps of one rank: what every pipeline run must reproduce."""
+    d = tmp_path_factory.mktemp("pp1") / "run"
+    train_cli(d, *SFT, "--steps", "3")
+    return d
+
+
+@pytest.fixture(scope="module")
+def straight_dp2(tmp_path_factory):
+    """Three SFT steps of two data-parallel ranks (no stages)."""
+    d = tmp_path_factory.mktemp("dp2") / "run"
+    train_cli(d, *SFT, "--nproc-per-node", "2", "--steps", "3")
+    return d
+
+
+@pytest.mark.parametrize("knobs", [(), ("recompute=full",)], ids=["plain", "recompute"])
+def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight, knobs):
+    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", *knobs)
+    assert metrics_rows(tmp_path / "run")[0]["world_size"] == 2
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 1
+    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
+
+
+def test_sft_with_two_stages_per_data_parallel_rank_takes_the_data_parallel_steps(tmp_path, straight, straight_dp2):
+    """Four ranks: data parallel 2 x 2 stages. Against the two-rank data-parallel run the weights agree as
+    tightly as above; against one rank only its losses and norms do (data parallelism sums the ranks'
+    gradients in another order, and AdamW's m / sqrt(v) turns the last bits of near-zero gradients into update
+    differences: the plain two-rank run's weights differ from one rank's by about 5e-5 after three steps too)."""
+    train_cli(tmp_path / "run", *SFT, "--pp", "2", "--nproc-per-node", "4", "--steps", "3")
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 2 and state["layout"]["world"] == 4
+    _assert_same_run(tmp_path / "run", straight_dp2, [1, 2, 3])
+    for a, b in zip(metrics_rows(tmp_path / "run"), metrics_rows(straight)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                 rel=1e-6)
+
+
+@pytest.mark.parametrize("first,then", [(PP2, ()), ((), PP2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
+def test_a_checkpoint_resumes_on_the_other_pipeline_layout(tmp_path, straight, first, then):
+    train_cli(tmp_path / "run", *SFT, *first, "--steps", "2")
+    train_cli(tmp_path / "run", *SFT, *then, "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
+
+
+GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05",
+        "mtp_coef=0.1")
+
+
+@pytest.fixture(scope="module")
+def grpo_one_rank(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo1") / "run"
+    train_cli(d, *GRPO)
+    return metrics_rows(d)
+
+
+@pytest.mark.parametrize("ranks", [2, 4], ids=["pp2", "pp2-dp2"])
+def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, ranks):
+    train_cli(tmp_path / "run", *GRPO, "--pp", "2", "--nproc-per-node", str(ranks))
+    rows = metrics_rows(tmp_path / "run")
+    assert len(rows) == 2 and rows[1]["kl_loss"] != 0.0     # step 2: the policy moved off the reference model
+    for got, want in zip(rows, grpo_one_rank):
+        assert got["weight_check_ok"] is True and got["routing_replay_match"] == 1.0
+        assert got["reward_mean"] == want["reward_mean"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+        assert got["kl_loss"] == pytest.approx(want["kl_loss"], rel=1e-5, abs=1e-9)
+        assert got["mtp_loss"] == pytest.approx(want["mtp_loss"], rel=1e-6)
+        assert got["train_rollout_logprob_abs_diff"] == pytest.approx(want["train_rollout_logprob_abs_diff"],
+                                                                      abs=1e-7)
+
+
+def test_stages_hold_contiguous_even_layer_ranges():
+    from engine.pipeline import stage_layers
+
+    assert [list(stage_layers(4, 2, s)) for s in range(2)] == [[0, 1], [2, 3]]
+    assert [list(stage_layers(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="Fix: use --pp 2 or fewer"):
+        stage_layers(2, 3, 0)
+
+
+def _normalize(**kw):
+    from core.config import preset
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+
+    choices = dict(impl="miles", model=preset("tiny"), job="train", pp=2, world=2)
+    return normalize(Choices(**{**choices, **kw}), make_host(third_party=False), model_name="tiny")
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(impl="megatron", qkv_format="thd"), "--impl megatron does not support pipeline parallelism"),
+    (dict(job="score"), "built for dsv4 train only"),
+    (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
+    (dict(tp=2, world=4), "Fix: use --tp 1 --cp 1 --ep 1"),
+    (dict(world=3), "Fix: use a rank count that is a multiple of 2"),
+    (dict(qkv_format="thd"), "Fix: use --qkv-format bshd"),
+])
+def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
+    from core.combinations import InvalidCombination
+
+    with pytest.raises(InvalidCombination) as err:
+        _normalize(**kw)
+    assert message in str(err.value) and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize("knob", [dict(compile_blocks=True), dict(train_impl="reference")])
+def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
+    from core.config import ConfigError
+    from train.config_checks import check_train_options
+    from train.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match=f"{next(iter(knob))}.*--pp 2: not built .*Fix: drop"):
+        check_train_options(_normalize(), TrainConfig(**knob))
+
+
+def test_the_cli_refuses_an_unbuilt_pipeline_layout_in_one_line(tmp_path):
+    proc = train_cli(tmp_path / "run", "--impl", "miles", "--mode", "sft", "--steps", "1", "--pp", "2",
+                     "--nproc-per-node", "2", "--tp", "2", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--pp 2 runs with data parallelism only" in proc.stderr and "Fix: use --tp 1 --cp 1 --ep 1" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_uneven_split_keeps_global_names_and_the_stages_compose_to_the_whole_model():
+    """3 decoder layers on 2 stages (stage 0: layers 0-1 and the embedding; stage 1: layer 2, the head and the MTP
+    block), cut from one model in one process: every contract tensor is on exactly one stage under its global
+    name, and stage 0's streams fed to stage 1 give the whole model's logits (fp32, exactly)."""
+    from types import SimpleNamespace
+
+    from core import weight_contract as wc
+    from engine.pipeline import OtherStage, split_stage
+    from train.model import build_train_model
+
+    from ._impl_helpers import run_config, small_config
+
+    config = small_config()
+
+    def build():          # the same seed: the same weights every time
+        return build_train_model(config, run_config("miles", config), seed=3).module.eval()
+
+    whole = build()
+    stages = [split_stage(build(), config.n_layers, SimpleNamespace(pp=2, pp_rank=s)) for s in (0, 1)]
+    names = [{n for n, _ in wc.module_tensors(m, config)} for m in stages]
+    assert not names[0] & names[1] and names[0] | names[1] == {n for n, _ in wc.module_tensors(whole, config)}
+    assert any(n.startswith("embedding.") for n in names[0]) and not any(n.startswith("embedding.") for n in names[1])
+    assert {n.split(".")[2] for n in names[0] if n.startswith("decoder.layers.")} == {"0", "1"}
+    assert {n.split(".")[2] for n in names[1] if n.startswith("decoder.layers.")} == {"2"}
+    assert any(n.startswith("output_layer.") for n in names[1]) and any(n.startswith("mtp.") for n in names[1])
+    assert not any(n.startswith(("output_layer.", "mtp.", "decoder.final_layernorm", "decoder.hc_head"))
+                   for n in names[0])
+    assert isinstance(stages[0].decoder.layers[2], OtherStage) and isinstance(stages[1].decoder.layers[0], OtherStage)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        streams = stages[0].hidden_streams(ids)
+        assert torch.equal(stages[1](ids, streams=streams), whole(ids))
