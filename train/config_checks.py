@@ -204,8 +204,8 @@ def _check_indexer_replay_options(cfg) -> None:
 
 def _check_indexer_replay_run(run_config, cfg) -> None:
     """Indexer replay with the run's choices: the built-in engine records the picks; the reference, miles (BSHD or
-    THD) and megatron models replay them (rows or packed micro-batches); one rank of tensor and context
-    or pipeline parallelism; the local orchestrator."""
+    THD) and megatron models replay them (rows or packed micro-batches); one rank of tensor, context and
+    pipeline parallelism; the local orchestrator."""
     sel = run_config.selection
     for bad, what, fix in (
             (sel.rollout is not None and sel.rollout.name != "reference",
