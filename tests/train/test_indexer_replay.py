@@ -160,7 +160,7 @@ def _write_data(path, n=8):
 def test_grpo_with_indexer_replay_logs_the_match(tmp_path, impl, packed, async_rollout):
     from orchestration import run_training
     from tests.train._impl_helpers import run_config
-    from train.metrics import read_metrics
+    from reporting.metrics import read_metrics
 
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     run_training(run_config(impl, CFG), CFG, mode="grpo", steps=2, run_dir=tmp_path / "run",
