@@ -398,11 +398,6 @@ class ReferenceEngine(RolloutEngineBase):
             self._moved = False
         return copied
 
-    @property
-    def shared_names(self) -> set:
-        """The engine's tensors that are the trainer's memory now."""
-        return set(self._shared)
-
     def shared_addresses(self) -> Dict[str, int]:
         """``{name: address}`` of the shared tensors as they are now (a moved one shows another address)."""
         return {n: self._params[n].data_ptr() for n in self._shared}

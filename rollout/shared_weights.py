@@ -171,13 +171,12 @@ class _Plan:
         plan.engine_addresses = engine.shared_addresses()
         copied = set(engine.copied_names())
         by_name = dict(native)
-        plan.copies = []                        # (native members, their tensors): re-exported and copied each sync
-        units = {}
+        units = {}                              # the export units of the copied tensors: re-exported each sync
         for n in by_name:
             key, members, officials = wc.export_unit(n, train_model.config)
             if copied & set(officials):
                 units[key] = members
-        plan.copies = [[(m, by_name[m]) for m in members] for members in units.values()]
+        plan.copies = [[(m, by_name[m]) for m in members] for members in units.values()]   # (name, tensor) lists
         return plan
 
     def intact(self, train_model, engine) -> bool:

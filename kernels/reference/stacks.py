@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["stacked_view", "is_stacked"]
+__all__ = ["stacked_view"]
 
 
 def stacked_view(tensors: Sequence[torch.Tensor], *, step: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -46,10 +46,3 @@ def stacked_view(tensors: Sequence[torch.Tensor], *, step: Optional[int] = None)
     if not all(t.is_contiguous() for t in tensors):
         return None
     return first.as_strided((n, *shape), (step, *first.stride()), offset)
-
-
-def is_stacked(stack: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether ``stack[i]`` is ``tensors[i]``'s memory for every ``i`` (a stack made by :func:`stacked_view`
-    or a copy the tensors were re-pointed into)."""
-    return len(tensors) == stack.shape[0] and all(
-        t.data_ptr() == stack[i].data_ptr() and t.shape == stack.shape[1:] for i, t in enumerate(tensors))
