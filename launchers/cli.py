@@ -42,7 +42,7 @@ _RUN_OPTIONS = (
     ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
     ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm. Default: train and full-train detect it (nvidia when torch sees a CUDA device, else cpu) and say so; other commands: cpu.")),
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
-    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train --impl miles splits the decoder layers into N stages, one per rank "
+    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train splits the decoder layers into N stages, one per rank "
                                                     "(megatron-core's 1F1B schedule; data parallel over the rest of the ranks, no tp, cp or ep with it).")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
