@@ -223,6 +223,17 @@ def weight_decay_groups(named: Dict[str, torch.nn.Parameter], weight_decay: floa
             if g["params"]]
 
 
+def scheduled_groups(groups: List[dict], cfg) -> None:
+    """Give each of megatron-core's parameter groups the learning rate and weight decay its multipliers ask for.
+    megatron-core marks the groups (``wd_mult`` 0 for one-dimensional parameters and biases, ``lr_mult``) and
+    leaves the multiplying to its ``OptimizerParamScheduler.step``, which this trainer (constant lr) does not run:
+    without this every group took the full weight decay on a GPU, norms and biases too (found by
+    tests/train/test_fused_optim_gpu.py against :class:`TorchOptimizer`)."""
+    for g in groups:
+        g["lr"] = cfg.lr * g.get("lr_mult", 1.0)
+        g["weight_decay"] = cfg.weight_decay * g.get("wd_mult", 1.0)
+
+
 def _every_rank_steps(steps: Dict[str, int]) -> Dict[str, int]:
     """Merge the step counts of every expert-parallel rank (each holds other experts) and pipeline stage."""
     from engine.layout import current as parallel_layout
@@ -299,6 +310,8 @@ class MegatronOptimizer(_Base):
                                   adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
                                   use_distributed_optimizer=True, clip_grad=cfg.grad_clip)
         self.opt = get_megatron_optimizer(oconfig, [self.ddp])
+        for part in self._parts():
+            scheduled_groups(part.optimizer.param_groups, cfg)
         from engine.fused_optim import install, install_triton_adam
 
         # torch's fused AdamW and a device-side gradient norm where megatron-core fell back to unfused ones; on a

@@ -168,3 +168,38 @@ def test_the_cpu_optimizer_follows_megatron_cores_update_rules():
     torch.testing.assert_close(after["used.bias"], adam_first_step(start["used.bias"], grads["used.bias"], 0.0))
     torch.testing.assert_close(after["norm"], adam_first_step(start["norm"], grads["norm"], 0.0))
     torch.testing.assert_close(after["unused.weight"], start["unused.weight"] * (1 - lr * wd))
+
+
+def test_megatron_groups_take_their_multipliers_as_the_cpu_optimizer_decays(tmp_path):
+    """megatron-core's parameter groups mark norms and biases with ``wd_mult`` 0 and leave the multiplying to its
+    lr scheduler, which the trainer does not run: ``train.optim.scheduled_groups`` applies it, so the GPU
+    optimizer decays exactly the parameters the CPU optimizer (``weight_decay_groups``) decays."""
+    from backends.cpu.target import CpuTarget
+
+    CpuTarget().setup()                          # the cpu target's megatron-core shims
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups, get_standard_config_overrides
+
+    from train.optim import scheduled_groups, weight_decay_groups
+    from train.trainer import TrainConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2, bias=False))
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
+    cfg = TrainConfig(lr=1e-3, weight_decay=0.1)
+    oconfig = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay)
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()            # megatron-core logs through torch.distributed's rank
+    if own_group:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        groups = _get_param_groups([model], oconfig, get_standard_config_overrides(oconfig))
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    assert all("weight_decay" not in g for g in groups)     # megatron-core leaves it to its scheduler
+    scheduled_groups(groups, cfg)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert all(g["weight_decay"] in (0.0, 0.1) and g["lr"] == 1e-3 for g in groups)
+    want = weight_decay_groups(dict(model.named_parameters()), cfg.weight_decay)
+    assert decayed == {id(p) for g in want if g["weight_decay"] > 0 for p in g["params"]}
+    assert len(decayed) == 2                                  # the two weight matrices only

@@ -173,7 +173,7 @@ def test_a_blown_up_update_is_flagged_and_the_trainer_check_names_the_tensor():
 
     rc = _run_config("bf16")
     model = _model(rc)
-    cfg = TrainConfig(lr=1e-3, grad_clip=0.0)
+    cfg = TrainConfig(lr=1e-3)
     object.__setattr__(cfg, "lr", float("inf"))         # (the run's option checks refuse it before a run starts)
     optim = MegatronOptimizer(model, cfg, dtype=torch.bfloat16)
     ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
