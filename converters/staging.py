@@ -278,10 +278,12 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str, input_pat
                                 f"another output folder, or remove this one yourself")
         if dest.exists() and not overwrite:
             if s is None:
-                raise StageConflict(f"{name}: {dest} exists but is not a completed stage result "
-                                    f"(no {SENTINEL}); remove it or pass overwrite=True")
+                raise StageConflict(f"{name}: {dest} exists and was not written by dsv4 (no {SENTINEL}); dsv4 "
+                                    f"writes only into a new or empty folder or over its own output. Fix: choose "
+                                    f"another output folder, or empty this one yourself")
             raise StageConflict(f"{name}: {dest} holds the result of stage {s.get('stage')!r} with "
-                                f"inputs {s.get('inputs')!r}, not {want!r}; remove it or pass overwrite=True")
+                                f"inputs {s.get('inputs')!r}, not {want!r}. Fix: pass --overwrite to replace it, "
+                                f"or choose another output folder")
 
         for p in stale_temporaries(dest):
             if verbose:
