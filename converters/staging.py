@@ -221,6 +221,54 @@ def check_disk_space(path, required_bytes: Optional[int]) -> None:
         raise InsufficientDiskSpace(p, required_bytes, free)
 
 
+def _refuse_existing(dest: Path, s: Optional[dict], *, name: str, want, overwrite: bool) -> None:
+    """Raise :class:`StageConflict` (naming the one fix that works) unless ``dest`` may be (re)built: it is
+    missing, or ``overwrite`` and it holds only dsv4's own earlier output."""
+    if overwrite and s is not None and dest.is_dir():
+        refuse_foreign(dest, s, stage=name)     # the user's own files in dsv4's output: never deleted
+    if overwrite and s is None and dest.exists():
+        raise StageConflict(f"{name}: {dest} was not written by dsv4 (no {SENTINEL}); refusing to replace "
+                            f"it even with --overwrite, which only replaces dsv4's own outputs. Fix: choose "
+                            f"another output folder, or remove this one yourself")
+    if dest.exists() and not overwrite:
+        if s is None:
+            raise StageConflict(f"{name}: {dest} exists and was not written by dsv4 (no {SENTINEL}); dsv4 "
+                                f"writes only into a new or empty folder or over its own output. Fix: choose "
+                                f"another output folder, or empty this one yourself")
+        raise StageConflict(f"{name}: {dest} holds the result of stage {s.get('stage')!r} with "
+                            f"inputs {s.get('inputs')!r}, not {want!r}. Fix: pass --overwrite to replace it, "
+                            f"or choose another output folder")
+
+
+def _build_in_place(dest: Path, build_fn: Callable[[Path], Any], *, name: str, want, verbose: bool) -> dict:
+    """Build into a temporary sibling of ``dest``, write the sentinel, rename into place; the sentinel."""
+    tmp = dest.parent / f".{dest.name}.stage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        t0 = time.time()
+        if verbose:
+            _log(f"{name}: building {dest}")
+        build_fn(tmp)
+        _maybe_pause("before-sentinel")
+        sentinel = {"complete": True, "stage": name, "inputs": want, "created_unix": time.time(),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 3),
+                    "host": socket.gethostname(), "pid": os.getpid(), "files": manifest(tmp)}
+        (tmp / SENTINEL).write_text(json.dumps(sentinel, indent=2, sort_keys=True) + "\n")
+        _fsync_tree(tmp)
+        _maybe_pause("before-rename")
+        if dest.exists():
+            _replace_dir(tmp, dest)
+        else:
+            os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if verbose:
+        _log(f"{name}: {dest} complete in {time.time() - t0:.1f} s")
+    return sentinel
+
+
 def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str, input_paths: Iterable,
               inputs: Optional[Mapping[str, Any]] = None, required_bytes: Optional[int] = None,
               lock_dir=None, lock_timeout: Optional[float] = None, overwrite: bool = False,
@@ -270,18 +318,7 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str, input_pat
             return StageResult(dest, False, s)
         if s is None and dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()):
             dest.rmdir()  # an empty folder (made by the user, or by a failed start) is free to use
-        if overwrite and s is not None and dest.is_dir():
-            refuse_foreign(dest, s, stage=name)     # the user's own files in dsv4's output: never deleted
-        if overwrite and s is None and dest.exists():
-            raise StageConflict(f"{name}: {dest} was not written by dsv4 (no {SENTINEL}); refusing to replace "
-                                f"it even with --overwrite, which only replaces dsv4's own outputs. Fix: choose "
-                                f"another output folder, or remove this one yourself")
-        if dest.exists() and not overwrite:
-            if s is None:
-                raise StageConflict(f"{name}: {dest} exists but is not a completed stage result "
-                                    f"(no {SENTINEL}); remove it or pass overwrite=True")
-            raise StageConflict(f"{name}: {dest} holds the result of stage {s.get('stage')!r} with "
-                                f"inputs {s.get('inputs')!r}, not {want!r}; remove it or pass overwrite=True")
+        _refuse_existing(dest, s, name=name, want=want, overwrite=overwrite)
 
         for p in stale_temporaries(dest):
             if verbose:
@@ -295,30 +332,6 @@ def run_stage(dest_dir, build_fn: Callable[[Path], Any], *, name: str, input_pat
         dest.parent.mkdir(parents=True, exist_ok=True)
         check_disk_space(dest.parent, required_bytes)
 
-        tmp = dest.parent / f".{dest.name}.stage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            t0 = time.time()
-            if verbose:
-                _log(f"{name}: building {dest}")
-            build_fn(tmp)
-            _maybe_pause("before-sentinel")
-            sentinel = {"complete": True, "stage": name, "inputs": want, "created_unix": time.time(),
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(time.time() - t0, 3),
-                        "host": socket.gethostname(), "pid": os.getpid(), "files": manifest(tmp)}
-            (tmp / SENTINEL).write_text(json.dumps(sentinel, indent=2, sort_keys=True) + "\n")
-            _fsync_tree(tmp)
-            _maybe_pause("before-rename")
-            if dest.exists():
-                _replace_dir(tmp, dest)
-            else:
-                os.replace(tmp, dest)
-            fsync_dir(dest.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if verbose:
-            _log(f"{name}: {dest} complete in {time.time() - t0:.1f} s")
-        return StageResult(dest, True, sentinel)
+        return StageResult(dest, True, _build_in_place(dest, build_fn, name=name, want=want, verbose=verbose))
     finally:
         lock.release()

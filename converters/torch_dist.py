@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Dict, Mapping
@@ -55,11 +56,13 @@ def is_torch_dist_checkpoint(path) -> bool:
     """Whether ``path`` is a megatron-core dist checkpoint of the torch_dist backend. One of another backend
     (``"sharded_backend": "zarr"``, megatron-core's older format) is refused here by name, rather than read as
     an HF folder and reported as missing its config.json."""
-    from core.bounded_io import load_json
+    from core.bounded_io import BoundedReadError, load_json
 
     p = Path(path)
     try:
         meta = load_json(p / "metadata.json", what="megatron-core checkpoint metadata")
+    except BoundedReadError:
+        raise                 # a FIFO, a device, a huge file: named as such, not read as an HF folder
     except (OSError, ValueError, UserInputError):
         return False
     backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
@@ -68,7 +71,7 @@ def is_torch_dist_checkpoint(path) -> bool:
                              f"(metadata.json); dsv4 reads only 'torch_dist' ones. Fix: re-save it with "
                              f"megatron-core's torch_dist backend, or convert its HF checkpoint with "
                              f"dsv4 convert --format torch_dist")
-    return backend == "torch_dist" and (p / ".metadata").is_file()
+    return backend == "torch_dist" and os.path.lexists(p / ".metadata")
 
 
 @contextlib.contextmanager

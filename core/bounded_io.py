@@ -29,7 +29,7 @@ from typing import Any, Optional
 from core.errors import UserInputError
 
 __all__ = ["BoundedReadError", "open_regular", "read_bytes", "read_text", "load_json", "check_regular",
-           "MAX_JSON_DEPTH", "JSON_LIMIT", "SMALL_JSON_LIMIT", "DATA_LIMIT"]
+           "check_tree", "MAX_JSON_DEPTH", "JSON_LIMIT", "SMALL_JSON_LIMIT", "DATA_LIMIT"]
 
 #: a config.json, an index, a state.json, a sentinel: far below this
 SMALL_JSON_LIMIT = 64 << 20
@@ -42,7 +42,12 @@ MAX_JSON_DEPTH = 64
 
 
 class BoundedReadError(UserInputError):
-    """A user-named file is not a regular file, too large, or nested too deep."""
+    """A user-named file is not a regular file, too large, or nested too deep. ``problem``: the message without
+    its fix, for a caller that words the fix itself (one "Fix:" a line)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.problem = message.split(". Fix: ")[0]
 
 
 def _kind(mode: int) -> str:
@@ -64,6 +69,30 @@ def check_regular(path, *, what: str = "file") -> None:
     st = os.stat(path)        # FileNotFoundError: each caller words a missing file its own way
     if not stat.S_ISREG(st.st_mode):
         raise _refuse_kind(path, st.st_mode, what)
+
+
+def check_tree(folder, *, what: str = "file", json_limit: int = SMALL_JSON_LIMIT, max_files: int = 1 << 16) -> None:
+    """Refuse ``folder`` unless every entry under it (links followed, never opened) is a folder or a regular
+    file, and every ``*.json`` file holds at most ``json_limit`` bytes: a checkpoint's files checked by kind
+    before a library (DCP, safetensors, ``json``) opens them blocking and unbounded. At most ``max_files``."""
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            path = os.path.join(dirpath, name)
+            seen += 1
+            if seen > max_files:
+                raise BoundedReadError(f"{what} {folder} holds more than {max_files:,} files; it is not the "
+                                       f"folder dsv4 expects there. Fix: check the path")
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise BoundedReadError(f"{what} {path} is a link to nothing. Fix: restore the file") from None
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise _refuse_kind(path, st.st_mode, what)
+            if name.endswith(".json") and st.st_size > json_limit:
+                raise _too_large(path, st.st_size, json_limit, what)
 
 
 def open_regular(path, *, what: str = "file"):

@@ -113,11 +113,15 @@ def _read_dcp_metadata(path: Path, extra_globals: Optional[dict] = None):
     folder. ``extra_globals``: further names the writer stores (see :class:`_MetadataUnpickler`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from core.bounded_io import BoundedReadError, check_regular, open_regular
+
     try:
-        with open(path / ".metadata", "rb") as f:
+        with open_regular(path / ".metadata", what="DCP metadata") as f:     # a FIFO or device: refused, never blocks
             md = _MetadataUnpickler(f, extra_globals).load()
     except FileNotFoundError:
         raise NativeCheckpointError(f"{path}: no DCP .metadata file; not a native checkpoint") from None
+    except BoundedReadError:
+        raise
     except Exception as e:  # corrupt file or a global outside the allow-list
         raise NativeCheckpointError(f"{path}/.metadata: cannot read DCP metadata safely: {e}") from e
     if not isinstance(md, Metadata):
@@ -130,6 +134,8 @@ def _read_dcp_metadata(path: Path, extra_globals: Optional[dict] = None):
             raise NativeCheckpointError(f"{path}/.metadata names the data file {rel!r}, which is not a plain "
                                         f"file name inside the checkpoint folder")
         inside_folder(path, rel, what="data file")
+        if os.path.lexists(path / rel):     # a rank reads only the files its slice needs: a missing one is
+            check_regular(path / rel, what="data file")     # named when read; a FIFO would hang DCP's open
     return md
 
 
@@ -161,7 +167,8 @@ def _quiet_single_process():
 def is_native_checkpoint(path) -> bool:
     """A folder with DCP metadata and ``dsv4_native.json`` (any contract version)."""
     p = Path(path)
-    return p.is_dir() and (p / META_FILE).is_file() and (p / ".metadata").is_file()
+    # present in any form (a FIFO too): read bounded later and refused by its kind, not taken for an HF folder
+    return p.is_dir() and os.path.lexists(p / META_FILE) and os.path.lexists(p / ".metadata")
 
 
 def read_native_metadata(path, *, impl: Optional[str] = None) -> Dict[str, Any]:
@@ -170,14 +177,16 @@ def read_native_metadata(path, *, impl: Optional[str] = None) -> Dict[str, Any]:
     if not p.is_dir():
         raise NativeCheckpointError(f"{p}: native checkpoint folder does not exist")
     mf = p / META_FILE
-    if not mf.is_file():
-        if (p / ".metadata").is_file():
+    if not os.path.lexists(mf):
+        if os.path.lexists(p / ".metadata"):
             raise StaleCheckpointError(
                 f"{p}: DCP checkpoint without {META_FILE}: written before weight contract "
                 f"v{wc.CONTRACT_VERSION} (or by another tool); {_reconvert(impl)}")
         raise NativeCheckpointError(f"{p}: not a native checkpoint (no {META_FILE} and no DCP .metadata)")
+    from core.bounded_io import load_json
+
     try:
-        meta = json.loads(mf.read_text())
+        meta = load_json(mf, what="native checkpoint record")
     except (OSError, ValueError) as e:
         raise NativeCheckpointError(f"{mf}: unreadable: {e}") from e
     if not isinstance(meta, dict):

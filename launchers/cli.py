@@ -274,7 +274,7 @@ def combinations_cmd(opts, as_json: bool, write_bzl: Optional[str], write_readme
 @click.option("--preset", default=None, help="Model preset to materialize (default: tiny).")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Checkpoint directory to write (with --hf-repo, default: DSV4_CACHE/hf/ORG--NAME--REVISION).")
 @click.option("--weight-format", "weight_format", type=click.Choice(["bf16", "fp8", "mxfp4-experts"]), default=None, help="Weight format of the checkpoint (default: bf16).")
-@click.option("--seed", type=int, default=None, help="Seed of the deterministic weights (default: 0).")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="Seed of the deterministic weights (default: 0).")
 @click.option("--hf-repo", default=None, help="Download this Hugging Face Hub repository (ORG/NAME, e.g. deepseek-ai/DeepSeek-V4-Flash) instead of writing a preset.")
 @click.option("--hf-revision", default=None, help="Branch, tag or commit of --hf-repo (default: main).")
 @click.option("--hf-endpoint", default=None, help="Hub endpoint (a mirror); default: HF_ENDPOINT, else huggingface.co.")

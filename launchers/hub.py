@@ -171,17 +171,14 @@ def prepare_from_hub(repo: str, out: Path, *, revision: Optional[str] = None, en
                      overwrite: bool = False) -> bool:
     """Download ``repo`` at ``revision`` into ``out`` (see the module docstring); True when this call wrote
     it, False when it was already prepared."""
-    from converters.staging import StageConflict, normalize_dest, run_stage
+    from converters.staging import normalize_dest, run_stage
 
     check_repo_id(repo)
     revision = revision or "main"
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
     out = normalize_dest(out)
     download = _download_dir(out)
-    try:
-        result = run_stage(out, lambda tmp: _build(repo, revision, endpoint, download, tmp), name="prepare", input_paths=(),
-                           inputs={"hf_repo": repo, "revision": revision}, overwrite=overwrite, verbose=False)
-    except StageConflict as exc:
-        raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
+    result = run_stage(out, lambda tmp: _build(repo, revision, endpoint, download, tmp), name="prepare", input_paths=(),
+                       inputs={"hf_repo": repo, "revision": revision}, overwrite=overwrite, verbose=False)
     _drop_download(out)
     return result.built

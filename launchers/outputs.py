@@ -18,24 +18,16 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
-from core.errors import UserInputError
-
 __all__ = ["staged_output", "native_bytes"]
 
 
 def staged_output(out: Path, build: Callable[[Path], object], *, name: str, inputs: Mapping,
                   input_paths: Iterable[Optional[Path]], required_bytes: Optional[int], overwrite: bool) -> bool:
     """Build ``out`` with ``build(tmp)`` as a stage; True when this call wrote it, False when it was already there."""
-    from converters.staging import StageConflict, run_stage
+    from converters.staging import run_stage
 
-    try:
-        result = run_stage(out, build, name=name, input_paths=input_paths, inputs=dict(inputs),
-                           required_bytes=required_bytes,
-                           overwrite=overwrite, verbose=False)
-    except StageConflict as exc:
-        msg = str(exc)
-        hint = "" if "refusing to replace" in msg else " (pass --overwrite to replace it)"
-        raise UserInputError(msg + hint) from None
+    result = run_stage(out, build, name=name, input_paths=input_paths, inputs=dict(inputs),   # a StageConflict
+                       required_bytes=required_bytes, overwrite=overwrite, verbose=False)     # names its fix
     return result.built
 
 
@@ -61,9 +53,14 @@ def real(p) -> str:
 
 def export_run(run_dir: Path, out: Path, *, step: Optional[int], weight_format: str, overwrite: bool) -> bool:
     """`dsv4 export` as a staged output; True when this call wrote ``out``."""
+    from core.bounded_io import check_tree
+    from orchestration.resume_checks import check_run_files
     from train.export import export_hf, export_source
 
-    found_step, _folder = export_source(run_dir, step)
+    fix = "Fix: restore the run's own file, or export another run"
+    check_run_files(Path(run_dir), fix=fix)          # FIFOs and devices named, before anything reads them
+    found_step, folder = export_source(run_dir, step)
+    check_tree(folder, what="checkpoint file")
     return staged_output(out, lambda tmp: export_hf(run_dir, tmp, step=found_step, weight_format=weight_format),
                          name="export", inputs={"run_dir": real(run_dir), "step": found_step,
                                                 "weight_format": weight_format},

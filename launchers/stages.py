@@ -182,23 +182,20 @@ def prepare(preset: str, out: Path, dtype: str, seed: int, overwrite: bool = Fal
     from core.checkpoint.official_tensors import official_tensor_specs, total_bytes
     from core.checkpoint.tiny import prepare_checkpoint
     from core.config import preset as get_preset
-    from converters.staging import StageConflict, run_stage
+    from converters.staging import run_stage
 
     config = get_preset(preset)
     inputs = {"preset": preset, "dtype": dtype, "seed": seed}
-    try:
-        result = run_stage(
-            out,
-            lambda tmp: prepare_checkpoint(tmp, config, dtype=dtype, seed=seed, overwrite=True),
-            name="prepare",
-            input_paths=(),                     # a preset: no input files
-            inputs=inputs,
-            required_bytes=total_bytes(official_tensor_specs(config, dtype)),
-            overwrite=overwrite,
-            verbose=False,
-        )
-    except StageConflict as exc:
-        raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
+    result = run_stage(             # a StageConflict (a user error) names its fix
+        out,
+        lambda tmp: prepare_checkpoint(tmp, config, dtype=dtype, seed=seed, overwrite=True),
+        name="prepare",
+        input_paths=(),                     # a preset: no input files
+        inputs=inputs,
+        required_bytes=total_bytes(official_tensor_specs(config, dtype)),
+        overwrite=overwrite,
+        verbose=False,
+    )
     what = "wrote" if result.built else "already prepared:"
     log.print(f"{what} {preset} checkpoint ({dtype}, seed {seed}) at {out}")
     return out
@@ -226,12 +223,8 @@ def prepare_fp8(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
 def dequantize(in_dir: Path, out: Path, overwrite: bool = False) -> Path:
     """FP8 / MXFP4 checkpoint -> BF16, one shard at a time, as a safe stage."""
     from converters.fp8_to_bf16 import convert_fp8_to_bf16
-    from converters.staging import StageConflict
 
-    try:
-        return convert_fp8_to_bf16(in_dir, out, overwrite=overwrite)
-    except StageConflict as exc:
-        raise UserInputError(f"{exc} (pass --overwrite to replace it)") from exc
+    return convert_fp8_to_bf16(in_dir, out, overwrite=overwrite)     # a StageConflict names its fix
 
 
 def inspect(preset: Optional[str], checkpoint: Optional[Path], as_json: bool, *, layout: Optional[dict] = None) -> None:

@@ -111,6 +111,22 @@ def _root_errno(exc: BaseException) -> Optional[int]:
     return None
 
 
+def _wait_for_listener(rank: int, addr: str, port: int, deadline: float, fix: str) -> None:
+    """Wait until something listens at ``addr:port`` (rank 0's store), or raise naming rank 0 at ``deadline``.
+    Tried here with plain sockets: torch's store client, left to time out, prints its C++ stack to stderr."""
+    started = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise DistEnvError(f"rank {rank} ({socket.gethostname()}) waited {time.monotonic() - started:.0f} s "
+                                   f"for rank 0 at {addr}:{port} (waited for ranks: 0); no store answered there. "
+                                   f"{fix}") from None
+            time.sleep(0.1)
+
+
 def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
     """The store every rank of the world registered in within ``timeout_s`` seconds (module docstring)."""
     import torch.distributed as dist
@@ -120,6 +136,8 @@ def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float 
     fix = (f"Fix: start every rank 0 .. {world - 1} with the same MASTER_ADDR ({addr}) and MASTER_PORT ({port}), "
            f"or raise rendezvous_timeout_s (now {timeout_s:g} s) if they start slowly")
     started = time.monotonic()
+    if not hosts:
+        _wait_for_listener(rank, addr, port, started + timeout_s, fix)
     try:
         store = dist.TCPStore(addr, port, None, hosts, timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:          # torch raises DistNetworkError / DistStoreError / RuntimeError

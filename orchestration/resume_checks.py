@@ -14,6 +14,9 @@ with ``--steps 5`` printed 999/5 and trained nothing. As Megatron's ``latest_che
 * ``checkpoints/latest`` is not a plain ``step_NNNNNN`` name, or resolves outside ``RUN/checkpoints``;
 * the checkpoint it names (or, without a pointer, any step folder) has a ``state.json`` that is missing,
   unreadable, not a dsv4 state or of another step;
+* a file of the run (``train_config.json``, ``metrics.jsonl``, ``latest``) or of that checkpoint
+  (``optim.json``, ``rng.safetensors``, the DCP data files ...) is a FIFO, a device or a link to nothing:
+  the trainer's readers would block or read forever;
 * the checkpoint's step is past ``--steps``.
 
 A run folder with a configuration but no checkpoint yet (stopped before its first save) resumes at step 0,
@@ -28,7 +31,7 @@ from typing import List, Optional, Tuple
 
 from core.errors import UserInputError
 
-__all__ = ["ResumeError", "check_resume", "MAX_STEPS"]
+__all__ = ["ResumeError", "check_resume", "check_run_files", "MAX_STEPS"]
 
 #: far beyond any run (a step a second for 30 years); larger values are a typo
 MAX_STEPS = 10 ** 9
@@ -48,7 +51,7 @@ def _state_of(folder: Path) -> Tuple[Optional[int], str]:
     try:
         st = load_json(path, what="checkpoint state")
     except BoundedReadError as exc:
-        return None, str(exc)
+        return None, exc.problem
     except (OSError, ValueError) as exc:
         return None, f"{path} is unreadable ({type(exc).__name__}: {exc})"
     step = st.get("step") if isinstance(st, dict) else None
@@ -79,7 +82,9 @@ def _pointer(root: Path) -> Optional[Path]:
            f"or start a new --run-dir")
     try:
         name = read_text(path, limit=4096, what="checkpoint pointer").strip()
-    except (BoundedReadError, OSError) as exc:
+    except BoundedReadError as exc:
+        raise ResumeError(f"{exc.problem}. {fix}") from None
+    except OSError as exc:
         raise ResumeError(f"{path}: cannot read the checkpoint pointer ({exc}). {fix}") from None
     if not _STEP_RE.match(name):
         raise ResumeError(f"{path} names {name[:80]!r}, not a step_NNNNNN folder of this run. {fix}")
@@ -94,6 +99,39 @@ def _pointer(root: Path) -> Optional[Path]:
     return folder
 
 
+def check_run_files(run: Path, *, fix: str, prefix: str = "") -> None:
+    """Refuse a run's own small files (``train_config.json``, ``metrics.jsonl``, ``checkpoints/latest``) when
+    they are there but not regular files: the trainer and ``dsv4 export`` read them whole."""
+    from core.bounded_io import BoundedReadError, SMALL_JSON_LIMIT, check_regular
+
+    from train.checkpointing import CKPT_DIR, LATEST
+    from train.export import CONFIG_FILE
+
+    for path in (run / CONFIG_FILE, run / "metrics.jsonl", run / CKPT_DIR / LATEST):
+        if not os.path.lexists(path):
+            continue
+        try:
+            check_regular(path, what="run file")
+            if path.name.endswith(".json") and os.stat(path).st_size > SMALL_JSON_LIMIT:
+                raise ResumeError(f"{prefix}run file {path} holds {os.stat(path).st_size:,} bytes, over the limit "
+                                  f"of {SMALL_JSON_LIMIT:,} bytes for such a file. {fix}")
+        except BoundedReadError as exc:
+            raise ResumeError(f"{prefix}{exc.problem}. {fix}") from None
+        except FileNotFoundError:
+            raise ResumeError(f"{prefix}run file {path} is a link to nothing. {fix}") from None
+
+
+def _check_checkpoint_files(folder: Path, fix: str) -> None:
+    """Every file of the checkpoint to resume from is a regular file (optim.json, rng.safetensors, the DCP data
+    files ...): the trainer's readers open them blocking and unbounded."""
+    from core.bounded_io import BoundedReadError, check_tree
+
+    try:
+        check_tree(folder, what="checkpoint file")
+    except BoundedReadError as exc:
+        raise ResumeError(f"--resume: {exc.problem}; the run's latest checkpoint cannot be read. {fix}") from None
+
+
 def check_resume(run_dir, steps: int) -> Optional[int]:
     """Check that ``run_dir`` can be resumed (module docstring); the step it resumes from (None: no checkpoint
     yet). Reads only small files, bounded."""
@@ -106,6 +144,7 @@ def check_resume(run_dir, steps: int) -> Optional[int]:
                           f"--resume to start a new run there")
     if not run.is_dir():
         raise ResumeError(f"--resume: {run} is not a folder. Fix: pass the --run-dir of a dsv4 train run")
+    check_run_files(run, fix="Fix: restore the run's own file, or start a new --run-dir", prefix="--resume: ")
     if not (run / CONFIG_FILE).is_file():
         raise ResumeError(f"--resume: {run} is not a dsv4 run folder (no {CONFIG_FILE}); resuming would write run "
                           f"files among its files. Fix: pass the --run-dir of a dsv4 train run, or leave out "
@@ -126,7 +165,9 @@ def check_resume(run_dir, steps: int) -> Optional[int]:
         if bad:
             raise ResumeError(f"--resume: {bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; "
                               f"without a readable latest checkpoint the run would start over. {fix}")
-        step = max((s for _p, s, _w in found), default=None)
+        step, pointed = max(((s, p) for p, s, _w in found), default=(None, None))
+    if pointed is not None:
+        _check_checkpoint_files(pointed, fix)
     if step is not None and step > steps:
         raise ResumeError(f"--resume: {run} is at step {step}, past --steps {steps}; nothing would be trained. Fix: "
                           f"pass --steps {step + 1} or more to train further, or export the run (dsv4 export "

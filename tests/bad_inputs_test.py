@@ -229,11 +229,14 @@ FAST = 30          # seconds: a bad input is refused before any real work
 
 
 def refused(proc, *words, code=1):
-    """The one ``error:`` line of a refusal that names ``words``, never an "unexpected" one."""
+    """The one ``error:`` line of a refusal that names ``words`` and at most one fix, never an "unexpected" one;
+    no library's stack on stderr either (torch's C++ "Exception raised from ... frame #N")."""
     line = one_line_error(proc, code)
-    assert "unexpected" not in line, line
+    assert "unexpected" not in line and line.count("Fix:") <= 1, line
     for w in words:
         assert w in line, (w, line)
+    noise = [ln for ln in proc.stderr.splitlines() if ln.startswith("frame #") or "Exception raised from" in ln]
+    assert not noise, proc.stderr[-2000:]
     return line
 
 
@@ -244,21 +247,48 @@ def tree(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
+# the peak resident memory of the run and of every process it waited for (ranks, servers), in KiB; a forked
+# run starts from the zygote's peak (its imports), so this bounds the run's own peak from above
 _MEASURED = ("import atexit, resource, runpy, sys\n"
-             "atexit.register(lambda: sys.stderr.write('maxrss_kib %d\\n' % "
-             "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
+             "atexit.register(lambda: sys.stderr.write('maxrss_kib %d\\n' % max("
+             "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+             "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)))\n"
              "sys.argv[0] = 'dsv4'\n"
              "runpy.run_module('launchers.cli', run_name='__main__', alter_sys=True)\n")
+PEAK_KIB = 2 * 2**20          # 2 GB
 
 
 def dsv4_bounded(*args, env=None):
-    """``dsv4 ARGS`` that must end within :data:`FAST` seconds with a peak RSS under 2 GB (a bad-file case)."""
+    """``dsv4 ARGS`` that must end within :data:`FAST` seconds with a peak RSS under 2 GB (every probe of issue
+    35). ``env``: variables on top of this process's (None unsets one). ``DSV4_PROBE_LOG=FILE`` appends each
+    probe's test, seconds and peak memory to FILE (a JSON line)."""
+    import json
+    import time
+
     from tests.cli_process import run_code
 
-    proc = run_code(_MEASURED, [str(a) for a in args], env={**os.environ, **(env or {})}, timeout=FAST)
+    t0 = time.monotonic()
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}      # None: unset
+    proc = run_code(_MEASURED, [str(a) for a in args], env=env, timeout=FAST)
+    seconds = time.monotonic() - t0
     rss = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("maxrss_kib ")]
-    assert rss and rss[-1] < 2 * 2**20, (rss, proc.stderr[-2000:])
+    assert rss and rss[-1] < PEAK_KIB, (rss, proc.stderr[-2000:])
+    assert seconds < FAST, seconds
+    if os.environ.get("DSV4_PROBE_LOG"):
+        with open(os.environ["DSV4_PROBE_LOG"], "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0],
+                                "seconds": round(seconds, 2), "peak_mib": rss[-1] // 1024}) + "\n")
     return proc
+
+
+def bounded_here(*args):
+    """:func:`dsv4_here` (in this process, for a case that patches a function) held to :data:`FAST` seconds."""
+    import time
+
+    t0 = time.monotonic()
+    res = dsv4_here(*args)
+    assert time.monotonic() - t0 < FAST
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +318,8 @@ def copy_run(trained_run, tmp_path):
 
 
 def resume(run, steps=2, **env):
-    return dsv4("train", "--mode", "sft", "--steps", str(steps), "--save-every", "1", "--run-dir", str(run),
-                "--resume", "export_at_end=false", env=env, timeout=FAST)
+    return dsv4_bounded("train", "--mode", "sft", "--steps", str(steps), "--save-every", "1", "--run-dir", str(run),
+                        "--resume", "export_at_end=false", env=env)
 
 
 # -- row 1: dequantize onto / inside its input
@@ -298,10 +328,19 @@ def resume(run, steps=2, **env):
 def test_dequantize_onto_or_inside_its_input_is_refused(fp8, where, overwrite):
     before = tree(fp8)
     out = fp8 if where == "same" else fp8 / "sub"
-    res = dsv4_here("dequantize", "--in", str(fp8), "--out", str(out), *(["--overwrite"] if overwrite else []))
-    assert res.exit_code == 1 and "error: --out" in res.output and "the input" in res.output, res.output
-    assert "--overwrite" not in res.output.split("Fix:")[0]         # the refusal never suggests it
+    line = refused(dsv4_bounded("dequantize", "--in", fp8, "--out", out, *(["--overwrite"] if overwrite else [])),
+                   "error: --out", "the input", "Fix:")
+    assert "--overwrite" not in line                                # the refusal never suggests it
     assert tree(fp8) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "prepare-fp8", "export"])
+def test_every_command_refuses_an_output_inside_its_input(tiny, trained_run, command):
+    src = trained_run if command == "export" else tiny
+    before = tree(src)
+    args = {"convert": ["--hf", src], "prepare-fp8": ["--in", src], "export": ["--run-dir", src]}[command]
+    refused(dsv4_bounded(command, *args, "--out", src / "sub", "--overwrite"), "sits inside the input", "Fix:")
+    assert tree(src) == before
 
 
 def test_every_staged_command_checks_its_output_against_its_inputs():
@@ -322,16 +361,35 @@ def test_overwrite_keeps_an_output_that_holds_the_users_files(tiny, tmp_path):
     (out / "eval").mkdir()
     (out / "eval" / "scores.json").write_text("{}")
     before = tree(out)
-    res = dsv4_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
-    assert res.exit_code == 1, res.output
-    assert "notes.txt" in res.output and "eval/scores.json" in res.output and "unexpected" not in res.output
+    refused(dsv4_bounded("convert", "--hf", tiny, "--out", out, "--overwrite"), "notes.txt", "eval/scores.json",
+            "Fix:")
     assert tree(out) == before
     (out / "notes.txt").unlink()            # only dsv4's files again: replaced
     import shutil
 
     shutil.rmtree(out / "eval")
-    res = dsv4_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
+    res = bounded_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
     assert res.exit_code == 0 and "wrote" in res.output, res.output
+
+
+def test_an_output_refusal_names_one_fix_that_works(tiny, tmp_path):
+    """A folder dsv4 did not write is refused with and without --overwrite, and neither refusal suggests
+    --overwrite; a result of other inputs is replaced by --overwrite, and that refusal says so."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("user data")
+    for extra in ([], ["--overwrite"]):
+        line = refused(dsv4_bounded("convert", "--hf", tiny, "--out", mine, *extra), str(mine), "not written by dsv4",
+                       "Fix:")
+        assert "pass --overwrite" not in line and "overwrite=True" not in line, line
+        line = refused(dsv4_bounded("prepare", "--preset", "tiny", "--out", mine, *extra), "not written by dsv4")
+        assert "pass --overwrite" not in line, line
+    assert tree(mine) == {"notes.txt": b"user data"}
+    out = tmp_path / "ck"
+    assert dsv4_here("prepare", "--preset", "tiny", "--out", str(out)).exit_code == 0
+    line = refused(dsv4_bounded("prepare", "--preset", "tiny", "--seed", "1", "--out", out), "holds the result",
+                   "Fix: pass --overwrite")
+    assert "overwrite=True" not in line
 
 
 def test_overwrite_refuses_a_sentinel_that_lists_no_files(tiny, tmp_path):
@@ -344,7 +402,7 @@ def test_overwrite_refuses_a_sentinel_that_lists_no_files(tiny, tmp_path):
     s = json.loads((out / SENTINEL).read_text())
     del s["files"]                          # as an earlier version wrote it
     (out / SENTINEL).write_text(json.dumps(s))
-    res = dsv4_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
+    res = bounded_here("convert", "--hf", str(tiny), "--out", str(out), "--overwrite")
     assert res.exit_code == 1 and "did not record its files" in res.output, res.output
 
 
@@ -395,6 +453,30 @@ def test_resume_of_a_missing_folder_or_a_folder_that_is_not_a_run(tmp_path):
     assert tree(mine) == {"thesis.tex": b"precious"} and sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]
 
 
+def test_resume_with_every_state_emptied_and_no_pointer_does_not_start_over(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    for st in run.glob("checkpoints/step_*/state.json"):
+        st.write_text("")
+    (run / "checkpoints" / "latest").unlink()
+    before = tree(run)
+    refused(resume(run, steps=3), "state.json", "would start over", "Fix:")
+    assert tree(run) == before
+
+
+@pytest.mark.parametrize("name, make", [
+    ("checkpoints/latest", "fifo"), ("checkpoints/step_000002/state.json", "fifo"), ("train_config.json", "fifo"),
+    ("metrics.jsonl", "fifo"), ("checkpoints/step_000002/optim.json", "fifo"),
+    ("checkpoints/step_000002/rng.json", "zero"), ("checkpoints/step_000002/rng.safetensors", "fifo"),
+    ("checkpoints/step_000002/model/__0_0.distcp", "fifo"), ("checkpoints/step_000002/model/dsv4_native.json", "fifo"),
+])
+def test_resume_refuses_run_files_that_are_fifos_or_devices(trained_run, tmp_path, name, make):
+    run = copy_run(trained_run, tmp_path)
+    (run / name).unlink()
+    (_fifo if make == "fifo" else _zero)(run / name)
+    kind = "FIFO" if make == "fifo" else "character device"
+    refused(resume(run, steps=3), str(run / name), kind, "Fix:")
+
+
 def test_a_step_counter_past_steps_is_an_error(trained_run, tmp_path):
     run = copy_run(trained_run, tmp_path)
     ck = run / "checkpoints"
@@ -405,9 +487,11 @@ def test_a_step_counter_past_steps_is_an_error(trained_run, tmp_path):
 
 
 def test_absurd_steps_are_refused_at_parse_time(tmp_path):
-    proc = dsv4("train", "--steps", "99999999999999999999999", "--run-dir", str(tmp_path / "r"), timeout=FAST)
+    proc = dsv4_bounded("train", "--steps", "99999999999999999999999", "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 2 and "--steps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "r").exists()
+    proc = dsv4_bounded("prepare", "--preset", "tiny", "--seed", "-1", "--out", tmp_path / "ck")
+    assert proc.returncode == 2 and "--seed" in proc.stderr and not (tmp_path / "ck").exists(), proc.stderr
 
 
 def test_pruning_removes_only_real_step_folders_of_the_run(tmp_path):
@@ -459,7 +543,7 @@ def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(trained_ru
     assert "host" in line
     fresh = tmp_path / "fresh"
     holder2 = lock_holder(fresh)
-    refused(dsv4("train", "--mode", "sft", "--steps", "1", "--run-dir", str(fresh), timeout=FAST),
+    refused(dsv4_bounded("train", "--mode", "sft", "--steps", "1", "--run-dir", str(fresh)),
             f"process {holder2.pid}")
     assert fresh.is_dir()                        # the holder's folder is not removed by the refused start
     holder.kill()
@@ -468,6 +552,31 @@ def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(trained_ru
     after = tree(run)
     after.pop(".dsv4-run.lock", None)
     assert after == before
+
+
+def test_two_trains_on_one_run_folder(tmp_path):
+    """Two real `dsv4 train` runs: while the first trains, a second (fresh, then --resume) is refused naming it."""
+    import time
+
+    from orchestration.run_lock import read_holder
+
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "launchers.cli", "-q", "train", "--mode", "sft", "--steps",
+                              "100000", "--save-every", "1", "--run-dir", str(run), "export_at_end=false"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "latest").exists():        # it holds the run and has saved a step
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-2000:]
+            time.sleep(0.2)
+        assert (read_holder(run) or {}).get("pid") == first.pid
+        for extra in ([], ["--resume"]):
+            refused(dsv4_bounded("train", "--mode", "sft", "--steps", "100000", "--save-every", "1", "--run-dir", run,
+                                 "export_at_end=false", *extra), f"process {first.pid}", "in use", "Fix:")
+        assert first.poll() is None                                 # the holder trains on
+    finally:
+        first.kill()
+        first.wait()
 
 
 def test_the_run_lock_dies_with_its_holder(tmp_path, lock_holder):
@@ -535,7 +644,7 @@ def test_a_huge_token_file_is_refused_by_its_size(tiny, tmp_path, monkeypatch):
     big = tmp_path / "big.json"
     big.write_text("[[" + "1, " * 2000 + "1]]")
     monkeypatch.setattr(bio, "JSON_LIMIT", 1000)
-    res = dsv4_here("logprobs", "--checkpoint", str(tiny), "--tokens", str(big))
+    res = bounded_here("logprobs", "--checkpoint", str(tiny), "--tokens", str(big))
     assert res.exit_code == 1 and "over the limit of 1,000 bytes" in res.output, res.output
 
 
@@ -555,11 +664,47 @@ def test_deeply_nested_json_is_one_line(tiny, tmp_path):
             f"{data}:1", "levels deep")
 
 
+@pytest.fixture(scope="module")
+def native(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("native") / "nat"
+    assert dsv4_here("convert", "--hf", str(tiny), "--out", str(out)).exit_code == 0
+    return out
+
+
+@pytest.mark.parametrize("name", ["dsv4_native.json", ".metadata", "__0_0.distcp"])
+def test_native_checkpoint_files_that_are_fifos(native, tmp_path, name):
+    import shutil
+
+    ck = tmp_path / "nat"
+    shutil.copytree(native, ck)
+    (ck / name).unlink()
+    os.mkfifo(ck / name)
+    refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), str(ck / name), "FIFO",
+            "Fix:")
+
+
+def test_torch_dist_metadata_that_is_a_fifo(tmp_path):
+    ck = tmp_path / "td"
+    ck.mkdir()
+    os.mkfifo(ck / "metadata.json")
+    refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), "metadata.json", "FIFO")
+
+
+@pytest.mark.parametrize("name, make", [("checkpoints/latest", "fifo"), ("train_config.json", "zero"),
+                                        ("checkpoints/step_000002/model/__0_0.distcp", "fifo")])
+def test_export_refuses_run_files_that_are_fifos_or_devices(trained_run, tmp_path, name, make):
+    run = copy_run(trained_run, tmp_path)
+    (run / name).unlink()
+    (_fifo if make == "fifo" else _zero)(run / name)
+    refused(dsv4_bounded("export", "--run-dir", run, "--out", tmp_path / "hf"), str(run / name), "Fix:")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_torch_dist_checkpoint_of_another_backend_is_named(tmp_path):
     ck = tmp_path / "zarr"
     ck.mkdir()
     (ck / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
-    refused(dsv4("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path), timeout=FAST), "zarr",
+    refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), "zarr",
             "torch_dist", "Fix:")
 
 
@@ -577,19 +722,19 @@ def test_a_sequence_past_the_memory_at_hand_is_refused(tiny, tmp_path, monkeypat
     monkeypatch.setattr(sl, "available_bytes", lambda device="cpu": 2**30)
     t = tmp_path / "t.json"
     t.write_text("[[" + "5, " * 200_000 + "5]]")       # 200k tokens x 1024-word vocabulary: > 1 GiB of logits
-    res = dsv4_here("logprobs", "--checkpoint", str(tiny), "--tokens", str(t))
+    res = bounded_here("logprobs", "--checkpoint", str(tiny), "--tokens", str(t))
     assert res.exit_code == 1 and "GiB free on cpu" in res.output and "unexpected" not in res.output, res.output
 
 
 def test_sft_and_grpo_data_past_the_models_maximum_is_refused(tmp_path):
     data = tmp_path / "long.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": "' + "x" * 1_100_000 + '"}\n')
-    refused(dsv4("train", "--mode", "sft", "--data", data, "--steps", "1", "batch_size=1",
-                 "--run-dir", tmp_path / "r", timeout=FAST), "SFT data", "sequence 1", "maximum")
+    refused(dsv4_bounded("train", "--mode", "sft", "--data", data, "--steps", "1", "batch_size=1",
+                 "--run-dir", tmp_path / "r"), "SFT data", "sequence 1", "maximum")
     assert not (tmp_path / "r").exists()
     data.write_text('{"prompt": "a", "reward": {"type": "exact_match", "answer": "1"}}\n')
-    refused(dsv4("train", "--mode", "grpo", "--data", data, "--steps", "1", "max_new_tokens=1048576",
-                 "--run-dir", tmp_path / "r", timeout=FAST), "GRPO data", "sequence 0", "maximum")
+    refused(dsv4_bounded("train", "--mode", "grpo", "--data", data, "--steps", "1", "max_new_tokens=1048576",
+                 "--run-dir", tmp_path / "r"), "GRPO data", "sequence 0", "maximum")
     assert not (tmp_path / "r").exists()
 
 
@@ -609,15 +754,16 @@ def _rank_env(**kw):
     (dict(RANK="one"), ("RANK='one'", "not an integer")),
 ])
 def test_an_inconsistent_launcher_environment_is_refused(tmp_path, env, words):
-    refused(dsv4("train", "--steps", "1", "--run-dir", tmp_path / "r", env=_rank_env(**env), timeout=FAST), *words)
+    refused(dsv4_bounded("train", "--steps", "1", "--run-dir", tmp_path / "r", env=_rank_env(**env)), *words)
     assert not (tmp_path / "r").exists()
 
 
 def test_a_partial_launcher_environment_is_refused_not_ignored(tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "2"}
-    proc = dsv4("train", "--steps", "1", "--run-dir", tmp_path / "r", timeout=FAST,
-                env={**env, "MASTER_ADDR": "", "LOCAL_RANK": ""})
-    refused(proc, "partial")
+    proc = dsv4_bounded("train", "--steps", "1", "--run-dir", tmp_path / "r",
+                        env={**env, "MASTER_ADDR": None, "MASTER_PORT": None, "LOCAL_RANK": None})
+    refused(proc, "partial", "RANK=0, WORLD_SIZE=2 but no LOCAL_RANK, MASTER_ADDR, MASTER_PORT", "Fix:")
+    assert not (tmp_path / "r").exists()
     from orchestration.dist_env import DistEnvError, launcher_env
 
     with pytest.raises(DistEnvError, match="no LOCAL_RANK, MASTER_ADDR, MASTER_PORT"):
@@ -626,9 +772,15 @@ def test_a_partial_launcher_environment_is_refused_not_ignored(tmp_path):
 
 
 def test_a_world_of_two_with_one_rank_started_names_the_missing_rank(tmp_path):
-    proc = dsv4("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r", "rendezvous_timeout_s=3",
-                env=_rank_env(), timeout=FAST + 30)
+    proc = dsv4_bounded("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
+                        "rendezvous_timeout_s=3", env=_rank_env())
     refused(proc, "waited 3 s", "ranks 1", "rendezvous_timeout_s")
+
+
+def test_a_rank_started_without_rank_0_names_rank_0_quietly(tmp_path):
+    proc = dsv4_bounded("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
+                        "rendezvous_timeout_s=3", env=_rank_env(RANK=1))
+    refused(proc, "rank 1", "waited for ranks: 0", "rendezvous_timeout_s")     # and no C++ stack (refused)
 
 
 def test_a_taken_master_port_is_named(tmp_path):
@@ -638,14 +790,14 @@ def test_a_taken_master_port_is_named(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = dsv4("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
-                    "rendezvous_timeout_s=3", env=_rank_env(MASTER_PORT=port), timeout=FAST + 30)
+        proc = dsv4_bounded("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
+                            "rendezvous_timeout_s=3", env=_rank_env(MASTER_PORT=port))
     refused(proc, f"MASTER_PORT {port}", "taken")
 
 
 def test_more_local_ranks_than_the_machine_holds_are_refused(tmp_path):
-    proc = dsv4("train", "--nproc-per-node", "1000", "--mode", "sft", "batch_size=1000", "--steps", "1",
-                "--run-dir", tmp_path / "r", timeout=FAST)
+    proc = dsv4_bounded("train", "--nproc-per-node", "1000", "--mode", "sft", "batch_size=1000", "--steps", "1",
+                "--run-dir", tmp_path / "r")
     refused(proc, "--nproc-per-node 1000", "Fix:", code=2)
     assert not (tmp_path / "r").exists()
 
@@ -673,8 +825,8 @@ def _with_tid2eid(tiny, tmp_path, edit):
 ])
 def test_a_damaged_routing_table_is_refused_by_name(tiny, tmp_path, edit, words):
     ck, name = _with_tid2eid(tiny, tmp_path, edit)
-    refused(dsv4("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path), timeout=FAST), name, *words)
-    res = dsv4_here("convert", "--hf", str(ck), "--out", str(tmp_path / "nat"))
+    refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), name, *words)
+    res = bounded_here("convert", "--hf", str(ck), "--out", str(tmp_path / "nat"))
     assert res.exit_code == 1 and name in res.output and "unexpected" not in res.output, res.output
 
 
@@ -701,7 +853,7 @@ def test_overlapping_safetensors_ranges_are_named(tiny, tmp_path):
     assert len(raw) <= n
     raw += b" " * (n - len(raw))
     (ck / "model-00001-of-00001.safetensors").write_bytes(src[:8] + raw + src[8 + n:])
-    line = refused(dsv4("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path), timeout=FAST), "overlap")
+    line = refused(dsv4_bounded("logprobs", "--checkpoint", ck, "--tokens", _tokens(tmp_path)), "overlap")
     assert "Fix" in line or "re-download" in line
 
 
@@ -717,13 +869,13 @@ def test_a_disk_that_fills_up_during_a_write_is_one_line(tiny, tmp_path, monkeyp
     monkeypatch.setattr(stages, "convert_into", full)
     monkeypatch.setattr(export, "export_hf", full)
     args = (["convert", "--hf", str(tiny)] if command == "convert" else ["export", "--run-dir", str(trained_run)])
-    res = dsv4_here(*args, "--out", str(tmp_path / "out"))
+    res = bounded_here(*args, "--out", str(tmp_path / "out"))
     assert res.exit_code == 1 and "No space left on device; free some space" in res.output, res.output
     assert "unexpected" not in res.output and not (tmp_path / "out").exists()
 
 
 def test_a_name_over_255_bytes_is_one_line(tiny, tmp_path):
-    refused(dsv4("convert", "--hf", tiny, "--out", tmp_path / ("n" * 300), timeout=FAST), "longer than the file "
+    refused(dsv4_bounded("convert", "--hf", tiny, "--out", tmp_path / ("n" * 300)), "longer than the file "
             "system allows")
 
 

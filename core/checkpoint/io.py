@@ -393,7 +393,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
         raise CheckpointError("checkpoint folder does not exist", file=str(ckpt))
 
     # 1. config.json
-    cfg_dict = _load_json(ckpt / CONFIG_FILE, CONFIG_FILE)
+    cfg_dict = _load_json(ckpt / CONFIG_FILE, "checkpoint config")
     if not isinstance(cfg_dict, dict):
         raise CheckpointError("config must be a JSON object", file=CONFIG_FILE)
     if config is None:
@@ -410,7 +410,7 @@ def open_checkpoint(path, *, weight_format: Optional[str] = None, config=None) -
     # 2. index (or a single model.safetensors)
     index_path = ckpt / INDEX_FILE
     if index_path.exists():
-        index = _load_json(index_path, INDEX_FILE)
+        index = _load_json(index_path, "checkpoint index")
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError("index has no 'weight_map' object", file=INDEX_FILE)

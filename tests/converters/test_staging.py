@@ -194,7 +194,7 @@ def test_rerun_skips_and_conflicts(tmp_path):
     other = tmp_path / "manual"
     other.mkdir()
     (other / "x").write_text("user data")
-    with pytest.raises(StageConflict, match="not a completed stage"):
+    with pytest.raises(StageConflict, match="not written by dsv4"):
         run_stage(other, build, name="s", input_paths=(), verbose=False)
     assert (other / "x").read_text() == "user data"
 
