@@ -8,8 +8,9 @@ Each ``--weight-sync`` mode (default ``copy,shared``) is one run of the real com
     python -m launchers.dsv4 train --mode grpo --hardware H --impl I --model M --steps S weight_sync=MODE ...
 
 and the rows are read from its ``RUN_DIR/metrics.jsonl`` after ``--warmup`` steps: the mean of each phase
-(``time_update_weights``, ``time_rollout``, ``time_logprobs``, ``time_train``) and of ``time_step``, the bytes the
-sync copied (``weight_sync_bytes``) and read in place (``weight_sync_shared_bytes``), the train/rollout log-prob
+(``time_update_weights``, ``time_rollout``, ``time_logprobs``, ``time_train``) and of ``time_step``, the
+rollout's generated tokens per second, the seconds from the command's start to the end of its first step
+(``first_step_s``), the bytes the sync copied (``weight_sync_bytes``) and read in place (``weight_sync_shared_bytes``), the train/rollout log-prob
 difference. The weight sync's hardware limit is printed beside it: the bytes it copies at the device's memory
 bandwidth (read and write: 2 x bytes / bandwidth; H200: 4.8e12 B/s). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4
@@ -62,7 +63,16 @@ def summarize(rows: list, warmup: int) -> dict:
     out.update({f"{k[len('time_'):]}_ms": 1e3 * mean(k) for k in PHASES})
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"))
+    rollout_s = mean("time_rollout")
+    out["rollout_tokens_per_s"] = mean("response_tokens") / rollout_s if rollout_s > 0 else None
     return out
+
+
+def first_step_seconds(rows: list, started: float) -> Optional[float]:
+    """Seconds from the command's start (epoch ``started``) to the end of its first step (the row's
+    ``wall_time``): start-up, model build and load, the first step's compiles."""
+    first = [r for r in rows if int(r["step"]) == min(int(x["step"]) for x in rows)]
+    return float(first[0]["wall_time"]) - started if first and first[0].get("wall_time") else None
 
 
 def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, **kw) -> dict:
@@ -76,14 +86,15 @@ def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, 
     cmd = grpo_command(mode, run_dir=folder / "run", hardware=hardware, **kw)
     row["train_command"] = shlex.join(["python"] + cmd[1:])
     print(f"$ {row['train_command']}", flush=True)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     row["wall_s"] = time.perf_counter() - t0
     (folder / "dsv4.log").write_text(proc.stdout)
     if proc.returncode != 0:
         row.update(error=_error_line(proc.stdout), log_tail=proc.stdout[-3000:])
         return row
-    row.update(summarize(read_metrics(folder / "run"), warmup))
+    metrics = read_metrics(folder / "run")
+    row.update(summarize(metrics, warmup), first_step_s=first_step_seconds(metrics, started))
     if hardware == "nvidia":
         row["sync_limit_ms"] = 1e3 * 2 * row["sync_bytes"] / H200_HBM_BYTES_PER_S
     return row
@@ -94,17 +105,18 @@ def print_table(rows: list, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "logprobs ms", "train ms", "copied MB",
-                "shared MB", "|lp diff|"):
+    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "rollout tok/s", "logprobs ms", "train ms",
+                "copied MB", "shared MB", "|lp diff|", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 7)
+            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 9)
             continue
+        tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
         table.add_row(r["weight_sync"], f"{r['step_ms']:.1f}", f"{r['update_weights_ms']:.2f}",
-                      f"{r['rollout_ms']:.1f}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
-                      f"{r['sync_bytes'] / 1e6:.3f}", f"{r['shared_bytes'] / 1e6:.1f}",
-                      f"{r['logprob_abs_diff']:.2e}")
+                      f"{r['rollout_ms']:.1f}", "-" if tok_s is None else f"{tok_s:,.0f}", f"{r['logprobs_ms']:.1f}",
+                      f"{r['train_ms']:.1f}", f"{r['sync_bytes'] / 1e6:.3f}", f"{r['shared_bytes'] / 1e6:.1f}",
+                      f"{r['logprob_abs_diff']:.2e}", "-" if first is None else f"{first:.1f}")
     Console(width=160).print(table)
 
 

@@ -21,13 +21,15 @@ def test_the_command_is_dsv4_train_grpo_with_the_mode():
 
 
 def test_phases_are_averaged_after_the_warmup():
-    from bench.grpo import summarize
+    from bench.grpo import first_step_seconds, summarize
 
-    rows = [dict(step=s, time_step=s, time_update_weights=0.1 * s, time_rollout=1, time_logprobs=2, time_train=3,
+    rows = [dict(step=s, time_step=s, time_update_weights=0.1 * s, time_rollout=2, time_logprobs=2, time_train=3,
                  weight_sync_bytes=100 * s, weight_sync_shared_bytes=0, train_rollout_logprob_abs_diff=0.5,
-                 reward_mean=s) for s in (1, 2, 3)]
+                 reward_mean=s, response_tokens=64 * s, wall_time=1000.0 + 10 * s) for s in (1, 2, 3)]
     got = summarize(rows, warmup=1)
     assert got["timed_steps"] == 2 and got["step_ms"] == pytest.approx(2500.0)
+    assert got["rollout_tokens_per_s"] == pytest.approx(80.0)          # 160 tokens in 2 s
+    assert first_step_seconds(rows, started=990.0) == pytest.approx(20.0)
     assert got["update_weights_ms"] == pytest.approx(250.0) and got["train_ms"] == pytest.approx(3000.0)
     assert got["sync_bytes"] == 250 and got["reward_mean"] == pytest.approx(2.5)
     with pytest.raises(RuntimeError, match="none after the 3 warm-up steps"):
