@@ -1,20 +1,22 @@
 """Pipeline parallelism (``dsv4 train --pp 2``) on the CPU: two gloo ranks, one stage each, through the CLI.
 
 * SFT with the MTP loss (the token embeddings travel to the last stage) and ``--pp 2`` takes the one-rank steps
-  (with four ranks, data parallel 2 x 2 stages, the two-rank data-parallel run's): on the tiny model (4 decoder
-  layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences: 3, 3, 2,
-  so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the final fp32
-  weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each stage
-  checkpoints its own blocks). Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three
-  AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows in the same order (the
-  streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is added in another order
-  (over the stages); on this machine every value came out identical.
-* A ``--pp 2`` checkpoint resumes at ``--pp 1`` and a ``--pp 1`` one at ``--pp 2`` (global names, DCP reshards;
-  the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
-  uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
-* GRPO with ``--pp 2`` (two ranks, and four), with the KL penalty (the reference model is split into the same
-  stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights (the sync's check
-  passes), routing replay covers every layer, and two steps equal the one-rank steps.
+  (with four ranks, 2 stages x expert parallel 2, the two-rank expert-parallel run's): on the tiny model (4
+  decoder layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences:
+  3, 3, 2, so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the
+  final fp32 weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each
+  stage checkpoints its own blocks). Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every
+  weight after three AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows in
+  the same order (the streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is
+  added in another order (over the stages); on this machine every value came out identical.
+* A ``--pp 2`` run SIGKILLed in step 3 (every rank, in the training phase) resumes at ``--pp 1`` from step 2's
+  checkpoint, and a ``--pp 1`` checkpoint at ``--pp 2`` (global names, DCP reshards; the optimizer's step counts
+  of every stage are written): the resumed step and the weights after it equal the uninterrupted run's (the
+  weights after the step depend on the restored Adam moments and step counts).
+* GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2), with the KL penalty (the reference
+  model is split into the same stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel
+  rank gets every stage's weights, every expert included (the sync's check passes), routing replay covers every
+  layer, and two steps equal the one-rank steps.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``), one line each naming the fix.
 """
@@ -60,10 +62,10 @@ def straight(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight_dp2(tmp_path_factory):
-    """Three SFT steps of two data-parallel ranks (no stages)."""
-    d = tmp_path_factory.mktemp("dp2") / "run"
-    train_cli(d, *SFT, "--nproc-per-node", "2", "--steps", "3")
+def straight_ep2(tmp_path_factory):
+    """Three SFT steps of two expert-parallel (and so data-parallel) ranks, no stages."""
+    d = tmp_path_factory.mktemp("ep2") / "run"
+    train_cli(d, *SFT, "--nproc-per-node", "2", "--ep", "2", "--steps", "3")
     return d
 
 
@@ -76,24 +78,38 @@ def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight, knobs)
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
-def test_sft_with_two_stages_per_data_parallel_rank_takes_the_data_parallel_steps(tmp_path, straight, straight_dp2):
-    """Four ranks: data parallel 2 x 2 stages. Against the two-rank data-parallel run the weights agree as
-    tightly as above; against one rank only its losses and norms do (data parallelism sums the ranks'
-    gradients in another order, and AdamW's m / sqrt(v) turns the last bits of near-zero gradients into update
-    differences: the plain two-rank run's weights differ from one rank's by about 5e-5 after three steps too)."""
-    train_cli(tmp_path / "run", *SFT, "--pp", "2", "--nproc-per-node", "4", "--steps", "3")
+def test_sft_with_two_stages_and_two_expert_parallel_ranks_takes_the_expert_parallel_steps(tmp_path, straight,
+                                                                                           straight_ep2):
+    """Four ranks: 2 stages x expert parallel 2 (the two data-parallel ranks of a stage hold half of its experts
+    each and exchange their tokens). Against the two-rank expert-parallel run the weights agree as tightly as
+    above; against one rank only its losses and norms do (data parallelism sums the ranks' gradients in another
+    order, and AdamW's m / sqrt(v) turns the last bits of near-zero gradients into update differences: the plain
+    two-rank run's weights differ from one rank's by about 5e-5 after three steps too)."""
+    train_cli(tmp_path / "run", *SFT, "--pp", "2", "--ep", "2", "--nproc-per-node", "4", "--steps", "3")
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
-    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 2 and state["layout"]["world"] == 4
-    _assert_same_run(tmp_path / "run", straight_dp2, [1, 2, 3])
+    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 2 and state["layout"]["ep"] == 2
+    assert state["layout"]["world"] == 4
+    _assert_same_run(tmp_path / "run", straight_ep2, [1, 2, 3])
     for a, b in zip(metrics_rows(tmp_path / "run"), metrics_rows(straight)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                  rel=1e-6)
 
 
-@pytest.mark.parametrize("first,then", [(PP2, ()), ((), PP2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
-def test_a_checkpoint_resumes_on_the_other_pipeline_layout(tmp_path, straight, first, then):
-    train_cli(tmp_path / "run", *SFT, *first, "--steps", "2")
-    train_cli(tmp_path / "run", *SFT, *then, "--steps", "3", "--resume")
+def test_a_run_killed_at_two_stages_resumes_on_one_rank(tmp_path, straight):
+    """Every rank SIGKILLed in step 3's training phase (stage 0 may be waiting on stage 1's gradients): step 2's
+    checkpoint, written by both stages, resumes at --pp 1 and step 3 and its weights are the uninterrupted run's."""
+    killed = train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", env={"DSV4_TRAIN_KILL_AT": "3:train"},
+                       check=False)
+    assert killed.returncode == 1 and "error: rank" in killed.stderr and "Traceback" not in killed.stderr
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2]
+    assert not (tmp_path / "run" / "checkpoints" / "step_000003").exists()
+    train_cli(tmp_path / "run", *SFT, "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
+
+
+def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, straight):
+    train_cli(tmp_path / "run", *SFT, "--steps", "2")
+    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", "--resume")
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
@@ -108,9 +124,10 @@ def grpo_one_rank(tmp_path_factory):
     return metrics_rows(d)
 
 
-@pytest.mark.parametrize("ranks", [2, 4], ids=["pp2", "pp2-dp2"])
-def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, ranks):
-    train_cli(tmp_path / "run", *GRPO, "--pp", "2", "--nproc-per-node", str(ranks))
+@pytest.mark.parametrize("layout", [("--nproc-per-node", "2"), ("--nproc-per-node", "4", "--ep", "2")],
+                         ids=["pp2", "pp2-ep2"])
+def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, layout):
+    train_cli(tmp_path / "run", *GRPO, "--pp", "2", *layout)
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 2 and rows[1]["kl_loss"] != 0.0     # step 2: the policy moved off the reference model
     for got, want in zip(rows, grpo_one_rank):
@@ -145,7 +162,8 @@ def _normalize(**kw):
     (dict(impl="megatron", qkv_format="thd"), "--impl megatron does not support pipeline parallelism"),
     (dict(job="score"), "built for dsv4 train only"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
-    (dict(tp=2, world=4), "Fix: use --tp 1 --cp 1 --ep 1"),
+    (dict(tp=2, world=4), "Fix: use --tp 1 --cp 1, or use --pp 1"),
+    (dict(ep=2, world=2), "and 2 ranks with --tp 1 --cp 1 --pp 2 give 1. Fix: use --ep 1, or 4 x N ranks"),
     (dict(world=3), "Fix: use a rank count that is a multiple of 2"),
     (dict(qkv_format="thd"), "Fix: use --qkv-format bshd"),
 ])
@@ -171,7 +189,8 @@ def test_the_cli_refuses_an_unbuilt_pipeline_layout_in_one_line(tmp_path):
     proc = train_cli(tmp_path / "run", "--impl", "miles", "--mode", "sft", "--steps", "1", "--pp", "2",
                      "--nproc-per-node", "2", "--tp", "2", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "--pp 2 runs with data parallelism only" in proc.stderr and "Fix: use --tp 1 --cp 1 --ep 1" in proc.stderr
+    assert "--pp 2 runs with data and expert parallelism only" in proc.stderr
+    assert "Fix: use --tp 1 --cp 1, or use --pp 1" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
