@@ -78,6 +78,16 @@ def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight, knobs)
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
+def test_full_train_runs_the_stages_on_its_converted_checkpoint(tmp_path, straight):
+    """`dsv4 full-train --pp 2` (prepare -> convert -> train): the converted native checkpoint holds the very
+    weights `dsv4 train` reads from the HF checkpoint, so its first step is the one-rank run's."""
+    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "1", command="full-train")
+    got, want = metrics_rows(tmp_path / "run")[0], metrics_rows(straight)[0]
+    assert got["world_size"] == 2 and got["step"] == 1
+    for key in ("loss", "grad_norm", "mtp_loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
 def test_sft_with_two_stages_and_two_expert_parallel_ranks_takes_the_expert_parallel_steps(tmp_path, straight,
                                                                                            straight_ep2):
     """Four ranks: 2 stages x expert parallel 2 (the two data-parallel ranks of a stage hold half of its experts
