@@ -13,10 +13,11 @@
   checkpoint, and a ``--pp 1`` checkpoint at ``--pp 2`` (global names, DCP reshards; the optimizer's step counts
   of every stage are written): the resumed step and the weights after it equal the uninterrupted run's (the
   weights after the step depend on the restored Adam moments and step counts).
-* GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2), with the KL penalty (the reference
-  model is split into the same stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel
-  rank gets every stage's weights, every expert included (the sync's check passes), routing replay covers every
-  layer, and two steps equal the one-rank steps.
+* GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2, 2 stages x tensor parallel 2), with
+  the KL penalty (the reference model is split into the same stages) and the MTP loss: the rollout engine on
+  stage 0 of each data-parallel rank gets every stage's weights, every expert and every tensor-parallel slice
+  included (the sync's check passes), its samples reach every stage and tensor-parallel rank, routing replay
+  covers every layer, and two steps equal the one-rank steps.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``), one line each naming the fix.
 """
@@ -134,8 +135,8 @@ def grpo_one_rank(tmp_path_factory):
     return metrics_rows(d)
 
 
-@pytest.mark.parametrize("layout", [("--nproc-per-node", "2"), ("--nproc-per-node", "4", "--ep", "2")],
-                         ids=["pp2", "pp2-ep2"])
+@pytest.mark.parametrize("layout", [("--nproc-per-node", "2"), ("--nproc-per-node", "4", "--ep", "2"),
+                                    ("--nproc-per-node", "4", "--tp", "2")], ids=["pp2", "pp2-ep2", "pp2-tp2"])
 def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, layout):
     train_cli(tmp_path / "run", *GRPO, "--pp", "2", *layout)
     rows = metrics_rows(tmp_path / "run")
@@ -172,7 +173,8 @@ def _normalize(**kw):
     (dict(impl="megatron", qkv_format="thd"), "--impl megatron does not support pipeline parallelism"),
     (dict(job="score"), "built for dsv4 train only"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
-    (dict(tp=2, world=4), "Fix: use --tp 1 --cp 1, or use --pp 1"),
+    (dict(cp=2, world=4), "Fix: use --cp 1, or use --pp 1"),
+    (dict(tp=2, world=6), "(got 6 ranks). Fix: use a rank count that is a multiple of 4"),
     (dict(ep=2, world=2), "and 2 ranks with --tp 1 --cp 1 --pp 2 give 1. Fix: use --ep 1, or 4 x N ranks"),
     (dict(world=3), "Fix: use a rank count that is a multiple of 2"),
     (dict(qkv_format="thd"), "Fix: use --qkv-format bshd"),
@@ -197,10 +199,10 @@ def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
 
 def test_the_cli_refuses_an_unbuilt_pipeline_layout_in_one_line(tmp_path):
     proc = train_cli(tmp_path / "run", "--impl", "miles", "--mode", "sft", "--steps", "1", "--pp", "2",
-                     "--nproc-per-node", "2", "--tp", "2", check=False)
+                     "--nproc-per-node", "2", "--cp", "2", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "--pp 2 runs with data and expert parallelism only" in proc.stderr
-    assert "Fix: use --tp 1 --cp 1, or use --pp 1" in proc.stderr
+    assert "--pp 2 runs with data, tensor and expert parallelism only" in proc.stderr
+    assert "Fix: use --cp 1, or use --pp 1" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
