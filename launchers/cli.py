@@ -43,8 +43,8 @@ _RUN_OPTIONS = (
     ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm. Default: train and full-train detect it (nvidia when torch sees a CUDA device, else cpu) and say so; other commands: cpu.")),
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
     ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train / full-train --impl miles splits the decoder layers into N stages, one per rank "
-                                                    "(megatron-core's 1F1B schedule; data and expert parallel over the rest of the ranks, no tp or cp with it); "
-                                                    "dsv4 inspect estimates the largest stage's GPU.")),
+                                                    "(megatron-core's 1F1B schedule; tensor parallel within a stage, data and expert parallel over the rest of the ranks, no cp); "
+                                                    "dsv4 logprobs scores on N stages (no tp, cp or ep); dsv4 inspect estimates the largest stage's GPU.")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
     ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),
@@ -345,8 +345,9 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     With --qkv-format thd all sequences are packed into one stream; --cp N
     and --tp N run N local processes (gloo on the CPU) over it; --ep N runs N
     processes that each hold 1/N of the routed experts and score every N-th
-    sequence. The output format is the same either way, so runs are directly
-    comparable.
+    sequence; --pp N runs N processes, each one pipeline stage of the decoder
+    layers, every sequence a row of its own (miles). The output format is the
+    same either way, so runs are directly comparable.
 
     Indexer-score ties at the k-th place are broken by the lowest entry index
     (torch.topk may pick other tied entries: docs/interop.md, "Ties of indexer scores").

@@ -278,8 +278,8 @@ def print_memory(m) -> None:
                   f"{master}Adam m, v (fp32), sharded over {m.dense_shards} (dense) / {m.expert_shards} (experts) GPUs")
     n = m.pp - m.stage
     flight = f"; {n} micro-batch{'es' if n > 1 else ''} in flight (1F1B)" if m.pp > 1 else ""
-    table.add_row("activations", _gib(m.activations),
-                  f"lower bound, full recomputation: block inputs + fp32 logits of {m.tokens_per_rank:,} tokens{flight}")
+    table.add_row("activations", _gib(m.activations), "lower bound, full recomputation: block inputs + fp32 logits "
+                  f"of {m.tokens_per_rank:,} tokens{flight}")
     table.add_row("total", _gib(m.total), "plus the recomputed block's intermediates, buffers, allocator slack")
     out.print(table)
 
@@ -355,7 +355,13 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     check_sequences([len(s) for s in sequences], run.model, source=f"token file {tokens}",
                     device="cuda" if run.selection.hardware.gpu else "cpu")   # before the model is built
     reset_kernels_ran()
-    if run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
+    if run.pp > 1:
+        from launchers.scoring import score_pipelined
+
+        check_checkpoint(checkpoint, run.model)  # validate before spawning anything
+        log.print(f"scoring {len(sequences)} sequence(s) on {run.pp} pipeline stages, --impl {run.impl} (bshd)")
+        result = score_pipelined(checkpoint, sequences, run)
+    elif run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed
 
         check_checkpoint(checkpoint, run.model)  # validate before spawning anything

@@ -18,6 +18,7 @@
   stage 0 of each data-parallel rank gets every stage's weights, every expert and every tensor-parallel slice
   included (the sync's check passes), its samples reach every stage and tensor-parallel rank, routing replay
   covers every layer, and two steps equal the one-rank steps.
+* ``dsv4 logprobs --pp 2`` prints the one-rank scores.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``), one line each naming the fix.
 """
@@ -124,6 +125,25 @@ def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, straight):
     _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
+def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight):
+    """`dsv4 logprobs --pp 2` on the run's trained native checkpoint (each stage reads its own tensors): every
+    sequence is a row of its own through megatron-core's schedule (lengths 9, 2, 1, 0 and 40: unequal rows, the
+    streams padded to the longest), and the output is `--pp 1`'s (same ops on the same rows; 1e-5 for another
+    thread count's rounding)."""
+    from tests.cli_process import run_cli
+
+    seqs = [[0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 3], [9], [], [(i * 37) % 1000 for i in range(40)]]
+    (tmp_path / "t.json").write_text(json.dumps(seqs))
+    args = ("logprobs", "--checkpoint", str(straight / "checkpoints" / "step_000003" / "model"), "--tokens",
+            str(tmp_path / "t.json"))
+    one, staged = (run_cli(*args, *more, env={"OMP_NUM_THREADS": "1"}) for more in ((), ("--pp", "2")))
+    assert one.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
+    assert "on 2 pipeline stages" in staged.stderr
+    want, got = json.loads(one.stdout), json.loads(staged.stdout)
+    assert [len(x) for x in got] == [len(x) for x in want] == [8, 1, 0, 0, 39]
+    assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a, b)) <= 1e-5
+
+
 GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05",
         "mtp_coef=0.1")
 
@@ -171,7 +191,8 @@ def _normalize(**kw):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(impl="megatron", qkv_format="thd"), "--impl megatron does not support pipeline parallelism"),
-    (dict(job="score"), "built for dsv4 train only"),
+    (dict(job=None), "built for dsv4 train and dsv4 logprobs only"),
+    (dict(job="score", ep=2), "Fix: use --tp 1 --cp 1 --ep 1 --qkv-format bshd, or --pp 1"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
     (dict(cp=2, world=4), "Fix: use --cp 1, or use --pp 1"),
     (dict(tp=2, world=6), "(got 6 ranks). Fix: use a rank count that is a multiple of 4"),
