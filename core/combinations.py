@@ -249,6 +249,11 @@ def _pp_job(sel: Selection, host) -> Optional[str]:
         return None
     if sel.job not in ("train", "score"):
         return f"--pp {sel.pp}: pipeline parallelism is built for dsv4 train and dsv4 logprobs only. Fix: use --pp 1."
+    if sel.job == "score" and "bshd" not in sel.impl.qkv_formats:
+        rows = [i.name for i in host.records(ATTENTION) if i.pipeline_parallel and "bshd" in i.qkv_formats]
+        fix = f"use --impl {join_choices(rows)}, or --pp 1" if rows else "use --pp 1"
+        return (f"dsv4 logprobs --pp {sel.pp} scores rows (BSHD) on the stages, and --impl {sel.impl.name} runs "
+                f"--qkv-format {join_choices(sel.impl.qkv_formats)} only. Fix: {fix}.")
     if sel.job == "score" and (sel.tp * sel.cp * sel.ep > 1 or sel.qkv_format != "bshd"):
         return (f"dsv4 logprobs --pp {sel.pp} scores rows (BSHD) on the stages alone (got --tp {sel.tp} --cp "
                 f"{sel.cp} --ep {sel.ep} --qkv-format {sel.qkv_format}). Fix: use --tp 1 --cp 1 --ep 1 "

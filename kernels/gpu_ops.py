@@ -15,7 +15,8 @@ tensors):
   lse2 [T,H] fp32 log2 units)``, with autograd through ``sparse_attention_bwd(q, kv, idx, sink, o, lse2, do,
   scale) -> (dq, dkv, dsink [H] fp32)``;
   (``dsv4_cuda`` has only these two: its forward is the CUDA C++ kernel, its backward the Triton one);
-* ``indexer_scores(q [T,H,D], k [N,D], w [T,H], ks?, ke?) -> [T,N] fp32`` (no backward: the entry point
+* ``indexer_scores(q [T,H,D], k [N,D], w [T,H], ks?, ke?) -> [T,N] fp32``, or for triton a batch
+  ``(q [B,S,H,D], k [B,N,D], w [B,S,H]) -> [B,S,N]`` in one launch (no backward: the entry point
   refuses inputs that require a gradient before the op is reached);
 * triton only, the fused mHC kernels (``x [T,n,d]``, fp32 mapping weights): ``hc_pre -> (u [T,d], post [T,n],
   comb [T,n,n], pre [T,NP], mix [T,MP], rho [T])`` (the last three are what its backward reads),
@@ -128,8 +129,8 @@ def _indexer_ops(ns: str, module: str) -> dict:
         return _launcher(module, "indexer_scores_launch")(q, k, w, ks, ke)
 
     @scores.register_fake
-    def _(q, k, w, ks, ke):
-        return _empty(q, q.shape[0], k.shape[0], dtype=torch.float32)
+    def _(q, k, w, ks, ke):     # THD [T,H,D] x [N,D] -> [T,N]; a batch [B,S,H,D] x [B,N,D] -> [B,S,N] (triton)
+        return _empty(q, *q.shape[:-2], k.shape[-2], dtype=torch.float32)
 
     return dict(indexer_scores=scores)
 

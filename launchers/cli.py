@@ -42,9 +42,9 @@ _RUN_OPTIONS = (
     ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
     ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm. Default: train and full-train detect it (nvidia when torch sees a CUDA device, else cpu) and say so; other commands: cpu.")),
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
-    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train / full-train --impl miles splits the decoder layers into N stages, one per rank "
-                                                    "(megatron-core's 1F1B schedule; tensor parallel within a stage, data and expert parallel over the rest of the ranks, no cp); "
-                                                    "dsv4 logprobs scores on N stages (no tp, cp or ep); dsv4 inspect estimates the largest stage's GPU.")),
+    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train / full-train splits the decoder layers into N stages, one per rank "
+                                                    "(megatron-core's 1F1B schedule; tensor parallel (miles) within a stage, data and expert parallel over the rest of the ranks, no cp); "
+                                                    "dsv4 logprobs --impl miles scores on N stages (no tp, cp or ep); dsv4 inspect estimates the largest stage's GPU.")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
     ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),

@@ -62,11 +62,6 @@ UNSUPPORTED_CASES = [
         message = "unknown --kernel-backend 'trton'; valid choices: cuda, cudnn, none, tilelang, triton. Did you mean 'triton'?",
     ),
     struct(
-        name = "megatron_pipeline_parallel",
-        args = ["--impl", "megatron", "--pp", "2"],
-        message = "--impl megatron does not support pipeline parallelism (got --pp 2). Fix: use --pp 1, or --impl miles.",
-    ),
-    struct(
         name = "miles_tp_not_dividing_o_groups",
         args = ["--impl", "miles", "--tp", "3"],
         message = "--tp 3 does not divide the model's o_groups=2 (the grouped output projection is split by groups across tensor-parallel ranks). Fix: use --tp 1 or 2.",

@@ -185,7 +185,9 @@ def _check_pipeline_options(run_config, cfg) -> None:
     """What ``--pp`` > 1 is built for (engine.pipeline.run_items): the last stage computes the policy / SFT loss of one model."""
     pp = getattr(run_config, "pp", 1)
     for key, bad, why in (("compile_blocks", cfg.compile_blocks, "compiled blocks are not cut into stages"),
-                          ("train_impl", cfg.train_impl is not None, "the reference training model is one process")):
+                          ("train_impl", cfg.train_impl is not None, "the reference training model is one process"),
+                          ("dsa_indexer_loss_coeff", cfg.dsa_indexer_loss_coeff is not None,
+                           "megatron's indexer KL loss of a stage's layers is not carried to the last stage's loss")):
         if pp > 1 and bad:
             raise ConfigError(f"training option {key!r} = {getattr(cfg, key)!r} with --pp {pp}: not built ({why}). "
                               f"Fix: drop {key}, or use --pp 1")

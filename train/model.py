@@ -362,18 +362,19 @@ class ImplTrainModel(_TrainModelBase):
         from engine.layout import current
         from engine.pipeline import is_first, is_last
 
+        m = getattr(self.module, "row_stage", self.module)   # a THD-only model's row API (backends.megatron.stage)
         ids, hook, c, dt = input_ids.to(self.device), _hook_for(routing_replay, input_ids), self.config, \
-            self.module.tconfig.params_dtype
+            m.tconfig.params_dtype
         x, emb = (None, None) if streams is None else (streams[..., :c.hc_mult * c.dim].reshape(
             *ids.shape, c.hc_mult, c.dim).to(self.device, dt), streams[..., c.hc_mult * c.dim:].to(self.device, dt))
         with routing_context(hook):
-            emb = self.module.embedding(ids).detach() if with_mtp and is_first(current()) else emb
+            emb = m.embedding(ids).detach() if with_mtp and is_first(current()) else emb
             if not is_last(current()):
-                out = self.module.hidden_streams(ids, streams=x).flatten(2)
+                out = m.hidden_streams(ids, streams=x).flatten(2)
                 return (torch.cat([out, emb.to(out.dtype)], -1) if with_mtp else out), _used(hook)
-            logits, h = self.module(ids, streams=x, return_hidden_streams=True)
+            logits, h = m(ids, streams=x, return_hidden_streams=True)
             with detached_weights(self.module):
-                mtp = self.module.mtp_logits(ids, h, embedded=emb) if with_mtp and self._has_mtp() else None
+                mtp = m.mtp_logits(ids, h, embedded=emb) if with_mtp and self._has_mtp() else None
         return TrainForward(token_logprobs(logits, ids, temperature).to(input_ids.device), mtp, _used(hook)), \
             _used(hook)
 

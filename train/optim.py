@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from engine.tp import full_shape, tp_pieces, tp_spec
 
-from .fused_optim import clipped
+from engine.fused_optim import clipped
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"          # the fp32 master weights (kept when the model computes in bf16)
@@ -86,6 +86,10 @@ class _Base:
 
     def grad_tensors(self) -> Iterable[Tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def weights_finite(self):
+        """True when the step itself checked every weight it wrote (then the trainer skips its own pass)."""
+        return None
 
     def _check(self, gnorm: float) -> None:
         """A non-finite gradient norm stops the run before the update, naming the first bad tensor."""
@@ -295,10 +299,14 @@ class MegatronOptimizer(_Base):
                                   adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
                                   use_distributed_optimizer=True, clip_grad=cfg.grad_clip)
         self.opt = get_megatron_optimizer(oconfig, [self.ddp])
-        from .fused_optim import install
+        from engine.fused_optim import install, install_triton_adam
 
-        # torch's fused AdamW and a device-side gradient norm where megatron-core fell back to unfused ones
+        # torch's fused AdamW and a device-side gradient norm where megatron-core fell back to unfused ones; on a
+        # GPU with Triton, one kernel for AdamW, the bf16 weights and their finite check
         self.kernels = install([part.optimizer for part in self._parts()])
+        self.triton_adam = install_triton_adam(self._parts())
+        if self.triton_adam:
+            self.kernels["adam"] = "Triton one-pass AdamW writing the bf16 weights (kernels.triton.adamw)"
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -327,6 +335,16 @@ class MegatronOptimizer(_Base):
 
     def describe(self) -> str:
         return f"megatron-core DistributedOptimizer: {self.kernels['adam']}, gradient norm {self.kernels['grad_norm']}"
+
+    def weights_finite(self):
+        """Whether every weight the last step wrote is finite, from the Triton kernel's flags (one host read, the
+        flags of every rank combined); None without that kernel."""
+        if not self.triton_adam:
+            return None
+        ok = torch.stack([part.optimizer.weights_finite() for part in self._parts()]).all().to(torch.int32)
+        if _initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok)
 
     def _parts(self):
         """The distributed optimizers megatron-core built (a ChainedOptimizer holds several)."""

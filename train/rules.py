@@ -42,13 +42,15 @@ def _train_layout(sel: Selection, host) -> Optional[str]:
 def _train_pipeline(sel: Selection, host) -> Optional[str]:
     """The trainer's pipeline stages (engine.pipeline.run_items) are built with data parallelism (each data-
     parallel rank's ``--pp`` stages), tensor parallelism within a stage and expert parallelism over the data-
-    parallel ranks of a stage, rows of padded samples (BSHD) sent between stages."""
+    parallel ranks of a stage, rows of padded samples sent between stages (BSHD; a THD-only implementation,
+    megatron, packs each micro-batch's rows as one segment each: backends.megatron.stage)."""
     if sel.job != "train" or sel.pp <= 1:
         return None
     for what, bad, fix in ((f"--cp {sel.cp}", sel.cp > 1, "use --cp 1"),
                            (f"{layout_world(sel)} ranks", layout_world(sel) % (sel.pp * sel.tp),
                             f"use a rank count that is a multiple of {sel.pp * sel.tp} (the rest is data parallel)"),
-                           (f"--qkv-format {sel.qkv_format}", sel.qkv_format != "bshd", "use --qkv-format bshd"),
+                           (f"--qkv-format {sel.qkv_format}",     # a THD-only implementation: a segment per row
+                            sel.qkv_format != "bshd" and "bshd" in sel.impl.qkv_formats, "use --qkv-format bshd"),
                            ("--max-tokens-per-rank", sel.max_tokens_per_rank is not None,
                             "drop --max-tokens-per-rank")):
         if bad:
@@ -127,7 +129,8 @@ def _true_on_policy(sel: Selection, host) -> Optional[str]:
 RULES = (
     Rule("train-layout", "the run's ranks split into tensor x context x data parallel, expert parallel inside data",
          _train_layout),
-    Rule("train-pipeline", "the trainer's pipeline stages run with data, tensor and expert parallelism (no cp), BSHD rows",
+    Rule("train-pipeline", "the trainer's pipeline stages run with data, tensor and expert parallelism (no cp), "
+         "padded rows",
          _train_pipeline),
     Rule("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
     Rule("train-cuda-graphs", "the trainer's CUDA graphs run on a GPU, one fixed layout, no collectives inside the "

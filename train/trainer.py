@@ -346,7 +346,8 @@ class _Run:
         gradient norm stops the run before the update); returns the pre-clip global gradient norm."""
         with profiling.scope("optimizer"):
             gnorm = self.optim.step()
-        step_guard.check_parameters(self.model)           # the update itself blew up (e.g. lr=inf)
+        if self.optim.weights_finite() is not True:       # (True: the Triton AdamW checked what it wrote)
+            step_guard.check_parameters(self.model)       # the update itself blew up (e.g. lr=inf)
         return gnorm
 
     def row_chunks(self, n: int) -> List[slice]:

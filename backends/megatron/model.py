@@ -40,6 +40,7 @@ from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.layers import KeepFP32Module, RMSNorm
 from kernels.reference.layers import linear_fp32
 from engine.moe import DSv4MoE
+from engine.pipeline import OtherStage
 
 from .attention import DSv4HybridAttention
 from .config import indexer_loss_enabled
@@ -92,11 +93,13 @@ class DSv4TransformerBlock(KeepFP32Module, MegatronModule):
         register_head_params(self, config)
 
     def forward(self, streams: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
-        """-> ``(final streams [T,1,n,C], summed unscaled indexer KL or None)``."""
+        """-> ``(final streams [T,1,n,C], summed unscaled indexer KL or None)``. Pipeline parallel: only the layers
+        this stage holds run (another stage's are ``engine.pipeline.OtherStage`` placeholders)."""
         kl = None
         for layer in self.layers:
-            streams, k = layer(streams, layout, input_ids)
-            kl = _add(kl, k)
+            if not isinstance(layer, OtherStage):
+                streams, k = layer(streams, layout, input_ids)
+                kl = _add(kl, k)
         return streams, kl
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
@@ -195,17 +198,28 @@ class DSv4NativeModel(MegatronModule):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear_fp32(h, self.output_layer.weight)
 
-    def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *, layout=None):
+    @property
+    def row_stage(self):
+        """This model as a pipeline stage over rows (the trainer's ``--pp``; ``backends.megatron.stage``)."""
+        from .stage import RowStage
+
+        return RowStage(self)
+
+    def hidden_streams(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *, layout=None,
+                       streams: Optional[torch.Tensor] = None):
         """``(final streams [T,1,n,C], unscaled summed indexer KL or None, layout)``. ``layout``: a prebuilt
-        ``layout_for(input_ids, cu_seqlens)`` to reuse (it keeps what it derives: no host sync when reused)."""
+        ``layout_for(input_ids, cu_seqlens)`` to reuse (it keeps what it derives: no host sync when reused).
+        ``streams [T,1,n,C]``: a later pipeline stage's input (the previous stage's output) instead of the
+        embedding (``backends.megatron.stage``)."""
         ids = input_ids.reshape(-1)
         if layout is None:
             layout = self.layout_for(ids, cu_seqlens)
         if isinstance(layout, ThdLayout):  # derive the attention indices eagerly, before compiled blocks
             layout.prepare(self.config.csa_window_size, self.config.csa_compress_ratios)
-        emb = self.embedding(ids.view(1, -1), position_ids=None)                 # [T, 1, C]
-        n = self.config.num_residual_streams
-        streams = emb.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
+        if streams is None:
+            emb = self.embedding(ids.view(1, -1), position_ids=None)                 # [T, 1, C]
+            n = self.config.num_residual_streams
+            streams = emb.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
         streams, kl = self.decoder(streams, layout, ids)
         return streams, kl, layout
 
@@ -237,6 +251,14 @@ class DSv4NativeModel(MegatronModule):
         if cp_group_info()[0] > 1:
             return self._mtp_logits_cp(ids, cu_seqlens)
         streams, _, layout = self.hidden_streams(ids, cu_seqlens)
+        return self.mtp_from_streams(ids, streams, layout)
+
+    def mtp_from_streams(self, ids: torch.Tensor, streams: torch.Tensor, layout: ThdLayout,
+                         embedded: Optional[torch.Tensor] = None) -> list:
+        """:meth:`mtp_logits` (one process, no context parallelism) from the trunk's final ``streams [T,1,n,C]``
+        over ``ids [T]`` laid out by ``layout``. ``embedded [T,1,C]``: the embeddings of ``ids`` (a pipeline's
+        last stage holds no embedding): each depth takes the rows of its next tokens from them, the very
+        values the embedding looks up."""
         out = []
         tokens = ids
         for layer in self.mtp.layers:
@@ -245,7 +267,10 @@ class DSv4NativeModel(MegatronModule):
             lens = (layout.seqlens - 1).clamp(min=0)
             cu = torch.cat((lens.new_zeros(1), torch.cumsum(lens, 0)))
             layout = ThdLayout(cu)
-            emb = self.embedding(nxt.view(1, -1), position_ids=None)
+            if embedded is None:
+                emb = self.embedding(nxt.view(1, -1), position_ids=None)
+            else:
+                emb = embedded = torch.roll(embedded, -1, 0)[keep]
             streams = layer(streams[keep], emb, layout, nxt)
             out.append((self._logits(layer.collapse(streams)[:, 0]), cu))
             tokens = nxt

@@ -17,5 +17,6 @@ def dsv4_attention_impls():
             # context parallelism: engine.thd_attention (issue #6); expert parallelism: engine.expert_parallel
             context_parallel=True,
             expert_parallel=True,
+            pipeline_parallel=True,     # engine.pipeline over rows, a THD segment each (backends.megatron.stage)
         )
     ]

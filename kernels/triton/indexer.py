@@ -32,10 +32,16 @@ INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3)
 def _indexer_kernel(Q, K, W, KS, KE, OUT,
                     T, N, H,
                     stride_qt, stride_qh, stride_kn, stride_wt, stride_ot,
+                    stride_qb, stride_kb, stride_wb, stride_ob,
                     HAS_RANGE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                     PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)            # the sequence of a batched call (0 for THD)
+    Q += pid_b * stride_qb
+    K += pid_b * stride_kb
+    W += pid_b * stride_wb
+    OUT += pid_b * stride_ob
     offs_t = pid_t * BT + tl.arange(0, BT)
     offs_n = pid_n * BN + tl.arange(0, BN)
     tmask = offs_t < T
@@ -95,16 +101,22 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
 
 def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: Optional[torch.Tensor],
                           ke: Optional[torch.Tensor], config: Optional[dict] = None) -> torch.Tensor:
-    """The launcher of :func:`indexer_scores_thd` (inputs already checked)."""
-    T, H, D = q.shape
-    N = k.shape[0]
+    """The launcher of :func:`indexer_scores_thd` (inputs already checked), and of :func:`indexer_scores`: a
+    batch of sequences (``q [B,S,H,D]``, ``k [B,N,D]``, ``w [B,S,H]``, no ranges) is one launch with the batch
+    as the grid's third dimension (a decode step of 64 sequences was 64 launches, 2 ms on an H200)."""
+    batched = q.dim() == 4
+    B = q.shape[0] if batched else 1
+    T, H, D = q.shape[-3:]
+    N = k.shape[-2]
     cfg = {**INDEXER_CONFIG, **(config or {})}
     dt = torch.promote_types(q.dtype, k.dtype)
     q, k = q.to(dt).contiguous(), k.to(dt).contiguous()
     w = w.contiguous()
-    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
-    if T == 0 or N == 0:
+    out = torch.empty(*q.shape[:-3], T, N, dtype=torch.float32, device=q.device)
+    if T == 0 or N == 0 or B == 0:
         return out
+    if batched and ks is not None:
+        raise ValueError("indexer_scores_launch: key ranges are for THD inputs, not a batch")
     has_range = ks is not None
     if has_range:
         ks = ks.to(torch.int32).contiguous()
@@ -114,10 +126,12 @@ def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks:
     precision = "ieee" if dt == torch.float32 or dt == torch.float64 else "tf32"
     if dt == torch.float64:
         q, k = q.float(), k.float()
-    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(T, cfg["BT"]))
+    bt = cfg["BT"] if T > 16 else 16                # a decode step's one query row: the smallest dot tile
+    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(T, bt), B)
+    batch_strides = (q.stride(0), k.stride(0), w.stride(0), out.stride(0)) if batched else (0, 0, 0, 0)
     _indexer_kernel[grid](q, k, w, ks, ke, out, T, N, H,
-                          q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0),
-                          HAS_RANGE=has_range, BT=cfg["BT"], BN=cfg["BN"], D=D, PRECISION=precision,
+                          q.stride(-3), q.stride(-2), k.stride(-2), w.stride(-2), out.stride(-2), *batch_strides,
+                          HAS_RANGE=has_range, BT=bt, BN=cfg["BN"], D=D, PRECISION=precision,
                           NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
     return out
 
@@ -125,8 +139,17 @@ def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks:
 @gpu_ops.traceable
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Same contract as ``kernels.reference.indexer.indexer_scores``: ``q [B,S,H,D]``, ``k [B,N,D]``,
-    ``w [B,S,H]`` -> ``[B,S,N]``, computed with fp32 accumulation and returned in fp32."""
-    return gpu_common.indexer_scores_batched(indexer_scores_thd, q, k, w)
+    ``w [B,S,H]`` -> ``[B,S,N]``, computed with fp32 accumulation and returned in fp32: one launch for the batch."""
+    B, S, H, D = q.shape
+    if k.dim() != 3 or k.shape[0] != B or k.shape[2] != D or tuple(w.shape) != (B, S, H):
+        raise ValueError(f"expected q [B,S,H,D], k [B,N,D], w [B,S,H]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(w.shape)}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"indexer head dim {D} must be a power of two >= 16")
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not q.is_cuda:
+        raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    gpu_common.refuse_grad("triton", q, k, w)
+    return gpu_ops.TRITON.indexer_scores(q, k, w, None, None)
 
 
 indexer_topk = gpu_common.local_copy(gpu_common.indexer_topk, __name__)  # the stable top-k, shared by the GPU backends

@@ -35,10 +35,11 @@ __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd
            "hc_post_fwd", "hc_post_bwd", "MHC_CONFIG"]
 
 # Launch settings (the ``config`` argument of the launchers overrides them):
-#   mix / dfn: BT tokens x BK columns of K per step; coef: BT tokens, BD of d per step;
+#   mix / dfn: BT tokens x BK columns of K per step (mix: split over K below mix_programs programs);
+#   coef: BT tokens, BD of d per step;
 #   dx: BT x BK tiles; post / post_bwd: BT tokens x BD.
 # Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4; not tuned on a GPU yet.
-MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3,
+MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3, mix_programs=256,
                   coef_BT=16, coef_BD=64, coef_warps=4,
                   dx_BT=32, dx_BK=64, dx_warps=4,
                   dfn_BT=64, dfn_BK=64, dfn_warps=4, dfn_stages=3,
@@ -74,6 +75,52 @@ def _mix_kernel(X, FN, MIX, RHO, T, K, M, norm_eps,
         w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         ss += tl.sum(x * x, 1)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    rho = tl.rsqrt(ss / K + norm_eps)
+    tl.store(MIX + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
+    tl.store(RHO + t, rho, mask=tmask)
+
+
+@triton.jit
+def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
+                     BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr,
+                     STAGES: tl.constexpr):
+    """Split-K :func:`_mix_kernel` for few tokens (a decode step): program ``(i, s)`` sums columns
+    ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    s = tl.program_id(1)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tl.arange(0, MP)
+    mmask = m < M
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    k_lo = s * KPER
+    for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < K
+        x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        ss += tl.sum(x * x, 1)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    base = s.to(tl.int64) * T
+    tl.store(PART + (base + t64)[:, None] * MP + m[None, :], acc, mask=tmask[:, None])
+    tl.store(SSP + base + t64, ss, mask=tmask)
+
+
+@triton.jit
+def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.constexpr, MP: tl.constexpr):
+    """The sum of :func:`_mix_part_kernel`'s partials: ``MIX``, ``RHO`` as :func:`_mix_kernel` writes them."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tl.arange(0, MP)
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        base = s * T
+        acc += tl.load(PART + (base + t64)[:, None] * MP + m[None, :], mask=tmask[:, None], other=0.0)
+        ss += tl.load(SSP + base + t64, mask=tmask, other=0.0)
     rho = tl.rsqrt(ss / K + norm_eps)
     tl.store(MIX + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
     tl.store(RHO + t, rho, mask=tmask)
@@ -277,6 +324,27 @@ def _cfg(config):
     return {**MHC_CONFIG, **(config or {})}
 
 
+def _mix(x2, fn, mix, rho, norm_eps, cfg):
+    """``mix``, ``rho`` of the mixing GEMM: one program per ``mix_BT`` tokens over all of ``K``, or, when that
+    leaves most of the GPU idle (a decode step: 64 tokens were 4 programs, 0.2 ms a call on an H200), split
+    over ``K`` into about ``mix_programs`` programs and summed by a second kernel."""
+    T, K = x2.shape
+    M, MP = fn.shape[0], mix.shape[1]
+    rows = triton.cdiv(T, cfg["mix_BT"])
+    split = min(cfg["mix_programs"] // rows, triton.cdiv(K, 4 * cfg["mix_BK"]))
+    if split <= 1:
+        _mix_kernel[(rows,)](x2, fn, mix, rho, T, K, M, norm_eps, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
+                             PREC=PRECISION, STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
+        return
+    kper = triton.cdiv(triton.cdiv(K, split), cfg["mix_BK"]) * cfg["mix_BK"]
+    split = triton.cdiv(K, kper)
+    part = torch.empty(split, T, MP, dtype=torch.float32, device=x2.device)
+    ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
+    _mix_part_kernel[(rows, split)](x2, fn, part, ssp, T, K, M, kper, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
+                                    PREC=PRECISION, STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
+    _mix_finish_kernel[(triton.cdiv(T, 16),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=16, MP=MP, num_warps=4)
+
+
 def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, cfg):
     """The mixing GEMM and the coefficient kernel: ``(u, pre [T, NP], post, comb, mix [T, MP], rho)``."""
     T, K = x2.shape
@@ -290,9 +358,7 @@ def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, c
     post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
     comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
     if T:
-        _mix_kernel[(triton.cdiv(T, cfg["mix_BT"]),)](
-            x2, fn, mix, rho, T, K, M, norm_eps, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
-            STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
+        _mix(x2, fn, mix, rho, norm_eps, cfg)
         _pre_fwd_kernel[(triton.cdiv(T, cfg["coef_BT"]),)](
             mix, scale, base, x2, u, pre, post if has_res else mix, comb if has_res else mix, T, n, d, hc_eps, iters,
             HAS_RES=has_res,

@@ -89,6 +89,17 @@ def test_indexer_fake_matches_reference(ns, ranges):
     assert tuple(out.shape) == tuple(ref.shape) and out.dtype == torch.float32  # the kernels return fp32
 
 
+def test_triton_indexer_fake_takes_a_batch():
+    """The triton op also takes a whole batch (one launch): ``[B,S,H,D] x [B,N,D] -> [B,S,N]``."""
+    from kernels import gpu_ops
+
+    g = _gen(2)
+    q, k, w = torch.randn(3, 1, H, 32, generator=g).bfloat16(), torch.randn(3, NKV, 32, generator=g).bfloat16(), \
+        torch.randn(3, 1, H, generator=g)
+    (out,), _ = _fake_run(gpu_ops.TRITON.indexer_scores, [q, k, w, None, None], grad_of=())
+    assert tuple(out.shape) == (3, 1, NKV) and out.dtype == torch.float32
+
+
 def _mhc_inputs(rows, n_scale, seed):
     g = _gen(seed)
     x = torch.randn(T, N_HC, D_HC, generator=g).bfloat16()

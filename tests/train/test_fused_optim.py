@@ -1,4 +1,4 @@
-"""megatron-core's optimizer fallbacks replaced by torch's fused kernels (train.fused_optim): the same math as an
+"""megatron-core's optimizer fallbacks replaced by torch's fused kernels (engine.fused_optim): the same math as an
 independent float64 reference, and the fused kernels are the ones that run."""
 
 import math
@@ -15,7 +15,7 @@ def _tensors(seed=0):
 
 
 def test_foreach_l2_norm_is_the_norm_of_all_elements():
-    from train.fused_optim import foreach_l2_norm
+    from engine.fused_optim import foreach_l2_norm
 
     ts = _tensors()
     norm, per = foreach_l2_norm(2048, None, [ts], False)
@@ -29,7 +29,7 @@ def test_foreach_l2_norm_is_the_norm_of_all_elements():
 
 
 def test_foreach_scale_scales_in_place_and_copies_with_a_cast():
-    from train.fused_optim import foreach_scale
+    from engine.fused_optim import foreach_scale
 
     ts = _tensors()
     before = [t.clone() for t in ts]
@@ -56,7 +56,7 @@ def _adamw_reference(p, grads, lr, betas, eps, wd):
 
 
 def test_fused_adamw_runs_the_fused_kernel_and_matches_adamw_by_definition():
-    from train.fused_optim import use_fused_adam
+    from engine.fused_optim import use_fused_adam
 
     params = [torch.nn.Parameter(t.clone()) for t in _tensors(1) if t.numel()]
     start = [p.detach().clone() for p in params]
@@ -76,7 +76,7 @@ def test_fused_adamw_runs_the_fused_kernel_and_matches_adamw_by_definition():
 
 
 def test_default_adamw_does_not_run_the_fused_kernel_and_a_stepped_optimizer_is_refused():
-    from train.fused_optim import use_fused_adam
+    from engine.fused_optim import use_fused_adam
 
     p = torch.nn.Parameter(torch.randn(4))
     opt = torch.optim.AdamW([p], lr=1e-2)
@@ -96,7 +96,7 @@ def test_install_replaces_megatron_cores_fallbacks_only():
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
 
-    from train import fused_optim
+    from engine import fused_optim
 
     saved = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, mcore_optimizer.multi_tensor_scale_impl)
     try:
@@ -117,7 +117,7 @@ def test_install_replaces_megatron_cores_fallbacks_only():
 
 
 def test_clipping_inside_the_fused_kernel_equals_scaled_gradients():
-    from train.fused_optim import clipped, use_fused_adam
+    from engine.fused_optim import clipped, use_fused_adam
 
     def run(fused: bool, coef: float):
         p = torch.nn.Parameter(torch.linspace(-1, 1, 12))

@@ -1,7 +1,9 @@
 """On a GPU, ``dsv4 train``'s optimizer (megatron-core's distributed optimizer, train.optim.MegatronOptimizer)
-runs torch's fused AdamW and the device-side gradient norm of train.fused_optim, reads the gradient norm back to
-the host once per step, and takes the same step as torch's AdamW on the same model (TorchOptimizer, the CPU
-target's optimizer: an independent implementation of the same update).
+runs the one-pass Triton AdamW (kernels.triton.adamw: masters, moments and the bf16 weights in one kernel, and a
+flag for non-finite weights) and the device-side gradient norm of engine.fused_optim, reads the gradient norm back
+to the host once per step, and takes the same step as torch's AdamW on the same model (TorchOptimizer, the CPU
+target's optimizer: an independent implementation of the same update) and, in bf16, as torch's fused AdamW
+followed by megatron-core's own copy of the masters into the model.
 
     python -m pytest -q tests/train/test_fused_optim_gpu.py
 """
@@ -52,11 +54,16 @@ def test_megatron_optimizer_runs_the_fused_kernels_with_one_host_read(dtype):
     rc = _run_config(dtype)
     model = _model(rc)
     optim = MegatronOptimizer(model, TrainConfig(lr=1e-3, grad_clip=0.5), dtype=rc.torch_dtype)
-    assert optim.kernels == {"adam": "torch fused AdamW", "grad_norm": "torch._foreach_norm (on the device)"}
+    assert optim.kernels == {"adam": "Triton one-pass AdamW writing the bf16 weights (kernels.triton.adamw)",
+                             "grad_norm": "torch._foreach_norm (on the device)"}
     ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
     gnorm, names = _step(model, optim, ids)
     assert gnorm > 0.5                                    # clipped: inside the fused kernel, no extra pass
-    assert "_fused_adamw_" in names and "_foreach_norm" in names and "_foreach_mul_" not in names
+    assert "_fused_adamw_" not in names and "_foreach_norm" in names and "_foreach_mul_" not in names
+    for n, p in optim.named.items():                      # the kernel wrote every model weight from its master
+        _part, main, start, end = optim._main_map()[p]
+        assert torch.equal(p.detach().reshape(-1)[start:end], main.to(p.dtype)), n
+    assert optim.weights_finite() is True
     assert names.count("_local_scalar_dense") == 1, sorted(set(names))   # the norm, read once
     assert names.count("linalg_vector_norm") == 1         # one norm of the norms, not one per tensor
 
@@ -80,3 +87,97 @@ def test_fused_step_equals_torch_adamw_on_the_same_model():
     bad = {n: (d, tuple(fused.named[n].shape)) for n, d in off.items() if d > 1e-6 + 1e-4 * float(
         want[n].detach().abs().max())}
     assert not bad, f"{len(bad)} of {len(off)} parameters differ: {sorted(bad.items())[:12]}"
+
+
+def _triton_off(monkeypatch):
+    from engine import fused_optim
+
+    monkeypatch.setattr(fused_optim, "install_triton_adam", lambda parts: False)
+
+
+def test_bf16_step_equals_torch_fused_adamw_and_megatrons_copy(monkeypatch):
+    """The Triton step against megatron-core's own path (torch's fused AdamW, then its master -> bf16 copy), from
+    the same weights and gradients: masters to fp32 rounding, model weights to one bf16 rounding."""
+    from train.optim import MegatronOptimizer
+    from train.trainer import TrainConfig
+
+    rc = _run_config("bf16")
+    cfg = TrainConfig(lr=1e-3, grad_clip=0.5, weight_decay=0.1)
+    a_model, b_model = _model(rc), _model(rc)
+    b_model.load_state_dict(a_model.state_dict())
+    a = MegatronOptimizer(a_model, cfg, dtype=torch.bfloat16)
+    _triton_off(monkeypatch)
+    b = MegatronOptimizer(b_model, cfg, dtype=torch.bfloat16)
+    assert a.triton_adam and not b.triton_adam and b.kernels["adam"] == "torch fused AdamW"
+    ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    _step(a_model, a, ids)          # one step: equal gradients (a later step's bf16 forward already differs by
+    _step(b_model, b, ids)          # the last bit of some weights, which Adam's normalised update amplifies)
+    for n, p in a.named.items():
+        q = b.named[n]
+        ma, mb = a._states(p)["param"], b._states(q)["param"]
+        torch.testing.assert_close(ma, mb, rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(p.detach().float(), q.detach().float(), rtol=1e-2, atol=1e-5)
+
+
+def _adamw_definition(p, grads, lr, betas, eps, wd, scale):
+    """AdamW by its definition, float64."""
+    p, m, v = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double() / scale
+        p *= 1 - lr * wd
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        p -= lr / (1 - betas[0] ** t) * m / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+    return p
+
+
+def test_kernel_matches_adamw_by_definition_on_ragged_tensors():
+    """Sizes around the kernel's chunk and block edges, per-tensor weight decay, a gradient scale, bf16 outputs on
+    some tensors only, and the non-finite flag."""
+    from kernels.triton.adamw import BLOCK, CHUNK, MultiTensorAdamW
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, BLOCK - 1, BLOCK + 1, CHUNK, CHUNK + 3, 3 * CHUNK - 7]
+    params = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+    start = [p.clone() for p in params]
+    ms, vs = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros((), device="cuda") for _ in params]
+    outs = [torch.empty(n, dtype=torch.bfloat16, device="cuda") if i % 2 else None for i, n in enumerate(sizes)]
+    wds = [0.1 if i % 3 else 0.0 for i in range(len(sizes))]
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    scale = torch.tensor(2.0, device="cuda")
+    kernel, grads = MultiTensorAdamW(), []
+    for _ in range(3):
+        g = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+        grads.append(g)
+        torch._foreach_add_(steps, 1.0)
+        kernel.step(params, g, ms, vs, steps, outs, wds, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                    grad_scale=scale, flag=flag)
+    assert int(flag) == 0
+    for i, p in enumerate(params):
+        want = _adamw_definition(start[i], [g[i] for g in grads], 1e-2, (0.9, 0.95), 1e-8, wds[i], 2.0)
+        torch.testing.assert_close(p.double(), want, rtol=1e-5, atol=1e-6)
+        if outs[i] is not None:
+            assert torch.equal(outs[i], p.to(torch.bfloat16))
+    grads[0][2][5] = float("inf")
+    torch._foreach_add_(steps, 1.0)
+    kernel.step(params, grads[0], ms, vs, steps, outs, wds, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                grad_scale=None, flag=flag)
+    assert int(flag) == 1
+
+
+def test_a_blown_up_update_is_flagged_and_the_trainer_check_names_the_tensor():
+    from train import step_guard
+    from train.optim import MegatronOptimizer
+    from train.trainer import TrainConfig
+
+    rc = _run_config("bf16")
+    model = _model(rc)
+    cfg = TrainConfig(lr=1e-3, grad_clip=0.0)
+    object.__setattr__(cfg, "lr", float("inf"))         # (the run's option checks refuse it before a run starts)
+    optim = MegatronOptimizer(model, cfg, dtype=torch.bfloat16)
+    ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    _step(model, optim, ids)
+    assert optim.weights_finite() is False
+    with pytest.raises(step_guard.NonFiniteError, match="weights after the optimizer step"):
+        step_guard.check_parameters(model)

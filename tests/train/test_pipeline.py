@@ -1,26 +1,30 @@
-"""Pipeline parallelism (``dsv4 train --pp 2``) on the CPU: two gloo ranks, one stage each, through the CLI.
+"""Pipeline parallelism (``dsv4 train --pp 2``) on the CPU: two gloo ranks, one stage each, through the CLI, for
+both implementations (the megatron model runs each micro-batch's rows as one THD segment each, as its one-rank
+run does: ``backends.megatron.stage``).
 
 * SFT with the MTP loss (the token embeddings travel to the last stage) and ``--pp 2`` takes the one-rank steps
   (with four ranks, 2 stages x expert parallel 2, the two-rank expert-parallel run's): on the tiny model (4
   decoder layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences:
   3, 3, 2, so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the
   final fp32 weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each
-  stage checkpoints its own blocks). Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on every
-  weight after three AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows in
-  the same order (the streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is
+  stage checkpoints its own blocks), and for the megatron implementation against its own one-rank run; so does
+  ``dsv4 full-train --pp 2``'s first step. Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on
+  every weight after three AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows
+  in the same order (the streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is
   added in another order (over the stages); on this machine every value came out identical.
 * A ``--pp 2`` run SIGKILLed in step 3 (every rank, in the training phase) resumes at ``--pp 1`` from step 2's
-  checkpoint, and a ``--pp 1`` checkpoint at ``--pp 2`` (global names, DCP reshards; the optimizer's step counts
-  of every stage are written): the resumed step and the weights after it equal the uninterrupted run's (the
-  weights after the step depend on the restored Adam moments and step counts).
-* GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2, 2 stages x tensor parallel 2), with
-  the KL penalty (the reference model is split into the same stages) and the MTP loss: the rollout engine on
-  stage 0 of each data-parallel rank gets every stage's weights, every expert and every tensor-parallel slice
-  included (the sync's check passes), its samples reach every stage and tensor-parallel rank, routing replay
-  covers every layer, and two steps equal the one-rank steps.
-* ``dsv4 logprobs --pp 2`` prints the one-rank scores.
+  checkpoint, and a ``--pp 1`` checkpoint at ``--pp 2``, for both implementations (global names, DCP reshards;
+  the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
+  uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
+* GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2 for both implementations, 2 stages x
+  tensor parallel 2 for miles), with the KL penalty (the reference model is split into the same stages) and the
+  MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights, every expert
+  and every tensor-parallel slice included (the sync's check passes), its samples reach every stage and
+  tensor-parallel rank, routing replay covers every layer, and two steps equal the one-rank steps.
+* ``dsv4 logprobs --pp 2`` (miles) prints the one-rank scores.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
-  and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``), one line each naming the fix.
+  and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``, megatron's
+  ``dsa_indexer_loss_coeff``), one line each naming the fix.
 """
 
 import json
@@ -30,7 +34,11 @@ import torch
 
 from ._cli import metrics_rows, train_cli
 
-SFT = ("--impl", "miles", "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "micro_batch_size=3", "mtp_coef=0.3")
+def _sft(impl: str) -> tuple:
+    return ("--impl", impl, "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "micro_batch_size=3", "mtp_coef=0.3")
+
+
+SFT = _sft("miles")
 PP2 = ("--pp", "2", "--nproc-per-node", "2")
 
 
@@ -56,11 +64,24 @@ def _assert_same_run(got_dir, want_dir, steps):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Three SFT steps of one rank: what every pipeline run must reproduce."""
-    d = tmp_path_factory.mktemp("pp1") / "run"
-    train_cli(d, *SFT, "--steps", "3")
-    return d
+def one_rank(tmp_path_factory):
+    """Three SFT steps of one rank of an implementation (each run once, when first asked for): what every
+    pipeline run of it must reproduce."""
+    runs = {}
+
+    def run(impl: str):
+        if impl not in runs:
+            runs[impl] = tmp_path_factory.mktemp(f"pp1-{impl}") / "run"
+            train_cli(runs[impl], *_sft(impl), "--steps", "3")
+        return runs[impl]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def straight(one_rank):
+    """The miles implementation's one-rank SFT run."""
+    return one_rank("miles")
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +92,14 @@ def straight_ep2(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("knobs", [(), ("recompute=full",)], ids=["plain", "recompute"])
-def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight, knobs):
-    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", *knobs)
+@pytest.mark.parametrize("impl,knobs", [("miles", ()), ("miles", ("recompute=full",)), ("megatron", ())],
+                         ids=["plain", "recompute", "megatron"])
+def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, one_rank, impl, knobs):
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", *knobs)
     assert metrics_rows(tmp_path / "run")[0]["world_size"] == 2
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 1
-    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
+    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
 def test_full_train_runs_the_stages_on_its_converted_checkpoint(tmp_path, straight):
@@ -107,22 +129,24 @@ def test_sft_with_two_stages_and_two_expert_parallel_ranks_takes_the_expert_para
                                                                                                  rel=1e-6)
 
 
-def test_a_run_killed_at_two_stages_resumes_on_one_rank(tmp_path, straight):
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_a_run_killed_at_two_stages_resumes_on_one_rank(tmp_path, one_rank, impl):
     """Every rank SIGKILLed in step 3's training phase (stage 0 may be waiting on stage 1's gradients): step 2's
     checkpoint, written by both stages, resumes at --pp 1 and step 3 and its weights are the uninterrupted run's."""
-    killed = train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", env={"DSV4_TRAIN_KILL_AT": "3:train"},
+    killed = train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", env={"DSV4_TRAIN_KILL_AT": "3:train"},
                        check=False)
     assert killed.returncode == 1 and "error: rank" in killed.stderr and "Traceback" not in killed.stderr
     assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2]
     assert not (tmp_path / "run" / "checkpoints" / "step_000003").exists()
-    train_cli(tmp_path / "run", *SFT, "--steps", "3", "--resume")
-    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
-def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, straight):
-    train_cli(tmp_path / "run", *SFT, "--steps", "2")
-    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3", "--resume")
-    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl):
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "2")
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
 def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight):
@@ -144,24 +168,37 @@ def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight):
     assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a, b)) <= 1e-5
 
 
-GRPO = ("--impl", "miles", "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05",
-        "mtp_coef=0.1")
+def _grpo(impl: str) -> tuple:
+    return ("--impl", impl, "--mode", "grpo", "--steps", "2", "--lr", "1e-3", "micro_batch_size=3", "kl_coef=0.05",
+            "mtp_coef=0.1")
 
 
 @pytest.fixture(scope="module")
 def grpo_one_rank(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grpo1") / "run"
-    train_cli(d, *GRPO)
-    return metrics_rows(d)
+    """Two GRPO steps of one rank of an implementation (each run once, when first asked for): their metrics."""
+    runs = {}
+
+    def run(impl: str):
+        if impl not in runs:
+            d = tmp_path_factory.mktemp(f"grpo1-{impl}") / "run"
+            train_cli(d, *_grpo(impl))
+            runs[impl] = metrics_rows(d)
+        return runs[impl]
+
+    return run
 
 
-@pytest.mark.parametrize("layout", [("--nproc-per-node", "2"), ("--nproc-per-node", "4", "--ep", "2"),
-                                    ("--nproc-per-node", "4", "--tp", "2")], ids=["pp2", "pp2-ep2", "pp2-tp2"])
-def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, layout):
-    train_cli(tmp_path / "run", *GRPO, "--pp", "2", *layout)
+FOUR = ("--nproc-per-node", "4")
+
+
+@pytest.mark.parametrize("impl,layout", [("miles", ("--nproc-per-node", "2")), ("miles", (*FOUR, "--ep", "2")),
+                                         ("miles", (*FOUR, "--tp", "2")), ("megatron", (*FOUR, "--ep", "2"))],
+                         ids=["pp2", "pp2-ep2", "pp2-tp2", "megatron-pp2-ep2"])
+def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, impl, layout):
+    train_cli(tmp_path / "run", *_grpo(impl), "--pp", "2", *layout)
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 2 and rows[1]["kl_loss"] != 0.0     # step 2: the policy moved off the reference model
-    for got, want in zip(rows, grpo_one_rank):
+    for got, want in zip(rows, grpo_one_rank(impl)):
         assert got["weight_check_ok"] is True and got["routing_replay_match"] == 1.0
         assert got["reward_mean"] == want["reward_mean"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
@@ -190,9 +227,10 @@ def _normalize(**kw):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(impl="megatron", qkv_format="thd"), "--impl megatron does not support pipeline parallelism"),
+    (dict(impl="megatron", qkv_format="thd", max_tokens_per_rank=512), "Fix: drop --max-tokens-per-rank"),
     (dict(job=None), "built for dsv4 train and dsv4 logprobs only"),
     (dict(job="score", ep=2), "Fix: use --tp 1 --cp 1 --ep 1 --qkv-format bshd, or --pp 1"),
+    (dict(job="score", impl="megatron", qkv_format="thd"), "Fix: use --impl miles, or --pp 1"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
     (dict(cp=2, world=4), "Fix: use --cp 1, or use --pp 1"),
     (dict(tp=2, world=6), "(got 6 ranks). Fix: use a rank count that is a multiple of 4"),
@@ -208,7 +246,22 @@ def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     assert message in str(err.value) and "Fix:" in str(err.value)
 
 
-@pytest.mark.parametrize("knob", [dict(compile_blocks=True), dict(train_impl="reference")])
+def test_an_implementation_that_declares_no_stages_is_refused():
+    """The rule ``impl-pipeline-parallel``, for a plugin's implementation that does not declare
+    ``pipeline_parallel`` (both built-in ones do)."""
+    import dataclasses
+
+    from core.combinations import violations
+    from launchers.builtin_plugins import make_host
+
+    sel = _normalize().selection
+    plain = dataclasses.replace(sel.impl, name="plain", pipeline_parallel=False)
+    assert violations(dataclasses.replace(sel, impl=plain), make_host(third_party=False)) == [
+        "--impl plain does not support pipeline parallelism (got --pp 2). Fix: use --pp 1, or --impl megatron or miles."]
+
+
+@pytest.mark.parametrize("knob", [dict(compile_blocks=True), dict(train_impl="reference"),
+                                  dict(dsa_indexer_loss_coeff=0.1)])
 def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
     from core.config import ConfigError
     from train.config_checks import check_train_options
@@ -227,10 +280,13 @@ def test_the_cli_refuses_an_unbuilt_pipeline_layout_in_one_line(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_an_uneven_split_keeps_global_names_and_the_stages_compose_to_the_whole_model():
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_an_uneven_split_keeps_global_names_and_the_stages_compose_to_the_whole_model(impl):
     """3 decoder layers on 2 stages (stage 0: layers 0-1 and the embedding; stage 1: layer 2, the head and the MTP
     block), cut from one model in one process: every contract tensor is on exactly one stage under its global
-    name, and stage 0's streams fed to stage 1 give the whole model's logits (fp32, exactly)."""
+    name, and stage 0's streams fed to stage 1 give the whole model's logits (fp32, exactly): for megatron, the
+    stages' row API (``backends.megatron.stage``) against the whole model's own packed forward of the rows
+    (a segment per row), and its MTP logits likewise."""
     from types import SimpleNamespace
 
     from core import weight_contract as wc
@@ -242,7 +298,7 @@ def test_an_uneven_split_keeps_global_names_and_the_stages_compose_to_the_whole_
     config = small_config()
 
     def build():          # the same seed: the same weights every time
-        return build_train_model(config, run_config("miles", config), seed=3).module.eval()
+        return build_train_model(config, run_config(impl, config), seed=3).module.eval()
 
     whole = build()
     stages = [split_stage(build(), config.n_layers, SimpleNamespace(pp=2, pp_rank=s)) for s in (0, 1)]
@@ -256,6 +312,16 @@ def test_an_uneven_split_keeps_global_names_and_the_stages_compose_to_the_whole_
                    for n in names[0])
     assert isinstance(stages[0].decoder.layers[2], OtherStage) and isinstance(stages[1].decoder.layers[0], OtherStage)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    if impl == "miles":
+        with torch.no_grad():
+            streams = stages[0].hidden_streams(ids)
+            assert torch.equal(stages[1](ids, streams=streams), whole(ids))
+        return
+    first, last = stages[0].row_stage, stages[1].row_stage
+    cu = torch.arange(3) * 12
     with torch.no_grad():
-        streams = stages[0].hidden_streams(ids)
-        assert torch.equal(stages[1](ids, streams=streams), whole(ids))
+        logits, h = last(ids, streams=first.hidden_streams(ids), return_hidden_streams=True)
+        assert torch.equal(logits, whole(ids.reshape(-1), cu).reshape(2, 12, -1))
+        mtp = last.mtp_logits(ids, h, embedded=first.embedding(ids))
+        want = whole.mtp_logits(ids.reshape(-1), cu)
+    assert len(mtp) == len(want) == 1 and torch.equal(mtp[0], want[0][0].reshape(2, 11, -1))

@@ -91,3 +91,22 @@ def test_profile_steps_is_range_checked():
 
     with pytest.raises(ConfigError, match="'profile_steps' = -1 is out of range"):
         TrainConfig(profile_steps=-1)
+
+
+def test_a_triton_kernel_linked_to_no_host_op_is_counted_in_its_row():
+    """The optimizer's one-pass AdamW kernel reached the profile with no host op around it: its device time still
+    lands in "optimizer: adam", and a kernel an op holds is not counted twice."""
+    from types import SimpleNamespace as NS
+
+    from reporting.profiling import attribute
+
+    def kernel(name, start, end):
+        return NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=start, end=end))
+
+    op = NS(name="dsv4_triton::hc_post", device_type="DeviceType.CPU", sequence_nr=-1, thread=1, cpu_parent=None,
+            kernels=[NS(name="_post_fwd_kernel", duration=5.0)], self_cpu_time_total=0.0, fwd_thread=None)
+    events = [op, kernel("_post_fwd_kernel", 0.0, 5.0), kernel("_adamw_chunks", 10.0, 50.0)]
+    got = attribute(events, device="cuda")
+    assert got["rows"]["optimizer: adam"]["other"] == 40.0
+    assert sum(got["rows"]["mhc"].values()) == 5.0
+    assert got["kernels"] == 2

@@ -18,7 +18,11 @@ What this installs instead (torch's own kernels, the same math):
   device (megatron-core reads it back once, for the step's clipping and its metric);
 * :func:`foreach_scale`: ``torch._foreach_mul_`` / ``torch._foreach_copy_`` over the tensor lists;
 * :func:`clipped`: gradient clipping folded into the fused AdamW kernel (its ``grad_scale`` input divides every
-  gradient as it is read), instead of a pass that rewrites every fp32 gradient (about 13 ms of the step).
+  gradient as it is read), instead of a pass that rewrites every fp32 gradient (about 13 ms of the step);
+* :func:`fuse_master_copy` (CUDA with Triton): the whole step in one Triton kernel (``kernels.triton.adamw``):
+  AdamW on every fp32 master shard writes the bf16 model weight beside it, in place of megatron-core's copy of
+  the masters into the model afterwards, and raises a flag when a weight it wrote is non-finite, in place of
+  the trainer's check pass over every weight (:meth:`TritonAdamW.weights_finite`).
 
 Only megatron-core's own fallbacks are replaced: with Apex or Transformer Engine present their fused kernels stay
 (:func:`install` says which ran in its description).
@@ -106,6 +110,13 @@ def install(torch_optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, str]
     return out
 
 
+def install_triton_adam(parts) -> bool:
+    """:func:`fuse_master_copy` on every part (megatron-core ``DistributedOptimizer``) of the trainer's optimizer;
+    True when every part runs the one-pass Triton kernel (then the trainer's weight check is its flag)."""
+    done = [fuse_master_copy(part, part.optimizer) for part in parts]
+    return bool(done) and all(done)
+
+
 @contextlib.contextmanager
 def clipped(torch_optimizers: Sequence[torch.optim.Optimizer], coef: float):
     """Inside: the optimizers' next ``step()`` sees every gradient times ``coef`` (clipping by the global norm).
@@ -127,3 +138,101 @@ def clipped(torch_optimizers: Sequence[torch.optim.Optimizer], coef: float):
     finally:
         for o in scaled:
             del o.grad_scale
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW whose ``step()`` is ``kernels.triton.adamw``'s one-pass kernel over every tensor of a group.
+    The state is torch's fused AdamW's (``step`` an fp32 tensor on the device, ``exp_avg``, ``exp_avg_sq``), so
+    megatron-core's state handling and the trainer's checkpoints see a torch AdamW. ``model_outputs`` maps a
+    master to the bf16 model weight the kernel writes beside it (:func:`fuse_master_copy`)."""
+
+    model_outputs: Dict[torch.Tensor, torch.Tensor]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("TritonAdamW: closures are not supported")
+        flag = self._finite_flag()
+        flag.zero_()
+        for group in self.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError("TritonAdamW: amsgrad and maximize are not supported")
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            states = [self.state[p] for p in params]
+            steps = [st["step"] for st in states]
+            if steps:
+                torch._foreach_add_(steps, 1.0)
+            beta1, beta2 = group["betas"]
+            self._kernel().step(params, [p.grad for p in params], [st["exp_avg"] for st in states],
+                                [st["exp_avg_sq"] for st in states], steps,
+                                [self.model_outputs.get(p) for p in params], [group["weight_decay"]] * len(params),
+                                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                grad_scale=getattr(self, "grad_scale", None), flag=flag)
+
+    def weights_finite(self) -> torch.Tensor:
+        """A device bool: every weight the last step wrote (masters, and the bf16 weights beside them) is finite."""
+        return self._finite_flag()[0] == 0
+
+    def _finite_flag(self) -> torch.Tensor:
+        if getattr(self, "_flag", None) is None:
+            device = next(p.device for g in self.param_groups for p in g["params"])
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._flag
+
+    def _kernel(self):
+        if getattr(self, "_multi", None) is None:
+            from kernels.triton.adamw import MultiTensorAdamW
+
+            self._multi = MultiTensorAdamW()
+        return self._multi
+
+
+def triton_adam_refusal(params) -> str:
+    """Why :class:`TritonAdamW` cannot step these parameters here ("" when it can)."""
+    if not params or any(p.device.type != "cuda" or p.dtype != torch.float32 or not p.is_contiguous() for p in params):
+        return "the masters are not contiguous fp32 CUDA tensors"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return ""
+
+
+def fuse_master_copy(part, optimizer: torch.optim.Optimizer) -> bool:
+    """Make the torch AdamW of one megatron-core ``DistributedOptimizer`` (``part``) a :class:`TritonAdamW` that
+    writes each bf16 model weight shard where megatron-core's ``_copy_main_params_to_model_params`` would copy it
+    (the shard's range of its bucket's ``param_data``), and turn that copy off. Where a model weight is fp32, its
+    master is that very range already (megatron-core keeps fp32 weights as their own masters) and nothing is
+    written. False (nothing changed) when the layout is not this one, or the kernel cannot run."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or any(optimizer.state.get(p) for g in
+                                                                         optimizer.param_groups for p in g["params"]):
+        return False
+    if triton_adam_refusal([p for g in optimizer.param_groups for p in g["params"]]):
+        return False
+    outs = {}
+    pairs = [(part.shard_fp32_from_float16_groups, part.model_float16_groups, True),
+             (part.shard_fp32_groups, part.model_fp32_groups, False)]
+    for main_groups, model_groups, low_precision in pairs:
+        for main_group, model_group in zip(main_groups, model_groups):
+            for main, model_param in zip(main_group, model_group):
+                world = part._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                gbuf, _dtype, bucket = part.model_param_gbuf_map[model_param]
+                shard = part.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end]
+                if shard.numel() != main.numel():
+                    return False
+                if low_precision:
+                    if shard.dtype != torch.bfloat16:
+                        return False
+                    outs[main] = shard
+                elif shard.data_ptr() != main.data_ptr():
+                    return False
+    optimizer.__class__ = TritonAdamW
+    optimizer.model_outputs = outs
+    part._copy_main_params_to_model_params = lambda: None       # the kernel wrote the model weights
+    return True
