@@ -1,7 +1,9 @@
 """Per-GPU memory estimate of a training layout (``dsv4 inspect``; formulas in docs/training.md).
 
 What one GPU holds when the model trains under a layout (tensor parallel ``tp``, context parallel ``cp``,
-expert parallel ``ep``, ``world`` GPUs in all) with Megatron's mixed precision and DistributedOptimizer:
+expert parallel ``ep``, pipeline parallel ``pp``, ``world`` GPUs in all) with Megatron's mixed precision and
+DistributedOptimizer. With ``pp`` > 1 the estimate is of one stage (``stage``; by default the stage whose total
+is largest), which holds the tensors ``core.pp_layout`` gives it:
 
 * **weights**: every tensor of the weight contract (``core.weight_contract.native_names``) that this
   rank holds: the tensor-parallel ones (:data:`TP_SPLIT`, the layout both implementations and upstream
@@ -16,8 +18,11 @@ expert parallel ``ep``, ``world`` GPUs in all) with Megatron's mixed precision a
 * **activations** (a lower bound): with full activation recomputation, what stays alive through the
   backward pass: every block's input (``hc_mult`` residual streams of ``dim``, in the run's dtype), and
   the logits of the main head and of each MTP head, fp32 over the full vocabulary (the implementations
-  gather it), with their fp32 log-softmax, for ``seq * micro_batch / cp`` tokens per rank. The block
-  being recomputed, attention and MoE intermediates, communication buffers and the allocator's slack
+  gather it), with their fp32 log-softmax, for ``seq * micro_batch / cp`` tokens per rank. Under 1F1B
+  (megatron-core's non-interleaved schedule) stage ``s`` runs ``pp - s - 1`` warm-up forwards before its
+  first backward, so it keeps the block inputs of ``pp - s`` micro-batches (a step of at least that many);
+  the last stage, which holds the heads, keeps one. The block being recomputed, attention and MoE
+  intermediates, the streams exchanged between stages, communication buffers and the allocator's slack
   come on top.
 
 Nothing here builds a model: counts come from the contract's shapes.
@@ -33,8 +38,10 @@ from typing import Dict, Optional, Tuple
 
 from core import weight_contract as wc
 from core.errors import UserInputError
+from core.pp_layout import stage_layers, stage_of
 
-__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "rank_tensors", "default_world"]
+__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "rank_tensors", "default_world",
+           "in_flight_micro_batches"]
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -78,16 +85,20 @@ def default_world(tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1) -> int:
     return tp * pp * (cp * ep // math.gcd(cp, ep))
 
 
-def rank_tensors(config, *, tp: int = 1, ep: int = 1) -> Dict[str, Tuple[int, str, bool, bool]]:
+def rank_tensors(config, *, tp: int = 1, ep: int = 1, pp: int = 1,
+                 stage: Optional[int] = None) -> Dict[str, Tuple[int, str, bool, bool]]:
     """``native name -> (elements on one rank, kind, trainable, routed expert)`` of the tensors one rank of
-    the layout holds (rank 0's experts; every rank holds as many). ``kind``: ``"fp32"`` (kept in fp32),
-    ``"int64"`` (``tid2eid``) or ``"run"`` (the run's dtype)."""
+    the layout holds (rank 0's experts; every rank holds as many; with ``stage``, those of pipeline stage
+    ``stage`` of ``pp`` only).
+    ``kind``: ``"fp32"`` (kept in fp32), ``"int64"`` (``tid2eid``) or ``"run"`` (the run's dtype)."""
     E = config.n_routed_experts
     if E % ep:
         raise UserInputError(f"expert-parallel size {ep} must divide the {E} routed experts")
     local_experts = E // ep
     out = {}
     for name, (shape, dt) in wc.native_names(config).items():
+        if stage is not None and stage_of(name, config.n_layers, pp) != stage:
+            continue
         m = _RX_EXPERT.fullmatch(name)
         if m and int(m.group(1)) >= local_experts:
             continue
@@ -127,6 +138,8 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int           # lower bound (full recomputation)
+    stage: int = 0             # the pipeline stage estimated (0 of 1 without --pp)
+    layers: int = 0            # decoder layers that stage holds
 
     @property
     def total(self) -> int:
@@ -136,16 +149,26 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, world: Optional[int] = None,
-                    dtype: str = "bf16", seq: int = 4096, micro_batch: int = 1) -> MemoryEstimate:
-    """The per-GPU memory of training ``config`` under the layout (see the module docstring)."""
+def in_flight_micro_batches(pp: int, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` of ``pp`` keeps at once under megatron-core's
+    non-interleaved 1F1B (``pp - stage - 1`` warm-up forwards, then one forward before each backward)."""
+    return pp - stage
+
+
+def _check_layout(config, tp: int, cp: int, ep: int, pp: int, world: Optional[int], dtype: str, seq: int,
+                  micro_batch: int, stage: Optional[int]) -> int:
+    """The layout's world size, after refusing a layout the estimate cannot describe (one line, the reason)."""
     if dtype not in DTYPE_BYTES:
         raise UserInputError(f"unknown dtype {dtype!r}; valid choices: {', '.join(DTYPE_BYTES)}")
     for what, v in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("seq", seq), ("micro_batch", micro_batch)):
         if not isinstance(v, int) or v < 1:
             raise UserInputError(f"{what} must be a positive integer, got {v!r}")
-    if pp != 1:
-        raise UserInputError("the memory estimate covers pipeline-parallel size 1 only (dsv4 runs --pp 1)")
+    try:
+        stage_layers(config.n_layers, pp, 0)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from None
+    if stage is not None and not 0 <= stage < pp:
+        raise UserInputError(f"stage {stage} is not one of the {pp} pipeline stages (0 to {pp - 1})")
     world = default_world(tp, cp, ep, pp) if world is None else int(world)
     if world < 1 or world % (tp * cp * pp) or world % (tp * ep * pp):
         raise UserInputError(f"{world} GPUs do not fit the layout: the world size must be a multiple of "
@@ -153,9 +176,28 @@ def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 
                              f"(expert replicas); e.g. {default_world(tp, cp, ep, pp)}")
     if seq % cp:
         raise UserInputError(f"sequence length {seq} does not split over {cp} context-parallel ranks")
+    return world
+
+
+def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, world: Optional[int] = None,
+                    dtype: str = "bf16", seq: int = 4096, micro_batch: int = 1,
+                    stage: Optional[int] = None) -> MemoryEstimate:
+    """The per-GPU memory of training ``config`` under the layout (see the module docstring): of pipeline stage
+    ``stage``, or of the stage whose total is largest (the first of equals)."""
+    world = _check_layout(config, tp, cp, ep, pp, world, dtype, seq, micro_batch, stage)
+    layout = dict(tp=tp, cp=cp, ep=ep, pp=pp, world=world, dtype=dtype, seq=seq, micro_batch=micro_batch)
+    every = rank_tensors(config, tp=tp, ep=ep)         # the contract's names once (V4-Pro: 172k of them)
+    owner = {n: stage_of(n, config.n_layers, pp) for n in every} if pp > 1 else dict.fromkeys(every, 0)
+    estimates = [_stage_estimate(config, {n: t for n, t in every.items() if owner[n] == s}, stage=s, **layout)
+                 for s in (range(pp) if stage is None else (stage,))]
+    return max(estimates, key=lambda e: (e.total, -e.stage))
+
+
+def _stage_estimate(config, tensors: Dict[str, Tuple[int, str, bool, bool]], *, tp: int, cp: int, ep: int, pp: int,
+                    world: int, dtype: str, seq: int, micro_batch: int, stage: int) -> MemoryEstimate:
+    """One stage's estimate from the tensors it holds (:func:`rank_tensors`)."""
     a = DTYPE_BYTES[dtype]
     size = {"run": a, "fp32": 4, "int64": 8}
-    tensors = rank_tensors(config, tp=tp, ep=ep)
     weights = sum(n * size[kind] for n, kind, _t, _e in tensors.values())
     dense = sum(n for n, _k, t, e in tensors.values() if t and not e)
     expert = sum(n for n, _k, t, e in tensors.values() if t and e)
@@ -169,11 +211,14 @@ def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 
 
     optimizer = optimizer_share(False, dense_shards) + optimizer_share(True, expert_shards)
     tokens = seq * micro_batch // cp
-    M = config.n_mtp_layers
-    per_token = ((config.n_layers + M) * config.hc_mult * config.dim * a
-                 + (1 + M) * config.vocab_size * (4 + 4))
+    M, last = config.n_mtp_layers, stage == pp - 1
+    layers = len(stage_layers(config.n_layers, pp, stage))
+    blocks = (layers + (M if last else 0)) * config.hc_mult * config.dim * a    # per token of one micro-batch
+    heads = (1 + M) * config.vocab_size * (4 + 4) if last else 0
+    activations = tokens * (in_flight_micro_batches(pp, stage) * blocks + heads)
     return MemoryEstimate(
         tp=tp, cp=cp, ep=ep, pp=pp, world=world, dp=world // (tp * cp * pp), dense_shards=dense_shards,
         expert_shards=expert_shards, dtype=dtype, seq=seq, micro_batch=micro_batch, tokens_per_rank=tokens,
         parameters=sum(n for n, *_ in tensors.values()), trainable_dense=dense, trainable_expert=expert,
-        weights=weights, gradients=gradients, optimizer=optimizer, activations=tokens * per_token)
+        weights=weights, gradients=gradients, optimizer=optimizer, activations=activations, stage=stage,
+        layers=layers)

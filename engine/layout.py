@@ -66,6 +66,7 @@ class LayoutGroups:
     expert_dp: Any              # the ranks that hold the same experts (expert gradients)
     etp: Any
     pp: Any
+    tp_pp: Any                  # megatron's model-parallel group: the stages of one data-parallel rank, x tensor
 
 
 SINGLE = ParallelLayout()
@@ -100,7 +101,7 @@ def _read(ps, dist) -> ParallelLayout:
         tp_cp=ps.get_tensor_and_context_parallel_group(), dp=ps.get_data_parallel_group(),
         dp_cp=ps.get_data_parallel_group(with_context_parallel=True), ep=ps.get_expert_model_parallel_group(),
         expert_dp=ps.get_expert_data_parallel_group(), etp=ps.get_expert_tensor_parallel_group(),
-        pp=ps.get_pipeline_model_parallel_group())
+        pp=ps.get_pipeline_model_parallel_group(), tp_pp=ps.get_model_parallel_group())
     return ParallelLayout(
         rank=dist.get_rank(), world=dist.get_world_size(),
         tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),

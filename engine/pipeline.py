@@ -35,19 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.pp_layout import stage_layers    # the split (dsv4 inspect's memory estimate reads the same rule)
+
 __all__ = ["stage_layers", "split_stage", "OtherStage", "is_first", "is_last", "run_schedule",
            "from_last_stage", "gather_over_stages", "full_stage_tensors", "pipelined", "run_items", "forward_items"]
-
-
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    """The global indices of the decoder layers stage ``stage`` of ``pp`` holds: contiguous, as even as possible,
-    the first ``n_layers % pp`` stages one more."""
-    if n_layers < pp:
-        raise ValueError(f"--pp {pp} gives each stage at least one decoder layer, and the model has {n_layers}. "
-                         f"Fix: use --pp {n_layers} or fewer.")
-    base, extra = divmod(n_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 class OtherStage(nn.Module):

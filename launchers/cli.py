@@ -42,8 +42,9 @@ _RUN_OPTIONS = (
     ("--quant", dict(help="Quantization scheme: bf16, fp8, mxfp4-fp8, nvfp4, qat.")),
     ("--hardware", dict(help="Hardware target: cpu, nvidia, rocm. Default: train and full-train detect it (nvidia when torch sees a CUDA device, else cpu) and say so; other commands: cpu.")),
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
-    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train splits the decoder layers into N stages, one per rank "
-                                                    "(megatron-core's 1F1B schedule; data parallel over the rest of the ranks, no tp, cp or ep with it).")),
+    ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train / full-train splits the decoder layers into N stages, one per rank "
+                                                    "(megatron-core's 1F1B schedule; tensor parallel (miles) within a stage, data and expert parallel over the rest of the ranks, no cp); "
+                                                    "dsv4 logprobs --impl miles scores on N stages (no tp, cp or ep); dsv4 inspect estimates the largest stage's GPU.")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
     ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),
@@ -318,11 +319,13 @@ def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], nproc_pe
                 seq: int, micro_batch_size: int, as_json: bool):
     """Print the parameter count of a model by component, and the memory per GPU of training it.
 
-    The estimate is for the layout of --tp, --cp, --ep (and --pp 1) on
+    The estimate is for the layout of --tp, --cp, --ep and --pp on
     --nproc-per-node x --nnodes GPUs, in --dtype (default bf16), with
     Megatron's DistributedOptimizer: weights, fp32 gradients, optimizer state
     sharded over the data-parallel ranks, and a lower bound of the activations
-    (docs/training.md, "Memory per GPU").
+    (docs/training.md, "Memory per GPU"). With --pp N it is the GPU of the
+    largest stage: its layers, and the activations of the micro-batches
+    1F1B keeps in flight there.
     """
     world = None if nproc_per_node is None else nproc_per_node * nnodes
     layout = dict(tp=opts.get("tp") or 1, cp=opts.get("cp") or 1, ep=opts.get("ep") or 1, pp=opts.get("pp") or 1,
@@ -342,8 +345,9 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     With --qkv-format thd all sequences are packed into one stream; --cp N
     and --tp N run N local processes (gloo on the CPU) over it; --ep N runs N
     processes that each hold 1/N of the routed experts and score every N-th
-    sequence. The output format is the same either way, so runs are directly
-    comparable.
+    sequence; --pp N runs N processes, each one pipeline stage of the decoder
+    layers, every sequence a row of its own (miles). The output format is the
+    same either way, so runs are directly comparable.
 
     Indexer-score ties at the k-th place are broken by the lowest entry index
     (torch.topk may pick other tied entries: docs/interop.md, "Ties of indexer scores").

@@ -17,6 +17,9 @@ parallel sizes); every process builds its model from it through the assembly ste
   (``engine.expert_parallel``) and score their own share of the sequences (sequence ``i`` on rank
   ``i % ep``, packed into that rank's stream; a rank with none scores a pad stream, since every rank takes
   part in each layer's token exchange); rank 0 gathers the results.
+* ``pp > 1`` (:func:`score_pipelined`) spawns ``pp`` processes, each one pipeline stage of the decoder layers
+  (``engine.pipeline``), and runs every sequence as a row of its own through megatron-core's schedule (BSHD;
+  tensor, context and expert parallel 1).
 * The result has the unpacked scorer's format (``launchers.stages.score``): per sequence the ``L - 1``
   values ``log P(t_{i+1} | t_{<=i})``; ``[]`` for sequences shorter than 2 tokens. So the two are
   directly comparable.
@@ -35,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["score_packed", "pack_stream"]
+__all__ = ["score_packed", "score_pipelined", "pack_stream"]
 
 
 def pack_stream(sequences: Sequence[Sequence[int]], ratios, *, cp: int = 1, tp: int = 1):
@@ -96,7 +99,7 @@ def _set_up_rank(run, rank: int, world: int, port: int):
     parts = assemble(run)
     if not run.selection.hardware.gpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    parts.target.init_process_group(rank, world, tp=run.tp, cp=run.cp, ep=run.ep, port=port)
+    parts.target.init_process_group(rank, world, tp=run.tp, cp=run.cp, ep=run.ep, pp=run.pp, port=port)
     return parts
 
 
@@ -136,6 +139,52 @@ def _ep_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
             torch.save(scored, out_path)
     finally:
         parts.target.destroy_process_group()
+
+
+def _pp_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_path: str) -> None:
+    """One pipeline stage (``engine.pipeline``: the model built whole, cut to this stage, the checkpoint's
+    tensors of this stage loaded): every sequence is a micro-batch of one row through megatron-core's schedule,
+    forward only; the last stage takes the log-probs with the one-rank scorer's ops, rank 0 saves them."""
+    from engine.layout import current
+    from engine.loading import load_weights
+    from engine.pipeline import from_last_stage, is_last, run_schedule, split_stage
+
+    parts = _set_up_rank(run, rank, run.pp, port)
+    try:
+        layout, c, device = current(), run.model, parts.device()
+        model = split_stage(parts.build_model(initialize=False), c.n_layers, layout)
+        load_weights(model, checkpoint_dir, c)
+        model.to(device).eval()
+        rows = [i for i, seq in enumerate(sequences) if len(seq) > 1]
+        ids = {i: torch.tensor(sequences[i], dtype=torch.long, device=device)[None] for i in rows}
+        scored: dict = {}
+
+        def stage(i, x):        # x: the previous stage's streams [1, S, hc x d] in fp32 (None on the first)
+            streams = None if x is None else x.reshape(1, -1, c.hc_mult, c.dim).to(device, model.tconfig.params_dtype)
+            if not is_last(layout):
+                return model.hidden_streams(ids[i], streams=streams).flatten(2)
+            logits = model(ids[i], streams=streams)[:, :-1]      # as the miles model's logprobs (BSHD)
+            return torch.log_softmax(logits, dim=-1).gather(-1, ids[i][:, 1:, None]).squeeze(-1)
+
+        def keep(i, lp):
+            scored[i] = lp[0].float().tolist()
+            return lp.sum() * 0
+
+        with torch.no_grad():
+            if rows:
+                run_schedule(rows, [tuple(ids[i].shape) for i in rows], c.hc_mult * c.dim, stage, keep,
+                             forward_only=True)
+        scored = from_last_stage(scored, layout)
+        if rank == 0:
+            torch.save([scored.get(i, []) for i in range(len(sequences))], out_path)
+    finally:
+        parts.target.destroy_process_group()
+
+
+def score_pipelined(checkpoint_dir, sequences: Sequence[Sequence[int]], run) -> list[list[float]]:
+    """Per-token log-probs of each sequence (one row each, BSHD) on ``run.pp`` pipeline stages, one local
+    process each; the output of the one-rank scorer (``launchers.stages.score``)."""
+    return _spawn(_pp_worker, run.pp, run, str(checkpoint_dir), [list(map(int, s)) for s in sequences])
 
 
 def _spawn(worker, nprocs: int, run, *args) -> object:

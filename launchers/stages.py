@@ -258,8 +258,10 @@ def _gib(n: int) -> str:
 def print_memory(m) -> None:
     """The per-GPU memory estimate as a table (formulas: docs/training.md, "Memory per GPU")."""
     master = "fp32 master copy + " if m.dtype != "fp32" else ""
+    stage = f", stage {m.stage} of {m.pp} (the largest: {m.layers} decoder layers)" if m.pp > 1 else ""
     table = Table(title=(f"memory per GPU (estimate): tp {m.tp}, cp {m.cp}, ep {m.ep}, pp {m.pp} on {m.world} GPU(s) "
-                         f"(data parallel {m.dp}), {m.dtype}, {m.seq} tokens x {m.micro_batch}"), title_justify="left")
+                         f"(data parallel {m.dp}), {m.dtype}, {m.seq} tokens x {m.micro_batch}{stage}"),
+                  title_justify="left")
     table.add_column("part")
     table.add_column("bytes", justify="right")
     table.add_column("how")
@@ -267,8 +269,10 @@ def print_memory(m) -> None:
     table.add_row("gradients", _gib(m.gradients), "fp32 main gradients of every trainable weight held")
     table.add_row("optimizer", _gib(m.optimizer),
                   f"{master}Adam m, v (fp32), sharded over {m.dense_shards} (dense) / {m.expert_shards} (experts) GPUs")
-    table.add_row("activations", _gib(m.activations),
-                  f"lower bound, full recomputation: block inputs + fp32 logits of {m.tokens_per_rank:,} tokens")
+    n = m.pp - m.stage
+    flight = f"; {n} micro-batch{'es' if n > 1 else ''} in flight (1F1B)" if m.pp > 1 else ""
+    table.add_row("activations", _gib(m.activations), "lower bound, full recomputation: block inputs + fp32 logits "
+                  f"of {m.tokens_per_rank:,} tokens{flight}")
     table.add_row("total", _gib(m.total), "plus the recomputed block's intermediates, buffers, allocator slack")
     out.print(table)
 
@@ -344,7 +348,13 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
     check_sequences([len(s) for s in sequences], run.model, source=f"token file {tokens}",
                     device="cuda" if run.selection.hardware.gpu else "cpu")   # before the model is built
     reset_kernels_ran()
-    if run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
+    if run.pp > 1:
+        from launchers.scoring import score_pipelined
+
+        check_checkpoint(checkpoint, run.model)  # validate before spawning anything
+        log.print(f"scoring {len(sequences)} sequence(s) on {run.pp} pipeline stages, --impl {run.impl} (bshd)")
+        result = score_pipelined(checkpoint, sequences, run)
+    elif run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed
 
         check_checkpoint(checkpoint, run.model)  # validate before spawning anything

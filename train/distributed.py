@@ -1,6 +1,6 @@
 """The trainer's ranks: data, tensor, context and expert parallel groups, and how work splits over them.
 
-Layout (``world = dp x tp x cp``; pipeline parallel is 1; checked at parse time by the combination table's
+Layout (``world = dp x tp x cp x pp``, cp 1 with pp; checked at parse time by the combination table's
 ``train-layout`` rule): the hardware target builds this rank's layout (``engine.layout``), and
 :class:`ParallelGroups` is the trainer's view of it:
 
@@ -47,8 +47,8 @@ class ParallelGroups:
         target); all ones on one rank."""
         if layout.world == 1:
             return cls()
-        # the ranks sharing samples: tensor x context parallel, or the pipeline stages (--pp: no tp, cp with it)
-        share = layout.group("pp") if layout.pp > 1 else layout.group("tp_cp")
+        # the ranks sharing samples: tensor x context parallel, or tensor x pipeline parallel (--pp: cp 1)
+        share = layout.group("tp_pp") if layout.pp > 1 else layout.group("tp_cp")
         groups = {"dp": layout.group("dp"), "cp": layout.group("cp"), "tp_cp": share}
         return cls(rank=layout.rank, world=layout.world, dp=layout.dp, dp_rank=layout.dp_rank, tp=layout.tp,
                    tp_rank=layout.tp_rank, cp=layout.cp, cp_rank=layout.cp_rank, ep=layout.ep, groups=groups,

@@ -17,8 +17,9 @@ from core.records import HARDWARE
 
 
 def _train_layout(sel: Selection, host) -> Optional[str]:
-    """The trainer's ranks: ``world = dp x tp x cp``; expert parallelism runs inside data parallelism (its ranks
-    train on their own samples), so ``ep`` divides ``dp``."""
+    """The trainer's ranks: ``world = dp x tp x cp x pp``; expert parallelism runs inside data parallelism (its
+    ranks train on their own samples; with ``--pp``, the data-parallel ranks of one stage), so ``ep`` divides
+    ``dp``."""
     if sel.job != "train":
         return None
     world = layout_world(sel)
@@ -26,33 +27,35 @@ def _train_layout(sel: Selection, host) -> Optional[str]:
     if world < 1 or world % mp:
         return (f"{world} ranks do not split into --tp {sel.tp} x --cp {sel.cp} groups (the rest is data parallel). "
                 f"Fix: use a rank count (--nproc-per-node x nodes) that is a multiple of {mp}.")
-    dp = world // mp
+    dp = world // (mp * sel.pp)      # --pp: each data-parallel rank is --pp stages (train-pipeline checks the split)
     if sel.ep > 1 and sel.max_tokens_per_rank is not None:
         return (f"--ep {sel.ep} with --max-tokens-per-rank: expert-parallel ranks exchange tokens in every forward, "
                 f"so they must run the same number of micro-batches, and packing gives each rank its own count. "
                 f"Fix: drop --max-tokens-per-rank, or use --ep 1.")
     if dp % sel.ep:
-        return (f"--ep {sel.ep} runs over data-parallel ranks, and {world} ranks with --tp {sel.tp} --cp {sel.cp} "
-                f"give {dp}. Fix: use --ep {divisors(dp)}, or {sel.ep * mp} x N ranks.")
+        pp = f" --pp {sel.pp}" if sel.pp > 1 else ""
+        return (f"--ep {sel.ep} runs over data-parallel ranks, and {world} ranks with --tp {sel.tp} --cp {sel.cp}{pp} "
+                f"give {dp}. Fix: use --ep {divisors(dp)}, or {sel.ep * mp * sel.pp} x N ranks.")
     return None
 
 
 def _train_pipeline(sel: Selection, host) -> Optional[str]:
-    """The trainer's pipeline stages (engine.pipeline.run_items) are built with data parallelism only (each data-
-    parallel rank's ``--pp`` ranks one stage each), rows of padded samples sent between stages (BSHD; a THD-only
-    implementation, megatron, packs each micro-batch's rows as one segment each: backends.megatron.stage)."""
+    """The trainer's pipeline stages (engine.pipeline.run_items) are built with data parallelism (each data-
+    parallel rank's ``--pp`` stages), tensor parallelism within a stage and expert parallelism over the data-
+    parallel ranks of a stage, rows of padded samples sent between stages (BSHD; a THD-only implementation,
+    megatron, packs each micro-batch's rows as one segment each: backends.megatron.stage)."""
     if sel.job != "train" or sel.pp <= 1:
         return None
-    for what, bad, fix in ((f"--tp {sel.tp} --cp {sel.cp} --ep {sel.ep}", sel.tp * sel.cp * sel.ep > 1,
-                            "use --tp 1 --cp 1 --ep 1"),
-                           (f"{layout_world(sel)} ranks", layout_world(sel) % sel.pp,
-                            f"use a rank count that is a multiple of {sel.pp} (the rest is data parallel)"),
+    for what, bad, fix in ((f"--cp {sel.cp}", sel.cp > 1, "use --cp 1"),
+                           (f"{layout_world(sel)} ranks", layout_world(sel) % (sel.pp * sel.tp),
+                            f"use a rank count that is a multiple of {sel.pp * sel.tp} (the rest is data parallel)"),
                            (f"--qkv-format {sel.qkv_format}",     # a THD-only implementation: a segment per row
                             sel.qkv_format != "bshd" and "bshd" in sel.impl.qkv_formats, "use --qkv-format bshd"),
-                           ("--max-tokens-per-rank", sel.max_tokens_per_rank is not None, "drop --max-tokens-per-rank")):
+                           ("--max-tokens-per-rank", sel.max_tokens_per_rank is not None,
+                            "drop --max-tokens-per-rank")):
         if bad:
-            return (f"--pp {sel.pp} runs with data parallelism only, one stage per rank, padded rows (got {what}). "
-                    f"Fix: {fix}, or use --pp 1.")
+            return (f"--pp {sel.pp} runs with data, tensor and expert parallelism only, padded rows "
+                    f"(got {what}). Fix: {fix}, or use --pp 1.")
     return None
 
 
@@ -126,7 +129,8 @@ def _true_on_policy(sel: Selection, host) -> Optional[str]:
 RULES = (
     Rule("train-layout", "the run's ranks split into tensor x context x data parallel, expert parallel inside data",
          _train_layout),
-    Rule("train-pipeline", "the trainer's pipeline stages run with data parallelism only (no tp, cp, ep), padded rows",
+    Rule("train-pipeline", "the trainer's pipeline stages run with data, tensor and expert parallelism (no cp), "
+         "padded rows",
          _train_pipeline),
     Rule("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
     Rule("train-cuda-graphs", "the trainer's CUDA graphs run on a GPU, one fixed layout, no collectives inside the "

@@ -32,3 +32,37 @@ def run(rank: int, world: int, port: int, tp: int, ep: int, out_prefix: str) -> 
         }, f"{out_prefix}.{rank}")
     finally:
         destroy_cpu_process_group()
+
+
+def in_flight(rank: int, world: int, port: int, micro_batches: int, out_prefix: str) -> None:
+    """One stage of ``world`` running megatron-core's 1F1B (``engine.pipeline.run_schedule``) over
+    ``micro_batches`` toy micro-batches; saves the most micro-batches whose forward had run and whose backward
+    had not, at any moment (what a stage keeps activations of)."""
+    from backends.cpu.megatron_shims import destroy_cpu_process_group
+    from backends.cpu.target import CpuTarget
+
+    torch.set_num_threads(1)
+    CpuTarget().init_process_group(rank, world, pp=world, port=port)
+    try:
+        from engine.pipeline import run_schedule
+
+        w = torch.nn.Parameter(torch.ones(()))
+        live, most = [0], [0]
+
+        def backward_done(grad):
+            live[0] -= 1
+            return grad
+
+        def stage(mb, x):
+            x = torch.ones(1, 4, 8) if x is None else x
+            out = x * w
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+            out.register_hook(backward_done)
+            return out
+
+        run_schedule(list(range(micro_batches)), [(1, 4)] * micro_batches, 8, stage, lambda mb, out: out.sum())
+        assert live[0] == 0, live
+        torch.save(most[0], f"{out_prefix}.{rank}")
+    finally:
+        destroy_cpu_process_group()

@@ -1,7 +1,8 @@
 """`core.memory` (the per-GPU estimate of `dsv4 inspect`) against an independent count: the tiny miles model
-built on the CPU under the same layout (tensor parallel 2, expert parallel 2: two gloo processes), its
-tensors counted on the model; the optimizer's share against Megatron's DistributedOptimizer table; the
-activation terms against the tensors a forward really keeps."""
+built on the CPU under the same layout (tensor parallel 2, expert parallel 2: two gloo processes; a pipeline
+stage cut as `dsv4 train --pp` cuts it), its tensors counted on the model; the optimizer's share against
+Megatron's DistributedOptimizer table; the activation terms against the tensors a forward really keeps, and
+the micro-batches a stage keeps in flight against megatron-core's 1F1B schedule run on two gloo stages."""
 
 from __future__ import annotations
 
@@ -91,6 +92,67 @@ def test_activation_terms_are_the_tensors_a_forward_keeps():
     assert est.activations == est.tokens_per_rank * per_token
 
 
+def _stage(s: int, pp: int = 2):
+    """Stage ``s`` of ``pp`` cut from the tiny model built whole (``engine.pipeline.split_stage``, as dsv4 train
+    cuts it)."""
+    from types import SimpleNamespace
+
+    from engine.pipeline import split_stage
+
+    return split_stage(_built(torch.bfloat16), TINY.n_layers, SimpleNamespace(pp=pp, pp_rank=s))
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_a_pipeline_stage_holds_what_the_trainer_cuts_and_the_largest_is_estimated(pp):
+    """--pp 2 (2 + 2 layers) and --pp 3 (2 + 1 + 1): each stage's weights, gradients and optimizer state against
+    the stage cut from the built model; the default estimate is the stage of the largest total."""
+    from engine.loading import native_tensors
+
+    stages = [estimate_memory(TINY, pp=pp, stage=s, dtype="bf16") for s in range(pp)]
+    for s, est in enumerate(stages):
+        m = _stage(s, pp)
+        held = native_tensors(m)
+        trainable = sum(p.numel() for p in m.parameters() if p.is_floating_point())
+        assert est.parameters == sum(t.numel() for t in held.values()), s
+        assert est.weights == sum(t.numel() * t.element_size() for t in held.values()), s
+        assert est.trainable_dense + est.trainable_expert == trainable and est.gradients == 4 * trainable
+        assert est.layers == sum(1 for layer in m.decoder.layers if sum(p.numel() for p in layer.parameters()))
+    whole = estimate_memory(TINY, dtype="bf16")
+    assert sum(e.parameters for e in stages) == whole.parameters
+    assert sum(e.optimizer for e in stages) == pytest.approx(whole.optimizer, abs=2 * pp)
+    largest = estimate_memory(TINY, pp=pp, dtype="bf16")
+    assert largest.total == max(e.total for e in stages) and largest == stages[largest.stage]
+
+
+def test_a_stage_keeps_the_activations_of_the_micro_batches_1f1b_has_in_flight(tmp_path):
+    """Measured on megatron-core's schedule (two gloo stages, six micro-batches): stage 0 holds two micro-batches
+    between forward and backward, the last stage one; each stage's block inputs are its layers' (measured as in
+    the test above), and the last stage alone holds the heads' logits."""
+    from core.memory import in_flight_micro_batches
+
+    from . import _memory_worker
+
+    prefix = tmp_path / "flight"
+    spawn_cpu_ranks(_memory_worker.in_flight, (2, free_port(), 6, str(prefix)), 2)
+    measured = [torch.load(f"{prefix}.{r}") for r in range(2)]
+    assert measured == [in_flight_micro_batches(2, s) for s in range(2)] == [2, 1]
+
+    m = _built(torch.bfloat16)
+    seen = {}
+    for i, layer in enumerate([*m.decoder.layers, *(k.mtp_model_layer for k in m.mtp.layers)]):
+        layer.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
+    ids = torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, streams = m(ids, return_hidden_streams=True)
+        heads = [logits, *m.mtp_logits(ids, streams)]
+    per_token = {i: x.numel() * x.element_size() / x[..., 0, 0].numel() for i, x in seen.items()}
+    head_bytes = sum(2 * h.numel() * h.element_size() / h[..., 0].numel() for h in heads)
+    for s, blocks in enumerate(([0, 1], [2, 3, *range(TINY.n_layers, TINY.n_layers + TINY.n_mtp_layers)])):
+        est = estimate_memory(TINY, pp=2, stage=s, dtype="bf16", seq=32, micro_batch=2, world=2)
+        want = measured[s] * sum(per_token[i] for i in blocks) + (head_bytes if s == 1 else 0)
+        assert est.activations == est.tokens_per_rank * want, s
+
+
 def test_layouts_that_do_not_fit_are_refused_with_the_reason():
     from core.errors import UserInputError
 
@@ -101,6 +163,11 @@ def test_layouts_that_do_not_fit_are_refused_with_the_reason():
     with pytest.raises(UserInputError, match="tensor-parallel size 8 does not divide"):
         estimate_memory(TINY, tp=8)
     assert estimate_memory(TINY, cp=2, ep=4).world == 4
+    with pytest.raises(UserInputError, match="the model has 4. Fix: use --pp 4 or fewer"):
+        estimate_memory(TINY, pp=8)
+    with pytest.raises(UserInputError, match="multiple of tp\\*cp\\*pp = 2 .* and of tp\\*ep\\*pp = 4"):
+        estimate_memory(TINY, pp=2, ep=2, world=2)
+    assert estimate_memory(TINY, pp=2, ep=2).world == 4
 
 
 def test_dsv4_inspect_prints_the_estimate_for_any_preset_and_layout():
@@ -120,5 +187,11 @@ def test_dsv4_inspect_prints_the_estimate_for_any_preset_and_layout():
     table = CliRunner().invoke(main, ["inspect", "--preset", "flash", "--ep", "64", "--nproc-per-node", "8",
                                       "--nnodes", "16"])
     assert table.exit_code == 0 and "memory per GPU (estimate)" in table.stdout and "GiB" in table.stdout
+    staged = CliRunner().invoke(main, ["inspect", "--preset", "flash", "--pp", "4", "--ep", "8", "--nproc-per-node",
+                                       "8", "--nnodes", "4", "--json"])
+    assert staged.exit_code == 0, staged.output
+    got = json.loads(staged.stdout)["memory_per_gpu"]
+    assert got == estimate_memory(preset("flash"), pp=4, ep=8, world=32).as_dict()
+    assert (got["dp"], got["dense_shards"], got["expert_shards"], got["stage"]) == (8, 8, 1, 3)
     bad = CliRunner().invoke(main, ["inspect", "--preset", "tiny", "--tp", "2", "--nproc-per-node", "3"])
     assert bad.exit_code == 1 and "do not fit the layout" in bad.output

@@ -11,12 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 _JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS")
 
 
-def train_cli(run_dir, *args, env=None, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python -m launchers.dsv4 train --hardware cpu --run-dir RUN_DIR ARGS...`` from the repository root;
-    ``check``: assert it exited 0 (the end of its stderr in the message)."""
+def train_cli(run_dir, *args, env=None, check: bool = True, timeout: float = 900,
+              command: str = "train") -> subprocess.CompletedProcess:
+    """``python -m launchers.dsv4 train --hardware cpu --run-dir RUN_DIR ARGS...`` from the repository root
+    (``command``: ``full-train`` instead); ``check``: assert it exited 0 (the end of its stderr in the message)."""
     from tests.cli_process import run_module
 
-    args = ["train", "--hardware", "cpu", "--run-dir", str(run_dir), *args]
+    args = [command, "--hardware", "cpu", "--run-dir", str(run_dir), *args]
     path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     for key in _JOB_ENV:

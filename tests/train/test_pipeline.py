@@ -3,22 +3,25 @@ both implementations (the megatron model runs each micro-batch's rows as one THD
 run does: ``backends.megatron.stage``).
 
 * SFT with the MTP loss (the token embeddings travel to the last stage) and ``--pp 2`` takes the one-rank steps
-  (with four ranks, data parallel 2 x 2 stages, the two-rank data-parallel run's): on the tiny model (4 decoder
-  layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences: 3, 3, 2,
-  so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the final fp32
-  weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each stage
-  checkpoints its own blocks), and for the megatron implementation against its own one-rank run. Tolerance:
-  1e-6 relative for the loss and the norm, 1e-6 absolute on every weight after three AdamW steps; both runs are
-  fp32 and each stage runs the one-rank ops on the same rows in the same order (the streams travel in fp32,
-  losslessly), so only the gradient norm's fp64 sum of squares is added in another order (over the stages); on
-  this machine every value came out identical.
-* A ``--pp 2`` checkpoint resumes at ``--pp 1`` and a ``--pp 1`` one at ``--pp 2``, for both implementations
-  (global names, DCP reshards; the optimizer's step counts of every stage are written): the resumed step and the
-  weights after it equal the uninterrupted run's (the weights after the step depend on the restored Adam moments
-  and step counts).
-* GRPO with ``--pp 2`` (two ranks, and for miles four), with the KL penalty (the reference model is split into
-  the same stages) and the MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's
-  weights (the sync's check passes), routing replay covers every layer, and two steps equal the one-rank steps.
+  (with four ranks, 2 stages x expert parallel 2, the two-rank expert-parallel run's): on the tiny model (4
+  decoder layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences:
+  3, 3, 2, so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the
+  final fp32 weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each
+  stage checkpoints its own blocks), and for the megatron implementation against its own one-rank run; so does
+  ``dsv4 full-train --pp 2``'s first step. Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on
+  every weight after three AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows
+  in the same order (the streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is
+  added in another order (over the stages); on this machine every value came out identical.
+* A ``--pp 2`` run SIGKILLed in step 3 (every rank, in the training phase) resumes at ``--pp 1`` from step 2's
+  checkpoint, and a ``--pp 1`` checkpoint at ``--pp 2``, for both implementations (global names, DCP reshards;
+  the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
+  uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
+* GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2 for both implementations, 2 stages x
+  tensor parallel 2 for miles), with the KL penalty (the reference model is split into the same stages) and the
+  MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights, every expert
+  and every tensor-parallel slice included (the sync's check passes), its samples reach every stage and
+  tensor-parallel rank, routing replay covers every layer, and two steps equal the one-rank steps.
+* ``dsv4 logprobs --pp 2`` (miles) prints the one-rank scores.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``, megatron's
   ``dsa_indexer_loss_coeff``), one line each naming the fix.
@@ -82,10 +85,10 @@ def straight(one_rank):
 
 
 @pytest.fixture(scope="module")
-def straight_dp2(tmp_path_factory):
-    """Three SFT steps of two data-parallel ranks (no stages)."""
-    d = tmp_path_factory.mktemp("dp2") / "run"
-    train_cli(d, *SFT, "--nproc-per-node", "2", "--steps", "3")
+def straight_ep2(tmp_path_factory):
+    """Three SFT steps of two expert-parallel (and so data-parallel) ranks, no stages."""
+    d = tmp_path_factory.mktemp("ep2") / "run"
+    train_cli(d, *SFT, "--nproc-per-node", "2", "--ep", "2", "--steps", "3")
     return d
 
 
@@ -99,26 +102,70 @@ def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, one_rank, impl, 
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
-def test_sft_with_two_stages_per_data_parallel_rank_takes_the_data_parallel_steps(tmp_path, straight, straight_dp2):
-    """Four ranks: data parallel 2 x 2 stages. Against the two-rank data-parallel run the weights agree as
-    tightly as above; against one rank only its losses and norms do (data parallelism sums the ranks'
-    gradients in another order, and AdamW's m / sqrt(v) turns the last bits of near-zero gradients into update
-    differences: the plain two-rank run's weights differ from one rank's by about 5e-5 after three steps too)."""
-    train_cli(tmp_path / "run", *SFT, "--pp", "2", "--nproc-per-node", "4", "--steps", "3")
+def test_full_train_runs_the_stages_on_its_converted_checkpoint(tmp_path, straight):
+    """`dsv4 full-train --pp 2` (prepare -> convert -> train): the converted native checkpoint holds the very
+    weights `dsv4 train` reads from the HF checkpoint, so its first step is the one-rank run's."""
+    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "1", command="full-train")
+    got, want = metrics_rows(tmp_path / "run")[0], metrics_rows(straight)[0]
+    assert got["world_size"] == 2 and got["step"] == 1
+    for key in ("loss", "grad_norm", "mtp_loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+def test_sft_with_two_stages_and_two_expert_parallel_ranks_takes_the_expert_parallel_steps(tmp_path, straight,
+                                                                                           straight_ep2):
+    """Four ranks: 2 stages x expert parallel 2 (the two data-parallel ranks of a stage hold half of its experts
+    each and exchange their tokens). Against the two-rank expert-parallel run the weights agree as tightly as
+    above; against one rank only its losses and norms do (data parallelism sums the ranks' gradients in another
+    order, and AdamW's m / sqrt(v) turns the last bits of near-zero gradients into update differences: the plain
+    two-rank run's weights differ from one rank's by about 5e-5 after three steps too)."""
+    train_cli(tmp_path / "run", *SFT, "--pp", "2", "--ep", "2", "--nproc-per-node", "4", "--steps", "3")
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
-    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 2 and state["layout"]["world"] == 4
-    _assert_same_run(tmp_path / "run", straight_dp2, [1, 2, 3])
+    assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 2 and state["layout"]["ep"] == 2
+    assert state["layout"]["world"] == 4
+    _assert_same_run(tmp_path / "run", straight_ep2, [1, 2, 3])
     for a, b in zip(metrics_rows(tmp_path / "run"), metrics_rows(straight)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                  rel=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["miles", "megatron"])
-@pytest.mark.parametrize("first,then", [(PP2, ()), ((), PP2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
-def test_a_checkpoint_resumes_on_the_other_pipeline_layout(tmp_path, one_rank, impl, first, then):
-    train_cli(tmp_path / "run", *_sft(impl), *first, "--steps", "2")
-    train_cli(tmp_path / "run", *_sft(impl), *then, "--steps", "3", "--resume")
+def test_a_run_killed_at_two_stages_resumes_on_one_rank(tmp_path, one_rank, impl):
+    """Every rank SIGKILLed in step 3's training phase (stage 0 may be waiting on stage 1's gradients): step 2's
+    checkpoint, written by both stages, resumes at --pp 1 and step 3 and its weights are the uninterrupted run's."""
+    killed = train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", env={"DSV4_TRAIN_KILL_AT": "3:train"},
+                       check=False)
+    assert killed.returncode == 1 and "error: rank" in killed.stderr and "Traceback" not in killed.stderr
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2]
+    assert not (tmp_path / "run" / "checkpoints" / "step_000003").exists()
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "3", "--resume")
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
+
+
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl):
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "2")
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
+
+
+def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight):
+    """`dsv4 logprobs --pp 2` on the run's trained native checkpoint (each stage reads its own tensors): every
+    sequence is a row of its own through megatron-core's schedule (lengths 9, 2, 1, 0 and 40: unequal rows, the
+    streams padded to the longest), and the output is `--pp 1`'s (same ops on the same rows; 1e-5 for another
+    thread count's rounding)."""
+    from tests.cli_process import run_cli
+
+    seqs = [[0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 3], [9], [], [(i * 37) % 1000 for i in range(40)]]
+    (tmp_path / "t.json").write_text(json.dumps(seqs))
+    args = ("logprobs", "--checkpoint", str(straight / "checkpoints" / "step_000003" / "model"), "--tokens",
+            str(tmp_path / "t.json"))
+    one, staged = (run_cli(*args, *more, env={"OMP_NUM_THREADS": "1"}) for more in ((), ("--pp", "2")))
+    assert one.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
+    assert "on 2 pipeline stages" in staged.stderr
+    want, got = json.loads(one.stdout), json.loads(staged.stdout)
+    assert [len(x) for x in got] == [len(x) for x in want] == [8, 1, 0, 0, 39]
+    assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a, b)) <= 1e-5
 
 
 def _grpo(impl: str) -> tuple:
@@ -141,10 +188,14 @@ def grpo_one_rank(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("impl,ranks", [("miles", 2), ("miles", 4), ("megatron", 2)],
-                         ids=["pp2", "pp2-dp2", "megatron-pp2"])
-def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, impl, ranks):
-    train_cli(tmp_path / "run", *_grpo(impl), "--pp", "2", "--nproc-per-node", str(ranks))
+FOUR = ("--nproc-per-node", "4")
+
+
+@pytest.mark.parametrize("impl,layout", [("miles", ("--nproc-per-node", "2")), ("miles", (*FOUR, "--ep", "2")),
+                                         ("miles", (*FOUR, "--tp", "2")), ("megatron", (*FOUR, "--ep", "2"))],
+                         ids=["pp2", "pp2-ep2", "pp2-tp2", "megatron-pp2-ep2"])
+def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, impl, layout):
+    train_cli(tmp_path / "run", *_grpo(impl), "--pp", "2", *layout)
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 2 and rows[1]["kl_loss"] != 0.0     # step 2: the policy moved off the reference model
     for got, want in zip(rows, grpo_one_rank(impl)):
@@ -177,9 +228,13 @@ def _normalize(**kw):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(impl="megatron", qkv_format="thd", max_tokens_per_rank=512), "Fix: drop --max-tokens-per-rank"),
-    (dict(job="score"), "built for dsv4 train only"),
+    (dict(job=None), "built for dsv4 train and dsv4 logprobs only"),
+    (dict(job="score", ep=2), "Fix: use --tp 1 --cp 1 --ep 1 --qkv-format bshd, or --pp 1"),
+    (dict(job="score", impl="megatron", qkv_format="thd"), "Fix: use --impl miles, or --pp 1"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
-    (dict(tp=2, world=4), "Fix: use --tp 1 --cp 1 --ep 1"),
+    (dict(cp=2, world=4), "Fix: use --cp 1, or use --pp 1"),
+    (dict(tp=2, world=6), "(got 6 ranks). Fix: use a rank count that is a multiple of 4"),
+    (dict(ep=2, world=2), "and 2 ranks with --tp 1 --cp 1 --pp 2 give 1. Fix: use --ep 1, or 4 x N ranks"),
     (dict(world=3), "Fix: use a rank count that is a multiple of 2"),
     (dict(qkv_format="thd"), "Fix: use --qkv-format bshd"),
 ])
@@ -218,9 +273,10 @@ def test_trainer_options_pipeline_stages_do_not_build_are_refused(knob):
 
 def test_the_cli_refuses_an_unbuilt_pipeline_layout_in_one_line(tmp_path):
     proc = train_cli(tmp_path / "run", "--impl", "miles", "--mode", "sft", "--steps", "1", "--pp", "2",
-                     "--nproc-per-node", "2", "--tp", "2", check=False)
+                     "--nproc-per-node", "2", "--cp", "2", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "--pp 2 runs with data parallelism only" in proc.stderr and "Fix: use --tp 1 --cp 1 --ep 1" in proc.stderr
+    assert "--pp 2 runs with data, tensor and expert parallelism only" in proc.stderr
+    assert "Fix: use --cp 1, or use --pp 1" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
