@@ -175,6 +175,17 @@ class TritonAdamW(torch.optim.AdamW):
                                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                 grad_scale=getattr(self, "grad_scale", None), flag=flag)
 
+    @contextlib.contextmanager
+    def masters_only(self):
+        """Inside: a step updates the masters and moments only. megatron-core creates the state before a
+        checkpoint load with a dummy step (``_init_optimizer_states_with_dummy_values``: zero gradients, the run's
+        lr); written through, it would replace the model weights just loaded with the masters of before the load."""
+        outs, self.model_outputs = self.model_outputs, {}
+        try:
+            yield
+        finally:
+            self.model_outputs = outs
+
     def weights_finite(self) -> torch.Tensor:
         """A device bool: every weight the last step wrote (masters, and the bf16 weights beside them) is finite."""
         return self._finite_flag()[0] == 0

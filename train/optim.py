@@ -25,6 +25,7 @@ optimizer its data-parallel range of the flat fp32 state), views of the live sta
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Iterable, List, Tuple
 
@@ -417,7 +418,8 @@ class MegatronOptimizer(_Base):
     def load_shard_state(self, read, steps: Dict[str, int]) -> None:
         step = max(steps.values(), default=0)
         for part in self._parts():
-            part._init_optimizer_states_with_dummy_values()
+            with getattr(part.optimizer, "masters_only", contextlib.nullcontext)():   # (the model is loaded)
+                part._init_optimizer_states_with_dummy_values()
         wanted, counters = {}, []
         for n, p in self.named.items():
             rng = self._ranges(p)

@@ -181,3 +181,33 @@ def test_a_blown_up_update_is_flagged_and_the_trainer_check_names_the_tensor():
     assert optim.weights_finite() is False
     with pytest.raises(step_guard.NonFiniteError, match="weights after the optimizer step"):
         step_guard.check_parameters(model)
+
+
+def test_loading_the_optimizer_state_leaves_the_loaded_model_weights():
+    """A resume loads the model, then the optimizer state, whose creation is megatron-core's dummy step: with the
+    Triton kernel writing the bf16 weights it must not write them there (the masters are stale until the load)."""
+    from train.optim import MegatronOptimizer
+    from train.trainer import TrainConfig
+
+    rc = _run_config("bf16")
+    model = _model(rc)
+    optim = MegatronOptimizer(model, TrainConfig(lr=1e-3, weight_decay=0.1), dtype=torch.bfloat16)
+    assert optim.triton_adam
+    ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    _step(model, optim, ids)
+    saved, steps = optim.shard_state()
+    saved = {k: [t.clone() for *_box, t in pieces] for k, (_shape, pieces) in saved.items()}
+    weights = {n: p.detach().clone() for n, p in optim.named.items()}
+    for _part, main, _s, _e in optim._main_map().values():
+        main.fill_(float("nan"))                       # stale masters, as before a load
+
+    def read(wanted):
+        for k, pieces in wanted.items():
+            for (*_box, dst), src in zip(pieces, saved[k]):
+                dst.copy_(src)
+
+    optim.load_shard_state(read, steps)
+    for n, p in optim.named.items():
+        assert torch.equal(p.detach(), weights[n]), n
+        _part, main, start, end = optim._main_map()[p]
+        assert torch.equal(main.to(p.dtype), p.detach().reshape(-1)[start:end]), n
