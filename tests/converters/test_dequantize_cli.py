@@ -59,6 +59,8 @@ def test_dequantize_refuses_a_bf16_input_and_a_foreign_output(tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x.txt").write_text("mine")
     src = prepare_checkpoint(tmp_path / "fp8", preset("tiny"), dtype="fp8", seed=3)
-    result = invoke("dequantize", "--in", str(src), "--out", str(tmp_path / "busy"))
-    assert result.exit_code != 0 and "--overwrite" in result.output
-    assert (tmp_path / "busy" / "x.txt").read_text() == "mine"
+    for extra in ((), ("--overwrite",)):          # a folder of the user's own: --overwrite does not replace it
+        result = invoke("dequantize", "--in", str(src), "--out", str(tmp_path / "busy"), *extra)
+        assert result.exit_code != 0 and "was not written by" in result.output
+        assert "Fix: choose another output folder" in result.output
+        assert (tmp_path / "busy" / "x.txt").read_text() == "mine"
