@@ -120,7 +120,10 @@ def record_values(path: Path) -> List[Tuple[str, float]]:
 
 
 def _matches(value: float, written: str) -> bool:
-    """``value`` written with ``written``'s digits: rounded, or cut."""
+    """``value`` written with ``written``'s digits: rounded, or cut. A record's text can hold what reads as a
+    number out of range (a commit hash such as ``ac5e874``: 5e874); it matches nothing."""
+    if not math.isfinite(value):
+        return False
     digits = len(written.split(".")[1]) if "." in written else 0
     target = float(written)
     if round(value, digits) == target:
