@@ -2,7 +2,7 @@
 its gradient and both moments in one pass, writing the bf16 model weight beside the fp32 master and flagging any
 non-finite weight it wrote.
 
-Why: with torch's fused AdamW (``train.fused_optim``) the step's optimizer still made three passes over the
+Why: with torch's fused AdamW (``engine.fused_optim``) the step's optimizer still made three passes over the
 parameters after the backward (measured on one H200, flash-shaped ``dsv4 train``, 2026-12-02, 290 ms step):
 the AdamW kernel (57.5 ms, about 60% of the HBM bandwidth), megatron-core's copy of every master into the bf16
 model weights (8.7 ms) and the trainer's check that no weight went non-finite (a max-abs pass over the bf16
