@@ -306,7 +306,9 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
             row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
             if B == 1 and hbm and new_tokens > 1:
                 row["weight_bytes_per_step"] = wbytes
-                row["hbm_share"] = round(wbytes / (row["decode_step_ms"] / 1e3) / hbm, 4)
+                # None when the decode time did not show above the timer's noise (a tiny model on a busy CPU)
+                step_s = row["decode_step_ms"] / 1e3
+                row["hbm_share"] = round(wbytes / step_s / hbm, 4) if step_s > 0 else None
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
             add(row)
@@ -323,7 +325,7 @@ def format_table(result: dict) -> str:
         if "skipped" in r:
             lines.append(f"{r['engine']:<13}{r.get('batch', ''):>6}  skipped: {r['skipped']}")
             continue
-        share = f"{r['hbm_share']:.1%}" if "hbm_share" in r else "-"
+        share = f"{r['hbm_share']:.1%}" if r.get("hbm_share") is not None else "-"
         vs = f"{r['speedup_vs_transformers']:.1f}x" if "speedup_vs_transformers" in r else "-"
         dec = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"
         lines.append(f"{r['engine']:<13}{r['batch']:>6}{r['prefill_tokens_per_s']:>15.1f}{dec:>14}"
