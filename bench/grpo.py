@@ -71,8 +71,8 @@ def summarize(rows: list, warmup: int) -> dict:
 def first_step_seconds(rows: list, started: float) -> Optional[float]:
     """Seconds from the command's start (epoch ``started``) to the end of its first step (the row's
     ``wall_time``): start-up, model build and load, the first step's compiles."""
-    first = [r for r in rows if int(r["step"]) == min(int(x["step"]) for x in rows)]
-    return float(first[0]["wall_time"]) - started if first and first[0].get("wall_time") else None
+    first = min(rows, key=lambda r: int(r["step"]), default=None)
+    return float(first["wall_time"]) - started if first and first.get("wall_time") else None
 
 
 def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, **kw) -> dict:
