@@ -35,6 +35,8 @@ OP_NAMES = (
     "hc_pre",
     "hc_post",
     "hc_head",
+    "apply_rope",
+    "rms_normalize",
 )
 
 # The dtype an op table's ``indexer_scores`` takes its ``q`` and ``k`` in (``OpTable.indexer_inputs``):

@@ -170,10 +170,10 @@ GPU_DTYPES = ("bf16", "fp16")
 MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
-def make_ops(backend: str, attention, indexer, mhc=None) -> OpTable:
+def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
-    op names plus the THD extras, and the mHC ops (``MHC_OPS``) of its ``mhc`` module when it has one; the
-    reference ops (backend ``none``) for every op it has no kernel for."""
+    op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
+    ``rope`` module and ``rms_normalize`` of its ``norm`` module when it has them; the reference ops (backend ``none``) for every op it has no kernel for."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -185,6 +185,10 @@ def make_ops(backend: str, attention, indexer, mhc=None) -> OpTable:
     )
     if mhc is not None:
         own.update({name: getattr(mhc, name) for name in MHC_OPS})
+    if rope is not None:
+        own["apply_rope"] = rope.apply_rope
+    if norm is not None:
+        own["rms_normalize"] = norm.rms_normalize
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

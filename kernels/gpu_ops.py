@@ -21,7 +21,10 @@ tensors):
 * triton only, the fused mHC kernels (``x [T,n,d]``, fp32 mapping weights): ``hc_pre -> (u [T,d], post [T,n],
   comb [T,n,n], pre [T,NP], mix [T,MP], rho [T])`` (the last three are what its backward reads),
   ``hc_head -> (y [T,d], pre, mix, rho)``, ``hc_post(f [T,d], x, post, comb) -> [T,n,d]``,
-  ``sinkhorn(logits [T,n,n], iters, eps) -> [T,n,n]``, each with a ``<name>_bwd`` op.
+  ``sinkhorn(logits [T,n,n], iters, eps) -> [T,n,n]``, each with a ``<name>_bwd`` op;
+* triton only, ``rope(x [R,D], cos [N,r/2] fp32, sin, heads, inverse) -> [R,D]``: its backward is the same op
+  with ``not inverse`` (a rotation's inverse); ``rms_normalize(x [R,D], eps, out_dtype) -> [R,D]`` with
+  ``rms_normalize_bwd(x, dy, eps) -> dx``.
 
 The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
 so this module imports only torch: the schemas and fake implementations load, and can be tested, on a machine
@@ -259,8 +262,57 @@ def _mhc_ops(ns: str, module: str) -> dict:
                 hc_post_bwd=hc_post_bwd, sinkhorn=sinkhorn, sinkhorn_bwd=sinkhorn_bwd)
 
 
-def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None
-              ) -> types.SimpleNamespace:
+# ----------------------------------------------------------------------------------------------
+# rotary position embedding (triton): the backward is the inverse rotation, the same kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope_ops(ns: str, module: str) -> dict:
+    @torch.library.custom_op(f"{ns}::rope", mutates_args=())
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, inverse: bool) -> torch.Tensor:
+        return _launcher(module, "rope_launch")(x, cos, sin, heads, inverse)
+
+    rope.register_fake(lambda x, cos, sin, heads, inverse: torch.empty_like(x))
+
+    def setup(ctx, inputs, output):
+        _, cos, sin, ctx.heads, ctx.inverse = inputs
+        ctx.save_for_backward(cos, sin)
+
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return rope(g.contiguous(), cos, sin, ctx.heads, not ctx.inverse), None, None, None, None
+
+    rope.register_autograd(backward, setup_context=setup)
+    return dict(rope=rope)
+
+
+def _norm_ops(ns: str, module: str) -> dict:
+    @torch.library.custom_op(f"{ns}::rms_normalize", mutates_args=())
+    def rms_normalize(x: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+        return _launcher(module, "rms_normalize_launch")(x, eps, out_dtype)
+
+    rms_normalize.register_fake(lambda x, eps, out_dtype: x.new_empty(x.shape, dtype=out_dtype))
+
+    @torch.library.custom_op(f"{ns}::rms_normalize_bwd", mutates_args=())
+    def rms_normalize_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
+        return _launcher(module, "rms_normalize_bwd_launch")(x, dy, eps)
+
+    rms_normalize_bwd.register_fake(lambda x, dy, eps: torch.empty_like(x))
+
+    def setup(ctx, inputs, output):
+        x, ctx.eps, _ = inputs
+        ctx.save_for_backward(x)
+
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return rms_normalize_bwd(x, dy.contiguous(), ctx.eps), None, None
+
+    rms_normalize.register_autograd(backward, setup_context=setup)
+    return dict(rms_normalize=rms_normalize, rms_normalize_bwd=rms_normalize_bwd)
+
+
+def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None,
+              rope: bool = False) -> types.SimpleNamespace:
     """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
     ``OpOverload`` every torch version's dynamo traces as a graph node). ``attention``: the module with the
     attention launchers (default ``<package>.attention``)."""
@@ -269,11 +321,14 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
         ops.update(_indexer_ops(ns, f"{package}.indexer"))
     if mhc:
         ops.update(_mhc_ops(ns, package))
+    if rope:
+        ops.update(_rope_ops(ns, f"{package}.rope"))
+        ops.update(_norm_ops(ns, f"{package}.norm"))
     library = getattr(torch.ops, ns)
     return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
 
 
 # registered once per process, when this module is first imported
-TRITON = _register("dsv4_triton", "kernels.triton", mhc=True)
+TRITON = _register("dsv4_triton", "kernels.triton", mhc=True, rope=True)
 TILELANG = _register("dsv4_tilelang", "kernels.tilelang", mhc=False)
 CUDA = _register("dsv4_cuda", "kernels.cuda", mhc=False, indexer=False, attention="kernels.cuda.ops")

@@ -1,7 +1,8 @@
 """The trainer's optimizer: gradient reduction over data parallel, clipping and AdamW, in two builds.
 
 * :class:`MegatronOptimizer` (GPU targets): megatron-core's ``DistributedDataParallel`` (gradients accumulated
-  in fp32 in contiguous buckets and reduced bucket by bucket) and its ``DistributedOptimizer`` (fp32 master
+  in fp32 in contiguous buckets, a step's first one copied in: ``engine.grad_buffers``, and reduced bucket by
+  bucket) and its ``DistributedOptimizer`` (fp32 master
   weights and Adam moments sharded over the data-parallel ranks; the bf16 model weights are refreshed from
   the masters after each step). Gradients are SUMMED, not averaged (``calculate_per_token_loss``): the trainer
   divides every loss by the step's global token count, so the sum is the one-rank gradient. The reduce runs
@@ -292,9 +293,11 @@ class MegatronOptimizer(_Base):
 
     def __init__(self, model, cfg, *, dtype: torch.dtype):
         super().__init__(model, cfg)
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer import TransformerConfig
+
+        from engine.grad_buffers import CopyFirstDDP
 
         inner = model.module
         for p in self.params:
@@ -305,7 +308,7 @@ class MegatronOptimizer(_Base):
                                     params_dtype=dtype, calculate_per_token_loss=True)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True, bucket_size=40_000_000)
-        self.ddp = DistributedDataParallel(tconfig, ddp_config, inner)
+        self.ddp = CopyFirstDDP(tconfig, ddp_config, inner)      # a step's first gradient copied, not added
         beta1, beta2 = tuple(cfg.betas)
         oconfig = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
@@ -336,6 +339,7 @@ class MegatronOptimizer(_Base):
         """Reduce, one global gradient norm (its one host read), the check, clipping, Adam on the fp32 shards and
         the copy back into the model's weights. megatron-core's own ``step()`` would prepare the gradients and
         compute the norm a second time; its pieces are called once each instead."""
+        self.ddp.settle_grad_buffer()              # zero what no backward reached (nothing was zeroed up front)
         self.ddp.finish_grad_sync()                # bucketed reduce-scatter of the fp32 gradients
         self.opt.prepare_grads()                   # the fp32 shards' .grad: views of the reduced buffer
         gnorm = float(self.opt.get_grad_norm())

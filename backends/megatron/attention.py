@@ -56,7 +56,7 @@ from engine.tp import mark_keep_in_fp32
 
 from .config import indexer_loss_enabled
 from kernels.reference.indexer import indexer_input_dtype
-from kernels.reference.layers import compute_dtype, linear_fp32, rms_normalize
+from kernels.reference.layers import compute_dtype, linear_fp32
 from kernels.reference.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = [
@@ -169,7 +169,7 @@ class Indexer(MegatronModule):
         T = x.shape[0]
         ct, it = compute_dtype(x), indexer_input_dtype(self.ops, x.dtype)
         q = _call(self.linear_wq_b, cq).view(1, T, self.n_heads, self.head_dim)
-        q = self.ops.hadamard_transform(apply_rope(q, cos, sin).to(ct)).to(it)
+        q = self.ops.hadamard_transform(self.ops.apply_rope(q, cos, sin).to(ct)).to(it)
         w = _call(self.linear_weights_proj, x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
         s = self.ops.indexer_scores(q, k.to(it).unsqueeze(0), w.unsqueeze(0)).squeeze(0)  # [T, G]
         ks, ke = layout.indexer_ranges(4)
@@ -369,7 +369,7 @@ class DSv4HybridAttention(MegatronModule):
         c = config
         if c.tensor_model_parallel_size != 1:
             raise ValueError("the megatron implementation requires tensor-model-parallel-size 1")
-        self.layer_id = layer_id
+        self.layer_id, self.ops = layer_id, ops
         self.n_heads, self.head_dim = c.num_attention_heads, c.v_head_dim
         self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         H, D, G, R = self.n_heads, self.head_dim, self.o_groups, self.o_lora_rank
@@ -405,16 +405,17 @@ class DSv4HybridAttention(MegatronModule):
 
         cq = self.q_layernorm(_call(self.linear_q_down_proj, x))
         q = _call(self.linear_q_up_proj, cq).view(1, T, H, D)
-        q = rms_normalize(q, self.config.layernorm_epsilon).to(x.dtype)
-        q = apply_rope(q, cos, sin).squeeze(0)
-        kv = apply_rope(self.kv_layernorm(_call(self.linear_kv_proj, x)).unsqueeze(0), cos, sin).squeeze(0)
+        q = self.ops.rms_normalize(q, self.config.layernorm_epsilon, x.dtype)
+        q = self.ops.apply_rope(q, cos, sin).squeeze(0)
+        kv = self.ops.apply_rope(self.kv_layernorm(_call(self.linear_kv_proj, x)).unsqueeze(0), cos, sin)
+        kv = kv.squeeze(0)
         kv = _qat_kv(self, kv, self.config.qk_pos_emb_head_dim)
 
         if ctx is not None and ctx.cp > 1:
             o, kl = self.core_attention.forward_cp(q, kv, x, cq, ctx, inv_freq, cos, sin)
         else:
             o, kl = self.core_attention(q, kv, x, cq, layout, inv_freq, cos, sin)
-        o = apply_rope(o.unsqueeze(0), cos, sin, inverse=True).squeeze(0)    # undo the rotation V = K carries
+        o = self.ops.apply_rope(o.unsqueeze(0), cos, sin, inverse=True).squeeze(0)    # undo V = K's rotation
 
         G, R = self.o_groups, self.o_lora_rank
         o = o.reshape(T, G, H * D // G)

@@ -59,8 +59,7 @@ from kernels.reference.compressor import Compressor as _RefCompressor
 from kernels.reference.indexer import Indexer as _RefIndexer
 from kernels.reference.indexer import indexer_input_dtype
 from kernels.reference.layers import compute_dtype
-from kernels.reference.layers import rms_normalize
-from kernels.reference.rope import apply_rope, layer_inv_freq, rope_cos_sin
+from kernels.reference.rope import layer_inv_freq, rope_cos_sin
 
 __all__ = ["DSv4Compressor", "DSv4Indexer", "DSv4CoreAttention", "DeepSeekV4Attention"]
 
@@ -192,9 +191,9 @@ class DeepSeekV4Attention(nn.Module):
 
         cq = self.q_layernorm(self.linear_q_down_proj(x))
         q, _ = self.linear_q_up_proj(cq)
-        q = rms_normalize(q.view(B, S, H, D), self.eps).to(x.dtype)
-        q = apply_rope(q, cos, sin)
-        kv = self._qat_kv(apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin))
+        q = self.ops.rms_normalize(q.view(B, S, H, D), self.eps, x.dtype)
+        q = self.ops.apply_rope(q, cos, sin)
+        kv = self._qat_kv(self.ops.apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin))
 
         idx = window_indices(S, self.window, x.device).unsqueeze(0).expand(B, -1, -1)
         kv_all = kv
@@ -220,7 +219,7 @@ class DeepSeekV4Attention(nn.Module):
         if parallel_layout().tp > 1:
             kv_all = mappings.copy_to_tensor_model_parallel_region(kv_all, parallel_layout().group("tp"))
         o = self.ops.sparse_attention_with_sink(q, kv_all, idx, self.core_attention.attn_sink, self.scale)
-        o = apply_rope(o, cos, sin, inverse=True)
+        o = self.ops.apply_rope(o, cos, sin, inverse=True)
         B, S, H, D = o.shape
         G, R = self.n_local_groups, self.o_lora_rank
         o = o.reshape(B, S, G, H * D // G)
@@ -240,7 +239,7 @@ class DeepSeekV4Attention(nn.Module):
             k_rm = compressed_kv([ind.compressor], xi, thd, 4, inv_freq, self.ops.hadamard_transform)[0]
             k = k_rm.index_select(1, thd.seq_to_rank(4).to(x.device))            # [B, G, c_I] sequence-major
             ct, it = compute_dtype(xi), indexer_input_dtype(self.ops, xi.dtype)
-            qi = apply_rope(ind.wq_b(cqi).view(B, L, ind.n_heads, ind.head_dim), cos, sin)
+            qi = self.ops.apply_rope(ind.wq_b(cqi).view(B, L, ind.n_heads, ind.head_dim), cos, sin)
             qi = self.ops.hadamard_transform(qi.to(ct)).to(it)
             w = ind.weights_proj(xi).to(ct) * (ind.head_dim * ind.n_heads) ** -0.5
             scores = self.ops.indexer_scores(qi, k.to(it), w)                        # [B, L, G]
@@ -259,9 +258,9 @@ class DeepSeekV4Attention(nn.Module):
 
         cq = self.q_layernorm(self.linear_q_down_proj(x))
         q, _ = self.linear_q_up_proj(cq)
-        q = rms_normalize(q.view(B, L, H, D), self.eps).to(x.dtype)
-        q = apply_rope(q, cos, sin)
-        kv = self._qat_kv(apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin))
+        q = self.ops.rms_normalize(q.view(B, L, H, D), self.eps, x.dtype)
+        q = self.ops.apply_rope(q, cos, sin)
+        kv = self._qat_kv(self.ops.apply_rope(self.kv_layernorm(self.linear_kv_proj(x)), cos, sin))
 
         T = thd.total_tokens
         kv_all = all_gather_cp(kv, thd, dim=1)                               # [B, T, D] whole stream

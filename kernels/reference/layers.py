@@ -61,11 +61,13 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalisation over the last dim, computed in fp32 (fp64 for fp64 input)."""
+def rms_normalize(x: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Weightless RMS normalisation over the last dim, computed in fp32 (fp64 for fp64 input), returned in that
+    compute dtype or cast to ``out_dtype``."""
     ct = compute_dtype(x)
     xf = x.to(ct)
-    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class RMSNorm(KeepFP32):

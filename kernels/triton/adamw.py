@@ -16,9 +16,9 @@ divided by ``grad_scale`` where clipping set one (``engine.fused_optim.clipped``
 libdevice's ``pow``, as torch's fused kernel does).
 
 Layout: the tensors are many (one per parameter shard, hundreds) and of any size, so the launch is a table of
-chunks: program ``c`` updates elements ``[start_c, start_c + CHUNK)`` of tensor ``t_c``, whose addresses it reads
-from per-tensor pointer tables (int64 addresses cast to typed pointers). The tables are built once per set of
-tensors and reused while the addresses stay (megatron-core's shards and the optimizer state live for the run).
+chunks: program ``c`` updates elements ``[start_c, start_c + CHUNK)`` of tensor ``t_c``, found as an element
+offset from its stream's base tensor (:class:`_Plan`). The tables are built once per set of tensors and reused
+while the addresses stay (megatron-core's shards and the optimizer state live for the run).
 """
 
 from __future__ import annotations
@@ -33,64 +33,127 @@ from triton.language.extra import libdevice
 CHUNK = 65536          # elements per program
 BLOCK = 2048           # elements per inner iteration
 MAX_PLANS = 64         # device tables kept (one per parameter group of an optimizer)
+NUM_WARPS = 8
 
 
 @triton.jit
-def _adamw_chunks(chunk_tensor, chunk_start, p_ptrs, g_ptrs, m_ptrs, v_ptrs, out_ptrs, step_ptrs, numels, wds,
-                  grad_scale_ptr, flag_ptr, lr, beta1, beta2, eps,
-                  HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, idx, n, bad, has_out, decay, step_size, bc2_sqrt, inv_scale,
+                 beta1, beta2, eps, HAS_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """One ``BLOCK`` of elements; ``MASKED`` only for a tensor's last chunk, so that every other chunk's loads
+    and stores are unmasked (a mask against a loaded size would keep them from being vectorized)."""
+    if MASKED:
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+    else:
+        g = tl.load(g_ptr + idx)
+        p = tl.load(p_ptr + idx)
+        m = tl.load(m_ptr + idx)
+        v = tl.load(v_ptr + idx)
+    if HAS_SCALE:
+        g = g * inv_scale
+    p = p * decay
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    written = p
+    if MASKED:
+        tl.store(p_ptr + idx, p, mask=mask)
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, v, mask=mask)
+        if has_out != 0:
+            q = p.to(tl.bfloat16)
+            tl.store(out_ptr + idx, q, mask=mask)
+            written = q.to(tl.float32)
+        bad = tl.maximum(bad, ((written - written) != 0.0).to(tl.int32) * mask.to(tl.int32))
+    else:
+        tl.store(p_ptr + idx, p)
+        tl.store(m_ptr + idx, m)
+        tl.store(v_ptr + idx, v)
+        if has_out != 0:
+            q = p.to(tl.bfloat16)
+            tl.store(out_ptr + idx, q)
+            written = q.to(tl.float32)
+        bad = tl.maximum(bad, ((written - written) != 0.0).to(tl.int32))
+    return bad
+
+
+@triton.jit
+def _adamw_chunks(chunk_tensor, chunk_start, P, G, M, V, OUT, p_off, g_off, m_off, v_off, o_off, has_outs,
+                  step_ptrs, numels, wds, grad_scale_ptr, flag_ptr, lr, beta1, beta2, eps,
+                  HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
     t = tl.load(chunk_tensor + c)
     start = tl.load(chunk_start + c)
     n = tl.load(numels + t)
-    p_ptr = tl.load(p_ptrs + t).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(g_ptrs + t).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32))
-    out_addr = tl.load(out_ptrs + t)
-    out_ptr = out_addr.to(tl.pointer_type(tl.bfloat16))
+    po = tl.load(p_off + t)
+    go = tl.load(g_off + t)
+    mo = tl.load(m_off + t)
+    vo = tl.load(v_off + t)
+    oo = tl.load(o_off + t)
+    if ALIGNED:     # every tensor starts 16 bytes into its stream's base: 4 fp32 / 8 bf16 elements per access
+        po = tl.multiple_of(po, 4)
+        go = tl.multiple_of(go, 4)
+        mo = tl.multiple_of(mo, 4)
+        vo = tl.multiple_of(vo, 4)
+        oo = tl.multiple_of(oo, 8)
+        start = tl.multiple_of(start, CHUNK)
+    has_out = tl.load(has_outs + t)
     step = tl.load(tl.load(step_ptrs + t).to(tl.pointer_type(tl.float32)))
     wd = tl.load(wds + t)
     bc1 = 1.0 - libdevice.pow(beta1, step)          # (exp2/log2 are approximate: 1 - beta2^t lost 1e-4)
     bc2_sqrt = tl.sqrt(1.0 - libdevice.pow(beta2, step))
     step_size = lr / bc1
     decay = 1.0 - lr * wd
+    inv_scale = 1.0
     if HAS_SCALE:
         inv_scale = 1.0 / tl.load(grad_scale_ptr)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for off in range(0, CHUNK, BLOCK):
-        idx = start + off + tl.arange(0, BLOCK)
-        mask = idx < n
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
-        if HAS_SCALE:
-            g = g * inv_scale
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0)
-        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
-        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
-        p = p * decay
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(p_ptr + idx, p, mask=mask)
-        tl.store(m_ptr + idx, m, mask=mask)
-        tl.store(v_ptr + idx, v, mask=mask)
-        written = p
-        if out_addr != 0:
-            q = p.to(tl.bfloat16)
-            tl.store(out_ptr + idx, q, mask=mask)
-            written = q.to(tl.float32)
-        bad = tl.maximum(bad, ((written - written) != 0.0).to(tl.int32) * mask.to(tl.int32))
+    p_ptr, g_ptr, m_ptr, v_ptr, out_ptr = P + po, G + go, M + mo, V + vo, OUT + oo
+    if start + CHUNK <= n:
+        for off in range(0, CHUNK, BLOCK):
+            bad = _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, start + off + tl.arange(0, BLOCK), n, bad,
+                               has_out, decay, step_size, bc2_sqrt, inv_scale, beta1, beta2, eps,
+                               HAS_SCALE=HAS_SCALE, MASKED=False)
+    else:
+        for off in range(0, CHUNK, BLOCK):
+            bad = _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, start + off + tl.arange(0, BLOCK), n, bad,
+                               has_out, decay, step_size, bc2_sqrt, inv_scale, beta1, beta2, eps,
+                               HAS_SCALE=HAS_SCALE, MASKED=True)
     if tl.max(bad, axis=0) > 0:
         tl.atomic_max(flag_ptr, 1)
 
 
 class _Plan:
-    """The device tables of one set of tensors (addresses, sizes, weight decays, chunks)."""
+    """The device tables of one set of tensors: per stream (master, gradient, two moments, bf16 weight) a base
+    tensor (a kernel argument) and each tensor's element offset from it, plus sizes, weight decays and chunks.
 
-    def __init__(self, tensors: Sequence[Tuple[torch.Tensor, ...]], wds: Sequence[float], device):
-        cols = list(zip(*[[(x.data_ptr() if x is not None else 0) for x in row] for row in tensors]))
-        self.tables = [torch.tensor(col, dtype=torch.int64, device=device) for col in cols]
-        numels = [row[0].numel() for row in tensors]
+    Offsets from a base argument, not raw addresses: the kernel then knows its pointers' alignment (``ALIGNED``:
+    every tensor 16-byte aligned, as the caching allocator's and megatron-core's buffers are), and loads and
+    stores 16 bytes per access instead of one element."""
+
+    def __init__(self, rows: Sequence[Tuple[torch.Tensor, ...]], wds: Sequence[float], device):
+        self.bases, self.offsets, aligned = [], [], True
+        for col in range(5):                        # p, g, m, v, out (the last may be None per row)
+            tensors = [row[col] for row in rows]
+            base = next((x for x in tensors if x is not None), None)
+            if base is None:                        # no bf16 weights at all: any tensor serves as the base
+                base = rows[0][0]
+            b = base.data_ptr()
+            size = base.element_size()
+            offs = []
+            for x in tensors:
+                d = 0 if x is None else x.data_ptr() - b
+                aligned &= d % 16 == 0 and b % 16 == 0
+                offs.append(d // size)
+            self.bases.append(base)
+            self.offsets.append(torch.tensor(offs, dtype=torch.int64, device=device))
+        self.aligned = aligned
+        self.has_out = torch.tensor([int(row[4] is not None) for row in rows], dtype=torch.int32, device=device)
+        self.steps = torch.tensor([row[5].data_ptr() for row in rows], dtype=torch.int64, device=device)
+        numels = [row[0].numel() for row in rows]
         self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
         self.wds = torch.tensor(list(wds), dtype=torch.float32, device=device)
         chunks = [(i, s) for i, n in enumerate(numels) for s in range(0, n, CHUNK)]
@@ -137,10 +200,10 @@ class MultiTensorAdamW:
             plan = self._plans[key] = _Plan(rows, wds, params[0].device)   # one per parameter group
         if any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads):
             raise ValueError("MultiTensorAdamW: gradients must be contiguous fp32 tensors")
-        p_t, g_t, m_t, v_t, o_t, s_t = plan.tables
         scale = grad_scale if grad_scale is not None else flag
         grid = (plan.chunk_tensor.numel(),)
         with torch.profiler.record_function("dsv4_triton::adamw"):      # a named op for the step's profile
-            _adamw_chunks[grid](plan.chunk_tensor, plan.chunk_start, p_t, g_t, m_t, v_t, o_t, s_t, plan.numels,
-                                plan.wds, scale, flag, float(lr), float(beta1), float(beta2), float(eps),
-                                HAS_SCALE=grad_scale is not None, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=8)
+            _adamw_chunks[grid](plan.chunk_tensor, plan.chunk_start, *plan.bases, *plan.offsets, plan.has_out,
+                                plan.steps, plan.numels, plan.wds, scale, flag, float(lr), float(beta1),
+                                float(beta2), float(eps), HAS_SCALE=grad_scale is not None, ALIGNED=plan.aligned,
+                                CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)

@@ -27,6 +27,11 @@ def ops() -> "OpTable":
       coefficient math; bf16/fp16 streams, fp32 mapping weights / coefficients, hc_mult <= 8; other inputs
       are refused with the reason (``kernels/triton/mhc_checks.py``).
 
+    * ``apply_rope(x, cos, sin, inverse)``: one pass over ``x`` (bf16/fp16/fp32), the pairs rotated in fp32;
+      its backward is the inverse rotation (``kernels/triton/rope.py``).
+    * ``rms_normalize(x, eps, out_dtype)``: the weightless RMS norm (the per-head query norm), one pass each way,
+      fp32 row sums (``kernels/triton/norm.py``).
+
     Each kernel launcher is a ``torch.library`` custom op (``dsv4_triton::...``, ``kernels/gpu_ops.py``), so
     ``torch.compile`` (``--compile``) traces these entry points into its graphs without a graph break.
 
@@ -38,6 +43,6 @@ def ops() -> "OpTable":
     segment ``ks/ke`` ranges), ``indexer_topk``.
     """
     from kernels import gpu_common
-    from kernels.triton import attention, indexer, mhc
+    from kernels.triton import attention, indexer, mhc, norm, rope
 
-    return gpu_common.make_ops("triton", attention, indexer, mhc)
+    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm)

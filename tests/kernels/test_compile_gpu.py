@@ -31,6 +31,8 @@ import os
 import pytest
 import torch
 
+from kernels.reference.rope import rope_cos_sin, rope_inv_freq
+
 pytestmark = pytest.mark.gpu
 
 NORM_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 4
@@ -107,6 +109,12 @@ def _opcheck_cases(backend, dev):
         ("sinkhorn", ns.sinkhorn, [logits, ITERS, HC_EPS], (0,)),
         ("sinkhorn_bwd", ns.sinkhorn_bwd, [logits, _rand(T, n, n, seed=21, dev=dev), ITERS, HC_EPS], ()),
     ]
+    cos, sin = rope_cos_sin(rope_inv_freq(16, 10000.0), torch.arange(T, device=dev), dtype=torch.float32)
+    rows = _rand(T * n, d, seed=22, dtype=torch.bfloat16, dev=dev)
+    cases += [("rope", ns.rope, [rows, cos, sin, n, False], (0,)),
+              ("rope_inverse", ns.rope, [rows, cos, sin, n, True], (0,)),
+              ("rms_normalize", ns.rms_normalize, [rows, NORM_EPS, torch.bfloat16], (0,)),
+              ("rms_normalize_bwd", ns.rms_normalize_bwd, [rows, rows.flip(0), NORM_EPS], ())]
     return cases
 
 
@@ -134,6 +142,7 @@ def _op_table_step(ops, backend, dev):
     ik = _rand(B, N, IDX_D, seed=34, dtype=torch.bfloat16, dev=dev)
     iw = _rand(B, S, IDX_H, seed=35, dev=dev)
     inputs = [q, kv, sink]
+    cos, sin = rope_cos_sin(rope_inv_freq(16, 10000.0), torch.arange(S, device=dev))
     mhc = backend == "triton"
     if mhc:
         n, d = 4, H * D
@@ -150,6 +159,8 @@ def _op_table_step(ops, backend, dev):
         if not hc:
             return o.float().square().mean()
         x, fn, scale, base, fn_h, scale_h, base_h = hc
+        o = ops.apply_rope(o, cos, sin, inverse=True)          # the attention output's inverse rotation
+        o = ops.rms_normalize(o, NORM_EPS, o.dtype)
         u, post, comb = ops.hc_pre(x * 2, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
         comb = ops.sinkhorn(comb.log(), 2, HC_EPS)
         x = ops.hc_post(u + o.flatten(-2), x, post, comb)
@@ -181,8 +192,8 @@ def test_op_table_compiles_without_graph_breaks(backend):
     reset_kernels_ran()
     compiled = _loss_and_grads(compiled_fn, inputs)
     ran = kernels_ran()
-    own = [n for n in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head", "sinkhorn")
-           if table.provider[n] == backend]
+    own = [n for n in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head", "sinkhorn",
+                       "apply_rope", "rms_normalize") if table.provider[n] == backend]
     assert all(ran.get(f"{backend}.{n}", 0) >= 1 for n in own), ran   # counted when traced
     assert not any(k.startswith(f"{REFERENCE}.") for k in ran), ran
     for i, (a, b) in enumerate(zip(compiled, eager)):
@@ -249,7 +260,8 @@ def test_compiled_tiny_model_has_no_graph_breaks_and_follows_eager(impl):
     ran = kernels_ran()
     breaks = dict(counters["graph_break"])
     print(f"\n{impl}: ran {ran}; graph breaks {breaks}")
-    for op in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head"):
+    for op in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head", "apply_rope",
+               "rms_normalize"):
         assert ran.get(f"triton.{op}", 0) >= 1 and not ran.get(f"none.{op}"), (op, ran)
     # Whole vocabulary: only the mean is bounded. Its largest entries are tail tokens whose bf16 logits are
     # far from zero, where one bf16 step is 0.06-0.125 (measured on an H200, 2026-12-01: max 0.35 miles, 0.48

@@ -146,11 +146,36 @@ def test_sinkhorn_fake_matches_reference(dtype):
     assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_fake_matches_reference(inverse):
+    """The op takes the rows flattened (``[B*S*H, D]``, fp32 angles) and gives the reference's shape, dtype and
+    gradient signature."""
+    from kernels.reference.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+    x = torch.randn(2, T, H, D, generator=_gen(7)).bfloat16()
+    cos, sin = rope_cos_sin(rope_inv_freq(16, 10000.0), torch.arange(T), dtype=torch.float32)
+    out, grads = _fake_run(gpu_ops.TRITON.rope, [x.view(-1, D), cos, sin, H, inverse], grad_of=(0,))
+    ref, rgrads = _ref_run(lambda x: apply_rope(x, cos, sin, inverse=inverse).view(-1, D), [x], grad_of=(0,))
+    assert _sig(out) == _sig(ref) and [g.shape for g in grads] == [(2 * T * H, D)]
+    assert grads[0].dtype == rgrads[0].dtype
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_rms_normalize_fake_matches_reference(out_dtype):
+    from kernels.reference.layers import rms_normalize
+
+    x = torch.randn(T * H, D, generator=_gen(8)).bfloat16()
+    out, grads = _fake_run(gpu_ops.TRITON.rms_normalize, [x, 1e-6, out_dtype], grad_of=(0,))
+    ref, rgrads = _ref_run(lambda x: rms_normalize(x, 1e-6, out_dtype), [x], grad_of=(0,))
+    assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
+
+
 def test_every_op_has_a_fake():
     """Each registered op, forward and backward, answers under FakeTensorMode (the tests above reach them all)."""
     names = {n for n in vars(gpu_ops.TRITON) if n != "namespace"}
     assert names == {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "hc_pre", "hc_pre_bwd",
-                     "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd"}
+                     "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd", "rope",
+                     "rms_normalize", "rms_normalize_bwd"}
     assert {n for n in vars(gpu_ops.TILELANG) if n != "namespace"} == \
         {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores"}
     for ns in ("dsv4_triton", "dsv4_tilelang"):

@@ -1,0 +1,103 @@
+"""Triton weightless RMS normalisation over the last dim (``kernels.reference.layers.rms_normalize``): forward and
+backward, one pass each.
+
+Why: the attention normalises every query head (``q / rms(q)``, DeepSeek-V4's per-head query norm) in fp32 torch
+ops: a cast up, a square, a mean, an rsqrt, a product and a cast down, each a pass over a ``[tokens, heads, 512]``
+tensor in fp32, and about as many again in the backward; on the Flash-shaped model that was most of what the
+attention glue still cost after the fused RoPE (docs/kernels-and-benchmarks.md). Here each row is read once and
+written once, in fp32 registers, and the backward keeps only the input (in its own dtype, not an fp32 copy).
+
+    y = x * rsqrt(mean(x^2) + eps)
+    dx = r * dy - x * r^3 * mean(dy * x),   r = rsqrt(mean(x^2) + eps)
+
+Rows: ``x [R, D]`` contiguous (the entry point flattens the leading dims); the output dtype is the caller's
+(``out_dtype``: the reference returns fp32 and the attention casts back to the activation dtype, a pass this
+kernel leaves out). The row sums are in a different order than torch's mean: the output is within one rounding
+step of the output dtype of the reference's, not bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_ops
+
+__all__ = ["rms_normalize", "rms_normalize_launch", "rms_normalize_bwd_launch"]
+
+ELEMENTS_PER_PROGRAM = 8192
+
+
+@triton.jit
+def _rms_fwd_kernel(X, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, PD)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    tl.store(Y + offs, (x * r[:, None]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_bwd_kernel(X, DY, DX, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, PD)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    c = tl.sum(dy * x, axis=1) / D
+    dx = r[:, None] * dy - x * (r * r * r * c)[:, None]
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _grid(R: int, D: int):
+    pd = triton.next_power_of_2(D)
+    br = max(1, min(triton.next_power_of_2(R), ELEMENTS_PER_PROGRAM // pd))
+    return (triton.cdiv(R, br),), pd, br
+
+
+def rms_normalize_launch(x: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``dsv4_triton::rms_normalize`` op's launcher: ``x [R, D]`` contiguous -> ``[R, D]`` in ``out_dtype``."""
+    R, D = x.shape
+    y = torch.empty((R, D), dtype=out_dtype, device=x.device)
+    if R:
+        grid, pd, br = _grid(R, D)
+        _rms_fwd_kernel[grid](x, y, R, float(eps), D=D, PD=pd, BR=br, num_warps=4)
+    return y
+
+
+def rms_normalize_bwd_launch(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
+    """``dx [R, D]`` (``x``'s dtype) of :func:`rms_normalize_launch` for the upstream gradient ``dy [R, D]``."""
+    R, D = x.shape
+    dx = torch.empty_like(x)
+    if R:
+        grid, pd, br = _grid(R, D)
+        _rms_bwd_kernel[grid](x, dy, dx, R, float(eps), D=D, PD=pd, BR=br, num_warps=4)
+    return dx
+
+
+def _refuse(why: str) -> ValueError:
+    return ValueError(f"triton rms_normalize: {why}; run with --kernel-backend none for this input")
+
+
+@gpu_ops.traceable
+def rms_normalize(x: torch.Tensor, eps: float, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """:func:`kernels.reference.layers.rms_normalize` in one kernel each way: ``x [..., D]`` (CUDA, bf16/fp16/fp32)
+    -> the normalised rows in ``out_dtype`` (default fp32, the reference's compute dtype). Differentiable in ``x``.
+    Anything else is refused with the reason."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise _refuse(f"x is on {x.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise _refuse(f"x is {x.dtype}; the kernel takes bf16, fp16 or fp32")
+    out = torch.float32 if out_dtype is None else out_dtype
+    if out not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() < 1 or x.shape[-1] == 0:
+        raise _refuse(f"x {tuple(x.shape)} to {out} (needs [..., D] with D > 0, a bf16/fp16/fp32 output)")
+    flat = x.contiguous().view(-1, x.shape[-1])
+    return gpu_ops.TRITON.rms_normalize(flat, float(eps), out).view(x.shape)

@@ -1,0 +1,116 @@
+"""Triton rotary position embedding: one pass over the tensor (``kernels.reference.rope.apply_rope``).
+
+Why a kernel: the reference op is about nine elementwise kernels (casts, four products, a stack, a cast back)
+over the rope slice plus a ``torch.cat`` of the whole tensor, forward and again backward, for every query,
+key and attention output of every layer; on the Flash-shaped model that glue was a sixth of the training
+step (docs/kernels-and-benchmarks.md). Here each row is read once and written once.
+
+Rows: ``x`` is ``[R, D]`` (the entry point flattens ``[B, S, D]`` or ``[B, S, H, D]``); row ``r`` belongs to
+token ``(r // heads) % N`` of ``cos`` / ``sin`` ``[N, D_rope / 2]`` (fp32). The trailing ``D_rope`` channels
+are rotated in interleaved pairs ``(x[2i], x[2i+1])`` in fp32 with every product rounded on its own, as the
+reference's separate torch kernels round them, so the output has the reference op's bits; the others are copied.
+
+The backward of a rotation is the inverse rotation (``inverse=True``: the angle's sine negated), so one
+kernel serves both directions and nothing is saved for the backward but ``cos`` and ``sin``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_ops
+
+__all__ = ["apply_rope", "rope_launch", "ROPE_ELEMENTS_PER_PROGRAM"]
+
+# elements (rows x padded row width) one program handles: enough in flight per SM for a copy-bound kernel
+ROPE_ELEMENTS_PER_PROGRAM = 8192
+
+
+@triton.jit
+def _product(a, b, ROUNDED: tl.constexpr):
+    """``a * b`` rounded to fp32 on its own: ``mul.rn`` is never contracted into a fused multiply-add, so the sum
+    of two products rounds as torch's separate kernels round it (the reference's bits)."""
+    if ROUNDED:
+        out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                        is_pure=True, pack=1)
+    else:                     # Triton's CPU interpreter (no PTX): numpy rounds every product anyway
+        out = a * b
+    return out
+
+
+@triton.jit
+def _rope_kernel(X, COS, SIN, OUT, R, N, HEADS,
+                 D: tl.constexpr, HALF: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr,
+                 INVERSE: tl.constexpr, ROUNDED: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, PD)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    src = X + rows64[:, None] * D
+    x = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    NOPE: tl.constexpr = D - 2 * HALF
+    is_rope = (cols >= NOPE) & (cols < D)
+    rope_mask = rmask[:, None] & is_rope[None, :]
+    partner = tl.load(src + (cols ^ 1)[None, :], mask=rope_mask, other=0.0).to(tl.float32)  # NOPE is even
+    pair = tl.where(is_rope, (cols - NOPE) // 2, 0)
+    tok = ((rows // HEADS) % N).to(tl.int64)
+    cs = tok[:, None] * HALF + pair[None, :]
+    c = tl.load(COS + cs, mask=rope_mask, other=1.0)
+    s = tl.load(SIN + cs, mask=rope_mask, other=0.0)
+    if INVERSE:
+        s = -s
+    # even channel: a*c - b*s (a = x, b = the odd partner); odd channel: a*s + b*c (a = the even partner, b = x)
+    sign = tl.where((cols & 1) == 1, 1.0, -1.0)
+    rotated = _product(x, c, ROUNDED) + sign[None, :] * _product(partner, s, ROUNDED)
+    out = tl.where(is_rope[None, :], rotated, x)
+    tl.store(OUT + rows64[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, inverse: bool) -> torch.Tensor:
+    """The ``dsv4_triton::rope`` op's launcher: ``x [R, D]`` contiguous, ``cos``/``sin`` ``[N, D_rope/2]`` fp32."""
+    R, D = x.shape
+    half = cos.shape[-1]
+    out = torch.empty_like(x)
+    if R == 0:
+        return out
+    pd = triton.next_power_of_2(D)
+    br = max(1, min(triton.next_power_of_2(R), ROPE_ELEMENTS_PER_PROGRAM // pd))
+    _rope_kernel[(triton.cdiv(R, br),)](x, cos, sin, out, R, cos.shape[0], heads, D=D, HALF=half, PD=pd, BR=br,
+                                       INVERSE=inverse, ROUNDED=os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                       num_warps=4)
+    return out
+
+
+def _refuse(why: str) -> ValueError:
+    return ValueError(f"triton apply_rope: {why}; run with --kernel-backend none for this input")
+
+
+@gpu_ops.traceable
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """:func:`kernels.reference.rope.apply_rope` in one kernel: ``x`` ``[B, S, D]`` or ``[B, S, H, D]`` (CUDA,
+    bf16/fp16/fp32), ``cos``/``sin`` ``[S, r/2]`` or ``[B, S, r/2]`` (cast to fp32, the reference's math
+    precision for these dtypes). Out of place; differentiable in ``x`` (the backward is the inverse rotation).
+    Anything else is refused with the reason."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise _refuse(f"x is on {x.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise _refuse(f"x is {x.dtype}; the kernel takes bf16, fp16 or fp32")
+    half = cos.shape[-1]
+    if x.dim() < 3 or x.shape[-1] % 2 or 2 * half > x.shape[-1]:
+        raise _refuse(f"x {tuple(x.shape)} with {2 * half} rope channels (needs [B, S, (H,) D], D even, D >= rope)")
+    if cos.shape != sin.shape or cos.shape[:-1] not in (x.shape[1:2], x.shape[:2]):
+        raise _refuse(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not give one angle per token of "
+                      f"x {tuple(x.shape)} ([S, r/2] or [B, S, r/2])")
+    heads = 1
+    for n in x.shape[2:-1]:
+        heads *= n
+    c = cos.to(torch.float32).reshape(-1, half).contiguous()
+    s = sin.to(torch.float32).reshape(-1, half).contiguous()
+    flat = x.contiguous().view(-1, x.shape[-1])
+    return gpu_ops.TRITON.rope(flat, c, s, heads, bool(inverse)).view(x.shape)
