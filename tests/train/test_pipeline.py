@@ -21,7 +21,7 @@ run does: ``backends.megatron.stage``).
   MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights, every expert
   and every tensor-parallel slice included (the sync's check passes), its samples reach every stage and
   tensor-parallel rank, routing replay covers every layer, and two steps equal the one-rank steps.
-* ``dsv4 logprobs --pp 2`` (miles) prints the one-rank scores.
+* ``dsv4 logprobs --pp 2`` prints the one-rank scores, for both implementations.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``, megatron's
   ``dsa_indexer_loss_coeff``), one line each naming the fix.
@@ -149,17 +149,19 @@ def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl):
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
-def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight):
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight, impl):
     """`dsv4 logprobs --pp 2` on the run's trained native checkpoint (each stage reads its own tensors): every
     sequence is a row of its own through megatron-core's schedule (lengths 9, 2, 1, 0 and 40: unequal rows, the
     streams padded to the longest), and the output is `--pp 1`'s (same ops on the same rows; 1e-5 for another
-    thread count's rounding)."""
+    thread count's rounding). The megatron model runs each row as one THD segment (`backends.megatron.stage`),
+    and its `--pp 1` packs every sequence into one stream: the same values per segment."""
     from tests.cli_process import run_cli
 
     seqs = [[0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 3], [9], [], [(i * 37) % 1000 for i in range(40)]]
     (tmp_path / "t.json").write_text(json.dumps(seqs))
-    args = ("logprobs", "--checkpoint", str(straight / "checkpoints" / "step_000003" / "model"), "--tokens",
-            str(tmp_path / "t.json"))
+    args = ("logprobs", "--impl", impl, "--checkpoint", str(straight / "checkpoints" / "step_000003" / "model"),
+            "--tokens", str(tmp_path / "t.json"))
     one, staged = (run_cli(*args, *more, env={"OMP_NUM_THREADS": "1"}) for more in ((), ("--pp", "2")))
     assert one.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
     assert "on 2 pipeline stages" in staged.stderr
@@ -230,7 +232,7 @@ def _normalize(**kw):
     (dict(impl="megatron", qkv_format="thd", max_tokens_per_rank=512), "Fix: drop --max-tokens-per-rank"),
     (dict(job=None), "built for dsv4 train and dsv4 logprobs only"),
     (dict(job="score", ep=2), "Fix: use --tp 1 --cp 1 --ep 1 --qkv-format bshd, or --pp 1"),
-    (dict(job="score", impl="megatron", qkv_format="thd"), "Fix: use --impl miles, or --pp 1"),
+    (dict(job="score", impl="megatron", qkv_format="thd", ep=2, world=4), "--ep 1 --qkv-format thd, or --pp 1"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
     (dict(cp=2, world=4), "Fix: use --cp 1, or use --pp 1"),
     (dict(tp=2, world=6), "(got 6 ranks). Fix: use a rank count that is a multiple of 4"),
