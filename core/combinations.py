@@ -68,6 +68,7 @@ class Selection:
     cp: int = 1
     ep: int = 1
     pp: int = 1
+    vpp: int = 1     # virtual pipeline stages per pipeline rank (dsv4 train --vpp; megatron's interleaved 1F1B)
     # Number of ranks of the run (None = tp x cp x ep x pp: one data-parallel group per expert-parallel rank).
     world: Optional[int] = None
     rollout: Optional[RolloutEngine] = None

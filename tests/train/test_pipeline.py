@@ -102,6 +102,20 @@ def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, one_rank, impl, 
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_virtual_stages_take_the_one_rank_steps_and_resume_on_one_rank(tmp_path, one_rank, impl):
+    """`--pp 2 --vpp 2` (megatron-core's interleaved 1F1B; each rank holds two chunks of one layer: rank 0 layers 0
+    and 2, rank 1 layers 1 and 3, the streams and embeddings passing rank 0 -> 1 -> 0 -> 1) over three
+    micro-batches (not a multiple of --pp: the schedule runs them as one group per chunk): two SFT steps equal the
+    one-rank run's, and their checkpoint (global names, each rank's chunks) resumes at --pp 1 into the
+    uninterrupted run's step 3 and weights."""
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--vpp", "2", "--steps", "2")
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["layout"]["pp"] == 2 and state["layout"]["vpp"] == 2
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
+
+
 def test_full_train_runs_the_stages_on_its_converted_checkpoint(tmp_path, straight):
     """`dsv4 full-train --pp 2` (prepare -> convert -> train): the converted native checkpoint holds the very
     weights `dsv4 train` reads from the HF checkpoint, so its first step is the one-rank run's."""
@@ -142,10 +156,12 @@ def test_a_run_killed_at_two_stages_resumes_on_one_rank(tmp_path, one_rank, impl
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
-@pytest.mark.parametrize("impl", ["miles", "megatron"])
-def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl):
+@pytest.mark.parametrize("impl,virtual", [("miles", ()), ("megatron", ()), ("miles", ("--vpp", "2"))],
+                         ids=["miles", "megatron", "miles-vpp2"])
+def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl, virtual):
+    """(with --vpp 2: each rank reads the tensors of its two chunks)"""
     train_cli(tmp_path / "run", *_sft(impl), "--steps", "2")
-    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", "--resume")
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, *virtual, "--steps", "3", "--resume")
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
@@ -219,6 +235,33 @@ def test_stages_hold_contiguous_even_layer_ranges():
         stage_layers(2, 3, 0)
 
 
+def test_virtual_stages_interleave_the_chunks_over_the_ranks():
+    """--pp 2 --vpp 2 on 4 layers: chunk v of rank s is the (v x 2 + s)-th range (megatron's order); the
+    embedding on rank 0, the head and MTP on the last rank; the interleaved schedule's group of micro-batches per
+    chunk (megatron refuses a last group smaller than --pp), and a step with fewer micro-batches than --pp
+    refused in one line."""
+    from backends.cpu.megatron_shims import apply_megatron_cpu_shims
+    from core.pp_layout import chunk_layers, rank_layers, stage_of
+    from engine import layout as L
+    from engine.pipeline import _group_size, _schedule_config
+
+    assert [[list(chunk_layers(4, 2, s, v, 2)) for v in (0, 1)] for s in (0, 1)] == [[[0], [2]], [[1], [3]]]
+    assert rank_layers(8, 2, 1, 2) == [2, 3, 6, 7] and rank_layers(5, 2, 0) == [0, 1, 2]
+    assert [stage_of(f"decoder.layers.{i}.x", 4, 2, 2) for i in range(4)] == [0, 1, 0, 1]
+    assert stage_of("embedding.word_embeddings.weight", 4, 2, 2) == 0 and stage_of("mtp.layers.0.x", 4, 2, 2) == 1
+    assert [_group_size(m, 2) for m in (2, 3, 4, 5, 7)] == [2, 3, 2, 3, 4]
+    before = L._STATE["layout"]
+    L._STATE["layout"] = L.ParallelLayout(world=2, pp=2, vp=2)
+    try:
+        with pytest.raises(ValueError, match=r"needs at least --pp 2 micro-batches .* has 1\. Fix: set micro_batch"):
+            _schedule_config(8, 1)
+        apply_megatron_cpu_shims()               # megatron-core importable on the CPU
+        cfg = _schedule_config(8, 3)
+        assert cfg.virtual_pipeline_model_parallel_size == 2 and cfg.microbatch_group_size_per_vp_stage == 3
+    finally:
+        L._STATE["layout"] = before
+
+
 def _normalize(**kw):
     from core.config import preset
     from core.run_config import Choices, normalize
@@ -239,6 +282,10 @@ def _normalize(**kw):
     (dict(ep=2, world=2), "and 2 ranks with --tp 1 --cp 1 --pp 2 give 1. Fix: use --ep 1, or 4 x N ranks"),
     (dict(world=3), "Fix: use a rank count that is a multiple of 2"),
     (dict(qkv_format="thd"), "Fix: use --qkv-format bshd"),
+    (dict(vpp=2, pp=1, world=1), "--vpp 2 interleaves the stages of --pp, and the run has --pp 1. Fix: add --pp 2"),
+    (dict(vpp=3), "cuts the decoder layers into 6 equal chunks, and the model's 4 layers do not divide into them. "
+                  "Fix: use --vpp 2, or drop --vpp"),
+    (dict(job="score", vpp=2), "--vpp 2: virtual pipeline stages are built for dsv4 train and full-train only"),
 ])
 def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     from core.combinations import InvalidCombination
@@ -246,6 +293,20 @@ def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     with pytest.raises(InvalidCombination) as err:
         _normalize(**kw)
     assert message in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_virtual_stages_with_fewer_micro_batches_than_stages_are_refused_before_any_rank_starts():
+    from core.errors import UserInputError
+    from train.distributed import check_virtual_stages
+    from train.trainer import TrainConfig
+
+    run = _normalize(vpp=2)
+    with pytest.raises(UserInputError, match=r"steps have 1\. Fix: set micro_batch_size=4 or less, or drop --vpp\.$"):
+        check_virtual_stages(run, "sft", TrainConfig())              # 8 sequences, one micro-batch
+    with pytest.raises(UserInputError, match=r"steps have 1\. Fix: set micro_batch_size=2 or less"):
+        check_virtual_stages(run, "grpo", TrainConfig(prompts_per_step=1))     # one group of 4
+    check_virtual_stages(run, "sft", TrainConfig(micro_batch_size=3))
+    check_virtual_stages(run, "grpo", TrainConfig())                 # two groups
 
 
 def test_an_implementation_that_declares_no_stages_is_refused():
