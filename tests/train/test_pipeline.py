@@ -17,10 +17,12 @@ run does: ``backends.megatron.stage``).
   the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
   uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
 * GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2 for both implementations, 2 stages x
-  tensor parallel 2 for miles), with the KL penalty (the reference model is split into the same stages) and the
+  tensor parallel 2 for miles; megatron also with ``--vpp 2``: two chunks per rank, interleaved), with the KL penalty (the reference model is split into the same stages) and the
   MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights, every expert
   and every tensor-parallel slice included (the sync's check passes), its samples reach every stage and
   tensor-parallel rank, routing replay covers every layer, and two steps equal the one-rank steps.
+* ``--pp 2 --vpp 2`` (megatron-core's interleaved 1F1B, two chunks of the layers per rank), both implementations:
+  two SFT steps equal the one-rank steps and resume at ``--pp 1``; a one-rank checkpoint resumes at ``--vpp 2``.
 * ``dsv4 logprobs --pp 2`` prints the one-rank scores, for both implementations.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``, megatron's
@@ -210,8 +212,9 @@ FOUR = ("--nproc-per-node", "4")
 
 
 @pytest.mark.parametrize("impl,layout", [("miles", ("--nproc-per-node", "2")), ("miles", (*FOUR, "--ep", "2")),
-                                         ("miles", (*FOUR, "--tp", "2")), ("megatron", (*FOUR, "--ep", "2"))],
-                         ids=["pp2", "pp2-ep2", "pp2-tp2", "megatron-pp2-ep2"])
+                                         ("miles", (*FOUR, "--tp", "2")), ("megatron", (*FOUR, "--ep", "2")),
+                                         ("megatron", ("--nproc-per-node", "2", "--vpp", "2"))],
+                         ids=["pp2", "pp2-ep2", "pp2-tp2", "megatron-pp2-ep2", "megatron-pp2-vpp2"])
 def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, impl, layout):
     train_cli(tmp_path / "run", *_grpo(impl), "--pp", "2", *layout)
     rows = metrics_rows(tmp_path / "run")
