@@ -68,6 +68,7 @@ class Selection:
     cp: int = 1
     ep: int = 1
     pp: int = 1
+    vpp: int = 1     # virtual pipeline stages per pipeline rank (dsv4 train --vpp; megatron's interleaved 1F1B)
     # Number of ranks of the run (None = tp x cp x ep x pp: one data-parallel group per expert-parallel rank).
     world: Optional[int] = None
     rollout: Optional[RolloutEngine] = None
@@ -242,22 +243,18 @@ def _impl_pp(sel: Selection, host) -> Optional[str]:
 def _pp_job(sel: Selection, host) -> Optional[str]:
     """Pipeline stages are built for training (engine.pipeline: megatron-core's schedule over the trainer's
     micro-batches) and for scoring (``dsv4 logprobs``: each sequence a row of its own through the stages, no
-    other parallelism: launchers.scoring.score_pipelined); every other job runs the whole model on each rank,
-    and a stage needs a decoder layer (an implementation without stages is refused by
-    ``impl-pipeline-parallel`` alone)."""
+    other parallelism: launchers.scoring.score_pipelined; a THD-only implementation, megatron, runs each row as
+    one packed segment: backends.megatron.stage); every other job runs the whole model on each rank, and a stage
+    needs a decoder layer (an implementation without stages is refused by ``impl-pipeline-parallel`` alone)."""
     if sel.pp <= 1 or not sel.impl.pipeline_parallel:
         return None
     if sel.job not in ("train", "score"):
         return f"--pp {sel.pp}: pipeline parallelism is built for dsv4 train and dsv4 logprobs only. Fix: use --pp 1."
-    if sel.job == "score" and "bshd" not in sel.impl.qkv_formats:
-        rows = [i.name for i in host.records(ATTENTION) if i.pipeline_parallel and "bshd" in i.qkv_formats]
-        fix = f"use --impl {join_choices(rows)}, or --pp 1" if rows else "use --pp 1"
-        return (f"dsv4 logprobs --pp {sel.pp} scores rows (BSHD) on the stages, and --impl {sel.impl.name} runs "
-                f"--qkv-format {join_choices(sel.impl.qkv_formats)} only. Fix: {fix}.")
-    if sel.job == "score" and (sel.tp * sel.cp * sel.ep > 1 or sel.qkv_format != "bshd"):
-        return (f"dsv4 logprobs --pp {sel.pp} scores rows (BSHD) on the stages alone (got --tp {sel.tp} --cp "
-                f"{sel.cp} --ep {sel.ep} --qkv-format {sel.qkv_format}). Fix: use --tp 1 --cp 1 --ep 1 "
-                f"--qkv-format bshd, or --pp 1.")
+    rows = "bshd" if "bshd" in sel.impl.qkv_formats else sel.impl.qkv_formats[0]   # the stages' row format
+    if sel.job == "score" and (sel.tp * sel.cp * sel.ep > 1 or sel.qkv_format != rows):
+        return (f"dsv4 logprobs --pp {sel.pp} scores each sequence as a row of its own on the stages alone (got "
+                f"--tp {sel.tp} --cp {sel.cp} --ep {sel.ep} --qkv-format {sel.qkv_format}). Fix: use --tp 1 --cp 1 "
+                f"--ep 1 --qkv-format {rows}, or --pp 1.")
     if sel.n_layers is not None and sel.n_layers < sel.pp:
         return (f"--pp {sel.pp} gives each stage at least one decoder layer, and the model has {sel.n_layers}. "
                 f"Fix: use --pp {sel.n_layers} or fewer.")
@@ -382,8 +379,8 @@ CAPABILITY_RULES: tuple[Rule, ...] = (
     Rule("impl-expert-parallel", "the implementation supports expert parallelism", _impl_ep),
     Rule("expert-parallel-alone", "expert parallelism runs with tensor and context parallel 1", _ep_alone),
     Rule("impl-pipeline-parallel", "the implementation supports pipeline parallelism", _impl_pp),
-    Rule("pipeline-train", "pipeline parallelism runs dsv4 train and dsv4 logprobs (BSHD, stages alone), at least "
-         "one decoder layer per stage", _pp_job),
+    Rule("pipeline-train", "pipeline parallelism runs dsv4 train and dsv4 logprobs (a row per sequence, stages "
+         "alone), at least one decoder layer per stage", _pp_job),
     Rule("kernel-hardware", "the kernel backend runs on the hardware target", _kernel_hardware),
     Rule("quant-hardware", "the quantization scheme runs on the hardware target", _quant_hardware),
     Rule("quant-kernel", "the quantization scheme works with the kernel backend", _quant_kernel),

@@ -30,6 +30,7 @@ class Choices:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    vpp: int = 1    # virtual pipeline stages per pipeline rank (dsv4 train / full-train --vpp)
     qkv_format: Optional[str] = None
     model: Optional[object] = dataclasses.field(default=None, repr=False)  # core.config.ModelConfig
     max_tokens_per_rank: Optional[int] = None  # packing budget per context-parallel rank (None = not given)
@@ -74,6 +75,7 @@ class RunConfig:
     rollout_num_gpus: Optional[int] = None
     rollout_num_nodes: Optional[int] = None
     weight_transport: Optional[str] = None
+    vpp: int = 1
     # The table's rules this run was checked against (core.combinations.table_rules of the plugin host): the job
     # rules the plugins added, kept for the trainer's option checks (train_option_problems), made where no host is.
     rules: tuple = dataclasses.field(default=(), repr=False, compare=False)
@@ -109,7 +111,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
     model's shape (tensor parallel must divide o_groups, expert parallel the
     routed experts); ``model_name`` is what the user called it.
     """
-    for name in ("tp", "pp", "cp", "ep"):
+    for name in ("tp", "pp", "cp", "ep", "vpp"):
         value = getattr(choices, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive integer (got {value!r})")
@@ -151,6 +153,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         cp=choices.cp,
         ep=choices.ep,
         pp=choices.pp,
+        vpp=choices.vpp,
         n_layers=getattr(model, "n_layers", None),
         o_groups=getattr(model, "o_groups", None),
         n_routed_experts=getattr(model, "n_routed_experts", None),
@@ -192,6 +195,7 @@ def normalize(choices: Choices, host, model_name: str = "unspecified") -> RunCon
         rollout_num_gpus=choices.rollout_num_gpus,
         rollout_num_nodes=choices.rollout_num_nodes,
         weight_transport=choices.weight_transport,
+        vpp=choices.vpp,
         rules=table_rules(host),
     )
 

@@ -9,9 +9,10 @@ model-parallel state (which megatron-core's own layers keep reading) and builds 
 (:func:`current`). This is the only product module that touches ``megatron.core.parallel_state``
 (``tests/imports_test.py`` holds the rest to it).
 
-Sizes: ``world = dp x tp x cp x pp`` (pipeline parallel is 1 today); expert parallel runs inside data parallel
-(``ep`` divides ``dp``), its expert-data-parallel group the ranks that hold the same experts. A process that never
-joined a process group has the one-rank layout (:data:`SINGLE`: every size 1, no groups).
+Sizes: ``world = dp x tp x cp x pp``; expert parallel runs inside data parallel (``ep`` divides ``dp``), its
+expert-data-parallel group the ranks that hold the same experts; ``vp`` virtual pipeline stages per pipeline rank
+(``dsv4 train --vpp``, set by :func:`interleave` after the groups exist: it needs no group of its own). A process
+that never joined a process group has the one-rank layout (:data:`SINGLE`: every size 1, no groups).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["ParallelLayout", "SINGLE", "initialize", "current", "destroy"]
+__all__ = ["ParallelLayout", "SINGLE", "initialize", "interleave", "current", "destroy"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ParallelLayout:
     ep_rank: int = 0
     pp: int = 1
     pp_rank: int = 0
+    vp: int = 1                 # virtual pipeline stages (model chunks) per pipeline rank: engine.pipeline
     dp: int = 1
     dp_rank: int = 0
     etp: int = 1                # expert tensor parallel (megatron's; 1: expert parallelism runs alone)
@@ -111,6 +113,22 @@ def _read(ps, dist) -> ParallelLayout:
         dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
         etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
         groups=groups)
+
+
+def interleave(vp: int) -> ParallelLayout:
+    """This rank's layout with ``vp`` virtual pipeline stages per pipeline rank (``--vpp``; 1: none), after
+    :func:`initialize`. megatron-core's parallel state is not told: its virtual-rank global would make its
+    ``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` answer for one chunk in every module that reads them,
+    and the interleaved schedule (``engine.pipeline``) takes ``vp`` and the chunk explicitly."""
+    import dataclasses
+
+    layout = current()
+    if vp > 1 and layout.pp < 2:
+        raise ValueError(f"--vpp {vp} interleaves pipeline stages, and this rank's layout has --pp {layout.pp}. "
+                         f"Fix: add --pp 2 (or more), or drop --vpp")
+    if layout is not SINGLE:
+        _STATE["layout"] = layout = dataclasses.replace(layout, vp=vp)
+    return layout
 
 
 def current() -> ParallelLayout:

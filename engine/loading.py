@@ -238,7 +238,8 @@ def load_weights(model: nn.Module, checkpoint, config) -> None:
         if layout.pp > 1:                   # a pipeline stage loads its own tensors (core.pp_layout)
             from core.pp_layout import stage_of
 
-            state = {n: t for n, t in state.items() if stage_of(n, config.n_layers, layout.pp) == layout.pp_rank}
+            state = {n: t for n, t in state.items() if stage_of(n, config.n_layers, layout.pp, layout.vp)
+                     == layout.pp_rank}
         load_native_tensors(model, state.items())
     else:
         load_hf_checkpoint(model, checkpoint, config)

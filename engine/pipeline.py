@@ -5,8 +5,9 @@ results and tensors to the other stages.
 Why here: the split and the schedule are the same for every implementation whose modules carry the native
 (megatron) names of ``core.weight_contract`` (``embedding``, ``decoder.layers.N``, ``decoder.final_layernorm``,
 ``decoder.hc_head_*``, ``output_layer``, ``mtp``), and the schedule is megatron-core's own
-(``megatron.core.pipeline_parallel.get_forward_backward_func``: non-interleaved 1F1B), which this module only
-feeds; the trainer's steps say what a micro-batch's loss is (:func:`run_items`, :func:`forward_items`).
+(``megatron.core.pipeline_parallel.get_forward_backward_func``: non-interleaved 1F1B, or with ``--vpp`` the
+interleaved one), which this module only feeds; the trainer's steps say what a micro-batch's loss is
+(:func:`run_items`, :func:`forward_items`).
 
 The split (:func:`stage_layers`, :func:`split_stage`): stage ``s`` of ``P`` holds a contiguous range of the
 decoder layers, as even as the count allows (the first ``n_layers % P`` stages take one layer more); stage 0 also
@@ -24,6 +25,14 @@ micro-batch so one fixed shape serves every micro-batch (megatron's ``variable_s
 (``batch_p2p_comm=False``: isend / irecv, which gloo has). The loss is computed on the last stage (megatron's
 ``calculate_per_token_loss``: the trainer's loss is already divided by the step's global token count and is
 backpropagated as it is).
+
+Virtual stages (``--vpp V``, ``layout.vp``): a rank holds ``V`` chunks of the layers (``core.pp_layout``: chunk
+``v`` of stage ``s`` is the ``v x P + s``-th of ``P x V`` ranges) in its one module, and megatron's interleaved
+schedule runs them as ``V`` model chunks. While a chunk runs (:func:`_running`), :func:`is_first` and
+:func:`is_last` answer for it (the embedding is on chunk 0 of stage 0, the head on chunk ``V - 1`` of the last
+stage) and :func:`active_layers` gives the decoders only its layers; outside the schedule they answer for the
+rank. The chunks share the module's parameters, so gradients, checkpoints (global names) and weight sync see one
+module per rank, as without virtual stages.
 """
 
 from __future__ import annotations
@@ -35,10 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.pp_layout import stage_layers    # the split (dsv4 inspect's memory estimate reads the same rule)
+from core.pp_layout import chunk_layers, rank_layers, stage_layers   # the split (dsv4 inspect reads the same rule)
 
-__all__ = ["stage_layers", "split_stage", "OtherStage", "is_first", "is_last", "run_schedule",
+__all__ = ["stage_layers", "split_stage", "OtherStage", "is_first", "is_last", "active_layers", "run_schedule",
            "from_last_stage", "gather_over_stages", "full_stage_tensors", "pipelined", "run_items", "forward_items"]
+
+# The model chunk megatron's interleaved schedule runs now on this rank (None: outside the schedule, or no --vpp).
+_CHUNK: Dict[str, Optional[int]] = {"now": None}
 
 
 class OtherStage(nn.Module):
@@ -56,11 +68,38 @@ class OtherStage(nn.Module):
 
 
 def is_first(layout) -> bool:
-    return layout.pp_rank == 0
+    """Whether this rank (inside the schedule: the chunk running now) holds the embedding."""
+    return layout.pp_rank == 0 and _CHUNK["now"] in (None, 0)
 
 
 def is_last(layout) -> bool:
-    return layout.pp_rank == layout.pp - 1
+    """Whether this rank (inside the schedule: the chunk running now) holds the head."""
+    return layout.pp_rank == layout.pp - 1 and _CHUNK["now"] in (None, _vp(layout) - 1)
+
+
+def _vp(layout) -> int:
+    return getattr(layout, "vp", 1)
+
+
+@contextlib.contextmanager
+def _running(chunk: Optional[int]):
+    """Model chunk ``chunk`` runs (None: the rank's whole stage, no virtual stages)."""
+    before, _CHUNK["now"] = _CHUNK["now"], chunk
+    try:
+        yield
+    finally:
+        _CHUNK["now"] = before
+
+
+def active_layers(layers) -> list:
+    """The decoder layers that run now, in order: this rank's (another stage's are :class:`OtherStage`), and while a
+    model chunk runs only that chunk's (the decoders of both implementations loop over these)."""
+    from engine.layout import current
+
+    chunk, layout = _CHUNK["now"], current()
+    span = range(len(layers)) if chunk is None else chunk_layers(len(layers), layout.pp, layout.pp_rank, chunk,
+                                                                  _vp(layout))
+    return [layers[i] for i in span if not isinstance(layers[i], OtherStage)]
 
 
 def split_stage(module: nn.Module, n_layers: int, layout) -> nn.Module:
@@ -68,7 +107,7 @@ def split_stage(module: nn.Module, n_layers: int, layout) -> nn.Module:
     pp, stage = layout.pp, layout.pp_rank
     if pp == 1:
         return module
-    owner = {i: s for s in range(pp) for i in stage_layers(n_layers, pp, s)}
+    owner = {i: s for s in range(pp) for i in rank_layers(n_layers, pp, s, _vp(layout))}
     layers = module.decoder.layers
     for i in range(len(layers)):
         if owner[i] != stage:
@@ -104,25 +143,45 @@ def _cpu_scratch():
 
 
 class _Chunk(nn.Module):
-    """What megatron's schedule holds as "the model": its config and the stage's received input."""
+    """What megatron's schedule holds as "the model" (one per model chunk with ``--vpp``): its config, its chunk
+    index (None: no virtual stages) and the stage's received input."""
 
-    def __init__(self, config):
+    def __init__(self, config, index: Optional[int] = None):
+        from megatron.core.enums import ModelType
+
         super().__init__()
-        self.config = config
+        self.config, self.index = config, index
+        self.model_type = ModelType.encoder_or_decoder     # the interleaved schedule asks the chunks for it
         self.input: Optional[torch.Tensor] = None
 
     def set_input_tensor(self, t) -> None:
         self.input = t[0] if isinstance(t, (list, tuple)) else t
 
 
-def _schedule_config(hidden: int):
-    from megatron.core.model_parallel_config import ModelParallelConfig
+def _group_size(n_micro: int, pp: int) -> int:
+    """megatron's ``microbatch_group_size_per_vp_stage`` for ``n_micro`` micro-batches: the smallest size in
+    ``[pp, n_micro]`` whose last group is full or at least ``pp`` (its schedule refuses the rest); ``pp`` (the
+    depth-first default) when the count is a multiple of it."""
+    return next(g for g in range(pp, n_micro + 1) if n_micro % g == 0 or n_micro % g >= pp)
 
+
+def _schedule_config(hidden: int, n_micro: int):
     from engine.layout import current
 
     layout = current()
+    vp = _vp(layout)
+    if vp > 1 and n_micro < layout.pp:
+        raise ValueError(f"--vpp {vp} runs megatron-core's interleaved schedule, which needs at least --pp "
+                         f"{layout.pp} micro-batches per step on each data-parallel rank, and this step has "
+                         f"{n_micro}. Fix: set micro_batch_size so the step splits into {layout.pp} or more, or "
+                         f"drop --vpp")
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
     cfg = ModelParallelConfig(pipeline_model_parallel_size=layout.pp, pipeline_dtype=torch.float32,
+                              virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
                               batch_p2p_comm=False, variable_seq_lengths=False, deallocate_pipeline_outputs=False)
+    if vp > 1:
+        cfg.microbatch_group_size_per_vp_stage = _group_size(n_micro, layout.pp)
     cfg.hidden_size = hidden         # get_tensor_shapes reads it: the flattened hc x d of a stream row
     cfg.calculate_per_token_loss = True   # (a TransformerConfig field the schedule reads): no rescaling
     return cfg
@@ -137,7 +196,8 @@ def run_schedule(micro_batches: Sequence[Any], shapes: Sequence[tuple], hidden: 
     fp32 from the previous stage, None on the first) and returns the streams for the next stage, or on the last
     stage whatever ``loss_fn(mb, out)`` takes; ``loss_fn`` returns the scalar to backpropagate (its value is
     the caller's, nothing rescales it) and is called on the last stage only. Gradients accumulate in the
-    parameters' ``.grad``."""
+    parameters' ``.grad``. With ``--vpp V`` each micro-batch runs ``V`` times here, once per model chunk (in the
+    interleaved schedule's order), ``stage_fn`` inside :func:`_running` of the chunk."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from engine.layout import current
@@ -145,16 +205,17 @@ def run_schedule(micro_batches: Sequence[Any], shapes: Sequence[tuple], hidden: 
     layout = current()
     S = max(s for _b, s in shapes)
     B = max(b for b, _s in shapes)
-    chunk = _Chunk(_schedule_config(hidden))
-    items = iter(list(zip(micro_batches, shapes)))
-    last = is_last(layout)
+    cfg, vp = _schedule_config(hidden, len(shapes)), _vp(layout)
+    chunks = [_Chunk(cfg, v if vp > 1 else None) for v in range(vp)]
+    items = list(zip(micro_batches, shapes))
 
     def forward_step(data_iterator, model):
         mb, (b, s) = next(data_iterator)
         x = None
         if model.input is not None:             # [S, B, hc*d] padded -> [b, s, hc*d]
             x = model.input[:s, :b].transpose(0, 1)
-        out = stage_fn(mb, x)
+        with _running(model.index):
+            out, last = stage_fn(mb, x), is_last(layout)
         if last:
             def reduce(o):
                 loss = loss_fn(mb, o)
@@ -164,10 +225,11 @@ def run_schedule(micro_batches: Sequence[Any], shapes: Sequence[tuple], hidden: 
         y = torch.nn.functional.pad(y, (0, 0, 0, B - b, 0, S - s)).contiguous()   # isend takes contiguous ones
         return y, (lambda o: (o.sum() * 0, torch.tensor(0, dtype=torch.int), {}))
 
-    fb = get_forward_backward_func(pp_size=layout.pp)
+    fb = get_forward_backward_func(pp_size=layout.pp, vp_size=vp if vp > 1 else None)
     with _cpu_scratch():
-        fb(forward_step_func=forward_step, data_iterator=items, model=chunk, num_microbatches=len(shapes),
-           seq_length=S, micro_batch_size=B, forward_only=forward_only)
+        fb(forward_step_func=forward_step, data_iterator=[iter(items) for _ in chunks] if vp > 1 else iter(items),
+           model=chunks if vp > 1 else chunks[0], num_microbatches=len(shapes), seq_length=S, micro_batch_size=B,
+           forward_only=forward_only)
 
 
 def _last_rank(layout) -> int:
@@ -232,7 +294,8 @@ def _items_schedule(model, items: List[dict], forward_kw: Callable, loss: Callab
 
     def stage(mb, streams):
         k, it = mb
-        out, used[k] = model.forward_stage(it["ids"], streams, **forward_kw(it))
+        out, layers = model.forward_stage(it["ids"], streams, **forward_kw(it))
+        used.setdefault(k, {}).update(layers)        # --vpp: each of this rank's chunks records its layers
         return out
 
     run_schedule(list(enumerate(items)), [tuple(it["ids"].shape) for it in items], hidden, stage,

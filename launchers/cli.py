@@ -44,7 +44,7 @@ _RUN_OPTIONS = (
     ("--tp", dict(type=click.IntRange(min=1), help="Tensor-parallel size.")),
     ("--pp", dict(type=click.IntRange(min=1), help="Pipeline-parallel size: dsv4 train / full-train splits the decoder layers into N stages, one per rank "
                                                     "(megatron-core's 1F1B schedule; tensor parallel (miles) within a stage, data and expert parallel over the rest of the ranks, no cp); "
-                                                    "dsv4 logprobs --impl miles scores on N stages (no tp, cp or ep); dsv4 inspect estimates the largest stage's GPU.")),
+                                                    "dsv4 logprobs scores on N stages (no tp, cp or ep); dsv4 inspect estimates the largest stage's GPU; --vpp (train) interleaves them.")),
     ("--cp", dict(type=click.IntRange(min=1), help="Context-parallel size.")),
     ("--ep", dict(type=click.IntRange(min=1), help="Expert-parallel size.")),
     ("--dtype", dict(type=click.Choice(DTYPES), help="Compute and parameter dtype: fp32 or bf16. Default: bf16 on a GPU --hardware, fp32 on the CPU. A kernel backend that does not compute in it is refused.")),
@@ -59,7 +59,7 @@ _RUN_OPTIONS = (
 _DEFAULTS = Choices()
 RUN_KEYS = frozenset(decl.lstrip("-").replace("-", "_") for decl, _ in _RUN_OPTIONS)
 # the run choices that only `train` / `full-train` take (how their ranks and engines are placed)
-TRAIN_RUN_KEYS = frozenset({"orchestrator", "rollout_num_gpus", "rollout_num_nodes", "weight_transport"})
+TRAIN_RUN_KEYS = frozenset({"vpp", "orchestrator", "rollout_num_gpus", "rollout_num_nodes", "weight_transport"})
 _OUTPUT = {"quiet": False, "verbose": False}
 
 
@@ -115,6 +115,7 @@ def _choices(opts: dict, model=None, job=None, world=None) -> Choices:
         hardware=opts.get("hardware") or _DEFAULTS.hardware,
         tp=opts.get("tp") or 1,
         pp=opts.get("pp") or 1,
+        vpp=opts.get("vpp") or 1,
         cp=opts.get("cp") or 1,
         ep=opts.get("ep") or 1,
         qkv_format=opts.get("qkv_format"),
@@ -346,7 +347,7 @@ def logprobs_cmd(opts, checkpoint: str, tokens: str):
     and --tp N run N local processes (gloo on the CPU) over it; --ep N runs N
     processes that each hold 1/N of the routed experts and score every N-th
     sequence; --pp N runs N processes, each one pipeline stage of the decoder
-    layers, every sequence a row of its own (miles). The output format is the
+    layers, every sequence a row of its own (megatron: one THD segment each). The output format is the
     same either way, so runs are directly comparable.
 
     Indexer-score ties at the k-th place are broken by the lowest entry index
@@ -426,6 +427,7 @@ def training_options(func):
         ("--tracker", dict(multiple=True, callback=_tracker_list, metavar="NAME[,NAME]", help="Where each step's scalars and the run's configuration go besides metrics.jsonl: tensorboard, wandb, mlflow or none; a comma list or repeated (default: tensorboard). Settings: the libraries' environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME).")),
         ("--compile", dict(is_flag=True, help="torch.compile the implementation's blocks (fused kernels; each new batch shape or packing layout compiles again).")),
         ("--cuda-graphs", dict(is_flag=True, help="With --compile on a GPU: replay the compiled blocks as CUDA graphs (Inductor's reduce-overhead mode; SFT, rows padded to pad_to_length=N, tp/cp/ep 1, no packing budget).")),
+        ("--vpp", dict(type=click.IntRange(min=1), default=None, help="Virtual pipeline stages per pipeline rank, with --pp: each rank holds N chunks of the decoder layers, run by megatron-core's interleaved 1F1B schedule (the layers must divide into --pp x N chunks; each step needs at least --pp micro-batches). Default: 1.")),
         ("--nproc-per-node", dict(type=click.IntRange(min=1), default=None, help="Ranks to start on this machine (torch.distributed's elastic launcher; one GPU each on a GPU --hardware). Default: tp x cp x ep. Under torchrun / srun the launcher's WORLD_SIZE is used instead.")),
         ("--orchestrator", dict(type=click.Choice(ORCHESTRATORS), default=None, help="Who starts the ranks and rollout engines: local (this machine's processes) or ray (actors on a Ray cluster: docs/ray.md). Default: local.")),
         ("--ray-address", dict(default=None, help="--orchestrator ray: the Ray cluster to connect to (HOST:PORT of its head, or `auto`). Default: RAY_ADDRESS, else a local cluster started for the run.")),

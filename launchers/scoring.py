@@ -18,8 +18,8 @@ parallel sizes); every process builds its model from it through the assembly ste
   ``i % ep``, packed into that rank's stream; a rank with none scores a pad stream, since every rank takes
   part in each layer's token exchange); rank 0 gathers the results.
 * ``pp > 1`` (:func:`score_pipelined`) spawns ``pp`` processes, each one pipeline stage of the decoder layers
-  (``engine.pipeline``), and runs every sequence as a row of its own through megatron-core's schedule (BSHD;
-  tensor, context and expert parallel 1).
+  (``engine.pipeline``), and runs every sequence as a row of its own through megatron-core's schedule (miles:
+  BSHD; megatron: the row as one THD segment, ``backends.megatron.stage``; tensor, context and expert parallel 1).
 * The result has the unpacked scorer's format (``launchers.stages.score``): per sequence the ``L - 1``
   values ``log P(t_{i+1} | t_{<=i})``; ``[]`` for sequences shorter than 2 tokens. So the two are
   directly comparable.
@@ -144,7 +144,8 @@ def _ep_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
 def _pp_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_path: str) -> None:
     """One pipeline stage (``engine.pipeline``: the model built whole, cut to this stage, the checkpoint's
     tensors of this stage loaded): every sequence is a micro-batch of one row through megatron-core's schedule,
-    forward only; the last stage takes the log-probs with the one-rank scorer's ops, rank 0 saves them."""
+    forward only (the megatron model runs the row as one packed segment: ``backends.megatron.stage``); the last
+    stage takes the log-probs with the one-rank scorer's ops, rank 0 saves them."""
     from engine.layout import current
     from engine.loading import load_weights
     from engine.pipeline import from_last_stage, is_last, run_schedule, split_stage
@@ -157,13 +158,14 @@ def _pp_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
         model.to(device).eval()
         rows = [i for i, seq in enumerate(sequences) if len(seq) > 1]
         ids = {i: torch.tensor(sequences[i], dtype=torch.long, device=device)[None] for i in rows}
+        m = getattr(model, "row_stage", model)      # a THD-only model's row API: a row is one segment
         scored: dict = {}
 
         def stage(i, x):        # x: the previous stage's streams [1, S, hc x d] in fp32 (None on the first)
-            streams = None if x is None else x.reshape(1, -1, c.hc_mult, c.dim).to(device, model.tconfig.params_dtype)
+            streams = None if x is None else x.reshape(1, -1, c.hc_mult, c.dim).to(device, m.tconfig.params_dtype)
             if not is_last(layout):
-                return model.hidden_streams(ids[i], streams=streams).flatten(2)
-            logits = model(ids[i], streams=streams)[:, :-1]      # as the miles model's logprobs (BSHD)
+                return m.hidden_streams(ids[i], streams=streams).flatten(2)
+            logits = m(ids[i], streams=streams)[:, :-1]      # as the one-rank logprobs (a row, or its segment)
             return torch.log_softmax(logits, dim=-1).gather(-1, ids[i][:, 1:, None]).squeeze(-1)
 
         def keep(i, lp):
@@ -182,7 +184,7 @@ def _pp_worker(rank: int, port: int, run, checkpoint_dir: str, sequences, out_pa
 
 
 def score_pipelined(checkpoint_dir, sequences: Sequence[Sequence[int]], run) -> list[list[float]]:
-    """Per-token log-probs of each sequence (one row each, BSHD) on ``run.pp`` pipeline stages, one local
+    """Per-token log-probs of each sequence (one row each) on ``run.pp`` pipeline stages, one local
     process each; the output of the one-rank scorer (``launchers.stages.score``)."""
     return _spawn(_pp_worker, run.pp, run, str(checkpoint_dir), [list(map(int, s)) for s in sequences])
 

@@ -352,7 +352,8 @@ def logprobs(run, checkpoint: Path, tokens: Path) -> None:
         from launchers.scoring import score_pipelined
 
         check_checkpoint(checkpoint, run.model)  # validate before spawning anything
-        log.print(f"scoring {len(sequences)} sequence(s) on {run.pp} pipeline stages, --impl {run.impl} (bshd)")
+        log.print(f"scoring {len(sequences)} sequence(s) on {run.pp} pipeline stages, --impl {run.impl} "
+                  f"({run.qkv_format}, a row each)")
         result = score_pipelined(checkpoint, sequences, run)
     elif run.qkv_format == "thd" or run.tp * run.cp * run.ep > 1:
         from launchers.scoring import score_packed

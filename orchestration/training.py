@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from train.config_checks import check_mode, check_train_options
-from train.distributed import check_divisible
+from train.distributed import check_divisible, check_virtual_stages
 from orchestration.run_claim import claimed_run_folder
 from train.trainer import TrainConfig, resolve_model_config, train_rank
 
@@ -46,6 +46,7 @@ def run_training(run_config, model_source, *, mode: str, steps: int, run_dir, re
     check_available(cfg.tracker)                   # a tracker's missing library: one line, before any work
     check_mode(mode, cfg)
     check_divisible(run_config, mode, cfg)         # before any rank starts
+    check_virtual_stages(run_config, mode, cfg)
     check_train_options(run_config, cfg)
     # one writer per run folder (orchestration.run_claim: lock, resume checks); a failed start leaves no run folder
     with claimed_run_folder(run_dir, resume=resume, steps=steps):
@@ -69,14 +70,15 @@ def _rank_main(run_config, model_source, mode, steps, run_dir, resume, cfg, prog
     train in that layout. Under ``--orchestrator
     ray`` the rank's rollout engine is its engine actor's proxy (:func:`orchestration.ray_engines.rank_engine`)."""
     from core.assembly import assemble
-    from engine.layout import SINGLE
+    from engine.layout import SINGLE, interleave
 
     from .launch import init_rank
 
     parts = assemble(run_config)                 # the rank's handles, made once and passed down
     engine_source, layout = None, SINGLE
     if run_config.world > 1:
-        layout = init_rank(run_config, parts, rendezvous_timeout_s=cfg.rendezvous_timeout_s)
+        init_rank(run_config, parts, rendezvous_timeout_s=cfg.rendezvous_timeout_s)
+        layout = interleave(run_config.vpp)      # --vpp: model chunks per pipeline rank (engine.pipeline)
     if run_config.orchestrator == "ray":
         from .ray_engines import rank_engine
 

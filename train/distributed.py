@@ -149,6 +149,23 @@ def check_divisible(groups, mode: str, cfg) -> None:
                              f"{groups.dp} for {key}, or fewer ranks.")
 
 
+def check_virtual_stages(run_config, mode: str, cfg) -> None:
+    """``--vpp``: megatron-core's interleaved schedule needs at least ``--pp`` micro-batches per step on each
+    data-parallel rank; refused before any rank starts (``engine.pipeline`` refuses such a step too)."""
+    from core.errors import UserInputError
+
+    pp, dp, mbs = run_config.pp, run_config.dp, cfg.micro_batch_size
+    if getattr(run_config, "vpp", 1) <= 1 or cfg.max_tokens_per_rank is not None:
+        return
+    rows = cfg.batch_size // dp if mode == "sft" else cfg.prompts_per_step // dp * cfg.group_size
+    n = -(-rows // mbs) if mbs else (1 if mode == "sft" else cfg.prompts_per_step // dp)   # grpo: a group each
+    if n < pp:
+        fix = f"set micro_batch_size={rows // pp} or less" if rows >= pp else f"give each rank {pp} or more samples"
+        raise UserInputError(f"--vpp {run_config.vpp} runs megatron-core's interleaved schedule, which needs at least "
+                             f"--pp {pp} micro-batches per step on each data-parallel rank, and this run's steps "
+                             f"have {n}. Fix: {fix}, or drop --vpp.")
+
+
 def pad_rule(model_config, cp: int) -> tuple:
     """``(pad_multiple, min_tokens_per_rank)`` of a packed stream for this model and CP size."""
     from core.packing import required_min_tokens_per_rank, required_pad_multiple

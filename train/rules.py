@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from core.combinations import Rule, Selection, divisors, join_choices, layout_world, runnable_records
+from core.combinations import Rule, Selection, divisors, join_choices, join_ordered, layout_world, runnable_records
 from core.hookspecs import hookimpl
 from core.records import HARDWARE
 
@@ -43,7 +43,10 @@ def _train_pipeline(sel: Selection, host) -> Optional[str]:
     """The trainer's pipeline stages (engine.pipeline.run_items) are built with data parallelism (each data-
     parallel rank's ``--pp`` stages), tensor parallelism within a stage and expert parallelism over the data-
     parallel ranks of a stage, rows of padded samples sent between stages (BSHD; a THD-only implementation,
-    megatron, packs each micro-batch's rows as one segment each: backends.megatron.stage)."""
+    megatron, packs each micro-batch's rows as one segment each: backends.megatron.stage); with ``--vpp``,
+    :func:`_virtual_stages`."""
+    if sel.vpp > 1 and (problem := _virtual_stages(sel)) is not None:
+        return problem
     if sel.job != "train" or sel.pp <= 1:
         return None
     for what, bad, fix in ((f"--cp {sel.cp}", sel.cp > 1, "use --cp 1"),
@@ -56,6 +59,24 @@ def _train_pipeline(sel: Selection, host) -> Optional[str]:
         if bad:
             return (f"--pp {sel.pp} runs with data, tensor and expert parallelism only, padded rows "
                     f"(got {what}). Fix: {fix}, or use --pp 1.")
+    return None
+
+
+def _virtual_stages(sel: Selection) -> Optional[str]:
+    """``--vpp V``: each of the ``--pp P`` ranks holds V chunks of the decoder layers, run by megatron-core's
+    interleaved 1F1B (engine.pipeline); built for the trainer only, with ``P > 1``, the layers cut into ``P x V``
+    equal chunks (megatron's interleaving assumes equal chunks; engine.pipeline's split reads the same rule)."""
+    if sel.job != "train":
+        return f"--vpp {sel.vpp}: virtual pipeline stages are built for dsv4 train and full-train only. Fix: drop --vpp."
+    if sel.pp <= 1:
+        return (f"--vpp {sel.vpp} interleaves the stages of --pp, and the run has --pp {sel.pp}. Fix: add --pp 2 "
+                f"(or more), or drop --vpp.")
+    n = sel.n_layers
+    if n is not None and n % (sel.pp * sel.vpp):
+        fits = [v for v in range(2, n // sel.pp + 1) if n % (sel.pp * v) == 0]
+        fix = f"use --vpp {join_ordered([str(v) for v in fits])}, or drop --vpp" if fits else "drop --vpp"
+        return (f"--pp {sel.pp} x --vpp {sel.vpp} cuts the decoder layers into {sel.pp * sel.vpp} equal chunks, "
+                f"and the model's {n} layers do not divide into them. Fix: {fix}.")
     return None
 
 
@@ -130,7 +151,7 @@ RULES = (
     Rule("train-layout", "the run's ranks split into tensor x context x data parallel, expert parallel inside data",
          _train_layout),
     Rule("train-pipeline", "the trainer's pipeline stages run with data, tensor and expert parallelism (no cp), "
-         "padded rows",
+         "padded rows; virtual stages (--vpp) cut the layers into --pp x --vpp equal chunks",
          _train_pipeline),
     Rule("train-context-parallel-thd", "the trainer's context parallelism runs the packed (THD) layout", _train_cp_thd),
     Rule("train-cuda-graphs", "the trainer's CUDA graphs run on a GPU, one fixed layout, no collectives inside the "

@@ -479,8 +479,11 @@ class _Run:
                                       last=self.steps, module_scopes=not self.cfg.compile_blocks)
 
     def _layout(self) -> Dict[str, int]:
+        from engine.layout import current
+
         d = self.dist
-        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "pp": d.pp, "optimizer": self.optim.kind}
+        return {"world": d.world, "dp": d.dp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "pp": d.pp, "vpp": current().vp,
+                "optimizer": self.optim.kind}
 
 
 def train_rank(run_config, model_source, mode, steps, run_dir, resume, cfg, progress, *, layout=None,

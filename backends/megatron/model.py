@@ -40,7 +40,7 @@ from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.layers import KeepFP32Module, RMSNorm
 from kernels.reference.layers import linear_fp32
 from engine.moe import DSv4MoE
-from engine.pipeline import OtherStage
+from engine.pipeline import active_layers
 
 from .attention import DSv4HybridAttention
 from .config import indexer_loss_enabled
@@ -94,12 +94,12 @@ class DSv4TransformerBlock(KeepFP32Module, MegatronModule):
 
     def forward(self, streams: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
         """-> ``(final streams [T,1,n,C], summed unscaled indexer KL or None)``. Pipeline parallel: only the layers
-        this stage holds run (another stage's are ``engine.pipeline.OtherStage`` placeholders)."""
+        this stage holds run (another stage's are ``engine.pipeline.OtherStage`` placeholders; with ``--vpp``, those of
+        the model chunk that runs now: ``engine.pipeline.active_layers``)."""
         kl = None
-        for layer in self.layers:
-            if not isinstance(layer, OtherStage):
-                streams, k = layer(streams, layout, input_ids)
-                kl = _add(kl, k)
+        for layer in active_layers(self.layers):
+            streams, k = layer(streams, layout, input_ids)
+            kl = _add(kl, k)
         return streams, kl
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.layers import KeepFP32Module, Linear, RMSNorm, init_normal_
 from engine.moe import DSv4MoE
-from engine.pipeline import OtherStage
+from engine.pipeline import active_layers
 from engine.layout import current as parallel_layout
 from engine.runtime import ensure_megatron
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
@@ -140,9 +140,8 @@ class DeepSeekV4Decoder(_HCHead):
         self._init_hc_head(c, std)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
-        for layer in self.layers:
-            if not isinstance(layer, OtherStage):     # pipeline parallel: another stage's layer (engine.pipeline)
-                x = layer(x, input_ids, thd)
+        for layer in active_layers(self.layers):     # pipeline parallel: this stage's (chunk's) layers
+            x = layer(x, input_ids, thd)
         return x
 
 

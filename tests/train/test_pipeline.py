@@ -17,11 +17,13 @@ run does: ``backends.megatron.stage``).
   the optimizer's step counts of every stage are written): the resumed step and the weights after it equal the
   uninterrupted run's (the weights after the step depend on the restored Adam moments and step counts).
 * GRPO with ``--pp 2`` (two ranks, and four: 2 stages x expert parallel 2 for both implementations, 2 stages x
-  tensor parallel 2 for miles), with the KL penalty (the reference model is split into the same stages) and the
+  tensor parallel 2 for miles; megatron also with ``--vpp 2``: two chunks per rank, interleaved), with the KL penalty (the reference model is split into the same stages) and the
   MTP loss: the rollout engine on stage 0 of each data-parallel rank gets every stage's weights, every expert
   and every tensor-parallel slice included (the sync's check passes), its samples reach every stage and
   tensor-parallel rank, routing replay covers every layer, and two steps equal the one-rank steps.
-* ``dsv4 logprobs --pp 2`` (miles) prints the one-rank scores.
+* ``--pp 2 --vpp 2`` (megatron-core's interleaved 1F1B, two chunks of the layers per rank), both implementations:
+  two SFT steps equal the one-rank steps and resume at ``--pp 1``; a one-rank checkpoint resumes at ``--vpp 2``.
+* ``dsv4 logprobs --pp 2`` prints the one-rank scores, for both implementations.
 * The refusals (the combination table's rules ``impl-pipeline-parallel``, ``pipeline-train``, ``train-pipeline``
   and the trainer options ``--pp`` does not build: ``compile_blocks``, ``train_impl``, megatron's
   ``dsa_indexer_loss_coeff``), one line each naming the fix.
@@ -102,6 +104,20 @@ def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, one_rank, impl, 
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_virtual_stages_take_the_one_rank_steps_and_resume_on_one_rank(tmp_path, one_rank, impl):
+    """`--pp 2 --vpp 2` (megatron-core's interleaved 1F1B; each rank holds two chunks of one layer: rank 0 layers 0
+    and 2, rank 1 layers 1 and 3, the streams and embeddings passing rank 0 -> 1 -> 0 -> 1) over three
+    micro-batches (not a multiple of --pp: the schedule runs them as one group per chunk): two SFT steps equal the
+    one-rank run's, and their checkpoint (global names, each rank's chunks) resumes at --pp 1 into the
+    uninterrupted run's step 3 and weights."""
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--vpp", "2", "--steps", "2")
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["layout"]["pp"] == 2 and state["layout"]["vpp"] == 2
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "3", "--resume")
+    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
+
+
 def test_full_train_runs_the_stages_on_its_converted_checkpoint(tmp_path, straight):
     """`dsv4 full-train --pp 2` (prepare -> convert -> train): the converted native checkpoint holds the very
     weights `dsv4 train` reads from the HF checkpoint, so its first step is the one-rank run's."""
@@ -142,24 +158,28 @@ def test_a_run_killed_at_two_stages_resumes_on_one_rank(tmp_path, one_rank, impl
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
-@pytest.mark.parametrize("impl", ["miles", "megatron"])
-def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl):
+@pytest.mark.parametrize("impl,virtual", [("miles", ()), ("megatron", ()), ("miles", ("--vpp", "2"))],
+                         ids=["miles", "megatron", "miles-vpp2"])
+def test_a_one_rank_checkpoint_resumes_at_two_stages(tmp_path, one_rank, impl, virtual):
+    """(with --vpp 2: each rank reads the tensors of its two chunks)"""
     train_cli(tmp_path / "run", *_sft(impl), "--steps", "2")
-    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", "--resume")
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, *virtual, "--steps", "3", "--resume")
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
-def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight):
+@pytest.mark.parametrize("impl", ["miles", "megatron"])
+def test_logprobs_on_two_stages_prints_the_one_rank_scores(tmp_path, straight, impl):
     """`dsv4 logprobs --pp 2` on the run's trained native checkpoint (each stage reads its own tensors): every
     sequence is a row of its own through megatron-core's schedule (lengths 9, 2, 1, 0 and 40: unequal rows, the
     streams padded to the longest), and the output is `--pp 1`'s (same ops on the same rows; 1e-5 for another
-    thread count's rounding)."""
+    thread count's rounding). The megatron model runs each row as one THD segment (`backends.megatron.stage`),
+    and its `--pp 1` packs every sequence into one stream: the same values per segment."""
     from tests.cli_process import run_cli
 
     seqs = [[0, 5, 6, 7, 8, 9, 10, 11, 12], [0, 3], [9], [], [(i * 37) % 1000 for i in range(40)]]
     (tmp_path / "t.json").write_text(json.dumps(seqs))
-    args = ("logprobs", "--checkpoint", str(straight / "checkpoints" / "step_000003" / "model"), "--tokens",
-            str(tmp_path / "t.json"))
+    args = ("logprobs", "--impl", impl, "--checkpoint", str(straight / "checkpoints" / "step_000003" / "model"),
+            "--tokens", str(tmp_path / "t.json"))
     one, staged = (run_cli(*args, *more, env={"OMP_NUM_THREADS": "1"}) for more in ((), ("--pp", "2")))
     assert one.returncode == 0 and staged.returncode == 0, staged.stderr[-2000:]
     assert "on 2 pipeline stages" in staged.stderr
@@ -192,8 +212,9 @@ FOUR = ("--nproc-per-node", "4")
 
 
 @pytest.mark.parametrize("impl,layout", [("miles", ("--nproc-per-node", "2")), ("miles", (*FOUR, "--ep", "2")),
-                                         ("miles", (*FOUR, "--tp", "2")), ("megatron", (*FOUR, "--ep", "2"))],
-                         ids=["pp2", "pp2-ep2", "pp2-tp2", "megatron-pp2-ep2"])
+                                         ("miles", (*FOUR, "--tp", "2")), ("megatron", (*FOUR, "--ep", "2")),
+                                         ("megatron", ("--nproc-per-node", "2", "--vpp", "2"))],
+                         ids=["pp2", "pp2-ep2", "pp2-tp2", "megatron-pp2-ep2", "megatron-pp2-vpp2"])
 def test_a_grpo_step_with_two_stages_syncs_every_stage_and_equals_one_rank(tmp_path, grpo_one_rank, impl, layout):
     train_cli(tmp_path / "run", *_grpo(impl), "--pp", "2", *layout)
     rows = metrics_rows(tmp_path / "run")
@@ -217,6 +238,33 @@ def test_stages_hold_contiguous_even_layer_ranges():
         stage_layers(2, 3, 0)
 
 
+def test_virtual_stages_interleave_the_chunks_over_the_ranks():
+    """--pp 2 --vpp 2 on 4 layers: chunk v of rank s is the (v x 2 + s)-th range (megatron's order); the
+    embedding on rank 0, the head and MTP on the last rank; the interleaved schedule's group of micro-batches per
+    chunk (megatron refuses a last group smaller than --pp), and a step with fewer micro-batches than --pp
+    refused in one line."""
+    from backends.cpu.megatron_shims import apply_megatron_cpu_shims
+    from core.pp_layout import chunk_layers, rank_layers, stage_of
+    from engine import layout as L
+    from engine.pipeline import _group_size, _schedule_config
+
+    assert [[list(chunk_layers(4, 2, s, v, 2)) for v in (0, 1)] for s in (0, 1)] == [[[0], [2]], [[1], [3]]]
+    assert rank_layers(8, 2, 1, 2) == [2, 3, 6, 7] and rank_layers(5, 2, 0) == [0, 1, 2]
+    assert [stage_of(f"decoder.layers.{i}.x", 4, 2, 2) for i in range(4)] == [0, 1, 0, 1]
+    assert stage_of("embedding.word_embeddings.weight", 4, 2, 2) == 0 and stage_of("mtp.layers.0.x", 4, 2, 2) == 1
+    assert [_group_size(m, 2) for m in (2, 3, 4, 5, 7)] == [2, 3, 2, 3, 4]
+    before = L._STATE["layout"]
+    L._STATE["layout"] = L.ParallelLayout(world=2, pp=2, vp=2)
+    try:
+        with pytest.raises(ValueError, match=r"needs at least --pp 2 micro-batches .* has 1\. Fix: set micro_batch"):
+            _schedule_config(8, 1)
+        apply_megatron_cpu_shims()               # megatron-core importable on the CPU
+        cfg = _schedule_config(8, 3)
+        assert cfg.virtual_pipeline_model_parallel_size == 2 and cfg.microbatch_group_size_per_vp_stage == 3
+    finally:
+        L._STATE["layout"] = before
+
+
 def _normalize(**kw):
     from core.config import preset
     from core.run_config import Choices, normalize
@@ -230,13 +278,17 @@ def _normalize(**kw):
     (dict(impl="megatron", qkv_format="thd", max_tokens_per_rank=512), "Fix: drop --max-tokens-per-rank"),
     (dict(job=None), "built for dsv4 train and dsv4 logprobs only"),
     (dict(job="score", ep=2), "Fix: use --tp 1 --cp 1 --ep 1 --qkv-format bshd, or --pp 1"),
-    (dict(job="score", impl="megatron", qkv_format="thd"), "Fix: use --impl miles, or --pp 1"),
+    (dict(job="score", impl="megatron", qkv_format="thd", ep=2, world=4), "--ep 1 --qkv-format thd, or --pp 1"),
     (dict(pp=8, world=8), "the model has 4. Fix: use --pp 4 or fewer"),
     (dict(cp=2, world=4), "Fix: use --cp 1, or use --pp 1"),
     (dict(tp=2, world=6), "(got 6 ranks). Fix: use a rank count that is a multiple of 4"),
     (dict(ep=2, world=2), "and 2 ranks with --tp 1 --cp 1 --pp 2 give 1. Fix: use --ep 1, or 4 x N ranks"),
     (dict(world=3), "Fix: use a rank count that is a multiple of 2"),
     (dict(qkv_format="thd"), "Fix: use --qkv-format bshd"),
+    (dict(vpp=2, pp=1, world=1), "--vpp 2 interleaves the stages of --pp, and the run has --pp 1. Fix: add --pp 2"),
+    (dict(vpp=3), "cuts the decoder layers into 6 equal chunks, and the model's 4 layers do not divide into them. "
+                  "Fix: use --vpp 2, or drop --vpp"),
+    (dict(job="score", vpp=2), "--vpp 2: virtual pipeline stages are built for dsv4 train and full-train only"),
 ])
 def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     from core.combinations import InvalidCombination
@@ -244,6 +296,20 @@ def test_layouts_pipeline_stages_do_not_run_are_refused(kw, message):
     with pytest.raises(InvalidCombination) as err:
         _normalize(**kw)
     assert message in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_virtual_stages_with_fewer_micro_batches_than_stages_are_refused_before_any_rank_starts():
+    from core.errors import UserInputError
+    from train.distributed import check_virtual_stages
+    from train.trainer import TrainConfig
+
+    run = _normalize(vpp=2)
+    with pytest.raises(UserInputError, match=r"steps have 1\. Fix: set micro_batch_size=4 or less, or drop --vpp\.$"):
+        check_virtual_stages(run, "sft", TrainConfig())              # 8 sequences, one micro-batch
+    with pytest.raises(UserInputError, match=r"steps have 1\. Fix: set micro_batch_size=2 or less"):
+        check_virtual_stages(run, "grpo", TrainConfig(prompts_per_step=1))     # one group of 4
+    check_virtual_stages(run, "sft", TrainConfig(micro_batch_size=3))
+    check_virtual_stages(run, "grpo", TrainConfig())                 # two groups
 
 
 def test_an_implementation_that_declares_no_stages_is_refused():
