@@ -37,6 +37,7 @@ OP_NAMES = (
     "hc_head",
     "apply_rope",
     "rms_normalize",
+    "weighted_swiglu",
 )
 
 # The dtype an op table's ``indexer_scores`` takes its ``q`` and ``k`` in (``OpTable.indexer_inputs``):

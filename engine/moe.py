@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.reference.layers import compute_dtype
-from kernels.reference.moe import route, row_invariant_active, row_invariant_mix, swiglu
+from kernels.reference.moe import route, row_invariant_active, row_invariant_mix, swiglu, weighted_swiglu
 from kernels.reference.stacks import stacked_view
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
@@ -119,6 +119,10 @@ class _WeightBank(nn.Module):
         """``[n, *shape]``: the experts' own memory when they lie one after another (no copy; gradients flow
         to each ``weight{e}``), else ``torch.stack`` of them (a copy)."""
         experts = self._experts
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace the address check (data_ptr arithmetic: a graph break per bank, 11 in the tiny
+            # model); a compiled block stacks the experts (a copy, but never a stale view)
+            return torch.stack(experts)
         addresses = [p.data_ptr() for p in experts]
         if self._view[0] != addresses:
             view = stacked_view(experts)
@@ -145,9 +149,10 @@ class _StackedExperts(torch.autograd.Function):
 class DSv4GroupedExperts(nn.Module):
     """Routed SwiGLU experts with the asymmetric clamp (``activation_func_clamp_value``)."""
 
-    def __init__(self, model_config, params_dtype=torch.float32, std: float | None = 0.02):
+    def __init__(self, model_config, params_dtype=torch.float32, std: float | None = 0.02, ops=None):
         super().__init__()
         c = model_config
+        self.ops = ops                  # the run's kernel ops (``weighted_swiglu``); None: the reference op
         layout = parallel_layout()
         tp, ep = layout.tp, layout.ep
         if c.moe_inter_dim % tp:
@@ -226,9 +231,9 @@ class DSv4GroupedExperts(nn.Module):
         ends = torch.searchsorted(experts, torch.arange(self.num_local_experts, device=idx.device), right=True)
         w1, w2 = self.stacked_weights()
         h = grouped_linear(rows, w1.to(x.dtype), ends)
-        gate, up = h.to(ct).chunk(2, dim=-1)
-        a = swiglu(gate, up, self.limit) * gate_w.to(ct).unsqueeze(-1)
-        out = grouped_linear(a.to(x.dtype), w2.to(x.dtype), ends).to(ct)
+        act = weighted_swiglu if self.ops is None else self.ops.weighted_swiglu
+        a = act(h, gate_w, self.limit, x.dtype)                 # clamped SwiGLU x gate weight, in x's dtype
+        out = grouped_linear(a, w2.to(x.dtype), ends).to(ct)
         if dispatch is not None:
             out = dispatch.gather(out)
         y = torch.zeros_like(out).index_copy(0, order, out).view(T, k, -1).sum(dim=1)
@@ -320,14 +325,15 @@ class DSv4MoE(nn.Module):
     ``std=None`` (with ``tconfig.perform_initialization`` off): the weights are not drawn, a checkpoint fills
     them; ``tid2eid`` and ``expert_bias`` are computed still (cheap)."""
 
-    def __init__(self, model_config, tconfig, layer_id: int, params_dtype=torch.float32, std: float | None = 0.02):
+    def __init__(self, model_config, tconfig, layer_id: int, params_dtype=torch.float32, std: float | None = 0.02,
+                 ops=None):
         super().__init__()
         c = model_config
         if c.n_shared_experts != 1:
             raise ValueError("DeepSeek-V4 has exactly one shared expert")
         self.layer_id = layer_id
         self.router = DSv4Router(c, c.is_hash_layer(layer_id), params_dtype, std, layer_id=layer_id)
-        self.experts = DSv4GroupedExperts(c, params_dtype, std)
+        self.experts = DSv4GroupedExperts(c, params_dtype, std, ops)
         self.shared_experts = DSv4SharedExperts(c, tconfig, std)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:

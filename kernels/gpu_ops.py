@@ -24,7 +24,8 @@ tensors):
   ``sinkhorn(logits [T,n,n], iters, eps) -> [T,n,n]``, each with a ``<name>_bwd`` op;
 * triton only, ``rope(x [R,D], cos [N,r/2] fp32, sin, heads, inverse) -> [R,D]``: its backward is the same op
   with ``not inverse`` (a rotation's inverse); ``rms_normalize(x [R,D], eps, out_dtype) -> [R,D]`` with
-  ``rms_normalize_bwd(x, dy, eps) -> dx``.
+  ``rms_normalize_bwd(x, dy, eps) -> dx``; ``weighted_swiglu(h [N,2F], w [N], limit, out_dtype) -> [N,F]`` with
+  ``weighted_swiglu_bwd(h, w, da, limit) -> (dh, dw)``.
 
 The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
 so this module imports only torch: the schemas and fake implementations load, and can be tested, on a machine
@@ -311,6 +312,34 @@ def _norm_ops(ns: str, module: str) -> dict:
     return dict(rms_normalize=rms_normalize, rms_normalize_bwd=rms_normalize_bwd)
 
 
+def _swiglu_ops(ns: str, module: str) -> dict:
+    @torch.library.custom_op(f"{ns}::weighted_swiglu", mutates_args=())
+    def weighted_swiglu(h: torch.Tensor, w: torch.Tensor, limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+        return _launcher(module, "weighted_swiglu_launch")(h, w, limit, out_dtype)
+
+    weighted_swiglu.register_fake(
+        lambda h, w, limit, out_dtype: h.new_empty((h.shape[0], h.shape[1] // 2), dtype=out_dtype))
+
+    @torch.library.custom_op(f"{ns}::weighted_swiglu_bwd", mutates_args=())
+    def weighted_swiglu_bwd(h: torch.Tensor, w: torch.Tensor, da: torch.Tensor, limit: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launcher(module, "weighted_swiglu_bwd_launch")(h, w, da, limit)
+
+    weighted_swiglu_bwd.register_fake(lambda h, w, da, limit: (torch.empty_like(h), torch.empty_like(w)))
+
+    def setup(ctx, inputs, output):
+        h, w, ctx.limit, _ = inputs
+        ctx.save_for_backward(h, w)
+
+    def backward(ctx, da):
+        h, w = ctx.saved_tensors
+        dh, dw = weighted_swiglu_bwd(h, w, da.contiguous(), ctx.limit)
+        return dh, dw, None, None
+
+    weighted_swiglu.register_autograd(backward, setup_context=setup)
+    return dict(weighted_swiglu=weighted_swiglu, weighted_swiglu_bwd=weighted_swiglu_bwd)
+
+
 def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None,
               rope: bool = False) -> types.SimpleNamespace:
     """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
@@ -324,6 +353,7 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
     if rope:
         ops.update(_rope_ops(ns, f"{package}.rope"))
         ops.update(_norm_ops(ns, f"{package}.norm"))
+        ops.update(_swiglu_ops(ns, f"{package}.swiglu"))
     library = getattr(torch.ops, ns)
     return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
 

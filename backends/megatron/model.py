@@ -68,7 +68,7 @@ class DSv4TransformerLayer(MegatronModule):
         self.mlp_hyper_connection = HyperConnectionModule(c, ops)
         self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
         self.mlp = DSv4MoE(c.dsv4_model_config, c, layer_id, params_dtype=c.params_dtype,
-                           std=c.init_method_std if c.perform_initialization else None)
+                           std=c.init_method_std if c.perform_initialization else None, ops=ops)
 
     def forward(self, streams: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
         """``streams [T, 1, n, C]`` -> ``(streams, indexer KL or None)``."""

@@ -101,7 +101,7 @@ class DeepSeekV4Layer(nn.Module):
         self.self_attention = DeepSeekV4Attention(c, tconfig, layer_id, ops, params_dtype, std, freeze_indexer)
         self.self_attention_hyper_connection = HyperConnection(c, ops, std)
         self.pre_mlp_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
-        self.mlp = DSv4MoE(c, tconfig, layer_id, params_dtype, std)
+        self.mlp = DSv4MoE(c, tconfig, layer_id, params_dtype, std, ops=ops)
         self.mlp_hyper_connection = HyperConnection(c, ops, std)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ NAME = "none"
 def reference_functions() -> dict:
     """The reference implementations of the DeepSeek-V4 ops, by op name: the oracle every other kernel
     backend is tested against, and what a GPU backend names for the ops it has no kernel for."""
-    from kernels.reference import attention, compressor, indexer, layers, mhc, rope
+    from kernels.reference import attention, compressor, indexer, layers, mhc, moe, rope
 
     return dict(
         sparse_attention_with_sink=attention.sparse_attention_with_sink,
@@ -20,6 +20,7 @@ def reference_functions() -> dict:
         hc_head=mhc.hc_head,
         apply_rope=rope.apply_rope,
         rms_normalize=layers.rms_normalize,
+        weighted_swiglu=moe.weighted_swiglu,
     )
 
 

@@ -88,6 +88,17 @@ def swiglu(g: torch.Tensor, v: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(g) * v
 
 
+def weighted_swiglu(h: torch.Tensor, w: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor:
+    """The routed experts' activation: ``swiglu(gate, up, limit) * w`` of the first GEMM's output
+    ``h = [gate | up]`` ``[N, 2F]`` with one gate weight per row ``w [N]``, in the compute dtype (fp32 for
+    bf16 ``h``), cast to ``out_dtype`` when given (the second GEMM's input)."""
+    ct = compute_dtype(h)
+    gate, up = h.to(ct).chunk(2, dim=-1)
+    a = swiglu(gate, up, limit) * w.to(ct).unsqueeze(-1)
+    return a if out_dtype is None else a.to(out_dtype)
+
+
 def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     if score_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()

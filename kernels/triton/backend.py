@@ -31,6 +31,8 @@ def ops() -> "OpTable":
       its backward is the inverse rotation (``kernels/triton/rope.py``).
     * ``rms_normalize(x, eps, out_dtype)``: the weightless RMS norm (the per-head query norm), one pass each way,
       fp32 row sums (``kernels/triton/norm.py``).
+    * ``weighted_swiglu(h, w, limit, out_dtype)``: the routed experts' clamped SwiGLU times the gate weight,
+      one pass each way (``kernels/triton/swiglu.py``).
 
     Each kernel launcher is a ``torch.library`` custom op (``dsv4_triton::...``, ``kernels/gpu_ops.py``), so
     ``torch.compile`` (``--compile``) traces these entry points into its graphs without a graph break.
@@ -43,6 +45,6 @@ def ops() -> "OpTable":
     segment ``ks/ke`` ranges), ``indexer_topk``.
     """
     from kernels import gpu_common
-    from kernels.triton import attention, indexer, mhc, norm, rope
+    from kernels.triton import attention, indexer, mhc, norm, rope, swiglu
 
-    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm)
+    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu)

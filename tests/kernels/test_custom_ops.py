@@ -170,12 +170,22 @@ def test_rms_normalize_fake_matches_reference(out_dtype):
     assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
 
 
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_weighted_swiglu_fake_matches_reference(limit):
+    from kernels.reference.moe import weighted_swiglu
+
+    h, w = torch.randn(T * 3, 2 * D, generator=_gen(9)).bfloat16(), torch.rand(T * 3, generator=_gen(10))
+    out, grads = _fake_run(gpu_ops.TRITON.weighted_swiglu, [h, w, limit, torch.bfloat16], grad_of=(0, 1))
+    ref, rgrads = _ref_run(lambda h, w: weighted_swiglu(h, w, limit, torch.bfloat16), [h, w], grad_of=(0, 1))
+    assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
+
+
 def test_every_op_has_a_fake():
     """Each registered op, forward and backward, answers under FakeTensorMode (the tests above reach them all)."""
     names = {n for n in vars(gpu_ops.TRITON) if n != "namespace"}
     assert names == {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "hc_pre", "hc_pre_bwd",
                      "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd", "rope",
-                     "rms_normalize", "rms_normalize_bwd"}
+                     "rms_normalize", "rms_normalize_bwd", "weighted_swiglu", "weighted_swiglu_bwd"}
     assert {n for n in vars(gpu_ops.TILELANG) if n != "namespace"} == \
         {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores"}
     for ns in ("dsv4_triton", "dsv4_tilelang"):
