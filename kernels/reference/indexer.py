@@ -97,8 +97,7 @@ class Indexer(nn.Module):
         ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
         k = self.compressor(x, inv_freq).to(it)  # [B, nb, c_I]
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(S, device=x.device))
-        rope = apply_rope if ops is None else ops.apply_rope
-        q = rope(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        q = apply_rope(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim), cos, sin)
         q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
         w = self.weights_proj(x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
         scores = (indexer_scores if ops is None else ops.indexer_scores)(q, k, w)  # [B, S, nb]
