@@ -206,14 +206,14 @@ def _check_indexer_replay_options(cfg) -> None:
 
 def _check_indexer_replay_run(run_config, cfg) -> None:
     """Indexer replay with the run's choices: the built-in engine records the picks; the reference, miles (BSHD or
-    THD) and megatron models replay them (rows or packed micro-batches); one rank of tensor, context and
+    THD) and megatron models replay them (rows or packed micro-batches); tensor parallel (every rank of the
+    group replays the leader's picks: its samples, picks included, are broadcast); one rank of context and
     pipeline parallelism; the local orchestrator."""
     sel = run_config.selection
     for bad, what, fix in (
             (sel.rollout is not None and sel.rollout.name != "reference",
              f"--rollout-engine {getattr(sel.rollout, 'name', None)} (it returns no indexer picks)",
              "use --rollout-engine reference"),
-            (sel.tp > 1, f"--tp {sel.tp} (not tested)", "use --tp 1"),
             (getattr(run_config, "pp", 1) > 1, f"--pp {getattr(run_config, 'pp', 1)} (the pipeline's micro-batch "
              "driver does not carry the picks)", "use --pp 1"),
             (sel.cp > 1, f"--cp {sel.cp} (megatron's context-parallel indexer does not read the replay seam; "

@@ -190,7 +190,6 @@ def test_unbuilt_training_options_are_refused(kw, says):
     (dict(rollout_engine="sglang", rollout_url="http://127.0.0.1:1"), "--rollout-engine sglang .*Fix: use "
                                                                       "--rollout-engine reference"),
     (dict(cp=2), "--cp 2 .*Fix: use --cp 1"),
-    (dict(tp=2), "--tp 2 .*Fix: use --tp 1"),
     (dict(pp=2, job="train"), "--pp 2 .*Fix: use --pp 1"),
     (dict(orchestrator="ray"), "--orchestrator ray .*Fix: use --orchestrator local"),
 ])
@@ -231,3 +230,23 @@ def test_dsv4_train_replays_the_indexer_and_refuses_what_is_not_built(tmp_path):
     assert res.exit_code != 0
     assert "'indexer_replay' is not built with --cp 2" in res.output
     assert "Fix: use --cp 1" in res.output and not (tmp_path / "cp" / "metrics.jsonl").exists()
+
+
+def test_tensor_parallel_ranks_replay_the_leaders_picks(tmp_path):
+    """``--tp 2``: the leader's samples (picks included) are broadcast to the group, and each rank's forward must
+    replay them in every CSA layer (building the replay batch refuses samples without picks, and the replayer
+    refuses a forward that skipped a CSA layer), so a finished run shows both ranks replayed; its steps equal the
+    one-rank run's."""
+    from tests.train._cli import metrics_rows, train_cli
+
+    args = ("--steps", "2", "-q", "prompts_per_step=1", "group_size=2", "max_new_tokens=6", "indexer_replay=true",
+            "lr=1e-3")
+    train_cli(tmp_path / "one", *args)
+    train_cli(tmp_path / "tp2", "--tp", "2", *args)
+    one, tp2 = metrics_rows(tmp_path / "one"), metrics_rows(tmp_path / "tp2")
+    assert [r["world_size"] for r in tp2] == [2, 2]
+    for a, b in zip(one, tp2, strict=True):
+        assert b["indexer_replay_match"] == a["indexer_replay_match"] == 1.0
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-9)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
