@@ -11,6 +11,9 @@ Two modes (``dsv4 train --rollout-engine sglang``; docs/training.md, "Rollout en
   ``sglang_startup_timeout_s``) and stops the whole group when the run ends, fails, or the start fails. The
   group's leader is a small watchdog (:mod:`rollout.sglang_guard`) that starts the server and stops the group
   when the engine's process dies without stopping it (SIGKILL, OOM): a killed owner takes its server down.
+  ``P`` is ``sglang_port``, or with ``sglang_port=0`` (the default) a free port the engine picks; a picked port
+  that another process takes before the server binds it is replaced and the server started again
+  (:meth:`SGLangEngine.start`).
 * **connect** (``--rollout-url http://HOST:PORT``): the server runs elsewhere, so any ``--hardware`` may
   use it. At start the engine asks ``GET /health`` once (an unreachable URL is a one-line error naming the
   URL and the fix) and, when the server reports it (``GET /get_server_info``), checks its ``tp_size``
@@ -47,12 +50,15 @@ read from its source, not checked against a real server.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import http.client
 import io
 import json
 import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +112,10 @@ class SGLangServerConfig:
     request_timeout_s: float = 600.0
     url: Optional[str] = None                    # connect mode: the server's address (host / port unused)
     enable_memory_saver: bool = False            # colocated: the server can release its weights and KV cache
+    port_picked: bool = False                    # launch mode: ``port`` was picked free (sglang_port 0), not given
+
+    def with_port(self, port: int) -> "SGLangServerConfig":
+        return dataclasses.replace(self, port=port)
 
     @property
     def base_url(self) -> str:
@@ -195,6 +205,28 @@ def _exit_status(proc: subprocess.Popen) -> Optional[int]:
     return None if info is None else info.si_status
 
 
+#: Launch mode on a picked port: how many ports a start tries. A port is picked free (``core.ports.free_port``)
+#: and bound by the server seconds later, after its imports; another process that binds a port of its own in
+#: between (a Ray worker's gRPC server) can take it. Three picks in a row taken is not a race any more.
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(SGLangError):
+    """Launch mode: the server's port is held by another process (the server could not bind it)."""
+
+
+def _listened_on(host: str, port: int) -> bool:
+    """Whether a process listens on ``host:port`` (binding it fails; ``SO_REUSEADDR``: a closed connection's
+    TIME_WAIT does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def guarded_command(cmd: Sequence[str]) -> List[str]:
     """``cmd`` run under :mod:`rollout.sglang_guard` for this process: the server stops when this process dies.
     The guard asks for Linux's parent-death signal only when called from the main thread (the signal follows
@@ -243,22 +275,45 @@ class SGLangEngine(RolloutEngineBase):
 
         The group's leader is :mod:`rollout.sglang_guard` (:func:`guarded_command`), which starts the server and
         stops the group when this process dies without calling :meth:`shutdown` (a SIGKILLed Ray engine actor):
-        a server in a session of its own would otherwise outlive its owner."""
-        cmd = server_command(self.server)
-        log.info(f"sglang: starting {shlex.join(cmd)}" + (f" (output: {self.log_file})" if self.log_file else ""))
-        if self.log_file:
-            self._log_handle = open(self.log_file, "ab")
-        out = self._log_handle
-        try:
-            self.proc = subprocess.Popen(guarded_command(cmd), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-            self.wait_ready()
-        except BaseException:
-            self.shutdown()
-            raise
+        a server in a session of its own would otherwise outlive its owner.
+
+        A port the engine picked (``sglang_port`` 0) that another process took before the server bound it (the
+        server exited and something else listens there, or what answers there does not speak HTTP) is replaced
+        by a newly picked one and the server started again, :data:`PORT_ATTEMPTS` times at most; a port the user
+        gave is one error naming it."""
+        from core.ports import free_port
+
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            cmd = server_command(self.server)
+            log.info(f"sglang: starting {shlex.join(cmd)}" + (f" (output: {self.log_file})" if self.log_file else ""))
+            if self.log_file:
+                self._log_handle = open(self.log_file, "ab")
+            out = self._log_handle
+            try:
+                self.proc = subprocess.Popen(guarded_command(cmd), stdout=out,
+                                             stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+                self.wait_ready()
+                return
+            except _PortTaken as taken:
+                self.shutdown()
+                if not self.server.port_picked:
+                    raise SGLangError(f"{taken}. Fix: free port {self.server.port}, or set sglang_port to another "
+                                      f"port (0: a free one)") from None
+                if attempt == PORT_ATTEMPTS:
+                    raise SGLangError(f"{taken}, and so were the {PORT_ATTEMPTS - 1} free ports picked before it"
+                                      ) from None
+                port = free_port()
+                log.warning(f"sglang: {taken}; starting it again on port {port}")
+                self.server = self.server.with_port(port)
+            except BaseException:
+                self.shutdown()
+                raise
 
     def wait_ready(self) -> None:
-        """Poll ``GET /health`` until the server answers 200 (a progress line every ``progress_every_s``)."""
+        """Poll ``GET /health`` until the server answers 200 (a progress line every ``progress_every_s``).
+        Launch mode: a server that exits while another process listens on its port, or an answer there that is
+        not HTTP (the server's own port held by something else), is :class:`_PortTaken`."""
         url = self.server.base_url
         t0 = time.monotonic()
         deadline, next_note = t0 + self.server.startup_timeout_s, t0 + self.progress_every_s
@@ -266,14 +321,24 @@ class SGLangEngine(RolloutEngineBase):
         while time.monotonic() < deadline:
             code = _exit_status(self.proc) if self.proc is not None else None
             if code is not None:
+                if _listened_on(self.server.host, self.server.port):
+                    raise _PortTaken(f"the SGLang server exited with code {code} during start-up, and another "
+                                     f"process listens on its port {self.server.port}{where}")
                 raise SGLangError(f"the SGLang server exited with code {code} during start-up{where}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:
                     if r.status == 200:
                         log.info(f"sglang: server at {url} ready after {time.monotonic() - t0:.0f} s")
                         return
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError):     # not listening yet, or closed without an answer
                 pass
+            except http.client.HTTPException as exc:     # an answer that is not HTTP (BadStatusLine): not SGLang
+                if self.proc is None:
+                    raise SGLangSetupError(f"--rollout-url {url}: what answers GET /health there does not speak "
+                                           f"HTTP ({_reason(exc)[:80]}). Fix: give the URL of an SGLang server"
+                                           ) from None
+                raise _PortTaken(f"another process holds the SGLang server's port {self.server.port} (its answer "
+                                 f"to GET /health is not HTTP: {_reason(exc)[:80]})") from None
             if time.monotonic() >= next_note:
                 log.info(f"sglang: waiting for {url}/health ({time.monotonic() - t0:.0f} s of "
                          f"{self.server.startup_timeout_s:.0f} s)")
@@ -291,7 +356,7 @@ class SGLangEngine(RolloutEngineBase):
                 ready = r.status == 200
         except urllib.error.HTTPError:
             ready = False
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise SGLangSetupError(
                 f"--rollout-url {url}: no SGLang server answers GET /health ({_reason(exc)}). Fix: start one there "
                 f"({START_COMMAND}) and wait until it answers, or leave --rollout-url out to let dsv4 start one "
@@ -305,7 +370,7 @@ class SGLangEngine(RolloutEngineBase):
         try:
             with urllib.request.urlopen(self.server.base_url + "/get_server_info", timeout=10) as r:
                 info = json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
             return                      # the server does not report its arguments: nothing to compare
         tp = info.get("tp_size") if isinstance(info, dict) else None
         if tp is not None and int(tp) != self.server.tp_size:
@@ -341,7 +406,7 @@ class SGLangEngine(RolloutEngineBase):
                 body = r.read()
         except urllib.error.HTTPError as e:
             raise SGLangError(f"POST {self.server.base_url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise SGLangError(f"POST {self.server.base_url}{path}: {_reason(e)}") from None
         if not json_answer:
             return body.decode("utf-8", errors="replace")
@@ -527,8 +592,9 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
         if server is None:
             if model_path is None:
                 raise SGLangError("starting an SGLang server needs model_path (an HF checkpoint it can load)")
-            port = port or int(_setting(settings, "sglang_port")) or free_port()
-            server = SGLangServerConfig(model_path=str(model_path), port=port, tp_size=tp, startup_timeout_s=timeout,
+            given = port or int(_setting(settings, "sglang_port"))
+            server = SGLangServerConfig(model_path=str(model_path), port=given or free_port(), tp_size=tp,
+                                        startup_timeout_s=timeout, port_picked=not given,
                                         extra_args=tuple(shlex.split(_setting(settings, "sglang_server_args"))),
                                         enable_memory_saver=bool(_setting(settings, "colocate")))
         if run is not None:

@@ -15,6 +15,9 @@ preloads, then the launcher and the trainer) and never ran a torch op, so no Ope
 * runs MODULE as ``__main__`` (runpy), then what an interpreter does at exit (non-daemon threads joined,
   atexit handlers, streams flushed), and exits with the module's code.
 
+A run that starts ranks on the cpu target (a multiprocessing forkserver, :mod:`orchestration.local_workers`) gets
+as its forkserver a copy of itself made before it ran (:func:`_fork_server_template`), not a fresh interpreter.
+
 What a fork cannot show: a warning printed while PRELOAD is imported goes to the zygote's stderr (the test's
 log), not the run's; the unsupported-combination refusals (their stderr exactly, one run of each kind per
 process) keep a fresh interpreter. A run that passes ``input`` gets one too (``subprocess.run``), and so
@@ -199,6 +202,7 @@ def _child(request: dict, channel: Sequence[int]) -> None:
         from orchestration.local_workers import adopt
 
         adopt({"env": request["env"], "cwd": request["cwd"]})
+        _fork_server_template()
         try:
             _run_main(request)
             code = 0
@@ -217,6 +221,90 @@ def _child(request: dict, channel: Sequence[int]) -> None:
                 stream.flush()
             except Exception:
                 pass
+        os._exit(code)
+
+
+_FORK_SERVER_CODE = "from multiprocessing.forkserver import main; "
+
+
+def _fork_server_template() -> None:
+    """In the forked run, before it runs: fork a copy of it (one thread, no torch op run, the zygote's imports)
+    that waits to become the run's multiprocessing forkserver, and have the run's first forkserver start
+    (``util.spawnv_passfds`` of ``python -c 'from multiprocessing.forkserver import main; main(...)'``, which
+    :mod:`orchestration.local_workers` asks for to start the cpu target's ranks) hand its command and file
+    descriptors to that copy instead of starting a fresh interpreter, which would import torch and megatron-core
+    again (about 3.5 s of CPU per multi-rank run). The copy then runs the very command: the forkserver's
+    ``main`` imports the preload list (here already imported, but for the worker function's modules) and forks
+    the ranks. The copy is the run's child, as the started server is, and in its process group; it exits
+    unused when the run ends. A second start (the server died) is a fresh interpreter, as without the zygote."""
+    import socket
+
+    from multiprocessing import util
+
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        _be_fork_server(theirs)
+    theirs.close()
+    real = util.spawnv_passfds
+
+    def spawnv_passfds(path, args, passfds):
+        code = args[args.index("-c") + 1] if "-c" in args[:-1] else ""
+        if ours.fileno() < 0 or not code.startswith(_FORK_SERVER_CODE):
+            return real(path, args, passfds)
+        from multiprocessing import reduction
+
+        fds = sorted(map(int, passfds))
+        payload = json.dumps({"code": code, "fds": fds}).encode()
+        ours.sendall(len(payload).to_bytes(8, "big") + payload)
+        reduction.sendfds(ours, fds)
+        ours.close()
+        return pid
+
+    util.spawnv_passfds = spawnv_passfds
+
+
+def probe_rank(rank: int) -> None:
+    """A rank of tests/cli_process_test.py: its rank, and whether it was forked from the zygote's imports."""
+    print(rank, "launchers.cli" in sys.modules, flush=True)
+
+
+def _be_fork_server(sock) -> None:
+    """The template's side of :func:`_fork_server_template`: wait for the forkserver's command and descriptors
+    (its file descriptors at the numbers the command names), run it; never returns."""
+    import fcntl
+
+    from multiprocessing import reduction
+
+    code = 0
+    try:
+        head = sock.recv(8)
+        if len(head) < 8:             # the run ended without starting a forkserver
+            os._exit(0)
+        size = int.from_bytes(head, "big")
+        payload = b""
+        while len(payload) < size:
+            chunk = sock.recv(size - len(payload))
+            if not chunk:
+                os._exit(1)
+            payload += chunk
+        request = json.loads(payload)
+        got = reduction.recvfds(sock, len(request["fds"]))
+        sock.close()
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in got]   # out of the way of the wanted numbers
+        for fd in got:
+            os.close(fd)
+        for fd, want in zip(high, request["fds"]):
+            os.dup2(fd, want)
+            os.close(fd)
+        exec(compile(request["code"], "<forkserver>", "exec"), {"__name__": "__forkserver__"})
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
         os._exit(code)
 
 

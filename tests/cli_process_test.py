@@ -42,6 +42,45 @@ def test_a_cli_refusal_is_the_fresh_interpreters_exactly():
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stdout == ""
 
 
+RANKS = """
+import os, types
+from orchestration.local_workers import start_processes
+from tests.cli_process import probe_rank
+print("run", os.getpid(), flush=True)
+start_processes(probe_rank, (), 2, types.SimpleNamespace(local_worker_start="forkserver", worker_preload=()))
+"""
+
+
+def _group_gone(pgid: int, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_ranks_fork_from_a_copy_of_the_zygote_and_nothing_outlives_the_run(fresh):
+    """A run's forkserver (the cpu target's ranks) is a copy of the forked run, made before it ran, with the
+    zygote's imports; a fresh interpreter's imports only what it preloads. Either way the ranks run, and nothing
+    of the run's group is left once it has ended (a copy that no run used exits too: the first test here)."""
+    env = {**os.environ, FRESH_ENV: "1"} if fresh else None
+    proc = run_code(RANKS, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("run ") and sorted(lines[1:]) == [f"0 {not fresh}", f"1 {not fresh}"]
+    if not fresh:                              # the forked run leads a process group of its own
+        assert _group_gone(int(lines[0].split()[1]))
+
+
+def test_a_run_that_starts_no_ranks_leaves_nothing_behind():
+    proc = run_code("import os; print(os.getpid())")
+    assert proc.returncode == 0 and _group_gone(int(proc.stdout))
+
+
 def test_a_signal_is_a_negative_code():
     assert run_code("import os, signal; os.kill(os.getpid(), signal.SIGKILL)").returncode == -9
 

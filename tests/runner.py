@@ -7,7 +7,9 @@ XML where Bazel expects it, keeps no cache inside the runfiles tree and loads no
 third-party pytest plugin (PYTEST_DISABLE_PLUGIN_AUTOLOAD). A
 target with ``shard_count = N`` runs every N-th collected test in each of its N
 shards (Bazel's TEST_TOTAL_SHARDS / TEST_SHARD_INDEX), in collection order, so
-that a long file's work is spread over several cores.
+that a long file's work is spread over several cores; a test marked
+``@pytest.mark.shard(K)`` runs in shard K (mod N) instead, so that the tests that
+share an expensive module fixture (a reference run) run in one shard and run it once.
 """
 
 from __future__ import annotations
@@ -62,15 +64,27 @@ def _ray_token_in_the_environment() -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
 
 
+SHARD_MARKER = "shard(k): run this test in shard k (mod the target's shard_count; tests/runner.py)"
+
+
+def shard_of(position: int, item, total: int) -> int:
+    """The shard of the collected test at ``position``: its ``shard`` marker's, else every ``total``-th."""
+    marker = item.get_closest_marker("shard")
+    return (int(marker.args[0]) if marker is not None else position) % total
+
+
 class _Shard:
-    """pytest plugin: keep the collected tests ``index, index + total, ...`` (Bazel test sharding)."""
+    """pytest plugin: keep this shard's collected tests (Bazel test sharding, :func:`shard_of`)."""
 
     def __init__(self, index: int, total: int):
         self.index, self.total = index, total
 
+    def pytest_configure(self, config):
+        config.addinivalue_line("markers", SHARD_MARKER)
+
     def pytest_collection_modifyitems(self, config, items):
-        kept = [item for i, item in enumerate(items) if i % self.total == self.index]
-        dropped = [item for i, item in enumerate(items) if i % self.total != self.index]
+        kept = [item for i, item in enumerate(items) if shard_of(i, item, self.total) == self.index]
+        dropped = [item for i, item in enumerate(items) if shard_of(i, item, self.total) != self.index]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -203,3 +203,89 @@ def test_a_server_that_exits_or_never_answers_is_an_error_and_is_stopped(tmp_pat
         make_sglang_engine(CFG, model_path=init, settings=settings, run_dir=tmp_path)
     info = json.loads(fake_launcher.read_text())["info"]
     assert process_gone(info["pid"]) and process_gone(info["worker_pid"])
+
+
+class _PortHolder:
+    """Another process's listener on a port of 127.0.0.1 (here a thread): ``answer`` bytes to every connection
+    (``b"\\x00..."``: what an HTTP client gets from a gRPC server, a Ray worker's), or None: closed unanswered."""
+
+    def __init__(self, answer):
+        import socket
+        import threading
+
+        self.answer = answer
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if self.answer is not None:
+                    conn.recv(4096)
+                    conn.sendall(self.answer)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+GRPC_SETTINGS_FRAME = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64"
+
+
+def test_a_picked_port_another_process_took_is_replaced_by_a_new_one(tmp_path, fake_launcher, monkeypatch, caplog):
+    """``sglang_port=0``: the engine picks a free port, and the server binds it seconds later; a process that took
+    it in between (here one that answers in binary, as a Ray worker's gRPC server did in CI) makes the engine
+    pick another port and start the server again there, with the same command otherwise."""
+    import json
+    import logging
+
+    import core.ports
+
+    init = _checkpoint(tmp_path)
+    real = core.ports.free_port
+    with _PortHolder(GRPC_SETTINGS_FRAME) as taken:
+        picks = iter([taken.port])
+        monkeypatch.setattr(core.ports, "free_port", lambda: next(picks, None) or real())
+        with caplog.at_level(logging.INFO, logger="dsv4"):
+            e = make_sglang_engine(CFG, model_path=init, settings=TrainConfig(sglang_weight_sync="disk"),
+                                   run_dir=tmp_path)
+        try:
+            assert e.server.port_picked and e.server.port != taken.port
+            starts = [r.message for r in caplog.records if r.message.startswith("sglang: starting ")]
+            assert [m.split(" --port ")[1].split()[0] for m in starts] == [str(taken.port), str(e.server.port)]
+            assert any(f"another process holds the SGLang server's port {taken.port} (its answer to GET /health is "
+                       f"not HTTP" in r.message and f"starting it again on port {e.server.port}" in r.message
+                       for r in caplog.records if r.levelno == logging.WARNING)
+            info = json.loads(fake_launcher.read_text())["info"]
+            assert info["argv"][info["argv"].index("--port") + 1] == str(e.server.port)
+            assert [len(g) for g in e.generate([[0, 5]], SamplingParams(max_new_tokens=2), n=2, seed=1)] == [2]
+        finally:
+            e.shutdown()
+    assert process_gone(info["pid"]) and process_gone(info["worker_pid"])
+
+
+def test_a_given_port_another_process_holds_is_one_error_naming_it(tmp_path, fake_launcher):
+    """``sglang_port=P`` is the user's: a server that cannot bind it (it exits, and another process listens
+    there; here one that closes every connection unanswered) is an error naming the port and the fix, not a
+    start on another port."""
+    import json
+
+    init = _checkpoint(tmp_path)
+    with _PortHolder(None) as taken:
+        settings = TrainConfig(sglang_weight_sync="disk", sglang_port=taken.port)
+        with pytest.raises(SGLangError, match=f"exited with code 1 during start-up, and another process listens on "
+                                              f"its port {taken.port}; its output: .*sglang_server.log. Fix: free "
+                                              f"port {taken.port}, or set sglang_port to another port"):
+            make_sglang_engine(CFG, model_path=init, settings=settings, run_dir=tmp_path)
+    assert "Address already in use" in (tmp_path / "sglang_server.log").read_text()
+    info = json.loads(fake_launcher.read_text())["info"]
+    assert process_gone(info["pid"]) and process_gone(info["worker_pid"])

@@ -28,8 +28,7 @@ import time
 import pytest
 
 from core.config import preset
-from core.ports import free_port
-from tests.train._fake_sglang import install_fake_launcher, process_gone
+from tests.train._fake_sglang import install_fake_launcher, process_gone, spare_port
 from rollout.reference_engine import SamplingParams
 from train.trainer import TrainConfig
 
@@ -100,14 +99,17 @@ def test_the_engine_runs_the_exact_command_generates_takes_weights_and_stops_eve
     run = tmp_path / "run"
     run.mkdir()
     init = _export(run / "sglang_init")
-    port = free_port()
-    e = make_sglang_engine(CFG, model_path=init, settings=TrainConfig(sglang_port=port), run_dir=run,
-                           serializer=torch_b64_serialize)
+    # sglang_port 0 (the default): a port the engine picks (taken before the server binds it: another one,
+    # tests/train/test_sglang_adapter.py)
+    e = make_sglang_engine(CFG, model_path=init, settings=TrainConfig(), run_dir=run, serializer=torch_b64_serialize)
     try:
         state = json.loads(state_file.read_text())
         info = state["info"]
+        port = e.server.port
         assert info["argv"] == _server_argv(run / "sglang_init", port)               # exactly server_command's
         assert e.server.base_url == f"http://127.0.0.1:{port}" and state["health_calls"] >= 1   # it was ready
+        served = f"fake sglang: serving {run / 'sglang_init'} on http://127.0.0.1:{port}"
+        assert served in (run / "sglang_server.log").read_text()
         assert _parent_and_group(info["pid"]) == (e.proc.pid, e.proc.pid)          # the guard leads the group
         assert _parent_and_group(e.proc.pid)[1] == e.proc.pid != os.getpgrp()      # ... a session of its own
 
@@ -225,7 +227,7 @@ def test_a_ray_engine_actor_launches_its_server_and_a_killed_actor_takes_it_down
     rc = _fake_plugin_run_config()
     run = tmp_path / "run"
     run.mkdir()
-    port = free_port()
+    port = spare_port()         # given (sglang_port): the restarted actor's server binds it again
     cfg = TrainConfig(sglang_port=port)
     options = dict(settings=cfg, run_dir=str(run), publish_format=rc.selection.quant.publish_format,
                    **server_options(rc, cfg, run, 0))

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from core.config import preset
 from core.ports import free_port
-from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
+from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone, spare_port
 from rollout import sglang_engine
 from rollout.reference_engine import sample_seed
 from train.step_common import step_seed as _step_seed
@@ -159,7 +159,7 @@ def _launch_run(tmp_path, **overrides):
 
 def test_train_starts_a_server_on_the_exported_weights_syncs_through_disk_and_stops_it(tmp_path, monkeypatch):
     state_file = install_fake_launcher(tmp_path, monkeypatch)
-    port = free_port()
+    port = spare_port()
     run, result = _launch_run(tmp_path, sglang_server_args="--fake-health-delay 1", sglang_port=port)
     state = json.loads(state_file.read_text())
     info = state["info"]
