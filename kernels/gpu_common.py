@@ -14,6 +14,7 @@ C++ attention forward, and imports it on purpose); each one passes its raw kerne
 Only torch is imported here (no triton, no tilelang).
 """
 
+import os
 import types
 from typing import Callable, Optional
 
@@ -51,6 +52,25 @@ def check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
         raise ValueError(f"the {backend} kernels take bf16/fp16 q and kv of one dtype, got {q.dtype}, {kv.dtype}")
     if need_cuda and not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
         raise ValueError(f"the {backend} kernels need CUDA tensors{cuda_hint}")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``: CPU tensors allowed, for debugging)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def op_refusal(op: str, why: str) -> ValueError:
+    """The one-line refusal of a triton elementwise op (``apply_rope``, ``rms_normalize``, ``weighted_swiglu``)."""
+    return ValueError(f"triton {op}: {why}; run with --kernel-backend none for this input")
+
+
+def check_op_input(op: str, t: torch.Tensor, name: str, dtypes=(torch.bfloat16, torch.float16, torch.float32)):
+    """Refuse (with :func:`op_refusal`) a tensor off CUDA (outside the interpreter) or of another dtype."""
+    if not t.is_cuda and not interpreting():
+        raise op_refusal(op, f"{name} is on {t.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 "
+                             f"for CPU debugging)")
+    if t.dtype not in dtypes:
+        raise op_refusal(op, f"{name} is {t.dtype}; the kernel takes bf16, fp16 or fp32")
 
 
 def dsink_from_delta(delta: torch.Tensor, sink: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

@@ -341,7 +341,7 @@ def _swiglu_ops(ns: str, module: str) -> dict:
 
 
 def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None,
-              rope: bool = False) -> types.SimpleNamespace:
+              elementwise: bool = False) -> types.SimpleNamespace:
     """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
     ``OpOverload`` every torch version's dynamo traces as a graph node). ``attention``: the module with the
     attention launchers (default ``<package>.attention``)."""
@@ -350,7 +350,7 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
         ops.update(_indexer_ops(ns, f"{package}.indexer"))
     if mhc:
         ops.update(_mhc_ops(ns, package))
-    if rope:
+    if elementwise:              # the fused elementwise kernels: RoPE, the query norm, the experts' SwiGLU
         ops.update(_rope_ops(ns, f"{package}.rope"))
         ops.update(_norm_ops(ns, f"{package}.norm"))
         ops.update(_swiglu_ops(ns, f"{package}.swiglu"))
@@ -359,6 +359,6 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
 
 
 # registered once per process, when this module is first imported
-TRITON = _register("dsv4_triton", "kernels.triton", mhc=True, rope=True)
+TRITON = _register("dsv4_triton", "kernels.triton", mhc=True, elementwise=True)
 TILELANG = _register("dsv4_tilelang", "kernels.tilelang", mhc=False)
 CUDA = _register("dsv4_cuda", "kernels.cuda", mhc=False, indexer=False, attention="kernels.cuda.ops")

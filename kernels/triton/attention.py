@@ -42,7 +42,6 @@ warpgroups redundantly; the tensor-core work of the forward is 1.5x the useful F
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -66,10 +65,6 @@ FWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=2)
 # (fastest of bench.py's sweep on the H200; BK=64 with 2 stages does not fit in shared memory)
 BWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=1,     # dq pass
                   BK2=64, DC=64, num_warps2=4, num_stages2=3)  # dkv pass
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +202,7 @@ def _bwd_dkv_kernel(Q, DO, IDX, PT, DST, DKV,
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
-    gpu_common.check_attention_inputs(q, kv, idx, sink, "triton", need_cuda=not _interpreting(),
+    gpu_common.check_attention_inputs(q, kv, idx, sink, "triton", need_cuda=not gpu_common.interpreting(),
                                       cuda_hint=" (or TRITON_INTERPRET=1 for CPU debugging)")
 
 

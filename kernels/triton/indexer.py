@@ -14,7 +14,6 @@ top-k (``kernels.reference.topk``) on the fp32 scores (``-1`` where fewer entrie
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -91,7 +90,7 @@ def indexer_scores_thd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
         raise ValueError(f"indexer head dim {D} must be a power of two >= 16")
     if (ks is None) != (ke is None):
         raise ValueError("give both ks and ke, or neither")
-    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not q.is_cuda:
+    if not gpu_common.interpreting() and not q.is_cuda:
         raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
     gpu_common.refuse_grad("triton", q, k, w)
     if config is not None:
@@ -146,7 +145,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
                          f"{tuple(w.shape)}")
     if D < 16 or D & (D - 1):
         raise ValueError(f"indexer head dim {D} must be a power of two >= 16")
-    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not q.is_cuda:
+    if not gpu_common.interpreting() and not q.is_cuda:
         raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
     gpu_common.refuse_grad("triton", q, k, w)
     return gpu_ops.TRITON.indexer_scores(q, k, w, None, None)

@@ -7,10 +7,9 @@ Only torch (and the torch-only ``kernels.gpu_ops``) is imported here.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kernels import gpu_common
 from kernels.gpu_ops import padded  # noqa: F401  (the register tile's side; the custom ops' fakes use it too)
 
 __all__ = ["MAX_N", "padded", "check_device", "check_sinkhorn", "check_hc_pre", "check_hc_post", "check_hc_head"]
@@ -23,7 +22,7 @@ _FIX = "Fix: run with --dtype bf16 on a GPU target, or choose --kernel-backend n
 
 def check_device(*tensors: torch.Tensor) -> None:
     """CUDA tensors, or any device under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, for debugging)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if gpu_common.interpreting():
         return
     if not all(t.is_cuda for t in tensors):
         raise ValueError(f"the triton mHC kernels need CUDA tensors, got {[str(t.device) for t in tensors]}. {_FIX}")

@@ -18,14 +18,13 @@ step of the output dtype of the reference's, not bit-identical.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import gpu_ops
+from kernels import gpu_common, gpu_ops
 
 __all__ = ["rms_normalize", "rms_normalize_launch", "rms_normalize_bwd_launch"]
 
@@ -83,21 +82,15 @@ def rms_normalize_bwd_launch(x: torch.Tensor, dy: torch.Tensor, eps: float) -> t
     return dx
 
 
-def _refuse(why: str) -> ValueError:
-    return ValueError(f"triton rms_normalize: {why}; run with --kernel-backend none for this input")
-
-
 @gpu_ops.traceable
 def rms_normalize(x: torch.Tensor, eps: float, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """:func:`kernels.reference.layers.rms_normalize` in one kernel each way: ``x [..., D]`` (CUDA, bf16/fp16/fp32)
     -> the normalised rows in ``out_dtype`` (default fp32, the reference's compute dtype). Differentiable in ``x``.
     Anything else is refused with the reason."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise _refuse(f"x is on {x.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise _refuse(f"x is {x.dtype}; the kernel takes bf16, fp16 or fp32")
+    gpu_common.check_op_input("rms_normalize", x, "x")
     out = torch.float32 if out_dtype is None else out_dtype
     if out not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() < 1 or x.shape[-1] == 0:
-        raise _refuse(f"x {tuple(x.shape)} to {out} (needs [..., D] with D > 0, a bf16/fp16/fp32 output)")
+        raise gpu_common.op_refusal("rms_normalize", f"x {tuple(x.shape)} to {out} (needs [..., D] with D > 0, a "
+                                                     f"bf16/fp16/fp32 output)")
     flat = x.contiguous().view(-1, x.shape[-1])
     return gpu_ops.TRITON.rms_normalize(flat, float(eps), out).view(x.shape)

@@ -16,13 +16,11 @@ kernel serves both directions and nothing is saved for the backward but ``cos`` 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import gpu_ops
+from kernels import gpu_common, gpu_ops
 
 __all__ = ["apply_rope", "rope_launch", "ROPE_ELEMENTS_PER_PROGRAM"]
 
@@ -82,13 +80,9 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     pd = triton.next_power_of_2(D)
     br = max(1, min(triton.next_power_of_2(R), ROPE_ELEMENTS_PER_PROGRAM // pd))
     _rope_kernel[(triton.cdiv(R, br),)](x, cos, sin, out, R, cos.shape[0], heads, D=D, HALF=half, PD=pd, BR=br,
-                                       INVERSE=inverse, ROUNDED=os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                       INVERSE=inverse, ROUNDED=not gpu_common.interpreting(),
                                        num_warps=4)
     return out
-
-
-def _refuse(why: str) -> ValueError:
-    return ValueError(f"triton apply_rope: {why}; run with --kernel-backend none for this input")
 
 
 @gpu_ops.traceable
@@ -97,16 +91,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     bf16/fp16/fp32), ``cos``/``sin`` ``[S, r/2]`` or ``[B, S, r/2]`` (cast to fp32, the reference's math
     precision for these dtypes). Out of place; differentiable in ``x`` (the backward is the inverse rotation).
     Anything else is refused with the reason."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise _refuse(f"x is on {x.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise _refuse(f"x is {x.dtype}; the kernel takes bf16, fp16 or fp32")
+    gpu_common.check_op_input("apply_rope", x, "x")
     half = cos.shape[-1]
     if x.dim() < 3 or x.shape[-1] % 2 or 2 * half > x.shape[-1]:
-        raise _refuse(f"x {tuple(x.shape)} with {2 * half} rope channels (needs [B, S, (H,) D], D even, D >= rope)")
+        raise gpu_common.op_refusal("apply_rope", f"x {tuple(x.shape)} with {2 * half} rope channels (needs "
+                                                  f"[B, S, (H,) D], D even, D >= rope)")
     if cos.shape != sin.shape or cos.shape[:-1] not in (x.shape[1:2], x.shape[:2]):
-        raise _refuse(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not give one angle per token of "
-                      f"x {tuple(x.shape)} ([S, r/2] or [B, S, r/2])")
+        raise gpu_common.op_refusal("apply_rope", f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not give "
+                                                  f"one angle per token of x {tuple(x.shape)} "
+                                                  f"([S, r/2] or [B, S, r/2])")
     heads = 1
     for n in x.shape[2:-1]:
         heads *= n

@@ -18,14 +18,13 @@ output is within one rounding of the output dtype of the reference's, not bit-id
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import gpu_ops
+from kernels import gpu_common, gpu_ops
 
 __all__ = ["weighted_swiglu", "weighted_swiglu_launch", "weighted_swiglu_bwd_launch"]
 
@@ -107,22 +106,18 @@ def weighted_swiglu_bwd_launch(h: torch.Tensor, w: torch.Tensor, da: torch.Tenso
     return dh, partial.sum(0).to(w.dtype)
 
 
-def _refuse(why: str) -> ValueError:
-    return ValueError(f"triton weighted_swiglu: {why}; run with --kernel-backend none for this input")
-
-
 @gpu_ops.traceable
 def weighted_swiglu(h: torch.Tensor, w: torch.Tensor, limit: float,
                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """:func:`kernels.reference.moe.weighted_swiglu` in one kernel each way: ``h = [gate | up]`` ``[N, 2F]``
     (CUDA, bf16/fp16/fp32), ``w [N]`` (fp32 or h's dtype) -> ``[N, F]`` in ``out_dtype`` (default fp32, the
     reference's compute dtype). Differentiable in ``h`` and ``w``. Anything else is refused with the reason."""
-    if not h.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise _refuse(f"h is on {h.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
-    floats = (torch.bfloat16, torch.float16, torch.float32)
+    gpu_common.check_op_input("weighted_swiglu", h, "h")
+    gpu_common.check_op_input("weighted_swiglu", w, "w")
     out = torch.float32 if out_dtype is None else out_dtype
-    if h.dtype not in floats or w.dtype not in floats or out not in floats:
-        raise _refuse(f"h {h.dtype}, w {w.dtype} to {out} (the kernel takes bf16, fp16 or fp32)")
+    if out not in (torch.bfloat16, torch.float16, torch.float32):
+        raise gpu_common.op_refusal("weighted_swiglu", f"an output of {out} (the kernel writes bf16, fp16 or fp32)")
     if h.dim() != 2 or h.shape[1] % 2 or w.shape != h.shape[:1]:
-        raise _refuse(f"h {tuple(h.shape)} with w {tuple(w.shape)} (needs h [N, 2F] and w [N])")
+        raise gpu_common.op_refusal("weighted_swiglu", f"h {tuple(h.shape)} with w {tuple(w.shape)} (needs "
+                                                       f"h [N, 2F] and w [N])")
     return gpu_ops.TRITON.weighted_swiglu(h.contiguous(), w.contiguous(), float(limit), out)

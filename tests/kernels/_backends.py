@@ -23,3 +23,18 @@ def missing(backend: str):
     if not torch.cuda.is_available() or importlib.util.find_spec(backend) is None:
         return f"needs a CUDA GPU and {backend}"
     return None
+
+
+def triton_device() -> str:
+    """Where a Triton kernel test runs: ``"cuda"`` on a GPU, ``"cpu"`` under ``TRITON_INTERPRET=1`` (Triton's CPU
+    interpreter, small shapes); otherwise the test skips with the reason."""
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1: Triton's CPU interpreter, small shapes)")
+

@@ -26,6 +26,8 @@ import os
 import pytest
 import torch
 
+from ._backends import triton_device
+
 pytestmark = pytest.mark.gpu
 
 BF16_REL, FP32_REL = 8e-3, 1e-4
@@ -33,16 +35,6 @@ ITERS, NORM_EPS, HC_EPS = 20, 1e-6, 1e-6
 FLASH = dict(B=1, S=4096, n=4, d=4096)
 DECODE = dict(B=64, S=1, n=4, d=4096)      # a decode step of 64 sequences: the mixing GEMM split over K
 SMALL = [dict(B=2, S=19, n=3, d=80), dict(B=1, S=37, n=4, d=96)]
-
-
-def _device():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1: Triton's CPU interpreter, small shapes)")
 
 
 def _shapes():
@@ -100,7 +92,7 @@ def _mhc_inputs(B, S, n, d, rows, n_scale, seed=0):
 
 @pytest.mark.parametrize("shape", _shapes())
 def test_hc_pre_matches_reference(shape):
-    dev = _device()
+    dev = triton_device()
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
@@ -113,7 +105,7 @@ def test_hc_pre_matches_reference(shape):
 
 @pytest.mark.parametrize("shape", _shapes())
 def test_hc_head_matches_reference(shape):
-    dev = _device()
+    dev = triton_device()
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
@@ -127,7 +119,7 @@ def test_hc_head_matches_reference(shape):
 @pytest.mark.parametrize("shape", _shapes())
 def test_hc_post_matches_reference(shape, f_dtype):
     """``f`` (the sublayer output) may be fp32 as well; ``df`` comes back in its dtype."""
-    dev = _device()
+    dev = triton_device()
     from kernels.reference import mhc as R
     from kernels.triton import mhc as K
 
@@ -143,7 +135,7 @@ def test_hc_post_matches_reference(shape, f_dtype):
 @pytest.mark.parametrize("n", [4, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sinkhorn_matches_reference(n, dtype):
-    dev = _device()
+    dev = triton_device()
     from kernels.reference import mhc as R
     from kernels.triton import sinkhorn as K
 
@@ -155,7 +147,7 @@ def test_sinkhorn_matches_reference(n, dtype):
 
 def test_unsupported_inputs_are_refused():
     """No silent hand-off to the reference op: every input the kernels do not take raises with the reason."""
-    dev = _device()
+    dev = triton_device()
     from kernels.triton import mhc as K
     from kernels.triton import sinkhorn as KS
 
@@ -181,7 +173,7 @@ def test_unsupported_inputs_are_refused():
 
 def test_op_table_names_the_triton_mhc_kernels():
     """The triton backend's table serves the four mHC ops itself (counted under ``triton.``)."""
-    dev = _device()
+    dev = triton_device()
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from kernels.triton.backend import ops
 

@@ -10,13 +10,12 @@ Shapes: the Flash-shaped query (4096 tokens x 64 heads x 512) and odd sizes (D =
 GPU, ``TRITON_INTERPRET=1`` runs the small shapes; otherwise they skip.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from kernels.reference.layers import rms_normalize as reference
+
+from ._backends import triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -28,16 +27,6 @@ SHAPES = [
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Flash shape: GPU only")),
 ]
 STEP = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}   # half a step: one rounding of the output
-
-
-def _device():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1: Triton's CPU interpreter, small shapes)")
 
 
 def _x(shape, dtype, dev, seed=0):
@@ -63,7 +52,7 @@ def _within(got, exact, dtype, what, interpreted, scale=None):
 def test_rms_normalize_matches_the_reference(shape, dtype):
     from kernels.triton.norm import rms_normalize
 
-    dev = _device()
+    dev = triton_device()
     x = _x(shape, dtype, dev)
     exact = reference(x.double(), EPS)
     got = rms_normalize(x, EPS, dtype)
@@ -77,7 +66,7 @@ def test_rms_normalize_matches_the_reference(shape, dtype):
 def test_rms_normalize_backward(shape):
     from kernels.triton.norm import rms_normalize
 
-    dev = _device()
+    dev = triton_device()
     x = _x(shape, torch.bfloat16, dev)
     dy = _x(shape, torch.bfloat16, dev, seed=1)
     leaf = x.detach().requires_grad_(True)
@@ -95,7 +84,7 @@ def test_rms_normalize_backward(shape):
 def test_rms_normalize_refuses_what_it_cannot_serve():
     from kernels.triton.norm import rms_normalize
 
-    dev = _device()
+    dev = triton_device()
     with pytest.raises(ValueError, match="--kernel-backend none"):
         rms_normalize(_x((4, 8), torch.float32, dev).double(), EPS)
     if dev == "cuda":

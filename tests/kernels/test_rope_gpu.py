@@ -11,14 +11,13 @@ Shapes: the Flash-shaped query (4096 tokens x 64 heads x 512, 64 rope channels),
 channels, 37 tokens). With no GPU, ``TRITON_INTERPRET=1`` runs the small shapes; otherwise they skip.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from kernels.reference.rope import apply_rope as reference_rope
 from kernels.reference.rope import rope_cos_sin, rope_inv_freq
+
+from ._backends import triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -30,16 +29,6 @@ SHAPES = [
     pytest.param(dict(x=(1, 4096, 512), rope=64, per_batch=True), id="flash-kv-thd",
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Flash shape: GPU only")),
 ]
-
-
-def _device():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1: Triton's CPU interpreter, small shapes)")
 
 
 def _inputs(shape, dtype, dev, seed=0):
@@ -73,7 +62,7 @@ def _check(got, want, what):
 def test_rope_matches_the_reference(shape, dtype, inverse):
     from kernels.triton.rope import apply_rope
 
-    x, cos, sin = _inputs(shape, dtype, _device())
+    x, cos, sin = _inputs(shape, dtype, triton_device())
     _check(apply_rope(x, cos, sin, inverse=inverse), reference_rope(x, cos, sin, inverse=inverse),
            f"forward {tuple(x.shape)} {dtype} inverse={inverse}")
 
@@ -82,7 +71,7 @@ def test_rope_matches_the_reference(shape, dtype, inverse):
 def test_rope_backward_is_the_references(shape):
     from kernels.triton.rope import apply_rope
 
-    dev = _device()
+    dev = triton_device()
     x, cos, sin = _inputs(shape, torch.bfloat16, dev)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.dtype).to(dev)
     grads = []
@@ -96,7 +85,7 @@ def test_rope_backward_is_the_references(shape):
 def test_rope_refuses_what_it_cannot_serve():
     from kernels.triton.rope import apply_rope
 
-    dev = _device()
+    dev = triton_device()
     x, cos, sin = _inputs(dict(x=(1, 8, 2, 64), rope=16, per_batch=False), torch.bfloat16, dev)
     with pytest.raises(ValueError, match="--kernel-backend none"):
         apply_rope(x.double(), cos, sin)

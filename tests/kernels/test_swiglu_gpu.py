@@ -11,13 +11,12 @@ Shapes: Flash-shaped routed rows (4096 tokens x 6 experts, intermediate 2048) an
 ``TRITON_INTERPRET=1`` runs the small shapes; otherwise they skip.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from kernels.reference.moe import weighted_swiglu as reference
+
+from ._backends import triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -28,16 +27,6 @@ SHAPES = [
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Flash shape: GPU only")),
 ]
 BF16 = 2.0 ** -8          # half a bf16 step: one rounding
-
-
-def _device():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1: Triton's CPU interpreter, small shapes)")
 
 
 def _inputs(shape, dev, seed=0):
@@ -62,7 +51,7 @@ def _check(got, exact, scale, what, steps):
 def test_weighted_swiglu_forward_and_backward(shape, limit):
     from kernels.triton.swiglu import weighted_swiglu
 
-    dev = _device()
+    dev = triton_device()
     steps = 4 if dev == "cpu" else 2          # the interpreter truncates fp32 -> bf16 where the GPU rounds
     h, w, da = _inputs(shape, dev)
     hk, wk = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
@@ -91,7 +80,7 @@ def test_weighted_swiglu_forward_and_backward(shape, limit):
 def test_weighted_swiglu_refuses_what_it_cannot_serve():
     from kernels.triton.swiglu import weighted_swiglu
 
-    dev = _device()
+    dev = triton_device()
     h, w, _ = _inputs((4, 8), dev)
     with pytest.raises(ValueError, match="--kernel-backend none"):
         weighted_swiglu(h.double(), w, 10.0)
