@@ -4,9 +4,11 @@
                place with the built-in engine in this process: rollout.shared_weights)
     rollout    P prompts x G samples each on the leader's engine (temperature / top-p), broadcast to its ranks
     reward     each sample's reward, the groups' tensors and advantages, regrouped into micro-batches
-    logprobs   old log-probs recomputed by the training model (no grad; routing replayed), the reference
-               policy's when kl_coef > 0; rollout-vs-train diagnostics
-    train      clipped policy loss (+ k3 KL penalty, + MTP loss, + the model's own term), one optimizer step
+    logprobs   the reference policy's log-probs when kl_coef > 0; the old log-probs by a no-grad pass of the
+               training model (routing replayed) only where :func:`recomputes_old_logprobs`, else the update's
+               own forward gives them (one optimizer step per batch: the same policy)
+    train      clipped policy loss (+ k3 KL penalty, + MTP loss, + the model's own term), one optimizer step;
+               the rollout-vs-train diagnostics (:class:`RolloutGap`) from whichever forward gave the old log-probs
 
 With ``async_rollout`` the rollout of step k+1 is sent right after step k's weight sync and runs while step k
 computes log-probs and trains; step k takes its own batch (in flight since step k-1) before its sync, so it trains
@@ -45,8 +47,8 @@ def grpo_step(run, step: int) -> Dict[str, Any]:
     t0 = time.perf_counter()
     batch, groups = rollout_phase(run, step, taken, out, t_step)
     rewards, items = reward_phase(run, batch, groups, out, t0)
-    n_samples = logprobs_phase(run, step, items, out)
-    train_phase(run, step, items, rewards, n_samples, out, t_step)
+    gap = logprobs_phase(run, step, items, out)
+    train_phase(run, step, items, rewards, gap, out, t_step)
     return out
 
 
@@ -154,13 +156,60 @@ def _forward_kw(run, item) -> Dict[str, Any]:
     return kw
 
 
-def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> float:
-    """The old (and reference) log-probs of every item, and how far the rollout's are from them; returns the
-    step's sample count (over data parallel)."""
+def recomputes_old_logprobs(run) -> bool:
+    """Whether the old log-probs come from a no-grad pass of their own before the update (``logprobs`` phase).
+
+    A GRPO step takes ONE optimizer step over its batch, so the policy that scores the old log-probs is the one the
+    update's forward runs: that forward's log-probs, detached, are the old ones (the PPO ratio is exactly 1 and its
+    gradient is ``adv * grad log p``), and a second forward over the batch is pure cost, about a fifth of a
+    Flash-shaped step. The pass stays where something needs it: ``recompute_old_logprobs=true`` (a user's choice,
+    e.g. to compare), ``true_on_policy`` (its contract is the recomputation equal to the rollout, bit for bit) and
+    ``--pp`` (the update's loss runs on the last stage only)."""
+    return bool(run.cfg.recompute_old_logprobs or run.cfg.true_on_policy or pipelined())
+
+
+class RolloutGap:
+    """The train/rollout diagnostics of a step's items (log-prob |diff| and k3 KL per sample, routing-replay and
+    indexer-replay agreement), from whichever forward gave each item's old log-probs. :meth:`add` only keeps the
+    forward's detached outputs, so the update's loop is not stalled between a forward and its backward;
+    :meth:`report` computes them and sums them over data parallel into the step's row."""
+
+    def __init__(self):
+        self.kept: List[tuple] = []
+
+    def add(self, it: dict, fwd: TrainForward) -> None:
+        self.kept.append((it, fwd.logprobs.detach(), fwd.routing_used, fwd.indexer_replay))
+
+    def report(self, run, out: Dict[str, Any]) -> float:
+        """The step's metrics into ``out``; returns the step's sample count (over data parallel)."""
+        sums, matches, ix = [0.0, 0.0, 0.0], [], [0, 0]
+        for it, lp, used, replayed in self.kept:
+            d, k = sample_mean_diag(lp, it["rollout_lp"], it["mask"])
+            n = it["ids"].shape[0]
+            sums = [sums[0] + n, sums[1] + d * n, sums[2] + k * n]
+            if it["routed"] is not None:
+                matches.append(routing_match(used, it["routed"]))
+            if replayed is not None:   # (own picks = recorded, replayed rows)
+                ix = [ix[0] + replayed[0], ix[1] + replayed[1]]
+        n_samples, diff_sum, kl_sum, match_sum, match_n, ix_same, ix_rows = run.dist.sum_over_dp([
+            *sums, float(sum(matches)), float(len(matches)), float(ix[0]), float(ix[1])])
+        out["train_rollout_logprob_abs_diff"] = diff_sum / n_samples
+        out["train_rollout_kl"] = kl_sum / n_samples
+        out["routing_replay_match"] = (match_sum / match_n) if match_n else None
+        if run.cfg.indexer_replay:  # fraction of replayed (position, CSA layer) rows the trainer's own indexer picked alike
+            out["indexer_replay_match"] = (ix_same / ix_rows) if ix_rows else None
+        return n_samples
+
+
+def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> RolloutGap:
+    """The reference policy's log-probs of every item (``kl_coef > 0``) and, where :func:`recomputes_old_logprobs`,
+    the old ones with their rollout diagnostics; returns the step's diagnostics (filled here, or by the update's
+    forward in :func:`train_phase`)."""
     maybe_kill(step, "logprobs")
     cfg = run.cfg
     t0 = time.perf_counter()
-    diffs, kls, matches, w, ixr = [], [], [], [], [0, 0]
+    gap = RolloutGap()
+    recompute = recomputes_old_logprobs(run)
     with torch.no_grad():
         def kw(it):
             return dict(routing_replay=it["routed"], temperature=cfg.temperature)
@@ -169,32 +218,18 @@ def logprobs_phase(run, step: int, items: List[dict], out: Dict[str, Any]) -> fl
         refs = [lp for lp, _ in forward_items(run.ref_model, items, kw)] if pipelined() and run.ref_model is not None \
             else None
         for i, (it, fwd) in enumerate(zip(items, fwds)):
-            fwd = fwd or run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
-                                                 **_forward_kw(run, it))
-            it["old"] = fwd.logprobs
+            if recompute:
+                fwd = fwd or run.model.forward_train(it["ids"], routing_replay=it["routed"],
+                                                     temperature=cfg.temperature, **_forward_kw(run, it))
+                it["old"] = fwd.logprobs
+                gap.add(it, fwd)
             if refs is not None:
                 it["ref"] = refs[i]
             elif run.ref_model is not None:
                 it["ref"] = run.ref_model.logprobs(it["ids"], routing_replay=it["routed"],
                                                    temperature=cfg.temperature, **_forward_kw(run, it))
-            d, k = sample_mean_diag(fwd.logprobs, it["rollout_lp"], it["mask"])
-            diffs.append(d)
-            kls.append(k)
-            w.append(it["ids"].shape[0])
-            if it["routed"] is not None:
-                matches.append(routing_match(fwd.routing_used, it["routed"]))
-            if fwd.indexer_replay is not None:   # (own picks = recorded, replayed rows)
-                ixr = [ixr[0] + fwd.indexer_replay[0], ixr[1] + fwd.indexer_replay[1]]
     out["time_logprobs"] = time.perf_counter() - t0
-    n_samples, diff_sum, kl_sum, match_sum, match_n, ix_same, ix_rows = run.dist.sum_over_dp([
-        float(sum(w)), sum(d * n for d, n in zip(diffs, w)), sum(k * n for k, n in zip(kls, w)),
-        float(sum(matches)), float(len(matches)), float(ixr[0]), float(ixr[1])])
-    out["train_rollout_logprob_abs_diff"] = diff_sum / n_samples
-    out["train_rollout_kl"] = kl_sum / n_samples
-    out["routing_replay_match"] = (match_sum / match_n) if match_n else None
-    if cfg.indexer_replay:   # fraction of replayed (position, CSA layer) rows the trainer's own indexer picked alike
-        out["indexer_replay_match"] = (ix_same / ix_rows) if ix_rows else None
-    return n_samples
+    return gap
 
 
 def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
@@ -222,9 +257,11 @@ def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
     return loss
 
 
-def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], n_samples: float,
+def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], gap: RolloutGap,
                 out: Dict[str, Any], t_step: float) -> None:
-    """The policy update over every micro-batch (gradients accumulated), one optimizer step, the step's metrics."""
+    """The policy update over every micro-batch (gradients accumulated), one optimizer step, the step's metrics.
+    Items without old log-probs (:func:`recomputes_old_logprobs` false) take them from this forward, detached, and
+    add its diagnostics to ``gap``."""
     maybe_kill(step, "train")
     cfg = run.cfg
     t0 = time.perf_counter()
@@ -240,6 +277,9 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     for i, it in enumerate(items if not pipelined() else ()):
         fwd = run.model.forward_train(it["ids"], routing_replay=it["routed"], temperature=cfg.temperature,
                                       with_mtp=cfg.mtp_coef > 0, **_forward_kw(run, it))
+        if "old" not in it:            # the update's own forward scores the old policy: one optimizer step
+            it["old"] = fwd.logprobs.detach()
+            gap.add(it, fwd)
         loss = _item_loss(run, it, fwd, total_tokens, acc)
         with run.accumulating(i, len(items)):
             loss.backward()
@@ -247,6 +287,7 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     out["time_train"] = time.perf_counter() - t0
     out["at_train_end"] = time.perf_counter() - t_step
     out.update(run.memory_phase_end())
+    n_samples = gap.report(run, out)
     loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc, tokens = run.dist.sum_over_dp([
         acc["loss"], acc["pg"], acc["kl"], acc["mtp"], acc["aux"], acc["clip"],
         float(sum(it["ids"].numel() for it in items))])

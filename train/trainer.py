@@ -130,6 +130,10 @@ class TrainConfig:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     normalize_adv_std: bool = True
+    # old log-probs (the ratio's denominator) from a no-grad forward of their own before the update; False: from
+    # the update's own forward, detached, the same policy since a step takes one optimizer step (train.grpo.
+    # recomputes_old_logprobs; true_on_policy and --pp always recompute)
+    recompute_old_logprobs: bool = False
     # replay
     routing_replay: bool = True
     # the built-in engine records the indexer's top-k picks (CSA layers), the trainer (reference, miles, megatron;

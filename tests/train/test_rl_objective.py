@@ -334,3 +334,32 @@ def test_two_data_parallel_ranks_take_the_one_rank_step(one_rank_run, tmp_path):
         for key in ("loss", "pg_loss", "kl_loss"):
             assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
         assert row["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_the_updates_own_forward_is_the_old_policy(one_rank_run, tmp_path):
+    """By default the old log-probs are the update's own forward's, detached (one optimizer step per batch: the same
+    policy), so the ratio is exactly 1 and its gradient flows through the new log-probs only. The same two steps
+    with ``recompute_old_logprobs=true`` (a no-grad pass of their own first) must train alike: equal loss terms,
+    gradient norms and train/rollout gap. A detach forgotten (ratio exp(lp - lp): no gradient) or old log-probs
+    from another policy changes the gradient norm."""
+    from reporting.metrics import read_metrics
+    from orchestration.training import run_training
+
+    from ._impl_helpers import run_config, small_config
+
+    rows, _, loss_calls, data = one_rank_run
+    for args, _, _ in loss_calls:
+        logp, old = args[0], args[1]
+        assert logp.requires_grad and not old.requires_grad
+        assert torch.equal(logp.detach(), old)
+    c = small_config()
+    run_training(run_config("miles", c), c, run_dir=tmp_path / "run", data=str(data),
+                 **{**GRPO_RUN, "recompute_old_logprobs": True})
+    got = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2]
+    for want, row in zip(rows, got):
+        assert row["reward_mean"] == want["reward_mean"]
+        assert row["time_logprobs"] > 0
+        for key in ("loss", "pg_loss", "kl_loss", "grad_norm", "train_rollout_logprob_abs_diff", "train_rollout_kl",
+                    "routing_replay_match"):
+            assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
