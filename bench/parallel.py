@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train.optim import all_reduce_grads
+from engine.grad_allreduce import all_reduce_grads
 
 from bench.train_step import (H200_BF16_DENSE_TFLOPS, active_params, bench_config, bench_run_config, config_summary,
                               step_flops)

@@ -12,7 +12,8 @@ is largest), which holds the tensors ``core.pp_layout`` gives it:
 * **gradients**: Megatron's main-gradient buffer, fp32 for every trainable weight this rank holds (with
   bf16 weights Megatron accumulates and reduces gradients in fp32);
 * **optimizer** (DistributedOptimizer): per trainable weight an fp32 master copy (none for weights that
-  are fp32 already) and Adam's two fp32 moments, sharded over the data-parallel ranks that hold a
+  are fp32 already) and Adam's two moments (fp32, or bf16 with ``moments="bf16"``: the trainer's
+  ``adam_moments_dtype``), sharded over the data-parallel ranks that hold a
   replica of it: ``world / (tp * pp)`` for dense weights (the data- and context-parallel group),
   ``world / (tp * ep * pp)`` for routed experts (the expert data-parallel group);
 * **activations** (a lower bound): with full activation recomputation, what stays alive through the
@@ -139,6 +140,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int           # lower bound (full recomputation)
     stage: int = 0             # the pipeline stage estimated (0 of 1 without --pp)
+    moments: str = "fp32"      # Adam's moments dtype (the trainer's adam_moments_dtype)
     layers: int = 0            # decoder layers that stage holds
 
     @property
@@ -181,11 +183,14 @@ def _check_layout(config, tp: int, cp: int, ep: int, pp: int, world: Optional[in
 
 def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, world: Optional[int] = None,
                     dtype: str = "bf16", seq: int = 4096, micro_batch: int = 1,
-                    stage: Optional[int] = None) -> MemoryEstimate:
+                    stage: Optional[int] = None, moments: str = "fp32") -> MemoryEstimate:
     """The per-GPU memory of training ``config`` under the layout (see the module docstring): of pipeline stage
     ``stage``, or of the stage whose total is largest (the first of equals)."""
     world = _check_layout(config, tp, cp, ep, pp, world, dtype, seq, micro_batch, stage)
-    layout = dict(tp=tp, cp=cp, ep=ep, pp=pp, world=world, dtype=dtype, seq=seq, micro_batch=micro_batch)
+    if moments not in ("fp32", "bf16"):
+        raise UserInputError(f"Adam moments dtype {moments!r}: fp32 or bf16")
+    layout = dict(tp=tp, cp=cp, ep=ep, pp=pp, world=world, dtype=dtype, seq=seq, micro_batch=micro_batch,
+                  moments=moments)
     every = rank_tensors(config, tp=tp, ep=ep)         # the contract's names once (V4-Pro: 172k of them)
     owner = {n: stage_of(n, config.n_layers, pp) for n in every} if pp > 1 else dict.fromkeys(every, 0)
     estimates = [_stage_estimate(config, {n: t for n, t in every.items() if owner[n] == s}, stage=s, **layout)
@@ -194,7 +199,7 @@ def estimate_memory(config, *, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 
 
 
 def _stage_estimate(config, tensors: Dict[str, Tuple[int, str, bool, bool]], *, tp: int, cp: int, ep: int, pp: int,
-                    world: int, dtype: str, seq: int, micro_batch: int, stage: int) -> MemoryEstimate:
+                    world: int, dtype: str, seq: int, micro_batch: int, stage: int, moments: str) -> MemoryEstimate:
     """One stage's estimate from the tensors it holds (:func:`rank_tensors`)."""
     a = DTYPE_BYTES[dtype]
     size = {"run": a, "fp32": 4, "int64": 8}
@@ -206,7 +211,7 @@ def _stage_estimate(config, tensors: Dict[str, Tuple[int, str, bool, bool]], *, 
     master = 4 if a != 4 else 0  # weights held in fp32 are their own master copy
 
     def optimizer_share(experts: bool, shards: int) -> int:
-        held = sum(n * (8 + (master if kind == "run" else 0)) for n, kind, t, e in tensors.values() if t and e == experts)
+        held = sum(n * (2 * DTYPE_BYTES[moments] + (master if kind == "run" else 0)) for n, kind, t, e in tensors.values() if t and e == experts)
         return math.ceil(held / shards)
 
     optimizer = optimizer_share(False, dense_shards) + optimizer_share(True, expert_shards)
@@ -221,4 +226,4 @@ def _stage_estimate(config, tensors: Dict[str, Tuple[int, str, bool, bool]], *, 
         expert_shards=expert_shards, dtype=dtype, seq=seq, micro_batch=micro_batch, tokens_per_rank=tokens,
         parameters=sum(n for n, *_ in tensors.values()), trainable_dense=dense, trainable_expert=expert,
         weights=weights, gradients=gradients, optimizer=optimizer, activations=activations, stage=stage,
-        layers=layers)
+        layers=layers, moments=moments)

@@ -147,6 +147,7 @@ class TritonAdamW(torch.optim.AdamW):
     master to the bf16 model weight the kernel writes beside it (:func:`fuse_master_copy`)."""
 
     model_outputs: Dict[torch.Tensor, torch.Tensor]
+    moments_dtype: torch.dtype = torch.float32      # adam_moments_dtype: bf16 moments are the kernel's too
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,8 +163,9 @@ class TritonAdamW(torch.optim.AdamW):
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype,
+                                                        memory_format=torch.preserve_format)
             states = [self.state[p] for p in params]
             steps = [st["step"] for st in states]
             if steps:
@@ -202,6 +204,19 @@ class TritonAdamW(torch.optim.AdamW):
 
             self._multi = MultiTensorAdamW()
         return self._multi
+
+
+def use_bf16_moments(parts, triton_adam: bool) -> None:
+    """``adam_moments_dtype=bf16``: the Triton AdamW of every part (megatron-core ``DistributedOptimizer``) keeps
+    both moments in bf16; refused where that kernel does not run (no other optimizer here keeps bf16 moments)."""
+    if not triton_adam:
+        from core.config import ConfigError
+
+        why = triton_adam_refusal([p for part in parts for g in part.optimizer.param_groups for p in g["params"]])
+        raise ConfigError(f"training option 'adam_moments_dtype' = bf16 needs the Triton AdamW, which cannot run "
+                          f"here ({why or 'an optimizer layout it does not serve'}). Fix: adam_moments_dtype=fp32")
+    for part in parts:
+        part.optimizer.moments_dtype = torch.bfloat16
 
 
 def triton_adam_refusal(params) -> str:

@@ -315,9 +315,10 @@ def prepare_cmd(opts, preset: Optional[str], out: Optional[str], weight_format: 
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes of the layout.")
 @click.option("--seq", type=click.IntRange(min=1), default=4096, show_default=True, help="Sequence length of the activation estimate.")
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per micro-batch of the activation estimate.")
+@click.option("--adam-moments-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True, help="Adam's moments in the optimizer estimate (the training option adam_moments_dtype).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], nproc_per_node: Optional[int], nnodes: int,
-                seq: int, micro_batch_size: int, as_json: bool):
+                seq: int, micro_batch_size: int, adam_moments_dtype: str, as_json: bool):
     """Print the parameter count of a model by component, and the memory per GPU of training it.
 
     The estimate is for the layout of --tp, --cp, --ep and --pp on
@@ -330,7 +331,8 @@ def inspect_cmd(opts, preset: Optional[str], checkpoint: Optional[str], nproc_pe
     """
     world = None if nproc_per_node is None else nproc_per_node * nnodes
     layout = dict(tp=opts.get("tp") or 1, cp=opts.get("cp") or 1, ep=opts.get("ep") or 1, pp=opts.get("pp") or 1,
-                  world=world, dtype=opts.get("dtype") or "bf16", seq=seq, micro_batch=micro_batch_size)
+                  world=world, dtype=opts.get("dtype") or "bf16", seq=seq, micro_batch=micro_batch_size,
+                  moments=adam_moments_dtype)
     stages.inspect(preset=preset, checkpoint=stages.user_path(checkpoint) if checkpoint else None, as_json=as_json,
                    layout=layout)
 

@@ -268,7 +268,7 @@ def print_memory(m) -> None:
     table.add_row("weights", _gib(m.weights), f"{m.parameters:,} elements on this GPU; fp32-kept tensors in fp32")
     table.add_row("gradients", _gib(m.gradients), "fp32 main gradients of every trainable weight held")
     table.add_row("optimizer", _gib(m.optimizer),
-                  f"{master}Adam m, v (fp32), sharded over {m.dense_shards} (dense) / {m.expert_shards} (experts) GPUs")
+                  f"{master}Adam m, v ({m.moments}), sharded over {m.dense_shards} (dense) / {m.expert_shards} (experts) GPUs")
     n = m.pp - m.stage
     flight = f"; {n} micro-batch{'es' if n > 1 else ''} in flight (1F1B)" if m.pp > 1 else ""
     table.add_row("activations", _gib(m.activations), "lower bound, full recomputation: block inputs + fp32 logits "

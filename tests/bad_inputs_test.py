@@ -211,6 +211,24 @@ def test_resume_names_the_option_that_differs(tmp_path):
     assert "train.lr" in line and "0.5" in line
 
 
+def test_resume_of_a_run_older_than_a_training_option_takes_its_default(tmp_path):
+    """A run folder written before a training option existed has no entry for it: a resume counts it as the
+    option's default (what the run did) and goes on, and still refuses another value of it."""
+    import json
+
+    run = tmp_path / "run"
+    base = ["train", "--mode", "sft", "--steps", "1", "--save-every", "1", "--run-dir", str(run)]
+    assert dsv4(*base).returncode == 0
+    saved = run / "train_config.json"
+    desc = json.loads(saved.read_text())
+    del desc["train"]["adam_moments_dtype"]
+    saved.write_text(json.dumps(desc))
+    proc = dsv4(*base[:4], "2", *base[5:], "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = one_line_error(dsv4(*base[:4], "3", *base[5:], "--resume", "recompute_old_logprobs=true"))
+    assert "train.recompute_old_logprobs" in line
+
+
 def test_a_failed_start_does_not_block_a_plain_rerun(tmp_path):
     run = tmp_path / "run"
     run.mkdir()                                     # e.g. made by the user, or left by an older version

@@ -235,6 +235,9 @@ def check_train_options(run_config, cfg, host=None) -> None:
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
     _check_pipeline_options(run_config, cfg)
+    if cfg.adam_moments_dtype == "bf16" and not run_config.selection.hardware.gpu:
+        raise ConfigError("training option 'adam_moments_dtype' = bf16 needs the Triton AdamW of a GPU target. "
+                          "Fix: --hardware nvidia, or adam_moments_dtype=fp32")
     if cfg.indexer_replay:
         _check_indexer_replay_run(run_config, cfg)
     if cfg.weight_sync == "shared":
@@ -319,6 +322,8 @@ def validate(cfg) -> None:
         _fail("rollout_compile", cfg.rollout_compile, "must be true or false")
     _trackers(cfg.tracker)
     _cuda_graphs(cfg)
+    if cfg.adam_moments_dtype not in ("fp32", "bf16"):
+        _fail("adam_moments_dtype", cfg.adam_moments_dtype, "must be one of fp32, bf16")
     if cfg.weight_sync not in ("auto", "shared", "copy"):
         _fail("weight_sync", cfg.weight_sync, "must be one of auto, shared, copy")
     if cfg.weight_sync == "shared" and cfg.async_rollout:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from engine.tp import full_shape, tp_pieces, tp_spec
 
 from engine.fused_optim import clipped
+from engine.grad_allreduce import all_reduce_grads
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"          # the fp32 master weights (kept when the model computes in bf16)
@@ -47,10 +48,6 @@ def _is_expert(p: torch.Tensor) -> bool:
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _pieces(p: torch.nn.Parameter, flat: torch.Tensor, start: int = 0):
@@ -266,26 +263,6 @@ def _max_step(step: int) -> int:
     return int(t.item())
 
 
-def all_reduce_grads(params: List[torch.nn.Parameter], group, average: bool = False) -> None:
-    """Sum (or average) the gradients of ``params`` over ``group``, one flat all-reduce per dtype (a parameter
-    without a gradient counts as zeros, so every rank sends the same layout)."""
-    if not params or _group_size(group) == 1:
-        return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    by_dtype: Dict[torch.dtype, list] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for group_params in by_dtype.values():
-        grads = [p.grad for p in group_params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-
 class MegatronOptimizer(_Base):
     """megatron-core DDP + DistributedOptimizer (see the module docstring)."""
 
@@ -316,12 +293,14 @@ class MegatronOptimizer(_Base):
         self.opt = get_megatron_optimizer(oconfig, [self.ddp])
         for part in self._parts():
             scheduled_groups(part.optimizer.param_groups, cfg)
-        from engine.fused_optim import install, install_triton_adam
+        from engine.fused_optim import install, install_triton_adam, use_bf16_moments
 
         # torch's fused AdamW and a device-side gradient norm where megatron-core fell back to unfused ones; on a
         # GPU with Triton, one kernel for AdamW, the bf16 weights and their finite check
         self.kernels = install([part.optimizer for part in self._parts()])
         self.triton_adam = install_triton_adam(self._parts())
+        if cfg.adam_moments_dtype == "bf16":
+            use_bf16_moments(self._parts(), self.triton_adam)
         if self.triton_adam:
             self.kernels["adam"] = "Triton one-pass AdamW writing the bf16 weights (kernels.triton.adamw)"
 

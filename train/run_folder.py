@@ -123,11 +123,14 @@ def _agree_on_start(run, resume: bool) -> int:
     return int(step)
 
 
-def _compared(desc: dict, keys) -> dict:
-    """The parts of a run description that ``--resume`` must find unchanged."""
+def _compared(desc: dict, keys, defaults: dict) -> dict:
+    """The parts of a run description that ``--resume`` must find unchanged. A training option the run's saved
+    config lacks (added to TrainConfig since the run started) counts as its default (``defaults``), which keeps
+    what runs did."""
     out = {k: desc.get(k) for k in keys}
     if isinstance(out.get("train"), dict):
-        out["train"] = {k: v for k, v in out["train"].items() if k not in RESUME_MAY_CHANGE}
+        train = {**defaults, **out["train"]}
+        out["train"] = {k: v for k, v in train.items() if k not in RESUME_MAY_CHANGE}
     return out
 
 
@@ -150,7 +153,9 @@ def _write_or_check_main(run, resume: bool) -> int:
     if resume and found is not None:
         saved = json.loads(p.read_text()) if p.is_file() else None
         keys = ("mode", "train", "model_config")
-        diff = [] if saved is None else config_differences(_compared(saved, keys), _compared(desc, keys))
+        defaults = type(run.cfg)().to_json()           # TrainConfig's
+        diff = [] if saved is None else config_differences(_compared(saved, keys, defaults),
+                                                           _compared(desc, keys, defaults))
         if diff:
             raise UserInputError(f"{run.run_dir}: --resume with options that differ from the run's "
                                  f"({'; '.join(diff[:6])}{'; ...' if len(diff) > 6 else ''}); resume with "

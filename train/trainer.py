@@ -168,6 +168,9 @@ class TrainConfig:
     # None = SFT: the rank's whole batch, GRPO: one prompt group (the global batch is batch_size, or
     # prompts_per_step x group_size). Packed runs (max_tokens_per_rank) size micro-batches by tokens instead.
     micro_batch_size: Optional[int] = None
+    # Adam's two moments in fp32, or bf16 (--hardware nvidia, the Triton AdamW: 4 bytes less state per parameter,
+    # a lighter step; kernels.triton.adamw)
+    adam_moments_dtype: str = "fp32"
     # dynamic batching: pack SFT sequences / GRPO samples into THD micro-batches of at most this many
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
     max_tokens_per_rank: Optional[int] = None

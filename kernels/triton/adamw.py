@@ -10,6 +10,10 @@ weights, 4.9 ms). Here one kernel reads each element's master, gradient and mome
 moments and the bf16 weight (30 bytes an element in place of 28 + 6 + 2), and the finite check of the weights
 is one flag it raises as it writes them.
 
+Moments: fp32, or bf16 (``adam_moments_dtype=bf16``: 22 bytes an element in place of 30, and 4 fewer bytes of
+state per parameter; DeepSeek-V3 trained with bf16 moments). They are read into fp32, updated in fp32 and
+rounded to their own dtype (round to nearest) as they are written; the master and the update stay fp32.
+
 The math is torch's AdamW (``torch.optim.AdamW``, non-amsgrad): ``p *= 1 - lr * wd``; ``m = b1 m + (1 - b1) g``;
 ``v = b2 v + (1 - b2) g^2``; ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``, with the gradient
 divided by ``grad_scale`` where clipping set one (``engine.fused_optim.clipped``), in fp32 (``b^t`` by
@@ -45,13 +49,13 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, idx, n, bad, has_out, deca
         mask = idx < n
         g = tl.load(g_ptr + idx, mask=mask, other=0.0)
         p = tl.load(p_ptr + idx, mask=mask, other=0.0)
-        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
-        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     else:
         g = tl.load(g_ptr + idx)
         p = tl.load(p_ptr + idx)
-        m = tl.load(m_ptr + idx)
-        v = tl.load(v_ptr + idx)
+        m = tl.load(m_ptr + idx).to(tl.float32)
+        v = tl.load(v_ptr + idx).to(tl.float32)
     if HAS_SCALE:
         g = g * inv_scale
     p = p * decay
@@ -61,8 +65,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, idx, n, bad, has_out, deca
     written = p
     if MASKED:
         tl.store(p_ptr + idx, p, mask=mask)
-        tl.store(m_ptr + idx, m, mask=mask)
-        tl.store(v_ptr + idx, v, mask=mask)
+        tl.store(m_ptr + idx, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + idx, v.to(v_ptr.dtype.element_ty), mask=mask)
         if has_out != 0:
             q = p.to(tl.bfloat16)
             tl.store(out_ptr + idx, q, mask=mask)
@@ -70,8 +74,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, idx, n, bad, has_out, deca
         bad = tl.maximum(bad, ((written - written) != 0.0).to(tl.int32) * mask.to(tl.int32))
     else:
         tl.store(p_ptr + idx, p)
-        tl.store(m_ptr + idx, m)
-        tl.store(v_ptr + idx, v)
+        tl.store(m_ptr + idx, m.to(m_ptr.dtype.element_ty))
+        tl.store(v_ptr + idx, v.to(v_ptr.dtype.element_ty))
         if has_out != 0:
             q = p.to(tl.bfloat16)
             tl.store(out_ptr + idx, q)
@@ -83,7 +87,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, idx, n, bad, has_out, deca
 @triton.jit
 def _adamw_chunks(chunk_tensor, chunk_start, P, G, M, V, OUT, p_off, g_off, m_off, v_off, o_off, has_outs,
                   step_ptrs, numels, wds, grad_scale_ptr, flag_ptr, lr, beta1, beta2, eps,
-                  HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, MOMENT_VEC: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr):
     c = tl.program_id(0)
     t = tl.load(chunk_tensor + c)
     start = tl.load(chunk_start + c)
@@ -96,8 +101,8 @@ def _adamw_chunks(chunk_tensor, chunk_start, P, G, M, V, OUT, p_off, g_off, m_of
     if ALIGNED:     # every tensor starts 16 bytes into its stream's base: 4 fp32 / 8 bf16 elements per access
         po = tl.multiple_of(po, 4)
         go = tl.multiple_of(go, 4)
-        mo = tl.multiple_of(mo, 4)
-        vo = tl.multiple_of(vo, 4)
+        mo = tl.multiple_of(mo, MOMENT_VEC)
+        vo = tl.multiple_of(vo, MOMENT_VEC)
         oo = tl.multiple_of(oo, 8)
         start = tl.multiple_of(start, CHUNK)
     has_out = tl.load(has_outs + t)
@@ -200,10 +205,15 @@ class MultiTensorAdamW:
             plan = self._plans[key] = _Plan(rows, wds, params[0].device)   # one per parameter group
         if any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads):
             raise ValueError("MultiTensorAdamW: gradients must be contiguous fp32 tensors")
+        moments = {t.dtype for t in (*exp_avgs, *exp_avg_sqs)}
+        if len(moments) != 1 or not moments <= {torch.float32, torch.bfloat16}:
+            raise ValueError(f"MultiTensorAdamW: the moments must be all fp32 or all bf16, not "
+                             f"{sorted(map(str, moments))}")
         scale = grad_scale if grad_scale is not None else flag
         grid = (plan.chunk_tensor.numel(),)
         with torch.profiler.record_function("dsv4_triton::adamw"):      # a named op for the step's profile
             _adamw_chunks[grid](plan.chunk_tensor, plan.chunk_start, *plan.bases, *plan.offsets, plan.has_out,
                                 plan.steps, plan.numels, plan.wds, scale, flag, float(lr), float(beta1),
                                 float(beta2), float(eps), HAS_SCALE=grad_scale is not None, ALIGNED=plan.aligned,
-                                CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                MOMENT_VEC=16 // exp_avgs[0].element_size(), CHUNK=CHUNK, BLOCK=BLOCK,
+                                num_warps=NUM_WARPS)

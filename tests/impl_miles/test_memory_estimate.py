@@ -69,6 +69,10 @@ def test_optimizer_follows_megatrons_distributed_optimizer_table():
         fp32 = estimate_memory(TINY, dtype="fp32", world=d)
         assert 8 * (low + kept) / d <= fp32.optimizer <= 8 * (low + kept) / d + 2
         assert fp32.gradients == bf16.gradients == 4 * (low + kept)
+        # adam_moments_dtype=bf16: m and v take 2 bytes each (fp32 master unchanged)
+        half = estimate_memory(TINY, dtype="bf16", world=d, moments="bf16")
+        assert (8 * low + 4 * kept) / d <= half.optimizer <= (8 * low + 4 * kept) / d + 2
+        assert half.moments == "bf16" and half.total == bf16.total - (bf16.optimizer - half.optimizer)
     # experts are sharded over the expert data-parallel group, dense weights over data x context parallel
     e = estimate_memory(TINY, ep=2, cp=2, world=8)
     assert (e.dp, e.dense_shards, e.expert_shards) == (4, 8, 4)

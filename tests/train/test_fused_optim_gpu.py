@@ -269,3 +269,87 @@ def test_copy_first_gradient_buffer_equals_megatron_cores_accumulation():
             assert torch.equal(p.main_grad, q.main_grad), (step, n)
         assert bool(b[2].weight.main_grad.abs().sum() == 0) == frozen
 
+
+
+def _adamw_bf16_moments_definition(p, grads, lr, betas, eps, wd):
+    """AdamW by its definition in float64 with both moments rounded to bf16 after every update (what the kernel
+    stores); returns (p, m, v)."""
+    p, m, v = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p *= 1 - lr * wd
+        m = (betas[0] * m + (1 - betas[0]) * g).to(torch.bfloat16).double()
+        v = (betas[1] * v + (1 - betas[1]) * g * g).to(torch.bfloat16).double()
+        p -= lr / (1 - betas[0] ** t) * m / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+    return p, m, v
+
+
+def test_kernel_with_bf16_moments_matches_the_definition():
+    """``adam_moments_dtype=bf16``: the kernel reads bf16 moments into fp32 and writes them back rounded; masters
+    and moments follow AdamW's definition with bf16-rounded moments (a moment one bf16 step off moves the update
+    by about 0.4% of lr), over sizes around the chunk and block edges."""
+    from kernels.triton.adamw import BLOCK, CHUNK, MultiTensorAdamW
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sizes = [1, BLOCK + 1, CHUNK + 3, 2 * CHUNK - 5]
+    params = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+    start = [p.clone() for p in params]
+    ms = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
+    vs = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
+    steps = [torch.zeros((), device="cuda") for _ in params]
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    kernel, grads = MultiTensorAdamW(), []
+    for _ in range(3):
+        g = [torch.randn(n, device="cuda", generator=gen) * 1e-3 for n in sizes]
+        grads.append(g)
+        torch._foreach_add_(steps, 1.0)
+        kernel.step(params, g, ms, vs, steps, [None] * len(sizes), [0.1] * len(sizes), lr=1e-2, beta1=0.9,
+                    beta2=0.95, eps=1e-8, grad_scale=None, flag=flag)
+    assert int(flag) == 0 and all(m.dtype == torch.bfloat16 for m in ms + vs)
+    for i, p in enumerate(params):
+        want_p, want_m, want_v = _adamw_bf16_moments_definition(start[i], [g[i] for g in grads], 1e-2, (0.9, 0.95),
+                                                                1e-8, 0.1)
+        torch.testing.assert_close(ms[i].double(), want_m, rtol=2 ** -7, atol=1e-12)
+        torch.testing.assert_close(vs[i].double(), want_v, rtol=2 ** -7, atol=1e-15)
+        torch.testing.assert_close(p.double(), want_p, rtol=0, atol=3e-4)
+    with pytest.raises(ValueError, match="all fp32 or all bf16"):
+        kernel.step(params, grads[0], ms[:1] + [torch.zeros_like(p) for p in params[1:]], vs, steps,
+                    [None] * len(sizes), [0.1] * len(sizes), lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                    grad_scale=None, flag=flag)
+
+
+def test_bf16_moments_train_like_fp32_moments_and_round_trip_a_checkpoint():
+    """``adam_moments_dtype=bf16`` through the trainer's optimizer: both moments are bf16 (half the state), three
+    steps land near the fp32-moment steps, and the state saved and loaded back is the same bf16 tensors."""
+    from train.optim import MegatronOptimizer
+    from train.trainer import TrainConfig
+
+    rc = _run_config("bf16")
+    a_model, b_model = _model(rc), _model(rc)
+    b_model.load_state_dict(a_model.state_dict())
+    a = MegatronOptimizer(a_model, TrainConfig(lr=1e-3, adam_moments_dtype="bf16"), dtype=torch.bfloat16)
+    b = MegatronOptimizer(b_model, TrainConfig(lr=1e-3), dtype=torch.bfloat16)
+    for seed in range(3):
+        ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(seed)).cuda()
+        _step(a_model, a, ids)
+        _step(b_model, b, ids)
+    for n, p in a.named.items():
+        st, ref = a._states(p), b._states(b.named[n])
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16, n
+        assert ref["exp_avg"].dtype == torch.float32, n
+        torch.testing.assert_close(st["param"], ref["param"], rtol=0, atol=2e-4)
+    saved, steps = a.shard_state()
+    saved = {k: [t.clone() for *_box, t in pieces] for k, (_shape, pieces) in saved.items()}
+    assert any(t.dtype == torch.bfloat16 for pieces in saved.values() for t in pieces)
+
+    def read(wanted):
+        for k, pieces in wanted.items():
+            for (*_box, dst), src in zip(pieces, saved[k]):
+                assert dst.dtype == src.dtype, k
+                dst.copy_(src)
+
+    c = MegatronOptimizer(_model(rc), TrainConfig(lr=1e-3, adam_moments_dtype="bf16"), dtype=torch.bfloat16)
+    c.load_shard_state(read, steps)
+    for n, p in c.named.items():
+        got, want = c._states(p), a._states(a.named[n])
+        assert torch.equal(got["exp_avg"], want["exp_avg"]) and torch.equal(got["exp_avg_sq"], want["exp_avg_sq"]), n

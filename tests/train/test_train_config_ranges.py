@@ -20,6 +20,7 @@ from core.config import ConfigError
     ("grad_clip", 0.0, "> 0"),
     ("save_every", 0, r"1 \.\."),
     ("kl_coef", -0.1, ">= 0"),
+    ("adam_moments_dtype", "fp16", "one of fp32, bf16"),
 ])
 def test_out_of_range_train_config_is_refused(key, value, allowed):
     from train.trainer import TrainConfig
@@ -37,4 +38,17 @@ def test_run_training_refuses_a_nan_lr_before_creating_anything(tmp_path):
     with pytest.raises(ConfigError, match="lr"):
         run_training(run_config("miles", preset("tiny")), preset("tiny"), mode="sft", steps=1, run_dir=tmp_path / "run", lr=math.nan,
                      progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bf16_adam_moments_are_refused_off_the_gpu_before_creating_anything(tmp_path):
+    """Only the Triton AdamW of a GPU target keeps bf16 moments; on the CPU the key is refused, not ignored."""
+    from core.config import preset
+    from orchestration import run_training
+
+    from ._impl_helpers import run_config
+
+    with pytest.raises(ConfigError, match="adam_moments_dtype.*Fix: --hardware nvidia"):
+        run_training(run_config("miles", preset("tiny")), preset("tiny"), mode="sft", steps=1, run_dir=tmp_path / "run",
+                     adam_moments_dtype="bf16", progress=False)
     assert not (tmp_path / "run").exists()
