@@ -72,7 +72,10 @@ class CopyFirstDDP(DistributedDataParallel):
                 cast_into(main, grad, accumulate)
                 self.kernel_casts += 1
                 return
-        main.add_(grad) if accumulate else main.copy_(grad)
+        if accumulate:
+            main.add_(grad)
+        else:
+            main.copy_(grad)
         self.torch_casts += 1
 
     def zero_grad_buffer(self):

@@ -4,8 +4,14 @@
 Why: torch's mixed-dtype ``copy_`` / ``add_`` (bf16 in, fp32 out) is not vectorized and ran near half the HBM
 bandwidth: 14.5 ms of the Flash-shaped training step on one H200 went to ``engine.grad_buffers.CopyFirstDDP``'s
 copies and adds (docs/kernels-and-benchmarks.md). Here every full block is read and written with unmasked 16-byte
-accesses (the offsets are multiples of the block, so Triton knows their alignment, as in ``kernels/triton/adamw.py``'s
-``ALIGNED`` path); only the tail block is masked, in a second launch.
+accesses where the pointers allow (the offsets are multiples of the block, so Triton knows their alignment, as in
+``kernels/triton/adamw.py``'s ``ALIGNED`` path); only a head and a tail are masked, in launches of their own.
+
+Alignment: a parameter's view into megatron-core's fp32 buffer need not start on a 16-byte boundary, and the fp32
+stores are two thirds of the bytes moved, so the unmasked body starts at the buffer's first 16-byte boundary (the
+up to three elements before it are the masked head). Triton specializes a launch on its pointers' 16-byte
+alignment, so the body's stores are 16 bytes wide; the bf16 loads are as wide as the gradient's alignment at that
+element allows (16 bytes when both line up, as for a parameter at an aligned offset of the buffer).
 
 Results: bit-identical to torch's. bf16 -> fp32 is exact, so the copy is exact, and the add is one fp32 addition
 of the same two fp32 values (``main + float(grad)``, round to nearest even) that torch's ``add_`` does.
@@ -61,12 +67,13 @@ def cast_into(dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> torch.T
     if why:
         raise ValueError(f"triton cast_into: {why}")
     n = src.numel()
-    full = n // BLOCK * BLOCK
+    flat_src, flat_dst = src.view(-1), dst.view(-1)
+    head = min(n, (-(dst.data_ptr() // 4)) % 4)          # elements before the buffer's first 16-byte boundary
+    body = (n - head) // BLOCK * BLOCK
     with torch.profiler.record_function("dsv4_triton::cast_into"):     # a named op for the step's profile
-        if full:
-            _cast_kernel[(full // BLOCK,)](src, dst, n, ACCUMULATE=accumulate, MASKED=False, BLOCK=BLOCK,
-                                           num_warps=NUM_WARPS)
-        if full < n:
-            _cast_kernel[(1,)](src.view(-1)[full:], dst.view(-1)[full:], n - full, ACCUMULATE=accumulate,
-                               MASKED=True, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        for start, count, masked in ((head, body, False), (0, head, True), (head + body, n - head - body, True)):
+            if count:
+                _cast_kernel[(triton.cdiv(count, BLOCK),)](flat_src[start:], flat_dst[start:], count,
+                                                           ACCUMULATE=accumulate, MASKED=masked, BLOCK=BLOCK,
+                                                           num_warps=NUM_WARPS)
     return dst

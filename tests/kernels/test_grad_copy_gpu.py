@@ -28,6 +28,23 @@ def test_cast_into_equals_torch(n, accumulate):
     assert got is main and torch.equal(main, want)
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3, 5])
+def test_cast_into_at_unaligned_offsets(offset):
+    """Views that start off a 16-byte boundary (a parameter inside megatron-core's fp32 buffer): the masked head up
+    to the boundary, the unmasked body, the tail, and nothing outside the view written."""
+    from kernels.triton.grad_copy import cast_into
+
+    dev = triton_device()
+    n = 4096 + 37
+    g = torch.Generator().manual_seed(offset)
+    buffer = torch.randn(n + 16, generator=g).to(dev)
+    grads = (torch.randn(n + 16, generator=g) * 10).bfloat16().to(dev)
+    want = buffer.clone()
+    want[offset:offset + n].add_(grads[3:3 + n])
+    cast_into(buffer[offset:offset + n], grads[3:3 + n], True)
+    assert torch.equal(buffer, want)
+
+
 def test_cast_into_refuses_what_it_cannot_serve():
     from kernels.triton.grad_copy import cast_into
 
