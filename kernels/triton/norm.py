@@ -183,8 +183,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`kernels.reference.layers.rms_norm` in one kernel each way: ``x [..., D]`` (CUDA, bf16/fp16/fp32),
     ``weight [D]`` (bf16/fp16/fp32: the model's dtype, or fp32 for an fp32-kept weight) -> ``[..., D]`` in x's
     dtype, within one rounding of it from the reference (same rounding order; the row sums' order differs).
-    Differentiable in ``x`` and ``weight``. Anything else (fp64, a weight that is not ``[D]``, ``D == 0``) is
-    refused with the reason."""
+    Differentiable in ``x`` and ``weight``. A non-contiguous ``x`` is copied to rows first (as the other
+    elementwise entry points do: the same result, one more pass). Anything else (fp64, a weight that is not
+    ``[D]``, ``D == 0``) is refused with the reason."""
     gpu_common.check_op_input("rms_norm", x, "x")
     gpu_common.check_op_input("rms_norm", weight, "weight")
     if x.dim() < 1 or x.shape[-1] == 0 or weight.shape != x.shape[-1:]:
