@@ -2,7 +2,7 @@
 (``kernels.reference.layers.rms_norm``), and ``engine.layers.RMSNorm`` running it from the triton op table.
 
 Oracle: the reference op in fp64 on the same inputs (weight included). The kernel rounds in the reference's order;
-only the row sums' order differs, so outputs are held to one rounding of the output dtype (``test_norm_gpu._within``;
+only the row sums' order differs, so outputs are held to one rounding of the output dtype (``_backends.within``;
 two under the interpreter, which truncates). ``dw`` is a sum over rows: held to a few fp32 steps of the sum of
 magnitudes. Cases: bf16 and fp32 inputs, bf16 and fp32 (``keep_fp32``) weights, odd row counts and dims that are not
 powers of two, zero rows, large values. With no GPU, ``TRITON_INTERPRET=1`` runs these small shapes.
@@ -13,8 +13,7 @@ import torch
 
 from kernels.reference.layers import rms_norm as reference
 
-from ._backends import triton_device
-from .test_norm_gpu import _within
+from ._backends import triton_device, within as _within
 
 pytestmark = pytest.mark.gpu
 
