@@ -37,6 +37,7 @@ OP_NAMES = (
     "hc_head",
     "apply_rope",
     "rms_normalize",
+    "rms_norm",
     "weighted_swiglu",
 )
 

@@ -11,20 +11,35 @@ previous step's gradient in the buffer, so :meth:`CopyFirstDDP.settle_grad_buffe
 anything reads or reduces the buffer (``train.optim.MegatronOptimizer.step`` calls it first). The buffer's
 padding is zeroed when the buffer is made and never written. Buckets with megatron-core's "extra main grads"
 and overlapped reduction (which hooks the buffer per bucket as gradients arrive) keep megatron-core's own path.
+
+The copy and the add (bf16 gradient into the fp32 buffer) are torch's mixed-dtype ``copy_`` / ``add_``, which
+are not vectorized (14.5 ms of the Flash-shaped step). With a kernel backend that ships the Triton kernels
+(``kernel_backend`` in :data:`TRITON_BACKENDS`) and tensors it takes (bf16 into fp32, contiguous, CUDA), they are
+one Triton kernel each (``kernels.triton.grad_copy.cast_into``); otherwise the torch op, on purpose: the result is
+bit-identical either way (bf16 -> fp32 is exact, and the add is the same fp32 addition), so this is a choice of
+speed, not of semantics. ``kernel_casts`` / ``torch_casts`` count which one served.
 """
 
 from __future__ import annotations
 
+import torch
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
-__all__ = ["CopyFirstDDP"]
+__all__ = ["CopyFirstDDP", "TRITON_BACKENDS"]
+
+# The kernel backends whose runs have Triton on CUDA (the cuda backend is the triton one plus a CUDA attention).
+TRITON_BACKENDS = ("triton", "cuda")
 
 
 class CopyFirstDDP(DistributedDataParallel):
-    """See the module docstring. Same constructor as megatron-core's ``DistributedDataParallel``."""
+    """See the module docstring. Same constructor as megatron-core's ``DistributedDataParallel``, plus the run's
+    ``kernel_backend`` (its name: the Triton cast kernel serves the runs of :data:`TRITON_BACKENDS`)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, kernel_backend: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
+        self.cast_kernel = kernel_backend in TRITON_BACKENDS
+        self.kernel_casts = self.torch_casts = 0
         extra = any(bucket.params_with_extra_main_grads for buffer in self.buffers + self.expert_parallel_buffers
                     for bucket in buffer.buckets)
         self.copies_first = not (extra or self.ddp_config.overlap_grad_reduce)
@@ -34,15 +49,34 @@ class CopyFirstDDP(DistributedDataParallel):
         parent = super()._make_backward_post_hook(param)
 
         def hook(*unused):
-            if param in self._fresh and param.grad is not None \
-                    and not getattr(param, "grad_added_to_main_grad", False):
-                self._fresh.discard(param)
-                param.main_grad.copy_(param.grad.data)
-                param.grad = None
-                return
-            parent(*unused)                   # adds into the buffer (and, overlapped, reduces)
+            grad = param.grad
+            if grad is None or getattr(param, "grad_added_to_main_grad", False):
+                return parent(*unused)
+            fresh = param in self._fresh
+            if not fresh and (not self.copies_first or param not in self.param_to_bucket_group
+                              or getattr(param, "zero_out_wgrad", False) or is_graph_capturing()):
+                return parent(*unused)        # megatron-core's add (and, overlapped, its reduction)
+            self._fresh.discard(param)
+            self._into_main_grad(param.main_grad, grad.data, accumulate=not fresh)
+            param.grad = None
 
         return hook
+
+    def _into_main_grad(self, main: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
+        """``main.add_(grad)`` / ``main.copy_(grad)``: the Triton kernel where the run has it and it takes these
+        tensors, else the torch op (bit-identical results; see the module docstring)."""
+        if self.cast_kernel:
+            from kernels.triton.grad_copy import cast_into, cast_into_refusal
+
+            if not cast_into_refusal(main, grad):
+                cast_into(main, grad, accumulate)
+                self.kernel_casts += 1
+                return
+        if accumulate:
+            main.add_(grad)
+        else:
+            main.copy_(grad)
+        self.torch_casts += 1
 
     def zero_grad_buffer(self):
         if not self.copies_first:

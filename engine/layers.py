@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference.layers import rms_normalize
+from kernels.reference.layers import rms_norm
 
 from .runtime import ensure_megatron
 from .tp import keeps_fp32, mark_keep_in_fp32
@@ -63,18 +63,23 @@ class Linear(nn.Module):
 
 class RMSNorm(KeepFP32Module):
     """``x * rsqrt(mean(x^2) + eps) * w``, math in fp32, result in x's dtype. ``keep_fp32``
-    marks the weight fp32-kept (compressor norms)."""
+    marks the weight fp32-kept (compressor norms).
 
-    def __init__(self, dim: int, eps: float = 1e-6, dtype=torch.float32, keep_fp32: bool = False):
+    ``ops``: the run's op table; its ``rms_norm`` does the work (the triton backend's kernel, one pass each way;
+    fp32-kept weights included). Built without one (tests, tools that build a module alone), the reference op
+    ``kernels.reference.layers.rms_norm`` does, the same math. Held as ``self.ops`` so that
+    ``engine.compile.compile_blocks`` swaps in its copy of the table as for every module holding the table."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=torch.float32, keep_fp32: bool = False, ops=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32 if keep_fp32 else dtype))
         if keep_fp32:
             mark_keep_in_fp32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_normalize(x, self.eps)
-        return (y * self.weight.to(y.dtype)).to(x.dtype)
+        norm = rms_norm if self.ops is None else self.ops.rms_norm
+        return norm(x, self.weight, self.eps)
 
 
 @functools.cache

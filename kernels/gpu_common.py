@@ -60,7 +60,8 @@ def interpreting() -> bool:
 
 
 def op_refusal(op: str, why: str) -> ValueError:
-    """The one-line refusal of a triton elementwise op (``apply_rope``, ``rms_normalize``, ``weighted_swiglu``)."""
+    """The one-line refusal of a triton elementwise op (``apply_rope``, ``rms_normalize``, ``rms_norm``,
+    ``weighted_swiglu``)."""
     return ValueError(f"triton {op}: {why}; run with --kernel-backend none for this input")
 
 
@@ -193,8 +194,8 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
-    ``rope`` module, ``rms_normalize`` of its ``norm`` module and ``weighted_swiglu`` of its ``swiglu`` module
-    when it has them; the reference ops (backend ``none``) for every op it has no kernel for."""
+    ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module and ``weighted_swiglu`` of its
+    ``swiglu`` module when it has them; the reference ops (backend ``none``) for every op it has no kernel for."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -210,6 +211,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         own["apply_rope"] = rope.apply_rope
     if norm is not None:
         own["rms_normalize"] = norm.rms_normalize
+        own["rms_norm"] = norm.rms_norm
     if swiglu is not None:
         own["weighted_swiglu"] = swiglu.weighted_swiglu
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}

@@ -24,7 +24,8 @@ tensors):
   ``sinkhorn(logits [T,n,n], iters, eps) -> [T,n,n]``, each with a ``<name>_bwd`` op;
 * triton only, ``rope(x [R,D], cos [N,r/2] fp32, sin, heads, inverse) -> [R,D]``: its backward is the same op
   with ``not inverse`` (a rotation's inverse); ``rms_normalize(x [R,D], eps, out_dtype) -> [R,D]`` with
-  ``rms_normalize_bwd(x, dy, eps) -> dx``; ``weighted_swiglu(h [N,2F], w [N], limit, out_dtype) -> [N,F]`` with
+  ``rms_normalize_bwd(x, dy, eps) -> dx``; ``rms_norm(x [R,D], w [D], eps) -> [R,D]`` (x's dtype) with
+  ``rms_norm_bwd(x, w, dy, eps) -> (dx, dw)``; ``weighted_swiglu(h [N,2F], w [N], limit, out_dtype) -> [N,F]`` with
   ``weighted_swiglu_bwd(h, w, da, limit) -> (dh, dw)``.
 
 The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
@@ -309,7 +310,34 @@ def _norm_ops(ns: str, module: str) -> dict:
         return rms_normalize_bwd(x, dy.contiguous(), ctx.eps), None, None
 
     rms_normalize.register_autograd(backward, setup_context=setup)
-    return dict(rms_normalize=rms_normalize, rms_normalize_bwd=rms_normalize_bwd)
+    return dict(rms_normalize=rms_normalize, rms_normalize_bwd=rms_normalize_bwd, **_weighted_norm_ops(ns, module))
+
+
+def _weighted_norm_ops(ns: str, module: str) -> dict:
+    @torch.library.custom_op(f"{ns}::rms_norm", mutates_args=())
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return _launcher(module, "rms_norm_launch")(x, w, eps)
+
+    rms_norm.register_fake(lambda x, w, eps: torch.empty_like(x))
+
+    @torch.library.custom_op(f"{ns}::rms_norm_bwd", mutates_args=())
+    def rms_norm_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launcher(module, "rms_norm_bwd_launch")(x, w, dy, eps)
+
+    rms_norm_bwd.register_fake(lambda x, w, dy, eps: (torch.empty_like(x), torch.empty_like(w)))
+
+    def setup(ctx, inputs, output):
+        x, w, ctx.eps = inputs
+        ctx.save_for_backward(x, w)
+
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(x, w, dy.contiguous(), ctx.eps)
+        return dx, dw, None
+
+    rms_norm.register_autograd(backward, setup_context=setup)
+    return dict(rms_norm=rms_norm, rms_norm_bwd=rms_norm_bwd)
 
 
 def _swiglu_ops(ns: str, module: str) -> dict:
@@ -350,7 +378,7 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
         ops.update(_indexer_ops(ns, f"{package}.indexer"))
     if mhc:
         ops.update(_mhc_ops(ns, package))
-    if elementwise:              # the fused elementwise kernels: RoPE, the query norm, the experts' SwiGLU
+    if elementwise:              # the fused elementwise kernels: RoPE, the RMS norms, the experts' SwiGLU
         ops.update(_rope_ops(ns, f"{package}.rope"))
         ops.update(_norm_ops(ns, f"{package}.norm"))
         ops.update(_swiglu_ops(ns, f"{package}.swiglu"))

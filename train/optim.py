@@ -268,7 +268,7 @@ class MegatronOptimizer(_Base):
 
     kind = "megatron-distributed"
 
-    def __init__(self, model, cfg, *, dtype: torch.dtype):
+    def __init__(self, model, cfg, *, dtype: torch.dtype, kernel_backend: str = "none"):
         super().__init__(model, cfg)
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -285,7 +285,8 @@ class MegatronOptimizer(_Base):
                                     params_dtype=dtype, calculate_per_token_loss=True)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True, bucket_size=40_000_000)
-        self.ddp = CopyFirstDDP(tconfig, ddp_config, inner)      # a step's first gradient copied, not added
+        # a step's first gradient copied, not added; by the Triton cast kernel in a triton/cuda backend's run
+        self.ddp = CopyFirstDDP(tconfig, ddp_config, inner, kernel_backend=kernel_backend)
         beta1, beta2 = tuple(cfg.betas)
         oconfig = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   adam_beta1=beta1, adam_beta2=beta2, bf16=bf16, params_dtype=dtype,
@@ -423,5 +424,5 @@ def build_optimizer(model, cfg, run_config=None):
     """The run's optimizer: megatron-core's distributed optimizer on a GPU target, else torch's AdamW."""
     gpu = run_config is not None and run_config.selection.hardware.gpu and hasattr(model, "module")
     if gpu:
-        return MegatronOptimizer(model, cfg, dtype=run_config.torch_dtype)
+        return MegatronOptimizer(model, cfg, dtype=run_config.torch_dtype, kernel_backend=run_config.kernel_backend)
     return TorchOptimizer(model, cfg)

@@ -115,7 +115,7 @@ class Compressor(KeepFP32Module, MegatronModule):
         self.linear_wkv = _column(config, config.hidden_size, coff * head_dim)
         self.linear_wgate = _column(config, config.hidden_size, coff * head_dim)
         self.ape = mark_keep_in_fp32(nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32)))
-        self.norm = RMSNorm(head_dim, config.layernorm_epsilon, keep_fp32=True)
+        self.norm = RMSNorm(head_dim, config.layernorm_epsilon, keep_fp32=True, ops=ops)   # fp32 weight: served
 
     def forward(self, x: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor) -> torch.Tensor:
         """``x [T, C]`` -> compressed entries ``[G, c]`` (segment-major flat list; dtype of x)."""
@@ -375,10 +375,10 @@ class DSv4HybridAttention(MegatronModule):
         H, D, G, R = self.n_heads, self.head_dim, self.o_groups, self.o_lora_rank
         pdt = c.params_dtype
         self.linear_q_down_proj = _column(c, c.hidden_size, c.q_lora_rank)
-        self.q_layernorm = RMSNorm(c.q_lora_rank, c.layernorm_epsilon, dtype=pdt)
+        self.q_layernorm = RMSNorm(c.q_lora_rank, c.layernorm_epsilon, dtype=pdt, ops=ops)
         self.linear_q_up_proj = _column(c, c.q_lora_rank, H * D)
         self.linear_kv_proj = _column(c, c.hidden_size, D)
-        self.kv_layernorm = RMSNorm(D, c.layernorm_epsilon, dtype=pdt)
+        self.kv_layernorm = RMSNorm(D, c.layernorm_epsilon, dtype=pdt, ops=ops)
         self.linear_o_group_proj = nn.Parameter(torch.empty(G * R, H * D // G, dtype=pdt))
         if c.perform_initialization:   # off: a checkpoint fills it (build_model(initialize=False))
             with torch.no_grad():

@@ -63,10 +63,10 @@ class DSv4TransformerLayer(MegatronModule):
         c = config
         self.layer_id = layer_id
         self.self_attention_hyper_connection = HyperConnectionModule(c, ops)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype, ops=ops)
         self.self_attention = DSv4HybridAttention(c, layer_id, ops)
         self.mlp_hyper_connection = HyperConnectionModule(c, ops)
-        self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype, ops=ops)
         self.mlp = DSv4MoE(c.dsv4_model_config, c, layer_id, params_dtype=c.params_dtype,
                            std=c.init_method_std if c.perform_initialization else None, ops=ops)
 
@@ -89,7 +89,8 @@ class DSv4TransformerBlock(KeepFP32Module, MegatronModule):
         super().__init__(config=config)
         self.ops = ops
         self.layers = nn.ModuleList(DSv4TransformerLayer(config, i, ops) for i in range(config.num_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype=config.params_dtype)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype=config.params_dtype,
+                                       ops=ops)
         register_head_params(self, config)
 
     def forward(self, streams: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):
@@ -115,8 +116,8 @@ class DSv4MTPLayer(KeepFP32Module, MegatronModule):
         super().__init__(config=config)
         c = config
         self.ops = ops
-        self.enorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
-        self.hnorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.enorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype, ops=ops)
+        self.hnorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype, ops=ops)
         self.e_proj = tensor_parallel.ColumnParallelLinear(
             c.hidden_size, c.hidden_size, config=c, init_method=c.init_method, bias=False,
             gather_output=True, skip_bias_add=True)
@@ -124,7 +125,7 @@ class DSv4MTPLayer(KeepFP32Module, MegatronModule):
             c.hidden_size, c.hidden_size, config=c, init_method=c.init_method, bias=False,
             gather_output=True, skip_bias_add=True)
         self.mtp_model_layer = DSv4TransformerLayer(c, c.num_layers + k, ops)
-        self.final_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype)
+        self.final_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, dtype=c.params_dtype, ops=ops)
         register_head_params(self, c)
 
     def forward(self, streams: torch.Tensor, emb: torch.Tensor, layout: ThdLayout, input_ids: torch.Tensor):

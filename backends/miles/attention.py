@@ -69,7 +69,7 @@ class DSv4Compressor(KeepFP32Module):
     the math is the reference ``Compressor.forward`` (called on this module)."""
 
     def __init__(self, dim: int, head_dim: int, rope_dim: int, ratio: int, rotate: bool, norm_eps: float,
-                 params_dtype=torch.float32, std: float | None = 0.02):
+                 params_dtype=torch.float32, std: float | None = 0.02, ops=None):
         super().__init__()
         self.head_dim, self.rope_dim, self.ratio, self.rotate = head_dim, rope_dim, ratio, rotate
         self.overlap = ratio == 4
@@ -78,7 +78,7 @@ class DSv4Compressor(KeepFP32Module):
         self.linear_wgate = Linear(dim, coff * head_dim, params_dtype, std)
         self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32))
         mark_keep_in_fp32(self.ape)
-        self.norm = RMSNorm(head_dim, norm_eps, keep_fp32=True)
+        self.norm = RMSNorm(head_dim, norm_eps, keep_fp32=True, ops=ops)   # fp32 weight: the kernel takes it
 
     # the reference forward addresses the projections by their official names
     wkv = property(lambda self: self.linear_wkv)
@@ -91,14 +91,14 @@ class DSv4Compressor(KeepFP32Module):
 class DSv4Indexer(nn.Module):
     """Lightning indexer (CSA layers) with native names; math of the reference ``Indexer``."""
 
-    def __init__(self, c, params_dtype=torch.float32, std: float | None = 0.02):
+    def __init__(self, c, params_dtype=torch.float32, std: float | None = 0.02, ops=None):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
         self.ratio = 4
         self.linear_wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, params_dtype, std)
         self.linear_weights_proj = Linear(c.dim, c.index_n_heads, params_dtype, std)
         self.compressor = DSv4Compressor(c.dim, c.index_head_dim, c.rope_head_dim, 4, True, c.norm_eps,
-                                         params_dtype, std)
+                                         params_dtype, std, ops)
 
     wq_b = property(lambda self: self.linear_wq_b)
     weights_proj = property(lambda self: self.linear_weights_proj)
@@ -112,7 +112,7 @@ class DSv4CoreAttention(KeepFP32Module):
     """``core_attention``: the sink (fp32, this rank's heads), compressor and indexer."""
 
     def __init__(self, c, layer_id: int, n_local_heads: int, params_dtype=torch.float32,
-                 std: float | None = 0.02):
+                 std: float | None = 0.02, ops=None):
         super().__init__()
         self.ratio = c.compress_ratios[layer_id]
         self.attn_sink = nn.Parameter(torch.zeros(n_local_heads, dtype=torch.float32))
@@ -120,9 +120,9 @@ class DSv4CoreAttention(KeepFP32Module):
         mark_tp(self.attn_sink, 0)
         if self.ratio:
             self.compressor = DSv4Compressor(c.dim, c.head_dim, c.rope_head_dim, self.ratio, False, c.norm_eps,
-                                             params_dtype, std)
+                                             params_dtype, std, ops)
             if self.ratio == 4:
-                self.indexer = DSv4Indexer(c, params_dtype, std)
+                self.indexer = DSv4Indexer(c, params_dtype, std, ops)
 
 
 class DeepSeekV4Attention(nn.Module):
@@ -158,12 +158,12 @@ class DeepSeekV4Attention(nn.Module):
         init = lambda w: torch.nn.init.normal_(w, 0.0, std)  # noqa: E731
 
         self.linear_q_down_proj = Linear(c.dim, c.q_lora_rank, params_dtype, std)
-        self.q_layernorm = RMSNorm(c.q_lora_rank, c.norm_eps, params_dtype)
+        self.q_layernorm = RMSNorm(c.q_lora_rank, c.norm_eps, params_dtype, ops=ops)
         self.linear_q_up_proj = tensor_parallel.ColumnParallelLinear(
             c.q_lora_rank, c.n_heads * c.head_dim, config=tconfig, init_method=init, bias=False,
             gather_output=False, tp_group=parallel_layout().group("tp"))
         self.linear_kv_proj = Linear(c.dim, c.head_dim, params_dtype, std)
-        self.kv_layernorm = RMSNorm(c.head_dim, c.norm_eps, params_dtype)
+        self.kv_layernorm = RMSNorm(c.head_dim, c.norm_eps, params_dtype, ops=ops)
         group_in = c.n_heads * c.head_dim // c.o_groups
         self.linear_o_group_proj = nn.Parameter(
             init_normal_(torch.empty(self.n_local_groups * c.o_lora_rank, group_in, dtype=params_dtype), std))
@@ -171,7 +171,7 @@ class DeepSeekV4Attention(nn.Module):
         self.linear_proj = row_parallel_linear(
             c.o_groups * c.o_lora_rank, c.dim, config=tconfig, init_method=init, bias=False,
             input_is_parallel=True, skip_bias_add=False, tp_group=parallel_layout().group("tp"))
-        self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype, std)
+        self.core_attention = DSv4CoreAttention(c, layer_id, self.n_local_heads, params_dtype, std, ops)
         if self.ratio == 4:
             self.core_attention.indexer.ops = ops   # the run's indexer kernels, BSHD and THD alike
         if freeze_indexer and self.ratio == 4:

@@ -97,10 +97,10 @@ class DeepSeekV4Layer(nn.Module):
                  freeze_indexer: bool = True):
         super().__init__()
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype, ops=ops)
         self.self_attention = DeepSeekV4Attention(c, tconfig, layer_id, ops, params_dtype, std, freeze_indexer)
         self.self_attention_hyper_connection = HyperConnection(c, ops, std)
-        self.pre_mlp_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
+        self.pre_mlp_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype, ops=ops)
         self.mlp = DSv4MoE(c, tconfig, layer_id, params_dtype, std, ops=ops)
         self.mlp_hyper_connection = HyperConnection(c, ops, std)
 
@@ -136,7 +136,7 @@ class DeepSeekV4Decoder(_HCHead):
         self.ops, self.norm_eps, self.hc_eps = ops, c.norm_eps, c.hc_eps
         self.layers = nn.ModuleList(DeepSeekV4Layer(c, tconfig, i, ops, params_dtype, std, freeze_indexer)
                                     for i in range(c.n_layers))
-        self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
+        self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype, ops=ops)
         self._init_hc_head(c, std)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, thd: ThdContext | None = None) -> torch.Tensor:
@@ -153,13 +153,13 @@ class DeepSeekV4MTPLayer(_HCHead):
                  freeze_indexer=True):
         super().__init__()
         self.ops, self.norm_eps, self.hc_eps, self.dim = ops, c.norm_eps, c.hc_eps, c.dim
-        self.enorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
-        self.hnorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
+        self.enorm = RMSNorm(c.dim, c.norm_eps, params_dtype, ops=ops)
+        self.hnorm = RMSNorm(c.dim, c.norm_eps, params_dtype, ops=ops)
         self.e_proj = Linear(c.dim, c.dim, params_dtype, std)
         self.h_proj = Linear(c.dim, c.dim, params_dtype, std)
         self.mtp_model_layer = DeepSeekV4Layer(c, tconfig, c.n_layers + k, ops, params_dtype, std,
                                                  freeze_indexer)
-        self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype)
+        self.final_layernorm = RMSNorm(c.dim, c.norm_eps, params_dtype, ops=ops)
         self._init_hc_head(c, std)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, embedded: torch.Tensor,

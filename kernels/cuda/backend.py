@@ -35,8 +35,8 @@ def unavailable_reason() -> Optional[str]:
 def ops() -> "OpTable":
     """The op table: ``sparse_attention_with_sink`` / ``_thd`` are this backend's (CUDA forward, Triton
     backward, through the ``dsv4_cuda`` custom ops of :mod:`kernels.gpu_ops`); ``indexer_scores`` / ``_thd`` /
-    ``indexer_topk``, ``apply_rope``, ``rms_normalize``, ``weighted_swiglu`` and the mHC ops are the triton
-    backend's kernels, named as such (``kernels_ran`` counts them under ``triton.``); ``hadamard_transform`` is
+    ``indexer_topk``, ``apply_rope``, ``rms_normalize``, ``rms_norm``, ``weighted_swiglu`` and the mHC ops are the
+    triton backend's kernels, named as such (``kernels_ran`` counts them under ``triton.``); ``hadamard_transform`` is
     the reference op. bf16 q and kv, head dim 512, query heads a multiple of 64, CUDA tensors on a
     compute-capability 9.0 GPU: anything else is refused with the fix."""
     from kernels import gpu_common

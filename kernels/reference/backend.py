@@ -20,6 +20,7 @@ def reference_functions() -> dict:
         hc_head=mhc.hc_head,
         apply_rope=rope.apply_rope,
         rms_normalize=layers.rms_normalize,
+        rms_norm=layers.rms_norm,
         weighted_swiglu=moe.weighted_swiglu,
     )
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "linear_fp32"]
+__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "rms_norm", "linear_fp32"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -70,6 +70,17 @@ def rms_normalize(x: torch.Tensor, eps: float, out_dtype: torch.dtype | None = N
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weighted RMS normalisation over the last dim (every model's ``RMSNorm``): ``x * rsqrt(mean(x^2) + eps) * w``
+    in the compute dtype (fp32; fp64 for fp64 input), returned in ``x``'s dtype.
+
+    The rounding order is part of the contract (the kernels follow it): the normalised rows are rounded to the
+    compute dtype, then multiplied by the weight upcast to it (exact), then cast once to ``x``'s dtype. The
+    weight's gradient comes back in the weight's own dtype (fp32 for an fp32-kept weight)."""
+    y = rms_normalize(x, eps)
+    return (y * weight.to(y.dtype)).to(x.dtype)
+
+
 class RMSNorm(KeepFP32):
     """``x * rsqrt(mean(x^2) + eps) * w`` in fp32, cast back to the input dtype; weight stays fp32."""
 
@@ -81,8 +92,7 @@ class RMSNorm(KeepFP32):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_normalize(x, self.eps)
-        return (y * self.weight.to(y.dtype)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,9 @@ def ops() -> "OpTable":
       its backward is the inverse rotation (``kernels/triton/rope.py``).
     * ``rms_normalize(x, eps, out_dtype)``: the weightless RMS norm (the per-head query norm), one pass each way,
       fp32 row sums (``kernels/triton/norm.py``).
+    * ``rms_norm(x, weight, eps)``: the weighted RMS norm of every ``engine.layers.RMSNorm`` (bf16/fp16/fp32 ``x``,
+      the weight in the model's dtype or fp32-kept), one pass each way, ``dw`` from per-program fp32 partial sums
+      (``kernels/triton/norm.py``).
     * ``weighted_swiglu(h, w, limit, out_dtype)``: the routed experts' clamped SwiGLU times the gate weight,
       one pass each way (``kernels/triton/swiglu.py``).
 

@@ -1,5 +1,6 @@
-"""Triton weightless RMS normalisation over the last dim (``kernels.reference.layers.rms_normalize``): forward and
-backward, one pass each.
+"""Triton RMS normalisation over the last dim: weightless (``kernels.reference.layers.rms_normalize``, the
+attention's per-head query norm) and weighted (``kernels.reference.layers.rms_norm``, every ``RMSNorm`` module):
+forward and backward, one pass each.
 
 Why: the attention normalises every query head (``q / rms(q)``, DeepSeek-V4's per-head query norm) in fp32 torch
 ops: a cast up, a square, a mean, an rsqrt, a product and a cast down, each a pass over a ``[tokens, heads, 512]``
@@ -14,6 +15,18 @@ Rows: ``x [R, D]`` contiguous (the entry point flattens the leading dims); the o
 (``out_dtype``: the reference returns fp32 and the attention casts back to the activation dtype, a pass this
 kernel leaves out). The row sums are in a different order than torch's mean: the output is within one rounding
 step of the output dtype of the reference's, not bit-identical.
+
+Weighted (``rms_norm``): the ``RMSNorm`` modules ran the same fp32 torch passes plus a product with the weight
+and a cast, and as many again backward (8.4 ms of the Flash-shaped training step, docs/kernels-and-benchmarks.md).
+
+    y = (x * r) * w,   r = rsqrt(mean(x^2) + eps)       (x * r rounded to fp32, then * w, then one cast to x's dtype)
+    dx = r * g - x * r^3 * mean(g * x),   g = dy * w
+    dw = sum over rows of dy * (x * r)
+
+The forward rounds in the reference's order (``(rms_normalize(x) * w.to(fp32)).to(x.dtype)``), so only the
+row sum's order differs: within one rounding step of the output dtype. ``dw``: each program of the backward walks
+a strided set of row blocks and keeps its own fp32 partial sum per column; one torch sum over the (at most a few
+hundred) partials gives ``dw`` (cast to the weight's dtype), as the SwiGLU kernel's gate-weight gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +39,8 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 
-__all__ = ["rms_normalize", "rms_normalize_launch", "rms_normalize_bwd_launch"]
+__all__ = ["rms_normalize", "rms_normalize_launch", "rms_normalize_bwd_launch", "rms_norm", "rms_norm_launch",
+           "rms_norm_bwd_launch"]
 
 ELEMENTS_PER_PROGRAM = 8192
 
@@ -54,6 +68,44 @@ def _rms_bwd_kernel(X, DY, DX, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl
     c = tl.sum(dy * x, axis=1) / D
     dx = r[:, None] * dy - x * (r * r * r * c)[:, None]
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, W, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, PD)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * r[:, None]                                  # rounded to fp32 first, as the reference
+    tl.store(Y + offs, (y * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(X, W, DY, DX, DWP, R, nblocks, programs, eps, D: tl.constexpr, PD: tl.constexpr,
+                         BR: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, PD)
+    cmask = cols < D
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([PD], dtype=tl.float32)
+    b = pid
+    while b < nblocks:                    # row blocks pid, pid + programs, ...: few partial sums of dw
+        rows = b * BR + tl.arange(0, BR)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        dw += tl.sum(dy * (x * r[:, None]), axis=0)
+        g = dy * w[None, :]
+        c = tl.sum(g * x, axis=1) / D
+        dx = r[:, None] * g - x * (r * r * r * c)[:, None]
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        b += programs
+    tl.store(DWP + pid.to(tl.int64) * D + cols, dw, mask=cmask)
 
 
 def _grid(R: int, D: int):
@@ -94,3 +146,50 @@ def rms_normalize(x: torch.Tensor, eps: float, out_dtype: Optional[torch.dtype] 
                                                      f"bf16/fp16/fp32 output)")
     flat = x.contiguous().view(-1, x.shape[-1])
     return gpu_ops.TRITON.rms_normalize(flat, float(eps), out).view(x.shape)
+
+
+def _programs(x: torch.Tensor, nblocks: int) -> int:
+    """Programs of the weighted backward: enough to fill the GPU (4 per SM), never more than there are blocks."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    return max(1, min(nblocks, 4 * sms))
+
+
+def rms_norm_launch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The ``dsv4_triton::rms_norm`` op's launcher: ``x [R, D]``, ``w [D]`` contiguous -> ``[R, D]`` in x's dtype."""
+    R, D = x.shape
+    y = torch.empty_like(x)
+    if R:
+        grid, pd, br = _grid(R, D)
+        _rms_norm_fwd_kernel[grid](x, w, y, R, float(eps), D=D, PD=pd, BR=br, num_warps=4)
+    return y
+
+
+def rms_norm_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float):
+    """``(dx [R, D] in x's dtype, dw [D] in w's dtype)`` of :func:`rms_norm_launch` for the upstream ``dy``."""
+    R, D = x.shape
+    dx = torch.empty_like(x)
+    if not R:
+        return dx, torch.zeros_like(w)
+    (nblocks,), pd, br = _grid(R, D)
+    programs = _programs(x, nblocks)
+    partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(programs,)](x, w, dy, dx, partial, R, nblocks, programs, float(eps), D=D, PD=pd,
+                                      BR=br, num_warps=8 if pd >= 4096 else 4)
+    return dx, partial.sum(0).to(w.dtype)
+
+
+@gpu_ops.traceable
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`kernels.reference.layers.rms_norm` in one kernel each way: ``x [..., D]`` (CUDA, bf16/fp16/fp32),
+    ``weight [D]`` (bf16/fp16/fp32: the model's dtype, or fp32 for an fp32-kept weight) -> ``[..., D]`` in x's
+    dtype, within one rounding of it from the reference (same rounding order; the row sums' order differs).
+    Differentiable in ``x`` and ``weight``. A non-contiguous ``x`` is copied to rows first (as the other
+    elementwise entry points do: the same result, one more pass). Anything else (fp64, a weight that is not
+    ``[D]``, ``D == 0``) is refused with the reason."""
+    gpu_common.check_op_input("rms_norm", x, "x")
+    gpu_common.check_op_input("rms_norm", weight, "weight")
+    if x.dim() < 1 or x.shape[-1] == 0 or weight.shape != x.shape[-1:]:
+        raise gpu_common.op_refusal("rms_norm", f"x {tuple(x.shape)} with weight {tuple(weight.shape)} (needs "
+                                                f"x [..., D] with D > 0 and weight [D])")
+    flat = x.contiguous().view(-1, x.shape[-1])
+    return gpu_ops.TRITON.rms_norm(flat, weight.contiguous(), float(eps)).view(x.shape)

@@ -110,3 +110,14 @@ def test_config_uses_upstream_field_names(model, tiny_config):
     assert c.num_residual_streams == tiny_config.hc_mult
     assert list(c.csa_compress_ratios) == list(tiny_config.compress_ratios)
     assert c.moe_n_hash_layers == tiny_config.n_hash_layers
+
+
+def test_every_rms_norm_takes_the_runs_op_table(model):
+    """Every ``engine.layers.RMSNorm`` (layer, attention, compressor, final and MTP norms) holds the model's op
+    table, so the backend's ``rms_norm`` (the triton kernel in a triton run) serves it."""
+    from engine.layers import RMSNorm
+
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, RMSNorm)}
+    assert any("compressor" in n for n in norms)
+    assert norms and all(m.ops is model.ops for m in norms.values()), [n for n, m in norms.items()
+                                                                     if m.ops is not model.ops]

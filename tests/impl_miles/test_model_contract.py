@@ -102,3 +102,14 @@ def test_module_names_equal_upstream_megatron(model):
 
     have = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if not wc.stale_reason(n)}
     assert sorted(have) == sorted(load("tiny")["names"])
+
+
+def test_every_rms_norm_takes_the_runs_op_table(model):
+    """Every ``engine.layers.RMSNorm`` (block, attention, compressor and final norms, fp32-kept weights included)
+    holds the model's op table, so the backend's ``rms_norm`` (the triton kernel in a triton run) serves it."""
+    from engine.layers import RMSNorm
+
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, RMSNorm)}
+    assert any(m.weight.dtype == torch.float32 and "compressor" in n for n, m in norms.items())
+    assert norms and all(m.ops is model.ops for m in norms.values()), [n for n, m in norms.items()
+                                                                     if m.ops is not model.ops]

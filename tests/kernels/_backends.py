@@ -38,3 +38,20 @@ def triton_device() -> str:
         return "cpu"
     pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1: Triton's CPU interpreter, small shapes)")
 
+
+
+STEP = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}   # half a step: one rounding of the output
+
+
+def within(got, exact, dtype, what, interpreted, scale=None):
+    """Assert ``got`` is within one rounding of the output ``dtype`` of ``exact`` (fp64): bf16, one rounding (two
+    under the interpreter, which truncates) at ``scale`` (default the element's magnitude); fp32, a few steps of
+    the row's largest magnitude. Shared by the norm kernels' tests (one Bazel target per test file)."""
+    steps = 4 if (interpreted and dtype == torch.bfloat16) else 2
+    if scale is None:
+        scale = exact.abs() if dtype != torch.float32 else exact.abs().amax(-1, keepdim=True).expand_as(exact)
+    bound = steps * STEP[dtype] * scale
+    err = (got.double() - exact).abs()
+    worst = err.argmax()
+    print(f"{what}: max error {err.max().item():.3e} (bound there {bound.flatten()[worst].item():.3e})")
+    assert (err <= bound + 1e-30).all(), what

@@ -115,6 +115,8 @@ def _opcheck_cases(backend, dev):
               ("rope_inverse", ns.rope, [rows, cos, sin, n, True], (0,)),
               ("rms_normalize", ns.rms_normalize, [rows, NORM_EPS, torch.bfloat16], (0,)),
               ("rms_normalize_bwd", ns.rms_normalize_bwd, [rows, rows.flip(0), NORM_EPS], ()),
+              ("rms_norm", ns.rms_norm, [rows, rows[0].float(), NORM_EPS], (0, 1)),
+              ("rms_norm_bwd", ns.rms_norm_bwd, [rows, rows[1].float(), rows.flip(0), NORM_EPS], ()),
               ("weighted_swiglu", ns.weighted_swiglu, [rows, rows[:, 0].float(), 10.0, torch.bfloat16], (0, 1)),
               ("weighted_swiglu_bwd", ns.weighted_swiglu_bwd,
                [rows, rows[:, 0].float(), rows[:, : d // 2].contiguous(), 10.0], ())]
@@ -164,6 +166,7 @@ def _op_table_step(ops, backend, dev):
         x, fn, scale, base, fn_h, scale_h, base_h = hc
         o = ops.apply_rope(o, cos, sin, inverse=True)          # the attention output's inverse rotation
         o = ops.rms_normalize(o, NORM_EPS, o.dtype)
+        o = ops.rms_norm(o, sink.new_ones(D) + sink[0], NORM_EPS)     # a weight with a gradient (through sink)
         o = ops.weighted_swiglu(o.flatten(0, -2), sink.new_ones(o[..., 0].numel()), 10.0, o.dtype)
         o = torch.cat((o, o), dim=-1).view(B, S, H, D)
         u, post, comb = ops.hc_pre(x * 2, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
@@ -198,7 +201,7 @@ def test_op_table_compiles_without_graph_breaks(backend):
     compiled = _loss_and_grads(compiled_fn, inputs)
     ran = kernels_ran()
     own = [n for n in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head", "sinkhorn",
-                       "apply_rope", "rms_normalize", "weighted_swiglu") if table.provider[n] == backend]
+                       "apply_rope", "rms_normalize", "rms_norm", "weighted_swiglu") if table.provider[n] == backend]
     assert all(ran.get(f"{backend}.{n}", 0) >= 1 for n in own), ran   # counted when traced
     assert not any(k.startswith(f"{REFERENCE}.") for k in ran), ran
     for i, (a, b) in enumerate(zip(compiled, eager)):
@@ -266,7 +269,7 @@ def test_compiled_tiny_model_has_no_graph_breaks_and_follows_eager(impl):
     breaks = dict(counters["graph_break"])
     print(f"\n{impl}: ran {ran}; graph breaks {breaks}")
     for op in ("sparse_attention_with_sink", "indexer_scores", "hc_pre", "hc_post", "hc_head", "apply_rope",
-               "rms_normalize", "weighted_swiglu"):
+               "rms_normalize", "rms_norm", "weighted_swiglu"):
         assert ran.get(f"triton.{op}", 0) >= 1 and not ran.get(f"none.{op}"), (op, ran)
     # Whole vocabulary: only the mean is bounded. Its largest entries are tail tokens whose bf16 logits are
     # far from zero, where one bf16 step is 0.06-0.125 (measured on an H200, 2026-12-01: max 0.35 miles, 0.48

@@ -170,6 +170,16 @@ def test_rms_normalize_fake_matches_reference(out_dtype):
     assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
 
 
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weight", "fp32-weight"])
+def test_rms_norm_fake_matches_reference(w_dtype):
+    from kernels.reference.layers import rms_norm
+
+    x, w = torch.randn(T * H, D, generator=_gen(8)).bfloat16(), torch.rand(D, generator=_gen(11)).to(w_dtype)
+    out, grads = _fake_run(gpu_ops.TRITON.rms_norm, [x, w, 1e-6], grad_of=(0, 1))
+    ref, rgrads = _ref_run(lambda x, w: rms_norm(x, w, 1e-6), [x, w], grad_of=(0, 1))
+    assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
+
+
 @pytest.mark.parametrize("limit", [10.0, 0.0])
 def test_weighted_swiglu_fake_matches_reference(limit):
     from kernels.reference.moe import weighted_swiglu
@@ -185,7 +195,8 @@ def test_every_op_has_a_fake():
     names = {n for n in vars(gpu_ops.TRITON) if n != "namespace"}
     assert names == {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "hc_pre", "hc_pre_bwd",
                      "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd", "rope",
-                     "rms_normalize", "rms_normalize_bwd", "weighted_swiglu", "weighted_swiglu_bwd"}
+                     "rms_normalize", "rms_normalize_bwd", "rms_norm", "rms_norm_bwd", "weighted_swiglu",
+                     "weighted_swiglu_bwd"}
     assert {n for n in vars(gpu_ops.TILELANG) if n != "namespace"} == \
         {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores"}
     for ns in ("dsv4_triton", "dsv4_tilelang"):

@@ -189,8 +189,8 @@ def test_dsv4_logprobs_runs_the_backend_kernels(ckpt, tiny, tmp_path, impl, back
     assert ran.get(f"{backend}.sparse_attention_with_sink", 0) > 0, ran
     assert ran.get(f"{backend}.indexer_scores", 0) > 0, ran
     assert not ran.get("none.sparse_attention_with_sink") and not ran.get("none.indexer_scores"), ran
-    if backend != "tilelang":    # triton's RoPE, query norm and SwiGLU kernels (cuda names them); tilelang has none
-        for op in ("apply_rope", "rms_normalize", "weighted_swiglu"):
+    if backend != "tilelang":    # triton's RoPE, norm and SwiGLU kernels (cuda names them); tilelang has none
+        for op in ("apply_rope", "rms_normalize", "rms_norm", "weighted_swiglu"):
             assert ran.get(f"triton.{op}", 0) > 0 and not ran.get(f"none.{op}"), (op, ran)
     ref = DeepseekV4Model(tiny)
     load_into(ref, open_checkpoint(ckpt))

@@ -15,7 +15,7 @@ import torch
 
 from kernels.reference.layers import rms_normalize as reference
 
-from ._backends import triton_device
+from ._backends import triton_device, within as _within
 
 pytestmark = pytest.mark.gpu
 
@@ -26,25 +26,11 @@ SHAPES = [
     pytest.param((1, 4096, 64, 512), id="flash-q",
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Flash shape: GPU only")),
 ]
-STEP = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}   # half a step: one rounding of the output
 
 
 def _x(shape, dtype, dev, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * 3).to(dtype).to(dev)
-
-
-def _within(got, exact, dtype, what, interpreted, scale=None):
-    """bf16: one rounding of the output (two under the interpreter, which truncates) at ``scale`` (default the
-    element's magnitude); fp32: a few steps of the row's largest magnitude."""
-    steps = 4 if (interpreted and dtype == torch.bfloat16) else 2
-    if scale is None:
-        scale = exact.abs() if dtype != torch.float32 else exact.abs().amax(-1, keepdim=True).expand_as(exact)
-    bound = steps * STEP[dtype] * scale
-    err = (got.double() - exact).abs()
-    worst = err.argmax()
-    print(f"{what}: max error {err.max().item():.3e} (bound there {bound.flatten()[worst].item():.3e})")
-    assert (err <= bound + 1e-30).all(), what
 
 
 @pytest.mark.parametrize("shape", SHAPES)

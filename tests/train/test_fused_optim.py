@@ -203,3 +203,24 @@ def test_megatron_groups_take_their_multipliers_as_the_cpu_optimizer_decays(tmp_
     want = weight_decay_groups(dict(model.named_parameters()), cfg.weight_decay)
     assert decayed == {id(p) for g in want if g["weight_decay"] > 0 for p in g["params"]}
     assert len(decayed) == 2                                  # the two weight matrices only
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["copy", "add"])
+def test_copy_first_ddp_casts_with_torch_where_the_kernel_does_not_serve(accumulate):
+    """``engine.grad_buffers.CopyFirstDDP._into_main_grad``: the Triton cast kernel only in a triton/cuda run and
+    for tensors it takes; otherwise torch's ``copy_`` / ``add_``, counted as such (``torch_casts``), never the
+    kernel's import (a CPU run has no Triton: megatron-core's shims stand in for it). The GPU side
+    (``test_fused_optim_gpu.py``) checks the kernel's casts bit for bit against megatron-core's."""
+    from backends.cpu.target import CpuTarget
+
+    CpuTarget().setup()                          # the cpu target's megatron-core shims
+    from engine.grad_buffers import TRITON_BACKENDS, CopyFirstDDP
+
+    assert CopyFirstDDP.__init__.__kwdefaults__["kernel_backend"] == "none" and "triton" in TRITON_BACKENDS
+    ddp = CopyFirstDDP.__new__(CopyFirstDDP)    # the cast alone (no process groups, no buffers)
+    ddp.cast_kernel, ddp.kernel_casts, ddp.torch_casts = False, 0, 0
+    g = torch.Generator().manual_seed(0)
+    main, grad = torch.randn(37, generator=g), torch.randn(37, generator=g).bfloat16()
+    want = main + grad.float() if accumulate else grad.float()
+    ddp._into_main_grad(main, grad, accumulate)
+    assert torch.equal(main, want) and (ddp.kernel_casts, ddp.torch_casts) == (0, 1)

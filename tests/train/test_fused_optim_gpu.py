@@ -228,10 +228,12 @@ def test_loading_the_optimizer_state_leaves_the_loaded_model_weights():
         assert torch.equal(main.to(p.dtype), p.detach().reshape(-1)[start:end]), n
 
 
-def test_copy_first_gradient_buffer_equals_megatron_cores_accumulation():
+@pytest.mark.parametrize("kernel_backend", ["none", "triton"])
+def test_copy_first_gradient_buffer_equals_megatron_cores_accumulation(kernel_backend):
     """``engine.grad_buffers.CopyFirstDDP``: no zeroing pass; a step's first gradient copied into the fp32 buffer,
     a second micro-batch's added; a parameter no backward reached this step reads zero after the settle, not last
-    step's gradient. Bit for bit megatron-core's zero-then-add (0 + g is exact) on two copies of one model."""
+    step's gradient. Bit for bit megatron-core's zero-then-add (0 + g is exact) on two copies of one model; in a
+    triton run every copy and add is the Triton cast kernel (``kernels.triton.grad_copy``), else torch's op."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -250,7 +252,8 @@ def test_copy_first_gradient_buffer_equals_megatron_cores_accumulation():
                                 params_dtype=torch.bfloat16, calculate_per_token_loss=True)
     dcfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                          use_distributed_optimizer=True, bucket_size=40_000_000)
-    plain, ours = DistributedDataParallel(tconfig, dcfg, a), CopyFirstDDP(tconfig, dcfg, b)
+    plain = DistributedDataParallel(tconfig, dcfg, a)
+    ours = CopyFirstDDP(tconfig, dcfg, b, kernel_backend=kernel_backend)
     assert ours.copies_first
     gen = torch.Generator(device="cuda").manual_seed(0)
     for step in range(3):
@@ -268,6 +271,9 @@ def test_copy_first_gradient_buffer_equals_megatron_cores_accumulation():
         for (n, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(p.main_grad, q.main_grad), (step, n)
         assert bool(b[2].weight.main_grad.abs().sum() == 0) == frozen
+    served = (ours.kernel_casts, ours.torch_casts)            # (by the Triton kernel, by torch's op)
+    want_kernel = kernel_backend == "triton"
+    assert (served[0] > 0, served[1] > 0) == (want_kernel, not want_kernel), served
 
 
 
