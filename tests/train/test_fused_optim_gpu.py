@@ -293,7 +293,9 @@ def _adamw_bf16_moments_definition(p, grads, lr, betas, eps, wd):
 def test_kernel_with_bf16_moments_matches_the_definition():
     """``adam_moments_dtype=bf16``: the kernel reads bf16 moments into fp32 and writes them back rounded; masters
     and moments follow AdamW's definition with bf16-rounded moments (a moment one bf16 step off moves the update
-    by about 0.4% of lr), over sizes around the chunk and block edges."""
+    by about 0.4% of lr), over sizes around the chunk and block edges. Where ``0.9 m + 0.1 g`` nearly cancels, the
+    kernel's fp32 arithmetic carries an absolute error of fp32's epsilon times the terms (about 1e-4 here), hence the
+    first moment's ``atol`` of 1e-10 (H200, 2026-12-03: 2 of 65,539 values off by 1.5e-11 under 1e-12)."""
     from kernels.triton.adamw import BLOCK, CHUNK, MultiTensorAdamW
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -315,7 +317,7 @@ def test_kernel_with_bf16_moments_matches_the_definition():
     for i, p in enumerate(params):
         want_p, want_m, want_v = _adamw_bf16_moments_definition(start[i], [g[i] for g in grads], 1e-2, (0.9, 0.95),
                                                                 1e-8, 0.1)
-        torch.testing.assert_close(ms[i].double(), want_m, rtol=2 ** -7, atol=1e-12)
+        torch.testing.assert_close(ms[i].double(), want_m, rtol=2 ** -7, atol=1e-10)
         torch.testing.assert_close(vs[i].double(), want_v, rtol=2 ** -7, atol=1e-15)
         torch.testing.assert_close(p.double(), want_p, rtol=0, atol=3e-4)
     with pytest.raises(ValueError, match="all fp32 or all bf16"):
@@ -326,7 +328,10 @@ def test_kernel_with_bf16_moments_matches_the_definition():
 
 def test_bf16_moments_train_like_fp32_moments_and_round_trip_a_checkpoint():
     """``adam_moments_dtype=bf16`` through the trainer's optimizer: both moments are bf16 (half the state), three
-    steps land near the fp32-moment steps, and the state saved and loaded back is the same bf16 tensors."""
+    steps land near the fp32-moment steps, and the state saved and loaded back is the same bf16 tensors. "Near" is
+    in norm against the distance the masters travelled: a master a rounding away can flip a bf16 parameter, so the
+    two runs' forwards part and single elements drift by up to a step (H200, 2026-12-03: 40 of 262,144 by up to
+    1.2e-3), while a moment that is wrong moves the whole update."""
     from train.optim import MegatronOptimizer
     from train.trainer import TrainConfig
 
@@ -335,6 +340,7 @@ def test_bf16_moments_train_like_fp32_moments_and_round_trip_a_checkpoint():
     b_model.load_state_dict(a_model.state_dict())
     a = MegatronOptimizer(a_model, TrainConfig(lr=1e-3, adam_moments_dtype="bf16"), dtype=torch.bfloat16)
     b = MegatronOptimizer(b_model, TrainConfig(lr=1e-3), dtype=torch.bfloat16)
+    start = {n: b._states(p)["param"].clone() for n, p in b.named.items()}
     for seed in range(3):
         ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(seed)).cuda()
         _step(a_model, a, ids)
@@ -343,7 +349,8 @@ def test_bf16_moments_train_like_fp32_moments_and_round_trip_a_checkpoint():
         st, ref = a._states(p), b._states(b.named[n])
         assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16, n
         assert ref["exp_avg"].dtype == torch.float32, n
-        torch.testing.assert_close(st["param"], ref["param"], rtol=0, atol=2e-4)
+        apart, travelled = (st["param"] - ref["param"]).norm(), (ref["param"] - start[n]).norm()
+        assert apart <= 0.05 * travelled + 1e-6, (n, float(apart), float(travelled))
     saved, steps = a.shard_state()
     saved = {k: [t.clone() for *_box, t in pieces] for k, (_shape, pieces) in saved.items()}
     assert any(t.dtype == torch.bfloat16 for pieces in saved.values() for t in pieces)
