@@ -191,15 +191,17 @@ def score_pipelined(checkpoint_dir, sequences: Sequence[Sequence[int]], run) -> 
 
 def _spawn(worker, nprocs: int, run, *args) -> object:
     """Run ``worker(rank, free port, run, *args, out_path)`` on ``nprocs`` local processes, started as the run's
-    hardware target asks (``orchestration.local_workers``); rank 0's result."""
+    hardware target asks (``orchestration.local_workers``); rank 0's result. Rank 0 binds the port seconds after
+    it was picked: taken in between, the ranks start again on another (``core.ports.on_free_port``)."""
     from core.assembly import assemble
-    from core.ports import free_port
+    from core.ports import on_free_port
     from orchestration.local_workers import start_processes
 
+    target = assemble(run).target
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.pt"
-        start_processes(worker, (free_port(), run, *args, str(out)), nprocs, assemble(run).target,
-                        ["core.assembly"])
+        on_free_port(lambda port: start_processes(worker, (port, run, *args, str(out)), nprocs, target,
+                                                  ["core.assembly"]), f"scoring: {nprocs} local ranks")
         return torch.load(out, weights_only=True)
 
 

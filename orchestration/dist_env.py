@@ -19,7 +19,6 @@ rank. Here:
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import time
@@ -27,6 +26,7 @@ from datetime import timedelta
 from typing import Dict, Optional
 
 from core.errors import UserInputError
+from core.ports import address_in_use
 
 __all__ = ["ENV", "DistEnvError", "launcher_env", "rendezvous", "DEFAULT_TIMEOUT_S"]
 
@@ -98,19 +98,6 @@ def _ranks(ranks) -> str:
     return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > 16 else "")
 
 
-def _root_errno(exc: BaseException) -> Optional[int]:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno:
-            return exc.errno
-        text = str(exc)
-        if "address already in use" in text.lower() or "EADDRINUSE" in text:
-            return errno.EADDRINUSE
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def _wait_for_listener(rank: int, addr: str, port: int, deadline: float, fix: str) -> None:
     """Wait until something listens at ``addr:port`` (rank 0's store), or raise naming rank 0 at ``deadline``.
     Tried here with plain sockets: torch's store client, left to time out, prints its C++ stack to stderr."""
@@ -141,7 +128,7 @@ def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float 
     try:
         store = dist.TCPStore(addr, port, None, hosts, timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:          # torch raises DistNetworkError / DistStoreError / RuntimeError
-        if hosts and _root_errno(exc) == errno.EADDRINUSE:
+        if hosts and address_in_use(exc):
             raise DistEnvError(f"rank 0 cannot listen on MASTER_PORT {port} at {addr}: the port is taken by another "
                                f"process (another run?). Fix: choose a free MASTER_PORT") from None
         if hosts:

@@ -95,12 +95,15 @@ def init_rank(run, parts, *, rendezvous_timeout_s: Optional[float] = None):
 
 def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:
     """Run ``fn(*args)`` on ``run.world`` local workers (torch.distributed's elastic launcher, no restarts);
-    returns rank 0's result. A failure is re-raised as the first failing rank's one-line error."""
+    returns rank 0's result. A failure is re-raised as the first failing rank's one-line error.
+
+    The rendezvous store binds port 0 (the system picks a port as it binds; ``is_host``: this process hosts it,
+    and a failure to listen is an error, not a client's wait for whatever answers there): a port picked free and
+    bound later could be taken in between. The workers' own store is torch's, on a port of its own the same way."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from core.assembly import assemble
-    from core.ports import free_port
 
     from .local_workers import parent_state, start_method
 
@@ -108,8 +111,8 @@ def launch_local_ranks(run, fn: Callable, args: Sequence[Any]) -> Any:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below, once
     with tempfile.TemporaryDirectory(prefix="dsv4-ranks-") as errors:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=run.world, run_id=f"dsv4-{uuid.uuid4().hex[:8]}",
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                              monitor_interval=0.1, start_method=method)
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"is_host": True},
+                              max_restarts=0, monitor_interval=0.1, start_method=method)
         try:
             results = elastic_launch(config, _worker)(fn, tuple(args), errors, parent_state())
         except ChildFailedError as exc:

@@ -34,8 +34,8 @@ def test_every_block_of_a_deep_model_compiles(tiny_config):
     from core.assembly import assemble
     from engine.compile import compile_blocks
 
-    n = 12  # more layers than dynamo's default recompile limit of 8
-    c = tiny_config.replace(n_layers=n, compress_ratios=(0, 0) + (4, 128) * 5, n_hash_layers=2, n_mtp_layers=0)
+    n = 9  # one layer more than dynamo's default recompile limit of 8 (patched below): the fewest that fail
+    c = tiny_config.replace(n_layers=n, compress_ratios=(0, 0) + (4, 128) * 3 + (4,), n_hash_layers=2, n_mtp_layers=0)
     torch.manual_seed(0)
     eager = assemble(run_config(c)).build_model(c)
     torch.manual_seed(0)

@@ -52,11 +52,24 @@ def test_packed_scores_match_unpacked(case, impl):
     _close(score_packed(ckpt, seqs, _run(impl, ckpt)), want)
 
 
-def test_packed_scores_over_cp2(case):
+def test_packed_scores_over_cp2(case, monkeypatch, caplog):
+    """Also: rank 0's port, picked free, is taken by another process before rank 0 binds it (a socket of this
+    test listens there); the ranks start again on another (``core.ports.on_free_port``)."""
+    import socket
+
+    import core.ports
     from launchers.scoring import score_packed
 
     ckpt, seqs, want = case
-    _close(score_packed(ckpt, seqs, _run("miles", ckpt, cp=2)), want)
+    real = core.ports.free_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(core.ports, "free_port", lambda: next(picks, None) or real())
+        _close(score_packed(ckpt, seqs, _run("miles", ckpt, cp=2)), want)
+    assert any(f"port {taken} was taken" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("impl", ["miles", "megatron"])

@@ -5,7 +5,8 @@ after step k's weight sync and resolved at step k+1, before its sync. The refere
 async run of the same job (the engine in a worker thread): same schedule, same seeds, so every metrics row must
 be the same. Checked: the rows equal the local async run's, the lag is 0, 1, 1, the next step's generate was
 issued before the step's train phase ended, and an engine actor SIGKILLed at the generate that was sent in the
-background is restarted, re-synced with the weights that generate was for, and asked again (the rows unchanged).
+background is restarted, re-synced with the weights that generate was for, and asked again (the rows unchanged),
+all in one Ray run.
 """
 
 
@@ -35,13 +36,17 @@ def _same_rows(got, want):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (g["step"], key)
 
 
-@pytest.mark.parametrize("kill_at", [None, "generate:2"])   # generate 2: sent in the background during step 1
-def test_ray_async_rollout_overlaps_and_takes_the_local_steps(tmp_path, cluster, local, kill_at):
+def test_ray_async_rollout_overlaps_and_takes_the_local_steps(tmp_path, cluster, local):
+    """One Ray run serves every check: its engine actor is SIGKILLed at generate 2 (sent in the background during
+    step 1) and the rows are still the local run's, with the lag and the overlap of every step. The run's other
+    generates had no kill, so the restart line is the only one: an engine restarted without a kill would add a
+    line (a run without the kill, once a second case here, showed nothing this one does not)."""
     proc, got = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--rollout-num-gpus", "1",
-                       env={"DSV4_RAY_ENGINE_KILL_AT": kill_at} if kill_at else None)
+                       env={"DSV4_RAY_ENGINE_KILL_AT": "generate:2"})
     _same_rows(got, local)
     assert [r["rollout_policy_lag"] for r in got] == [0, 1, 1]
     for r in got[:-1]:        # the engine actor was asked for the next batch before this step's training ended
         assert 0 < r["at_next_rollout_issued"] < r["at_train_end"]
-    restarted = proc.stderr.count("rollout engine actor 0 was restarted; loading weights version 1")
-    assert restarted == (1 if kill_at else 0), proc.stderr[-2000:]
+    restarts = [line for line in proc.stderr.splitlines() if "was restarted" in line]
+    assert len(restarts) == 1, proc.stderr[-2000:]
+    assert "rollout engine actor 0 was restarted; loading weights version 1" in restarts[0]

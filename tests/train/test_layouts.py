@@ -33,16 +33,43 @@ def one_rank(tmp_path_factory, sft_straight):
     return {"miles": sft_straight[0], "megatron": metrics_rows(d / "run")[0]}
 
 
+EP2 = ("--nproc-per-node", "2", "--ep", "2")
+TP2 = ("--tp", "2")
+SFT3 = ("--impl", "miles", "--mode", "sft", "--steps", "3", "--save-every", "1", "--lr", "1e-3")
+
+
+@pytest.fixture(scope="module")
+def killed_sft(tmp_path_factory):
+    """:data:`SFT3` at a layout with every rank SIGKILLed in step 3's training phase (each run once, when first
+    asked for): its step 2 checkpoint is the sharded one the resume tests below read (each from a copy), and its
+    step 1 is that layout's first step, which :func:`test_every_layout_takes_the_one_rank_step` checks (the
+    first step does not depend on how many steps follow or on the checkpoints written after it)."""
+    runs = {}
+
+    def run(layout):
+        if layout not in runs:
+            runs[layout] = tmp_path_factory.mktemp("killed") / "run"
+            killed = _train(runs[layout], *SFT3, *layout, env={"DSV4_TRAIN_KILL_AT": "3:train"}, check=False)
+            assert killed.returncode == 1, killed.stderr[-2000:]
+        return runs[layout]
+
+    return run
+
+
 @pytest.mark.parametrize("impl,layout", [
     ("miles", ("--nproc-per-node", "2")),                          # data parallel 2
-    ("miles", ("--nproc-per-node", "2", "--ep", "2")),             # expert parallel inside data parallel
-    ("miles", ("--tp", "2")),                                      # tensor parallel
+    ("miles", EP2),                                                # expert parallel inside data parallel
+    ("miles", TP2),                                                # tensor parallel
     ("megatron", ("--cp", "2")),                                   # context parallel (THD)
     ("megatron", ("--ep", "2")),
 ])
-def test_every_layout_takes_the_one_rank_step(tmp_path, one_rank, impl, layout):
-    _train(tmp_path / "run", "--impl", impl, *layout, *SFT)
-    got, want = metrics_rows(tmp_path / "run")[0], one_rank[impl]
+def test_every_layout_takes_the_one_rank_step(tmp_path, one_rank, killed_sft, impl, layout):
+    if impl == "miles" and layout in (EP2, TP2):    # the resume tests' killed run of this layout: its step 1
+        run = killed_sft(layout)
+    else:
+        run = tmp_path / "run"
+        _train(run, "--impl", impl, *layout, *SFT)
+    got, want = metrics_rows(run)[0], one_rank[impl]
     assert got["world_size"] == 2
     assert got["response_tokens"] == want["response_tokens"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
@@ -70,11 +97,6 @@ def test_killed_ranks_resume_on_another_layout(tmp_path):
         assert a["train_rollout_logprob_abs_diff"] == pytest.approx(b["train_rollout_logprob_abs_diff"], abs=1e-6)
 
 
-EP2 = ("--nproc-per-node", "2", "--ep", "2")
-TP2 = ("--tp", "2")
-SFT3 = ("--impl", "miles", "--mode", "sft", "--steps", "3", "--save-every", "1", "--lr", "1e-3")
-
-
 def _chunk_writers(folder):
     """Bytes of the DCP folder's tensor data per writing rank (file ``__<rank>_<n>.distcp``), from its
     metadata read through the allow-list."""
@@ -95,13 +117,13 @@ def sft_straight(tmp_path_factory):
 
 
 @pytest.mark.parametrize("written,other", [(TP2, EP2), (EP2, TP2)], ids=["tp2", "ep2"])
-def test_sharded_checkpoint_resumes_on_one_rank_and_on_the_other_layout(tmp_path, sft_straight, written, other):
+def test_sharded_checkpoint_resumes_on_one_rank_and_on_the_other_layout(tmp_path, sft_straight, killed_sft, written,
+                                                                       other):
     """Killed in step 3 at --tp 2 (or --ep 2): step 2's checkpoint holds both ranks' pieces (neither rank wrote
     all of the optimizer state or of the model), and resuming it on one rank and on the other layout gives the
     step 3 of a run that was never interrupted."""
-    run = tmp_path / "run"
-    killed = _train(run, *SFT3, *written, env={"DSV4_TRAIN_KILL_AT": "3:train"}, check=False)
-    assert killed.returncode == 1, killed.stderr[-2000:]
+    run = killed_sft(written)
+    assert [r["step"] for r in metrics_rows(run)] == [1, 2]
     folder = run / "checkpoints" / "step_000002"
     for part in ("optim", "model"):
         per_rank = _chunk_writers(folder / part)

@@ -69,3 +69,80 @@ def test_adopt_keeps_what_the_launcher_set(monkeypatch, tmp_path):
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+
+
+# -- ports: a start on a port picked free, taken by another process before the start bound it
+def _meet(rank, port):
+    """Two gloo ranks meet on ``port`` (rank 0 binds it), as the scorer's local ranks do."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def held_port():
+    """A port this test's own socket listens on (another process's, as far as a start can tell)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _picks(monkeypatch, *first):
+    """``core.ports.free_port`` answers ``first`` in order, then free ports; returns the list of ports it gave."""
+    import core.ports
+
+    real, queue, given = core.ports.free_port, list(first), []
+
+    def pick():
+        given.append(queue.pop(0) if queue else real())
+        return given[-1]
+
+    monkeypatch.setattr(core.ports, "free_port", pick)
+    return given
+
+
+def test_ranks_start_again_on_another_port_when_theirs_was_taken(monkeypatch, held_port, caplog):
+    from backends.cpu.target import CpuTarget
+    from core.ports import on_free_port
+    from orchestration.local_workers import start_processes
+
+    given = _picks(monkeypatch, held_port)
+    on_free_port(lambda port: start_processes(_meet, (port,), 2, CpuTarget()), "two ranks")
+    assert given[0] == held_port and len(given) == 2 and given[1] != held_port
+    assert [r.getMessage() for r in caplog.records if "taken" in r.getMessage()] == [
+        f"two ranks: port {held_port} was taken by another process before it was bound; starting again on another "
+        f"free port (attempt 2 of 3)"]
+
+
+def test_only_an_address_in_use_is_retried(monkeypatch, held_port):
+    from core.ports import PortsTaken, on_free_port
+
+    calls = []
+
+    def fails(port):
+        calls.append(port)
+        raise RuntimeError(f"connect to 127.0.0.1:{port} failed: Connection refused")
+
+    with pytest.raises(RuntimeError, match="Connection refused"):
+        on_free_port(fails, "a start")
+    assert len(calls) == 1                                   # not retried
+
+    import torch.distributed as dist
+
+    _picks(monkeypatch, held_port, held_port, held_port)
+    with pytest.raises(PortsTaken, match=f"port {held_port} was taken .* and so were the 2 free port"):
+        on_free_port(lambda port: dist.TCPStore("127.0.0.1", port, 1, True), "a store")
+
+
+def test_local_ranks_meet_on_a_port_their_store_picks_as_it_binds(monkeypatch):
+    """launch_local_ranks hands no picked port to the rendezvous: its store binds port 0."""
+    import core.ports
+
+    monkeypatch.setattr(core.ports, "free_port", lambda: pytest.fail("launch_local_ranks picked a port to bind later"))
+    monkeypatch.setenv("DSV4_TEST_PARENT_PID", str(os.getpid()))
+    assert launch_local_ranks(run_config(), what_a_rank_sees, ("DSV4_TEST_PARENT_PID",))["rank"] == "0"

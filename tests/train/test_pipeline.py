@@ -34,7 +34,9 @@ import torch
 from ._cli import metrics_rows, train_cli
 
 def _sft(impl: str) -> tuple:
-    return ("--impl", impl, "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "micro_batch_size=3", "mtp_coef=0.3")
+    # keep_last=3: the one-rank runs keep every checkpoint, for the resume tests that start from a copy (_stopped_at)
+    return ("--impl", impl, "--mode", "sft", "--lr", "1e-3", "--save-every", "1", "keep_last=3", "micro_batch_size=3",
+            "mtp_coef=0.3")
 
 
 SFT = _sft("miles")
@@ -75,6 +77,24 @@ def one_rank(tmp_path_factory):
         return runs[impl]
 
     return run
+
+
+def _stopped_at(run_dir, step: int, dest):
+    """A copy of the one-rank run ``run_dir`` as if it had stopped after ``step`` (its later checkpoints and
+    metrics rows dropped): what ``--steps STEP`` of the same job leaves, without running it again (the steps up
+    to ``step`` do not depend on how many follow: the test_layouts reference says the same of step 1)."""
+    import shutil
+
+    from reporting.metrics import truncate_after
+
+    shutil.copytree(run_dir, dest)
+    for folder in (dest / "checkpoints").glob("step_*"):
+        if int(folder.name.split("_")[1]) > step:
+            shutil.rmtree(folder)
+    (dest / "checkpoints" / "latest").write_text(f"step_{step:06d}\n")    # train.checkpointing.LATEST
+    truncate_after(dest, step)
+    assert [r["step"] for r in metrics_rows(dest)] == list(range(1, step + 1))
+    return dest
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +169,7 @@ def test_checkpoints_move_between_one_rank_and_two_stages(tmp_path, one_rank, im
     every rank is SIGKILLed in step 3's training phase (stage 0 may be waiting on stage 1's gradients), and step
     2's checkpoint, written by both stages, resumes at --pp 1: step 3 and its weights are the uninterrupted
     run's (the weights after a resumed step depend on the restored Adam moments and step counts)."""
-    run = tmp_path / "run"
-    train_cli(run, *_sft(impl), "--steps", "1")
+    run = _stopped_at(one_rank(impl), 1, tmp_path / "run")          # step 1 on one rank
     killed = train_cli(run, *_sft(impl), *PP2, "--steps", "3", "--resume", env={"DSV4_TRAIN_KILL_AT": "3:train"},
                        check=False)
     assert killed.returncode == 1 and "error: rank" in killed.stderr and "Traceback" not in killed.stderr
@@ -164,7 +183,7 @@ def test_checkpoints_move_between_one_rank_and_two_stages(tmp_path, one_rank, im
 
 def test_a_one_rank_checkpoint_resumes_at_two_virtual_stages(tmp_path, one_rank):
     """--pp 2 --vpp 2: each rank reads the tensors of its two chunks."""
-    train_cli(tmp_path / "run", *_sft("miles"), "--steps", "2")
+    _stopped_at(one_rank("miles"), 2, tmp_path / "run")                # two steps on one rank
     train_cli(tmp_path / "run", *_sft("miles"), *PP2, "--vpp", "2", "--steps", "3", "--resume")
     _assert_same_run(tmp_path / "run", one_rank("miles"), [1, 2, 3])
 
