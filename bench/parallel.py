@@ -1,5 +1,5 @@
 """Multi-GPU training-throughput benchmark (issue #9): tokens/s and MFU per parallel layout, and the
-weight-export bucket throughput, on the small DeepSeek-V4 config of ``bench.train_step``.
+weight-export bucket throughput, on the small DeepSeek-V4 config of ``bench.configs.bench_config``.
 
 ``python -m bench.parallel --layouts miles:tp1,miles:tp2,miles:cp2,megatron:cp1,megatron:cp2``
 
@@ -16,7 +16,7 @@ numbers are side by side with the one-GPU run of the same code. Per step (eager,
   gradients of the replicated parameters are averaged over the ranks.
 
 tokens/s counts the tokens of one step over all ranks; MFU = FLOPs per step / step time / (world x 989 TFLOP/s),
-FLOPs per step from ``bench.train_step.step_flops`` (all ranks' tokens). Export: the trainer side of weight
+FLOPs per step from ``bench.flops.step_flops`` (all ranks' tokens). Export: the trainer side of weight
 sync (``engine.loading.full_native_state``, a TP all-gather) then ``core.export.export_buckets`` and
 ``converters.publish.publish_bucket`` (bf16 and fp8, after one untimed pass that compiles the quantization
 kernels) on rank 0, 256 MiB buckets; GB/s of published bytes."""
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from engine.grad_allreduce import all_reduce_grads
 
-from bench.train_step import (H200_BF16_DENSE_TFLOPS, active_params, bench_config, bench_run_config, config_summary,
-                              step_flops)
+from bench.configs import bench_config, bench_run_config, config_summary
+from bench.flops import H200_BF16_DENSE_TFLOPS, active_params, step_flops
 
 DEFAULT_LAYOUTS = "miles:tp1,miles:tp2,miles:cp2,megatron:cp1,megatron:cp2"
 
@@ -179,7 +179,7 @@ def _worker(rank: int, layout: dict, port: int, seq: int, warmup: int, steps: in
 
 
 def model_config(name: str):
-    """``bench``: the issue's benchmark config (``bench.train_step.bench_config``); ``tiny``: the embedded
+    """``bench``: the issue's benchmark config (``bench.configs.bench_config``); ``tiny``: the embedded
     test model (the CPU smoke run)."""
     if name == "bench":
         return bench_config()

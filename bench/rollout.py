@@ -5,7 +5,7 @@
                             [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
                             [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--out FILE.json]
 
-``--model bench`` is the training benchmark's small config (``bench.train_step.bench_config``); the others are
+``--model bench`` is the training benchmark's small config (``bench.configs.bench_config``); the others are
 ``core.config`` presets. Random weights (``init_weights``, seeded; on a GPU drawn there, so their values
 differ from a CPU run's) are loaded through the engine's weight-update calls; transformers' ``DeepseekV4ForCausalLM`` gets the same tensors through
 ``tests.reference.hf_mapping.official_to_hf``. For each batch size ``B`` (sequences decoded together): ``B``
@@ -71,7 +71,7 @@ def _short_machine(device: torch.device) -> str:
 
 def model_config(name: str):
     if name == "bench":
-        from bench.train_step import bench_config
+        from bench.configs import bench_config
 
         return bench_config()
     from core.config import preset
@@ -164,7 +164,7 @@ def _engine(config, device, dtype, seed, **kw):
 def _ops(config, device, kernel_backend: str):
     """The kernel op table of a run with ``kernel_backend`` on this device (``core.assembly``), as ``dsv4
     train`` hands it to its engine; the engine records which backend served each decode op."""
-    from bench.train_step import bench_run_config
+    from bench.configs import bench_run_config
     from core.assembly import assemble
 
     hardware = "nvidia" if device.type == "cuda" else "cpu"
@@ -341,7 +341,7 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="core.config preset, or 'bench' (bench.train_step.bench_config)")
+    p.add_argument("--model", default="tiny", help="core.config preset, or 'bench' (bench.configs.bench_config)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="sequences decoded together (one row each)")

@@ -38,17 +38,18 @@ steps are not timed.
 Measured from ``RUN_DIR/metrics.jsonl`` (rank 0's rows): ``dsv4 train --steps STEPS`` runs STEPS steps, and the
 first ``--warmup`` of them are left out. Step time is the mean ``time_step``. tokens/s is the sum of ``tokens``
 (all ranks) over the sum of ``time_step``; per GPU, that divided by ``world_size``. MFU is
-``bench.train_step.step_flops`` of the step's sequences / step time / (GPUs x ``H200_BF16_DENSE_TFLOPS``);
+``bench.flops.step_flops`` of the step's sequences / step time / (GPUs x ``H200_BF16_DENSE_TFLOPS``);
 None on the CPU. Peak memory is the rows' ``peak_memory_gib`` (rank 0's CUDA allocator peak; None on the
 CPU). Scaling efficiency of a multi-rank layout is its tokens/s per GPU / the 1-GPU row's (the same
 implementation's when there is one); 1.0 is linear scaling.
 
-Reference: on nvidia, after the layouts, ``bench.train_step.bench_one("transformers", ...)`` times
+Reference: on nvidia, after the layouts and unless ``--no-reference``, ``bench.reference_step.time_step`` times
 transformers' eager DeepseekV4 step (random bf16 weights, fused AdamW) on one GPU, for the same model config
-and sequence length. On the CPU it is skipped (that step needs CUDA), and the JSON says so. The bench prints a
-rich table, and writes a JSON object (date, machine, torch version, command line, settings, rows, reference)
-to ``--out`` after every layout. ``--append`` adds to, or replaces rows of, an earlier ``--out`` with the same
-settings, so a long list of layouts can run as several commands.
+and sequence length, ``--warmup`` steps then the rest of ``--steps``. On the CPU it is skipped (that step needs
+CUDA), and the JSON says so. The bench prints a rich table, and writes a JSON object (date, machine, torch
+version, command line, settings, rows, reference) to ``--out`` after every layout. ``--append`` adds to, or
+replaces rows of, an earlier ``--out`` with the same settings, so a long list of layouts can run as several
+commands.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ from typing import Optional
 
 import torch
 
-from bench.train_step import H200_BF16_DENSE_TFLOPS, active_params, config_summary, step_flops
+from bench.configs import config_summary
+from bench.flops import H200_BF16_DENSE_TFLOPS, active_params, step_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LAYOUTS = "miles:1,miles:dp2,miles:ep2,miles:tp2,miles:cp2,megatron:cp2"
@@ -248,19 +250,16 @@ def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, step
     return row
 
 
-def reference_step(config, seq: int, warmup: int, timed: int) -> dict:
-    """transformers' eager step on one GPU: ``bench.train_step.bench_one("transformers", ...)``, set up as
-    ``bench.train_step.main`` sets it up."""
-    from bench.train_step import bench_one, bench_run_config
-    from core.assembly import assemble
+def reference_row(config, seq: int, warmup: int, timed: int) -> dict:
+    """The reference row: transformers' eager step on one GPU (:func:`bench.reference_step.time_step`), with
+    the same FLOPs count as the layouts' rows; a failure is the row's error."""
+    from bench.reference_step import time_step
 
     row = {"layout": "transformers (reference)", "impl": "transformers", "gpus": 1, "seq": seq,
            "sequences_per_step": 1, "steps": warmup + timed, "warmup_steps": warmup,
-           "source": "bench.train_step.bench_one('transformers'): eager attention, random bf16 weights, fused AdamW"}
+           "source": "bench.reference_step.time_step: eager attention, random bf16 weights, fused AdamW"}
     try:
-        assemble(bench_run_config("miles", config)).setup_process()
-        ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).cuda()
-        r = bench_one("transformers", config, ids, warmup, timed)
+        r = time_step(config, seq, warmup, timed)
     except Exception as e:  # record it and keep the layouts' results
         row["error"] = f"{type(e).__name__}: {e}"
         row["traceback"] = traceback.format_exc()[-3000:]
@@ -422,9 +421,9 @@ def main(argv=None) -> int:
             save()
         if not gpu:
             result["reference"] = {"layout": "transformers (reference)", "gpus": 1,
-                                   "skipped": "bench.train_step's transformers step needs CUDA (CPU run)"}
+                                   "skipped": "bench.reference_step's transformers step needs CUDA (CPU run)"}
         elif not args.no_reference:
-            result["reference"] = reference_step(config, args.seq, args.warmup, args.steps - args.warmup)
+            result["reference"] = reference_row(config, args.seq, args.warmup, args.steps - args.warmup)
         save()
     finally:
         if not args.work_dir:

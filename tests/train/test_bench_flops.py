@@ -1,4 +1,4 @@
-"""The FLOPs and MFU formula of the training benchmarks (bench/train_step.py: ``selected_keys``, ``step_flops``,
+"""The FLOPs and MFU formula of the training benchmarks (bench/flops.py: ``selected_keys``, ``step_flops``,
 ``active_params``; used by bench.train_cli and bench.parallel), against hand-computed values and the reference
 model's own parameter list; and every committed benchmark record's MFU against its own FLOPs and step time."""
 
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.train_step import H200_BF16_DENSE_TFLOPS, active_params, bench_config, selected_keys, step_flops
+from bench.configs import bench_config
+from bench.flops import H200_BF16_DENSE_TFLOPS, active_params, selected_keys, step_flops
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

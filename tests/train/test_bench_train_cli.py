@@ -1,7 +1,7 @@
 """The `dsv4 train` benchmark (bench.train_cli) as a CPU smoke run: it starts the real command line (one rank;
 two ranks under torch.distributed.run, gloo) on the tiny model, and its JSON holds each layout's throughput,
 step time and scaling against the one-rank row; a layout the command refuses is a row with the command's error,
-added to the earlier result by --append."""
+added to the earlier result by --append; the reference row (transformers' step) is counted as the layouts are."""
 
 from __future__ import annotations
 
@@ -113,3 +113,34 @@ def test_profile_batch_and_options(tmp_path, monkeypatch, capsys):
     assert budget["steps"] == [3, 3] and budget["device"] == "cpu"
     assert {r["category"] for r in budget["rows"]} >= {"moe expert GEMMs", "optimizer: adam"}
     assert "step budget of miles:1" in capsys.readouterr().out
+
+
+def test_the_reference_row_is_transformers_step_counted_as_the_layouts_are(monkeypatch):
+    """train_cli's reference row takes its step time from bench.reference_step (which needs CUDA, so a fake
+    stands in here) and counts FLOPs and MFU with the layouts' formula; a failing step is the row's error."""
+    from bench import reference_step
+    from bench.flops import H200_BF16_DENSE_TFLOPS, active_params, step_flops
+    from bench.train_cli import reference_row
+    from core.config import preset
+
+    calls = []
+
+    def fake(c, seq, warmup, timed):
+        calls.append((seq, warmup, timed))
+        return dict(step_ms=250.0, peak_mem_gb=3.5, timed_steps=timed, loss_first=7.0, loss_last=6.5, note="fake")
+
+    config = preset("tiny")
+    monkeypatch.setattr(reference_step, "time_step", fake)
+    row = reference_row(config, 64, 2, 3)
+    assert calls == [(64, 2, 3)] and row["steps"] == 5 and row["warmup_steps"] == 2
+    flops = step_flops(config, 64, 1, active_params(config))["total"]
+    assert row["flops_per_step"] == flops and row["tokens_per_s"] == pytest.approx(64 / 0.25)
+    assert row["mfu"] == pytest.approx(flops / 0.25 / (H200_BF16_DENSE_TFLOPS * 1e12))
+    assert row["peak_mem_gib"] == 3.5 and row["loss_last"] == 6.5 and "error" not in row
+
+    def broken(*args):
+        raise RuntimeError("no CUDA here")
+
+    monkeypatch.setattr(reference_step, "time_step", broken)
+    row = reference_row(config, 64, 2, 3)
+    assert row["error"] == "RuntimeError: no CUDA here" and "tokens_per_s" not in row
