@@ -40,6 +40,11 @@ class DistEnvError(UserInputError):
     """The launcher's environment is partial or inconsistent, or the ranks did not all meet."""
 
 
+class MasterPortTaken(DistEnvError):
+    """Rank 0 could not host the store: another process bound ``MASTER_PORT`` first. A launcher that picked the
+    port itself starts the group again on another (:mod:`orchestration.ray_launch`)."""
+
+
 def _int(env: Dict[str, str], key: str) -> int:
     try:
         return int(env[key])
@@ -129,7 +134,7 @@ def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float 
         store = dist.TCPStore(addr, port, None, hosts, timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:          # torch raises DistNetworkError / DistStoreError / RuntimeError
         if hosts and address_in_use(exc):
-            raise DistEnvError(f"rank 0 cannot listen on MASTER_PORT {port} at {addr}: the port is taken by another "
+            raise MasterPortTaken(f"rank 0 cannot listen on MASTER_PORT {port} at {addr}: the port is taken by another "
                                f"process (another run?). Fix: choose a free MASTER_PORT") from None
         if hosts:
             raise DistEnvError(f"rank 0 cannot listen on {addr}:{port} ({type(exc).__name__}: "

@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from core.errors import UserInputError
 
+from .dist_env import MasterPortTaken
 from .launch import RankFailed
 
 __all__ = ["run_on_ray", "TrainerRank", "Placement", "placement_plan", "DEFAULT_MAX_RESTARTS"]
@@ -319,6 +320,8 @@ def _run_group(run, groups, plan: Placement, engines, placement, fn, args, first
         if first_error is not None:
             rank, exc = first_error
             cause = exc.cause if exc.cause is not None else exc
+            if isinstance(cause, MasterPortTaken):
+                raise _PortTaken(_one_line(cause)) from None
             if isinstance(cause, (UserInputError, ValueError)):
                 raise RankFailed(f"rank {rank}: {_one_line(cause)}") from None
             raise RankFailed(f"rank {rank} failed: {type(cause).__name__}: {_one_line(cause)} (rerun with --debug "
@@ -343,6 +346,11 @@ def _stop_servers(run, engines) -> None:
     except Exception as exc:      # the run's result stands; say what may be left running
         log.warning(f"orchestrator: ray: stopping the rollout servers failed ({_one_line(exc)}); check the engine "
                     f"nodes for leftover sglang.launch_server processes")
+
+
+class _PortTaken(Exception):
+    """Rank 0's rendezvous port, picked free on its node, was bound by another process (a Ray worker's gRPC
+    server, say) before rank 0 bound it; nothing ran yet, so the group starts again on a newly picked port."""
 
 
 class _GroupDied(Exception):
@@ -377,21 +385,42 @@ def run_on_ray(run, fn: Callable, *, model_config, model_source, mode: str, step
                          transport=run.weight_transport or "objects")
         log.info(f"orchestrator: ray: {world} trainer actor(s) in placement group "
                  f"{groups[plan.trainers[0][0]].id.hex()[:8]}")
-        attempt = 0
-        while True:
-            args = (run, model_source, mode, steps, str(run_dir), resume or attempt > 0, cfg, progress)
-            try:
-                return _run_group(run, groups, plan, engines, placement, fn, args, first_attempt=attempt == 0)
-            except _GroupDied as died:
-                attempt += 1
-                if attempt > restarts:
-                    raise RankFailed(f"{died} and the trainer group was restarted {restarts} times already "
-                                     f"(--ray-max-restarts); the run's last complete checkpoint is kept: continue "
-                                     f"with --resume") from None
-                found = latest_checkpoint(run_dir)
-                log.warning(f"{died}; restarting the trainer group from "
-                            f"{f'checkpoint step {found[0]}' if found else 'the start'} "
-                            f"(restart {attempt} of {restarts})")
+        return _run_with_restarts(
+            lambda attempt: _run_group(run, groups, plan, engines, placement, fn,
+                                       (run, model_source, mode, steps, str(run_dir), resume or attempt > 0, cfg,
+                                        progress), first_attempt=attempt == 0),
+            restarts, lambda: latest_checkpoint(run_dir))
     finally:
         _stop_servers(run, engines)
         ray.shutdown()
+
+
+def _run_with_restarts(run_group: Callable[[int], Any], restarts: int, latest: Callable[[], Any]) -> Any:
+    """``run_group(attempt)`` until it returns: a group that died (:class:`_GroupDied`) starts again from the last
+    checkpoint, ``restarts`` times at most (``attempt`` counts those); a group whose rendezvous port was taken
+    (:class:`_PortTaken`) starts again at once on another, :data:`core.ports.PORT_ATTEMPTS` times in all."""
+    from core.ports import PORT_ATTEMPTS
+    from reporting.run_log import log
+
+    attempt, port_tries = 0, 0
+    while True:
+        try:
+            return run_group(attempt)
+        except _PortTaken as taken:
+            port_tries += 1
+            if port_tries >= PORT_ATTEMPTS:
+                raise RankFailed(f"{taken}; and so were the {PORT_ATTEMPTS - 1} port(s) picked before it. Fix: find "
+                                 f"what binds ports on the trainers' first node so fast (`ss -ltnp`) and stop it, or "
+                                 f"run again") from None
+            log.warning(f"{taken}; starting the trainer group again on another free port (attempt "
+                        f"{port_tries + 1} of {PORT_ATTEMPTS})")
+        except _GroupDied as died:
+            attempt += 1
+            if attempt > restarts:
+                raise RankFailed(f"{died} and the trainer group was restarted {restarts} times already "
+                                 f"(--ray-max-restarts); the run's last complete checkpoint is kept: continue "
+                                 f"with --resume") from None
+            found = latest()
+            log.warning(f"{died}; restarting the trainer group from "
+                        f"{f'checkpoint step {found[0]}' if found else 'the start'} "
+                        f"(restart {attempt} of {restarts})")

@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from core.ports import free_port
 
 
 def unavailable_reason() -> Optional[str]:
@@ -52,7 +51,7 @@ class NvidiaTarget:
                            port: Optional[int] = None, seed: int = 1234, master_addr: Optional[str] = None,
                            local_rank: Optional[int] = None, store=None):
         """NCCL process group plus megatron's model-parallel groups for this rank (idempotent for the
-        same world); returns this rank's layout (``engine.layout``). ``MASTER_PORT`` comes from ``port``, the environment, or (world size 1) a free port;
+        same world); returns this rank's layout (``engine.layout``). ``MASTER_PORT`` comes from ``port`` or the environment (world size 1: an in-memory store);
         ``MASTER_ADDR`` from ``master_addr``, the environment, or this machine. The device is
         ``cuda:local_rank`` (default: ``LOCAL_RANK``, else ``rank % device_count``)."""
         import torch.distributed as dist
@@ -71,13 +70,13 @@ class NvidiaTarget:
 
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+            if store is None and world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
+                store = dist.HashStore()   # one process: an in-memory store, no TCP port to race for
             if port is not None:
                 os.environ["MASTER_PORT"] = str(port)
-            elif "MASTER_PORT" not in os.environ:
-                if world_size != 1:
-                    raise ValueError("NvidiaTarget.init_process_group: pass port= (or set MASTER_PORT) "
-                                     "for world_size > 1")
-                os.environ["MASTER_PORT"] = str(free_port())
+            elif "MASTER_PORT" not in os.environ and store is None:
+                raise ValueError("NvidiaTarget.init_process_group: pass port= (or set MASTER_PORT) "
+                                 "for world_size > 1")
             if store is not None:      # the ranks met on it already (orchestration.dist_env.rendezvous)
                 dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
                                         device_id=self.device(local))

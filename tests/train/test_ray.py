@@ -325,3 +325,51 @@ def test_an_unreachable_cluster_is_one_line_and_leaves_no_run_folder(tmp_path):
                      f"{address.rsplit(':', 1)[1]}: Connection refused). Fix: start one with `ray start --head` and "
                      f"pass its address, or leave --ray-address and RAY_ADDRESS unset to start a local one"], res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def _group_that_fails(*failures):
+    """A trainer-group stand-in: each call raises the next of ``failures``, then returns "done"; records the
+    attempts it was called with."""
+    calls, left = [], list(failures)
+
+    def run_group(attempt):
+        calls.append(attempt)
+        if left:
+            raise left.pop(0)
+        return "done"
+
+    return run_group, calls
+
+
+def test_a_taken_rendezvous_port_starts_the_group_again_without_a_restart():
+    """Rank 0's picked port bound by another process first (the CI race) is not a restart from a checkpoint: the
+    group starts again on another port, up to PORT_ATTEMPTS times, then the one-line error names the fix; a died
+    group still counts restarts."""
+    from core.ports import PORT_ATTEMPTS
+    from orchestration.launch import RankFailed
+    from orchestration.ray_launch import _GroupDied, _PortTaken, _run_with_restarts
+
+    run_group, calls = _group_that_fails(_PortTaken("rank 0 cannot listen on MASTER_PORT 1234"))
+    assert _run_with_restarts(run_group, 0, lambda: None) == "done" and calls == [0, 0]
+    run_group, calls = _group_that_fails(*[_PortTaken("taken")] * PORT_ATTEMPTS)
+    with pytest.raises(RankFailed, match="Fix: find what binds ports"):
+        _run_with_restarts(run_group, 5, lambda: None)
+    assert calls == [0] * PORT_ATTEMPTS
+    run_group, calls = _group_that_fails(_GroupDied(1, RuntimeError("killed")), _PortTaken("taken"))
+    assert _run_with_restarts(run_group, 1, lambda: (3, None)) == "done" and calls == [0, 1, 1]
+    run_group, calls = _group_that_fails(_GroupDied(1, RuntimeError("killed")))
+    with pytest.raises(RankFailed, match="restarted 0 times"):
+        _run_with_restarts(run_group, 0, lambda: None)
+
+
+def test_rank_zero_names_a_taken_master_port_as_such(tmp_path):
+    """The rendezvous raises MasterPortTaken (what the Ray launcher retries on) only when the port is in use."""
+    import socket
+
+    from orchestration.dist_env import MasterPortTaken, rendezvous
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(MasterPortTaken, match="taken by another process"):
+            rendezvous(0, 2, "127.0.0.1", held.getsockname()[1], timeout_s=5)
