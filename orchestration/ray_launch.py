@@ -318,18 +318,24 @@ def _run_group(run, groups, plan: Placement, engines, placement, fn, args, first
                 first_error = first_error or (refs.index(done[0]), exc)
                 break
         if first_error is not None:
-            rank, exc = first_error
-            cause = exc.cause if exc.cause is not None else exc
-            if isinstance(cause, MasterPortTaken):
-                raise _PortTaken(_one_line(cause)) from None
-            if isinstance(cause, (UserInputError, ValueError)):
-                raise RankFailed(f"rank {rank}: {_one_line(cause)}") from None
-            raise RankFailed(f"rank {rank} failed: {type(cause).__name__}: {_one_line(cause)} (rerun with --debug "
-                             f"for its traceback)") from None
+            raise _rank_error(*first_error, port=envs[0]["MASTER_PORT"]) from None
         return ray.get(refs[0])
     finally:
         for t in trainers:
             ray.kill(t, no_restart=True)
+
+
+def _rank_error(rank: int, exc: BaseException, port: str) -> Exception:
+    """A trainer rank's own error (``exc``: Ray's task error around it) as the launcher raises it: rank 0's
+    rendezvous port taken before it bound it is :class:`_PortTaken` (the group starts again on another); a user's
+    or a value error is one line; anything else names its type."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, MasterPortTaken):
+        return _PortTaken(f"rank 0 could not listen on its rendezvous port {port}: another process bound it first")
+    if isinstance(cause, (UserInputError, ValueError)):
+        return RankFailed(f"rank {rank}: {_one_line(cause)}")
+    return RankFailed(f"rank {rank} failed: {type(cause).__name__}: {_one_line(cause)} (rerun with --debug for its "
+                      f"traceback)")
 
 
 def _stop_servers(run, engines) -> None:
@@ -409,7 +415,7 @@ def _run_with_restarts(run_group: Callable[[int], Any], restarts: int, latest: C
         except _PortTaken as taken:
             port_tries += 1
             if port_tries >= PORT_ATTEMPTS:
-                raise RankFailed(f"{taken}; and so were the {PORT_ATTEMPTS - 1} port(s) picked before it. Fix: find "
+                raise RankFailed(f"{taken}, and so did the {PORT_ATTEMPTS - 1} port(s) picked before it. Fix: find "
                                  f"what binds ports on the trainers' first node so fast (`ss -ltnp`) and stop it, or "
                                  f"run again") from None
             log.warning(f"{taken}; starting the trainer group again on another free port (attempt "

@@ -488,7 +488,7 @@ def init_cpu_process_group(rank: int = 0, world_size: int = 1, tp: int = 1, *, p
     if not dist.is_initialized():
         if store is not None:          # the ranks met on it already (orchestration.dist_env.rendezvous)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        elif world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
+        elif world_size == 1 and port is None:      # MASTER_PORT too (a Ray actor's): nothing else joins
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         else:
             os.environ["MASTER_ADDR"] = master_addr

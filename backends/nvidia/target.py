@@ -70,8 +70,8 @@ class NvidiaTarget:
 
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-            if store is None and world_size == 1 and port is None and "MASTER_PORT" not in os.environ:
-                store = dist.HashStore()   # one process: an in-memory store, no TCP port to race for
+            if store is None and world_size == 1 and port is None:
+                store = dist.HashStore()   # one process (MASTER_PORT set or not): no TCP port to race for
             if port is not None:
                 os.environ["MASTER_PORT"] = str(port)
             elif "MASTER_PORT" not in os.environ and store is None:

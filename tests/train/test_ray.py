@@ -362,14 +362,26 @@ def test_a_taken_rendezvous_port_starts_the_group_again_without_a_restart():
         _run_with_restarts(run_group, 0, lambda: None)
 
 
-def test_rank_zero_names_a_taken_master_port_as_such(tmp_path):
-    """The rendezvous raises MasterPortTaken (what the Ray launcher retries on) only when the port is in use."""
+def test_rank_zero_names_a_taken_master_port_and_the_launcher_retries_only_that():
+    """The rendezvous raises MasterPortTaken when rank 0's port is in use; the Ray launcher turns that rank's
+    error (inside Ray's task error, as ray.get raises it) into a retry, and every other error of a rank,
+    DistEnvError's other cases included, into the one-line RankFailed."""
     import socket
 
-    from orchestration.dist_env import MasterPortTaken, rendezvous
+    from ray.exceptions import RayTaskError
+
+    from orchestration.dist_env import DistEnvError, MasterPortTaken, rendezvous
+    from orchestration.launch import RankFailed
+    from orchestration.ray_launch import _PortTaken, _rank_error
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        with pytest.raises(MasterPortTaken, match="taken by another process"):
+        with pytest.raises(MasterPortTaken, match="taken by another process") as taken:
             rendezvous(0, 2, "127.0.0.1", held.getsockname()[1], timeout_s=5)
+    got = _rank_error(0, RayTaskError("run", "traceback", taken.value), port="1234")
+    assert isinstance(got, _PortTaken) and "port 1234" in str(got) and "Fix" not in str(got)
+    other = _rank_error(1, RayTaskError("run", "traceback", DistEnvError("rank 1 waited 3 s. Fix: x")), port="1")
+    assert isinstance(other, RankFailed) and str(other) == "rank 1: rank 1 waited 3 s. Fix: x"
+    crash = _rank_error(0, RayTaskError("run", "traceback", RuntimeError("boom")), port="1")
+    assert isinstance(crash, RankFailed) and "RuntimeError: boom" in str(crash)
