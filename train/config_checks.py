@@ -117,8 +117,8 @@ def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
 # true_on_policy: the training models it is exact with (docs/rollout.md#true-on-policy). reference: the built-in
 # engine runs the reference model on the trainer's shapes; miles, megatron: the engine draws from the trainer's own
 # module (rollout.reference_engine.TrainModuleEngine), whose experts (engine.moe.DSv4MoE, shared by both) honour
-# row_invariant_experts; tested on the CPU in fp32 and bf16 and on one NVIDIA GPU in bf16 (the reference kernel
-# ops: cuBLAS is deterministic for equal shapes on one stream). Another implementation's MoE may not honour it.
+# row_invariant_experts; tested on the CPU in fp32 and bf16 and on one NVIDIA GPU in bf16 (reference ops; triton's:
+# docs/rollout.md#true-on-policy). Another implementation's MoE may not honour it.
 ON_POLICY_IMPLS = ("reference", "miles", "megatron")
 
 
@@ -179,6 +179,10 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
                                          run_config.rules)
         if problems:
             raise InvalidCombination("\n".join(problems))
+    kernels = getattr(getattr(getattr(run_config, "selection", None), "kernel", None), "name", "none")
+    if kernels != "none" and "reference" in (cfg.train_impl, impl):   # its engine's model runs the reference ops
+        raise _true_on_policy_refusal(f"--kernel-backend {kernels} with train_impl=reference",
+                                      "use --kernel-backend none, or drop train_impl (the trainer's module draws)")
 
 
 def _check_pipeline_options(run_config, cfg) -> None:

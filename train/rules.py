@@ -118,14 +118,16 @@ def _packing_thd(sel: Selection, host) -> Optional[str]:
             f"{sel.qkv_format}). Fix: add --qkv-format thd, or drop --max-tokens-per-rank.")
 
 
+ON_POLICY_KERNELS = ("none", "triton")      # forward kernels without atomics (docs/rollout.md#true-on-policy)
+
+
 def _true_on_policy(sel: Selection, host) -> Optional[str]:
     """``true_on_policy`` is exact where the engine and the trainer run the same code on the same shapes on one
     device (the reference model, or the trainer's own miles / megatron module, whose limits
     ``train.config_checks.check_true_on_policy`` applies: this rule does not know ``train_impl``): the CPU in
-    fp32 or bf16, an NVIDIA GPU in bf16 (fp32 there is not tested), the reference kernel ops
-    (``--kernel-backend none``: the engine's forward and the trainer's must call the same kernels), weights
-    published as they are (bf16 scheme), the built-in engine, the local orchestrator, one rank
-    (docs/rollout.md#true-on-policy)."""
+    fp32 or bf16, an NVIDIA GPU in bf16 (fp32 there is not tested), the reference or triton kernel ops (the
+    engine's forward and the trainer's must call the same kernels: triton's only through the trainer's own
+    module), weights published as they are, the built-in engine, the local orchestrator, one rank."""
     if not sel.true_on_policy:
         return None
     engine = getattr(sel.rollout, "name", "reference")
@@ -135,14 +137,15 @@ def _true_on_policy(sel: Selection, host) -> Optional[str]:
             (f"--hardware {sel.hardware.name}", dtypes is None, "use --hardware cpu or nvidia"),
             (f"--dtype {sel.dtype} on --hardware {sel.hardware.name}", dtypes is not None and sel.dtype not in dtypes,
              f"use --dtype {' or '.join(dtypes or ())}"),
-            (f"--kernel-backend {sel.kernel.name}", sel.kernel.name != "none", "use --kernel-backend none"),
+            (f"--kernel-backend {sel.kernel.name}", sel.kernel.name not in ON_POLICY_KERNELS,
+             "use --kernel-backend none or triton"),
             (f"--quant {sel.quant.name} (publishes lossy weights)", sel.quant.name != "bf16", "use --quant bf16"),
             (f"--rollout-engine {engine}", engine != "reference", "use --rollout-engine reference"),
             (f"--orchestrator {sel.orchestrator}", sel.orchestrator != "local", "use --orchestrator local"),
             (f"{world} ranks", world != 1, "train on one rank")):
         if bad:
-            return (f"true_on_policy=true is exact only with the built-in engine, the reference kernel ops, one "
-                    f"rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what} is not. "
+            return (f"true_on_policy=true is exact only with the built-in engine, the reference or triton kernel "
+                    f"ops, one rank, and the CPU (fp32, bf16) or one NVIDIA GPU (bf16), and {what} is not. "
                     f"Fix: {fix}, or drop true_on_policy.")
     return None
 
@@ -158,7 +161,8 @@ RULES = (
          "blocks", _train_cuda_graphs, train_option=True),
     Rule("packing-thd", "training with a packing budget runs the packed (THD) layout", _packing_thd),
     Rule("true-on-policy", "true_on_policy=true runs the reference code and kernel ops on the CPU (fp32, bf16) or "
-         "one NVIDIA GPU (bf16), one rank, the built-in engine", _true_on_policy, train_option=True),
+         "one NVIDIA GPU (bf16; triton's kernels through the trainer's own module), one rank, the built-in engine",
+         _true_on_policy, train_option=True),
 )
 
 

@@ -229,10 +229,16 @@ def test_refusals():
     check_true_on_policy(rc(hardware="nvidia", dtype="bf16"), cfg)   # one GPU in bf16
     for kw, fix in ((dict(quant="fp8"), "use --quant bf16"),
                     (dict(hardware="nvidia", dtype="fp32"), "use --dtype bf16"),
-                    (dict(hardware="nvidia", kernel_backend="triton"), "use --kernel-backend none"),
+                    (dict(hardware="nvidia", dtype="bf16", kernel_backend="tilelang"),
+                     "use --kernel-backend none or triton"),
                     (dict(tp=2), "train on one rank")):
         with pytest.raises(InvalidCombination, match=f"Fix: {fix}"):      # rule true-on-policy
             check_true_on_policy(rc(**kw), cfg)
+    # triton's kernels: only through the trainer's own module (the reference model's engine runs the reference ops)
+    triton = rc(hardware="nvidia", dtype="bf16", kernel_backend="triton")
+    with pytest.raises(ConfigError, match="Fix: use --kernel-backend none, or drop train_impl"):
+        check_true_on_policy(triton, cfg)
+    check_true_on_policy(triton, TrainConfig(true_on_policy=True))
 
     class Model(torch.nn.Module):               # a miles model in fp16: the CPU in fp32 and bf16 are built for it
         impl, device = "miles", torch.device("cpu")
@@ -246,6 +252,7 @@ def test_refusals():
     check_true_on_policy(rc(dtype="bf16"), TrainConfig(true_on_policy=True), Model(torch.bfloat16))
     Model.device = torch.device("cuda")           # a miles model on a GPU: bf16 (tests/train/test_true_on_policy_gpu.py)
     check_true_on_policy(rc(hardware="nvidia", dtype="bf16"), TrainConfig(true_on_policy=True), Model(torch.bfloat16))
+    check_true_on_policy(triton, TrainConfig(true_on_policy=True), Model(torch.bfloat16))
     for dtype in (torch.float32, torch.float16):  # fp32 there is not tested, fp16 nowhere
         with pytest.raises(ConfigError, match="the miles model is on cuda"):
             check_true_on_policy(rc(hardware="nvidia", dtype="bf16"), TrainConfig(true_on_policy=True), Model(dtype))

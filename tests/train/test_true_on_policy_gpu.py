@@ -11,7 +11,8 @@
   engine samples from exactly those log-probs;
 * ``train_impl=miles`` and ``megatron`` (``--impl`` the same): the engine draws from the trainer's own module
   (``rollout.reference_engine.TrainModuleEngine``, the lockstep loop through ``next_token_logprobs``) on the GPU, the same
-  3-step run with the same exact zeros and no weight sync;
+  3-step run with the same exact zeros and no weight sync; with the reference kernel ops and with triton's
+  (``--kernel-backend triton``: the module's forward kernels, asserted to have run);
 * the control: the same run without ``true_on_policy`` (the KV-cached bf16 engine, eager) has a difference above 0,
   so the exact run is not exact by accident of the measure.
 """
@@ -30,13 +31,13 @@ RUN = dict(mode="grpo", max_new_tokens=8, prompts_per_step=2, group_size=4, prog
            save_every=100, export_at_end=False)
 
 
-def _nvidia_bf16_run(impl="miles"):
+def _nvidia_bf16_run(impl="miles", kernel_backend="none"):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
     impl = "miles" if impl == "reference" else impl
-    return normalize(Choices(impl=impl, hardware="nvidia", dtype="bf16", rollout_engine="reference", model=CFG),
-                     make_host(third_party=False), model_name="tiny")
+    return normalize(Choices(impl=impl, hardware="nvidia", dtype="bf16", rollout_engine="reference", model=CFG,
+                             kernel_backend=kernel_backend), make_host(third_party=False), model_name="tiny")
 
 
 def _rows(run_dir):
@@ -55,13 +56,20 @@ def test_the_reference_training_model_computes_on_the_runs_gpu():
     assert lp.device.type == "cpu" and lp.shape == (1, 3)               # back next to the ids
 
 
-@pytest.mark.parametrize("train_impl", ["reference", "miles", "megatron"])
-def test_grpo_diff_exactly_zero_in_bf16_on_the_gpu(tmp_path, train_impl):
+@pytest.mark.parametrize("train_impl,kernel_backend", [("reference", "none"), ("miles", "none"), ("megatron", "none"),
+                                                       ("miles", "triton"), ("megatron", "triton")])
+def test_grpo_diff_exactly_zero_in_bf16_on_the_gpu(tmp_path, train_impl, kernel_backend):
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
     from orchestration import run_training
 
-    run = _nvidia_bf16_run(train_impl)
+    run = _nvidia_bf16_run(train_impl, kernel_backend)
     assert run.torch_dtype == torch.bfloat16
+    reset_kernels_ran()
     run_training(run, CFG, steps=3, run_dir=tmp_path / "exact", true_on_policy=True, **{**RUN, "train_impl": train_impl})
+    if kernel_backend == "triton":      # the engine drew from, and the trainer scored with, triton's kernels
+        ran = kernels_ran()
+        for op in ("sparse_attention_with_sink", "indexer_scores", "apply_rope", "rms_norm", "weighted_swiglu"):
+            assert ran.get(f"triton.{op}", 0) > 0 and not ran.get(f"none.{op}"), (op, ran)
     rows = _rows(tmp_path / "exact")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
