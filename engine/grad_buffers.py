@@ -39,6 +39,10 @@ class CopyFirstDDP(DistributedDataParallel):
     def __init__(self, *args, kernel_backend: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
         self.cast_kernel = kernel_backend in TRITON_BACKENDS
+        if self.cast_kernel:       # imported once here, not in the per-parameter backward hook
+            from kernels.triton.grad_copy import cast_into, cast_into_refusal
+
+            self._cast_into, self._cast_into_refusal = cast_into, cast_into_refusal
         self.kernel_casts = self.torch_casts = 0
         extra = any(bucket.params_with_extra_main_grads for buffer in self.buffers + self.expert_parallel_buffers
                     for bucket in buffer.buckets)
@@ -65,13 +69,10 @@ class CopyFirstDDP(DistributedDataParallel):
     def _into_main_grad(self, main: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
         """``main.add_(grad)`` / ``main.copy_(grad)``: the Triton kernel where the run has it and it takes these
         tensors, else the torch op (bit-identical results; see the module docstring)."""
-        if self.cast_kernel:
-            from kernels.triton.grad_copy import cast_into, cast_into_refusal
-
-            if not cast_into_refusal(main, grad):
-                cast_into(main, grad, accumulate)
-                self.kernel_casts += 1
-                return
+        if self.cast_kernel and not self._cast_into_refusal(main, grad):
+            self._cast_into(main, grad, accumulate)
+            self.kernel_casts += 1
+            return
         if accumulate:
             main.add_(grad)
         else:
