@@ -253,13 +253,12 @@ class DSv4GroupedExperts(nn.Module):
         if self.ep > 1 or tp > 1:
             raise NotImplementedError(f"row-invariant experts (true_on_policy) run on one rank, not tp={tp} "
                                       f"ep={self.ep}")
-        ct = compute_dtype(x)
+        act = weighted_swiglu if self.ops is None else self.ops.weighted_swiglu    # elementwise: row-invariant
 
         def expert(e, w):
             w1, w2 = self.expert_weights(e)
-            gate, up = F.linear(x, w1.to(x.dtype)).to(ct).chunk(2, dim=-1)
-            a = swiglu(gate, up, self.limit) * w.to(ct).unsqueeze(-1)
-            return F.linear(a.to(x.dtype), w2.to(x.dtype))
+            a = act(F.linear(x, w1.to(x.dtype)), w, self.limit, x.dtype)
+            return F.linear(a, w2.to(x.dtype))
 
         return row_invariant_mix(x, weights, idx, self.num_local_experts, expert)
 
