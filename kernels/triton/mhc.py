@@ -38,13 +38,15 @@ __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd
 #   mix / dfn: BT tokens x BK columns of K per step (mix: split over K below mix_programs programs);
 #   coef: BT tokens, BD of d per step;
 #   dx: BT x BK tiles; post / post_bwd: BT tokens x BD.
-# Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4; not tuned on a GPU yet.
+# Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4. dx and post_bwd were then
+# tuned on an H200 at the Flash shape (python -m bench.kernels_mhc_sweep, bench/results/kernels-mhc-sweep-h200.json):
+# post_bwd's BD 64 -> 128 took a call from 910 to 170 us, dx's BT 32 -> 64 took hc_pre's backward from 606 to 583 us.
 MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3, mix_programs=256,
                   coef_BT=16, coef_BD=64, coef_warps=4,
-                  dx_BT=32, dx_BK=64, dx_warps=4,
+                  dx_BT=64, dx_BK=64, dx_warps=4,
                   dfn_BT=64, dfn_BK=64, dfn_warps=4, dfn_stages=3,
                   post_BT=8, post_BD=128, post_warps=4,
-                  post_bwd_BT=8, post_bwd_BD=64, post_bwd_warps=4)
+                  post_bwd_BT=8, post_bwd_BD=128, post_bwd_warps=4)
 PRECISION = "tf32x3"
 
 
