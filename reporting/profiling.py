@@ -227,6 +227,7 @@ def attribute(events: Iterable, *, device: str) -> Dict[str, Any]:
     syncs: Dict[str, int] = defaultdict(int)
     top: Dict[Tuple[str, str], float] = defaultdict(float)
     linked: Dict[str, float] = defaultdict(float)
+    linked_n: Dict[str, int] = defaultdict(int)
     for e in cpu_ops:
         if not _is_leaf_op(e):
             continue
@@ -246,33 +247,40 @@ def attribute(events: Iterable, *, device: str) -> Dict[str, Any]:
             r = kernel_category(name) or row
             rows[r][phase] += us
             linked[name] += us
+            linked_n[name] += 1
             top[(r, f"{e.name} > {name}"[:160] if device == "cuda" else name)] += us
     if device == "cuda":
-        kernels += _unlinked_own_kernels(events, linked, rows, top)
+        kernels += _unlinked_kernels(events, linked, linked_n, rows, top)
     busy = _busy_us(events) if device == "cuda" else sum(sum(r.values()) for r in rows.values())
     return {"rows": dict(rows), "kernels": kernels, "syncs": dict(syncs), "busy_us": busy,
             "top": sorted(((r, n, us) for (r, n), us in top.items()), key=lambda t: -t[2])[:40]}
 
 
-def _unlinked_own_kernels(events, linked: Dict[str, float], rows, top) -> int:
-    """Count the project's own Triton kernels that the profiler linked to no host op (a launch outside any torch
-    op: the optimizer's one-pass AdamW was seen so, even inside a ``record_function`` range), each in its kernel
-    category: the device time of every kernel of that name less what the ops' kernels already hold."""
+def _unlinked_kernels(events, linked: Dict[str, float], linked_n: Dict[str, int], rows, top) -> int:
+    """Count the device time that the profiler linked to no host op (a launch outside any torch op: the
+    optimizer's one-pass AdamW was seen so, even inside a ``record_function`` range), kernel by kernel: the time
+    of every kernel of a name less what the ops' kernels already hold. The project's own Triton kernels go to
+    their kernel category; anything else to :data:`UNLINKED`, named in ``top``, so a budget whose device time
+    outgrows its rows says which kernels make the difference."""
     total: Dict[str, float] = defaultdict(float)
     count: Dict[str, int] = defaultdict(int)
     for e in events:
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and kernel_category(e.name) is not None:
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
             total[e.name] += float(e.time_range.end - e.time_range.start)
             count[e.name] += 1
     added = 0
     for name, us in total.items():
         rest = us - linked.get(name, 0.0)
         if rest > 0.01 * us:
-            r = kernel_category(name)
+            r = kernel_category(name) or UNLINKED
             rows[r]["other"] += rest
-            top[(r, f"(no host op) > {name}")] += rest
-            added += count[name] if not linked.get(name) else 0
+            top[(r, f"(no host op) > {name}"[:160])] += rest
+            added += max(count[name] - linked_n.get(name, 0), 0)
     return added
+
+
+# the budget row of device time no host op holds and no kernel category names
+UNLINKED = "device time with no host op"
 
 
 _SYNC = re.compile(r"Synchronize|^aten::_local_scalar_dense$|^cudaMemcpy$")

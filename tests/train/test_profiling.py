@@ -98,7 +98,7 @@ def test_a_triton_kernel_linked_to_no_host_op_is_counted_in_its_row():
     lands in "optimizer: adam", and a kernel an op holds is not counted twice."""
     from types import SimpleNamespace as NS
 
-    from reporting.profiling import attribute
+    from reporting.profiling import UNLINKED, attribute
 
     def kernel(name, start, end):
         return NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=start, end=end))
@@ -110,3 +110,26 @@ def test_a_triton_kernel_linked_to_no_host_op_is_counted_in_its_row():
     assert got["rows"]["optimizer: adam"]["other"] == 40.0
     assert sum(got["rows"]["mhc"].values()) == 5.0
     assert got["kernels"] == 2
+    assert UNLINKED not in got["rows"]
+
+
+def test_device_time_no_op_holds_gets_a_row_that_names_its_kernels():
+    """A kernel of no known category that no host op holds (a launch from outside torch's ops, or one the
+    profiler failed to link) is counted in its own row and named, so the budget's rows add up to the device's
+    busy time and say what the rest is; a kernel an op holds is still counted once."""
+    from types import SimpleNamespace as NS
+
+    from reporting.profiling import UNLINKED, attribute
+
+    def kernel(name, start, end):
+        return NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=start, end=end))
+
+    op = NS(name="aten::mm", device_type="DeviceType.CPU", sequence_nr=-1, thread=1, cpu_parent=None,
+            kernels=[NS(name="nvjet_gemm", duration=5.0)], self_cpu_time_total=0.0, fwd_thread=None)
+    events = [op, kernel("nvjet_gemm", 0.0, 5.0), kernel("nvjet_gemm", 6.0, 9.0), kernel("memset_kernel", 10.0, 12.0)]
+    got = attribute(events, device="cuda")
+    assert got["rows"][UNLINKED]["other"] == 5.0                  # the second GEMM's 3 us and the memset's 2
+    assert sum(sum(r.values()) for r in got["rows"].values()) == got["busy_us"] == 10.0
+    names = {n: us for r, n, us in got["top"] if r == UNLINKED}
+    assert names == {"(no host op) > nvjet_gemm": 3.0, "(no host op) > memset_kernel": 2.0}
+    assert got["kernels"] == 3          # the op's GEMM, the unlinked GEMM and the memset
