@@ -21,6 +21,8 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 
+from .permute import inverse_permutation, permute_rows
+
 __all__ = ["ExpertDispatch", "all_to_all", "expert_banks", "expert_name"]
 
 _EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -76,12 +78,13 @@ class ExpertDispatch:
         self.send, self.recv = send.tolist(), recv.tolist()   # host sync: the split sizes
         local = _exchange(experts - dest * experts_per_rank, self.send, self.recv, group)
         self.local_experts, self.order = local.sort(stable=True)   # received rows grouped by local expert
+        self.inv = inverse_permutation(self.order)
 
     def scatter(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows (expert-sorted) -> the rows this rank computes, grouped by local expert."""
-        return all_to_all(rows, self.send, self.recv, self.group).index_select(0, self.order)
+        return permute_rows(all_to_all(rows, self.send, self.recv, self.group), self.order, self.inv)
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`scatter`: computed rows back to the ranks (and order) they came from."""
-        back = torch.zeros_like(out).index_copy(0, self.order, out)
+        back = permute_rows(out, self.inv, self.order)         # gathers both ways (engine.permute)
         return all_to_all(back, self.recv, self.send, self.group)

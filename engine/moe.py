@@ -49,6 +49,7 @@ from kernels.reference.stacks import stacked_view
 
 from .layers import KeepFP32Module, init_normal_, row_parallel_linear
 from .layout import current as parallel_layout
+from .permute import expand_to_slots, inverse_permutation, permute_rows
 from .runtime import ensure_megatron
 from .tp import mark_keep_in_fp32, mark_tp
 
@@ -220,8 +221,9 @@ class DSv4GroupedExperts(nn.Module):
         ct = compute_dtype(x)
         T, k = idx.shape
         experts, order = idx.reshape(-1).sort(stable=True)      # assignments grouped by expert
-        rows = x.index_select(0, order // k)
-        gate_w = weights.reshape(-1).index_select(0, order)
+        inv = inverse_permutation(order)
+        rows = expand_to_slots(x, order, inv, k)                # gathers both ways (engine.permute)
+        gate_w = permute_rows(weights.reshape(-1), order, inv)
         dispatch = None
         if self.ep > 1:
             from .expert_parallel import ExpertDispatch
@@ -236,7 +238,7 @@ class DSv4GroupedExperts(nn.Module):
         out = grouped_linear(a, w2.to(x.dtype), ends).to(ct)
         if dispatch is not None:
             out = dispatch.gather(out)
-        y = torch.zeros_like(out).index_copy(0, order, out).view(T, k, -1).sum(dim=1)
+        y = permute_rows(out, inv, order).view(T, k, -1).sum(dim=1)      # back to (token, slot) order
         if tp > 1:
             y = mappings.reduce_from_tensor_model_parallel_region(y, parallel_layout().group("tp"))
         return y

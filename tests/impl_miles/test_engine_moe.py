@@ -116,3 +116,43 @@ def test_row_invariant_experts(layer_id):
     assert xi.grad is not None and m.experts.linear_fc1[0].grad is not None
     grouped = m(x, ids).detach()          # the same sums in another order: rounding at the outputs' scale
     assert (y.detach() - grouped).abs().max() <= 1e-6 * grouped.abs().max(), grouped.abs().max()
+
+
+def test_dispatch_row_moves_are_gathers_both_ways():
+    """engine.permute: the token rows copied to their expert slots and the expert outputs put back in (token, slot)
+    order have the gradients autograd's finite differences give (fp64 gradcheck), and the routed experts'
+    forward and backward run no index_add / index_copy / zero fill (the atomic-add backward the gathers replace)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.permute import expand_to_slots, inverse_permutation, permute_rows
+
+    g = torch.Generator().manual_seed(3)
+    T, k, d = 5, 3, 4
+    order = torch.randperm(T * k, generator=g)
+    inv = inverse_permutation(order)
+    assert torch.equal(order[inv], torch.arange(T * k)) and torch.equal(inv[order], torch.arange(T * k))
+    x = torch.randn(T, d, dtype=torch.float64, generator=g, requires_grad=True)
+    out = torch.randn(T * k, d, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: expand_to_slots(t, order, inv, k), (x,))
+    assert torch.autograd.gradcheck(lambda t: permute_rows(t, inv, order), (out,))
+    assert torch.equal(expand_to_slots(x, order, inv, k), x.index_select(0, order // k))
+    assert torch.equal(permute_rows(out, inv, order), torch.zeros_like(out).index_copy(0, order, out))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    _, m = _pair(TINY, 2)
+    xm = torch.randn(2, 9, TINY.dim, generator=g).bfloat16().requires_grad_()
+    m = m.bfloat16()
+    ids = torch.randint(0, TINY.vocab_size, (2, 9), generator=g)
+    with Ops() as ops:
+        m(xm, ids).float().square().sum().backward()
+    assert "index_select" in ops.names and xm.grad is not None
+    bad = ops.names & {"index_add", "index_add_", "index_copy", "index_copy_"}
+    assert not bad, bad
