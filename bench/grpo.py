@@ -12,7 +12,13 @@ and the rows are read from its ``RUN_DIR/metrics.jsonl`` after ``--warmup`` step
 rollout's generated tokens per second, the seconds from the command's start to the end of its first step
 (``first_step_s``), the bytes the sync copied (``weight_sync_bytes``) and read in place (``weight_sync_shared_bytes``), the train/rollout log-prob
 difference. The weight sync's hardware limit is printed beside it: the bytes it copies at the device's memory
-bandwidth (read and write: 2 x bytes / bandwidth; H200: 4.8e12 B/s). The built-in task's prompts (``data``
+bandwidth (read and write: 2 x bytes / bandwidth; H200: 4.8e12 B/s). On a GPU two shares of the hardware's
+pace: the rollout's share of the weight-read roofline (``max_new_tokens`` decode steps, each reading the
+weights a batch of ``prompts x group`` rows touches (:func:`decode_weight_bytes`), at the bandwidth, over the
+rollout phase's time; prefill, sampling and the KV cache's reads are inside that time and not in the bound,
+so the share is a lower bound of the decode step's) and the train phase's MFU from dense FLOPs only
+(6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
+H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4
 prepare`` first, or a checkpoint folder). bf16 and triton kernels on nvidia, fp32 and the reference kernels on
 the CPU; no checkpoint, no export. A JSON object (date, machine, torch version, settings, rows) goes to
@@ -34,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from bench.flops import H200_BF16_DENSE_TFLOPS, active_params
 from bench.train_cli import ROOT, _error_line, machine, resolve_model, subprocess_env
 
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -65,7 +72,39 @@ def summarize(rows: list, warmup: int) -> dict:
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"))
     rollout_s = mean("time_rollout")
     out["rollout_tokens_per_s"] = mean("response_tokens") / rollout_s if rollout_s > 0 else None
+    out["train_tokens"] = mean("tokens")
     return out
+
+
+def decode_weight_bytes(config, batch: int, dtype_bytes: int = 2) -> float:
+    """Bytes of weights one decode step of ``batch`` rows reads at least (``core.memory.rank_tensors``, one rank):
+    every tensor of the trunk once, the routed experts' at the expected share a batch touches,
+    ``1 - (1 - k/E)^batch`` (``k`` of ``E`` picked per row), the embedding and hash tables' rows of the batch;
+    the MTP block is not run. fp32-kept tensors count 4 bytes, the others ``dtype_bytes``."""
+    from core.memory import rank_tensors
+
+    k, E = config.n_activated_experts, config.n_routed_experts
+    touched = 1.0 - (1.0 - k / E) ** batch
+    total = 0.0
+    for name, (n, kind, _trainable, routed) in rank_tensors(config).items():
+        if name.startswith("mtp."):
+            continue
+        size = 8 if kind == "int64" else (4 if kind == "fp32" else dtype_bytes)
+        if name.endswith("word_embeddings.weight") or name.endswith("tid2eid"):    # one row per vocabulary id
+            n = min(n, batch * (n // config.vocab_size))
+        total += n * size * (touched if routed else 1.0)
+    return total
+
+
+def hardware_shares(row: dict, config, *, batch: int, new_tokens: int) -> dict:
+    """The rollout's share of the weight-read roofline and the train phase's dense-FLOP MFU (module docstring)."""
+    bound_s = new_tokens * decode_weight_bytes(config, batch) / H200_HBM_BYTES_PER_S
+    rollout_s, train_s = row["rollout_ms"] / 1e3, row["train_ms"] / 1e3
+    flops = 6 * active_params(config) * row["train_tokens"]
+    return dict(rollout_roofline_ms=1e3 * bound_s,
+                rollout_roofline_share=bound_s / rollout_s if rollout_s > 0 else None,
+                train_dense_flops=flops,
+                train_mfu_dense=flops / train_s / (H200_BF16_DENSE_TFLOPS * 1e12) if train_s > 0 else None)
 
 
 def first_step_seconds(rows: list, started: float) -> Optional[float]:
@@ -75,7 +114,7 @@ def first_step_seconds(rows: list, started: float) -> Optional[float]:
     return float(first["wall_time"]) - started if first and first.get("wall_time") else None
 
 
-def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, **kw) -> dict:
+def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, config=None, **kw) -> dict:
     """One ``dsv4 train --mode grpo`` run in ``folder`` (run/, dsv4.log) and its summary row."""
     from reporting.metrics import read_metrics
 
@@ -97,6 +136,7 @@ def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, 
     row.update(summarize(metrics, warmup), first_step_s=first_step_seconds(metrics, started))
     if hardware == "nvidia":
         row["sync_limit_ms"] = 1e3 * 2 * row["sync_bytes"] / H200_HBM_BYTES_PER_S
+        row.update(hardware_shares(row, config, batch=kw["prompts"] * kw["group"], new_tokens=kw["new_tokens"]))
     return row
 
 
@@ -105,18 +145,21 @@ def print_table(rows: list, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "rollout tok/s", "logprobs ms", "train ms",
-                "copied MB", "shared MB", "|lp diff|", "first step s"):
+    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "rollout tok/s", "roofline", "logprobs ms",
+                "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 9)
+            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 11)
             continue
         tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
+        share, mfu = r.get("rollout_roofline_share"), r.get("train_mfu_dense")
         table.add_row(r["weight_sync"], f"{r['step_ms']:.1f}", f"{r['update_weights_ms']:.2f}",
-                      f"{r['rollout_ms']:.1f}", "-" if tok_s is None else f"{tok_s:,.0f}", f"{r['logprobs_ms']:.1f}",
-                      f"{r['train_ms']:.1f}", f"{r['sync_bytes'] / 1e6:.3f}", f"{r['shared_bytes'] / 1e6:.1f}",
-                      f"{r['logprob_abs_diff']:.2e}", "-" if first is None else f"{first:.1f}")
+                      f"{r['rollout_ms']:.1f}", "-" if tok_s is None else f"{tok_s:,.0f}",
+                      "-" if share is None else f"{share:.1%}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
+                      "-" if mfu is None else f"{mfu:.1%}", f"{r['sync_bytes'] / 1e6:.3f}",
+                      f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}",
+                      "-" if first is None else f"{first:.1f}")
     Console(width=160).print(table)
 
 
@@ -138,7 +181,7 @@ def main(argv=None) -> int:
     if a.steps <= a.warmup:
         p.error(f"--steps {a.steps} must exceed --warmup {a.warmup}")
     env = subprocess_env()
-    model, _config = resolve_model(a.model, env)
+    model, config = resolve_model(a.model, env)
     folder = Path(a.folder) if a.folder else Path(tempfile_dir())
     rows = []
     settings = dict(model=a.model, impl=a.impl, hardware=a.hardware, steps=a.steps, warmup=a.warmup,
@@ -146,7 +189,7 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"grpo-{a.hardware}-{a.model}.json"
     for mode in [m.strip() for m in a.weight_sync.split(",") if m.strip()]:
         rows.append(run_mode(mode, folder=folder / mode, env=env, warmup=a.warmup, hardware=a.hardware,
-                             impl=a.impl, model=model, steps=a.steps, prompts=a.prompts, group=a.group,
+                             config=config, impl=a.impl, model=model, steps=a.steps, prompts=a.prompts, group=a.group,
                              new_tokens=a.new_tokens, options=a.set))
         record = {"bench": "grpo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "machine": machine(a.hardware), "torch": torch.__version__, "command": shlex.join(sys.argv),

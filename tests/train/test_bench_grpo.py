@@ -5,6 +5,7 @@ one full run of it)."""
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def test_the_command_is_dsv4_train_grpo_with_the_mode():
@@ -34,3 +35,31 @@ def test_phases_are_averaged_after_the_warmup():
     assert got["sync_bytes"] == 250 and got["reward_mean"] == pytest.approx(2.5)
     with pytest.raises(RuntimeError, match="none after the 3 warm-up steps"):
         summarize(rows, warmup=3)
+
+
+
+def test_the_decode_roofline_counts_the_weights_a_batch_touches():
+    """bench.grpo's bound of a decode step (from the weight contract's native names and shapes) equals, at batch 1,
+    bench.rollout's count from a bf16 engine model's own tensors; a larger batch touches more routed experts, up
+    to all of them; the rollout's share and the train phase's dense MFU follow from a row."""
+    from bench.flops import H200_BF16_DENSE_TFLOPS, active_params
+    from bench.grpo import H200_HBM_BYTES_PER_S, decode_weight_bytes, hardware_shares
+    from bench.rollout import weight_bytes_per_token
+    from core.config import preset
+    from rollout.reference_engine import ReferenceEngine
+
+    c = preset("tiny")
+    assert decode_weight_bytes(c, 1) == weight_bytes_per_token(ReferenceEngine(c, dtype=torch.bfloat16).model)
+    experts = c.n_layers * c.n_routed_experts * 3 * c.dim * c.moe_inter_dim * 2      # every routed expert, bf16
+    share = c.n_activated_experts / c.n_routed_experts
+    assert decode_weight_bytes(c, 8) - decode_weight_bytes(c, 1) > 0.9 * experts * ((1 - (1 - share) ** 8) - share)
+    # 10,000 rows touch every expert and (past the 1,024-id vocabulary) every row of the embedding and hash tables
+    assert decode_weight_bytes(c, 10 ** 4) - decode_weight_bytes(c, 1) == pytest.approx(
+        experts * (1 - share) + (c.vocab_size - 1) * (c.dim * 2 + c.n_hash_layers * c.n_activated_experts * 8),
+        rel=1e-9)
+
+    row = dict(rollout_ms=1000.0, train_ms=500.0, train_tokens=4096.0)
+    got = hardware_shares(row, c, batch=4, new_tokens=16)
+    assert got["rollout_roofline_ms"] == pytest.approx(1e3 * 16 * decode_weight_bytes(c, 4) / H200_HBM_BYTES_PER_S)
+    assert got["rollout_roofline_share"] == pytest.approx(got["rollout_roofline_ms"] / 1000.0)
+    assert got["train_mfu_dense"] == pytest.approx(6 * active_params(c) * 4096 / 0.5 / (H200_BF16_DENSE_TFLOPS * 1e12))
