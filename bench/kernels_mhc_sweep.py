@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 
 import torch
@@ -85,8 +86,6 @@ def main(argv=None):
                              default_us=round(us_default, 1), **meta))
         for r in sorted((r for r in rows if r["op"] == op), key=lambda r: r["us"])[:6]:
             print(f"  {r['us']:8.1f} us  {r['vs_default']:6s} {r['config']}", flush=True)
-    import json
-
     with open(args.out, "w") as fh:
         json.dump(dict(bench="kernels_mhc_sweep", shape=f"T={T} n={N} d={D} iters={ITERS}",
                        defaults={k: v for k, v in K.MHC_CONFIG.items() if k.startswith(("post_bwd_", "dx_", "coef_"))},

@@ -179,10 +179,10 @@ def check_true_on_policy(run_config, cfg, model=None, dist=None) -> None:
                                          run_config.rules)
         if problems:
             raise InvalidCombination("\n".join(problems))
-    kernels = getattr(getattr(getattr(run_config, "selection", None), "kernel", None), "name", "none")
-    if kernels != "none" and "reference" in (cfg.train_impl, impl):   # its engine's model runs the reference ops
-        raise _true_on_policy_refusal(f"--kernel-backend {kernels} with train_impl=reference",
-                                      "use --kernel-backend none, or drop train_impl (the trainer's module draws)")
+        kernels = run_config.selection.kernel.name
+        if kernels != "none" and "reference" in (cfg.train_impl, impl):   # its engine's model runs the reference ops
+            raise _true_on_policy_refusal(f"--kernel-backend {kernels} with train_impl=reference",
+                                          "use --kernel-backend none, or drop train_impl (the trainer's module draws)")
 
 
 def _check_pipeline_options(run_config, cfg) -> None:
