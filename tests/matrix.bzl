@@ -1,4 +1,4 @@
-"""The test matrix: one hermetic py_test per supported combination.
+"""The test matrix: one hermetic py_test per supported combination, and one for the unsupported ones.
 
 The combinations come from tests/combinations.bzl, generated from the same
 table the code uses (core/combinations.py). GPU combinations carry the tag
@@ -7,7 +7,6 @@ table the code uses (core/combinations.py). GPU combinations carry the tag
 """
 
 load(":combinations.bzl", "SUPPORTED_COMBINATIONS")
-load(":unsupported_cases.bzl", "UNSUPPORTED_CASES")
 
 def combination_tests(name, srcs, deps, data = []):
     tests = []
@@ -36,18 +35,15 @@ def combination_tests(name, srcs, deps, data = []):
     native.test_suite(name = name, tests = tests)
 
 def unsupported_combination_tests(name, srcs, deps, data = []):
-    tests = []
-    for case in UNSUPPORTED_CASES:
-        test_name = "unsupported_" + case.name
-        native.py_test(
-            name = test_name,
-            main = srcs[0],
-            srcs = srcs,
-            args = ["case=" + case.name],
-            deps = deps,
-            data = data + [":unsupported_cases.bzl"],
-            tags = ["unsupported-combination"],
-            size = "small",
-        )
-        tests.append(test_name)
-    native.test_suite(name = name, tests = tests)
+    """All the cases in one target: each is a test of its own there, a fork of one preloaded CLI
+    (tests/unsupported_combination_test.py), where a target per case paid a fresh interpreter's start-up
+    three times over."""
+    native.py_test(
+        name = name,
+        main = srcs[0],
+        srcs = srcs,
+        deps = deps,
+        data = data + [":unsupported_cases.bzl"],
+        tags = ["unsupported-combination"],
+        size = "medium",
+    )

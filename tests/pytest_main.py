@@ -1,6 +1,6 @@
 """Main of the pytest-based py_test targets made by tests/pytest.bzl.
 
-The first argument is the test file (runfiles-relative); the rest go to pytest.
+The leading ``.py`` arguments are the test files (runfiles-relative); the rest go to pytest.
 """
 
 import sys
@@ -8,5 +8,7 @@ import sys
 from tests.runner import main
 
 if __name__ == "__main__":
-    test_file = sys.argv.pop(1)
-    main(test_file)
+    files = []
+    while len(sys.argv) > 1 and sys.argv[1].endswith(".py"):
+        files.append(sys.argv.pop(1))
+    main(*files)

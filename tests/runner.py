@@ -100,7 +100,7 @@ def _shard_plugins() -> list:
     return [_Shard(int(os.environ.get("TEST_SHARD_INDEX", "0")), total)]
 
 
-def main(test_file: str) -> None:
+def main(*test_files: str) -> None:
     # No test uses a third-party pytest plugin; loading the venv's (anyio, platformdirs) would cost
     # every target about 0.4 s of CPU.
     os.environ.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -108,7 +108,8 @@ def main(test_file: str) -> None:
 
     _hermetic_cache()
     _ray_token_in_the_environment()
-    args = [test_file, "-q", "-p", "no:cacheprovider", *_PASSTHROUGH]
+    # (the files were in sys.argv when _PASSTHROUGH was read: tests/pytest_main.py imports this module first)
+    args = [*test_files, "-q", "-p", "no:cacheprovider", *(a for a in _PASSTHROUGH if a not in test_files)]
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:
         args.append(f"--junitxml={xml}")

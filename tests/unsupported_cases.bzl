@@ -1,8 +1,8 @@
 """Unsupported combinations and the exact error each must produce.
 
-One py_test per case (tests/matrix.bzl). The test reads this file itself (it is
-plain data), runs `dsv4 validate ARGS` and expects exit status 2 with exactly
-`error: MESSAGE` on stderr.
+One test per case in one py_test (tests/matrix.bzl, tests/unsupported_combination_test.py),
+which reads this file itself (it is plain data), runs `dsv4 validate ARGS` and the main job
+with ARGS, and expects exit status 2 with exactly `error: MESSAGE` on stderr.
 """
 
 UNSUPPORTED_CASES = [
