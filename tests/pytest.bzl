@@ -15,9 +15,14 @@ def pytest_test(name, src, deps = [], data = [], size = "small", tags = [], args
         shard_count = shard_count,
     )
 
-def pytest_tests(srcs, deps = [], data = [], size = "small", tags = [], sizes = {}, shard_counts = {}):
-    """One py_test per file, named after it (test_io.py -> test_io)."""
+def pytest_tests(srcs, deps = [], data = [], size = "small", tags = [], sizes = {}, shard_counts = {}, grouped = []):
+    """One py_test per file, named after it (test_io.py -> test_io); the files in ``grouped`` run together
+    instead, as one target named ``short_files`` (pytest_group)."""
+    if grouped:
+        pytest_group(name = "short_files", srcs = grouped, deps = deps, data = data, size = size, tags = tags)
     for src in srcs:
+        if src in grouped:
+            continue
         pytest_test(
             name = src[:-3].replace("/", "_"),
             src = src,
