@@ -24,6 +24,10 @@
   compiled, graphed step as one graph (``fullgraph``) and the samples follow the reference-op engine's;
 * the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
   run (miles, bf16) rolls out on it;
+* ``indexer_replay=true`` on ``--hardware nvidia`` (miles and megatron packed; the reference ops and triton):
+  the trainer replays the picks the engine recorded on the GPU, every step reports ``indexer_replay_match``
+  (the fraction of replayed rows its own indexer picked alike: bf16 engine and trainer, so near 1, not 1)
+  and a finite train/rollout log-prob difference within the bf16 bound;
 * ``--kernel-backend triton|tilelang``: the engine computes with that table (prefill as given, the decode
   step's per-op choice recorded with its refusals), with and without CUDA graphs, and follows the
   reference-op engine.
@@ -283,6 +287,30 @@ def test_grpo_rolls_out_on_the_gpu(tmp_path):
     for r in rows:
         assert r["weight_check_ok"] is True and math.isfinite(r["train_rollout_logprob_abs_diff"])
         assert r["train_rollout_logprob_abs_diff"] < 5e-2       # bf16 engine vs bf16 trainer
+
+
+@pytest.mark.parametrize("backend", ["none", "triton"])
+@pytest.mark.parametrize("impl,packed", [("miles", None), ("megatron", 256)], ids=["miles", "megatron-packed"])
+def test_grpo_replays_the_engines_indexer_picks_on_the_gpu(tmp_path, impl, packed, backend):
+    from core.assembly import assemble
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+    from orchestration import run_training
+    from reporting.metrics import read_metrics
+
+    if backend != "none":
+        pytest.importorskip(backend)
+    run = normalize(Choices(impl=impl, hardware="nvidia", kernel_backend=backend, rollout_engine="reference",
+                            model=CFG), make_host(third_party=False), model_name="tiny")
+    assemble(run).setup_process()
+    run_training(run, CFG, mode="grpo", steps=2, run_dir=tmp_path / "run", max_new_tokens=6, prompts_per_step=2,
+                 group_size=4, progress=False, export_at_end=False, indexer_replay=True,
+                 max_tokens_per_rank=packed)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0.5 <= r["indexer_replay_match"] <= 1.0, r
+        assert math.isfinite(r["train_rollout_logprob_abs_diff"]) and r["train_rollout_logprob_abs_diff"] < 5e-2
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
