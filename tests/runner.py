@@ -108,8 +108,7 @@ def main(*test_files: str) -> None:
 
     _hermetic_cache()
     _ray_token_in_the_environment()
-    # (the files were in sys.argv when _PASSTHROUGH was read: tests/pytest_main.py imports this module first)
-    args = [*test_files, "-q", "-p", "no:cacheprovider", *(a for a in _PASSTHROUGH if a not in test_files)]
+    args = [*test_files, "-q", "-p", "no:cacheprovider", *_PASSTHROUGH]
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:
         args.append(f"--junitxml={xml}")

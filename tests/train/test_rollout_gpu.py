@@ -256,11 +256,12 @@ def test_bf16_engine_on_cuda_agrees_with_the_fp32_forward(train_model):
     assert float(d.mean()) <= 2e-2 and float(d.max()) <= 0.3
 
 
-def _nvidia_run(rollout="reference", impl="miles"):
+def _nvidia_run(rollout="reference", impl="miles", kernel_backend="none"):
     from core.run_config import Choices, normalize
     from launchers.builtin_plugins import make_host
 
-    return normalize(Choices(impl=impl, hardware="nvidia", rollout_engine=rollout, model=CFG),
+    return normalize(Choices(impl=impl, hardware="nvidia", kernel_backend=kernel_backend, rollout_engine=rollout,
+                             model=CFG),
                      make_host(third_party=False), model_name="tiny")
 
 
@@ -293,15 +294,12 @@ def test_grpo_rolls_out_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("impl,packed", [("miles", None), ("megatron", 256)], ids=["miles", "megatron-packed"])
 def test_grpo_replays_the_engines_indexer_picks_on_the_gpu(tmp_path, impl, packed, backend):
     from core.assembly import assemble
-    from core.run_config import Choices, normalize
-    from launchers.builtin_plugins import make_host
     from orchestration import run_training
     from reporting.metrics import read_metrics
 
     if backend != "none":
         pytest.importorskip(backend)
-    run = normalize(Choices(impl=impl, hardware="nvidia", kernel_backend=backend, rollout_engine="reference",
-                            model=CFG), make_host(third_party=False), model_name="tiny")
+    run = _nvidia_run(impl=impl, kernel_backend=backend)
     assemble(run).setup_process()
     run_training(run, CFG, mode="grpo", steps=2, run_dir=tmp_path / "run", max_new_tokens=6, prompts_per_step=2,
                  group_size=4, progress=False, export_at_end=False, indexer_replay=True,
