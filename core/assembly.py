@@ -68,6 +68,12 @@ class Assembly:
         target.setup()
         if not dist.is_initialized():
             target.init_process_group(0, 1, tp=1)
+        elif dist.get_backend() != target.distributed_backend:
+            # a one-rank group of another target (a CPU job earlier in this process) would be reused: NCCL's
+            # collectives on a gloo group crash the process (seen: a segfault in megatron's parameter all-gather)
+            raise RuntimeError(f"this process already has a {dist.get_backend()} process group; --hardware "
+                               f"{self.selection.hardware.name} needs {target.distributed_backend}. Fix: run it "
+                               "in its own process (a new `dsv4` command or pytest run)")
         return target
 
     def device(self):

@@ -91,3 +91,28 @@ def test_cpu_rng_tracker_and_process_group():
     with mrandom.get_cuda_rng_tracker().fork():
         assert torch.equal(torch.randn(4), a)  # reproducible from the seed (tp rank 0)
     torch.manual_seed(0)
+
+
+def test_a_target_refuses_a_process_group_of_another_backend():
+    """A GPU run started in a process that a CPU job already set up (a gloo group) must not reuse that group:
+    NCCL collectives on it crashed a pytest process with a segfault in megatron's parameter all-gather. The
+    run refuses with the fix instead; the target's own backend is accepted."""
+    import pytest
+
+    from core.assembly import assemble
+
+    from ._helpers import run_config, single_process_group
+
+    single_process_group()
+    parts = assemble(run_config())
+    assert parts.setup_process() is parts.target                  # gloo for the cpu target: the group is reused
+
+    class NcclTarget:
+        distributed_backend = "nccl"
+
+        def setup(self):
+            pass
+
+    parts.__dict__["target"] = NcclTarget()                       # the cached handle, as a GPU run would hold it
+    with pytest.raises(RuntimeError, match=r"already has a gloo process group.*needs nccl.*Fix: run it in its own"):
+        parts.setup_process()
