@@ -20,11 +20,12 @@ rank entry point and the same rollout engine in actors, so its metrics must be t
 * the refusals of the combination table and of the command line, before any work, and an unreachable
   --ray-address (one line, no run folder).
 
-The cluster is started once for the module (4 logical CPUs, no dashboard, its session folder short: Ray's
-unix sockets live there), and every run connects to it with --ray-address. Under Bazel the file runs as three
-shards (tests/train/BUILD.bazel), each with its cluster; the ``shard`` markers put the runs that compare with the
-local run in two of them (each runs it once) and the SGLang runs, which have a reference of their own, in the
-third, which so runs no local run at all.
+The cluster is started once for the test process (4 logical CPUs over two simulated nodes, no dashboard, its
+session folder short: Ray's unix sockets live there; ``cluster`` in tests/train/conftest.py), and every run
+connects to it with --ray-address. The file runs as one Bazel target with tests/train/test_async_rollout_ray.py
+(tests/train/BUILD.bazel's ``ray_files``), not in shards: on the two cores CI has, which the suite keeps busy,
+shards bought no wall time, and each paid a cluster, a pytest process and its CLI zygote again, two of them the
+local run too.
 """
 
 
@@ -57,7 +58,6 @@ def local(tmp_path_factory):
     return metrics_rows(run)
 
 
-@pytest.mark.shard(2)
 def test_colocated_takes_the_local_first_step(tmp_path, cluster, local):
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--trainer-num-gpus", "2",
                   "colocate=true")
@@ -71,7 +71,6 @@ def test_colocated_takes_the_local_first_step(tmp_path, cluster, local):
     assert all(r["engine_memory_gib"] == 0 for r in got)
 
 
-@pytest.mark.shard(2)
 def test_disaggregated_survives_a_killed_engine_and_a_killed_trainer(tmp_path, cluster, local):
     """The engine in a bundle of its own; its actor is SIGKILLed as step 2's weight update starts (Ray
     restarts it and the proxy re-syncs it), then the trainer actor in step 2's training phase (the group
@@ -88,7 +87,6 @@ def test_disaggregated_survives_a_killed_engine_and_a_killed_trainer(tmp_path, c
     assert all(r["engine_memory_gib"] > 0 for r in got)   # not colocated: the engine keeps its memory
 
 
-@pytest.mark.shard(0)
 def test_gloo_transport_over_two_engine_nodes_loads_the_published_weights(tmp_path, cluster, local):
     """``--weight-transport gloo``: each data-parallel leader broadcasts its buckets to its engine actor over a
     process group of their own (the code path of nccl), the two engines on two nodes (``--rollout-num-nodes
@@ -114,7 +112,6 @@ def test_gloo_transport_over_two_engine_nodes_loads_the_published_weights(tmp_pa
     _same_rows(got[:1], local[:1])
 
 
-@pytest.mark.shard(0)
 def test_an_engine_actor_killed_as_it_is_asked_to_generate_is_restarted_and_resynced(tmp_path, cluster, local):
     """After step 2's weight update (the kill as the update starts is the disaggregated test's)."""
     proc = _train(tmp_path / "run", "--orchestrator", "ray", "--ray-address", cluster, "--rollout-num-gpus", "1",
@@ -123,7 +120,6 @@ def test_an_engine_actor_killed_as_it_is_asked_to_generate_is_restarted_and_resy
     _same_rows(metrics_rows(tmp_path / "run"), local)
 
 
-@pytest.mark.shard(1)
 def test_sglang_servers_as_engine_actors_take_the_local_connect_runs_steps(tmp_path, cluster):
     """``--rollout-engine sglang --rollout-url URL0,URL1`` with two trainer ranks: one engine actor per
     data-parallel rank, each connected to a fake SGLang server of its own (tests/train/_fake_sglang.py, in this
