@@ -19,8 +19,6 @@ def _two_threads():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped elsewhere")
-    # tests/runner.py's (registered here too for plain pytest runs, which do not load the runner)
-    config.addinivalue_line("markers", "shard(k): run this test in shard k (mod the target's shard_count)")
 
 
 # Ray settings of the tests' cluster: what it would start for nothing. The pytest process joins the cluster as a
