@@ -1,4 +1,4 @@
-"""The routed experts' weight gradient into the fp32 main-grad buffer: today's two passes against one kernel, on one GPU.
+"""The routed experts' weight gradient into the fp32 main-grad buffer: today's two passes against one kernel.
 
     python -m bench.kernels_grouped_wgrad --out FILE.json [--sweep]
 

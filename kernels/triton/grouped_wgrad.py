@@ -5,22 +5,26 @@ backward writes the bf16 gradient of the stacked weights, and ``engine.grad_buff
 micro-batch) or adds it (later ones) into megatron-core's fp32 ``main_grad`` with ``kernels/triton/grad_copy.py``.
 
 Why: that is one bf16 write of ``[E, O, I]`` and one more pass over it (a bf16 read, an fp32 read and write) per
-micro-batch; over the 3.2 B routed-expert parameters of the Flash-shaped model it is most of the 12 ms the cast pass
-costs on one H200. Here the fp32 sums of the products go into ``main`` directly, once per tile: no bf16 gradient, no
-second pass, and no rounding of the gradient to bf16 before it reaches the fp32 buffer.
+micro-batch, and the routed experts hold 3.2 B of the Flash-shaped model's 5.8 B parameters (the step budget in
+docs/kernels-and-benchmarks.md counts the cast pass under gradient accumulation). Here the fp32 sums of the products
+go into ``main`` directly, once per tile: no bf16 gradient, no second pass, and no rounding of the gradient to bf16
+before it reaches the fp32 buffer.
 
     main[e] = g[rows_e]^T @ x[rows_e]          (accumulate=False; zeros for an expert with no rows)
     main[e] += g[rows_e]^T @ x[rows_e]         (accumulate=True; an expert with no rows is not written)
 
-``rows_e = ends[e-1]:ends[e]`` (``ends[-1] = 0``); rows past ``ends[-1]`` belong to no expert and are not read. One
+``rows_e = ends[e-1]:ends[e]`` (from row 0 for the first expert); rows past the last end belong to no expert and are
+not read. One
 program per (``[BLOCK_O, BLOCK_I]`` tile of ``main[e]``, expert ``e``) reads ``ends`` on the device and walks the
 expert's rows in blocks of ``BLOCK_K``, so nothing synchronises with the host. The products of bf16 numbers are
 exact in fp32 and ``tl.dot`` sums them in fp32: the result differs from an fp64 reference only by the order of the
-fp32 summation (and, with ``accumulate``, one fp32 addition to ``main``).
+fp32 summation (and, with ``accumulate``, one fp32 addition to ``main``). Under ``TRITON_INTERPRET=1`` the operands
+are cast to fp32 before ``tl.dot`` (exact), since the interpreter multiplies bf16 tiles as their raw 16-bit integers.
 
 Launch settings: a fixed table (:data:`CONFIGS`, picked by :func:`launch_config`), not ``triton.autotune``:
-autotuning re-runs the kernel, which would add the gradient into ``main`` several times. ``bench/kernels_grouped_wgrad.py
---sweep`` times other settings through the ``config`` argument; the table changes by hand after that.
+autotuning re-runs the kernel, which would add the gradient into ``main`` several times.
+``bench/kernels_grouped_wgrad.py --sweep`` times other settings through the ``config`` argument; the table changes
+by hand after that.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def _wgrad_kernel(MAIN, X, G, ENDS, O, I, stride_x, stride_g, ACCUMULATE: tl.con
         x_mask = k_ok[:, None] if EVEN_I else k_ok[:, None] & i_ok[None, :]
         g = tl.load(G + k[:, None] * stride_g + o[None, :], mask=g_mask, other=0.0)     # [BLOCK_K, BLOCK_O]
         x = tl.load(X + k[:, None] * stride_x + i[None, :], mask=x_mask, other=0.0)     # [BLOCK_K, BLOCK_I]
-        if FP32_OPERANDS:     # the interpreter multiplies bf16 as raw 16-bit integers; bf16 -> fp32 is exact
+        if FP32_OPERANDS:     # the interpreter only (module docstring)
             g, x = g.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(tl.trans(g), x, acc)
     out = MAIN + e.to(tl.int64) * O * I + o.to(tl.int64)[:, None] * I + i[None, :]
