@@ -1,6 +1,6 @@
 """The routed experts' weight gradient into the fp32 main-grad buffer: today's two passes against one kernel.
 
-    python -m bench.kernels_grouped_wgrad --out FILE.json [--sweep]
+    python -m bench.kernels_grouped_wgrad --out FILE.json [--sweep] [--weights w1 w2] [--rows 24576 49152]
 
 Why: a training step writes the bf16 gradient of the stacked expert weights (``torch._grouped_mm``'s backward in
 ``engine.moe.grouped_linear``) and then casts or adds it into megatron-core's fp32 ``main_grad``
@@ -85,6 +85,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--sweep", action="store_true", help="also time the launch settings in SWEEP")
+    p.add_argument("--weights", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES), help="which weights")
+    p.add_argument("--rows", nargs="+", type=int, default=list(ROWS), help="routed rows per case")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU and triton")
@@ -97,7 +99,8 @@ def main(argv=None):
     meta = bc.base_meta(triton=triton.__version__, host=platform.node())
     rows_out = []
     print(f"{'weight':6s} {'rows':>6s} {'path':18s} {'ms':>8s} {'TFLOP/s':>8s} {'of peak':>8s}")
-    for (weight, (O, I)), rows in itertools.product(SHAPES.items(), ROWS):
+    for weight, rows in itertools.product(args.weights, args.rows):
+        O, I = SHAPES[weight]
         x, g, ends, main, counts = _inputs(O, I, rows, seed=rows + O + I)
         flop = 2.0 * int(counts.sum()) * O * I
         wgrad, how = _grouped_mm_wgrad(x, g, ends)
