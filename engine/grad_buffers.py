@@ -8,7 +8,9 @@ write fp32), later ones (more micro-batches, recomputed segments) are added, and
 
 What stays true: a parameter that no backward reached since :meth:`CopyFirstDDP.zero_grad_buffer` holds the
 previous step's gradient in the buffer, so :meth:`CopyFirstDDP.settle_grad_buffer` zeroes exactly those before
-anything reads or reduces the buffer (``train.optim.MegatronOptimizer.step`` calls it first). The buffer's
+anything reads or reduces the buffer (``train.optim.MegatronOptimizer.step`` calls it first). Which buffers still
+hold the last step's gradient is marked on each ``main_grad`` tensor (``kernels.wgrad.mark_last_step`` /
+``claim``), so that a weight-gradient GEMM that writes the buffer itself (``wgrad_fusion``) knows to overwrite. The buffer's
 padding is zeroed when the buffer is made and never written. Buckets with megatron-core's "extra main grads"
 and overlapped reduction (which hooks the buffer per bucket as gradients arrive) keep megatron-core's own path.
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+from kernels.wgrad import claim, mark_last_step
 
 __all__ = ["CopyFirstDDP", "TRITON_BACKENDS"]
 
@@ -47,7 +51,6 @@ class CopyFirstDDP(DistributedDataParallel):
         extra = any(bucket.params_with_extra_main_grads for buffer in self.buffers + self.expert_parallel_buffers
                     for bucket in buffer.buckets)
         self.copies_first = not (extra or self.ddp_config.overlap_grad_reduce)
-        self._fresh: set = set()             # parameters whose buffer still holds the last step's gradient
 
     def _make_backward_post_hook(self, param):
         parent = super()._make_backward_post_hook(param)
@@ -56,11 +59,11 @@ class CopyFirstDDP(DistributedDataParallel):
             grad = param.grad
             if grad is None or getattr(param, "grad_added_to_main_grad", False):
                 return parent(*unused)
-            fresh = param in self._fresh
-            if not fresh and (not self.copies_first or param not in self.param_to_bucket_group
-                              or getattr(param, "zero_out_wgrad", False) or is_graph_capturing()):
+            if not self.copies_first or param not in self.param_to_bucket_group:
                 return parent(*unused)        # megatron-core's add (and, overlapped, its reduction)
-            self._fresh.discard(param)
+            fresh = claim(param.main_grad)    # it still held the last step's gradient: copy over it
+            if not fresh and (getattr(param, "zero_out_wgrad", False) or is_graph_capturing()):
+                return parent(*unused)
             self._into_main_grad(param.main_grad, grad.data, accumulate=not fresh)
             param.grad = None
 
@@ -86,12 +89,14 @@ class CopyFirstDDP(DistributedDataParallel):
             param.grad_added_to_main_grad = False
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             bucket_group.reset()
-        self._fresh = set(self.param_to_bucket_group)
+        for param in self.param_to_bucket_group:
+            mark_last_step(param.main_grad)
 
     def settle_grad_buffer(self) -> int:
         """Zero the buffer of every parameter no backward reached since :meth:`zero_grad_buffer`; returns how many."""
-        stale = self._fresh
+        if not self.copies_first:
+            return 0
+        stale = [param for param in self.param_to_bucket_group if claim(param.main_grad)]
         for param in stale:
             param.main_grad.zero_()
-        self._fresh = set()
         return len(stale)

@@ -242,6 +242,9 @@ def check_train_options(run_config, cfg, host=None) -> None:
     if cfg.adam_moments_dtype == "bf16" and not run_config.selection.hardware.gpu:
         raise ConfigError("training option 'adam_moments_dtype' = bf16 needs the Triton AdamW of a GPU target. "
                           "Fix: --hardware nvidia, or adam_moments_dtype=fp32")
+    from engine.wgrad_fusion import resolve       # wgrad_fusion=on where it cannot apply: refused, naming why
+
+    resolve(cfg.wgrad_fusion, run_config.selection.hardware.gpu, run_config.torch_dtype, bool(cfg.compile_blocks))
     if cfg.indexer_replay:
         _check_indexer_replay_run(run_config, cfg)
     if cfg.weight_sync == "shared":
@@ -328,6 +331,8 @@ def validate(cfg) -> None:
     _cuda_graphs(cfg)
     if cfg.adam_moments_dtype not in ("fp32", "bf16"):
         _fail("adam_moments_dtype", cfg.adam_moments_dtype, "must be one of fp32, bf16")
+    if cfg.wgrad_fusion not in ("auto", "on", "off"):
+        _fail("wgrad_fusion", cfg.wgrad_fusion, "must be one of auto, on, off")
     if cfg.weight_sync not in ("auto", "shared", "copy"):
         _fail("weight_sync", cfg.weight_sync, "must be one of auto, shared, copy")
     if cfg.weight_sync == "shared" and cfg.async_rollout:

@@ -37,6 +37,7 @@ from torch import nn
 
 from core import weight_contract as wc
 
+from engine.row_gather import gather_rows
 from rollout.logprobs import next_token_logprobs
 from rollout.replay import IndexerPicksReplayer, RoutingRecorder, RoutingReplayer, indexer_context, routing_context
 
@@ -190,35 +191,6 @@ def pack_rows(input_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     B, S = input_ids.shape
     cu = torch.arange(B + 1, dtype=torch.int64, device=input_ids.device) * S
     return input_ids.reshape(-1), validate_cu_seqlens(cu)
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather every CP rank's rows (dim 0, rank order). Every rank then computes the SAME loss from the
-    full tensor, so backward keeps only this rank's rows, without communication (see train.distributed)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, cp: int, rank: int, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(cp)]
-        dist.all_gather(parts, t, group=group)
-        ctx.rank, ctx.n = rank, t.shape[0]
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g.narrow(0, ctx.rank * ctx.n, ctx.n), None, None, None
-
-
-def gather_rows(t: torch.Tensor, cp: int, rank: int, group, grad: bool = True) -> torch.Tensor:
-    """``t [n, ...]`` of every CP rank -> ``[cp * n, ...]`` (identity for ``cp == 1``)."""
-    if cp == 1:
-        return t
-    if not grad:
-        with torch.no_grad():
-            return _GatherRows.apply(t.detach(), cp, rank, group)
-    return _GatherRows.apply(t, cp, rank, group)
 
 
 @contextlib.contextmanager

@@ -268,7 +268,7 @@ class MegatronOptimizer(_Base):
 
     kind = "megatron-distributed"
 
-    def __init__(self, model, cfg, *, dtype: torch.dtype, kernel_backend: str = "none"):
+    def __init__(self, model, cfg, *, dtype: torch.dtype, kernel_backend: str = "none", fuse_wgrad: bool = False):
         super().__init__(model, cfg)
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -304,6 +304,11 @@ class MegatronOptimizer(_Base):
             use_bf16_moments(self._parts(), self.triton_adam)
         if self.triton_adam:
             self.kernels["adam"] = "Triton one-pass AdamW writing the bf16 weights (kernels.triton.adamw)"
+        self.wgrad_fusion = None               # counts of what writes its weight gradient into the fp32 buffer
+        if fuse_wgrad:
+            from engine.wgrad_fusion import enable
+
+            self.wgrad_fusion = enable(inner, kernel_backend)
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -332,7 +337,11 @@ class MegatronOptimizer(_Base):
         return gnorm
 
     def describe(self) -> str:
-        return f"megatron-core DistributedOptimizer: {self.kernels['adam']}, gradient norm {self.kernels['grad_norm']}"
+        f = self.wgrad_fusion
+        wgrad = f"written by their GEMMs (kernels.wgrad; {f['expert_banks']} expert banks by Triton)" if f else \
+            "cast in (engine.grad_buffers)"
+        return (f"megatron-core DistributedOptimizer: {self.kernels['adam']}, gradient norm {self.kernels['grad_norm']}"
+                f", fp32 weight gradients {wgrad}")
 
     def weights_finite(self):
         """Whether every weight the last step wrote is finite, from the Triton kernel's flags (one host read, the
@@ -424,5 +433,9 @@ def build_optimizer(model, cfg, run_config=None):
     """The run's optimizer: megatron-core's distributed optimizer on a GPU target, else torch's AdamW."""
     gpu = run_config is not None and run_config.selection.hardware.gpu and hasattr(model, "module")
     if gpu:
-        return MegatronOptimizer(model, cfg, dtype=run_config.torch_dtype, kernel_backend=run_config.kernel_backend)
+        from engine.wgrad_fusion import resolve
+
+        fuse = resolve(cfg.wgrad_fusion, True, run_config.torch_dtype, bool(cfg.compile_blocks))
+        return MegatronOptimizer(model, cfg, dtype=run_config.torch_dtype, kernel_backend=run_config.kernel_backend,
+                                 fuse_wgrad=fuse)
     return TorchOptimizer(model, cfg)

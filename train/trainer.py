@@ -171,6 +171,10 @@ class TrainConfig:
     # Adam's two moments in fp32, or bf16 (--hardware nvidia, the Triton AdamW: 4 bytes less state per parameter,
     # a lighter step; kernels.triton.adamw)
     adam_moments_dtype: str = "fp32"
+    # weight gradients written by their GEMMs straight into the fp32 gradient buffer, with no bf16 gradient and no
+    # cast/add pass (engine.wgrad_fusion): "auto" = on where it applies (a GPU target, bf16, eager), "on" refuses
+    # a run where it cannot, "off"
+    wgrad_fusion: str = "auto"
     # dynamic batching: pack SFT sequences / GRPO samples into THD micro-batches of at most this many
     # (padded) tokens per CP rank (core.packing), gradients accumulated; None = run_config's, else off
     max_tokens_per_rank: Optional[int] = None

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import wgrad
+
 __all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "rms_norm", "linear_fp32"]
 
 
@@ -120,8 +122,12 @@ class _HalfInputFp32Linear(torch.autograd.Function):
         y, w = ctx.saved_tensors
         g = g.to(y.dtype)
         dy = _mm_fp32_out(g, w).to(y.dtype) if ctx.needs_input_grad[0] else None
-        dw = _mm_fp32_out(g.t(), y).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return dy, dw
+        if not ctx.needs_input_grad[1]:
+            return dy, None
+        if wgrad.fused(w) and not wgrad.wgrad_refusal(w.main_grad, y, g):
+            wgrad.wgrad_into(w.main_grad, y, g)     # straight into the fp32 gradient buffer (the trainer's choice)
+            return dy, wgrad.added_marker(w, w.dtype)
+        return dy, _mm_fp32_out(g.t(), y).to(w.dtype)
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

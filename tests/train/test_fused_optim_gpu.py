@@ -277,6 +277,72 @@ def test_copy_first_gradient_buffer_equals_megatron_cores_accumulation(kernel_ba
 
 
 
+class _FusionToy(torch.nn.Module):
+    """One of each linear the fusion serves: megatron-core's ColumnParallelLinear, engine.layers.Linear, and the
+    fp32-output linear of the head (kernels.reference.layers.linear_fp32); and a norm weight it does not."""
+
+    def __init__(self, tconfig):
+        super().__init__()
+        from megatron.core import tensor_parallel
+
+        from engine.layers import Linear
+
+        self.col = tensor_parallel.ColumnParallelLinear(64, 128, config=tconfig, init_method=torch.nn.init.normal_,
+                                                        bias=False, gather_output=False)
+        self.own = Linear(128, 96, torch.bfloat16)
+        self.head = Linear(96, 256, torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(96, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        from kernels.reference.layers import linear_fp32
+
+        h, _ = self.col(x)
+        return linear_fp32(self.own(torch.nn.functional.gelu(h)) * self.norm, self.head.weight)
+
+
+def test_fused_weight_gradients_equal_the_cast_path_without_its_rounding():
+    """``wgrad_fusion`` (engine.wgrad_fusion, kernels.wgrad): megatron-core's linear (through its own
+    gradient_accumulation_fusion path and the Apex API written here), the project's Linear and the fp32 head write
+    their weight gradients into the fp32 buffer with one mixed-dtype GEMM each: stored at a step's first micro-batch,
+    added at the second, the buffer of a weight no backward reached zeroed by the settle. Against the copy-first
+    path (bf16 gradients cast in), within the bf16 rounding the fused path skips; no cast serves a fused weight."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from engine.grad_buffers import CopyFirstDDP
+    from engine.wgrad_fusion import enable
+
+    _run_config("bf16")
+    torch.manual_seed(0)
+    tconfig = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1, bf16=True,
+                                params_dtype=torch.bfloat16, calculate_per_token_loss=True)
+    dcfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         use_distributed_optimizer=True, bucket_size=40_000_000)
+    a = _FusionToy(tconfig).cuda()
+    b = _FusionToy(tconfig).cuda()
+    b.load_state_dict(a.state_dict())
+    plain, fused = CopyFirstDDP(tconfig, dcfg, a), CopyFirstDDP(tconfig, dcfg, b)
+    assert enable(b) == {"megatron_linears": 1, "expert_banks": 0, "parameters": 4}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(3):
+        xs = [torch.randn(32, 64, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+        frozen = step == 1                                     # the head gets no gradient in this step
+        for ddp, m in ((plain, a), (fused, b)):
+            ddp.zero_grad_buffer()
+            m.head.weight.requires_grad_(not frozen)
+            casts = ddp.torch_casts + ddp.kernel_casts
+            for x in xs:
+                m(x).square().mean().backward()
+            m.head.weight.requires_grad_(True)
+            n_cast = ddp.torch_casts + ddp.kernel_casts - casts
+            assert n_cast == (2 if ddp is fused else 2 * (3 if frozen else 4)), (step, n_cast)   # fused: the norm
+            assert ddp.settle_grad_buffer() == (1 if frozen else 0)
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            scale = p.main_grad.abs().max().clamp_min(1e-30)
+            err = float((p.main_grad - q.main_grad).abs().max() / scale)
+            assert err < 2e-2, (step, n, err)                  # the unfused gradient's bf16 rounding, twice
+        assert bool(b.head.weight.main_grad.abs().sum() == 0) == frozen
+
 def _adamw_step_with_bf16_moments(p, m, v, g, t, lr, betas, eps, wd):
     """One AdamW step by its definition in float64 from the stored state, both moments rounded to bf16 after the
     update (what the kernel stores); returns (p, m, v)."""
