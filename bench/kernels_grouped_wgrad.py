@@ -15,7 +15,8 @@ products into the fp32 buffer directly. At the Flash-shaped sizes (32 experts; w
 * ``today``: the two in a row; ``kernel_add`` / ``kernel_overwrite``: ``grouped_wgrad_into`` with
   ``accumulate`` True / False (the default launch settings, ``kernels.triton.grouped_wgrad.CONFIGS``).
 
-It prints ms, TFLOP/s (``2 * rows * O * I`` FLOPs) and the fraction of the H200's dense bf16 peak (989 TFLOP/s),
+It prints ms, TFLOP/s (``2 * rows * O * I`` FLOPs; GB/s for the cast-add, which does no GEMM: 2 bytes read, 4 read
+and 4 written per element) and the fraction of the H200's dense bf16 peak (989 TFLOP/s),
 and checks the kernel against today's path (they differ by today's bf16 rounding of the gradient). ``--sweep``
 also times a few launch settings of the kernel (accumulate) per shape, each compared with the defaults' result.
 Timing: ``triton.testing.do_bench`` (median, L2 flushed).
@@ -76,9 +77,11 @@ def _grouped_mm_wgrad(x, g, ends):
 
 
 def _row(meta, weight, O, I, rows, path, ms, flop, **extra):
-    tflops = flop / ms / 1e9
+    """One JSON row; ``flop`` None for a pass that does no GEMM (the cast-add: its row has GB/s instead)."""
+    tflops = None if flop is None else flop / ms / 1e9
     return dict(bench="kernels_grouped_wgrad", weight=weight, E=E, O=O, I=I, rows=rows, path=path, ms=round(ms, 4),
-                tflops=round(tflops, 1), peak_fraction=round(tflops / PEAK_TFLOPS, 3), **extra, **meta)
+                tflops=None if tflops is None else round(tflops, 1),
+                peak_fraction=None if tflops is None else round(tflops / PEAK_TFLOPS, 3), **extra, **meta)
 
 
 def main(argv=None):
@@ -117,7 +120,7 @@ def main(argv=None):
 
         timed = {
             "grouped_mm": (wgrad, dict(how=how)),
-            "cast_add": (lambda: cast_into(flat_main, flat_grad, True), {}),
+            "cast_add": (lambda: cast_into(flat_main, flat_grad, True), dict(bytes=E * O * I * (2 + 4 + 4))),
             "today": (lambda: cast_into(flat_main, wgrad().view(-1), True), dict(how=how)),
             "kernel_add": (lambda: grouped_wgrad_into(main, x, g, ends, True), dict(config=launch_config(O, I))),
             "kernel_overwrite": (lambda: grouped_wgrad_into(main, x, g, ends, False),
@@ -125,12 +128,15 @@ def main(argv=None):
         }
         for path, (fn, extra) in timed.items():
             ms = bc.bench(fn, rep=100)
-            row = _row(meta, weight, O, I, rows, path, ms, flop, **extra)
+            row = _row(meta, weight, O, I, rows, path, ms, None if path == "cast_add" else flop, **extra)
             if path.startswith("kernel"):
                 row["max_diff_vs_today_of_max_grad"] = diff
+            if path == "cast_add":
+                row["gbps"] = round(extra["bytes"] / ms / 1e6, 1)
             rows_out.append(row)
-            print(f"{weight:6s} {rows:6d} {path:18s} {ms:8.3f} {row['tflops']:8.1f} {row['peak_fraction']:8.1%}",
-                  flush=True)
+            rate = (f"{row['gbps']:8.0f} GB/s" if row["tflops"] is None
+                    else f"{row['tflops']:8.1f} {row['peak_fraction']:8.1%}")
+            print(f"{weight:6s} {rows:6d} {path:18s} {ms:8.3f} {rate}", flush=True)
         print(f"  kernel vs today: max |diff| {diff:.2e} of the largest gradient element ({how})", flush=True)
 
         if args.sweep:
