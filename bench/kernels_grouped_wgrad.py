@@ -11,11 +11,14 @@ products into the fp32 buffer directly. At the Flash-shaped sizes (32 experts; w
 * ``grouped_mm``: the bf16 ``[E, O, I]`` weight gradient (``torch._grouped_mm(g.t(), x, offs=ends)``, grouped
   along the rows; where torch refuses that call, the weight part of autograd through the forward's
   ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``; the row says which);
-* ``cast_add``: ``cast_into(main, grad, accumulate=True)``, a later micro-batch's add;
-* ``today``: the two in a row; ``kernel_add`` / ``kernel_overwrite``: ``grouped_wgrad_into`` with
-  ``accumulate`` True / False (the default launch settings, ``kernels.triton.grouped_wgrad.CONFIGS``).
+* ``cast_add`` / ``cast_copy``: ``cast_into(main, grad, accumulate=True / False)``, a later micro-batch's add and
+  the first one's copy;
+* ``today`` / ``today_first``: the GEMM and the add / the copy in a row; ``kernel_add`` / ``kernel_overwrite``:
+  ``grouped_wgrad_into`` with ``accumulate`` True / False (the default launch settings,
+  ``kernels.triton.grouped_wgrad.CONFIGS``), to compare with ``today`` / ``today_first``.
 
-It prints ms, TFLOP/s (``2 * rows * O * I`` FLOPs) and the fraction of the H200's dense bf16 peak (989 TFLOP/s),
+It prints ms, TFLOP/s (``2 * rows * O * I`` FLOPs; GB/s for the cast passes, which do no GEMM: per element 2 bytes
+read and 4 written, and 4 more read by the add) and the fraction of the H200's dense bf16 peak (989 TFLOP/s),
 and checks the kernel against today's path (they differ by today's bf16 rounding of the gradient). ``--sweep``
 also times a few launch settings of the kernel (accumulate) per shape, each compared with the defaults' result.
 Timing: ``triton.testing.do_bench`` (median, L2 flushed).
@@ -76,9 +79,11 @@ def _grouped_mm_wgrad(x, g, ends):
 
 
 def _row(meta, weight, O, I, rows, path, ms, flop, **extra):
-    tflops = flop / ms / 1e9
+    """One JSON row; ``flop`` None for a pass that does no GEMM (the cast passes: their rows have GB/s instead)."""
+    tflops = None if flop is None else flop / ms / 1e9
     return dict(bench="kernels_grouped_wgrad", weight=weight, E=E, O=O, I=I, rows=rows, path=path, ms=round(ms, 4),
-                tflops=round(tflops, 1), peak_fraction=round(tflops / PEAK_TFLOPS, 3), **extra, **meta)
+                tflops=None if tflops is None else round(tflops, 1),
+                peak_fraction=None if tflops is None else round(tflops / PEAK_TFLOPS, 3), **extra, **meta)
 
 
 def main(argv=None):
@@ -117,20 +122,26 @@ def main(argv=None):
 
         timed = {
             "grouped_mm": (wgrad, dict(how=how)),
-            "cast_add": (lambda: cast_into(flat_main, flat_grad, True), {}),
+            "cast_add": (lambda: cast_into(flat_main, flat_grad, True), dict(bytes=E * O * I * (2 + 4 + 4))),
+            "cast_copy": (lambda: cast_into(flat_main, flat_grad, False), dict(bytes=E * O * I * (2 + 4))),
             "today": (lambda: cast_into(flat_main, wgrad().view(-1), True), dict(how=how)),
+            "today_first": (lambda: cast_into(flat_main, wgrad().view(-1), False), dict(how=how)),
             "kernel_add": (lambda: grouped_wgrad_into(main, x, g, ends, True), dict(config=launch_config(O, I))),
             "kernel_overwrite": (lambda: grouped_wgrad_into(main, x, g, ends, False),
                                  dict(config=launch_config(O, I))),
         }
         for path, (fn, extra) in timed.items():
             ms = bc.bench(fn, rep=100)
-            row = _row(meta, weight, O, I, rows, path, ms, flop, **extra)
+            cast = path.startswith("cast")
+            row = _row(meta, weight, O, I, rows, path, ms, None if cast else flop, **extra)
             if path.startswith("kernel"):
                 row["max_diff_vs_today_of_max_grad"] = diff
+            if cast:
+                row["gbps"] = round(extra["bytes"] / ms / 1e6, 1)
             rows_out.append(row)
-            print(f"{weight:6s} {rows:6d} {path:18s} {ms:8.3f} {row['tflops']:8.1f} {row['peak_fraction']:8.1%}",
-                  flush=True)
+            rate = (f"{row['gbps']:8.0f} GB/s" if row["tflops"] is None
+                    else f"{row['tflops']:8.1f} {row['peak_fraction']:8.1%}")
+            print(f"{weight:6s} {rows:6d} {path:18s} {ms:8.3f} {rate}", flush=True)
         print(f"  kernel vs today: max |diff| {diff:.2e} of the largest gradient element ({how})", flush=True)
 
         if args.sweep:

@@ -39,11 +39,13 @@ from kernels import gpu_common
 
 __all__ = ["grouped_wgrad_into", "grouped_wgrad_refusal", "launch_config", "CONFIGS"]
 
-# (smallest O * I served, settings): the first entry whose bound the shape reaches. The large tile is the usual
-# bf16 GEMM tile of Hopper (a 128 x 128 fp32 accumulator over 8 warps, 4 stages of 64-row operand blocks: 128 KiB
-# of shared memory); small shapes (and the interpreter) take a small tile so that fewer elements are masked.
+# (smallest O * I served, settings): the first entry whose bound the shape reaches. The large tile (a 128 x 256
+# fp32 accumulator over 8 warps, 3 stages of 64-row operand blocks: 144 KiB of shared memory) was the fastest of
+# bench/kernels_grouped_wgrad.py --sweep's 32 settings on one H200 at w1 with 49152 rows
+# (bench/results/kernels-grouped-wgrad-sweep-h200.json); small shapes (and the interpreter) take a small tile so that
+# fewer elements are masked.
 CONFIGS = [
-    (1024 * 1024, dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4)),
+    (1024 * 1024, dict(BLOCK_O=128, BLOCK_I=256, BLOCK_K=64, num_warps=8, num_stages=3)),
     (0, dict(BLOCK_O=64, BLOCK_I=64, BLOCK_K=32, num_warps=4, num_stages=2)),
 ]
 CONFIG_KEYS = ("BLOCK_O", "BLOCK_I", "BLOCK_K", "num_warps", "num_stages")

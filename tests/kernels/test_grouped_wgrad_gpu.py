@@ -91,11 +91,13 @@ def test_small_odd_shapes_match_fp64(O, I, counts, extra, accumulate, ends_dtype
     check_against_fp64(main, before, x, g, ends, accumulate, f"O={O} I={I} counts={counts}")
 
 
-@pytest.mark.parametrize("config", [dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
+@pytest.mark.parametrize("config", [dict(BLOCK_O=128, BLOCK_I=256, BLOCK_K=64, num_warps=8, num_stages=3),
+                                    dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
                                     dict(BLOCK_O=32, BLOCK_I=64, BLOCK_K=16, num_warps=4, num_stages=2)],
-                         ids=["large-tile", "narrow-tile"])
+                         ids=["flash-tile", "square-tile", "narrow-tile"])
 def test_other_launch_settings_on_row_sliced_views(config):
-    """The large tile (the Flash shapes') on a shape it does not divide, and the row strides of column slices."""
+    """Large tiles (the first is the Flash shapes' default) on a shape they do not divide, and the row strides of
+    column slices."""
     dev = triton_device()
     from kernels.triton.grouped_wgrad import grouped_wgrad_into
     counts, O, I = torch.tensor([70, 0, 100]), 200, 136
