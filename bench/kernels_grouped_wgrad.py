@@ -99,6 +99,7 @@ def main(argv=None):
 
     from kernels.triton.grad_copy import cast_into
     from kernels.triton.grouped_wgrad import grouped_wgrad_into, launch_config
+    from kernels.wgrad import grouped_wgrad_gemms
 
     torch.manual_seed(0)
     meta = bc.base_meta(triton=triton.__version__, host=platform.node())
@@ -111,6 +112,7 @@ def main(argv=None):
         wgrad, how = _grouped_mm_wgrad(x, g, ends)
         grad = wgrad()
         flat_main, flat_grad = main.view(-1), grad.view(-1)
+        bounds = [0] + ends.tolist()          # the per-expert GEMMs' row bounds (the trainer copies them in the forward)
 
         # agreement: today's fp32 result (bf16 gradient added) against the kernel's (fp32 sums added)
         today_out = main.clone().add_(grad)
@@ -127,6 +129,8 @@ def main(argv=None):
             "today": (lambda: cast_into(flat_main, wgrad().view(-1), True), dict(how=how)),
             "today_first": (lambda: cast_into(flat_main, wgrad().view(-1), False), dict(how=how)),
             "kernel_add": (lambda: grouped_wgrad_into(main, x, g, ends, True), dict(config=launch_config(O, I))),
+            "gemms_add": (lambda: grouped_wgrad_gemms(main, x, g, bounds, True), {}),
+            "gemms_overwrite": (lambda: grouped_wgrad_gemms(main, x, g, bounds, False), {}),
             "kernel_overwrite": (lambda: grouped_wgrad_into(main, x, g, ends, False),
                                  dict(config=launch_config(O, I))),
         }

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import wgrad
 from kernels.reference.layers import compute_dtype
 from kernels.reference.moe import route, row_invariant_active, row_invariant_mix, swiglu, weighted_swiglu
 from kernels.reference.stacks import stacked_view
@@ -109,6 +110,10 @@ class _WeightBank(nn.Module):
         # stack view with the addresses it was made for (a moved expert shows another address)
         self._experts = tuple(self[i] for i in range(n))
         self._view = (None, None)
+        # wgrad_fusion (engine.wgrad_fusion.enable): the kernel that writes the bank's weight gradient into its fp32
+        # buffers, ``(main [n, *shape], x, g, ends, accumulate)``, and that buffer seen as one tensor
+        self.wgrad_kernel = None
+        self._main_view = None
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return getattr(self, f"weight{self.first + i}")
@@ -132,6 +137,70 @@ class _WeightBank(nn.Module):
         if view is not None:
             return _StackedExperts.apply(view, *experts)
         return torch.stack(experts)
+
+
+    def fused_wgrad(self, x: torch.Tensor):
+        """``(weights [n, *shape], fp32 gradient buffer [n, *shape])`` when the bank's weight gradient can go
+        straight into its buffer (:class:`_FusedWgradGroupedLinear`), else None: the trainer turned the fusion on
+        (``wgrad_kernel``), eager with gradients, bf16 ``x``, and both the weights and their buffers lie one after
+        another (megatron-core's DDP lays the bank's buffers out in expert order). Read after :meth:`stacked`, whose
+        view of the weights it hands on."""
+        experts = self._experts
+        if self.wgrad_kernel is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() \
+                or x.dtype != experts[0].dtype or not experts[0].requires_grad:
+            return None
+        if self._main_view is None:
+            self._main_view = stacked_view([p.main_grad for p in experts])
+        view = self._view[1]
+        if view is None or self._main_view is None:
+            return None
+        return view, self._main_view
+
+
+class _FusedWgradGroupedLinear(torch.autograd.Function):
+    """:func:`grouped_linear` whose backward writes the weight gradient of every expert straight into the bank's
+    fp32 buffer (``kernels.wgrad.grouped_wgrad_gemms``: a mixed-dtype cuBLAS GEMM per expert over row counts
+    copied to the host during the forward; or a kernel that reads them on the device, ``(main, x, g, ends,
+    accumulate)``), stored at a step's first micro-batch and added after, instead of a bf16 gradient per expert
+    cast in by the DDP hook; the experts get markers (``kernels.wgrad.added_marker``). The input gradient is the
+    grouped GEMM's as before."""
+
+    @staticmethod
+    def forward(ctx, x, ends, view, main, kernel, *experts):
+        ctx.save_for_backward(x, ends)
+        ctx.view, ctx.main, ctx.kernel, ctx.experts = view, main, kernel, experts
+        ctx.host_ends = None
+        if kernel is wgrad.grouped_wgrad_gemms:     # its loop needs the row counts on the host: copied now, read in
+            ctx.host_ends = torch.empty(ends.shape, dtype=ends.dtype, pin_memory=ends.is_cuda)    # the backward,
+            ctx.host_ends.copy_(ends, non_blocking=True)                                           # long done
+            ctx.copied = torch.cuda.Event() if ends.is_cuda else None
+            if ctx.copied is not None:
+                ctx.copied.record()
+        return grouped_linear(x, view, ends)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ends = ctx.saved_tensors
+        g = g.contiguous()
+        dx = grouped_linear(g, ctx.view.transpose(1, 2), ends) if ctx.needs_input_grad[0] else None
+        overwrite = wgrad.claim_all([p.main_grad for p in ctx.experts])
+        if ctx.host_ends is not None:
+            if ctx.copied is not None:
+                ctx.copied.synchronize()
+            ctx.kernel(ctx.main, x, g, [0] + ctx.host_ends.tolist(), not overwrite)
+        else:
+            ctx.kernel(ctx.main, x, g, ends, not overwrite)
+        return (dx, None, None, None, None, *(wgrad.added_marker(p, g.dtype) for p in ctx.experts))
+
+
+def _bank_linear(bank: _WeightBank, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``grouped_linear(x, w, ends)`` with ``w`` the bank's stacked weights; the weight gradient fused into the
+    bank's fp32 buffer where :meth:`_WeightBank.fused_wgrad` allows."""
+    fused = bank.fused_wgrad(x) if w.dtype == x.dtype else None
+    if fused is None:
+        return grouped_linear(x, w.to(x.dtype), ends)
+    view, main = fused
+    return _FusedWgradGroupedLinear.apply(x.contiguous(), ends, view, main, bank.wgrad_kernel, *bank.experts())
 
 
 class _StackedExperts(torch.autograd.Function):
@@ -232,10 +301,11 @@ class DSv4GroupedExperts(nn.Module):
             experts, rows, gate_w = dispatch.local_experts, dispatch.scatter(rows), dispatch.scatter(gate_w)
         ends = torch.searchsorted(experts, torch.arange(self.num_local_experts, device=idx.device), right=True)
         w1, w2 = self.stacked_weights()
-        h = grouped_linear(rows, w1.to(x.dtype), ends)
+        fuse = self.qat_expert_format is None                   # QAT's forward weights are computed, not the bank's
+        h = _bank_linear(self.linear_fc1, rows, w1, ends) if fuse else grouped_linear(rows, w1.to(x.dtype), ends)
         act = weighted_swiglu if self.ops is None else self.ops.weighted_swiglu
         a = act(h, gate_w, self.limit, x.dtype)                 # clamped SwiGLU x gate weight, in x's dtype
-        out = grouped_linear(a, w2.to(x.dtype), ends).to(ct)
+        out = (_bank_linear(self.linear_fc2, a, w2, ends) if fuse else grouped_linear(a, w2.to(x.dtype), ends)).to(ct)
         if dispatch is not None:
             out = dispatch.gather(out)
         y = permute_rows(out, inv, order).view(T, k, -1).sum(dim=1)      # back to (token, slot) order

@@ -7,8 +7,8 @@ Apex's ``fused_weight_gradient_mlp_cuda``; :func:`enable` hands megatron-core's 
 ``kernels.wgrad.APEX_API`` under that name and switches the path on per layer. The project's linears
 (``engine.layers.Linear``, and ``kernels.reference.layers.linear_fp32``: the output head, the compressor
 projections) read the parameter's ``fuse_wgrad`` flag that :func:`enable` sets. The routed experts' banks
-(``engine.moe._WeightBank``, a grouped GEMM) get the Triton kernel ``kernels.triton.grouped_wgrad`` in a run whose
-kernel backend ships Triton (triton, cuda); in other runs they keep the bf16 gradient and its cast.
+(``engine.moe._WeightBank``, a grouped GEMM) write theirs with one mixed-dtype cuBLAS GEMM per expert
+(``kernels.wgrad.grouped_wgrad_gemms``).
 
 Where it applies: a bf16 model wrapped by ``engine.grad_buffers.CopyFirstDDP`` (the GPU targets' optimizer;
 every trained parameter has its fp32 ``main_grad``) on CUDA, eager. ``auto`` turns it on there; ``on`` refuses a
@@ -61,20 +61,16 @@ def _megatron_linear_types() -> Optional[tuple]:
 
 
 def _grouped_kernel(kernel_backend: str):
-    """The kernel that writes a bank of experts' weight gradients into its fp32 buffer: the Triton one for the
-    backends that ship Triton kernels, else None (those banks keep the bf16 gradient and its cast)."""
-    from engine.grad_buffers import TRITON_BACKENDS
-
-    if kernel_backend not in TRITON_BACKENDS:
-        return None
-    from kernels.triton.grouped_wgrad import grouped_wgrad_into
-
-    return grouped_wgrad_into
+    """What writes a bank of experts' weight gradients into its fp32 buffer: one cuBLAS GEMM per expert
+    (``kernels.wgrad.grouped_wgrad_gemms``) for every kernel backend. The Triton grouped kernel
+    (``kernels.triton.grouped_wgrad``) is not chosen: it ran below cuBLAS at the Flash shapes
+    (bench/results/kernels-grouped-wgrad-h200.json)."""
+    return wgrad.grouped_wgrad_gemms
 
 
 def enable(model: torch.nn.Module, kernel_backend: str = "none") -> dict:
     """Fuse the weight gradients of every trained parameter of ``model`` that has a ``main_grad`` (call after the
-    optimizer's DDP wrapped it); the routed experts' banks too where ``kernel_backend`` ships the grouped kernel.
+    optimizer's DDP wrapped it), the routed experts' banks included.
     Returns counts: ``{"megatron_linears", "expert_banks", "parameters"}``."""
     from engine.moe import _WeightBank
 

@@ -29,7 +29,7 @@ import types
 
 import torch
 
-__all__ = ["APEX_API", "added_marker", "claim", "claim_all", "fused", "grouped_wgrad_reference", "linear", "mark_last_step",
+__all__ = ["APEX_API", "added_marker", "claim", "claim_all", "fused", "grouped_wgrad_gemms", "grouped_wgrad_reference", "linear", "mark_last_step",
            "wgrad_into", "wgrad_refusal"]
 
 _LAST_STEP = "holds_last_step"       # attribute on a main_grad tensor: it still holds the previous step's gradient
@@ -60,6 +60,23 @@ def claim_all(main_grads) -> bool:
         if held:
             m.zero_()
     return False
+
+
+def grouped_wgrad_gemms(main: torch.Tensor, x: torch.Tensor, g: torch.Tensor, bounds, accumulate: bool) -> None:
+    """The grouped weight gradient as one cuBLAS GEMM per group into its fp32 slice of ``main [E, out, in]``
+    (:func:`wgrad_into`'s mixed-dtype GEMM: stored, or added in the epilogue when ``accumulate``); ``bounds``
+    ``[0, ends...]`` on the host. Why not one grouped kernel: torch's grouped GEMM has no fp32 accumulate into an
+    existing buffer, and the Triton one (``kernels.triton.grouped_wgrad``) runs below cuBLAS at the Flash shapes
+    (bench/results/kernels-grouped-wgrad-h200.json), which ate the pass it saves. The host loop costs one launch
+    per expert, each over that expert's rows (hundreds of rows a step)."""
+    if not main.is_cuda:
+        return grouped_wgrad_reference(main, x, g, torch.tensor(bounds[1:]), accumulate)
+    for e in range(main.shape[0]):
+        s, t = bounds[e], bounds[e + 1]
+        if accumulate:
+            torch.addmm(main[e], g[s:t].t(), x[s:t], out_dtype=torch.float32, out=main[e])
+        else:
+            torch.mm(g[s:t].t(), x[s:t], out_dtype=torch.float32, out=main[e])
 
 
 def grouped_wgrad_reference(main: torch.Tensor, x: torch.Tensor, g: torch.Tensor, ends: torch.Tensor,

@@ -338,7 +338,7 @@ class MegatronOptimizer(_Base):
 
     def describe(self) -> str:
         f = self.wgrad_fusion
-        wgrad = f"written by their GEMMs (kernels.wgrad; {f['expert_banks']} expert banks by Triton)" if f else \
+        wgrad = f"written by their GEMMs (kernels.wgrad; {f['expert_banks']} expert banks)" if f else \
             "cast in (engine.grad_buffers)"
         return (f"megatron-core DistributedOptimizer: {self.kernels['adam']}, gradient norm {self.kernels['grad_norm']}"
                 f", fp32 weight gradients {wgrad}")

@@ -156,3 +156,45 @@ def test_dispatch_row_moves_are_gathers_both_ways():
     assert "index_select" in ops.names and xm.grad is not None
     bad = ops.names & {"index_add", "index_add_", "index_copy", "index_copy_"}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("kernel", ["grouped_wgrad_gemms", "grouped_wgrad_reference"])
+def test_fused_expert_weight_gradients_land_in_the_banks_buffer(kernel):
+    """``wgrad_fusion`` for the routed experts (``engine.moe._FusedWgradGroupedLinear``), here with the reference
+    grouped kernel or the per-expert GEMMs the trainer uses, whose row counts travel to the host during the forward
+    (``kernels.wgrad``; on a GPU: tests/train/test_fused_optim_gpu.py): over two micro-batches the bank's fp32 buffer (laid out in expert
+    order, as megatron-core's DDP does) first loses the last step's gradient, then gets each micro-batch's; it
+    equals autograd's expert gradients of the same bf16 model within their bf16 rounding, and the input
+    gradient is the unfused one's."""
+    from engine.config import make_transformer_config
+    from engine.moe import DSv4MoE
+    from kernels import wgrad
+
+    c = TINY
+    _, ref = _pair(c, 2)
+    tconfig = make_transformer_config(c, params_dtype=torch.bfloat16)
+    a = DSv4MoE(c, tconfig, 2, params_dtype=torch.bfloat16)
+    b = DSv4MoE(c, tconfig, 2, params_dtype=torch.bfloat16)
+    a.load_state_dict(ref.state_dict())
+    b.load_state_dict(ref.state_dict())
+    banks = (b.experts.linear_fc1, b.experts.linear_fc2)
+    for bank in banks:
+        buf = torch.full((bank.n, *bank[0].shape), 7.0)           # the last step's gradient, still there
+        for i, p in enumerate(bank.experts()):
+            p.main_grad = buf[i]
+            wgrad.mark_last_step(p.main_grad)
+        bank.wgrad_kernel = getattr(wgrad, kernel)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):                                            # two micro-batches of one step
+        x = (torch.randn(2, 7, c.dim, generator=g) * 4).bfloat16()
+        ids = torch.randint(0, c.vocab_size, (2, 7), generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a(xa, ids).float().square().sum().backward()
+        b(xb, ids).float().square().sum().backward()
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=0)
+    for bank_a, bank_b in ((a.experts.linear_fc1, banks[0]), (a.experts.linear_fc2, banks[1])):
+        for pa, pb in zip(bank_a.experts(), bank_b.experts()):
+            assert pb.grad_added_to_main_grad
+            want = torch.zeros_like(pb.main_grad) if pa.grad is None else pa.grad.float()
+            scale = float(want.abs().max().clamp_min(1e-6))
+            assert float((pb.main_grad - want).abs().max()) <= 2e-2 * scale

@@ -343,6 +343,47 @@ def test_fused_weight_gradients_equal_the_cast_path_without_its_rounding():
             assert err < 2e-2, (step, n, err)                  # the unfused gradient's bf16 rounding, twice
         assert bool(b.head.weight.main_grad.abs().sum() == 0) == frozen
 
+def test_fused_expert_weight_gradients_in_megatron_cores_buffer_equal_the_cast_path():
+    """The routed experts under ``wgrad_fusion``: megatron-core's DDP lays each bank's fp32 buffers out in expert
+    order, so ``enable`` fuses both banks of a MoE layer, and one mixed-dtype cuBLAS GEMM per expert
+    (``kernels.wgrad.grouped_wgrad_gemms``) writes them: over two steps of two micro-batches the buffers equal the
+    cast path's within its bf16 rounding, and no cast serves an expert."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from core.config import preset
+    from engine.config import make_transformer_config
+    from engine.grad_buffers import CopyFirstDDP
+    from engine.moe import DSv4MoE
+    from engine.wgrad_fusion import enable
+
+    _run_config("bf16")
+    c = preset("tiny")
+    torch.manual_seed(0)
+    tc = make_transformer_config(c, params_dtype=torch.bfloat16)
+    a, b = (DSv4MoE(c, tc, 2, params_dtype=torch.bfloat16).cuda() for _ in range(2))
+    b.load_state_dict(a.state_dict())
+    tconfig = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1, bf16=True,
+                                params_dtype=torch.bfloat16, calculate_per_token_loss=True)
+    dcfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         use_distributed_optimizer=True, bucket_size=40_000_000)
+    plain, fused = CopyFirstDDP(tconfig, dcfg, a), CopyFirstDDP(tconfig, dcfg, b)
+    assert enable(b)["expert_banks"] == 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(2):
+        batches = [(torch.randn(2, 33, c.dim, device="cuda", generator=gen).bfloat16(),
+                    torch.randint(0, c.vocab_size, (2, 33), device="cuda", generator=gen)) for _ in range(2)]
+        for ddp, m in ((plain, a), (fused, b)):
+            ddp.zero_grad_buffer()
+            for x, ids in batches:
+                m(x, ids).float().square().mean().backward()
+            ddp.settle_grad_buffer()
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            if "experts.linear_fc" in n:
+                assert q.grad_added_to_main_grad, n
+            scale = float(p.main_grad.abs().max().clamp_min(1e-30))
+            assert float((p.main_grad - q.main_grad).abs().max()) <= 1e-2 * scale, (step, n)
+
 def _adamw_step_with_bf16_moments(p, m, v, g, t, lr, betas, eps, wd):
     """One AdamW step by its definition in float64 from the stored state, both moments rounded to bf16 after the
     update (what the kernel stores); returns (p, m, v)."""
