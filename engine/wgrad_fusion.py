@@ -18,8 +18,6 @@ the buffer from inside the graph).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from kernels import wgrad
@@ -53,34 +51,28 @@ def resolve(mode: str, gpu: bool, dtype: torch.dtype, compiled: bool) -> bool:
     return mode != "off" and not why
 
 
-def _megatron_linear_types() -> Optional[tuple]:
+def _megatron_linear_types() -> tuple:
     from megatron.core.tensor_parallel import layers
 
     layers.fused_weight_gradient_mlp_cuda = wgrad.APEX_API     # what the layers call under that name
     return layers.ColumnParallelLinear, layers.RowParallelLinear
 
 
-def _grouped_kernel(kernel_backend: str):
-    """What writes a bank of experts' weight gradients into its fp32 buffer: one cuBLAS GEMM per expert
-    (``kernels.wgrad.grouped_wgrad_gemms``) for every kernel backend. The Triton grouped kernel
-    (``kernels.triton.grouped_wgrad``) is not chosen: it ran below cuBLAS at the Flash shapes
-    (bench/results/kernels-grouped-wgrad-h200.json)."""
-    return wgrad.grouped_wgrad_gemms
-
-
-def enable(model: torch.nn.Module, kernel_backend: str = "none") -> dict:
+def enable(model: torch.nn.Module) -> dict:
     """Fuse the weight gradients of every trained parameter of ``model`` that has a ``main_grad`` (call after the
-    optimizer's DDP wrapped it), the routed experts' banks included.
+    optimizer's DDP wrapped it), the routed experts' banks included: theirs with one cuBLAS GEMM per expert
+    (``kernels.wgrad.grouped_wgrad_gemms``), for every kernel backend. The Triton grouped kernel
+    (``kernels.triton.grouped_wgrad``) is not chosen: it ran below those GEMMs at the Flash shapes
+    (bench/results/kernels-grouped-wgrad-gemms-h200.json).
     Returns counts: ``{"megatron_linears", "expert_banks", "parameters"}``."""
     from engine.moe import _WeightBank
 
     linear_types = _megatron_linear_types()
-    kernel = _grouped_kernel(kernel_backend)
     banks = 0
     for module in model.modules():
-        if isinstance(module, _WeightBank) and kernel is not None and module.experts()[0].is_cuda \
+        if isinstance(module, _WeightBank) and module.experts()[0].is_cuda \
                 and all(getattr(p, "main_grad", None) is not None for p in module.experts()):
-            module.wgrad_kernel = kernel
+            module.wgrad_kernel = wgrad.grouped_wgrad_gemms
             banks += 1
     layers = 0
     for module in model.modules():

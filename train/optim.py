@@ -308,7 +308,7 @@ class MegatronOptimizer(_Base):
         if fuse_wgrad:
             from engine.wgrad_fusion import enable
 
-            self.wgrad_fusion = enable(inner, kernel_backend)
+            self.wgrad_fusion = enable(inner)
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
