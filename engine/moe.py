@@ -110,9 +110,9 @@ class _WeightBank(nn.Module):
         # stack view with the addresses it was made for (a moved expert shows another address)
         self._experts = tuple(self[i] for i in range(n))
         self._view = (None, None)
-        # wgrad_fusion (engine.wgrad_fusion.enable): the kernel that writes the bank's weight gradient into its fp32
-        # buffers, ``(main [n, *shape], x, g, ends, accumulate)``, and that buffer seen as one tensor
-        self.wgrad_kernel = None
+        # wgrad_fusion (engine.wgrad_fusion.enable): the bank's weight gradient goes straight into its fp32 buffers,
+        # seen as one tensor
+        self.wgrad_fused = False
         self._main_view = None
 
     def __getitem__(self, i: int) -> torch.Tensor:
@@ -142,11 +142,11 @@ class _WeightBank(nn.Module):
     def fused_wgrad(self, x: torch.Tensor):
         """``(weights [n, *shape], fp32 gradient buffer [n, *shape])`` when the bank's weight gradient can go
         straight into its buffer (:class:`_FusedWgradGroupedLinear`), else None: the trainer turned the fusion on
-        (``wgrad_kernel``), eager with gradients, bf16 ``x``, and both the weights and their buffers lie one after
+        (``wgrad_fused``), eager with gradients, bf16 ``x``, and both the weights and their buffers lie one after
         another (megatron-core's DDP lays the bank's buffers out in expert order). Read after :meth:`stacked`, whose
         view of the weights it hands on."""
         experts = self._experts
-        if self.wgrad_kernel is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() \
+        if not self.wgrad_fused or torch.compiler.is_compiling() or not torch.is_grad_enabled() \
                 or x.dtype != experts[0].dtype or not experts[0].requires_grad:
             return None
         if self._main_view is None:
@@ -159,23 +159,20 @@ class _WeightBank(nn.Module):
 
 class _FusedWgradGroupedLinear(torch.autograd.Function):
     """:func:`grouped_linear` whose backward writes the weight gradient of every expert straight into the bank's
-    fp32 buffer (``kernels.wgrad.grouped_wgrad_gemms``: a mixed-dtype cuBLAS GEMM per expert over row counts
-    copied to the host during the forward; or a kernel that reads them on the device, ``(main, x, g, ends,
-    accumulate)``), stored at a step's first micro-batch and added after, instead of a bf16 gradient per expert
-    cast in by the DDP hook; the experts get markers (``kernels.wgrad.added_marker``). The input gradient is the
-    grouped GEMM's as before."""
+    fp32 buffer (``kernels.wgrad.grouped_wgrad_gemms``: a mixed-dtype cuBLAS GEMM per expert over the row counts,
+    copied to the host during the forward so that the backward does not wait), stored at a step's first
+    micro-batch and added after, instead of a bf16 gradient per expert cast in by the DDP hook; the experts get
+    markers (``kernels.wgrad.added_marker``). The input gradient is the grouped GEMM's as before."""
 
     @staticmethod
-    def forward(ctx, x, ends, view, main, kernel, *experts):
+    def forward(ctx, x, ends, view, main, *experts):
         ctx.save_for_backward(x, ends)
-        ctx.view, ctx.main, ctx.kernel, ctx.experts = view, main, kernel, experts
-        ctx.host_ends = None
-        if kernel is wgrad.grouped_wgrad_gemms:     # its loop needs the row counts on the host: copied now, read in
-            ctx.host_ends = torch.empty(ends.shape, dtype=ends.dtype, pin_memory=ends.is_cuda)    # the backward,
-            ctx.host_ends.copy_(ends, non_blocking=True)                                           # long done
-            ctx.copied = torch.cuda.Event() if ends.is_cuda else None
-            if ctx.copied is not None:
-                ctx.copied.record()
+        ctx.view, ctx.main, ctx.experts = view, main, experts
+        ctx.host_ends = torch.empty(ends.shape, dtype=ends.dtype, pin_memory=ends.is_cuda)
+        ctx.host_ends.copy_(ends, non_blocking=True)        # long done when the backward reads it
+        ctx.copied = torch.cuda.Event() if ends.is_cuda else None
+        if ctx.copied is not None:
+            ctx.copied.record()
         return grouped_linear(x, view, ends)
 
     @staticmethod
@@ -184,13 +181,10 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
         g = g.contiguous()
         dx = grouped_linear(g, ctx.view.transpose(1, 2), ends) if ctx.needs_input_grad[0] else None
         overwrite = wgrad.claim_all([p.main_grad for p in ctx.experts])
-        if ctx.host_ends is not None:
-            if ctx.copied is not None:
-                ctx.copied.synchronize()
-            ctx.kernel(ctx.main, x, g, [0] + ctx.host_ends.tolist(), not overwrite)
-        else:
-            ctx.kernel(ctx.main, x, g, ends, not overwrite)
-        return (dx, None, None, None, None, *(wgrad.added_marker(p, g.dtype) for p in ctx.experts))
+        if ctx.copied is not None:
+            ctx.copied.synchronize()
+        wgrad.grouped_wgrad_gemms(ctx.main, x, g, [0] + ctx.host_ends.tolist(), not overwrite)
+        return (dx, None, None, None, *(wgrad.added_marker(p, g.dtype) for p in ctx.experts))
 
 
 def _bank_linear(bank: _WeightBank, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -200,7 +194,7 @@ def _bank_linear(bank: _WeightBank, x: torch.Tensor, w: torch.Tensor, ends: torc
     if fused is None:
         return grouped_linear(x, w.to(x.dtype), ends)
     view, main = fused
-    return _FusedWgradGroupedLinear.apply(x.contiguous(), ends, view, main, bank.wgrad_kernel, *bank.experts())
+    return _FusedWgradGroupedLinear.apply(x.contiguous(), ends, view, main, *bank.experts())
 
 
 class _StackedExperts(torch.autograd.Function):

@@ -72,7 +72,7 @@ def enable(model: torch.nn.Module) -> dict:
     for module in model.modules():
         if isinstance(module, _WeightBank) and module.experts()[0].is_cuda \
                 and all(getattr(p, "main_grad", None) is not None for p in module.experts()):
-            module.wgrad_kernel = wgrad.grouped_wgrad_gemms
+            module.wgrad_fused = True
             banks += 1
     layers = 0
     for module in model.modules():

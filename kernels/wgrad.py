@@ -29,7 +29,7 @@ import types
 
 import torch
 
-__all__ = ["APEX_API", "added_marker", "claim", "claim_all", "fused", "grouped_wgrad_gemms", "grouped_wgrad_reference", "linear", "mark_last_step",
+__all__ = ["APEX_API", "added_marker", "claim", "claim_all", "fused", "grouped_wgrad_gemms", "linear", "mark_last_step",
            "wgrad_into", "wgrad_refusal"]
 
 _LAST_STEP = "holds_last_step"       # attribute on a main_grad tensor: it still holds the previous step's gradient
@@ -62,36 +62,31 @@ def claim_all(main_grads) -> bool:
     return False
 
 
+def _product_into(out: torch.Tensor, gt: torch.Tensor, x: torch.Tensor, accumulate: bool) -> None:
+    """``out`` (fp32) gets ``gt @ x`` (bf16 / fp16 operands), stored or added: on CUDA one cuBLAS GEMM with an fp32
+    result written into ``out`` (``beta = 1`` when adding); the CPU has no mixed-dtype GEMM, so there the same
+    products are upcast first."""
+    if out.is_cuda:
+        if accumulate:
+            torch.addmm(out, gt, x, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(gt, x, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out.add_(gt.float() @ x.float())
+    else:
+        out.copy_(gt.float() @ x.float())
+
+
 def grouped_wgrad_gemms(main: torch.Tensor, x: torch.Tensor, g: torch.Tensor, bounds, accumulate: bool) -> None:
-    """The grouped weight gradient as one cuBLAS GEMM per group into its fp32 slice of ``main [E, out, in]``
-    (:func:`wgrad_into`'s mixed-dtype GEMM: stored, or added in the epilogue when ``accumulate``); ``bounds``
-    ``[0, ends...]`` on the host. Why not one grouped kernel: torch's grouped GEMM has no fp32 accumulate into an
-    existing buffer, and the Triton one (``kernels.triton.grouped_wgrad``) runs below cuBLAS at the Flash shapes
-    (bench/results/kernels-grouped-wgrad-h200.json), which ate the pass it saves. The host loop costs one launch
-    per expert, each over that expert's rows (hundreds of rows a step)."""
-    if not main.is_cuda:
-        return grouped_wgrad_reference(main, x, g, torch.tensor(bounds[1:]), accumulate)
+    """The grouped weight gradient as one GEMM per group into its fp32 slice of ``main [E, out, in]``: ``main[e]``
+    gets ``g[rows_e]^T @ x[rows_e]`` with rows ``bounds[e]:bounds[e+1]`` (``[0, ends...]`` on the host), stored,
+    or added in the epilogue when ``accumulate``. Why not one grouped kernel: torch's grouped GEMM has no fp32
+    accumulate into an existing buffer, and the Triton one (``kernels.triton.grouped_wgrad``) runs below cuBLAS at
+    the Flash shapes (bench/results/kernels-grouped-wgrad-gemms-h200.json), which ate the pass it saves. The host
+    loop costs one launch per expert, each over that expert's rows (hundreds of rows a step)."""
     for e in range(main.shape[0]):
         s, t = bounds[e], bounds[e + 1]
-        if accumulate:
-            torch.addmm(main[e], g[s:t].t(), x[s:t], out_dtype=torch.float32, out=main[e])
-        else:
-            torch.mm(g[s:t].t(), x[s:t], out_dtype=torch.float32, out=main[e])
-
-
-def grouped_wgrad_reference(main: torch.Tensor, x: torch.Tensor, g: torch.Tensor, ends: torch.Tensor,
-                            accumulate: bool) -> None:
-    """The grouped weight gradient by its definition, one GEMM per group (reads ``ends`` on the host): ``main[e]``
-    (fp32 ``[E, out, in]``) gets ``g[rows_e]^T @ x[rows_e]`` (stored, or added when ``accumulate``), with rows
-    ``ends[e-1]:ends[e]`` of ``x [N, in]`` and ``g [N, out]``. The contract of ``kernels.triton.grouped_wgrad``."""
-    bounds = [0] + [int(e) for e in ends.tolist()]
-    for e in range(main.shape[0]):
-        s, t = bounds[e], bounds[e + 1]
-        product = g[s:t].t().float() @ x[s:t].float()
-        if accumulate:
-            main[e].add_(product)
-        else:
-            main[e].copy_(product)
+        _product_into(main[e], g[s:t].t(), x[s:t], accumulate)
 
 
 def fused(weight: torch.Tensor) -> bool:
@@ -118,18 +113,7 @@ def wgrad_into(main_grad: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> Non
     if why:
         raise ValueError(f"fused weight gradient: {why}")
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    overwrite = claim(main_grad)
-    if main_grad.is_cuda:
-        if overwrite:
-            torch.mm(g2.t(), x2, out_dtype=torch.float32, out=main_grad)
-        else:
-            torch.addmm(main_grad, g2.t(), x2, out_dtype=torch.float32, out=main_grad)
-        return
-    product = g2.t().float() @ x2.float()       # the CPU has no mixed-dtype GEMM: the same products, upcast
-    if overwrite:
-        main_grad.copy_(product)
-    else:
-        main_grad.add_(product)
+    _product_into(main_grad, g2.t(), x2, accumulate=not claim(main_grad))
 
 
 def added_marker(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -158,13 +158,12 @@ def test_dispatch_row_moves_are_gathers_both_ways():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("kernel", ["grouped_wgrad_gemms", "grouped_wgrad_reference"])
-def test_fused_expert_weight_gradients_land_in_the_banks_buffer(kernel):
-    """``wgrad_fusion`` for the routed experts (``engine.moe._FusedWgradGroupedLinear``), here with the reference
-    grouped kernel or the per-expert GEMMs the trainer uses, whose row counts travel to the host during the forward
-    (``kernels.wgrad``; on a GPU: tests/train/test_fused_optim_gpu.py): over two micro-batches the bank's fp32 buffer (laid out in expert
-    order, as megatron-core's DDP does) first loses the last step's gradient, then gets each micro-batch's; it
-    equals autograd's expert gradients of the same bf16 model within their bf16 rounding, and the input
+def test_fused_expert_weight_gradients_land_in_the_banks_buffer():
+    """``wgrad_fusion`` for the routed experts (``engine.moe._FusedWgradGroupedLinear``): the per-expert GEMMs the
+    trainer uses (``kernels.wgrad.grouped_wgrad_gemms``), whose row counts travel to the host during the forward
+    (on a GPU: tests/train/test_fused_optim_gpu.py). Over two micro-batches the bank's fp32 buffer (laid out in
+    expert order, as megatron-core's DDP does) first loses the last step's gradient, then gets each micro-batch's;
+    it equals autograd's expert gradients of the same bf16 model within their bf16 rounding, and the input
     gradient is the unfused one's."""
     from engine.config import make_transformer_config
     from engine.moe import DSv4MoE
@@ -179,11 +178,11 @@ def test_fused_expert_weight_gradients_land_in_the_banks_buffer(kernel):
     b.load_state_dict(ref.state_dict())
     banks = (b.experts.linear_fc1, b.experts.linear_fc2)
     for bank in banks:
-        buf = torch.full((bank.n, *bank[0].shape), 7.0)           # the last step's gradient, still there
+        buf = torch.full((bank.n, *bank[0].shape), float("nan"))  # the last step's: any read of it shows
         for i, p in enumerate(bank.experts()):
             p.main_grad = buf[i]
             wgrad.mark_last_step(p.main_grad)
-        bank.wgrad_kernel = getattr(wgrad, kernel)
+        bank.wgrad_fused = True
     g = torch.Generator().manual_seed(3)
     for _ in range(2):                                            # two micro-batches of one step
         x = (torch.randn(2, 7, c.dim, generator=g) * 4).bfloat16()
