@@ -39,6 +39,7 @@ OP_NAMES = (
     "rms_normalize",
     "rms_norm",
     "weighted_swiglu",
+    "head_logprobs",
 )
 
 # The dtype an op table's ``indexer_scores`` takes its ``q`` and ``k`` in (``OpTable.indexer_inputs``):

@@ -191,11 +191,12 @@ GPU_DTYPES = ("bf16", "fp16")
 MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
-def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None) -> OpTable:
+def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
+             logprobs=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
-    ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module and ``weighted_swiglu`` of its
-    ``swiglu`` module when it has them; the reference ops (backend ``none``) for every op it has no kernel for."""
+    ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
+    ``swiglu`` module and ``head_logprobs`` of its ``logprobs`` module when it has them; the reference ops (backend ``none``) for every op it has no kernel for."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -214,6 +215,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         own["rms_norm"] = norm.rms_norm
     if swiglu is not None:
         own["weighted_swiglu"] = swiglu.weighted_swiglu
+    if logprobs is not None:
+        own["head_logprobs"] = logprobs.head_logprobs
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

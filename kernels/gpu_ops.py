@@ -26,7 +26,9 @@ tensors):
   with ``not inverse`` (a rotation's inverse); ``rms_normalize(x [R,D], eps, out_dtype) -> [R,D]`` with
   ``rms_normalize_bwd(x, dy, eps) -> dx``; ``rms_norm(x [R,D], w [D], eps) -> [R,D]`` (x's dtype) with
   ``rms_norm_bwd(x, w, dy, eps) -> (dx, dw)``; ``weighted_swiglu(h [N,2F], w [N], limit, out_dtype) -> [N,F]`` with
-  ``weighted_swiglu_bwd(h, w, da, limit) -> (dh, dw)``.
+  ``weighted_swiglu_bwd(h, w, da, limit) -> (dh, dw)``; ``logprob_stats(logits [N,V] fp32, labels [N], temperature)
+  -> (lp [N], lse [N])`` and ``logprob_grad(logits, labels, lse, g [N], temperature, out_dtype) -> [N,V]`` (the
+  output head's log-prob passes, called by ``kernels.triton.logprobs``'s autograd function).
 
 The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
 so this module imports only torch: the schemas and fake implementations load, and can be tested, on a machine
@@ -368,6 +370,27 @@ def _swiglu_ops(ns: str, module: str) -> dict:
     return dict(weighted_swiglu=weighted_swiglu, weighted_swiglu_bwd=weighted_swiglu_bwd)
 
 
+def _logprob_ops(ns: str, module: str) -> dict:
+    """The output head's log-prob passes (``kernels.triton.logprobs``; its autograd function runs the GEMMs and
+    calls these two, so neither registers a gradient)."""
+    @torch.library.custom_op(f"{ns}::logprob_stats", mutates_args=())
+    def logprob_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launcher(module, "logprob_stats_launch")(logits, labels, temperature)
+
+    logprob_stats.register_fake(lambda logits, labels, temperature: (
+        _empty(logits, logits.shape[0], dtype=torch.float32), _empty(logits, logits.shape[0], dtype=torch.float32)))
+
+    @torch.library.custom_op(f"{ns}::logprob_grad", mutates_args=())
+    def logprob_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                     temperature: float, out_dtype: torch.dtype) -> torch.Tensor:
+        return _launcher(module, "logprob_grad_launch")(logits, labels, lse, g, temperature, out_dtype)
+
+    logprob_grad.register_fake(
+        lambda logits, labels, lse, g, temperature, out_dtype: _empty(logits, *logits.shape, dtype=out_dtype))
+    return dict(logprob_stats=logprob_stats, logprob_grad=logprob_grad)
+
+
 def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention: Optional[str] = None,
               elementwise: bool = False) -> types.SimpleNamespace:
     """Register the namespace's ops; returns them as ``torch.ops.<ns>.<name>.default`` (the plain
@@ -382,6 +405,7 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
         ops.update(_rope_ops(ns, f"{package}.rope"))
         ops.update(_norm_ops(ns, f"{package}.norm"))
         ops.update(_swiglu_ops(ns, f"{package}.swiglu"))
+        ops.update(_logprob_ops(ns, f"{package}.logprobs"))
     library = getattr(torch.ops, ns)
     return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
 

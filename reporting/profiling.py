@@ -67,6 +67,7 @@ _KERNELS: Tuple[Tuple[str, str], ...] = (
     (r"^(_mix_kernel|_pre_fwd_kernel|_pre_bwd_kernel|_dx_kernel|_dfn_kernel|_post_fwd_kernel|_post_bwd_kernel"
      r"|_sinkhorn_fwd_kernel|_sinkhorn_bwd_kernel|_mix_part_kernel|_mix_finish_kernel)$", "mhc"),
     (r"^_adamw_chunks$", "optimizer: adam"),
+    (r"^_logprob_(stats|grad)_kernel$", "log-probs (fused with the output head)"),
 )
 _ACTIVE = False
 
@@ -99,6 +100,8 @@ def category(scope_name: Optional[str], op: str, within: str = "") -> str:
         return "indexer"
     if re.search(r"::(hc_pre|hc_post|hc_head|sinkhorn)", op):
         return "mhc"
+    if "::logprob_" in op:
+        return "log-probs (fused with the output head)"
     if scope_name == "optimizer":
         if "norm" in op:
             return "optimizer: gradient norm"

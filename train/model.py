@@ -38,6 +38,7 @@ from torch import nn
 from core import weight_contract as wc
 
 from engine.row_gather import gather_rows
+from kernels.reference.layers import label_logprobs
 from rollout.logprobs import next_token_logprobs
 from rollout.replay import IndexerPicksReplayer, RoutingRecorder, RoutingReplayer, indexer_context, routing_context
 
@@ -318,9 +319,9 @@ class ImplTrainModel(_TrainModelBase):
             indexer_replay = indexer_replay.reshape(1, -1, *indexer_replay.shape[2:])
         irep = IndexerPicksReplayer.of(self.module, self.config, indexer_replay)
         with indexer_context(irep):
-            logits, ids, hook, mtp, aux = self._forward_rows(input_ids, routing_replay, with_mtp)
+            lp, ids, hook, mtp, aux = self._forward_rows(input_ids, routing_replay, with_mtp, temperature)
         # log-probs on the model's device: only [B, S-1] of them travel, never the [B, S, vocab] logits
-        lp = token_logprobs(logits, ids, temperature).to(input_ids.device)
+        lp = lp.to(input_ids.device)
         if aux is not None:
             aux = aux.to(input_ids.device)
         return TrainForward(lp, mtp, _used(hook), aux, irep and irep.result(self.impl))
@@ -377,9 +378,11 @@ class ImplTrainModel(_TrainModelBase):
         stream[:mb.num_real_tokens] = flat[torch.cat([i * S + torch.arange(L) for i, L in enumerate(lengths)])]
         return stream[rank * n:(rank + 1) * n][None]
 
-    def _forward_rows(self, input_ids, routing_replay, with_mtp):
-        """One forward over the rows ``[B, S]`` (BSHD, or THD with a segment per row): ``(logits [B, S, V],
-        the ids on the model's device, the routing hook, MTP logits or None, the aux loss or None)``."""
+    def _forward_rows(self, input_ids, routing_replay, with_mtp, temperature: Optional[float] = None):
+        """One forward over the rows ``[B, S]`` (BSHD, or THD with a segment per row): ``(logits [B, S, V] or, with a
+        ``temperature``, the next tokens' log-probs [B, S-1] (the module's ``head_logprobs``; under true_on_policy the
+        engine's op, rollout.logprobs.next_token_logprobs), the ids on the model's device, the routing hook, MTP
+        logits or None, the aux loss or None)``."""
         from kernels.reference.moe import row_invariant_experts
 
         B, S = input_ids.shape
@@ -392,12 +395,18 @@ class ImplTrainModel(_TrainModelBase):
         with routing_context(hook), contextlib.ExitStack() as stack:
             if self.row_invariant:
                 stack.enter_context(row_invariant_experts())
-            logits, aux, streams = self._call_module(stack, x, with_mtp, **({} if cu is None else {"cu_seqlens": cu}))
+            scored = temperature is not None and not self.row_invariant
+            kw = {} if cu is None else {"cu_seqlens": cu}
+            if scored:        # the next tokens (a row's last label is the next row's first token: dropped)
+                kw.update(labels=torch.roll(x, -1, dims=-1), temperature=temperature)
+            out, aux, streams = self._call_module(stack, x, with_mtp, **kw)
             if with_mtp:
                 with detached_weights(self.module):
                     mtp = list(self._mtp(ids, x, cu, streams))
         self._check_replay_reached(routing_replay, hook)
-        return logits.reshape(B, S, -1), ids, hook, mtp, aux
+        if temperature is not None:
+            out = out.reshape(B, S)[:, :-1] if scored else token_logprobs(out.reshape(B, S, -1), ids, temperature)
+        return (out.reshape(B, S, -1) if temperature is None else out), ids, hook, mtp, aux
 
     def _forward_stream(self, input_ids, lengths, routing_replay, temperature, with_mtp) -> TrainForward:
         """Rows ``[B, S]`` whose first ``lengths[i]`` tokens are real -> ONE packed stream of the real tokens
@@ -432,7 +441,8 @@ class ImplTrainModel(_TrainModelBase):
             hook = RoutingRecorder(1, n)
         raw_mtp = None
         with routing_context(hook), contextlib.ExitStack() as stack:
-            logits, aux, streams = self._call_module(stack, x, with_mtp, cu_seqlens=cu)
+            scored = {} if self.row_invariant else dict(labels=labels.view_as(x), temperature=temperature)
+            out, aux, streams = self._call_module(stack, x, with_mtp, cu_seqlens=cu, **scored)
             if with_mtp:
                 with detached_weights(self.module):
                     if self._mtp_takes_streams:
@@ -440,10 +450,7 @@ class ImplTrainModel(_TrainModelBase):
                     else:
                         raw_mtp = self.module.mtp_logits(x, cu)
         self._check_replay_reached(routing_replay, hook)
-        lg = logits.reshape(n, -1).float()
-        if temperature != 1.0:
-            lg = lg / temperature
-        lp_local = torch.log_softmax(lg, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+        lp_local = out.reshape(n) if scored else label_logprobs(out.reshape(n, -1), labels, temperature)
         # gathered on the model's device (NCCL needs it), then brought next to the ids
         lp = gather_rows(lp_local, cp, rank, group).to(input_ids.device)                     # [T]
         lp_rows = torch.zeros(B * S, dtype=lp.dtype).index_copy(0, rows, lp[:real]).reshape(B, S)[:, :-1]

@@ -226,13 +226,18 @@ class DSv4NativeModel(MegatronModule):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
-                return_indexer_loss: bool = False, layout=None):
+                return_indexer_loss: bool = False, layout=None, labels: Optional[torch.Tensor] = None,
+                temperature: float = 1.0):
         """``input_ids [T]`` (or ``[1, T]``), ``cu_seqlens [n_seg+1]`` (default: one sequence) ->
         fp32 logits ``[T, V]``; with ``return_indexer_loss=True`` -> ``(logits, indexer_loss)`` where
         ``indexer_loss = dsa_indexer_loss_coeff * sum_layers KL`` or None (coefficient None / eval).
-        ``layout``: a prebuilt ``layout_for(input_ids, cu_seqlens)`` to reuse across steps."""
+        ``layout``: a prebuilt ``layout_for(input_ids, cu_seqlens)`` to reuse across steps. ``labels`` (shaped as
+        the ids): the labels' fp32 log-probs ``[T]`` under ``softmax(logits / temperature)`` in place of the
+        logits, through the op table's ``head_logprobs`` (a kernel backend may fuse the passes after the GEMM)."""
         streams, kl, _ = self.hidden_streams(input_ids, cu_seqlens, layout=layout)
-        logits = self._logits(self.decoder.collapse(streams)[:, 0])
+        y = self.decoder.collapse(streams)[:, 0]
+        logits = self._logits(y) if labels is None else \
+            self.ops.head_logprobs(y, self.output_layer.weight, labels.reshape(-1), temperature)
         coeff = self.config.dsa_indexer_loss_coeff
         self.last_indexer_loss = None if (kl is None or coeff is None) else kl * coeff
         if return_indexer_loss:

@@ -39,7 +39,7 @@ from engine.runtime import ensure_megatron
 from engine.thd_attention import ThdContext, cp_group_info, gather_sequence_cp
 from engine.tp import mark_keep_in_fp32, mark_tp
 
-from kernels.reference.layers import linear_fp32
+from kernels.reference.layers import label_logprobs, linear_fp32
 
 from .attention import DeepSeekV4Attention
 
@@ -260,11 +260,22 @@ class DeepSeekV4MilesModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, return_hidden_streams: bool = False, *,
                 cu_seqlens: torch.Tensor | None = None, thd: ThdContext | None = None,
-                streams: torch.Tensor | None = None):
-        """``logits [B, L, V]`` (THD: ``[1, T_local, V]``); ``streams``: see :meth:`hidden_streams`."""
+                streams: torch.Tensor | None = None, labels: torch.Tensor | None = None, temperature: float = 1.0):
+        """``logits [B, L, V]`` (THD: ``[1, T_local, V]``); with ``labels`` (shaped as the ids) the labels' fp32
+        log-probs under ``softmax(logits / temperature)`` instead, ``[B, L]``: what a trainer needs, through the
+        op table's ``head_logprobs`` (a kernel backend may fuse the passes after the head's GEMM); ``streams``:
+        see :meth:`hidden_streams`."""
         x = self.hidden_streams(input_ids, cu_seqlens, thd, streams)
-        logits = self._logits(self.decoder.collapse(x))
-        return (logits, x) if return_hidden_streams else logits
+        y = self.decoder.collapse(x)
+        out = self._logits(y) if labels is None else self._label_logprobs(y, self._rows(labels), temperature)
+        return (out, x) if return_hidden_streams else out
+
+    def _label_logprobs(self, y: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+        if parallel_layout().tp > 1:       # vocab-parallel GEMM, then the all-gather: the op would see a slice
+            return label_logprobs(self._logits(y), labels, temperature)
+        lp = self.ops.head_logprobs(y.reshape(-1, y.shape[-1]), self.output_layer.weight, labels.reshape(-1),
+                                    temperature)
+        return lp.view(labels.shape)
 
     def logprobs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """BSHD: ``[B, S-1]``: ``log P(t_{i+1} | t_{<=i})``. Packed (``cu_seqlens``) or context parallel:

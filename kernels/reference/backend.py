@@ -22,6 +22,7 @@ def reference_functions() -> dict:
         rms_normalize=layers.rms_normalize,
         rms_norm=layers.rms_norm,
         weighted_swiglu=moe.weighted_swiglu,
+        head_logprobs=layers.head_logprobs,
     )
 
 

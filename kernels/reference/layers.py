@@ -8,7 +8,8 @@ from torch import nn
 
 from kernels import wgrad
 
-__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "rms_norm", "linear_fp32"]
+__all__ = ["Linear", "RMSNorm", "KeepFP32", "compute_dtype", "rms_normalize", "rms_norm", "linear_fp32",
+           "mm_fp32_out", "half_linear_backward", "label_logprobs", "head_logprobs"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -97,7 +98,7 @@ class RMSNorm(KeepFP32):
         return rms_norm(x, self.weight, self.eps)
 
 
-def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` with fp32 accumulation and an fp32 result. Half-precision CUDA operands run one tensor-core
     GEMM (``torch.mm(..., out_dtype=float32)``); elsewhere the operands are upcast first (same products,
     exact in fp32, so the same value up to summation order)."""
@@ -115,19 +116,26 @@ class _HalfInputFp32Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w):
         ctx.save_for_backward(y, w)
-        return _mm_fp32_out(y, w.t())
+        return mm_fp32_out(y, w.t())
 
     @staticmethod
     def backward(ctx, g):
         y, w = ctx.saved_tensors
-        g = g.to(y.dtype)
-        dy = _mm_fp32_out(g, w).to(y.dtype) if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1]:
-            return dy, None
-        if wgrad.fused(w) and not wgrad.wgrad_refusal(w.main_grad, y, g):
-            wgrad.wgrad_into(w.main_grad, y, g)     # straight into the fp32 gradient buffer (the trainer's choice)
-            return dy, wgrad.added_marker(w, w.dtype)
-        return dy, _mm_fp32_out(g.t(), y).to(w.dtype)
+        return half_linear_backward(y, w, g.to(y.dtype), ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+
+
+def half_linear_backward(y: torch.Tensor, w: torch.Tensor, g: torch.Tensor, need_dy: bool = True,
+                         need_dw: bool = True):
+    """``(dy, dw)`` of ``y [N, d] @ w [V, d]^T`` for an output gradient ``g [N, V]`` in the operands' dtype (None
+    where not needed), both GEMMs accumulating in fp32. The weight's gradient goes straight into its fp32
+    gradient buffer when ``wgrad_fusion`` marked it (``kernels.wgrad``; the returned ``dw`` is then the marker)."""
+    dy = mm_fp32_out(g, w).to(y.dtype) if need_dy else None
+    if not need_dw:
+        return dy, None
+    if wgrad.fused(w) and not wgrad.wgrad_refusal(w.main_grad, y, g):
+        wgrad.wgrad_into(w.main_grad, y, g)     # straight into the fp32 gradient buffer (the trainer's choice)
+        return dy, wgrad.added_marker(w, w.dtype)
+    return dy, mm_fp32_out(g.t(), y).to(w.dtype)
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -139,3 +147,19 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _HalfInputFp32Linear.apply(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
     ct = compute_dtype(x, w)
     return F.linear(x.to(ct), w.to(ct))
+
+
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / T)[label]`` over the last dim: ``logits [..., V]``, ``labels [...]`` -> fp32 ``[...]``
+    (the trainer's op: ``rollout.logprobs.next_token_logprobs``'s math, gathered)."""
+    lg = logits.float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    return torch.log_softmax(lg, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+
+
+def head_logprobs(y: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The output head with the labels' log-probs: ``y [N, d]``, ``w [V, d]``, ``labels [N]`` long -> fp32 ``[N]``,
+    ``log softmax(linear_fp32(y, w) / T)[label]``. An op of the kernel table: the trainer needs one log-prob per
+    token, and a backend may fuse the passes after the GEMM (``kernels/triton/logprobs.py``)."""
+    return label_logprobs(linear_fp32(y, w), labels, temperature)

@@ -48,6 +48,6 @@ def ops() -> "OpTable":
     segment ``ks/ke`` ranges), ``indexer_topk``.
     """
     from kernels import gpu_common
-    from kernels.triton import attention, indexer, mhc, norm, rope, swiglu
+    from kernels.triton import attention, indexer, logprobs, mhc, norm, rope, swiglu
 
-    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu)
+    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs)

@@ -190,13 +190,29 @@ def test_weighted_swiglu_fake_matches_reference(limit):
     assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
 
 
+def test_logprob_fakes_match_the_reference_head():
+    """The head's log-prob passes (no autograd of their own: ``kernels.triton.logprobs`` runs the GEMMs): the
+    stats give the reference's ``[N]`` fp32 log-probs (and an ``[N]`` fp32 lse), the gradient the logits' shape in
+    the operands' dtype, which the head's GEMMs take."""
+    from kernels.reference.layers import head_logprobs
+
+    y, w = torch.randn(T, D, generator=_gen(12)).bfloat16(), torch.randn(40, D, generator=_gen(13)).bfloat16()
+    labels, logits = torch.randint(0, 40, (T,), generator=_gen(14)), torch.randn(T, 40, generator=_gen(15))
+    (lp, lse), _ = _fake_run(gpu_ops.TRITON.logprob_stats, [logits, labels, 0.7], grad_of=())
+    ref, _ = _ref_run(lambda y, w: head_logprobs(y, w, labels, 0.7), [y, w], grad_of=())
+    assert _sig([lp, lse]) == _sig([ref[0], ref[0]])
+    (d,), _ = _fake_run(gpu_ops.TRITON.logprob_grad, [logits, labels, torch.zeros(T), torch.ones(T), 0.7,
+                                                      torch.bfloat16], grad_of=())
+    assert _sig([d]) == [((T, 40), torch.bfloat16)]
+
+
 def test_every_op_has_a_fake():
     """Each registered op, forward and backward, answers under FakeTensorMode (the tests above reach them all)."""
     names = {n for n in vars(gpu_ops.TRITON) if n != "namespace"}
     assert names == {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "hc_pre", "hc_pre_bwd",
                      "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd", "rope",
                      "rms_normalize", "rms_normalize_bwd", "rms_norm", "rms_norm_bwd", "weighted_swiglu",
-                     "weighted_swiglu_bwd"}
+                     "weighted_swiglu_bwd", "logprob_stats", "logprob_grad"}
     assert {n for n in vars(gpu_ops.TILELANG) if n != "namespace"} == \
         {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores"}
     for ns in ("dsv4_triton", "dsv4_tilelang"):

@@ -298,3 +298,63 @@ def test_the_train_forward_brings_log_probs_not_logits_to_the_host(ckpt, tiny, i
     (loss + mtp).backward()
     vocab_rows = (ids.shape[1] - 2) * tiny.vocab_size           # one row of an MTP depth's logits, and more
     assert copies.sizes and max(copies.sizes) < vocab_rows, (max(copies.sizes), vocab_rows)
+
+
+@pytest.mark.parametrize("impl,packed", [("miles", False), ("megatron", False), ("megatron", True)],
+                         ids=["miles-rows", "megatron-rows", "megatron-packed"])
+def test_the_train_forward_scores_through_the_fused_head(ckpt, tiny, impl, packed):
+    """dsv4 train's forward takes the next tokens' log-probs from the module's op table (``triton.head_logprobs``:
+    the head's GEMM, then one kernel each way instead of log_softmax, the gather and their backward), never
+    from logits; they equal the logits path's (the same GEMM; only the lse's summation order differs), and so do
+    the gradients (the head's and the trunk's). ``packed``: a micro-batch packed into one stream (``lengths``)."""
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
+    from core.run_config import Choices, normalize
+    from launchers.builtin_plugins import make_host
+    from train.model import build_train_model, token_logprobs
+
+    rc = normalize(Choices(impl=impl, kernel_backend="triton", hardware="nvidia", model=tiny,
+                           qkv_format="thd" if impl == "megatron" else None),
+                   make_host(third_party=False), model_name="tiny")
+    torch.manual_seed(0)
+    model = build_train_model(tiny, rc, impl=impl)
+    ids, T = _ids(tiny).cpu(), 0.8
+    lengths = [SEQ, SEQ - 17] if packed else None
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    head = next(n for n in params if n.endswith("output_layer.weight"))
+    trunk = next(n for n in params if n.startswith("module.decoder.layers.0.self_attention.linear_q"))
+
+    def grads(lp):
+        mask = torch.ones_like(lp, dtype=torch.bool)
+        if lengths:
+            mask = torch.arange(SEQ - 1)[None, :] < torch.tensor(lengths)[:, None] - 1
+        for p in params.values():
+            p.grad = None
+        (-(lp * mask).sum()).backward()
+        return {n: params[n].grad.float().clone() for n in (head, trunk)}, mask
+
+    reset_kernels_ran()
+    fused = model.forward_train(ids, temperature=T, lengths=lengths).logprobs
+    ran = kernels_ran()
+    assert ran.get("triton.head_logprobs") == 1 and not ran.get("none.head_logprobs"), ran
+    g_fused, mask = grads(fused)
+    plain = token_logprobs(model._forward_rows(ids, None, False)[0], ids.cuda(), T).cpu()
+    g_plain, _ = grads(plain)
+    d = (fused - plain).abs()[mask]
+    print(f"\n{impl} packed={packed}: fused vs logits path |lp diff| mean {d.mean().item():.3e} max "
+          f"{d.max().item():.3e}")
+    if packed:     # another attention layout (one stream): bf16 differences of the trunk, not of the head
+        assert d.mean().item() <= BF16_MEAN and d.max().item() <= BF16_MAX
+        return
+    assert d.max().item() <= 1e-4
+    # the bf16 backward's own noise: the logits path again with its upstream gradient moved by a bf16 step
+    # (the two paths round the logits' gradient to bf16 apart by a last bit here and there, and every later
+    # bf16 rounding of the trunk's backward may then fall the other way)
+    nudge = 1 + 2.0 ** -8
+    again = token_logprobs(model._forward_rows(ids, None, False)[0], ids.cuda(), T).cpu()
+    g_noise, _ = grads(again * nudge)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()     # noqa: E731
+    assert rel(g_fused[head], g_plain[head]) <= 1e-3
+    noise = rel(g_noise[trunk] / nudge, g_plain[trunk])
+    err = rel(g_fused[trunk], g_plain[trunk])
+    print(f"{trunk}: relative gradient difference {err:.3e} (bf16 noise of the logits path: {noise:.3e})")
+    assert err <= 3 * noise + 1e-4, trunk

@@ -50,6 +50,7 @@ def test_the_projects_triton_kernels_are_placed_by_name():
     assert kernel_category("_bwd_dkv_kernel") == "sparse attention (kernel)"
     assert kernel_category("_post_bwd_kernel") == "mhc" and kernel_category("_sinkhorn_fwd_kernel") == "mhc"
     assert kernel_category("_indexer_kernel") == "indexer"
+    assert kernel_category("_logprob_grad_kernel") == "log-probs (fused with the output head)"
     assert kernel_category("triton_poi_fused_add_0") is None
 
 
