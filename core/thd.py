@@ -83,6 +83,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "pack_rows",
     "WINDOW",
     "CompressedGroups",
     "CpConfigError",
@@ -132,6 +133,14 @@ def validate_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
     return cu
+
+
+def pack_rows(input_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, S]`` rows -> one THD stream ``[B*S]`` and its ``cu_seqlens [B+1]`` (int64; one segment per
+    row, so a row never sees another; padding rows stay inside their own segment)."""
+    B, S = input_ids.shape
+    cu = torch.arange(B + 1, dtype=torch.int64, device=input_ids.device) * S
+    return input_ids.reshape(-1), validate_cu_seqlens(cu)
 
 
 def segment_ids(cu_seqlens: Tensor, rows: Tensor) -> Tensor:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import weight_contract as wc
+from core.thd import pack_rows
 
 from engine.row_gather import gather_rows
 from kernels.reference.layers import label_logprobs
@@ -75,9 +76,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 
 
 def _hook_for(routing_replay, ids):
-    if routing_replay is not None:
-        return RoutingReplayer(routing_replay)
-    return RoutingRecorder(ids.shape[0], ids.shape[1])
+    return RoutingRecorder(ids.shape[0], ids.shape[1]) if routing_replay is None else RoutingReplayer(routing_replay)
 
 
 def _used(hook) -> Dict[int, torch.Tensor]:
@@ -182,16 +181,6 @@ class ReferenceTrainModel(_TrainModelBase):
         from core.checkpoint import load_into, open_checkpoint
 
         load_into(self.model, open_checkpoint(path, config=self.config), progress=False)
-
-
-def pack_rows(input_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[B, S]`` rows -> one THD stream ``[B*S]`` and its ``cu_seqlens [B+1]`` (int64; one segment per
-    row, so a row never sees another; padding rows stay inside their own segment)."""
-    from core.thd import validate_cu_seqlens
-
-    B, S = input_ids.shape
-    cu = torch.arange(B + 1, dtype=torch.int64, device=input_ids.device) * S
-    return input_ids.reshape(-1), validate_cu_seqlens(cu)
 
 
 @contextlib.contextmanager
@@ -379,10 +368,9 @@ class ImplTrainModel(_TrainModelBase):
         return stream[rank * n:(rank + 1) * n][None]
 
     def _forward_rows(self, input_ids, routing_replay, with_mtp, temperature: Optional[float] = None):
-        """One forward over the rows ``[B, S]`` (BSHD, or THD with a segment per row): ``(logits [B, S, V] or, with a
-        ``temperature``, the next tokens' log-probs [B, S-1] (the module's ``head_logprobs``; under true_on_policy the
-        engine's op, rollout.logprobs.next_token_logprobs), the ids on the model's device, the routing hook, MTP
-        logits or None, the aux loss or None)``."""
+        """Rows ``[B, S]`` (BSHD, or THD a segment per row) -> ``(logits [B, S, V] or with a ``temperature`` the next
+        tokens' log-probs [B, S-1] (the module's ``head_logprobs``; under true_on_policy the engine's op,
+        next_token_logprobs), ids on the model's device, routing hook, MTP logits or None, aux loss or None)``."""
         from kernels.reference.moe import row_invariant_experts
 
         B, S = input_ids.shape
@@ -396,7 +384,7 @@ class ImplTrainModel(_TrainModelBase):
             if self.row_invariant:
                 stack.enter_context(row_invariant_experts())
             scored = temperature is not None and not self.row_invariant
-            kw = {} if cu is None else {"cu_seqlens": cu}
+            kw = {} if cu is None else {"cu_seqlens": cu, **self._kept_layout(x, cu)}
             if scored:        # the next tokens (a row's last label is the next row's first token: dropped)
                 kw.update(labels=torch.roll(x, -1, dims=-1), temperature=temperature)
             out, aux, streams = self._call_module(stack, x, with_mtp, **kw)
@@ -407,6 +395,17 @@ class ImplTrainModel(_TrainModelBase):
         if temperature is not None:
             out = out.reshape(B, S)[:, :-1] if scored else token_logprobs(out.reshape(B, S, -1), ids, temperature)
         return (out.reshape(B, S, -1) if temperature is None else out), ids, hook, mtp, aux
+
+    def _kept_layout(self, x, cu) -> dict:
+        """``layout=`` for a model that takes one (megatron's): rows of a shape pack into one stream (``pack_rows``),
+        so its layout, indices and host facts are kept per shape (a new one cost ~60 host syncs a micro-batch)."""
+        from engine.thd_attention import cp_group_info
+        if "layout" not in inspect.signature(self.module.forward).parameters or cp_group_info()[0] > 1:
+            return {}
+        kept, key = self.__dict__.setdefault("_layouts", {}), (cu.numel() - 1, x.numel())   # rows, tokens
+        if key not in kept:
+            kept[key] = self.module.layout_for(x, cu)
+        return {"layout": kept[key]}
 
     def _forward_stream(self, input_ids, lengths, routing_replay, temperature, with_mtp) -> TrainForward:
         """Rows ``[B, S]`` whose first ``lengths[i]`` tokens are real -> ONE packed stream of the real tokens

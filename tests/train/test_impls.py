@@ -230,3 +230,24 @@ def test_training_layouts_resolve_their_rank_count(impl, choices, world, dp):
     fmt = {"qkv_format": "thd"} if choices.get("cp", 1) > 1 else {}
     run = normalize(Choices(impl=impl, model=small_config(), job="train", **fmt, **choices), make_host(third_party=False))
     assert (run.world, run.dp) == (world, dp)
+
+
+def test_megatron_rows_of_one_shape_reuse_one_stream_layout(monkeypatch):
+    """The megatron model takes a prebuilt stream layout; the trainer keeps one per row shape, so a micro-batch
+    after the first derives no indices and reads no host facts again (about 60 host synchronisations each on a
+    GPU). Kept or fresh, the layout gives the same log-probs; a new shape gets its own."""
+    import train.model as tm
+
+    c = small_config()
+    m = tm.build_train_model(c, run_config("megatron", c), seed=0)
+    built = []
+    real = m.module.layout_for
+    monkeypatch.setattr(m.module, "layout_for", lambda *a, **k: built.append(1) or real(*a, **k))
+    ids = torch.randint(0, c.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first, again = m.forward_train(ids).logprobs, m.forward_train(ids).logprobs
+        assert len(built) == 1 and torch.equal(first, again)
+        m.forward_train(ids[:, :9])
+        assert len(built) == 2 and len(m._layouts) == 2
+        m._layouts.clear()                       # a fresh layout: the same numbers
+        assert torch.equal(m.forward_train(ids).logprobs, first)
