@@ -235,8 +235,8 @@ class ImplTrainModel(_TrainModelBase):
     """A module built by an implementation's factory (through ``core.assembly``), native names.
 
     Layouts: ``qkv_format="bshd"`` runs ``module(ids [B, S])``; ``"thd"`` packs the rows into one stream
-    (:func:`pack_rows`) and runs ``module(stream [T], cu_seqlens=cu)``; logits come back per row either
-    way and the log-probs are taken here (with the temperature). MTP: the implementation's own
+    (:func:`pack_rows`) and runs ``module(stream [T], cu_seqlens=cu)``; the module returns the next tokens'
+    log-probs (``labels=``, ``temperature=``: its op table's ``head_logprobs``). MTP: the implementation's own
     ``mtp_logits`` run with the output head and the word embedding DETACHED (:func:`detached_weights`),
     on the trunk streams of the same forward; normalized to ``[B, S-1-k, V]`` per depth.
     ``indexer_loss_coeff`` (megatron's ``dsa_indexer_loss_coeff``): the forward asks for the indexer KL
