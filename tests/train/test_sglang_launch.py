@@ -13,6 +13,8 @@ launch-mode run is in tests/train/test_sglang_training.py (a test plugin host). 
 * an owner process SIGKILLed - the engine started from its main thread (Linux's parent-death signal) or from a
   thread that has exited since (the guard's polling; the server must survive that thread) - takes its server
   down within seconds;
+* a guard SIGKILLed itself (no stop of the group) takes its server down: the server dies with it (Linux's
+  parent-death signal);
 * a Ray engine actor (:class:`orchestration.ray_engines.EngineActor`) in launch mode starts its server at the first
   weight update with the exact command line, generates; SIGKILLed, its server goes with it, and its proxy's
   re-sync starts a new one in the restarted actor, which ``shutdown`` stops.
@@ -183,6 +185,33 @@ def test_a_sigkilled_owner_takes_its_server_down(tmp_path, monkeypatch, where):
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_a_sigkilled_guard_takes_its_server_down(tmp_path, monkeypatch):
+    """Whatever ends the guard before it stops the group ends the server too. Why: a guard that died so (a stop
+    signal that raised after its poll saw the owner gone) once left the server of a SIGKILLed Ray actor alive, in
+    CI. The fake's worker does not die with the server as SGLang's scheduler does; the test stops it."""
+    from rollout.sglang_engine import make_sglang_engine
+
+    state_file = install_fake_launcher(tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    init = _export(run / "sglang_init")
+    e = make_sglang_engine(CFG, model_path=init, settings=TrainConfig(sglang_weight_sync="disk"), run_dir=run)
+    guard = e.proc.pid
+    try:
+        info = json.loads(state_file.read_text())["info"]
+        assert _parent_and_group(info["pid"]) == (guard, guard)
+        os.kill(guard, signal.SIGKILL)
+        e.proc.wait()
+        assert process_gone(info["pid"], within_s=STOP_WITHIN_S), \
+            f"the server outlived its SIGKILLed guard ({_state(info['pid'], guard)})"
+    finally:
+        try:
+            os.killpg(guard, signal.SIGKILL)       # what is left of the group (the fake's worker)
+        except ProcessLookupError:
+            pass
+        e.shutdown()
 
 
 # -- the Ray engine actor ------------------------------------------------------------------------------------------
