@@ -300,8 +300,8 @@ def process_gone(pid: int, within_s: float = 10.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except (FileNotFoundError, IndexError):
-            pass                           # no /proc (not Linux), or gone since
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            pass                           # no /proc (not Linux), or gone since (reaped between open and read: ESRCH)
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)

@@ -88,7 +88,7 @@ def _state(*pids: int) -> str:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             out.append(f"{pid}: state {fields[0]} ppid {fields[1]} pgrp {fields[2]}")
-        except (FileNotFoundError, IndexError):
+        except (FileNotFoundError, ProcessLookupError, IndexError):
             out.append(f"{pid}: gone")
     return "; ".join(out)
 
