@@ -114,7 +114,7 @@ def _timed(fn, device, repeats):
     return best, out
 
 
-def profile_decode(generate, device: torch.device, steps: int, top: int = 15) -> dict:
+def profile_decode(generate, device: torch.device, steps: int, top: int = 40) -> dict:
     """One decode step's kernels (CUDA) or operators (CPU, self time): ``generate(new_tokens)`` runs under
     ``torch.profiler`` with 1 and with ``1 + steps`` new tokens, and the difference is divided by ``steps``
     (prefill and the first draw cancel). Returns counts per step, device (CPU) ms per step and the ``top``

@@ -22,9 +22,12 @@ Data: SFT pairs written to the layout's folder (``data.jsonl``, beside its run f
 data inside ``--run-dir``). Each pair is exactly ``--seq`` tokens under the checkpoint's byte tokenizer
 (``[bos] + prompt bytes + response bytes + [eos]``; a quarter of it is prompt). Every data-parallel rank
 trains one sequence per step (``batch_size=dp``): dp and ep layouts train dp sequences per step, tp and cp
-layouts split one. ``--batch N``: N sequences per data-parallel rank per step, one per micro-batch
-(``micro_batch_size=1``, gradients accumulated), so the optimizer's fixed cost per step is shared by N
-forward/backward passes, as in a real run's global batch. ``--set KEY=VALUE`` passes more training options
+layouts split one. ``--batch N`` (default 8): N sequences per data-parallel rank per step, in micro-batches of
+``--micro-batch M`` (default 2: ``micro_batch_size=M``, gradients accumulated), so the optimizer's and the
+step's fixed costs are shared by N forward/backward passes, as in a real run's global batch (hundreds of
+sequences); ``--batch 1`` is the one-sequence step, dominated by those fixed costs. Two sequences of 4,096
+tokens were the flash-shaped preset's largest micro-batch that one H200 held when measured
+(docs/kernels-and-benchmarks.md). ``--set KEY=VALUE`` passes more training options
 (e.g. ``recompute=full`` for long sequences). Settings: bf16 and triton kernels on nvidia, fp32 and the reference kernels on the CPU;
 eager (``--compile`` passes ``dsv4 train --compile``); ``export_at_end=false``, and no checkpoint
 (``save_at_end=false``, ``save_every`` past the run): the final checkpoint of the flash-shaped preset (model
@@ -159,7 +162,8 @@ def write_sft_data(path: Path, seq: int, model: str, vocab_size: int, n: int = D
 
 
 def train_command(layout: dict, *, model: str, data: Path, run_dir: Path, steps: int, hardware: str,
-                  compile_blocks: bool = False, profile: int = 0, batch: int = 1, options=()) -> list:
+                  compile_blocks: bool = False, profile: int = 0, batch: int = 1, micro_batch: int = 1,
+                  options=()) -> list:
     """The ``dsv4 train`` command line of one layout (torch.distributed.run for more than one rank)."""
     args = ["-m", "launchers.dsv4", "train", "--mode", "sft", "--hardware", hardware, "--impl", layout["impl"],
             "--kernel-backend", "triton" if hardware == "nvidia" else "none", "--model", model,
@@ -172,7 +176,7 @@ def train_command(layout: dict, *, model: str, data: Path, run_dir: Path, steps:
     if compile_blocks:
         args.append("--compile")
     args += [f"batch_size={layout['dp'] * batch}", f"save_every={1 << 30}", "save_at_end=false",
-             "export_at_end=false", *(["micro_batch_size=1"] if batch > 1 else []), *options]
+             "export_at_end=false", *([f"micro_batch_size={micro_batch}"] if batch > 1 else []), *options]
     if profile:                                   # the last `profile` steps run under torch.profiler
         args[args.index("--steps") + 1] = str(steps + profile)
         args.append(f"profile_steps={profile}")
@@ -208,7 +212,7 @@ def _error_line(log: str) -> str:
 
 def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, steps: int, warmup: int,
                hardware: str, env: dict, compile_blocks: bool = False, profile: int = 0, batch: int = 1,
-               options=()) -> dict:
+               micro_batch: int = 1, options=()) -> dict:
     """Run ``dsv4 train`` for one layout in ``folder`` (data.jsonl, run/, dsv4.log) and read its metrics."""
     from reporting.metrics import read_metrics
 
@@ -224,7 +228,8 @@ def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, step
     data = write_sft_data(folder / "data.jsonl", seq, model, config.vocab_size)
     run_dir = folder / "run"
     cmd = train_command(layout, model=model, data=data, run_dir=run_dir, steps=steps, hardware=hardware,
-                        compile_blocks=compile_blocks, profile=profile, batch=batch, options=options)
+                        compile_blocks=compile_blocks, profile=profile, batch=batch, micro_batch=micro_batch,
+                        options=options)
     row["train_command"] = shlex.join(["python"] + cmd[1:])     # as a user types it (the interpreter: sys.executable)
     row["run_dir"] = str(run_dir)
     print(f"$ {row['train_command']}", flush=True)
@@ -336,20 +341,23 @@ def _previous(out: Path, settings: dict) -> dict:
     return old
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line (its defaults are what a user runs)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                     help="comma list of IMPL:SPEC, SPEC 1 or dpN/tpN/cpN/epN joined with + (e.g. miles:1,miles:ep2)")
     ap.add_argument("--model", default="flash-shaped", help="a preset (tiny, flash-shaped, ...) or a checkpoint folder")
-    ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence; one sequence per data-parallel rank")
+    ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=10, help="dsv4 train --steps: steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the averages")
     ap.add_argument("--hardware", choices=("nvidia", "cpu"), default="nvidia",
                     help="cpu: gloo ranks, reference kernels, fp32 (a smoke run; no MFU, no reference step)")
     ap.add_argument("--compile", action="store_true", help="pass dsv4 train --compile (torch.compile'd blocks)")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers' reference step")
-    ap.add_argument("--batch", type=int, default=1, metavar="N",
-                    help="sequences per data-parallel rank per step, one per micro-batch (gradients accumulated)")
+    ap.add_argument("--batch", type=int, default=8, metavar="N",
+                    help="sequences per data-parallel rank per step (gradients accumulated over its micro-batches)")
+    ap.add_argument("--micro-batch", type=int, default=2, metavar="M",
+                    help="sequences per micro-batch (dsv4 train micro_batch_size); must divide --batch")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dsv4 train option for every layout (e.g. recompute=full); repeatable")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -362,10 +370,18 @@ def main(argv=None) -> int:
                     help="JSON file (default: bench/results/train-cli-HARDWARE-MODEL-seqSEQ.json)")
     ap.add_argument("--append", action="store_true",
                     help="add to --out's rows (same settings), replacing those of the layouts run again")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     if args.batch < 1:
         ap.error(f"--batch {args.batch}: at least one sequence per step")
+    args.micro_batch = min(args.micro_batch, args.batch)
+    if args.micro_batch < 1 or args.batch % args.micro_batch:
+        ap.error(f"--micro-batch {args.micro_batch} must be at least 1 and divide --batch {args.batch}")
     if any("=" not in o for o in args.set):
         ap.error("--set takes KEY=VALUE (a dsv4 train option)")
     if args.steps <= args.warmup or args.warmup < 0:
@@ -383,7 +399,8 @@ def main(argv=None) -> int:
     name = Path(args.model).name if Path(args.model).is_dir() else args.model
     out = _out_path(args.out or f"bench/results/train-cli-{args.hardware}-{name}-seq{args.seq}.json")
     settings = {"model": args.model, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-                "profile": args.profile, "batch": args.batch, "options": args.set,
+                "profile": args.profile, "batch": args.batch, "micro_batch": args.micro_batch,
+                "options": args.set,
                 "hardware": args.hardware, "compile": args.compile, "kernel_backend": "triton" if gpu else "none",
                 "dtype": "bf16" if gpu else "fp32", "machine": machine(args.hardware)}
     old = _previous(out, settings) if args.append else {}
@@ -392,7 +409,8 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "python": platform.python_version(), "command": command,
               "commands": old.get("commands", []) + [command], "settings": settings,
               "config": {**config_summary(config, args.seq, 1), "dtype": settings["dtype"],
-                         "batch": "one sequence per data-parallel rank"}, "active_params": active_params(config),
+                         "batch": f"{args.batch} sequence(s) per data-parallel rank, micro-batches of "
+                                  f"{args.micro_batch}"}, "active_params": active_params(config),
               "peak_tflops_per_gpu": H200_BF16_DENSE_TFLOPS if gpu else None,
               "rows": [r for r in old.get("rows", []) if r["layout"] not in {l["name"] for l in layouts}],
               "reference": old.get("reference")}
@@ -411,7 +429,7 @@ def main(argv=None) -> int:
                 row = run_layout(layout, folder=work / slug, model=model, config=config, seq=args.seq,
                                  steps=args.steps, warmup=args.warmup, hardware=args.hardware, env=env,
                                  compile_blocks=args.compile, profile=args.profile, batch=args.batch,
-                                 options=args.set)
+                                 micro_batch=args.micro_batch, options=args.set)
             except Exception as e:  # record it and keep the others
                 row = {"layout": layout["name"], "impl": layout["impl"], "gpus": layout["world"],
                        "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench.train_cli import main, parse_layout, resolve_model, subprocess_env, write_sft_data
+from bench.train_cli import build_parser, main, parse_layout, resolve_model, subprocess_env, write_sft_data
 
 
 def test_layout_parsing_and_refusal():
@@ -53,7 +53,7 @@ def test_a_preset_without_a_checkpoint_is_prepared_first(tmp_path, monkeypatch):
 def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "cache"))
     out, work = tmp_path / "train-cli.json", tmp_path / "work"
-    args = ["--hardware", "cpu", "--model", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1",
+    args = ["--hardware", "cpu", "--model", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1", "--batch", "1",
             "--out", str(out), "--work-dir", str(work)]
     assert main(args + ["--layouts", "miles:1,miles:dp2,miles:ep2"]) == 0
     res = json.loads(out.read_text())
@@ -95,11 +95,11 @@ def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
 
 def test_profile_batch_and_options(tmp_path, monkeypatch, capsys):
     """--profile adds untimed profiled steps and their budget; --batch N trains N sequences per step in
-    micro-batches of one; --set passes a training option."""
+    micro-batches of --micro-batch M; --set passes a training option."""
     monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "cache"))
     out, work = tmp_path / "train-cli.json", tmp_path / "work"
     assert main(["--hardware", "cpu", "--model", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1",
-                 "--layouts", "miles:1", "--profile", "1", "--batch", "2", "--set", "recompute=full",
+                 "--layouts", "miles:1", "--profile", "1", "--batch", "2", "--micro-batch", "1", "--set", "recompute=full",
                  "--out", str(out), "--work-dir", str(work)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert "--steps 3" in row["train_command"] and "profile_steps=1" in row["train_command"]
@@ -113,6 +113,25 @@ def test_profile_batch_and_options(tmp_path, monkeypatch, capsys):
     assert budget["steps"] == [3, 3] and budget["device"] == "cpu"
     assert {r["category"] for r in budget["rows"]} >= {"moe expert GEMMs", "optimizer: adam"}
     assert "step budget of miles:1" in capsys.readouterr().out
+
+
+def test_the_default_step_is_eight_sequences_in_micro_batches_of_two(tmp_path, capsys):
+    """Without --batch a layout trains eight sequences per data-parallel rank in micro-batches of two (a real
+    run's step shares its fixed costs; --batch 1 is the one-sequence step); --micro-batch must divide --batch."""
+    from bench.train_cli import train_command
+
+    ep2 = parse_layout("miles:ep2")
+    cmd = train_command(ep2, model="tiny", data=tmp_path / "d.jsonl", run_dir=tmp_path / "run", steps=2,
+                        hardware="cpu", batch=8, micro_batch=2)
+    assert "batch_size=16" in cmd and "micro_batch_size=2" in cmd
+    one = train_command(ep2, model="tiny", data=tmp_path / "d.jsonl", run_dir=tmp_path / "run", steps=2,
+                        hardware="cpu", batch=1, micro_batch=2)
+    assert "batch_size=2" in one and not any(a.startswith("micro_batch_size=") for a in one)
+    with pytest.raises(SystemExit):
+        main(["--hardware", "cpu", "--model", "tiny", "--batch", "6", "--micro-batch", "4", "--layouts", "miles:1"])
+    assert "--micro-batch 4 must be at least 1 and divide --batch 6" in capsys.readouterr().err
+    defaults = build_parser().parse_args([])
+    assert defaults.batch == 8 and defaults.micro_batch == 2
 
 
 def test_the_reference_row_is_transformers_step_counted_as_the_layouts_are(monkeypatch):
