@@ -21,8 +21,8 @@ DSV4_CACHE/NAME-bf16-seed0`` writes one first (a safe stage: a rerun skips it); 
 Data: SFT pairs written to the layout's folder (``data.jsonl``, beside its run folder: ``dsv4 train`` refuses
 data inside ``--run-dir``). Each pair is exactly ``--seq`` tokens under the checkpoint's byte tokenizer
 (``[bos] + prompt bytes + response bytes + [eos]``; a quarter of it is prompt). Every data-parallel rank
-trains one sequence per step (``batch_size=dp``): dp and ep layouts train dp sequences per step, tp and cp
-layouts split one. ``--batch N`` (default 8): N sequences per data-parallel rank per step, in micro-batches of
+trains ``--batch`` sequences per step (``batch_size=dp x batch``): tp and cp layouts split each sequence over
+their ranks. ``--batch N`` (default 8): N sequences per data-parallel rank per step, in micro-batches of
 ``--micro-batch M`` (default 2: ``micro_batch_size=M``, gradients accumulated), so the optimizer's and the
 step's fixed costs are shared by N forward/backward passes, as in a real run's global batch (hundreds of
 sequences); ``--batch 1`` is the one-sequence step, dominated by those fixed costs. Two sequences of 4,096
