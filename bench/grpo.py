@@ -69,7 +69,8 @@ def summarize(rows: list, warmup: int) -> dict:
     out = {"timed_steps": len(timed), "step_ms": 1e3 * mean("time_step")}
     out.update({f"{k[len('time_'):]}_ms": 1e3 * mean(k) for k in PHASES})
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
-               logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"))
+               logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"),
+               rollout_entropy=mean("rollout_entropy"))
     rollout_s = mean("time_rollout")
     out["rollout_tokens_per_s"] = mean("response_tokens") / rollout_s if rollout_s > 0 else None
     out["train_tokens"] = mean("tokens")
@@ -146,11 +147,11 @@ def print_table(rows: list, title: str) -> None:
 
     table = Table(title=title)
     for col in ("weight sync", "step ms", "sync ms", "rollout ms", "rollout tok/s", "roofline", "logprobs ms",
-                "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "first step s"):
+                "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "entropy", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 11)
+            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 12)
             continue
         tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
         share, mfu = r.get("rollout_roofline_share"), r.get("train_mfu_dense")
@@ -158,7 +159,7 @@ def print_table(rows: list, title: str) -> None:
                       f"{r['rollout_ms']:.1f}", "-" if tok_s is None else f"{tok_s:,.0f}",
                       "-" if share is None else f"{share:.1%}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
                       "-" if mfu is None else f"{mfu:.1%}", f"{r['sync_bytes'] / 1e6:.3f}",
-                      f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}",
+                      f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}", f"{r['rollout_entropy']:.2f}",
                       "-" if first is None else f"{first:.1f}")
     Console(width=160).print(table)
 

@@ -1,8 +1,8 @@
 """``dsv4 plot RUN_DIR``: PNG curves from ``RUN_DIR/metrics.jsonl``.
 
 Writes ``RUN_DIR/plots/<metric>.png`` for each of :data:`CURVES` (reward, loss, gradient norm, learning
-rate, train/rollout log-prob difference and KL, the fraction of GRPO groups with all-equal rewards,
-tokens/s; a metric with no finite value, e.g. the reward of an SFT run, gets no file),
+rate, train/rollout log-prob difference and KL, the rollout policy's entropy, the fraction of GRPO groups
+with all-equal rewards, tokens/s; a metric with no finite value, e.g. the reward of an SFT run, gets no file),
 ``RUN_DIR/plots/phase_times.png`` (seconds per step in each phase, :data:`PHASES`) and
 ``RUN_DIR/plots/summary.png`` with all of them as panels. Every axis is labelled with its unit; with
 ``smoothing`` > 0 each curve is drawn raw (faint) and as TensorBoard's debiased exponential moving average
@@ -25,6 +25,7 @@ CURVES = (
     ("lr", "learning rate", "learning rate (per step)"),
     ("train_rollout_logprob_abs_diff", "|logp train - logp rollout|", "nats / token"),
     ("train_rollout_kl", "KL(rollout || train), k3", "nats / token"),
+    ("rollout_entropy", "policy entropy (sampled tokens' mean -log p)", "nats / token"),
     ("zero_variance_group_frac", "GRPO groups with all-equal rewards (no gradient)", "fraction of groups"),
     ("tokens_per_s", "throughput", "tokens / s"),
 )

@@ -169,10 +169,9 @@ def recomputes_old_logprobs(run) -> bool:
 
 
 class RolloutGap:
-    """The train/rollout diagnostics of a step's items (log-prob |diff| and k3 KL per sample, routing-replay and
-    indexer-replay agreement), from whichever forward gave each item's old log-probs. :meth:`add` only keeps the
-    forward's detached outputs, so the update's loop is not stalled between a forward and its backward;
-    :meth:`report` computes them and sums them over data parallel into the step's row."""
+    """The train/rollout diagnostics of a step's items (log-prob |diff|, k3 KL and the rollout's entropy per sample,
+    routing- and indexer-replay agreement) from the forward that gave the old log-probs. :meth:`add` keeps only its
+    detached outputs (the update's loop never stalls); :meth:`report` sums them over data parallel into the row."""
 
     def __init__(self):
         self.kept: List[tuple] = []
@@ -182,19 +181,19 @@ class RolloutGap:
 
     def report(self, run, out: Dict[str, Any]) -> float:
         """The step's metrics into ``out``; returns the step's sample count (over data parallel)."""
-        sums, matches, ix = [0.0, 0.0, 0.0], [], [0, 0]
+        sums, matches, ix = [0.0, 0.0, 0.0, 0.0], [], [0, 0]
         for it, lp, used, replayed in self.kept:
-            d, k = sample_mean_diag(lp, it["rollout_lp"], it["mask"])
+            d, k, h = sample_mean_diag(lp, it["rollout_lp"], it["mask"])
             n = it["ids"].shape[0]
-            sums = [sums[0] + n, sums[1] + d * n, sums[2] + k * n]
+            sums = [sums[0] + n, sums[1] + d * n, sums[2] + k * n, sums[3] + h * n]
             if it["routed"] is not None:
                 matches.append(routing_match(used, it["routed"]))
             if replayed is not None:   # (own picks = recorded, replayed rows)
                 ix = [ix[0] + replayed[0], ix[1] + replayed[1]]
-        n_samples, diff_sum, kl_sum, match_sum, match_n, ix_same, ix_rows = run.dist.sum_over_dp([
+        n_samples, diff_sum, kl_sum, entropy_sum, match_sum, match_n, ix_same, ix_rows = run.dist.sum_over_dp([
             *sums, float(sum(matches)), float(len(matches)), float(ix[0]), float(ix[1])])
-        out["train_rollout_logprob_abs_diff"] = diff_sum / n_samples
-        out["train_rollout_kl"] = kl_sum / n_samples
+        out.update(train_rollout_logprob_abs_diff=diff_sum / n_samples, train_rollout_kl=kl_sum / n_samples,
+                   rollout_entropy=entropy_sum / n_samples)
         out["routing_replay_match"] = (match_sum / match_n) if match_n else None
         if run.cfg.indexer_replay:  # fraction of replayed (position, CSA layer) rows the trainer's own indexer picked alike
             out["indexer_replay_match"] = (ix_same / ix_rows) if ix_rows else None

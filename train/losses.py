@@ -13,7 +13,9 @@ Rollout/train diagnostics (samples drawn by the rollout engine, so ``p`` = rollo
 * ``train_rollout_logprob_abs_diff``: per sample the token-mean of ``|logp_train - logp_rollout|``, then
   the mean over samples;
 * ``train_rollout_kl``: k3 of KL(rollout || train) per token with the log-ratio clamped to
-  ``[-KL_CLAMP, KL_CLAMP]`` per token, token-mean per sample, then mean over samples.
+  ``[-KL_CLAMP, KL_CLAMP]`` per token, token-mean per sample, then mean over samples;
+* ``rollout_entropy``: the sampled tokens' ``-logp_rollout``, aggregated alike: an unbiased estimate of the
+  sampling policy's entropy, and the scale of the log-prob gap (docs/training.md#metrics-and-plots).
 
 SFT: token-mean negative log-likelihood over response tokens. MTP: token-mean cross entropy of depth
 ``k``'s logits at row ``i`` against ``input_ids[i + k + 2]`` over the rows whose label is a loss token.
@@ -62,11 +64,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
 
 
-def sample_mean_diag(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> Tuple[float, float]:
-    """``[B,T]`` tensors -> (logprob |diff| sample-mean, k3 KL(rollout||train) sample-mean)."""
+def sample_mean_diag(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> Tuple[float, ...]:
+    """``[B,T]`` tensors -> sample-means of (log-prob |diff|, k3 KL(rollout||train), the rollout's -log p)."""
     diff = masked_mean((train_lp - rollout_lp).abs(), mask, dim=1)
     kl = masked_mean(k3(rollout_lp, train_lp), mask, dim=1)
-    return float(diff.mean()), float(kl.mean())
+    return float(diff.mean()), float(kl.mean()), float(masked_mean(-rollout_lp, mask, dim=1).mean())
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,

@@ -92,7 +92,7 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     loss_g, mtp_g, aux_g, tokens = run.dist.sum_over_dp([acc["loss"], acc["mtp"], acc["aux"], tokens])
     row = {"loss": loss_g, "mtp_loss": mtp_g if acc["have_mtp"] else None, "grad_norm": gnorm,
            "indexer_loss": aux_g if acc["have_aux"] else None, "micro_batches": len(mbs),
-           "reward_mean": None, "train_rollout_logprob_abs_diff": None, "train_rollout_kl": None,
+           **dict.fromkeys(("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "rollout_entropy")),
            "time_rollout": 0.0, "time_logprobs": 0.0, "time_train": t_train, "time_update_weights": 0.0,
            "tokens": int(tokens), "response_tokens": int(n_global)}
     if eff is not None:

@@ -87,6 +87,9 @@ def test_train_and_rollout_logprobs_agree_in_fp32(grpo_run):
     for r in read_metrics(grpo_run[0]):
         assert r["train_rollout_logprob_abs_diff"] < 1e-4
         assert r["train_rollout_kl"] < 1e-6
+        # the sampled tokens' mean -log p estimates an entropy: at most the uniform policy's over the tiny
+        # vocabulary (1,024 tokens), give or take the sampling noise of a few dozen tokens
+        assert 0.0 < r["rollout_entropy"] < math.log(1024) + 1.0
 
 
 def test_routing_replay_makes_train_routing_equal_the_rollouts(grpo_run):
@@ -106,6 +109,7 @@ def test_tensorboard_plots_and_export(grpo_run):
     assert [s for s, _ in tb["train/loss"]] == [1, 2, 3]
     pngs = {p.name for p in plot_run(run)}
     assert {"reward_mean.png", "loss.png", "train_rollout_logprob_abs_diff.png", "train_rollout_kl.png",
+            "rollout_entropy.png",
             "tokens_per_s.png", "summary.png"} <= pngs
     reader = open_checkpoint(result["hf_export"])
     assert "layers.0.ffn.gate.tid2eid" in reader.weight_map

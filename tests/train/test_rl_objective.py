@@ -140,10 +140,33 @@ def test_sample_mean_diag_is_a_mean_over_samples_of_token_means():
     train = torch.tensor([[0.0, -LN2], [-1.0, 5.0]], dtype=F64)
     rollout = torch.tensor([[-LN2, 0.0], [-1.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
-    diff, kl = L.sample_mean_diag(train, rollout, mask)
+    diff, kl, entropy = L.sample_mean_diag(train, rollout, mask)
     assert diff == pytest.approx(LN2 / 2, abs=1e-12)
+    # the rollout's -log p: sample 1 tokens [ln2, 0] -> ln2 / 2; sample 2 one token 1.0 (the masked 0 not counted)
+    assert entropy == pytest.approx((LN2 / 2 + 1.0) / 2, abs=1e-12)
     # k3(rollout || train) tokens: r = train - rollout = +ln2 and -ln2 -> (0.30685 + 0.19315) / 2 = 0.25; then 0
     assert kl == pytest.approx(0.25 / 2, abs=1e-12)
+
+
+def test_rollout_entropy_estimates_the_sampling_policys_entropy():
+    """The engine's sampler draws tokens and their log-probs; the mean -log p over many draws is the entropy
+    of softmax(logits / T), computed here from the distribution itself (a peaked row and a flat one)."""
+    from rollout.reference_engine import SamplingParams, sample_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.randn(64, generator=g) * 4.0, torch.randn(64, generator=g) * 0.1])
+    params = SamplingParams(temperature=0.7, max_new_tokens=1)
+    n = 20000
+    rows = logits.repeat_interleave(n, dim=0)
+    _, lp = sample_tokens(rows, torch.rand(2 * n, generator=g, dtype=F64), params)
+    lp = lp.view(2, n)
+    _, _, got_peaked = L.sample_mean_diag(lp[:1], lp[:1], torch.ones(1, n, dtype=torch.bool))
+    _, _, got_flat = L.sample_mean_diag(lp[1:], lp[1:], torch.ones(1, n, dtype=torch.bool))
+    p = torch.softmax(logits.double() / 0.7, dim=-1)
+    want = -(p * p.log()).sum(-1)
+    assert want[0] < 1.5 and want[1] > 4.0                    # one sure policy, one near log(64) = 4.16
+    assert got_peaked == pytest.approx(want[0].item(), abs=0.03)
+    assert got_flat == pytest.approx(want[1].item(), abs=0.03)
 
 
 # -- one micro-batch's loss, and the normalisation over micro-batches and ranks -----------------------------------
