@@ -140,6 +140,29 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
     assert cached.positions_fed * 4 < uncached.positions_fed
 
 
+def test_the_two_level_running_mass_is_the_float64_cumulative_sum():
+    """cumulative_mass sums blocks of 1,024 and then the blocks' totals: within float64 rounding of one running
+    sum, non-decreasing, and the draws over the Flash vocabulary equal those from a plain running sum."""
+    from rollout import reference_engine as R
+
+    g = torch.Generator().manual_seed(0)
+    for v in (7, 1024, 3000, 129280):
+        probs = torch.softmax(torch.randn(5, v, generator=g) * 3.0, dim=-1)
+        probs[0, v // 2:] = 0.0                               # trailing tokens without mass
+        got, want = R.cumulative_mass(probs), probs.double().cumsum(-1)
+        assert got.dtype == torch.float64 and got.shape == (5, v)
+        assert torch.allclose(got, want, rtol=0, atol=1e-13)
+        assert bool((got[:, 1:] >= got[:, :-1]).all())
+    params = R.SamplingParams(max_new_tokens=1)
+    logits = torch.randn(64, 129280, generator=g) * 2.0
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    tok, lp = R.sample_tokens(logits, u, params)
+    probs = torch.softmax(logits.float(), dim=-1).double()
+    cdf = probs.cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    assert torch.equal(tok, want)
+
+
 def test_sample_tokens_inverse_cdf_with_top_p_and_top_k():
     from rollout.reference_engine import SamplingParams, sample_tokens
 
