@@ -38,6 +38,9 @@ import torch
 from core.atomic import write_text_atomically
 
 RANGE_PREFIX = "dsv4::"
+# each profiled step runs inside this range; the host gaps are counted within it (not a module scope)
+STEP_RANGE = RANGE_PREFIX + "profiled step"
+STEP_START, STEP_END = "step start (host work before the first kernel)", "step end (host work after the last kernel)"
 BUDGET_FILE = "budget.json"
 
 # module name (its last dotted component) -> scope; checked in order, first match wins
@@ -177,7 +180,7 @@ class _ModuleRanges:
 def _innermost_scope(ev) -> Optional[str]:
     e = ev
     while e is not None:
-        if e.name.startswith(RANGE_PREFIX):
+        if e.name.startswith(RANGE_PREFIX) and e.name != STEP_RANGE:
             return e.name[len(RANGE_PREFIX):]
         e = e.cpu_parent
     return None
@@ -232,7 +235,7 @@ def attribute(events: Iterable, *, device: str) -> Dict[str, Any]:
     linked: Dict[str, float] = defaultdict(float)
     linked_n: Dict[str, int] = defaultdict(int)
     for e in cpu_ops:
-        if not _is_leaf_op(e):
+        if not _is_leaf_op(e) or e.name == STEP_RANGE:
             continue
         if _SYNC.search(e.name):     # the host waits for the device here (on the CPU: reads a tensor's value)
             syncs[_row_of(e, fwd_scope)] += 1
@@ -256,7 +259,8 @@ def attribute(events: Iterable, *, device: str) -> Dict[str, Any]:
         kernels += _unlinked_kernels(events, linked, linked_n, rows, top)
     busy = _busy_us(events) if device == "cuda" else sum(sum(r.values()) for r in rows.values())
     return {"rows": dict(rows), "kernels": kernels, "syncs": dict(syncs), "busy_us": busy,
-            "top": sorted(((r, n, us) for (r, n), us in top.items()), key=lambda t: -t[2])[:40]}
+            "top": sorted(((r, n, us) for (r, n), us in top.items()), key=lambda t: -t[2])[:40],
+            "gaps": host_gaps(events, cpu_ops, fwd_scope) if device == "cuda" else None}
 
 
 def _unlinked_kernels(events, linked: Dict[str, float], linked_n: Dict[str, int], rows, top) -> int:
@@ -328,6 +332,48 @@ def _busy_us(events) -> float:
     return busy
 
 
+def host_gaps(events, cpu_ops, fwd_scope) -> Dict[str, Any]:
+    """Where the device sat idle inside the profiled steps (:data:`STEP_RANGE`), and what the host was doing:
+    each idle interval between kernels is charged to the budget row (and phase) of the host op that launched
+    the kernel ending it (the profiler links a kernel to its launching op by correlation id), so a row's gap
+    time is how long the device waited for the host to reach that op: a synchronisation before it, Python
+    between launches, a launch queue that ran dry. Idle time before a step's first kernel and after its last
+    is :data:`STEP_START` / :data:`STEP_END`. Returns ``{rows: {"row (phase)": us}, largest: [(us, row, op)],
+    counted_us}``."""
+    windows = sorted((e.time_range.start, e.time_range.end) for e in cpu_ops if e.name == STEP_RANGE)
+    launcher = {getattr(e, "id", None): e for e in cpu_ops}
+    spans = sorted(((k.time_range.start, k.time_range.end, getattr(k, "linked_correlation_id", 0), k.name)
+                    for k in _device_kernels(events)), key=lambda t: t[0])
+    rows: Dict[str, float] = defaultdict(float)
+    largest: List[Tuple[float, str, str]] = []
+
+    def charge(us: float, row: str, op: str) -> None:
+        if us > 0:
+            rows[row] += us
+            largest.append((us, row, op))
+
+    i = 0
+    for w0, w1 in windows:
+        while i < len(spans) and spans[i][0] < w0:
+            i += 1
+        end = w0
+        first = True
+        while i < len(spans) and spans[i][0] < w1:
+            start, stop, corr, name = spans[i]
+            if first:
+                charge(start - w0, STEP_START, name)
+                first = False
+            elif start > end:
+                op = launcher.get(corr) if corr else None
+                row, phase = _row_of(op, fwd_scope, with_phase=True) if op is not None else (UNLINKED, "other")
+                charge(start - end, f"{row} ({phase})", f"{op.name if op is not None else '(no host op)'} > {name}")
+            end = max(end, stop)
+            i += 1
+        charge(w1 - end, STEP_END, "")
+    largest.sort(key=lambda t: -t[0])
+    return {"rows": dict(rows), "largest": largest[:12], "counted_us": sum(rows.values())}
+
+
 def budget(attributed: Dict[str, Any], *, steps: int, wall_s: float, device: str, module_scopes: bool) -> Dict:
     """The per-step table written to ``budget.json`` (milliseconds per step, largest row first)."""
     per = 1e3 * steps
@@ -340,7 +386,12 @@ def budget(attributed: Dict[str, Any], *, steps: int, wall_s: float, device: str
     rows.sort(key=lambda r: -r["total_ms"])
     step_ms = 1e3 * wall_s / steps
     busy_ms = attributed["busy_us"] / per
-    return {"device": device, "profiled_steps": steps, "module_scopes": module_scopes,
+    gaps = attributed.get("gaps")
+    gap_rows = {} if not gaps else {
+        "host_gaps_by_row": {k: v / per for k, v in sorted(gaps["rows"].items(), key=lambda kv: -kv[1])},
+        "host_gaps_counted_ms": gaps["counted_us"] / per,
+        "largest_host_gaps": [{"ms": us / 1e3, "row": r, "op": op[:160]} for us, r, op in gaps["largest"]]}
+    return {**gap_rows, "device": device, "profiled_steps": steps, "module_scopes": module_scopes,
             # attributed op time over the device's busy time: about 1 when every kernel is counted once
             # (kernels on several streams may overlap and push it above 1)
             "attributed_over_busy": (total / attributed["busy_us"]) if attributed["busy_us"] else None,
@@ -377,10 +428,13 @@ class StepProfiler:
         _ACTIVE = True
         self._sync()
         t0 = time.perf_counter()
+        window = torch.profiler.record_function(STEP_RANGE)    # the host gaps are counted inside it
+        window.__enter__()
         try:
             yield
         finally:
             self._sync()
+            window.__exit__(None, None, None)
             self.wall += time.perf_counter() - t0
             _ACTIVE = False
 
@@ -440,4 +494,7 @@ def format_budget(b: Dict, top: int = 14) -> List[str]:
     for r in b["rows"][:top]:
         lines.append(f"{r['category']:48s} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['other_ms']:8.2f} "
                      f"{r['total_ms']:8.2f} {r['share']:6.1%}")
+    if b.get("host_gaps_by_row"):
+        lines.append(f"host gaps ({b['host_gaps_counted_ms']:.1f} ms a step), by the host op that ended them:")
+        lines += [f"  {ms:8.2f} ms  {row}" for row, ms in list(b["host_gaps_by_row"].items())[:8]]
     return lines

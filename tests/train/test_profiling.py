@@ -139,3 +139,46 @@ def test_device_time_no_op_holds_gets_a_row_that_names_its_kernels():
     names = {n: us for r, n, us in got["top"] if r == UNLINKED}
     assert names == {"(no host op) > nvjet_gemm": 3.0, "(no host op) > memset_kernel": 2.0}
     assert got["kernels"] == 3          # the op's GEMM, the unlinked GEMM and the memset
+
+
+def test_host_gaps_are_charged_to_the_op_that_launched_the_kernel_ending_them():
+    """Inside a profiled step's range the device's idle time is split by what ended it: the gap before the first
+    kernel (step start), each gap between kernels charged to the row and phase of the host op that launched the
+    next kernel (linked by correlation id), and the gap after the last kernel (step end); kernels outside the
+    step's range and overlapping kernels add no gap. The parts add up to the window less the busy time."""
+    from types import SimpleNamespace as NS
+
+    from reporting.profiling import STEP_END, STEP_RANGE, STEP_START, attribute, budget
+
+    def op(i, name, parent=None, seq=-1):
+        return NS(id=i, name=name, device_type="DeviceType.CPU", sequence_nr=seq, thread=1, cpu_parent=parent,
+                  kernels=[], self_cpu_time_total=0.0, fwd_thread=None, time_range=NS(start=0.0, end=0.0))
+
+    def kernel(name, start, end, corr):
+        return NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=start, end=end),
+                  linked_correlation_id=corr)
+
+    step = op(1, STEP_RANGE)
+    step.time_range = NS(start=100.0, end=200.0)
+    attn = op(2, "dsv4::attention", step)
+    mm = op(3, "aten::mm", attn)                     # a forward GEMM in the attention scope
+    opt = op(4, "dsv4::optimizer", step)
+    adam = op(5, "aten::_fused_adamw_", opt)
+    loss = op(6, "aten::sum", step)                  # outside the model
+    events = [step, attn, mm, opt, adam, loss,
+              kernel("warmup", 50.0, 60.0, 3),       # before the step's range: not counted
+              kernel("gemm", 110.0, 130.0, 3),       # step start: 10 us
+              kernel("gemm", 125.0, 135.0, 3),       # overlaps the first: no gap
+              kernel("reduce", 150.0, 160.0, 6),     # 15 us idle, ended by the loss op
+              kernel("adam", 170.0, 190.0, 5)]       # 10 us idle, ended by the optimizer
+    gaps = attribute(events, device="cuda")["gaps"]
+    assert gaps["rows"] == {STEP_START: 10.0, "outside the model (loss, log-probs, metrics) (fwd)": 15.0,
+                            "optimizer: adam (other)": 10.0, STEP_END: 10.0}
+    assert gaps["counted_us"] == 45.0 == (200.0 - 100.0) - (25.0 + 10.0 + 20.0)    # the window less busy time
+    assert gaps["largest"][0] == (15.0, "outside the model (loss, log-probs, metrics) (fwd)", "aten::sum > reduce")
+    got = budget(attribute(events, device="cuda"), steps=1, wall_s=100e-6, device="cuda", module_scopes=True)
+    assert got["host_gaps_counted_ms"] == 0.045 and list(got["host_gaps_by_row"])[0].startswith("outside the model")
+    # the step's range is no module scope: an op under it alone is still "outside the model" (CPU: its own time)
+    loss.self_cpu_time_total, step.self_cpu_time_total = 5.0, 50.0     # the range's own time is no op's
+    assert attribute([step, loss], device="cpu")["rows"] == {"outside the model (loss, log-probs, metrics)":
+                                                              {"fwd": 5.0, "bwd": 0.0, "other": 0.0}}
