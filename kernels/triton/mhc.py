@@ -36,13 +36,13 @@ __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd
 
 # Launch settings (the ``config`` argument of the launchers overrides them):
 #   mix / dfn: BT tokens x BK columns of K per step (mix: split over K below mix_programs programs);
-#   coef: BT tokens, BD of d per step;
+#   coef: BT tokens, BD of d per step (d split over the grid below coef_programs programs);
 #   dx: BT x BK tiles; post / post_bwd: BT tokens x BD.
 # Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4. dx and post_bwd were then
 # tuned on an H200 at the Flash shape (python -m bench.kernels_mhc_sweep, bench/results/kernels-mhc-sweep-h200.json):
 # post_bwd's BD 64 -> 128 took a call from 910 to 170 us, dx's BT 32 -> 64 took hc_pre's backward from 606 to 583 us.
 MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3, mix_programs=256,
-                  coef_BT=16, coef_BD=64, coef_warps=4,
+                  coef_BT=16, coef_BD=64, coef_warps=4, coef_programs=256,
                   dx_BT=64, dx_BK=64, dx_warps=4,
                   dfn_BT=64, dfn_BK=64, dfn_warps=4, dfn_stages=3,
                   post_BT=8, post_BD=128, post_warps=4,
@@ -139,10 +139,14 @@ def _coef_offsets(n, NP: tl.constexpr):
 
 
 @triton.jit
-def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, iters,
+def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, iters, d_per,
                     HAS_RES: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr):
-    """Coefficients of ``BT`` tokens (sigmoids, the Sinkhorn loop) and ``u = sum_j pre_j X_j``."""
+    """Coefficients of ``BT`` tokens (sigmoids, the Sinkhorn loop) and ``u = sum_j pre_j X_j`` over columns
+    ``[pid1 * d_per, (pid1 + 1) * d_per)`` of ``d``: few tokens (a decode step) split ``d`` over the grid's second
+    dimension, each program recomputing the tokens' coefficients (a few hundred flops) and the first storing
+    them."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
+    first = tl.program_id(1) == 0
     tmask = t < T
     t64 = t.to(tl.int64)
     j, jmask, cidx, valid = _coef_offsets(n, NP)
@@ -150,18 +154,20 @@ def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, it
     mrow = MIX + t64[:, None] * MP
     a = tl.load(mrow + j[None, :], mask=tj, other=0.0) * tl.load(SCALE) + tl.load(BASE + j, mask=jmask, other=0.0)
     pre = tl.where(jmask[None, :], tl.sigmoid(a) + hc_eps, 0.0)
-    tl.store(PRE + t64[:, None] * NP + j[None, :], pre, mask=tmask[:, None])
+    tl.store(PRE + t64[:, None] * NP + j[None, :], pre, mask=tmask[:, None] & first)
     if HAS_RES:
         ap = tl.load(mrow + n + j[None, :], mask=tj, other=0.0) * tl.load(SCALE + 1) \
             + tl.load(BASE + n + j, mask=jmask, other=0.0)
-        tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj)
+        tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj & first)
         tv = tmask[:, None, None] & valid[None, :, :]
         c = tl.load(MIX + t64[:, None, None] * MP + cidx[None, :, :], mask=tv, other=0.0) * tl.load(SCALE + 2) \
             + tl.load(BASE + cidx, mask=valid, other=0.0)[None, :, :]
         comb = sinkhorn_fwd_tile(c, valid[None, :, :], iters, hc_eps)
-        tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb, mask=tv)
+        tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb,
+                 mask=tv & first)
     xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
-    for d0 in range(0, d, BD):
+    d_lo = tl.program_id(1) * d_per
+    for d0 in range(d_lo, tl.minimum(d_lo + d_per, d), BD):
         dd = d0 + tl.arange(0, BD)
         dmask = dd < d
         x = tl.load(xrow + dd[None, None, :], mask=tj[:, :, None] & dmask[None, None, :], other=0.0)
@@ -361,11 +367,22 @@ def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, c
     comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
     if T:
         _mix(x2, fn, mix, rho, norm_eps, cfg)
-        _pre_fwd_kernel[(triton.cdiv(T, cfg["coef_BT"]),)](
+        rows, d_per = triton.cdiv(T, cfg["coef_BT"]), _coef_columns(T, d, cfg)
+        _pre_fwd_kernel[(rows, triton.cdiv(d, d_per))](
             mix, scale, base, x2, u, pre, post if has_res else mix, comb if has_res else mix, T, n, d, hc_eps, iters,
-            HAS_RES=has_res,
+            d_per, HAS_RES=has_res,
             BT=cfg["coef_BT"], NP=NP, BD=cfg["coef_BD"], MP=MP, num_warps=cfg["coef_warps"])
     return u, pre, post, comb, mix, rho
+
+
+def _coef_columns(T: int, d: int, cfg) -> int:
+    """Columns of ``d`` per program of the coefficient kernel: all of them when the tokens alone fill about
+    ``coef_programs`` programs (training), else ``d`` split so that they do (a decode step of 64 tokens was 4
+    programs, each reading its 16 tokens' four streams alone: 37 us a call on an H200), in whole ``coef_BD``
+    tiles of at least two."""
+    rows = triton.cdiv(T, cfg["coef_BT"])
+    split = max(1, min(cfg["coef_programs"] // rows, triton.cdiv(d, 2 * cfg["coef_BD"])))
+    return triton.cdiv(triton.cdiv(d, split), cfg["coef_BD"]) * cfg["coef_BD"]
 
 
 def _coef_backward(x2, fn, scale, base, pre, mix, rho, du, dpost, dcomb, n, d, hc_eps, iters, cfg):
