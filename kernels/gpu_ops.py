@@ -28,7 +28,9 @@ tensors):
   ``rms_norm_bwd(x, w, dy, eps) -> (dx, dw)``; ``weighted_swiglu(h [N,2F], w [N], limit, out_dtype) -> [N,F]`` with
   ``weighted_swiglu_bwd(h, w, da, limit) -> (dh, dw)``; ``logprob_stats(logits [N,V] fp32, labels [N], temperature)
   -> (lp [N], lse [N])`` and ``logprob_grad(logits, labels, lse, g [N], temperature, out_dtype) -> [N,V]`` (the
-  output head's log-prob passes, called by ``kernels.triton.logprobs``'s autograd function).
+  output head's log-prob passes, called by ``kernels.triton.logprobs``'s autograd function);
+  ``experts_grouped_mm(x [R,K], w [E,N,K], offs [E] int32) -> [R,N]`` (the decode step's routed experts, rows
+  sorted by expert; no backward).
 
 The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
 so this module imports only torch: the schemas and fake implementations load, and can be tested, on a machine
@@ -370,6 +372,17 @@ def _swiglu_ops(ns: str, module: str) -> dict:
     return dict(weighted_swiglu=weighted_swiglu, weighted_swiglu_bwd=weighted_swiglu_bwd)
 
 
+def _experts_ops(ns: str, module: str) -> dict:
+    """The routed experts' grouped GEMM for few rows per expert (``kernels.triton.experts``; decode only, so no
+    gradient)."""
+    @torch.library.custom_op(f"{ns}::experts_grouped_mm", mutates_args=())
+    def experts_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return _launcher(module, "experts_grouped_mm_launch")(x, w, offs)
+
+    experts_grouped_mm.register_fake(lambda x, w, offs: x.new_empty((x.shape[0], w.shape[1])))
+    return dict(experts_grouped_mm=experts_grouped_mm)
+
+
 def _logprob_ops(ns: str, module: str) -> dict:
     """The output head's log-prob passes (``kernels.triton.logprobs``; its autograd function runs the GEMMs and
     calls these two, so neither registers a gradient)."""
@@ -406,6 +419,7 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
         ops.update(_norm_ops(ns, f"{package}.norm"))
         ops.update(_swiglu_ops(ns, f"{package}.swiglu"))
         ops.update(_logprob_ops(ns, f"{package}.logprobs"))
+        ops.update(_experts_ops(ns, f"{package}.experts"))
     library = getattr(torch.ops, ns)
     return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
 

@@ -41,9 +41,10 @@ def ops() -> "OpTable":
     compute-capability 9.0 GPU: anything else is refused with the fix."""
     from kernels import gpu_common
     from kernels.cuda import entry
-    from kernels.triton import attention, indexer, logprobs, mhc, norm, rope, swiglu
+    from kernels.triton import attention, experts, indexer, logprobs, mhc, norm, rope, swiglu
 
-    triton_table = gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs)   # every op name, with its provider
+    # every op name, with its provider
+    triton_table = gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts)
     own = dict(sparse_attention_with_sink=entry.sparse_attention_with_sink,
                sparse_attention_with_sink_thd=entry.sparse_attention_with_sink_thd)
     delegated = {name: (triton_table.provider[name], getattr(triton_table, name))

@@ -212,6 +212,10 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     """``ffn``: ``gate``, ``experts.E`` and ``shared_experts`` (one shared expert)."""
 
+    # a kernel op table (kernels.reference.model.ops_in_use): the decode step's grouped experts take its
+    # experts_grouped_mm where it has one (kernels.reference.slots); the forward here never reads it
+    ops = None
+
     def __init__(self, config, layer_id: int):
         super().__init__()
         c = config

@@ -217,19 +217,24 @@ def moe_decode_path(x: torch.Tensor, moe) -> str:
     return "grouped" if ok else "dense"
 
 
-def _grouped(x, weights, idx, w13, w2, limit, ct):
-    """(token, expert) pairs sorted by expert, each expert's rows one group of ``torch._grouped_mm`` (gate and
-    up in one: ``w13``)."""
+def _grouped_mm(x, w, offs):
+    """torch's grouped GEMM of rows sorted by group: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` end rows."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm):
+    """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
+    up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``."""
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     xs = x.index_select(0, order // k)
     offs = torch.searchsorted(flat.index_select(0, order), torch.arange(w13.shape[0], device=x.device),
                               right=True).to(torch.int32)                       # each expert's end row
-    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).to(ct).chunk(2, dim=-1)
+    gate, up = mm(xs, w13, offs).to(ct).chunk(2, dim=-1)
     hid = swiglu(gate, up, limit)
     hid = hid * weights.reshape(-1).index_select(0, order).to(ct)[:, None]   # routing weight before w2
-    out = torch._grouped_mm(hid.to(x.dtype), w2.transpose(1, 2), offs=offs).to(ct)
+    out = mm(hid.to(x.dtype), w2, offs).to(ct)
     return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)
 
 
@@ -241,14 +246,27 @@ def _dense(x, weights, idx, w13, w2, limit, ct):
     return torch.matmul(hid.to(x.dtype), w2.transpose(1, 2)).to(ct).sum(dim=0)
 
 
+# the grouped path with the op table's experts_grouped_mm (the triton backend's decode kernel) for its GEMMs
+GROUPED_KERNEL = "grouped-kernel"
+
+
+def _with_kernel(moe, path: str) -> str:
+    """``path``, or :data:`GROUPED_KERNEL` for the grouped path of a layer whose op table has
+    ``experts_grouped_mm``: decided on the host, so traced code reads only an attribute that exists."""
+    if path == "grouped" and moe.ops is not None and "experts_grouped_mm" in moe.ops.names():
+        return GROUPED_KERNEL
+    return path
+
+
 def moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: Optional[str] = None):
     """``MoE.forward`` without host syncs: ``x [..., d]`` -> ``(y [..., d], idx [T, k])``. ``path``: None
-    (:func:`moe_decode_path`), ``"grouped"`` or ``"dense"``."""
+    (:func:`moe_decode_path`), ``"grouped"`` (its GEMMs the op table's ``experts_grouped_mm`` where the layer's
+    table has one, else torch's) or ``"dense"``."""
     _stacks(moe)
     path = path or moe_decode_path(x.reshape(-1, x.shape[-1]), moe)
     if path not in ("grouped", "dense"):
         raise ValueError(f"moe_decode: path must be 'grouped' or 'dense', got {path!r}")
-    return _moe_decode(moe, x, input_ids, path)
+    return _moe_decode(moe, x, input_ids, _with_kernel(moe, path))
 
 
 def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
@@ -259,7 +277,11 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     ct = compute_dtype(x)
     st = moe._expert_stacks
     w13, w2 = (st[n].to(x.dtype) for n in ("w13", "w2"))
-    y = (_grouped if path == "grouped" else _dense)(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
+    if path == "dense":
+        y = _dense(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
+    else:
+        mm = moe.ops.experts_grouped_mm if path == GROUPED_KERNEL else _grouped_mm
+        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm)
     y = y + moe.shared_experts(x).to(ct)
     return y.to(x.dtype).view(shape), idx
 
@@ -285,7 +307,7 @@ def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = No
         if gate.hash and _has_negative_ids(gate.tid2eid):
             raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
         device_inv_freq(layer.attn, dev)
-        paths.append(moe_path or moe_decode_path(x, layer.ffn))
+        paths.append(_with_kernel(layer.ffn, moe_path or moe_decode_path(x, layer.ffn)))
     return tuple(paths)
 
 

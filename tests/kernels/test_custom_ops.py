@@ -206,13 +206,22 @@ def test_logprob_fakes_match_the_reference_head():
     assert _sig([d]) == [((T, 40), torch.bfloat16)]
 
 
+def test_experts_grouped_mm_fake_matches_torchs_grouped_gemm():
+    """The decode step's grouped experts: ``[R, N]`` in ``x``'s dtype, as ``torch._grouped_mm`` gives."""
+    x, w = torch.randn(7, D, generator=_gen(16)).bfloat16(), torch.randn(3, 24, D, generator=_gen(17)).bfloat16()
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)
+    (y,), _ = _fake_run(gpu_ops.TRITON.experts_grouped_mm, [x, w, offs], grad_of=())
+    ref, _ = _ref_run(lambda x, w: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), [x, w], grad_of=())
+    assert _sig([y]) == _sig([ref[0]]) == [((7, 24), torch.bfloat16)]
+
+
 def test_every_op_has_a_fake():
     """Each registered op, forward and backward, answers under FakeTensorMode (the tests above reach them all)."""
     names = {n for n in vars(gpu_ops.TRITON) if n != "namespace"}
     assert names == {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "hc_pre", "hc_pre_bwd",
                      "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd", "rope",
                      "rms_normalize", "rms_normalize_bwd", "rms_norm", "rms_norm_bwd", "weighted_swiglu",
-                     "weighted_swiglu_bwd", "logprob_stats", "logprob_grad"}
+                     "weighted_swiglu_bwd", "logprob_stats", "logprob_grad", "experts_grouped_mm"}
     assert {n for n in vars(gpu_ops.TILELANG) if n != "namespace"} == \
         {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores"}
     for ns in ("dsv4_triton", "dsv4_tilelang"):

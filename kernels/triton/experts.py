@@ -1,0 +1,84 @@
+"""Triton grouped GEMM of the routed experts for few rows per expert (a decode step): ``y[rows of e] = x[rows of
+e] @ w[e]^T`` for every expert ``e``, its rows ``offs[e-1]:offs[e]`` of ``x`` (sorted by expert).
+
+Why: a decode step of 64 sequences routes 384 (token, expert) pairs over the Flash-shaped model's 32 experts,
+about 12 rows each, and reads nearly every expert's weights: the step is a weight-streaming problem. torch's
+``_grouped_mm`` (CUTLASS, tiles of many rows) took 2.24 ms for the 8 grouped GEMMs of a step against 1.34 ms for
+reading those weights at 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-b64-batched-indexer.json``); at one
+sequence a step it runs 32 groups of which 26 are empty. Here a program owns one expert and ``BN`` output
+columns: it reads that block of the expert's weights once per ``BM`` of its rows (once, for a decode step),
+accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The operands go
+to the tensor cores as tf32, which holds every bf16 and fp16 value exactly (Triton's interpreter also multiplies
+bf16 tiles wrongly), so the products are exact as in ``_grouped_mm`` and only the summation order differs
+(within one rounding of the output dtype).
+
+Only the rollout engine's decode step calls it (``kernels.reference.slots``), through the triton op table's
+extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common, gpu_ops
+
+__all__ = ["experts_grouped_mm", "experts_grouped_mm_launch"]
+
+BM, BN, BK = 16, 64, 128       # rows (tl.dot's smallest) x output columns x reduction per step of one program
+STAGES, WARPS = 4, 4
+
+
+@triton.jit
+def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """Program ``(e, j)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time."""
+    e = tl.program_id(0)
+    start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+    end = tl.load(OFFS + e)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < N
+    wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
+    for m0 in range(start, end, BM):
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < end
+        xrow = X + rows.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < K
+            x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(wrow + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")      # bf16 values are exact in tf32
+        tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``."""
+    R, K = x.shape
+    E, N, _ = w.shape
+    y = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R and E:
+        _experts_kernel[(E, triton.cdiv(N, BN))](x, w, offs, y, N, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
+                                               num_warps=WARPS)
+    return y
+
+
+@gpu_ops.traceable
+def experts_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w.transpose(1, 2), offs=offs)`` for rows sorted by expert: ``x [R, K]`` and
+    ``w [E, N, K]`` (bf16 or fp16, one dtype; CUDA), ``offs [E]`` each expert's end row (int32, non-decreasing,
+    the last ``R``) -> ``[R, N]`` in ``x``'s dtype. Anything else is refused with the reason."""
+    op = "experts_grouped_mm"
+    for t, name in ((x, "x"), (w, "w")):
+        gpu_common.check_op_input(op, t, name, dtypes=(torch.bfloat16, torch.float16))
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or w.dtype != x.dtype:
+        raise gpu_common.op_refusal(op, f"x {tuple(x.shape)} {x.dtype} with w {tuple(w.shape)} {w.dtype} (needs "
+                                        f"x [R, K] and w [E, N, K] of one dtype)")
+    if offs.dim() != 1 or offs.shape[0] != w.shape[0] or offs.dtype != torch.int32:
+        raise gpu_common.op_refusal(op, f"offs {tuple(offs.shape)} {offs.dtype} (needs [E] int32 end rows)")
+    if x.requires_grad or w.requires_grad:
+        raise gpu_common.op_refusal(op, "inputs that require a gradient (the kernel has no backward: decode only)")
+    return gpu_ops.TRITON.experts_grouped_mm(x.contiguous(), w.contiguous(), offs.contiguous())

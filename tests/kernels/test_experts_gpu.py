@@ -1,0 +1,141 @@
+"""The triton backend's grouped GEMM of the decode step's routed experts (``kernels/triton/experts.py``) against
+the product it replaces, ``x_rows @ w[e]^T`` per expert.
+
+Oracle: each expert's rows times its weight in fp64 from the same bf16 inputs. Bound: one bf16 rounding of the
+output (two under the interpreter, which truncates) at the magnitude of the row's terms (sum of |x||w|), the
+rounding of ``torch._grouped_mm``'s bf16 output too. Groups: experts without rows (first, middle, last), an
+expert with more rows than one program's ``BM`` (so a program loops over its rows and reads its weights again),
+output and reduction sizes that are not multiples of the tiles. On a GPU also the Flash-shaped decode step
+(64 sequences x 6 experts over 32, hidden 4096, expert width 2048: both GEMMs) against ``torch._grouped_mm``.
+Refusals name the fix. With no GPU, ``TRITON_INTERPRET=1`` runs the small cases; otherwise they skip.
+"""
+
+import pytest
+import torch
+
+from ._backends import triton_device
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(counts, N, K, dev, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    R = sum(counts)
+    x = torch.randn(R, K, generator=g).to(dtype)
+    w = (torch.randn(len(counts), N, K, generator=g) * K ** -0.5).to(dtype)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return x.to(dev), w.to(dev), offs.to(dev)
+
+
+def _exact(x, w, offs):
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(x[start:end].double() @ w[e].double().t())
+        start = end
+    return torch.cat(out), torch.cat([x[s:t].double().abs() @ w[e].double().abs().t()
+                                      for e, (s, t) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+
+
+@pytest.mark.parametrize("counts,N,K", [
+    pytest.param([0, 3, 0, 1, 20, 0], 72, 200, id="empty-and-looping-experts"),
+    pytest.param([5, 7], 64, 128, id="whole-tiles"),
+    pytest.param([1, 0, 0, 0], 33, 17, id="one-row"),
+])
+def test_experts_grouped_mm_matches_each_experts_product(counts, N, K):
+    from kernels.triton.experts import experts_grouped_mm
+
+    dev = triton_device()
+    x, w, offs = _case(counts, N, K, dev)
+    got = experts_grouped_mm(x, w, offs)
+    exact, scale = _exact(x.cpu(), w.cpu(), offs.cpu())
+    assert got.dtype == x.dtype and got.shape == (sum(counts), N)
+    steps = 4 if dev == "cpu" else 2
+    err = (got.cpu().double() - exact).abs()
+    assert (err <= steps * 2.0 ** -8 * scale + 1e-30).all(), err.max().item()
+
+
+def test_the_flash_shaped_decode_step_equals_torchs_grouped_gemm():
+    if not torch.cuda.is_available():
+        pytest.skip("Flash shape: GPU only")
+    from kernels.triton.experts import experts_grouped_mm
+
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(64)]).flatten()
+    counts = torch.bincount(idx, minlength=32).tolist()
+    for N, K in ((2 * 2048, 4096), (4096, 2048)):          # gate and up in one, then down
+        x, w, offs = _case(counts, N, K, "cuda", seed=N)
+        got = experts_grouped_mm(x, w, offs)
+        want = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        exact, scale = _exact(x.cpu(), w.cpu(), offs.cpu())
+        for name, y in (("triton", got), ("torch", want)):
+            err = (y.cpu().double() - exact).abs() / scale.clamp(min=1e-30)
+            print(f"{name} N={N} K={K}: max error / |terms| {err.max().item():.2e}")
+        assert ((got.cpu().double() - exact).abs() <= 2 * 2.0 ** -8 * scale + 1e-30).all()
+
+
+def test_refusals_name_the_fix():
+    from kernels.triton.experts import experts_grouped_mm
+
+    dev = triton_device()
+    x, w, offs = _case([2, 1], 16, 32, dev)
+    with pytest.raises(ValueError, match="--kernel-backend none"):
+        experts_grouped_mm(x.float(), w, offs)
+    with pytest.raises(ValueError, match="needs x \\[R, K\\] and w \\[E, N, K\\]"):
+        experts_grouped_mm(x, w[:, :, :16], offs)
+    with pytest.raises(ValueError, match="int32 end rows"):
+        experts_grouped_mm(x, w, offs.long())
+    with pytest.raises(ValueError, match="no backward"):
+        experts_grouped_mm(x.requires_grad_(), w, offs)
+
+
+def test_the_kernel_compiles_for_sm90():
+    """The kernel at its launch settings compiles to PTX for sm_90 (H100/H200) with triton alone, no GPU (the
+    interpreter runs code the compiler rejects)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kernels.triton import experts as K
+
+    consts = dict(BM=K.BM, BN=K.BN, BK=K.BK, STAGES=K.STAGES)
+    sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "N": "i32", "K": "i32",
+           **{k: "constexpr" for k in consts}}
+    compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=K.WARPS))
+    assert ".entry" in compiled.asm["ptx"]
+
+
+def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
+    """A bf16 MoE layer of the tiny model in the decode step's grouped path: with the triton op table on its
+    modules (as the rollout engine sets it, ``kernels.reference.model.ops_in_use``) the experts run
+    ``triton.experts_grouped_mm`` and give torch's grouped GEMM's output within bf16 rounding; without a table,
+    torch's (no kernel counted)."""
+    from core.config import preset
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
+    from kernels.reference.model import DeepseekV4Model, init_weights, ops_in_use
+    from kernels.reference.slots import moe_decode, stack_expert_weights
+    from kernels.triton.backend import ops
+
+    dev = triton_device()
+    c = preset("tiny")
+    model = DeepseekV4Model(c)
+    init_weights(model, 0)
+    model = model.to(torch.bfloat16).to(dev)
+    stack_expert_weights(model)
+    layer = next(l for l in model.layers if not l.ffn.gate.hash)          # learned routing: the rows spread
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 1, c.dim, generator=g).bfloat16().to(dev)
+    ids = torch.randint(0, c.vocab_size, (16, 1), generator=g).to(dev)
+    with torch.no_grad():
+        want, want_idx = moe_decode(layer.ffn, x, ids, "grouped")
+        reset_kernels_ran()
+        with ops_in_use(model, ops()):
+            got, got_idx = moe_decode(layer.ffn, x, ids, "grouped")
+    assert kernels_ran().get("triton.experts_grouped_mm") == 2            # gate and up, then down
+    assert torch.equal(got_idx, want_idx)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 4 * 2.0 ** -8 * want.float().abs().max().item(), err
