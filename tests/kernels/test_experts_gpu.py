@@ -67,10 +67,25 @@ def test_the_flash_shaped_decode_step_equals_torchs_grouped_gemm():
         got = experts_grouped_mm(x, w, offs)
         want = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
         exact, scale = _exact(x.cpu(), w.cpu(), offs.cpu())
-        for name, y in (("triton", got), ("torch", want)):
+        for name, y, fn in (("triton", got, lambda: experts_grouped_mm(x, w, offs)),
+                            ("torch", want, lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))):
             err = (y.cpu().double() - exact).abs() / scale.clamp(min=1e-30)
-            print(f"{name} N={N} K={K}: max error / |terms| {err.max().item():.2e}")
+            us = _time_us(fn)
+            print(f"{name} N={N} K={K}: max error / |terms| {err.max().item():.2e}, {us:.1f} us, "
+                  f"{w.numel() * 2 / us / 1e6:.0f} GB/s of weights")
         assert ((got.cpu().double() - exact).abs() <= 2 * 2.0 ** -8 * scale + 1e-30).all()
+
+
+def _time_us(fn, reps: int = 50) -> float:
+    """Mean microseconds of ``fn`` on the GPU (printed beside the check; not asserted)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
 
 
 def test_refusals_name_the_fix():
