@@ -68,19 +68,21 @@ class RoutingReplayer:
             raise ValueError(f"routed experts must be [B, S, n_layers, k], got {tuple(routed.shape)}")
         self.routed = routed
         self.used: Dict[int, torch.Tensor] = {}
-        self.replayed_rows = 0
+        self._on_device: Optional[torch.Tensor] = None
 
     def __call__(self, layer_id: int, idx: torch.Tensor) -> torch.Tensor:
         B, S, L, k = self.routed.shape
         if layer_id >= L:
             raise ValueError(f"routing replay: layer {layer_id} not in the recorded routing ({L} layers)")
-        want = self.routed[:, :, layer_id].reshape(-1, k).to(idx.device, idx.dtype)
+        if self._on_device is None or self._on_device.device != idx.device:
+            # every layer's picks in one copy, not one blocking copy (a stream synchronisation) per layer
+            self._on_device = self.routed.to(idx.device, non_blocking=True)
+        want = self._on_device[:, :, layer_id].reshape(-1, k).to(idx.dtype)
         if want.shape != idx.shape:
             raise ValueError(f"routing replay for layer {layer_id}: recorded {tuple(want.shape)} picks but the "
                              f"forward has {tuple(idx.shape)} (batch/sequence mismatch)")
         use = (want >= 0).all(dim=-1, keepdim=True)
         out = torch.where(use, want, idx)
-        self.replayed_rows += int(use.sum())
         self.used[layer_id] = out.detach().reshape(B, S, k).clone()
         return out
 
@@ -242,14 +244,17 @@ class IndexerPicksReplayer:
             raise ValueError(f"indexer replay: {picks.shape[2]} CSA layers recorded, the model has "
                              f"{len(csa_layers(config))}")
         self.picks = picks
-        self.rows = self.same = 0
+        self._on_device: Optional[torch.Tensor] = None
+        self.rows = self.same = 0            # device counts once a layer has run: read after the forward
         self.layers: List[int] = []
 
     def __call__(self, module, own: torch.Tensor) -> torch.Tensor:
         slot = self._slots.get(id(module))
         if slot is None:
             return own
-        want = self.picks[:, :, slot].to(own.device, own.dtype)
+        if self._on_device is None or self._on_device.device != own.device:
+            self._on_device = self.picks.to(own.device, non_blocking=True)    # one copy, no stream sync per layer
+        want = self._on_device[:, :, slot].to(own.dtype)
         if want.shape[:2] != own.shape[:2]:
             raise ValueError(f"indexer replay: recorded picks of {tuple(want.shape[:2])} positions, the forward "
                              f"has {tuple(own.shape[:2])} (batch/sequence mismatch)")
@@ -259,8 +264,8 @@ class IndexerPicksReplayer:
                 raise ValueError(f"indexer replay: recorded picks beyond the forward's {k} columns")
             want = want[..., :k]
         use = (want >= 0).any(-1, keepdim=True)
-        self.rows += int(use.sum())
-        self.same += int(((want == own).all(-1, keepdim=True) & use).sum())
+        self.rows = self.rows + use.sum()
+        self.same = self.same + ((want == own).all(-1, keepdim=True) & use).sum()
         self.layers.append(slot)
         return torch.where(use, want, own)
 
@@ -268,8 +273,9 @@ class IndexerPicksReplayer:
     def of(cls, model: nn.Module, config, picks: Optional[torch.Tensor]) -> Optional["IndexerPicksReplayer"]:
         return None if picks is None else cls(model, config, picks)
 
-    def result(self, impl: str) -> Tuple[int, int]:
-        """``(same, rows)`` of the forward, which must have gone through every trunk CSA layer's seam."""
+    def result(self, impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(same, rows)`` of the forward (0-d tensors on its device: the step's report reads them), which must
+        have gone through every trunk CSA layer's seam."""
         if sorted(set(self.layers)) != list(range(self.picks.shape[2])):
             raise NotImplementedError(f"--impl {impl}: its indexer does not call kernels.reference.indexer's "
                                       f"indexer_hook in every CSA layer here, so indexer replay cannot work")
