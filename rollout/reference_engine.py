@@ -188,7 +188,9 @@ def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingPa
     cdf = cumulative_mass(probs)
     target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
     choice = torch.searchsorted(cdf, target, right=True)
-    choice = torch.minimum(choice, cdf.argmax(-1, keepdim=True))   # the last token with mass (u*mass rounding)
+    # never past the last token with mass (u * mass rounding; a parallel scan's last ulp in a zero tail)
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    choice = torch.minimum(choice, torch.where(probs > 0, ids, 0).amax(-1, keepdim=True))
     tok = (choice if order is None else order.gather(-1, choice)).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 

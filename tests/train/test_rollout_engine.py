@@ -163,6 +163,24 @@ def test_the_two_level_running_mass_is_the_float64_cumulative_sum():
     assert torch.equal(tok, want)
 
 
+def test_a_draw_never_lands_past_the_last_token_with_mass(monkeypatch):
+    """A parallel scan may leave a zero-probability tail an ulp above the last token with mass (here bumped by
+    hand); a draw near the top of the interval still takes the last token with mass, not one from the tail."""
+    from rollout import reference_engine as R
+
+    real = R.cumulative_mass
+
+    def bumped(probs):
+        cdf = real(probs)
+        return torch.where(probs > 0, cdf, cdf + 1e-9)
+
+    monkeypatch.setattr(R, "cumulative_mass", bumped)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -float("inf"), -float("inf")]])
+    u = torch.tensor([1.0 - 1e-12], dtype=torch.float64)
+    tok, _ = R.sample_tokens(logits, u, R.SamplingParams(max_new_tokens=1))
+    assert int(tok) == 2
+
+
 def test_sample_tokens_inverse_cdf_with_top_p_and_top_k():
     from rollout.reference_engine import SamplingParams, sample_tokens
 
