@@ -7,10 +7,10 @@ about 12 rows each, and reads nearly every expert's weights: the step is a weigh
 reading those weights at 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-b64-batched-indexer.json``); at one
 sequence a step it runs 32 groups of which 26 are empty. Here a program owns one expert and ``BN`` output
 columns: it reads that block of the expert's weights once per ``BM`` of its rows (once, for a decode step),
-accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The operands go
-to the tensor cores as tf32, which holds every bf16 and fp16 value exactly (Triton's interpreter also multiplies
-bf16 tiles wrongly), so the products are exact as in ``_grouped_mm`` and only the summation order differs
-(within one rounding of the output dtype).
+accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The same exact
+products as ``_grouped_mm``'s, summed in another order (within one rounding of the output dtype). Triton's CPU
+interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to fp32 first (``F32``; tf32
+holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as they are.
 
 Only the rollout engine's decode step calls it (``kernels.reference.slots``), through the triton op table's
 extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused).
@@ -32,7 +32,7 @@ STAGES, WARPS = 4, 4
 
 @triton.jit
 def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    STAGES: tl.constexpr, F32: tl.constexpr):
     """Program ``(e, j)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time."""
     e = tl.program_id(0)
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
@@ -48,9 +48,11 @@ def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK:
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
             k = k0 + tl.arange(0, BK)
             kmask = k < K
-            x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            w = tl.load(wrow + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")      # bf16 values are exact in tf32
+            x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(wrow + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            if F32:                  # the interpreter: tf32 holds every bf16 / fp16 value, the products are exact
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
         tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
@@ -62,7 +64,7 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R and E:
         _experts_kernel[(E, triton.cdiv(N, BN))](x, w, offs, y, N, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
-                                               num_warps=WARPS)
+                                               F32=gpu_common.interpreting(), num_warps=WARPS)
     return y
 
 
