@@ -42,7 +42,11 @@ from pathlib import Path
 from typing import Dict, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ("backends.cpu.worker_preload", "launchers.cli", "orchestration.training", "core.assembly")
+# torch._dynamo last: every training run imports it (torch.optim's add_param_group is wrapped by
+# torch._disable_dynamo, and core.kernel_ops' op counter is built with torch.compiler.assume_constant_result),
+# about 0.5 s of CPU in each forked run and rank when the zygote had not (2026-12-04); imported here, after the
+# CPU shims, it sees what a run sees (no triton)
+PRELOAD = ("backends.cpu.worker_preload", "launchers.cli", "orchestration.training", "core.assembly", "torch._dynamo")
 FRESH_ENV = "DSV4_TEST_FRESH_CLI"
 #: Variables read when an interpreter starts or as a preloaded library is imported (the interpreter's own,
 #: OpenMP's, torch's logging and allocator settings, the trackers', the dynamic loader's): runs that differ in

@@ -8,4 +8,5 @@ def spawn_cpu_ranks(fn, args: tuple, nprocs: int) -> None:
     from backends.cpu.target import CpuTarget
     from orchestration.local_workers import start_processes
 
-    start_processes(fn, tuple(args), nprocs, CpuTarget())
+    # torch._dynamo too: each rank builds a model, whose op table imports it (tests/cli_process.py's PRELOAD)
+    start_processes(fn, tuple(args), nprocs, CpuTarget(), modules=("torch._dynamo",))
