@@ -55,14 +55,17 @@ def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
     out, work = tmp_path / "train-cli.json", tmp_path / "work"
     args = ["--hardware", "cpu", "--model", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1", "--batch", "1",
             "--out", str(out), "--work-dir", str(work)]
-    assert main(args + ["--layouts", "miles:1,miles:dp2,miles:ep2"]) == 0
+    # one layout of each launch: one process, and two ranks under torch.distributed.run (miles:ep2: data parallel 2
+    # with the experts split; a plain miles:dp2 row ran the same launch again, test_dp2_command_line checks its
+    # command, and tests/train/test_layouts.py trains data parallel 2 against one rank)
+    assert main(args + ["--layouts", "miles:1,miles:ep2"]) == 0
     res = json.loads(out.read_text())
     assert res["machine"].startswith("CPU") and res["torch"] == torch.__version__ and res["date"]
-    assert res["command"].startswith("python -m bench.train_cli ") and "miles:1,miles:dp2,miles:ep2" in res["command"]
+    assert res["command"].startswith("python -m bench.train_cli ") and "miles:1,miles:ep2" in res["command"]
     assert res["settings"]["seq"] == 64 and res["settings"]["model"] == "tiny"
     assert "needs CUDA" in res["reference"]["skipped"]
     rows = res["rows"]
-    assert [r["layout"] for r in rows] == ["miles:1", "miles:dp2", "miles:ep2"]
+    assert [r["layout"] for r in rows] == ["miles:1", "miles:ep2"]
     for r in rows:
         assert "error" not in r, r.get("log_tail")
         assert r["world_size"] == r["gpus"] and r["timed_steps"] == 1 and r["warmup_steps"] == 1
@@ -77,20 +80,32 @@ def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [m["peak_memory_gib"] for m in metrics] == [None, None]  # the trainer's row: None on the CPU
     assert rows[0]["scaling_efficiency"] is None
-    assert "--ep 2" in rows[2]["train_command"] and "--ep" not in rows[1]["train_command"]
-    for r in rows[1:]:
-        assert r["scaling_baseline"] == "miles:1"
-        assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_s_per_gpu"] / rows[0]["tokens_per_s_per_gpu"])
+    assert "--ep 2" in rows[1]["train_command"] and rows[1]["sequences_per_step"] == 2
+    assert rows[1]["scaling_baseline"] == "miles:1"
+    assert rows[1]["scaling_efficiency"] == pytest.approx(rows[1]["tokens_per_s_per_gpu"] / rows[0]["tokens_per_s_per_gpu"])
     table = capsys.readouterr().out
     assert "miles:ep2" in table and "FAILED" not in table
 
     # a layout dsv4 train refuses: a row with its error, the earlier rows kept
     assert main(args + ["--layouts", "megatron:tp2", "--append"]) == 1
     res = json.loads(out.read_text())
-    assert [r["layout"] for r in res["rows"]] == ["miles:1", "miles:dp2", "miles:ep2", "megatron:tp2"]
+    assert [r["layout"] for r in res["rows"]] == ["miles:1", "miles:ep2", "megatron:tp2"]
     assert "tensor-parallel size must be 1" in res["rows"][-1]["error"] and len(res["commands"]) == 2
     with pytest.raises(SystemExit, match="other settings"):
         main(args[:5] + ["128"] + args[6:] + ["--layouts", "miles:1", "--append"])
+
+
+def test_dp2_command_line(tmp_path):
+    """miles:dp2's row runs this command (the launch and the row are test_cpu_smoke_run's miles:ep2's): two ranks
+    under torch.distributed.run, one sequence each, no expert parallelism."""
+    from bench.train_cli import train_command
+
+    cmd = train_command(parse_layout("miles:dp2"), model="tiny", data=tmp_path / "d.jsonl", run_dir=tmp_path / "run",
+                        steps=2, hardware="cpu")
+    assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    assert cmd[7:12] == ["launchers.dsv4", "train", "--mode", "sft", "--hardware"]
+    assert "batch_size=2" in cmd and not {"--ep", "--tp", "--cp", "--qkv-format"} & set(cmd)
+    assert cmd[cmd.index("--impl") + 1] == "miles" and cmd[cmd.index("--steps") + 1] == "2"
 
 
 def test_profile_batch_and_options(tmp_path, monkeypatch, capsys):
