@@ -3,8 +3,9 @@ weight-export bucket throughput, on the small DeepSeek-V4 config of ``bench.conf
 
 ``python -m bench.parallel --layouts miles:tp1,miles:tp2,miles:cp2,megatron:cp1,megatron:cp2``
 
-Every layout runs ``world = tp * cp * ep`` processes (``torch.multiprocessing.spawn``), one GPU each, set
-up by the nvidia hardware target (NCCL, megatron's parallel groups); one layout after the other, so the
+Every layout runs ``world = tp * cp * ep`` processes (``torch.multiprocessing.spawn``; on the CPU forked from
+one preloaded server, as ``dsv4 train`` starts the cpu target's ranks), one GPU each, set up by the nvidia
+hardware target (NCCL, megatron's parallel groups); one layout after the other, so the
 numbers are side by side with the one-GPU run of the same code. Per step (eager, bf16, triton kernels):
 
 * ``tp`` (miles, BSHD): every rank sees the whole sequence; heads, o-groups, vocabulary and expert ffn are
@@ -198,8 +199,17 @@ def run_layout(layout: dict, seq: int, warmup: int, steps: int, hardware: str = 
         raise RuntimeError(f"{layout['name']} needs {layout['world']} GPUs; {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "res.pt"
-        mp.spawn(_worker, args=(layout, free_port(), seq, warmup, steps, str(out), hardware, model),
-                 nprocs=layout["world"], join=True)
+        args = (layout, free_port(), seq, warmup, steps, str(out), hardware, model)
+        if hardware == "cpu":
+            # the gloo ranks start as dsv4 train starts the cpu target's: forked from one server that imported
+            # torch, megatron-core and this module once (orchestration.local_workers), not a fresh interpreter
+            # per rank and layout; torch._dynamo too, which each rank's model build imports
+            from backends.cpu.target import CpuTarget
+            from orchestration.local_workers import start_processes
+
+            start_processes(_worker, args, layout["world"], CpuTarget(), modules=("torch._dynamo",))
+        else:
+            mp.spawn(_worker, args=args, nprocs=layout["world"], join=True)
         return torch.load(out)
 
 
