@@ -6,8 +6,9 @@ run does: ``backends.megatron.stage``).
   (with four ranks, 2 stages x expert parallel 2, the two-rank expert-parallel run's): on the tiny model (4
   decoder layers: 2 per stage) with three micro-batches of unequal rows (``micro_batch_size=3`` of 8 sequences:
   3, 3, 2, so the padded stream exchange is exercised), every step's loss, MTP loss and gradient norm and the
-  final fp32 weights of the run's checkpoint equal the one-rank run's; so do they with ``recompute=full`` (each
-  stage checkpoints its own blocks), and for the megatron implementation against its own one-rank run; so does
+  final fp32 weights of the run's checkpoint equal the one-rank run's; so do the miles ``--vpp 2`` steps with
+  ``recompute=full`` (each rank checkpoints its own blocks) and the megatron implementation's ``--pp 2`` and
+  ``--vpp 2`` steps against its own one-rank run (in the resume tests below); so does
   ``dsv4 full-train --pp 2``'s first step. Tolerance: 1e-6 relative for the loss and the norm, 1e-6 absolute on
   every weight after three AdamW steps; both runs are fp32 and each stage runs the one-rank ops on the same rows
   in the same order (the streams travel in fp32, losslessly), so only the gradient norm's fp64 sum of squares is
@@ -111,27 +112,29 @@ def straight_ep2(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("impl,knobs", [("miles", ()), ("miles", ("recompute=full",)), ("megatron", ())],
-                         ids=["plain", "recompute", "megatron"])
-def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, one_rank, impl, knobs):
-    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--steps", "3", *knobs)
+def test_sft_with_two_stages_takes_the_one_rank_steps(tmp_path, straight):
+    """Three steps from the HF checkpoint at --pp 2 (the miles implementation; megatron's two stages start from it
+    in the --vpp 2 test and train a --pp 2 step in the checkpoint test; recompute=full: the miles --vpp 2 test)."""
+    train_cli(tmp_path / "run", *SFT, *PP2, "--steps", "3")
     assert metrics_rows(tmp_path / "run")[0]["world_size"] == 2
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert state["layout"]["pp"] == 2 and state["layout"]["dp"] == 1
-    _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
+    _assert_same_run(tmp_path / "run", straight, [1, 2, 3])
 
 
-@pytest.mark.parametrize("impl", ["miles", "megatron"])
-def test_virtual_stages_take_the_one_rank_steps_and_resume_on_one_rank(tmp_path, one_rank, impl):
+@pytest.mark.parametrize("impl,knobs", [("miles", ("recompute=full",)), ("megatron", ())],
+                         ids=["miles-recompute", "megatron"])
+def test_virtual_stages_take_the_one_rank_steps_and_resume_on_one_rank(tmp_path, one_rank, impl, knobs):
     """`--pp 2 --vpp 2` (megatron-core's interleaved 1F1B; each rank holds two chunks of one layer: rank 0 layers 0
     and 2, rank 1 layers 1 and 3, the streams and embeddings passing rank 0 -> 1 -> 0 -> 1) over three
     micro-batches (not a multiple of --pp: the schedule runs them as one group per chunk): two SFT steps equal the
     one-rank run's, and their checkpoint (global names, each rank's chunks) resumes at --pp 1 into the
-    uninterrupted run's step 3 and weights."""
-    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--vpp", "2", "--steps", "2")
+    uninterrupted run's step 3 and weights. The miles run has recompute=full (each rank checkpoints the blocks of
+    its chunks; the same ops again, so the same steps): a --pp 2 run of its own before (2026-12-04)."""
+    train_cli(tmp_path / "run", *_sft(impl), *PP2, "--vpp", "2", "--steps", "2", *knobs)
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["layout"]["pp"] == 2 and state["layout"]["vpp"] == 2
-    train_cli(tmp_path / "run", *_sft(impl), "--steps", "3", "--resume")
+    train_cli(tmp_path / "run", *_sft(impl), "--steps", "3", "--resume", *knobs)
     _assert_same_run(tmp_path / "run", one_rank(impl), [1, 2, 3])
 
 
@@ -168,11 +171,13 @@ def test_checkpoints_move_between_one_rank_and_two_stages(tmp_path, one_rank, im
     own tensors and optimizer state), whose step 2 and the weights after it are the uninterrupted run's; then
     every rank is SIGKILLed in step 3's training phase (stage 0 may be waiting on stage 1's gradients), and step
     2's checkpoint, written by both stages, resumes at --pp 1: step 3 and its weights are the uninterrupted
-    run's (the weights after a resumed step depend on the restored Adam moments and step counts)."""
+    run's (the weights after a resumed step depend on the restored Adam moments and step counts). Megatron's
+    plain --pp 2 step is this one (a three-step run of its own before, 2026-12-04)."""
     run = _stopped_at(one_rank(impl), 1, tmp_path / "run")          # step 1 on one rank
     killed = train_cli(run, *_sft(impl), *PP2, "--steps", "3", "--resume", env={"DSV4_TRAIN_KILL_AT": "3:train"},
                        check=False)
     assert killed.returncode == 1 and "error: rank" in killed.stderr and "Traceback" not in killed.stderr
+    assert (run / "checkpoints" / "step_000002").exists(), killed.stderr[-3000:]
     assert not (run / "checkpoints" / "step_000003").exists()
     state = json.loads((run / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["layout"]["pp"] == 2 and state["layout"]["world"] == 2
