@@ -17,13 +17,15 @@ def test_sft_lowers_the_loss_on_the_builtin_data(tmp_path, impl):
 
     c = preset("tiny").replace(n_layers=2, compress_ratios=(0, 0, 0), n_hash_layers=1)
     rc = normalize(Choices(impl=impl, model=c), make_host(third_party=False), model_name="small")
-    run_training(rc, c, mode="sft", steps=30, run_dir=tmp_path / "run", batch_size=8, lr=2e-3,
+    # 15 steps: the mean of the last three losses is 0.39 of the first three's for both implementations (0.34-0.36
+    # after 30 steps, which this ran before; 0.43 after 10), against the bound of 0.6
+    run_training(rc, c, mode="sft", steps=15, run_dir=tmp_path / "run", batch_size=8, lr=2e-3,
                  save_every=100, save_at_end=impl == "miles", export_at_end=False, mtp_coef=0.3, progress=False)
     rows = read_metrics(tmp_path / "run")
     # save_every=100 is past the run: the one checkpoint is the last step's, and save_at_end=False skips it
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
-    assert saved == (["step_000030"] if impl == "miles" else []), saved
-    assert len(rows) == 30
+    assert saved == (["step_000015"] if impl == "miles" else []), saved
+    assert len(rows) == 15
     losses = [r["loss"] for r in rows]
     assert all(math.isfinite(x) for x in losses)
     assert rows[0]["reward_mean"] is None and rows[0]["time_rollout"] == 0.0
