@@ -3,14 +3,17 @@
     python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny|flash-shaped|bench]
                             [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
                             [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
-                            [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--out FILE.json]
+                            [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--top-p 1.0]
+                            [--layers N] [--out FILE.json]
 
 ``--model bench`` is the training benchmark's small config (``bench.configs.bench_config``); the others are
-``core.config`` presets. Random weights (``init_weights``, seeded; on a GPU drawn there, so their values
+``core.config`` presets; ``--layers N`` deepens (or shortens) one to ``N`` trunk layers, repeating its
+pattern of attention kinds (what a compile costs against depth, without a full-size model). Random weights (``init_weights``, seeded; on a GPU drawn there, so their values
 differ from a CPU run's) are loaded through the engine's weight-update calls; transformers' ``DeepseekV4ForCausalLM`` gets the same tensors through
 ``tests.reference.hf_mapping.official_to_hf``. For each batch size ``B`` (sequences decoded together): ``B``
-random prompts of ``--prompt-len`` tokens (one sample each), temperature 1, top-p 0.95, no stop token, so
-every sequence generates ``--new-tokens`` tokens. Rows (``--rows``):
+random prompts of ``--prompt-len`` tokens (one sample each), temperature 1, top-p ``--top-p`` (default 1.0,
+``dsv4 train``'s: a GRPO rollout samples the whole distribution; below 1 the sampler sorts the vocabulary
+every step), no stop token, so every sequence generates ``--new-tokens`` tokens. Rows (``--rows``):
 
 * ``cached``: ``ReferenceEngine`` (KV cache, static-slot decode step, CUDA graphs on CUDA unless
   ``--cuda-graphs off``; with ``--compile on`` the step is TorchInductor code, compiled per slot bucket by
@@ -69,14 +72,24 @@ def _short_machine(device: torch.device) -> str:
     return next((k for k in ("h200", "h100", "b200", "a100") if k in name), "gpu")
 
 
-def model_config(name: str):
+def model_config(name: str, layers=None):
+    """The preset ``name`` (or the training benchmark's config), with ``layers`` trunk layers when given: its
+    trunk's compress ratios repeated (or cut) to that depth, its MTP layers and hash-routed layers kept."""
     if name == "bench":
         from bench.configs import bench_config
 
-        return bench_config()
-    from core.config import preset
+        config = bench_config()
+    else:
+        from core.config import preset
 
-    return preset(name)
+        config = preset(name)
+    if layers is None or layers == config.n_layers:
+        return config
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    trunk, mtp = config.compress_ratios[:config.n_layers], config.compress_ratios[config.n_layers:]
+    return config.replace(n_layers=layers, compress_ratios=tuple((trunk * layers)[:layers]) + tuple(mtp),
+                          n_hash_layers=min(config.n_hash_layers, layers))
 
 
 def weight_bytes_per_token(model) -> int:
@@ -189,14 +202,14 @@ def _transformers_model(config, weights, device, dtype):
     return m.to(device).eval(), f"transformers {transformers.__version__}, attn eager, cache on"
 
 
-def _transformers_generate(config, weights, device, dtype):
+def _transformers_generate(config, weights, device, dtype, top_p: float = 1.0):
     """``(generate(ids, new_tokens) -> [B, new_tokens] ids, note)``, or raises with the reason it cannot run."""
     m, note = _transformers_model(config, weights, device, dtype)
 
     @torch.no_grad()
     def generate(ids, new_tokens):
         out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=0.95, top_k=0,
+                         min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=top_p, top_k=0,
                          use_cache=True, pad_token_id=0)
         return out[:, ids.shape[1]:]
 
@@ -216,7 +229,7 @@ def _row(name, B, P, T, t_pre, t_full, generated, extra):
 def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
               cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none",
-              compile=False, on_row=None, profile_steps: int = 0) -> dict:
+              compile=False, on_row=None, profile_steps: int = 0, top_p: float = 1.0, layers=None) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
     the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
     ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name). ``on_row``: called
@@ -225,11 +238,11 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
     (:func:`profile_decode`, the row's ``profile``)."""
     from rollout.reference_engine import SamplingParams
 
-    config = model_config(model)
+    config = model_config(model, layers)
     dev = torch.device(device)
     lo, hi = (prompt_len[0], prompt_len[-1])
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new_tokens, stop_token_ids=())
-    one = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=1, stop_token_ids=())
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=new_tokens, stop_token_ids=())
+    one = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=1, stop_token_ids=())
     hbm = hbm or (HBM_BYTES_PER_S.get(_short_machine(dev)) if dev.type == "cuda" else None)
     out_rows, weights, wbytes = [], None, None
 
@@ -239,7 +252,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
             if r["engine"] == "cached" and r.get("batch") in base:
                 r["speedup_vs_transformers"] = round(r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"], 2)
         return dict(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=_machine(dev),
-                    model=model, device=str(dev), dtype=dtype, batch=list(batch), prompt_len=list(prompt_len),
+                    model=model, n_layers=config.n_layers, top_p=top_p, device=str(dev), dtype=dtype, batch=list(batch), prompt_len=list(prompt_len),
                     new_tokens=new_tokens, kernel_backend=kernel_backend, hbm_bytes_per_s=hbm,
                     weight_bytes_per_token=wbytes, rows=out_rows)
 
@@ -253,7 +266,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
             try:
                 gen, note = _transformers_generate(config, weights or _engine(config, "cpu", DTYPES[dtype],
                                                                                seed).model.state_dict(),
-                                                   dev, DTYPES[dtype])
+                                                   dev, DTYPES[dtype], top_p)
             except Exception as e:          # recorded in the row: the table says why there is no number
                 add(dict(engine=name, skipped=f"{type(e).__name__}: {e}"[:300]))
                 continue
@@ -360,6 +373,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="cached rows: profile this many decode steps (kernels per step, the costliest ones)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: dsv4 train's default)")
+    p.add_argument("--layers", type=int, default=None, help="trunk layers (default: the preset's)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared host)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/rollout-MACHINE.json)")
     a = p.parse_args(argv)
@@ -373,7 +388,8 @@ def main(argv=None) -> int:
     dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
     graphs = None if a.cuda_graphs is None else a.cuda_graphs == "on"
     machine = _short_machine(torch.device(a.device))
-    out = a.out or Path(__file__).parent / "results" / f"rollout-{machine}{'' if a.model == 'tiny' else '-' + a.model}.json"
+    name = f"{'' if a.model == 'tiny' else '-' + a.model}{'' if a.layers is None else f'-{a.layers}layers'}"
+    out = a.out or Path(__file__).parent / "results" / f"rollout-{machine}{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(result: dict) -> None:
@@ -391,7 +407,7 @@ def main(argv=None) -> int:
                        prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
                        rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
                        kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=row_done,
-                       profile_steps=a.profile_steps)
+                       profile_steps=a.profile_steps, top_p=a.top_p, layers=a.layers)
     print(format_table(result))
     write(result)
     print(f"wrote {out}")

@@ -14,9 +14,10 @@ capture's warm-up runs write into the (empty) slots. The graphs share one memory
 is harmless. Weight updates copy into the same parameter tensors, so the graphs stay valid across them.
 
 ``compile``: the step's device work (:func:`~kernels.reference.slots.static_step_body`) runs as TorchInductor
-code (``torch.compile``, default mode, automatic dynamic shapes: the first bucket compiles with static sizes,
-the next one recompiles once with the slot count symbolic, and that code serves every later bucket but one
-slot, which dynamo specializes: three compiles for any number of buckets, not one each), which fuses the
+code (``torch.compile``, default mode) region by region: the embedding, one layer, the head
+(:func:`compiled_decode_step`). A compiled layer serves every layer of the same structure, and the slot
+count is symbolic from the first compile (one slot is specialized), so the compiles are two per layer kind
+and region, whatever the depth and the number of buckets. Inductor fuses the
 thousands of small element-wise kernels of a step (mHC and its Sinkhorn iterations, norms, RoPE, the
 compressors' pooling, casts) into a few Triton kernels. The host-side checks
 (:func:`~kernels.reference.slots.static_step_checks`) run eagerly before it. With CUDA graphs the decoder
@@ -36,12 +37,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from kernels.reference.decode import DecodeCache
-from kernels.reference.slots import SlotCache, static_decode_step, static_step_body, static_step_checks
+from kernels.reference.slots import (SlotCache, StepRegions, decode_embed, decode_head, decode_layer,
+                                    static_decode_step, static_step_body, static_step_checks)
 
 __all__ = ["SlotDecoder", "graph_buckets", "compiled_decode_step"]
 
-# dynamo compiles static_step_body once per bucket and configuration (model config, op table, dtype) and keeps
-# every variant in one cache; past this many it would stop compiling (fullgraph: raise), so leave room
+# dynamo compiles each region (decode_layer: once per layer kind) for one slot and for more, per configuration
+# (model config, op table, dtype), and keeps every variant in one cache; past this many it would stop
+# compiling (fullgraph: raise), so leave room
 _RECOMPILE_LIMIT = 64
 
 
@@ -54,10 +57,42 @@ def graph_buckets(slots: int) -> List[int]:
     return out + [slots]
 
 
+def _slot_dims_dynamic(obj) -> None:
+    """Mark dimension 0 (the slot count) of every tensor in ``obj`` (a tensor, or a cache dataclass holding
+    them) dynamic, so that the first compile serves every bucket of two or more slots."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() and obj.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(obj, 0)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            _slot_dims_dynamic(getattr(obj, f.name))
+
+
+def _region(fn, compile_kwargs):
+    """``fn`` compiled by ``torch.compile(**compile_kwargs)``, its tensor arguments' slot dimension marked
+    dynamic before each call."""
+    compiled = torch.compile(fn, **compile_kwargs)
+
+    def call(*args):
+        for a in args:
+            _slot_dims_dynamic(a)
+        return compiled(*args)
+
+    return call
+
+
 def compiled_decode_step(backend: str = "inductor", fullgraph: bool = True):
     """:func:`~kernels.reference.slots.static_decode_step` with its device work compiled by ``torch.compile``
     (``backend``; tests pass ``"aot_eager"`` to trace without generating code). ``fullgraph``: refuse graph
     breaks (False when a kernel backend's ops are left eager inside).
+
+    Compiled by region (:class:`~kernels.reference.slots.StepRegions`): the embedding, one layer
+    (:func:`~kernels.reference.slots.decode_layer`), the head. Dynamo guards a compiled layer on its
+    structure (attention kind, hash or learned routing, the MoE path), not on which layer it is, so layers
+    alike share one compile: a model's distinct layer kinds are compiled, not its depth (V4-Flash: 43
+    layers, a handful of kinds). The slot count is dynamic from the first compile (automatic dynamic shapes
+    off, so no other size turns symbolic because two kinds differ), and one slot is specialized: two
+    compiles per region for any number of buckets.
 
     Inductor rounds each intermediate to the dtype the eager step rounds it to (``emulate_precision_casts``)
     instead of keeping fused bf16 chains in fp32: the compiled step then differs from the eager one (and the
@@ -65,12 +100,15 @@ def compiled_decode_step(backend: str = "inductor", fullgraph: bool = True):
     dynamo_config = torch._dynamo.config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
     options = {"emulate_precision_casts": True} if backend == "inductor" else None
-    body = torch.compile(static_step_body, backend=backend, dynamic=None, fullgraph=fullgraph, options=options)
+    kwargs = dict(backend=backend, dynamic=None, fullgraph=fullgraph, options=options)
+    regions = StepRegions(embed=_region(decode_embed, kwargs), layer=_region(decode_layer, kwargs),
+                          head=_region(decode_head, kwargs))
 
     def step(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor, indexer_picks: bool = False):
         paths = static_step_checks(model, tokens)
-        with dynamo_config.patch(fail_on_recompile_limit_hit=True):   # never fall back to eager quietly
-            return body(model, cache, tokens, active, paths, indexer_picks)
+        # never fall back to eager quietly; no size but the slot count turns symbolic
+        with dynamo_config.patch(fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False):
+            return static_step_body(model, cache, tokens, active, paths, indexer_picks, regions)
 
     return step
 

@@ -147,10 +147,13 @@ def select_experts(scores: torch.Tensor, *, topk: int, route_scale: float, score
     return w * route_scale, idx
 
 
-def route(router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor | None, bias: torch.Tensor | None):
+def route(router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor | None, bias: torch.Tensor | None,
+          replay: bool = True):
     """A router's forward, shared by the reference Gate and the megatron-core router: gate scores
     from ``router.weight``, then :func:`select_experts` with the router's settings (``topk``,
-    ``route_scale``, ``score_func``, ``hash``/``tid2eid``, ``replayable``/``layer_id``)."""
+    ``route_scale``, ``score_func``, ``hash``/``tid2eid``, ``replayable``/``layer_id``). ``replay=False``
+    skips the routing seam (the static decode step, which refuses an installed hook: its compiled layer
+    then does not depend on the layer's id)."""
     ct = compute_dtype(x)
     scores = route_scores(F.linear(x.to(ct), router.weight.to(ct)), router.score_func)
     return select_experts(
@@ -161,7 +164,7 @@ def route(router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor | None, bi
         tid2eid=router.tid2eid if router.hash else None,
         input_ids=input_ids,
         bias=bias,
-        replay_layer=router.layer_id if (router.replayable and not router.hash) else None,
+        replay_layer=router.layer_id if (replay and router.replayable and not router.hash) else None,
     )
 
 

@@ -36,7 +36,7 @@ default).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +44,13 @@ import torch.nn.functional as F
 from .compressor import Compressor, hadamard_transform
 from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq
 from .layers import compute_dtype, linear_fp32
-from .moe import _has_negative_ids, current_routing_hook, swiglu
+from .moe import _has_negative_ids, current_routing_hook, route, swiglu
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
 __all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "static_decode_step",
-           "static_step_checks", "static_step_body"]
+           "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS", "decode_embed", "decode_layer",
+           "decode_head"]
 
 
 def _map_tensors(obj, fn, other=None):
@@ -273,7 +274,8 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     """:func:`moe_decode` once its host-side checks have passed (traceable: no ``data_ptr``, no device query)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    weights, idx = moe.gate(x, input_ids)
+    gate = moe.gate                # the routing seam is not consulted (static_step_checks refuses a hook)
+    weights, idx = route(gate, x, input_ids, None if gate.hash else gate.bias, replay=False)
     ct = compute_dtype(x)
     st = moe._expert_stacks
     w13, w2 = (st[n].to(x.dtype) for n in ("w13", "w2"))
@@ -325,28 +327,66 @@ def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: to
                             indexer_picks)
 
 
+def decode_embed(model, ids: torch.Tensor) -> torch.Tensor:
+    """``ids [b, 1]`` -> the trunk's ``hc_mult`` residual streams ``[b, 1, n, d]`` (the embedding, copied)."""
+    return model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+
+
+def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, path: str,
+                 want_picks: bool = False):
+    """``Block.forward`` for one token per slot: ``x [b, 1, n, d]`` -> ``(x, experts [b, k], picks)``, the
+    layer's cache updated in place; ``picks``: the CSA indexer's top-k ``[b, k]`` with ``want_picks`` on a
+    CSA layer, else None. One layer's device work, so a compiler can compile it once for every layer of the
+    same structure (``rollout.slot_decoder.compiled_decode_step``)."""
+    picks = [] if want_picks else None
+    u, post, comb = layer._hc("attn", x)
+    att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks)
+    x = layer.hc_post(att, x, post, comb)
+    u, post, comb = layer._hc("ffn", x)
+    f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
+    x = layer.hc_post(f, x, post, comb)
+    return x, idx, (picks[0] if picks else None)
+
+
+def decode_head(model, x: torch.Tensor) -> torch.Tensor:
+    """The trunk's streams ``[b, 1, n, d]`` -> fp32 logits ``[b, V]``."""
+    return _final_logits(model, x)[:, 0]
+
+
+@dataclass(frozen=True)
+class StepRegions:
+    """The three parts of a step's device work: the embedding, one layer, the head. The plain functions by
+    default; the rollout engine's ``compile`` option passes compiled ones (one compiled layer serves every
+    layer of its structure, instead of one graph of the whole unrolled model)."""
+    embed: Callable = decode_embed
+    layer: Callable = decode_layer
+    head: Callable = decode_head
+
+
+EAGER_REGIONS = StepRegions()
+
+
 def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torch.Tensor,
-                     moe_paths: Sequence[str], indexer_picks: bool = False):
+                     moe_paths: Sequence[str], indexer_picks: bool = False,
+                     regions: StepRegions = EAGER_REGIONS):
     """The device work of :func:`static_decode_step` (``moe_paths``: one per layer, from
-    :func:`static_step_checks`): pure tensor code, no host sync, traceable by ``torch.compile``."""
+    :func:`static_step_checks`): pure tensor code, no host sync, traceable by ``torch.compile``. ``regions``:
+    the functions that run its parts (:class:`StepRegions`)."""
     ids = tokens[:, None]
-    x = model.embed(ids).unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+    x = regions.embed(model, ids)
     routes = []
     picks = [] if indexer_picks else None
-    for layer, lc, path in zip(model.layers, cache.layers, moe_paths):          # Block.forward, one token
-        u, post, comb = layer._hc("attn", x)
-        att = _attend(layer.attn, layer.attn_norm(u), lc, cache.pos, _compress_masked, picks)
-        x = layer.hc_post(att, x, post, comb)
-        u, post, comb = layer._hc("ffn", x)
-        f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
-        x = layer.hc_post(f, x, post, comb)
+    for layer, lc, path in zip(model.layers, cache.layers, moe_paths):
+        x, idx, pick = regions.layer(layer, lc, x, ids, cache.pos, path, indexer_picks)
         if not layer.ffn.gate.hash:
             routes.append(idx)
+        if pick is not None:
+            picks.append(pick)
     cache.pos.add_(active.to(cache.pos.dtype))
     k = model.config.n_activated_experts
     routes = torch.stack(routes, dim=1) if routes else torch.empty(len(tokens), 0, k, dtype=torch.long,
                                                                    device=tokens.device)
-    logits = _final_logits(model, x)[:, 0]
+    logits = regions.head(model, x)
     if picks is None:
         return logits, routes
     topk = model.config.index_topk

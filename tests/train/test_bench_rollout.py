@@ -58,6 +58,40 @@ def test_the_compile_flag_reaches_the_engine(monkeypatch):
     assert seen == [True, False]
 
 
+def test_layers_and_top_p_reach_the_engine(monkeypatch):
+    """``--layers 8`` builds the preset eight trunk layers deep, its attention kinds repeated and its hash
+    layers kept; ``--top-p`` (default 1.0, ``dsv4 train``'s) is the sampling the timed calls use."""
+    from bench import rollout
+    from rollout import reference_engine as engines
+
+    tiny = rollout.model_config("tiny")
+    deep = rollout.model_config("tiny", 8)
+    assert deep.n_layers == 8 and deep.n_hash_layers == tiny.n_hash_layers
+    assert deep.compress_ratios == tiny.compress_ratios[:4] * 2 + tiny.compress_ratios[4:]
+    assert rollout.model_config("tiny", 4) == tiny
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    real = engines.ReferenceEngine
+
+    def engine(config, **kw):
+        e = real(config, **kw)
+
+        def generate(prompts, params, **k):
+            seen.append((config.n_layers, params.top_p))
+            raise Stop
+        e.generate = generate
+        return e
+
+    monkeypatch.setattr(engines, "ReferenceEngine", engine)
+    for argv, want in (([], (4, 1.0)), (["--layers", "6", "--top-p", "0.9"], (6, 0.9))):
+        with pytest.raises(Stop):
+            rollout.main(["--device", "cpu", "--rows", "cached", "--batch", "1", *argv])
+        assert seen[-1] == want
+
+
 def test_the_transformers_row_loads_every_weight_without_a_random_init():
     """The transformers row builds its model under ``no_init_weights`` (the Flash-shaped preset's random init
     took minutes of one CPU core) and loads the engine's weights into every parameter: its greedy tokens are

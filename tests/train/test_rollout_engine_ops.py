@@ -151,6 +151,47 @@ def test_the_compiled_decode_step_draws_the_eager_steps_samples():
     assert 0 < ran["fake.hc_pre"] < eager_ran["fake.hc_pre"]
 
 
+def test_the_compiled_step_compiles_each_layer_kind_once_for_every_slot_count():
+    """Regional compile: six layers of four kinds (window, CSA and HCA attention; hash and learned routing)
+    give four layer graphs, plus the embedding's and the head's, and the slot count is symbolic from the
+    first compile (four slots, then two, compile nothing new). Every step equals the eager one bit for bit
+    (``aot_eager``)."""
+    import torch._dynamo
+    import torch._dynamo.utils
+
+    from kernels.reference.decode import prefill
+    from kernels.reference.model import DeepseekV4Model, init_weights
+    from kernels.reference.slots import SlotCache, stack_expert_weights, static_decode_step
+    from rollout.slot_decoder import compiled_decode_step
+
+    cfg = CFG.replace(n_layers=6, compress_ratios=(0, 4, 128, 4, 4, 128, 0))      # two hash layers (tiny's)
+    kinds = {(r, cfg.is_hash_layer(i)) for i, r in enumerate(cfg.compress_ratios[:cfg.n_layers])}
+    assert len(kinds) == 4
+    m = DeepseekV4Model(cfg).eval()
+    init_weights(m, 0, std=0.05)
+    m.requires_grad_(False)
+    stack_expert_weights(m)
+    with torch.no_grad():
+        dyn, _ = prefill(m, [[5, 6, 7], list(range(2, 40)), list(range(3, 20))], max_len=48)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    start = graphs["unique_graphs"]
+    step = compiled_decode_step("aot_eager")
+    g = torch.Generator().manual_seed(3)
+    for b, want_graphs in ((4, len(kinds) + 2), (2, len(kinds) + 2)):
+        eager, compiled = SlotCache.like(dyn, b), SlotCache.like(dyn, b)
+        for c in (eager, compiled):
+            c.load(range(min(3, b)), dyn, range(min(3, b)))
+        for _ in range(2):
+            tokens = torch.randint(2, 1000, (b,), generator=g)
+            active = torch.ones(b, dtype=torch.bool)
+            with torch.no_grad():
+                want = static_decode_step(m, eager, tokens, active, indexer_picks=True)
+                got = step(m, compiled, tokens, active, indexer_picks=True)
+            assert all(torch.equal(x, y) for x, y in zip(got, want))
+        assert graphs["unique_graphs"] - start == want_graphs, (b, graphs["unique_graphs"] - start)
+
+
 def test_the_rollout_settings_reach_the_engine():
     from rollout.reference_engine import ReferenceEngine, make_reference_engine
     from train.trainer import TrainConfig
