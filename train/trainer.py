@@ -98,9 +98,9 @@ class TrainConfig:
     # (continuous batching: a finished sample's slot takes the next waiting one; None = every sample of the
     # step at once), whether its decode step replays CUDA graphs (None = on for a CUDA device; true on
     # the CPU is refused), and whether the decode step runs as torch.compile (Inductor) code, compiled when the
-    # engine first decodes (at most three compiles for all slot buckets; off by default: on an H200 building
-    # the bench config's slots with it took 54 s, which a short run does not win back). Samples do not depend
-    # on the first two.
+    # engine first decodes (by region: two compiles per layer kind, whatever the depth and slot buckets; off by
+    # default: on an H200 building the bench config's slots with it took 54 s, which a short run does not win
+    # back). Samples do not depend on the first two.
     rollout_max_slots: Optional[int] = None
     rollout_cuda_graphs: Optional[bool] = None
     rollout_compile: bool = False

@@ -15,13 +15,13 @@
   their bf16 rounding differ), and at least half the samples are identical;
 * continuous batching on the GPU (3 slots for 9 samples, early stops, graphs on) draws the all-at-once
   samples;
-* ``compile=True`` (the decode step as Inductor code inside the CUDA graphs; two slots, so two buckets and two
-  compiles): teacher-forced on the compiled engine's own samples, the compiled step's log-probabilities of
+* ``compile=True`` (the decode step as Inductor code inside the CUDA graphs, by region; two slots, so two
+  buckets, each region compiled for one slot and for more): teacher-forced on the compiled engine's own samples, the compiled step's log-probabilities of
   the fed tokens follow the eager step's without graphs (bf16: mean |diff| <= 1e-2, max <= 0.3 nats; the
   summation order differs, so the sampled tokens may too; on the CPU the same comparison measured 7.3e-4
   mean, and a wrong cache moves them by about 0.25 nats on average), and they are the log-probabilities the
   engine drew with. With ``--kernel-backend triton`` the backend's kernels (custom ops) trace into the
-  compiled, graphed step as one graph (``fullgraph``) and the samples follow the reference-op engine's;
+  compiled, graphed step, each region one graph (``fullgraph``) and the samples follow the reference-op engine's;
 * the assembly of ``--hardware nvidia`` builds the engine on the current CUDA device, and a two-step GRPO
   run (miles, bf16) rolls out on it;
 * ``indexer_replay=true`` on ``--hardware nvidia`` (miles and megatron packed; the reference ops and triton):
@@ -186,8 +186,8 @@ def test_compiled_graph_decode_follows_the_eager_step_bf16(train_model):
 
 def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     """``--kernel-backend triton`` with ``compile=True`` and CUDA graphs (one slot: one bucket to compile): the
-    backend's decode kernels are custom ops (``kernels.gpu_ops``), so the step compiles as one graph
-    (``fullgraph``: a graph break would raise) and its kernels are recorded into the CUDA graph; the samples
+    backend's decode kernels are custom ops (``kernels.gpu_ops``), so each region of the step compiles as one
+    graph (``fullgraph``: a graph break would raise) and its kernels are recorded into the CUDA graph; the samples
     follow the reference-op engine's (as in test_the_engine_runs_the_runs_gpu_kernels)."""
     pytest.importorskip("triton")
     from core.assembly import assemble
