@@ -107,7 +107,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
 
 
 def sft_loss_sum(logp: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    m = mask.to(logp.dtype)
+    m = mask.to(logp.device, logp.dtype)
     return -(logp * m).sum(), m.sum()
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from core import weight_contract as wc
 from core.thd import pack_rows
 
+from engine.detached import detached_weights
 from engine.row_gather import gather_rows
 from kernels.reference.layers import label_logprobs
 from rollout.logprobs import next_token_logprobs
@@ -181,28 +182,6 @@ class ReferenceTrainModel(_TrainModelBase):
         from core.checkpoint import load_into, open_checkpoint
 
         load_into(self.model, open_checkpoint(path, config=self.config), progress=False)
-
-
-@contextlib.contextmanager
-def detached_weights(module: nn.Module, paths=("embedding.word_embeddings", "output_layer")):
-    """Inside the context, ``<path>.weight`` of ``module`` reads as a DETACHED tensor (same storage), so
-    whatever is computed with it sends no gradient to that parameter. Restored on exit."""
-    held = []
-    try:
-        for path in paths:
-            try:
-                sub = module.get_submodule(path)
-            except AttributeError:
-                continue
-            p = sub._parameters.get("weight")
-            if p is None:
-                continue
-            held.append((sub, p))
-            sub._parameters["weight"] = p.detach()   # bypasses nn.Module's Parameter-only assignment check
-        yield
-    finally:
-        for sub, p in held:
-            sub._parameters["weight"] = p
 
 
 @contextlib.contextmanager

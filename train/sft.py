@@ -36,12 +36,21 @@ def _batch(run, step: int):
     return ids, mask, [len(q) for q in seqs]
 
 
-def _micro_batch(run, ids, mask, lengths: List[int], idx: List[int]):
-    """``(ids, mask, forward options)`` of the rows ``idx`` (packed: trimmed to their longest sequence)."""
-    if not run.packed:
-        return ids[idx], mask[idx], {}
-    Sm = max(lengths[i] for i in idx)
-    return ids[idx, :Sm], mask[idx, :Sm - 1], {"lengths": [lengths[i] for i in idx]}
+def _micro_batch(run, ids, mask, lengths: List[int], idx: List[int]) -> dict:
+    """Rows ``idx``: ``ids``, ``mask``, ``kw`` (packed: trimmed to the longest), response tokens ``n``. Rows for a GPU
+    model go there without a stream sync, so log-probs, loss and sums stay there (a blocking copy each way
+    synchronised the host between each micro-batch's forward and backward)."""
+    Sm = max(lengths[i] for i in idx) if run.packed else ids.shape[1]
+    ids, mask, kw = ids[idx, :Sm], mask[idx, :Sm - 1], ({"lengths": [lengths[i] for i in idx]} if run.packed else {})
+    n, dev = float(mask.sum()), getattr(run.model, "device", None)
+    if not run.packed and not pipelined() and dev is not None and torch.device(dev).type == "cuda":
+        ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+    return dict(ids=ids, mask=mask, kw=kw, n=n)
+
+
+def _add(acc, key: str, value: torch.Tensor) -> None:
+    """A step sum on the device (read after the optimizer step); floats where the pipeline broadcasts them."""
+    acc[key] = acc[key] + (float(value) if pipelined() else value.detach())
 
 
 def _loss(run, it, fwd, n_global: float, acc) -> torch.Tensor:
@@ -49,16 +58,16 @@ def _loss(run, it, fwd, n_global: float, acc) -> torch.Tensor:
     own term weighted by its token share; adds each term to ``acc``."""
     cfg, sub_ids, sub_mask = run.cfg, it["ids"], it["mask"]
     loss = sft_loss_sum(fwd.logprobs, sub_mask)[0] / n_global
-    frac = float(sub_mask.sum()) / n_global     # MTP and aux terms weighted by token share
+    frac = it["n"] / n_global     # MTP and aux terms weighted by token share
     total = loss
     mtp = mtp_loss(fwd.mtp_logits, sub_ids, sub_mask) if cfg.mtp_coef > 0 else None
     if mtp is not None:
-        total = total + cfg.mtp_coef * mtp * frac
-        acc["mtp"], acc["have_mtp"] = acc["mtp"] + float(mtp.detach()) * frac, 1.0
+        total, acc["have_mtp"] = total + cfg.mtp_coef * mtp * frac, 1.0
+        _add(acc, "mtp", mtp * frac)
     if fwd.aux_loss is not None:
-        total = total + fwd.aux_loss * frac
-        acc["aux"], acc["have_aux"] = acc["aux"] + float(fwd.aux_loss.detach()) * frac, 1.0
-    acc["loss"] += float(loss.detach())
+        total, acc["have_aux"] = total + fwd.aux_loss * frac, 1.0
+        _add(acc, "aux", fwd.aux_loss * frac)
+    _add(acc, "loss", loss)
     return total
 
 
@@ -76,7 +85,7 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     else:                            # micro_batch_size rows each (one micro-batch when it is not set)
         mbs, eff = [list(range(ids.shape[0]))[rows] for rows in run.row_chunks(ids.shape[0])], None
     acc = dict(loss=0.0, mtp=0.0, aux=0.0, have_mtp=0.0, have_aux=0.0)
-    items = [dict(zip(("ids", "mask", "kw"), _micro_batch(run, ids, mask, lengths, idx))) for idx in mbs]
+    items = [_micro_batch(run, ids, mask, lengths, idx) for idx in mbs]
     if pipelined():                  # --pp: megatron-core's schedule runs the items, the loss on the last stage
         run_items(run.model, items, lambda it: {"with_mtp": cfg.mtp_coef > 0}, lambda it, fwd: _loss(run, it, fwd, n_global, acc), acc)
     for k, it in enumerate(items if not pipelined() else ()):   # each adds its NLL sum / the step's tokens
@@ -89,7 +98,8 @@ def sft_step(run, step: int) -> Dict[str, Any]:
     gnorm = run.clip_and_step()
     t_train = time.perf_counter() - t0
     tokens = float(sum(lengths)) if run.packed else float(ids.numel())
-    loss_g, mtp_g, aux_g, tokens = run.dist.sum_over_dp([acc["loss"], acc["mtp"], acc["aux"], tokens])
+    loss_g, mtp_g, aux_g, tokens = run.dist.sum_over_dp([float(acc["loss"]), float(acc["mtp"]), float(acc["aux"]),
+                                                          tokens])
     row = {"loss": loss_g, "mtp_loss": mtp_g if acc["have_mtp"] else None, "grad_norm": gnorm,
            "indexer_loss": aux_g if acc["have_aux"] else None, "micro_batches": len(mbs),
            **dict.fromkeys(("reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "rollout_entropy")),
