@@ -32,7 +32,7 @@ from rollout.weight_sync import sync_weights
 from . import data as D
 from .losses import grpo_loss, mtp_loss, sample_mean_diag, zero_variance_group_frac
 from .model import TrainForward, full_view
-from .step_common import group_tensors, maybe_kill, packed_items, sample_items, step_seed
+from .step_common import add_to_step_sum as _add, group_tensors, maybe_kill, packed_items, sample_items, step_seed
 
 __all__ = ["grpo_step", "sync_phase", "rollout_phase", "reward_phase", "logprobs_phase", "train_phase"]
 
@@ -47,6 +47,7 @@ def grpo_step(run, step: int) -> Dict[str, Any]:
     t0 = time.perf_counter()
     batch, groups = rollout_phase(run, step, taken, out, t_step)
     rewards, items = reward_phase(run, batch, groups, out, t0)
+    items = [on_model_device(run, it) for it in items]
     gap = logprobs_phase(run, step, items, out)
     train_phase(run, step, items, rewards, gap, out, t_step)
     return out
@@ -149,6 +150,16 @@ def reward_phase(run, batch, groups, out: Dict[str, Any], t_rollout: float):
     return rewards, items
 
 
+def on_model_device(run, it: dict) -> dict:
+    """``it`` with its response-token count ``n``; rows (not packed, one stage) of a GPU model copied there without a
+    stream sync, so log-probs, loss and the step's sums stay there (``train.sft._micro_batch``'s reason)."""
+    it, dev = dict(it, n=float(it["mask"].sum())), getattr(run.model, "device", None)
+    if run.packed or pipelined() or dev is None or torch.device(dev).type != "cuda":
+        return it
+    keys = [k for k in ("ids", "mask", "rollout_lp", "routed", "adv", "picks") if it.get(k) is not None]
+    return {**it, **{k: it[k].to(dev, non_blocking=True) for k in keys}}
+
+
 def _forward_kw(run, item) -> Dict[str, Any]:
     kw = {"lengths": item["lengths"]} if run.packed else {}
     if item.get("picks") is not None:            # indexer_replay: the engine's indexer picks
@@ -238,21 +249,20 @@ def _item_loss(run, it, fwd, total_tokens: float, acc: Dict[str, float]):
     loss, pg_term, kl_term, clipped = grpo_loss(
         fwd.logprobs, it["old"], it["adv"], it["mask"], total_tokens=total_tokens, ref_logp=it.get("ref"),
         kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-    acc["pg"] += float(pg_term.detach())
-    acc["clip"] += float(clipped)
-    frac = float(it["mask"].sum()) / max(total_tokens, 1.0)
+    _add(acc, "pg", pg_term)
+    _add(acc, "clip", clipped)
+    frac = it["n"] / max(total_tokens, 1.0)
     if kl_term is not None:
-        acc["kl"] += float(kl_term.detach())
+        _add(acc, "kl", kl_term)
     if cfg.mtp_coef > 0:
         m = mtp_loss(fwd.mtp_logits, it["ids"], it["mask"])
         if m is not None:
             loss = loss + cfg.mtp_coef * m * frac
-            acc["mtp"] += float(m.detach()) * frac
+            _add(acc, "mtp", m * frac)
     if fwd.aux_loss is not None:     # implementation's own term (indexer KL), token-weighted
-        loss = loss + fwd.aux_loss * frac
-        acc["aux"] += float(fwd.aux_loss.detach()) * frac
-        acc["have_aux"] = 1.0
-    acc["loss"] += float(loss.detach())
+        loss, acc["have_aux"] = loss + fwd.aux_loss * frac, 1.0
+        _add(acc, "aux", fwd.aux_loss * frac)
+    _add(acc, "loss", loss)
     return loss
 
 
@@ -267,7 +277,7 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     run.model.train()
     with profiling.scope("zero_grad"):
         run.optim.zero_grad()
-    total_tokens = run.dist.sum_over_dp([float(sum(int(it["mask"].sum()) for it in items))])[0]
+    total_tokens = run.dist.sum_over_dp([sum(it["n"] for it in items)])[0]
     acc = dict(loss=0.0, pg=0.0, kl=0.0, clip=0.0, mtp=0.0, aux=0.0, have_aux=0.0)
     if pipelined():                  # --pp: megatron-core's schedule, the loss on the last stage
         run_items(run.model, items, lambda it: dict(routing_replay=it["routed"], temperature=cfg.temperature,
@@ -288,7 +298,7 @@ def train_phase(run, step: int, items: List[dict], rewards: List[torch.Tensor], 
     out.update(run.memory_phase_end())
     n_samples = gap.report(run, out)
     loss_acc, pg_acc, kl_acc, mtp_acc, aux_acc, clip_acc, tokens = run.dist.sum_over_dp([
-        acc["loss"], acc["pg"], acc["kl"], acc["mtp"], acc["aux"], acc["clip"],
+        *(float(acc[k]) for k in ("loss", "pg", "kl", "mtp", "aux", "clip")),
         float(sum(it["ids"].numel() for it in items))])
     allr = torch.tensor(run.dist.gather_over_dp(torch.cat(rewards).tolist()))
     zero_var_groups, n_groups = run.dist.sum_over_dp([zero_variance_group_frac(rewards) * len(rewards),

@@ -15,7 +15,7 @@ from reporting import profiling
 
 from . import data as D
 from .losses import mtp_loss, sft_loss_sum
-from .step_common import maybe_kill, pad_batch
+from .step_common import add_to_step_sum as _add, maybe_kill, pad_batch
 
 __all__ = ["sft_step"]
 
@@ -37,20 +37,14 @@ def _batch(run, step: int):
 
 
 def _micro_batch(run, ids, mask, lengths: List[int], idx: List[int]) -> dict:
-    """Rows ``idx``: ``ids``, ``mask``, ``kw`` (packed: trimmed to the longest), response tokens ``n``. Rows for a GPU
-    model go there without a stream sync, so log-probs, loss and sums stay there (a blocking copy each way
-    synchronised the host between each micro-batch's forward and backward)."""
+    """Rows ``idx``: ``ids``, ``mask``, ``kw`` (packed: trimmed), response tokens ``n``; for a GPU model on the GPU
+    without a stream sync, so log-probs, loss and sums stay there (a blocking copy synchronised each micro-batch)."""
     Sm = max(lengths[i] for i in idx) if run.packed else ids.shape[1]
     ids, mask, kw = ids[idx, :Sm], mask[idx, :Sm - 1], ({"lengths": [lengths[i] for i in idx]} if run.packed else {})
     n, dev = float(mask.sum()), getattr(run.model, "device", None)
     if not run.packed and not pipelined() and dev is not None and torch.device(dev).type == "cuda":
         ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
     return dict(ids=ids, mask=mask, kw=kw, n=n)
-
-
-def _add(acc, key: str, value: torch.Tensor) -> None:
-    """A step sum on the device (read after the optimizer step); floats where the pipeline broadcasts them."""
-    acc[key] = acc[key] + (float(value) if pipelined() else value.detach())
 
 
 def _loss(run, it, fwd, n_global: float, acc) -> torch.Tensor:

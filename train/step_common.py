@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 from core.errors import UserInputError
+from engine.pipeline import pipelined
 from rollout.replay import batch_indexer_picks
 
 from .losses import group_advantages
@@ -28,6 +29,12 @@ def maybe_kill(step: int, phase: str) -> None:
     want = os.environ.get(KILL_ENV)
     if want and want == f"{step}:{phase}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def add_to_step_sum(acc: Dict, key: str, value: torch.Tensor) -> None:
+    """A running sum of the step's loss terms, kept on the device (read once, after the optimizer step: no host
+    synchronisation per micro-batch); floats under ``--pp``, whose schedule broadcasts the sums."""
+    acc[key] = acc[key] + (float(value) if pipelined() else value.detach())
 
 
 def step_seed(seed: int, step: int) -> int:
