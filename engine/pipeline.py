@@ -47,7 +47,8 @@ from torch import nn
 from core.pp_layout import chunk_layers, rank_layers, stage_layers   # the split (dsv4 inspect reads the same rule)
 
 __all__ = ["stage_layers", "split_stage", "OtherStage", "is_first", "is_last", "active_layers", "run_schedule",
-           "from_last_stage", "gather_over_stages", "full_stage_tensors", "pipelined", "run_items", "forward_items"]
+           "from_last_stage", "gather_over_stages", "full_stage_tensors", "pipelined", "rows_device", "run_items",
+           "forward_items"]
 
 # The model chunk megatron's interleaved schedule runs now on this rank (None: outside the schedule, or no --vpp).
 _CHUNK: Dict[str, Optional[int]] = {"now": None}
@@ -282,6 +283,15 @@ def pipelined() -> bool:
     from engine.layout import current
 
     return current().pp > 1
+
+
+def rows_device(model, packed: bool) -> Optional[torch.device]:
+    """Where a training step's rows go before the forward: a model's CUDA device when the rows are not packed and
+    run on one stage (copied without a stream sync, so log-probs, loss and the step's sums stay on the device);
+    None leaves them where they are (packed rows are laid out on the host, a pipeline's schedule moves its own)."""
+    dev = getattr(model, "device", None)
+    on_gpu = dev is not None and torch.device(dev).type == "cuda" and not (packed or pipelined())
+    return torch.device(dev) if on_gpu else None
 
 
 def _items_schedule(model, items: List[dict], forward_kw: Callable, loss: Callable, forward_only: bool):

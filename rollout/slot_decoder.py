@@ -32,7 +32,7 @@ compiled when the decoder is built (one call on the empty slots). The GPU backen
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -57,15 +57,21 @@ def graph_buckets(slots: int) -> List[int]:
     return out + [slots]
 
 
-def _slot_dims_dynamic(obj) -> None:
-    """Mark dimension 0 (the slot count) of every tensor in ``obj`` (a tensor, or a cache dataclass holding
-    them) dynamic, so that the first compile serves every bucket of two or more slots."""
+def _tensors_of(obj) -> Iterator[torch.Tensor]:
+    """The tensors of ``obj``: itself, or every tensor field of a cache dataclass (recursively)."""
     if isinstance(obj, torch.Tensor):
-        if obj.dim() and obj.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(obj, 0)
+        yield obj
     elif dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            _slot_dims_dynamic(getattr(obj, f.name))
+        for v in vars(obj).values():
+            yield from _tensors_of(v)
+
+
+def _slot_dims_dynamic(obj) -> None:
+    """Mark dimension 0 (the slot count) of every tensor in ``obj`` dynamic, so that the first compile serves
+    every bucket of two or more slots."""
+    for t in _tensors_of(obj):
+        if t.dim() and t.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _region(fn, compile_kwargs):
@@ -194,18 +200,7 @@ class SlotDecoder:
 
     def cache_tensors(self) -> List[torch.Tensor]:
         """Every tensor of the slots' caches (for memory accounting)."""
-        out: List[torch.Tensor] = [self.cache.pos, self.tokens, self.active]
-
-        def walk(obj):
-            for v in vars(obj).values():
-                if isinstance(v, torch.Tensor):
-                    out.append(v)
-                elif dataclasses.is_dataclass(v):
-                    walk(v)
-
-        for lc in self.cache.layers:
-            walk(lc)
-        return out
+        return [self.cache.pos, self.tokens, self.active] + [t for lc in self.cache.layers for t in _tensors_of(lc)]
 
     def fits(self, slots: int, max_len: int, cuda_graphs: Optional[bool] = None,
              indexer_picks: Optional[bool] = None) -> bool:

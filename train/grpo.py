@@ -23,7 +23,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from engine.pipeline import forward_items, pipelined, run_items
+from engine.pipeline import forward_items, pipelined, rows_device, run_items
 from reporting import profiling
 from rollout.reference_engine import SamplingParams
 from rollout.replay import routing_match
@@ -151,10 +151,9 @@ def reward_phase(run, batch, groups, out: Dict[str, Any], t_rollout: float):
 
 
 def on_model_device(run, it: dict) -> dict:
-    """``it`` with its response-token count ``n``; rows (not packed, one stage) of a GPU model copied there without a
-    stream sync, so log-probs, loss and the step's sums stay there (``train.sft._micro_batch``'s reason)."""
-    it, dev = dict(it, n=float(it["mask"].sum())), getattr(run.model, "device", None)
-    if run.packed or pipelined() or dev is None or torch.device(dev).type != "cuda":
+    """``it`` with its response-token count ``n``, its rows on :func:`~engine.pipeline.rows_device`."""
+    it, dev = dict(it, n=float(it["mask"].sum())), rows_device(run.model, run.packed)
+    if dev is None:
         return it
     keys = [k for k in ("ids", "mask", "rollout_lp", "routed", "adv", "picks") if it.get(k) is not None]
     return {**it, **{k: it[k].to(dev, non_blocking=True) for k in keys}}

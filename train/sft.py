@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import torch
 
 from core.sequence_limits import check_sequences
-from engine.pipeline import pipelined, run_items
+from engine.pipeline import pipelined, rows_device, run_items
 from reporting import profiling
 
 from . import data as D
@@ -41,8 +41,8 @@ def _micro_batch(run, ids, mask, lengths: List[int], idx: List[int]) -> dict:
     without a stream sync, so log-probs, loss and sums stay there (a blocking copy synchronised each micro-batch)."""
     Sm = max(lengths[i] for i in idx) if run.packed else ids.shape[1]
     ids, mask, kw = ids[idx, :Sm], mask[idx, :Sm - 1], ({"lengths": [lengths[i] for i in idx]} if run.packed else {})
-    n, dev = float(mask.sum()), getattr(run.model, "device", None)
-    if not run.packed and not pipelined() and dev is not None and torch.device(dev).type == "cuda":
+    n, dev = float(mask.sum()), rows_device(run.model, run.packed)
+    if dev is not None:
         ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
     return dict(ids=ids, mask=mask, kw=kw, n=n)
 
