@@ -16,6 +16,11 @@ once. Only ``ValueError`` counts as a refusal; any other error is a bug and prop
 The probes call each op's own function (not the counting wrapper of ``core.kernel_ops``), so
 :func:`core.kernel_ops.kernels_ran` counts only the engine's real work.
 
+The decode step calls one op that prefill does not: a backend's ``experts_grouped_mm`` (the triton backend's
+decode kernel for the routed experts' GEMMs), where the decode MoE takes the grouped path (bf16 on a Hopper
+or newer GPU: :func:`kernels.reference.slots.grouped_decode_ok`); ``decode_ops`` names it there, so the record
+lists every kernel a generate call runs.
+
 ``sinkhorn`` is not called on its own: the reference model's ``hc_pre`` (and a backend's fused one) runs the
 Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre``.
 """
@@ -27,6 +32,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from core.kernel_ops import OpTable
+from kernels.reference.slots import grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "engine_ops", "decode_choices", "decode_inputs"]
 
@@ -105,6 +111,9 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
         chosen[name] = (who, fn)
         if name in called:
             served[name] = who
+    if "experts_grouped_mm" in table.names() and grouped_decode_ok(device, dtype, 2 * config.moe_inter_dim,
+                                                                    config.dim):
+        served["experts_grouped_mm"] = table.provider["experts_grouped_mm"]   # the decode MoE's GEMMs
     if not refusals:
         return table, served, refusals
     # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)

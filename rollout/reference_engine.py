@@ -300,7 +300,7 @@ class ReferenceEngine(RolloutEngineBase):
         if self.compile:              # untraceable kernel ops run eagerly inside it (a graph break each)
             from engine.compile import kernel_op_names, opaque_kernel_ops
 
-            self._fullgraph = not set(kernel_op_names(self.decode_table)) & set(engine_ops(config))
+            self._fullgraph = not set(kernel_op_names(self.decode_table)) & set(self.decode_ops)
             self.decode_table = opaque_kernel_ops(self.decode_table)
         self._decoder = None          # rollout.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)

@@ -48,8 +48,8 @@ from .moe import _has_negative_ids, current_routing_hook, route, swiglu
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
-__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "static_decode_step",
-           "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS", "decode_embed", "decode_layer",
+__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "grouped_decode_ok",
+           "static_decode_step", "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS", "decode_embed", "decode_layer",
            "decode_head"]
 
 
@@ -208,13 +208,21 @@ def _stacks(moe):
                        "replacing its expert tensors")
 
 
+def grouped_decode_ok(device, dtype: torch.dtype, rows13: int, dim: int) -> bool:
+    """Whether the decode MoE takes the grouped path for experts ``w13 [E, rows13, dim]`` of ``dtype`` on
+    ``device``: bf16 on a CUDA GPU of compute capability 9.0+ with aligned expert dims, what
+    ``torch._grouped_mm`` runs there. One rule for the step (:func:`moe_decode_path`) and for the engine's
+    record of the kernels its decode step calls (:func:`rollout.engine_ops.decode_choices`)."""
+    device = torch.device(device)
+    return (device.type == "cuda" and dtype == torch.bfloat16 and rows13 % 16 == 0 and dim % 8 == 0
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def moe_decode_path(x: torch.Tensor, moe) -> str:
-    """``"grouped"`` (bf16 on a CUDA GPU of compute capability 9.0+, 8-element-aligned expert dims: what
-    ``torch._grouped_mm`` runs there) or ``"dense"``."""
+    """``"grouped"`` (:func:`grouped_decode_ok`) or ``"dense"``."""
     w13 = moe._expert_stacks["w13"] if hasattr(moe, "_expert_stacks") else None
-    ok = (x.is_cuda and x.dtype == torch.bfloat16 and w13 is not None and w13.dtype == torch.bfloat16
-          and w13.shape[1] % 16 == 0 and w13.shape[2] % 8 == 0
-          and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    ok = (w13 is not None and x.dtype == w13.dtype
+          and grouped_decode_ok(x.device, x.dtype, w13.shape[1], w13.shape[2]))
     return "grouped" if ok else "dense"
 
 

@@ -6,6 +6,7 @@
   the decode step and in the uncached engine, and it draws the reference engine's samples exactly;
 * a table whose op refuses a one-token decode step's inputs serves prefill, and the decode step runs the
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
+* the decode-only expert GEMM kernel (``experts_grouped_mm``) is on the record exactly where the step calls it;
 * ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
   functionalisation without code generation, which Inductor would add) draws the eager step's samples
   bit for bit; the table's own kernel (an op defined outside ``kernels.reference`` and not marked traceable,
@@ -53,9 +54,10 @@ def _generate(engine, params=None):
     return got, kernels_ran()
 
 
-def _fake(refuse_decode=(), own=()):
+def _fake(refuse_decode=(), own=(), extra=None):
     """The reference functions as backend ``fake``; the ops in ``refuse_decode`` refuse one-token inputs; the
-    ops in ``own`` are wrapped here, outside ``kernels.reference``, like a backend's own kernel."""
+    ops in ``own`` are wrapped here, outside ``kernels.reference``, like a backend's own kernel; ``extra``: more
+    ops (``{name: fn}``) beyond the reference set."""
     from core.kernel_ops import OpTable
     from kernels.reference.backend import reference_functions
 
@@ -70,7 +72,7 @@ def _fake(refuse_decode=(), own=()):
                 raise ValueError(f"the fake {_name} kernel takes no single-token steps")
             return _fn(*args, **kw)
         fns[name] = picky
-    return OpTable("fake", fns)
+    return OpTable("fake", {**fns, **(extra or {})})
 
 
 def _same(a, b):
@@ -125,6 +127,39 @@ def test_an_op_that_refuses_decode_inputs_runs_the_reference_op_in_decode_explic
     assert ran["fake.hc_pre"] > 0 and ran["none.hc_pre"] > 0           # prefill: the table; decode: the reference
     assert not [k for k in ran if k.startswith("none.") and k != "none.hc_pre"], ran
     _same(got, _generate(_synced(ReferenceEngine(CFG)))[0])
+
+
+def _experts_grouped_mm(x, w, offs):
+    """A loop of plain matmuls with ``experts_grouped_mm``'s contract (rows sorted by expert, ``offs`` end rows)."""
+    out, start = x.new_zeros(x.shape[0], w.shape[1]), 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e].t()
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(monkeypatch, grouped):
+    """A table with ``experts_grouped_mm`` (the triton backend's decode kernel for the routed experts' GEMMs;
+    prefill never calls it): where the decode MoE takes the grouped path (``grouped_decode_ok``, bf16 on a
+    Hopper GPU, made true here on the CPU), ``decode_ops`` names it and a generate call runs it; where it does
+    not, neither. Either way the kernels that ran are exactly the recorded ones, and the samples are the
+    reference engine's (the grouped and the dense expert sums agree to fp32 rounding)."""
+    import kernels.reference.slots as slots
+    import rollout.engine_ops as engine_ops
+    from rollout.reference_engine import ReferenceEngine
+
+    for mod in (slots, engine_ops):
+        monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: grouped)
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"experts_grouped_mm": _experts_grouped_mm})))
+    assert ("experts_grouped_mm" in e.decode_ops) is grouped and "experts_grouped_mm" not in e.prefill_ops
+    got, ran = _generate(e)
+    assert set(ran) == {f"fake.{op}" for op in {**e.prefill_ops, **e.decode_ops}}, ran
+    want, _ = _generate(_synced(ReferenceEngine(CFG)))
+    for ga, gb in zip(got, want, strict=True):
+        for a, b in zip(ga, gb, strict=True):
+            assert a.response_ids == b.response_ids
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
 
 
 def test_the_compiled_decode_step_draws_the_eager_steps_samples():

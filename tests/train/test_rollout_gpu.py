@@ -316,8 +316,9 @@ def test_grpo_replays_the_engines_indexer_picks_on_the_gpu(tmp_path, impl, packe
 def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     """``--kernel-backend triton|tilelang`` on ``--hardware nvidia`` (bf16): the assembly hands the engine the
     backend's table; every op the engine calls is served by the backend in prefill (where the backend names
-    the reference op, ``none``), the decode step's choice is recorded (``decode_ops``; each ``none`` there that
-    the table did not name itself comes with its refusal), the counts name the backend, and the samples follow
+    the reference op, ``none``), the decode step's choice is recorded (``decode_ops``, the decode-only expert
+    GEMM kernel included; each ``none`` there that the table did not name itself comes with its refusal), the
+    kernels that ran are exactly the recorded ones, the counts name the backend, and the samples follow
     the reference-op engine (bf16 log-probabilities within 5e-2 nats up to each sample's first differing
     token)."""
     pytest.importorskip(backend)
@@ -346,7 +347,9 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     ran = kernels_ran()
     print("kernels ran:", ran)
     assert any(k.startswith(f"{backend}.") for k in ran), ran
-    assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops), ran
+    assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops), ran
+    if "experts_grouped_mm" in parts.ops.names():          # the decode MoE's GEMMs: a decode-only kernel
+        assert e.decode_ops["experts_grouped_mm"] == backend and ran[f"{backend}.experts_grouped_mm"] > 0
     want = ref.generate(PROMPTS, params, n=2, seed=3)
     for ga, gb in zip(got, want):
         for a, b in zip(ga, gb):
