@@ -20,7 +20,8 @@ so the share is a lower bound of the decode step's) and the train phase's MFU fr
 (6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
 H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4
-prepare`` first, or a checkpoint folder). bf16 and triton kernels on nvidia, fp32 and the reference kernels on
+prepare`` first, or a checkpoint folder); ``--sft-steps N`` first trains it N SFT steps on the task (the
+record's ``sft``) and runs the GRPO rows from that export. bf16 and triton kernels on nvidia, fp32 and the reference kernels on
 the CPU; no checkpoint, no export. A JSON object (date, machine, torch version, settings, rows) goes to
 ``--out`` and a rich table to the terminal.
 """
@@ -55,6 +56,39 @@ def grpo_command(mode: str, *, impl: str, model: str, run_dir: Path, steps: int,
             "--steps", str(steps), "--run-dir", str(run_dir), "-q", f"weight_sync={mode}",
             f"prompts_per_step={prompts}", f"group_size={group}", f"max_new_tokens={new_tokens}",
             f"save_every={1 << 30}", "save_at_end=false", "export_at_end=false", *options]
+
+
+def sft_command(*, impl: str, model: str, run_dir: Path, steps: int, hardware: str) -> list:
+    """``--sft-steps``: the ``dsv4 train --mode sft`` command line that trains ``model`` on the built-in task's
+    responses and exports the result (``RUN_DIR/hf``), the model the GRPO rows then start from."""
+    return [sys.executable, "-m", "launchers.dsv4", "train", "--mode", "sft", "--hardware", hardware,
+            "--impl", impl, "--kernel-backend", "triton" if hardware == "nvidia" else "none", "--model", model,
+            "--steps", str(steps), "--run-dir", str(run_dir), "-q", f"save_every={1 << 30}", "save_at_end=false",
+            "export_at_end=true"]
+
+
+def sft_first(*, folder: Path, env: dict, **kw) -> dict:
+    """Run :func:`sft_command` in ``folder`` (run/, dsv4.log): ``{command, wall_s, loss_first, loss_last,
+    export}``, or ``{command, error}``. Why: a model fresh from ``dsv4 prepare`` predicts nearly uniformly
+    (entropy near log V), the worst case for the train/rollout log-prob difference; a few SFT steps on the task
+    give the distributions a trained model has, so the difference is measured where RL runs."""
+    from reporting.metrics import read_metrics
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    cmd = sft_command(run_dir=folder / "run", **kw)
+    out = {"command": shlex.join(["python"] + cmd[1:])}
+    print(f"$ {out['command']}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out["wall_s"] = time.perf_counter() - t0
+    (folder / "dsv4.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        return dict(out, error=_error_line(proc.stdout), log_tail=proc.stdout[-3000:])
+    losses = [float(r["loss"]) for r in read_metrics(folder / "run") if "loss" in r]
+    return dict(out, loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
+                export=str(folder / "run" / "hf"))
 
 
 def summarize(rows: list, warmup: int) -> dict:
@@ -176,6 +210,9 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more training options")
+    p.add_argument("--sft-steps", type=int, default=0, metavar="N",
+                   help="first SFT the model N steps on the built-in task (dsv4 train --mode sft, exported), then "
+                        "run the GRPO rows from it: the log-prob difference of a model that is not near-uniform")
     p.add_argument("--folder", default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/grpo-<hardware>-<model>.json)")
     a = p.parse_args(argv)
@@ -186,15 +223,24 @@ def main(argv=None) -> int:
     folder = Path(a.folder) if a.folder else Path(tempfile_dir())
     rows = []
     settings = dict(model=a.model, impl=a.impl, hardware=a.hardware, steps=a.steps, warmup=a.warmup,
-                    prompts_per_step=a.prompts, group_size=a.group, max_new_tokens=a.new_tokens, options=a.set)
+                    prompts_per_step=a.prompts, group_size=a.group, max_new_tokens=a.new_tokens, options=a.set,
+                    sft_steps=a.sft_steps)
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"grpo-{a.hardware}-{a.model}.json"
+    sft = None
+    if a.sft_steps > 0:
+        sft = sft_first(folder=folder / "sft", env=env, impl=a.impl, model=model, steps=a.sft_steps,
+                        hardware=a.hardware)
+        if "error" in sft:
+            print(f"dsv4 train --mode sft failed: {sft['error']}", file=sys.stderr)
+            return 1
+        model = sft["export"]
     for mode in [m.strip() for m in a.weight_sync.split(",") if m.strip()]:
         rows.append(run_mode(mode, folder=folder / mode, env=env, warmup=a.warmup, hardware=a.hardware,
                              config=config, impl=a.impl, model=model, steps=a.steps, prompts=a.prompts, group=a.group,
                              new_tokens=a.new_tokens, options=a.set))
         record = {"bench": "grpo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "machine": machine(a.hardware), "torch": torch.__version__, "command": shlex.join(sys.argv),
-                  "settings": settings, "rows": rows}
+                  "settings": settings, "sft": sft, "rows": rows}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
     print_table(rows, f"dsv4 train --mode grpo, {a.model} ({a.impl}), {machine(a.hardware)}")

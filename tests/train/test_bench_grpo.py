@@ -21,6 +21,19 @@ def test_the_command_is_dsv4_train_grpo_with_the_mode():
             "save_at_end=false", "colocate=true"} <= set(cmd)
 
 
+def test_sft_first_trains_the_model_on_the_task_and_exports_it():
+    """``--sft-steps N``: the SFT run is the product's command too (built-in task, no checkpoint, an export the
+    GRPO rows start from; bench/results/grpo-cpu-tiny-sft-first.json is one full run)."""
+    from bench.grpo import sft_command
+
+    cmd = sft_command(impl="miles", model="tiny", run_dir=Path("/s"), steps=20, hardware="cpu")
+    assert cmd[1:6] == ["-m", "launchers.dsv4", "train", "--mode", "sft"]
+    for want in (["--kernel-backend", "none"], ["--steps", "20"], ["--run-dir", "/s"], ["--model", "tiny"]):
+        i = cmd.index(want[0])
+        assert cmd[i:i + 2] == want
+    assert {"export_at_end=true", "save_at_end=false"} <= set(cmd) and "--data" not in cmd
+
+
 def test_phases_are_averaged_after_the_warmup():
     from bench.grpo import first_step_seconds, summarize
 
