@@ -98,6 +98,28 @@ def layer_inv_freq(config, layer_id: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- compressor
+def _groups_tile_stream(layout: ThdLayout, ratio: int) -> bool:
+    """Whether group ``g`` covers stream rows ``[g*ratio, (g+1)*ratio)``: every segment but the last is a whole
+    number of groups (tails are dropped, so only the last segment may have one). Decided on the host from the
+    layout's kept host ``cu_seqlens`` (no device read once the layout has it)."""
+    cu = layout.host_cu_seqlens()
+    return layout.global_start == 0 and all((b - a) % ratio == 0 for a, b in zip(cu[:-2], cu[1:-1]))
+
+
+def _group_slots(t: torch.Tensor, groups, layout: ThdLayout) -> torch.Tensor:
+    """Rows ``t [T, n]`` -> the groups' slots ``[G, m, n]``: a view of the first ``G*m`` rows when the groups tile
+    the stream (:func:`_groups_tile_stream`), else a gather of the groups' rows (``gather_index``)."""
+    G, m = groups.num_groups, groups.ratio
+    if _groups_tile_stream(layout, m):
+        return t[:G * m].reshape(G, m, t.shape[-1])
+    return t[groups.gather_index()]
+
+
+def _previous_group(t: torch.Tensor) -> torch.Tensor:
+    """``[G, m, n]`` -> row ``g`` holds row ``g - 1`` (row 0: zeros; callers mask the segments' first groups)."""
+    return torch.cat((t.new_zeros((1,) + tuple(t.shape[1:])), t[:-1]), dim=0)
+
+
 class Compressor(KeepFP32Module, MegatronModule):
     """THD compressor: ``linear_wkv``, ``linear_wgate`` ``[coff*c, C]``, ``ape [m, coff*c]`` (fp32),
     ``norm [c]`` (fp32); ``coff = 2`` for the overlapping ratio-4 compressor.
@@ -118,19 +140,29 @@ class Compressor(KeepFP32Module, MegatronModule):
         self.norm = RMSNorm(head_dim, config.layernorm_epsilon, keep_fp32=True, ops=ops)   # fp32 weight: served
 
     def forward(self, x: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor) -> torch.Tensor:
-        """``x [T, C]`` -> compressed entries ``[G, c]`` (segment-major flat list; dtype of x)."""
+        """``x [T, C]`` -> compressed entries ``[G, c]`` (segment-major flat list; dtype of x).
+
+        No host synchronisation and no gather where a view does (same values, same gradients):
+
+        * the fill values of the first groups' missing previous group are Python scalars: a 0-dim CPU tensor
+          there (``torch.zeros(())``) made ``torch.where`` copy it to the device, a blocking host-to-device copy
+          (4 host syncs per CSA layer and micro-batch on a GPU);
+        * when the groups tile the stream's first ``G*m`` rows (every segment but the last a multiple of ``m``,
+          e.g. ``pack_rows`` of ``[B, S]`` rows with ``m | S``) the slots are a view of the projections, not a
+          gather (whose backward is an accumulating ``index_put_``);
+        * the previous group of entry ``g`` is ``g - 1`` (``core.thd``: ``prev_group``): a shift by one group
+          of the ``c`` channels it feeds, not a gather of all ``coff*c`` channels.
+        """
         m, c = self.ratio, self.head_dim
         groups = layout.compressed_groups(m)
         if groups.num_groups == 0:
             return x.new_zeros(0, c)
-        gi = groups.gather_index()                                   # [G, m]
-        a = _f32_linear(x, self.linear_wkv)[gi]                      # [G, m, coff*c]
-        z = _f32_linear(x, self.linear_wgate)[gi] + self.ape.to(a.dtype)
+        a = _group_slots(_f32_linear(x, self.linear_wkv), groups, layout)     # [G, m, coff*c]
+        z = _group_slots(_f32_linear(x, self.linear_wgate), groups, layout) + self.ape.to(a.dtype)
         if self.overlap:
             has_prev = (groups.prev_group >= 0)[:, None, None]
-            prev = groups.prev_group.clamp(min=0)
-            prev_a = torch.where(has_prev, a[prev][..., :c], torch.zeros((), dtype=a.dtype))
-            prev_z = torch.where(has_prev, z[prev][..., :c], torch.full((), float("-inf"), dtype=z.dtype))
+            prev_a = torch.where(has_prev, _previous_group(a[..., :c]), 0.0)
+            prev_z = torch.where(has_prev, _previous_group(z[..., :c]), float("-inf"))
             a = torch.cat((prev_a, a[..., c:]), dim=1)               # [G, 2m, c]
             z = torch.cat((prev_z, z[..., c:]), dim=1)
         comp = (torch.softmax(z, dim=1) * a).sum(dim=1)
@@ -156,6 +188,18 @@ class Indexer(MegatronModule):
         self.linear_wq_b = _column(config, config.q_lora_rank, self.n_heads * self.head_dim)
         self.linear_weights_proj = _column(config, config.hidden_size, self.n_heads)
         self.compressor = Compressor(config, self.head_dim, 4, rotate=True, ops=ops)
+
+    def forward(self, x: torch.Tensor, cq: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, with_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [T, G] fp32, top-k ids [T, k])`` of :meth:`scores` and :meth:`topk_indices`; the scores build an
+        autograd graph only with ``with_grad`` (the indexer KL loss: its parameters learn from that alone).
+
+        The attention calls the indexer as a module (this forward), not through its methods, so that module
+        hooks see it: the trainer's profiler ranges (``reporting.profiling``) then charge its work to the budget's
+        ``indexer`` / ``indexer top-k`` rows, as for miles' indexer, not to ``attention other``."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_grad):
+            scores = self.scores(x, cq, layout, inv_freq, cos, sin)
+        return scores, self.topk_indices(scores, layout)
 
     def scores(self, x: torch.Tensor, cq: torch.Tensor, layout: ThdLayout, inv_freq: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -265,12 +309,9 @@ class CompressedSparseAttention(KeepFP32Module, MegatronModule):
             comp = _qat_kv(self, comp.to(kv.dtype), self.config.qk_pos_emb_head_dim)
             kv_all = torch.cat((kv, comp), dim=0)
             if self.ratio == 4:
-                # the indexer sees detached inputs; its own parameters get gradients only from the KL loss,
-                # so without it the scores build no autograd graph (none to keep alive, none to free)
-                with torch.set_grad_enabled(torch.is_grad_enabled() and want_kl):
-                    xd, cqd = x.detach(), cq.detach()                           # no gradient to the trunk
-                    scores = self.indexer.scores(xd, cqd, layout, inv_freq, cos, sin)    # [T, G]
-                top = self.indexer.topk_indices(scores, layout)
+                # the indexer sees detached inputs (no gradient to the trunk); its own parameters get gradients
+                # only from the KL loss, so without it the scores build no autograd graph (none to keep alive)
+                scores, top = self.indexer(x.detach(), cq.detach(), layout, inv_freq, cos, sin, with_grad=want_kl)
                 cidx = torch.where(top >= 0, top + T, top)
                 if want_kl:
                     kl = self._indexer_loss(q, kv_all, idx, scores, top, layout)

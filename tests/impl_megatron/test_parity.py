@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.impl_megatron.conftest import load_pair
 
@@ -97,3 +98,71 @@ def test_layout_is_fully_derived_before_the_blocks(tiny_config, tiny_checkpoint)
     logits, kl = meg.train()(ids, layout=layout, return_indexer_loss=True)
     (logits.float().logsumexp(-1).mean() + kl).backward()
     assert kl is not None and set(layout._derived) == prepared
+
+
+class _NoHostRead(TorchDispatchMode):
+    """Raises on an op that reads tensor data on the host (on a GPU: a synchronisation): ``.item()`` / ``int(t)`` /
+    ``bool(t)``, ``nonzero``, boolean-mask indexing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        bad = name in ("aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select")
+        if name in ("aten.index", "aten.index_put", "aten._index_put_impl") and len(args) > 1:
+            bad = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        assert not bad, f"host read: {func}"
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_kept_layout_reads_nothing_on_the_host(tiny_config, tiny_checkpoint):
+    """The trainer keeps one layout per micro-batch shape (``train.model``): a forward and backward on it after the
+    first, the MTP depth included, reads nothing on the host (each read is a host synchronisation on a GPU; the MTP
+    depth's kept rows and layout cost 6 per micro-batch before they were kept with the layout), and gives the same
+    numbers as the first."""
+    from core.thd import ThdLayout, pack_rows
+
+    _, meg = load_pair(tiny_config, tiny_checkpoint, perturb=False)
+    meg.train()
+    ids = torch.randint(0, 1024, (2 * 144,), generator=torch.Generator().manual_seed(4))
+    layout = ThdLayout(torch.tensor([0, 144, 288]))      # two rows of 144 (pack_rows): compressed groups tile
+
+    def step():
+        meg.zero_grad(set_to_none=True)
+        streams, _, lay = meg.hidden_streams(ids, layout=layout)
+        (mtp, cu), = meg.mtp_from_streams(ids, streams, lay)
+        y = meg.decoder.collapse(streams)[:, 0]
+        (meg._logits(y).logsumexp(-1).mean() + mtp.logsumexp(-1).mean()).backward()
+        return cu, {n: p.grad.clone() for n, p in meg.named_parameters() if p.grad is not None}
+
+    cu, first = step()
+    with _NoHostRead():
+        cu_again, again = step()
+        stream, rows_cu = pack_rows(ids.view(2, 144))       # the trainer's packing of [B, S] rows: no check read
+    assert torch.equal(stream, ids) and rows_cu.tolist() == layout.cu_seqlens.tolist()
+    assert cu.tolist() == cu_again.tolist() == [0, 143, 286]
+    assert first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first)
+
+
+@pytest.mark.parametrize("lengths", [(144, 144), (37, 140)], ids=["tiling", "tails"])
+def test_compressor_slots_view_equals_gather(tiny_config, tiny_checkpoint, monkeypatch, lengths):
+    """Where the compressed groups tile the stream the compressors take their slots as a view of the projections
+    (``backends.megatron.attention._group_slots``); the gather of the general case gives the same values and
+    gradients, bit for bit (``tails``: the gather runs both times, a control)."""
+    import backends.megatron.attention as attention
+    from core.thd import ThdLayout
+
+    _, meg = load_pair(tiny_config, tiny_checkpoint, dsa_indexer_loss_coeff=0.1)   # the indexer's compressor learns
+    ids = torch.randint(0, 1024, (sum(lengths),), generator=torch.Generator().manual_seed(6))
+    cu = torch.tensor([0, lengths[0], sum(lengths)])
+
+    def run():
+        meg.zero_grad(set_to_none=True)
+        logits, kl = meg.train()(ids, layout=ThdLayout(cu), return_indexer_loss=True)
+        (logits.logsumexp(-1).mean() + kl).backward()
+        return logits, {n: p.grad.clone() for n, p in meg.named_parameters() if "compressor" in n}
+
+    assert attention._groups_tile_stream(ThdLayout(cu), 4) == (lengths == (144, 144))
+    got, got_grads = run()
+    monkeypatch.setattr(attention, "_groups_tile_stream", lambda layout, ratio: False)
+    want, want_grads = run()
+    assert torch.equal(got, want) and got_grads.keys() == want_grads.keys() and len(want_grads) > 0
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
