@@ -27,11 +27,12 @@ engine's slots and graphs are built by ``engine.reserve`` first, its compile tim
 ``t_prefill`` is a call with one new token
 (prefill plus one draw), ``t_full`` one with ``--new-tokens``. prefill tokens/s = ``B x prompt-len /
 t_prefill``; decode tokens/s = ``B x (new-tokens - 1) / (t_full - t_prefill)``; total tokens/s = ``B x
-new-tokens / t_full``. At batch 1 on a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
+new-tokens / t_full``. On a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
 step / decode step time / HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the step time ``(t_full -
-t_prefill) / (new-tokens - 1)`` and the weight bytes those a token needs: every trunk tensor except the
-embedding (one row of it), the MTP block (not run) and the routed experts, of which ``k`` per layer count.
-KV-cache reads are not counted. A table is printed and a JSON object (``date``, ``machine``, settings, rows)
+t_prefill) / (new-tokens - 1)`` and the weight bytes those a step of ``B`` rows needs: every trunk tensor
+except the embedding (a row per token), the MTP block (not run) and the routed experts, of which ``k`` per
+layer count for one row and the share ``1 - (1 - k/E)^B`` a batch touches in expectation (bench.grpo's bound).
+KV-cache reads are not counted (at these lengths well under 1% of the weights). A table is printed and a JSON object (``date``, ``machine``, settings, rows)
 is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
 
 ``--profile-steps N`` (cached rows): after the timed calls, two more calls run under ``torch.profiler``, one
@@ -92,23 +93,29 @@ def model_config(name: str, layers=None):
                           n_hash_layers=min(config.n_hash_layers, layers))
 
 
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decode step reads for one token (module docstring)."""
+def weight_bytes_per_step(model, batch: int = 1) -> int:
+    """Bytes of weights one decode step of ``batch`` rows reads at least (module docstring): the routed experts at
+    the share a batch touches in expectation, ``1 - (1 - k/E)^batch`` (``k/E`` for one row), the embedding and
+    hash tables one row per token (at most all of them)."""
     c = model.config
+    touched = 1.0 - (1.0 - c.n_activated_experts / c.n_routed_experts) ** batch
     total = 0.0
     for name, t in model.state_dict().items():
         size = t.numel() * t.element_size()
         if name.startswith("mtp."):
             continue
-        if name == "embed.weight":
-            total += t.shape[1] * t.element_size()
-        elif name.endswith("tid2eid"):
-            total += t.shape[1] * t.element_size()
+        if name == "embed.weight" or name.endswith("tid2eid"):
+            total += min(batch, t.shape[0]) * t.shape[1] * t.element_size()
         elif ".ffn.experts." in name:
-            total += size * c.n_activated_experts / c.n_routed_experts
+            total += size * touched
         else:
             total += size
     return int(total)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads for one token: :func:`weight_bytes_per_step` at batch 1."""
+    return weight_bytes_per_step(model, 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -276,7 +283,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi), compile=compile)
             engine = _engine(config, dev, DTYPES[dtype], seed, **kw)
             weights = weights or {n: t.detach().cpu() for n, t in engine.model.state_dict().items()}
-            wbytes = wbytes or weight_bytes_per_token(engine.model)
+            wbytes, wmodel = wbytes or weight_bytes_per_token(engine.model), engine.model
             note = (f"cuda graphs {'on' if engine.cuda_graphs else 'off'}; compile "
                     f"{engine.compile or 'off'}" if name == "cached" else "no cache")
             note += f"; kernels {kernel_backend}"
@@ -317,11 +324,11 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 torch.cuda.empty_cache()
                 continue
             row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
-            if B == 1 and hbm and new_tokens > 1:
-                row["weight_bytes_per_step"] = wbytes
+            if hbm and new_tokens > 1 and name != "transformers":
+                row["weight_bytes_per_step"] = step_bytes = wbytes if B == 1 else weight_bytes_per_step(wmodel, B)
                 # None when the decode time did not show above the timer's noise (a tiny model on a busy CPU)
                 step_s = row["decode_step_ms"] / 1e3
-                row["hbm_share"] = round(wbytes / step_s / hbm, 4) if step_s > 0 else None
+                row["hbm_share"] = round(step_bytes / step_s / hbm, 4) if step_s > 0 else None
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
             add(row)

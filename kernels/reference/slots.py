@@ -49,8 +49,8 @@ from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
 __all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "grouped_decode_ok",
-           "static_decode_step", "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS", "decode_embed", "decode_layer",
-           "decode_head"]
+           "static_decode_step", "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS",
+           "decode_embed", "decode_layer", "decode_head"]
 
 
 def _map_tensors(obj, fn, other=None):

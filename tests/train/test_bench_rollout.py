@@ -9,7 +9,7 @@ import torch
 
 
 def test_a_small_rollout_bench_runs_and_counts_what_it_says():
-    from bench.rollout import format_table, run_bench, weight_bytes_per_token
+    from bench.rollout import format_table, run_bench, weight_bytes_per_step, weight_bytes_per_token
     from core.config import preset
     from kernels.reference.model import DeepseekV4Model
 
@@ -20,7 +20,7 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
     assert set(rows) == {("cached", 1), ("cached", 2), ("uncached", 1), ("uncached", 2)}
     for (name, B), r in rows.items():
         assert r["tokens"] == B * 4 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
-        assert ("hbm_share" in r) == (B == 1)
+        assert "hbm_share" in r and r["weight_bytes_per_step"] > 0
     assert rows[("cached", 2)]["positions_fed"] == 2 * 12 + 2 * 3          # prompts once, then one token a step
     assert rows[("cached", 1)]["note"] == "cuda graphs off; compile off; kernels none"
     assert rows[("cached", 1)]["reserve_s"] >= 0 and "reserve_s" not in rows[("uncached", 1)]
@@ -34,6 +34,13 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
                 and not n.endswith("tid2eid"))
     want = dense + c.n_layers * c.n_activated_experts * per_expert + c.dim * 4 + c.n_hash_layers * c.n_activated_experts * 8
     assert weight_bytes_per_token(m) == want
+    # a batch touches each routed expert with probability 1 - (1 - k/E)^B, and reads an embedding row per token
+    experts = c.n_layers * c.n_routed_experts * per_expert
+    for B in (2, 64):
+        touched = 1 - (1 - c.n_activated_experts / c.n_routed_experts) ** B
+        rows_read = B * (c.dim * 4 + c.n_hash_layers * c.n_activated_experts * 8)
+        assert weight_bytes_per_step(m, B) == pytest.approx(dense + touched * experts + rows_read, abs=1)
+    assert rows[("cached", 2)]["weight_bytes_per_step"] == weight_bytes_per_step(m, 2)     # the fp32 engine's bytes
 
 
 def test_the_compile_flag_reaches_the_engine(monkeypatch):
