@@ -108,6 +108,10 @@ def summarize(rows: list, warmup: int) -> dict:
     rollout_s = mean("time_rollout")
     out["rollout_tokens_per_s"] = mean("response_tokens") / rollout_s if rollout_s > 0 else None
     out["train_tokens"] = mean("tokens")
+    peaks = [float(r["train_peak_memory_gib"]) for r in timed if r.get("train_peak_memory_gib") is not None]
+    retries = [int(r["cuda_alloc_retries"]) for r in rows if r.get("cuda_alloc_retries") is not None]
+    if peaks:                      # a GPU run: the trainer's peak, and the allocator's retries over the whole run
+        out.update(train_peak_gib=max(peaks), alloc_retries=max(retries) if retries else None)
     return out
 
 

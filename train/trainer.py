@@ -393,10 +393,13 @@ class _Run:
         return out
 
     def memory_phase_end(self) -> Dict[str, Any]:
-        """The peak allocated while computing log-probs and training (the number colocation lowers)."""
+        """The peak allocated while computing log-probs and training (the number colocation lowers), and the
+        caching allocator's retries so far (a retry frees cached blocks and synchronises: a trainer squeezed by
+        what the engine holds slows down without failing)."""
         if not torch.cuda.is_initialized():
             return {}
-        return {"train_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+        return {"train_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "cuda_alloc_retries": int(torch.cuda.memory_stats().get("num_alloc_retries", 0))}
 
     def _peak_memory_gib(self) -> Optional[float]:
         """The run's peak allocated device memory so far (rank 0's device)."""

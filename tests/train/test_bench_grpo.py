@@ -48,6 +48,11 @@ def test_phases_are_averaged_after_the_warmup():
     assert got["sync_bytes"] == 250 and got["reward_mean"] == pytest.approx(2.5)
     with pytest.raises(RuntimeError, match="none after the 3 warm-up steps"):
         summarize(rows, warmup=3)
+    assert "train_peak_gib" not in got                                  # a CPU run has no device memory
+    for r in rows:
+        r.update(train_peak_memory_gib=50.0 + r["step"], cuda_alloc_retries=2 * r["step"])
+    got = summarize(rows, warmup=1)
+    assert got["train_peak_gib"] == 53.0 and got["alloc_retries"] == 6
 
 
 
