@@ -393,9 +393,7 @@ class _Run:
         return out
 
     def memory_phase_end(self) -> Dict[str, Any]:
-        """The peak allocated while computing log-probs and training (the number colocation lowers), and the
-        caching allocator's retries so far (a retry frees cached blocks and synchronises: a trainer squeezed by
-        what the engine holds slows down without failing)."""
+        """Peak allocated in log-probs and training (what colocation lowers); allocator retries (a flush and sync each)."""
         if not torch.cuda.is_initialized():
             return {}
         return {"train_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
