@@ -393,7 +393,7 @@ class _Run:
         return out
 
     def memory_phase_end(self) -> Dict[str, Any]:
-        """Peak allocated in log-probs and training (colocation lowers it); allocator retries (a flush and sync each)."""
+        """Peak allocated in log-probs and training (colocation lowers it); allocator retries (flush+sync each)."""
         if not torch.cuda.is_initialized():
             return {}
         return {"train_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
