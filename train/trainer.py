@@ -394,10 +394,9 @@ class _Run:
 
     def memory_phase_end(self) -> Dict[str, Any]:
         """Peak allocated in log-probs and training (colocation lowers it); allocator retries (flush+sync each)."""
-        if not torch.cuda.is_initialized():
-            return {}
-        return {"train_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "cuda_alloc_retries": int(torch.cuda.memory_stats().get("num_alloc_retries", 0))}
+        s = torch.cuda.memory_stats() if torch.cuda.is_initialized() else {}   # max_memory_allocated's peak
+        return {"train_peak_memory_gib": s["allocated_bytes.all.peak"] / 2**30,
+                "cuda_alloc_retries": s["num_alloc_retries"]} if s else {}
 
     def _peak_memory_gib(self) -> Optional[float]:
         """The run's peak allocated device memory so far (rank 0's device)."""
