@@ -33,6 +33,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The first port above Ray's worker ports (10002-19999 by default): where :func:`server_port` starts looking.
+SERVER_PORTS_FROM = 20000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                                    # Linux's default
+
+
+def server_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server a job starts and then polls (the
+    SGLang server of launch mode), picked at random below the kernel's ephemeral range and above Ray's worker
+    ports; :func:`free_port` where that range is empty.
+
+    Why not :func:`free_port`: the server binds its port seconds after the pick, after its imports, and in the
+    ephemeral range the kernel hands that port out meanwhile as the source port of any outgoing connection
+    (another process's, or the poller's own ``GET /health`` to the not yet listening port, which can even connect
+    to itself), and to other servers binding port 0. A port the server then cannot bind makes it exit, and by
+    the time the engine looks the connection may be gone (a CI run saw exactly that)."""
+    import random
+
+    low, high = SERVER_PORTS_FROM, _ephemeral_start()
+    rng = random.Random()
+    for _ in range(100 if high > low else 0):
+        port = rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
 def address_in_use(exc: Optional[BaseException]) -> bool:
     """Whether ``exc`` (or an exception it was raised from) says an address was in use: an ``OSError`` with
     ``EADDRINUSE``, or the text torch's TCPStore and ``torch.multiprocessing`` carry across processes

@@ -205,7 +205,7 @@ def _exit_status(proc: subprocess.Popen) -> Optional[int]:
     return None if info is None else info.si_status
 
 
-#: Launch mode on a picked port: how many ports a start tries. A port is picked free (``core.ports.free_port``)
+#: Launch mode on a picked port: how many ports a start tries. A port is picked free (``core.ports.server_port``)
 #: and bound by the server seconds later, after its imports; another process that binds a port of its own in
 #: between (a Ray worker's gRPC server) can take it. Three picks in a row taken is not a race any more.
 PORT_ATTEMPTS = 3
@@ -225,6 +225,19 @@ def _listened_on(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def _says_address_in_use(log_file: Optional[Path], tail_bytes: int = 8192) -> bool:
+    """Whether the end of the server's output says its bind failed (``[Errno 98] Address already in use``, as
+    Python's socket error and uvicorn word it): the port was taken, even if it is free again by now."""
+    if log_file is None:
+        return False
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            return b"address already in use" in f.read().lower()
+    except OSError:
+        return False
 
 
 def guarded_command(cmd: Sequence[str]) -> List[str]:
@@ -281,7 +294,7 @@ class SGLangEngine(RolloutEngineBase):
         server exited and something else listens there, or what answers there does not speak HTTP) is replaced
         by a newly picked one and the server started again, :data:`PORT_ATTEMPTS` times at most; a port the user
         gave is one error naming it."""
-        from core.ports import free_port
+        from core.ports import server_port
 
         for attempt in range(1, PORT_ATTEMPTS + 1):
             cmd = server_command(self.server)
@@ -303,7 +316,7 @@ class SGLangEngine(RolloutEngineBase):
                 if attempt == PORT_ATTEMPTS:
                     raise SGLangError(f"{taken}, and so were the {PORT_ATTEMPTS - 1} free ports picked before it"
                                       ) from None
-                port = free_port()
+                port = server_port()
                 log.warning(f"sglang: {taken}; starting it again on port {port}")
                 self.server = self.server.with_port(port)
             except BaseException:
@@ -324,6 +337,9 @@ class SGLangEngine(RolloutEngineBase):
                 if _listened_on(self.server.host, self.server.port):
                     raise _PortTaken(f"the SGLang server exited with code {code} during start-up, and another "
                                      f"process listens on its port {self.server.port}{where}")
+                if _says_address_in_use(self.log_file):       # held when it bound, released since
+                    raise _PortTaken(f"the SGLang server exited with code {code} during start-up: its port "
+                                     f"{self.server.port} was in use when it bound it{where}")
                 raise SGLangError(f"the SGLang server exited with code {code} during start-up{where}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -565,7 +581,7 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
     ``publish_format``: the format of the weights the trainer sends; ``port``: a started server's port (else
     ``sglang_port``, 0 = a free one); the Ray launcher also gives each engine actor its own ``log_file`` and
     ``disk_dir`` (orchestration.ray_engines)."""
-    from core.ports import free_port
+    from core.ports import server_port
 
     from .weight_sync import checkpoint_format
 
@@ -593,7 +609,7 @@ def make_sglang_engine(config, *, url: Optional[str] = None, model_path: Optiona
             if model_path is None:
                 raise SGLangError("starting an SGLang server needs model_path (an HF checkpoint it can load)")
             given = port or int(_setting(settings, "sglang_port"))
-            server = SGLangServerConfig(model_path=str(model_path), port=given or free_port(), tp_size=tp,
+            server = SGLangServerConfig(model_path=str(model_path), port=given or server_port(), tp_size=tp,
                                         startup_timeout_s=timeout, port_picked=not given,
                                         extra_args=tuple(shlex.split(_setting(settings, "sglang_server_args"))),
                                         enable_memory_saver=bool(_setting(settings, "colocate")))

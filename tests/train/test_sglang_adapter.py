@@ -14,7 +14,7 @@ import torch
 from core.config import preset
 from core.errors import UserInputError
 from core.ports import free_port
-from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone
+from tests.train._fake_sglang import FakeSGLang, install_fake_launcher, process_gone, spare_port
 from rollout.reference_engine import SamplingParams, sample_seed
 from rollout.sglang_engine import (SGLangEngine, SGLangError, SGLangServerConfig, SGLangSetupError,
                                  make_sglang_engine, server_command, torch_b64_serialize)
@@ -251,10 +251,10 @@ def test_a_picked_port_another_process_took_is_replaced_by_a_new_one(tmp_path, f
     import core.ports
 
     init = _checkpoint(tmp_path)
-    real = core.ports.free_port
+    real = core.ports.server_port
     with _PortHolder(GRPC_SETTINGS_FRAME) as taken:
         picks = iter([taken.port])
-        monkeypatch.setattr(core.ports, "free_port", lambda: next(picks, None) or real())
+        monkeypatch.setattr(core.ports, "server_port", lambda: next(picks, None) or real())
         with caplog.at_level(logging.INFO, logger="dsv4"):
             e = make_sglang_engine(CFG, model_path=init, settings=TrainConfig(sglang_weight_sync="disk"),
                                    run_dir=tmp_path)
@@ -271,6 +271,40 @@ def test_a_picked_port_another_process_took_is_replaced_by_a_new_one(tmp_path, f
         finally:
             e.shutdown()
     assert process_gone(info["pid"]) and process_gone(info["worker_pid"])
+
+
+def test_a_picked_server_port_is_outside_the_ephemeral_range():
+    """``core.ports.server_port``: below the range the kernel draws connections' source ports from (the poller's
+    own ``GET /health`` to a port nothing listens on yet could take an ephemeral one) and above Ray's worker
+    ports; nothing listens there."""
+    import socket
+
+    from core.ports import SERVER_PORTS_FROM, _ephemeral_start, server_port
+
+    for _ in range(5):
+        port = server_port()
+        assert SERVER_PORTS_FROM <= port < _ephemeral_start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_server_that_could_not_bind_its_port_is_a_taken_port_even_once_the_port_is_free(tmp_path, monkeypatch):
+    """The server exited during start-up and nothing listens on its port any more, but its output says the bind
+    failed (a connection held the port for a moment): that is a taken port (a picked one is replaced), not a
+    failed server."""
+    import rollout.sglang_engine as se
+
+    log_file = tmp_path / "sglang_server.log"
+    log_file.write_text("Traceback ...\nOSError: [Errno 98] Address already in use\n")
+    e = SGLangEngine(CFG, SGLangServerConfig(model_path="/m", port=spare_port(), startup_timeout_s=5), launch=False)
+    e.proc, e.log_file = object(), log_file
+    monkeypatch.setattr(se, "_exit_status", lambda proc: 1)
+    with pytest.raises(se._PortTaken, match="was in use when it bound it"):
+        e.wait_ready()
+    log_file.write_text("Traceback ...\nValueError: bad model\n")
+    with pytest.raises(SGLangError, match="exited with code 1 during start-up; its output") as err:
+        e.wait_ready()
+    assert not isinstance(err.value, se._PortTaken)
 
 
 def test_a_given_port_another_process_holds_is_one_error_naming_it(tmp_path, fake_launcher):
