@@ -51,20 +51,25 @@ PHASES = ("time_update_weights", "time_rollout", "time_logprobs", "time_train")
 def grpo_command(mode: str, *, impl: str, model: str, run_dir: Path, steps: int, hardware: str, prompts: int,
                  group: int, new_tokens: int, options=()) -> list:
     """The ``dsv4 train --mode grpo`` command line of one weight-sync mode."""
-    return [sys.executable, "-m", "launchers.dsv4", "train", "--mode", "grpo", "--hardware", hardware,
+    return [*train_command("grpo", impl=impl, model=model, run_dir=run_dir, steps=steps, hardware=hardware),
+            f"weight_sync={mode}", f"prompts_per_step={prompts}", f"group_size={group}",
+            f"max_new_tokens={new_tokens}", f"save_every={1 << 30}", "save_at_end=false", "export_at_end=false",
+            *options]
+
+
+def train_command(mode: str, *, impl: str, model: str, run_dir: Path, steps: int, hardware: str) -> list:
+    """``dsv4 train --mode MODE`` as the benches run it (bf16 triton kernels on nvidia, the reference ones on the
+    CPU), up to its ``-q`` settings."""
+    return [sys.executable, "-m", "launchers.dsv4", "train", "--mode", mode, "--hardware", hardware,
             "--impl", impl, "--kernel-backend", "triton" if hardware == "nvidia" else "none", "--model", model,
-            "--steps", str(steps), "--run-dir", str(run_dir), "-q", f"weight_sync={mode}",
-            f"prompts_per_step={prompts}", f"group_size={group}", f"max_new_tokens={new_tokens}",
-            f"save_every={1 << 30}", "save_at_end=false", "export_at_end=false", *options]
+            "--steps", str(steps), "--run-dir", str(run_dir), "-q"]
 
 
 def sft_command(*, impl: str, model: str, run_dir: Path, steps: int, hardware: str) -> list:
     """``--sft-steps``: the ``dsv4 train --mode sft`` command line that trains ``model`` on the built-in task's
     responses and exports the result (``RUN_DIR/hf``), the model the GRPO rows then start from."""
-    return [sys.executable, "-m", "launchers.dsv4", "train", "--mode", "sft", "--hardware", hardware,
-            "--impl", impl, "--kernel-backend", "triton" if hardware == "nvidia" else "none", "--model", model,
-            "--steps", str(steps), "--run-dir", str(run_dir), "-q", f"save_every={1 << 30}", "save_at_end=false",
-            "export_at_end=true"]
+    return [*train_command("sft", impl=impl, model=model, run_dir=run_dir, steps=steps, hardware=hardware),
+            f"save_every={1 << 30}", "save_at_end=false", "export_at_end=true"]
 
 
 def sft_first(*, folder: Path, env: dict, **kw) -> dict:
@@ -74,18 +79,9 @@ def sft_first(*, folder: Path, env: dict, **kw) -> dict:
     give the distributions a trained model has, so the difference is measured where RL runs."""
     from reporting.metrics import read_metrics
 
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    cmd = sft_command(run_dir=folder / "run", **kw)
-    out = {"command": shlex.join(["python"] + cmd[1:])}
-    print(f"$ {out['command']}", flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out["wall_s"] = time.perf_counter() - t0
-    (folder / "dsv4.log").write_text(proc.stdout)
-    if proc.returncode != 0:
-        return dict(out, error=_error_line(proc.stdout), log_tail=proc.stdout[-3000:])
+    out = run_logged(sft_command(run_dir=folder / "run", **kw), folder=folder, env=env, key="command")
+    if "error" in out:
+        return out
     losses = [float(r["loss"]) for r in read_metrics(folder / "run") if "loss" in r]
     return dict(out, loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
                 export=str(folder / "run" / "hf"))
@@ -153,23 +149,32 @@ def first_step_seconds(rows: list, started: float) -> Optional[float]:
     return float(first["wall_time"]) - started if first and first.get("wall_time") else None
 
 
+def run_logged(cmd: list, *, folder: Path, env: dict, key: str) -> dict:
+    """Run ``dsv4 train`` command ``cmd`` in a fresh ``folder`` (dsv4 train refuses a run folder that holds a run),
+    its output in ``folder/dsv4.log``: ``{key: the command line, wall_s}``, plus ``error`` and ``log_tail`` when it
+    failed."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    out = {key: shlex.join(["python"] + cmd[1:])}
+    print(f"$ {out[key]}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out["wall_s"] = time.perf_counter() - t0
+    (folder / "dsv4.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        out.update(error=_error_line(proc.stdout), log_tail=proc.stdout[-3000:])
+    return out
+
+
 def run_mode(mode: str, *, folder: Path, env: dict, warmup: int, hardware: str, config=None, **kw) -> dict:
     """One ``dsv4 train --mode grpo`` run in ``folder`` (run/, dsv4.log) and its summary row."""
     from reporting.metrics import read_metrics
 
-    row = {"weight_sync": mode}
-    if folder.exists():
-        shutil.rmtree(folder)                   # dsv4 train refuses a run folder that holds a run
-    folder.mkdir(parents=True)
-    cmd = grpo_command(mode, run_dir=folder / "run", hardware=hardware, **kw)
-    row["train_command"] = shlex.join(["python"] + cmd[1:])
-    print(f"$ {row['train_command']}", flush=True)
-    t0, started = time.perf_counter(), time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    row["wall_s"] = time.perf_counter() - t0
-    (folder / "dsv4.log").write_text(proc.stdout)
-    if proc.returncode != 0:
-        row.update(error=_error_line(proc.stdout), log_tail=proc.stdout[-3000:])
+    started = time.time()
+    row = {"weight_sync": mode, **run_logged(grpo_command(mode, run_dir=folder / "run", hardware=hardware, **kw),
+                                             folder=folder, env=env, key="train_command")}
+    if "error" in row:
         return row
     metrics = read_metrics(folder / "run")
     row.update(summarize(metrics, warmup), first_step_s=first_step_seconds(metrics, started))

@@ -283,7 +283,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi), compile=compile)
             engine = _engine(config, dev, DTYPES[dtype], seed, **kw)
             weights = weights or {n: t.detach().cpu() for n, t in engine.model.state_dict().items()}
-            wbytes, wmodel = wbytes or weight_bytes_per_token(engine.model), engine.model
+            wbytes = wbytes or weight_bytes_per_token(engine.model)
             note = (f"cuda graphs {'on' if engine.cuda_graphs else 'off'}; compile "
                     f"{engine.compile or 'off'}" if name == "cached" else "no cache")
             note += f"; kernels {kernel_backend}"
@@ -325,7 +325,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 continue
             row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
             if hbm and new_tokens > 1 and name != "transformers":
-                row["weight_bytes_per_step"] = step_bytes = wbytes if B == 1 else weight_bytes_per_step(wmodel, B)
+                row["weight_bytes_per_step"] = step_bytes = weight_bytes_per_step(engine.model, B)
                 # None when the decode time did not show above the timer's noise (a tiny model on a busy CPU)
                 step_s = row["decode_step_ms"] / 1e3
                 row["hbm_share"] = round(step_bytes / step_s / hbm, 4) if step_s > 0 else None

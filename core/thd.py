@@ -315,6 +315,17 @@ class ThdLayout:
         return self._memo(("host_cu_c", ratio), lambda: self.compressed_cu_seqlens(ratio).tolist(), tensor=False)
 
     # ---------------------------------------------------------------- builders
+    def shortened(self) -> tuple[Tensor, "ThdLayout"]:
+        """``(keep [T'] int64 rows, layout)``: every row but each segment's last, and the layout of those rows
+        (each segment one shorter): the stream of the next MTP depth. Selecting the rows by index gives a boolean
+        mask's values and gradients without its host read; kept like the rest, so a reused layout's depth costs
+        no host synchronisation (the new layout's checks included)."""
+        def build():
+            keep = self.positions < (self.segment_ends - self.segment_starts - 1)
+            lens = (self.seqlens - 1).clamp(min=0)
+            return keep.nonzero().squeeze(1), ThdLayout(torch.cat((lens.new_zeros(1), torch.cumsum(lens, 0))))
+        return self._memo("shortened", build)
+
     def window_indices(self, window: int = WINDOW) -> Tensor:
         return self._memo(("window", window), lambda: window_indices(self, window))
 

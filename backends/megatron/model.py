@@ -27,7 +27,6 @@ Under context parallelism each rank returns its rows' share (the shares add up t
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -54,26 +53,6 @@ def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch
     if a is None:
         return b
     return a if b is None else a + b
-
-
-# layout -> (kept rows, layout) of the next MTP depth; weak keys: an entry lives as long as its layout does
-_MTP_DEPTHS: "weakref.WeakKeyDictionary[ThdLayout, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _mtp_depth(layout: ThdLayout):
-    """``(keep [T'] int64 rows, ThdLayout)`` of the next MTP depth over ``layout``: every row but each segment's last
-    (each segment one shorter). Kept per layout, as the layout keeps what it derives: the trainer reuses one layout
-    per micro-batch shape, and building them again cost every micro-batch 6 host syncs on a GPU (the rows of a
-    boolean mask, forward and backward; ``ThdLayout``'s checks of the new ``cu_seqlens``). Selecting the kept rows
-    by index gives the mask's values and gradients."""
-    depth = _MTP_DEPTHS.get(layout)
-    if depth is None:
-        keep = layout.positions < (layout.segment_ends - layout.segment_starts - 1)
-        lens = (layout.seqlens - 1).clamp(min=0)
-        depth = keep.nonzero().squeeze(1), ThdLayout(torch.cat((lens.new_zeros(1), torch.cumsum(lens, 0))))
-        if not torch.compiler.is_compiling():   # a compiled graph's tensors are its own (see ThdLayout._memo)
-            _MTP_DEPTHS[layout] = depth
-    return depth
 
 
 class DSv4TransformerLayer(MegatronModule):
@@ -289,7 +268,7 @@ class DSv4NativeModel(MegatronModule):
         out = []
         tokens = ids
         for layer in self.mtp.layers:
-            keep, layout = _mtp_depth(layout)
+            keep, layout = layout.shortened()       # kept with the layout: no host read
             nxt = torch.roll(tokens, -1).index_select(0, keep)
             if embedded is None:
                 emb = self.embedding(nxt.view(1, -1), position_ids=None)

@@ -262,28 +262,13 @@ if __name__ == "__main__":
 
 def spare_port() -> int:
     """A port nothing listens on, for a test that gives the server its port (``sglang_port=P``) and checks the
-    command line for it. Picked from below the kernel's ephemeral range (where every bind to port 0 lands: Ray's
-    gRPC servers, ``core.ports.free_port``) and above Ray's worker ports (10002-19999), at random: between this
-    check and the server's bind, seconds later, no other process of the machine picks ports there (a port from
-    ``free_port`` was once taken by a Ray worker's gRPC server in that window, in CI)."""
-    import random
-    import socket
+    command line for it: the engine's own rule for a picked port (``core.ports.server_port``: below the kernel's
+    ephemeral range, where every bind to port 0 and every connection's source port lands, and above Ray's worker
+    ports), so between this check and the server's bind, seconds later, no other process of the machine takes it
+    (a port from ``free_port`` was once taken by a Ray worker's gRPC server in that window, in CI)."""
+    from core.ports import server_port
 
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 32768
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20000, max(ephemeral, 20001))
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port between 20000 and the ephemeral range")
+    return server_port()
 
 
 def process_gone(pid: int, within_s: float = 10.0) -> bool:
