@@ -7,7 +7,7 @@ Module tree and parameter names (= the weight contract's native names)::
     self_attention.linear_q_up_proj.weight      [H*D, q_lora]
     self_attention.linear_kv_proj.weight        [D, C]
     self_attention.kv_layernorm.weight          [D]
-    self_attention.linear_o_group_proj          [G*R, H*D/G]   (bare Parameter, einsum-contracted)
+    self_attention.linear_o_group_proj          [G*R, H*D/G]   (bare Parameter, grouped_projection)
     self_attention.linear_proj.weight           [C, G*R]
     self_attention.core_attention.attn_sink     [H] fp32
     self_attention.core_attention.compressor.{linear_wkv.weight, linear_wgate.weight, ape, norm.weight}
@@ -56,7 +56,7 @@ from engine.tp import mark_keep_in_fp32
 
 from .config import indexer_loss_enabled
 from kernels.reference.indexer import indexer_input_dtype
-from kernels.reference.layers import compute_dtype, linear_fp32
+from kernels.reference.layers import compute_dtype, grouped_projection, linear_fp32
 from kernels.reference.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = [
@@ -460,6 +460,6 @@ class DSv4HybridAttention(MegatronModule):
 
         G, R = self.o_groups, self.o_lora_rank
         o = o.reshape(T, G, H * D // G)
-        u = torch.einsum("tgd,grd->tgr", o, self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G))
+        u = grouped_projection(o, self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G))
         out = _call(self.linear_proj, u.reshape(T, G * R))
         return out.unsqueeze(1), kl

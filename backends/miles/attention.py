@@ -20,7 +20,7 @@ Forward (pseudo-code of the reference system, math from ``kernels.reference``)::
     idx = window(W) [+ compressed: indexer top-k (ratio 4) | all causal blocks (ratio 128)]
     kv_all = copy_to_tp_region(cat(kv, compressor(x)))          # grads all-reduced over TP
     o = sparse_attention_with_sink(q, kv_all, idx, attn_sink)   # kernel backend op
-    o = inverse RoPE(o); u = einsum(o per group, wo_a per group); out = linear_proj(u)
+    o = inverse RoPE(o); u = o per group @ wo_a per group (grouped_projection); out = linear_proj(u)
 
 The indexer is frozen by default (no parameter gradient; its top-k is discrete anyway) and
 runs under ``no_grad``. Requires ``o_groups % tp == 0`` (and so ``n_heads % tp == 0``).
@@ -58,7 +58,7 @@ from kernels.reference.attention import compressed_visible_indices, window_indic
 from kernels.reference.compressor import Compressor as _RefCompressor
 from kernels.reference.indexer import Indexer as _RefIndexer
 from kernels.reference.indexer import indexer_input_dtype
-from kernels.reference.layers import compute_dtype
+from kernels.reference.layers import compute_dtype, grouped_projection
 from kernels.reference.rope import layer_inv_freq, rope_cos_sin
 
 __all__ = ["DSv4Compressor", "DSv4Indexer", "DSv4CoreAttention", "DeepSeekV4Attention"]
@@ -224,8 +224,7 @@ class DeepSeekV4Attention(nn.Module):
         G, R = self.n_local_groups, self.o_lora_rank
         o = o.reshape(B, S, G, H * D // G)
         wo_a = self.linear_o_group_proj.to(o.dtype).view(G, R, H * D // G)
-        u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-        out, _ = self.linear_proj(u.flatten(2))
+        out, _ = self.linear_proj(grouped_projection(o, wo_a).flatten(2))
         return out
 
     # ------------------------------------------------------------------ packed / context parallel

@@ -1,6 +1,8 @@
 """Engine primitives the training step's speed rests on, against direct computations: the grouped GEMM of
-the routed experts (``engine.moe.grouped_linear``) and the fp32 logits of a half-precision output layer
-(``kernels.reference.layers.linear_fp32``)."""
+the routed experts (``engine.moe.grouped_linear``), the fp32 logits of a half-precision output layer
+(``kernels.reference.layers.linear_fp32``) and the attention's grouped output projection
+(``kernels.reference.layers.grouped_projection``; at the Flash shape on a GPU:
+tests/kernels/test_grouped_projection_gpu.py)."""
 
 from __future__ import annotations
 
@@ -58,3 +60,26 @@ def test_fp32_logits_half_operands_match_fp32_math():
     # fp32 / fp64 operands keep the plain upcast path
     assert linear_fp32(yr, wr).dtype == torch.float32
     assert linear_fp32(yr.double(), wr).dtype == torch.float64
+
+
+def test_grouped_projection_is_the_einsum():
+    """Both implementations' grouped output projection against ``torch.einsum("...gd,grd->...gr")``: in fp64 the
+    same products summed in the same order, so forward and both gradients are equal; in bf16 within the einsum's
+    own rounding; a non-contiguous output gradient (as a sliced consumer hands back) gives the same gradients."""
+    from kernels.reference.layers import grouped_projection
+
+    g = torch.Generator().manual_seed(2)
+    o = torch.randn(2, 5, 4, 12, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(4, 3, 12, generator=g, dtype=torch.float64).requires_grad_()
+    up = torch.randn(2, 5, 4, 6, generator=g, dtype=torch.float64)[..., ::2]          # strided output gradient
+    u, ref = grouped_projection(o, w), torch.einsum("bsgd,grd->bsgr", o, w)
+    assert u.shape == ref.shape == (2, 5, 4, 3)
+    assert torch.equal(u, ref)
+    for a, b in zip(torch.autograd.grad(u, (o, w), up), torch.autograd.grad(ref, (o, w), up)):
+        assert torch.equal(a, b)
+    ob, wb = o.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    ub = grouped_projection(ob.view(10, 4, 12), wb)                                      # [T, G, d] (megatron)
+    torch.testing.assert_close(ub.double(), torch.einsum("tgd,grd->tgr", ob.double().view(10, 4, 12), wb.double()),
+                               atol=0.05, rtol=0.02)
+    dob, dwb = torch.autograd.grad(ub, (ob, wb), up.reshape(10, 4, 3).bfloat16())
+    assert dob.shape == ob.shape and dwb.shape == wb.shape and dob.is_contiguous()
