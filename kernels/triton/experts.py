@@ -28,6 +28,8 @@ __all__ = ["experts_grouped_mm", "experts_grouped_mm_launch"]
 
 BM, BN, BK = 16, 64, 128       # rows (tl.dot's smallest) x output columns x reduction per step of one program
 STAGES, WARPS = 4, 4
+# the settings above as one dict (python -m bench.kernels_experts_sweep times others at the decode step's shapes)
+EXPERTS_CONFIG = dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, WARPS=WARPS)
 
 
 @triton.jit
@@ -57,14 +59,17 @@ def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK:
                  mask=rmask[:, None] & cmask[None, :])
 
 
-def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``."""
+def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None) -> torch.Tensor:
+    """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``;
+    ``config`` overrides keys of :data:`EXPERTS_CONFIG` (the sweep's)."""
+    c = {**EXPERTS_CONFIG, **(config or {})}
     R, K = x.shape
     E, N, _ = w.shape
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R and E:
-        _experts_kernel[(E, triton.cdiv(N, BN))](x, w, offs, y, N, K, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
-                                               F32=gpu_common.interpreting(), num_warps=WARPS)
+        _experts_kernel[(E, triton.cdiv(N, c["BN"]))](x, w, offs, y, N, K, BM=c["BM"], BN=c["BN"], BK=c["BK"],
+                                                    STAGES=c["STAGES"], F32=gpu_common.interpreting(),
+                                                    num_warps=c["WARPS"])
     return y
 
 

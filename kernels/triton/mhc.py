@@ -48,6 +48,7 @@ MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3, mix_programs=
                   post_BT=8, post_BD=128, post_warps=4,
                   post_bwd_BT=8, post_bwd_BD=128, post_bwd_warps=4)
 PRECISION = "tf32x3"
+FINISH_TILE = 4096     # fp32 partials one program of the split mixing GEMM's sum loads at once
 
 
 _mp = gpu_ops.mix_width  # the mixing GEMM's padded width (the custom ops' fake implementations use it too)
@@ -111,18 +112,23 @@ def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
 
 
 @triton.jit
-def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.constexpr, MP: tl.constexpr):
-    """The sum of :func:`_mix_part_kernel`'s partials: ``MIX``, ``RHO`` as :func:`_mix_kernel` writes them."""
+def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.constexpr, MP: tl.constexpr,
+                       SB: tl.constexpr):
+    """The sum of :func:`_mix_part_kernel`'s partials: ``MIX``, ``RHO`` as :func:`_mix_kernel` writes them. ``SB``
+    partials a load: one partial a loop step was 64 dependent loads of a decode step's token, 8.6 us a call."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
+    sb = tl.arange(0, SB)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
-    for s in range(0, SPLIT):
-        base = s * T
-        acc += tl.load(PART + (base + t64)[:, None] * MP + m[None, :], mask=tmask[:, None], other=0.0)
-        ss += tl.load(SSP + base + t64, mask=tmask, other=0.0)
+    for s0 in range(0, SPLIT, SB):
+        s = s0 + sb
+        st = (s.to(tl.int64) * T)[:, None] + t64[None, :]                       # [SB, BT] rows of the partials
+        smask = (s < SPLIT)[:, None] & tmask[None, :]
+        acc += tl.sum(tl.load(PART + st[:, :, None] * MP + m[None, None, :], mask=smask[:, :, None], other=0.0), 0)
+        ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0), 0)
     rho = tl.rsqrt(ss / K + norm_eps)
     tl.store(MIX + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
     tl.store(RHO + t, rho, mask=tmask)
@@ -350,7 +356,10 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
     ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
     _mix_part_kernel[(rows, split)](x2, fn, part, ssp, T, K, M, kper, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
                                     PREC=PRECISION, STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
-    _mix_finish_kernel[(triton.cdiv(T, 16),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=16, MP=MP, num_warps=4)
+    bt = min(4, triton.next_power_of_2(T))                      # a decode step's tokens over a few programs
+    sb = min(triton.next_power_of_2(split), max(1, FINISH_TILE // (bt * MP)))
+    _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
+                                              num_warps=4)
 
 
 def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, cfg):

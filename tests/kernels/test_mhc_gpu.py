@@ -34,16 +34,18 @@ BF16_REL, FP32_REL = 8e-3, 1e-4
 ITERS, NORM_EPS, HC_EPS = 20, 1e-6, 1e-6
 FLASH = dict(B=1, S=4096, n=4, d=4096)
 DECODE = dict(B=64, S=1, n=4, d=4096)      # a decode step of 64 sequences: the mixing GEMM split over K
-# the last: five tokens over 300 columns, so the coefficient kernel splits d over three programs (a decode step's
-# launch, small enough for the interpreter)
-SMALL = [dict(B=2, S=19, n=3, d=80), dict(B=1, S=37, n=4, d=96), dict(B=5, S=1, n=4, d=300)]
+DECODE1 = dict(B=1, S=1, n=4, d=4096)      # and of one: 64 partial sums of one token
+# the last two: five tokens and one over 300 columns, so the coefficient kernel splits d over three programs and
+# the mixing GEMM K over five (a decode step's launch, small enough for the interpreter)
+SMALL = [dict(B=2, S=19, n=3, d=80), dict(B=1, S=37, n=4, d=96), dict(B=5, S=1, n=4, d=300),
+         dict(B=1, S=1, n=4, d=300)]
 
 
 def _shapes():
     return [pytest.param(s, id=f"n{s['n']}-d{s['d']}-T{s['B'] * s['S']}") for s in SMALL] + \
         [pytest.param(shape, id=name, marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                reason="Flash shape: GPU only"))
-         for shape, name in ((FLASH, "flash-T4096"), (DECODE, "decode-T64"))]
+         for shape, name in ((FLASH, "flash-T4096"), (DECODE, "decode-T64"), (DECODE1, "decode-T1"))]
 
 
 def _gen(seed):
@@ -277,7 +279,8 @@ def test_kernels_compile_for_sm90():
          dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"]), c["mix_warps"]),
         (K._mix_part_kernel, [pb, p32, p32, p32, i, i, i, i],
          dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"]), c["mix_warps"]),
-        (K._mix_finish_kernel, [p32, p32, p32, p32, i, i, i, f], dict(BT=16, MP=32), 4),
+        (K._mix_finish_kernel, [p32, p32, p32, p32, i, i, i, f], dict(BT=1, MP=32, SB=64), 4),     # decode: 1 token
+        (K._mix_finish_kernel, [p32, p32, p32, p32, i, i, i, f], dict(BT=4, MP=32, SB=32), 4),     # 64 tokens
         (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i, i], dict(HAS_RES=True, **coef),
          c["coef_warps"]),
         (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i, i], dict(HAS_RES=False, **coef),

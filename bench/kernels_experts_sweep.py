@@ -1,0 +1,82 @@
+"""Launch settings of the triton decode experts kernel (``kernels/triton/experts.py``) at the Flash-shaped decode
+step's shapes, timed and checked on one GPU.
+
+    python -m bench.kernels_experts_sweep --out FILE.json
+
+Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
+--compile on --profile-steps``) the kernel took 1.70 ms of a 3.85 ms step at 64 sequences, about 79% of the HBM
+bandwidth for the expert weights it reads, and 0.31 ms of 1.63 at one sequence. This times every setting of a
+small grid (``BN`` output columns and ``BK`` reduction a step of one program, pipeline ``STAGES``, ``WARPS``) on
+the step's two GEMMs (gate and up: ``w [32, 4096, 4096]``; down: ``w [32, 4096, 2048]``) at 1 and 64 sequences
+(6 and 384 rows, top-6 of 32 experts drawn at random), with ``triton.testing.do_bench`` (median), reports the
+weight bytes the experts with rows read over the time, and compares each output with the default's (``equal``
+bits, or ``close``: within bf16 rounding, a reduction in another order). The sweep only measures; the defaults in
+``EXPERTS_CONFIG`` change by hand after ``tests/kernels/test_experts_gpu.py`` holds them to the exact products.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+from bench import kernels_common as bc
+
+E, TOPK, DIM, INTER = 32, 6, 4096, 2048
+
+
+def _case(seqs: int, N: int, K: int):
+    g = torch.Generator().manual_seed(seqs)
+    picks = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(seqs)]).flatten()
+    counts = torch.bincount(picks, minlength=E)
+    x = torch.randn(picks.numel(), K, generator=g).bfloat16().cuda()
+    w = (torch.randn(E, N, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    return x, w, offs, int((counts > 0).sum()) * N * K * 2
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU and triton")
+    import triton
+
+    from kernels.triton import experts as KE
+
+    meta = bc.base_meta(triton=triton.__version__)
+    configs = [dict(BN=bn, BK=bk, STAGES=st, WARPS=wp)
+               for bn, bk, st, wp in itertools.product([32, 64, 128], [64, 128, 256], [3, 4, 5], [4, 8])]
+    rows = []
+    for seqs, (site, N, K) in itertools.product((1, 64), (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):
+        x, w, offs, nbytes = _case(seqs, N, K)
+        ref = KE.experts_grouped_mm_launch(x, w, offs)
+        us_default = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs), rep=50) * 1e3
+        print(f"== {seqs} sequence(s), {site} {N}x{K}: default {us_default:.1f} us, "
+              f"{nbytes / us_default / 1e3:.0f} GB/s", flush=True)
+        here = []
+        for cfg in configs:
+            try:
+                got = KE.experts_grouped_mm_launch(x, w, offs, cfg)
+                us = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs, cfg), rep=50) * 1e3
+            except Exception as e:                                  # e.g. out of shared memory: recorded, skipped
+                here.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:120]}"))
+                continue
+            agree = "equal" if torch.equal(got, ref) else (
+                "close" if torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2) else "differ")
+            here.append(dict(config=cfg, us=round(us, 1), gb_per_s=round(nbytes / us / 1e3), vs_default=agree))
+        for r in sorted((r for r in here if "us" in r), key=lambda r: r["us"])[:5]:
+            print(f"  {r['us']:8.1f} us {r['gb_per_s']:6d} GB/s {r['vs_default']:6s} {r['config']}", flush=True)
+        rows += [dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, default_us=round(us_default, 1),
+                      **r, **meta) for r in here]
+    with open(args.out, "w") as fh:
+        json.dump(dict(bench="kernels_experts_sweep", defaults=KE.EXPERTS_CONFIG, rows=rows), fh, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
