@@ -157,20 +157,43 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
 _CDF_BLOCK = 1024
 
 
-def cumulative_mass(probs: torch.Tensor) -> torch.Tensor:
-    """``probs [N, V]`` -> their float64 running sums along ``V``, in two levels: each block of
-    :data:`_CDF_BLOCK` entries summed on its own, then each block's total added to the blocks after it. Why: a
-    scan along a 129,280-entry row runs one row per thread block (a quarter of a millisecond for 64 rows on an
-    H200, the sampler's costliest kernel at batch 64), while blocks of 1,024 are many short rows. The same
-    float64 sums in another order (the draws of a row stay the same on every path: all sample through here)."""
+def draw_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``probs [N, V]`` (non-negative, not normalized), uniforms ``u [N]`` -> ``[N]`` long: the index whose
+    interval of the running mass holds ``u x`` the row's mass, with float64 sums in two levels: the mass of each
+    block of :data:`_CDF_BLOCK` entries, their running sum to find the block, then the running sum inside that
+    block alone (on top of the earlier blocks' mass). Why: the running sum of a whole 129,280-entry row in float64
+    (a float64 copy of the probabilities, a scan, the index of the last entry with mass) was about a third of a
+    millisecond of a 64-sequence decode step on an H200 (``bench/results/rollout-h200-flash-shaped-triton-compile-
+    mix-finish.json``); here the row is read once, by the block sums, and one block is scanned. Never an index
+    without mass: where rounding puts the target at or past the end of a block's (or the row's) running sum, the
+    draw takes the last entry (block) with mass. The same float64 sums in another order as one running sum (the
+    draws of a row stay the same on every path: all sample through here)."""
     n, v = probs.shape
-    blocks = -(-v // _CDF_BLOCK)
-    if blocks <= 1:
-        return probs.double().cumsum(-1)
-    p = torch.nn.functional.pad(probs.double(), (0, blocks * _CDF_BLOCK - v)).view(n, blocks, _CDF_BLOCK)
-    inner = p.cumsum(-1)
-    before = torch.nn.functional.pad(inner[..., -1].cumsum(-1)[:, :-1], (1, 0))     # the mass of earlier blocks
-    return (inner + before[..., None]).view(n, -1)[:, :v]
+    B = _CDF_BLOCK
+    full = v // B
+    parts = [probs[:, :full * B].reshape(n, full, B).sum(-1, dtype=torch.float64)] if full else []
+    if v > full * B:
+        parts.append(probs[:, full * B:].sum(-1, dtype=torch.float64, keepdim=True))
+    totals = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]           # [N, blocks]
+    upto = running_sum(totals)                                                 # mass through each block
+    target = u.to(probs.device, torch.float64)[:, None] * upto[:, -1:]
+    blk = torch.searchsorted(upto, target, right=True)
+    blk = torch.minimum(blk, _last_with_mass(totals))
+    before = torch.where(blk > 0, upto.gather(-1, (blk - 1).clamp(min=0)), 0.0)  # mass of the earlier blocks
+    cols = blk * B + torch.arange(B, device=probs.device)                          # [N, B]
+    p = torch.where(cols < v, probs.gather(-1, cols.clamp(max=v - 1)), 0.0).double()
+    j = torch.searchsorted(running_sum(p) + before, target, right=True)
+    return (blk * B + torch.minimum(j, _last_with_mass(p))).squeeze(-1)
+
+
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """The running sum along the last dim (one place, so a test can stand in a parallel scan's rounding)."""
+    return x.cumsum(-1)
+
+
+def _last_with_mass(p: torch.Tensor) -> torch.Tensor:
+    """``[N, 1]``: the last index along ``p [N, M]``'s rows whose entry is above 0 (0 for a row without one)."""
+    return torch.where(p > 0, torch.arange(p.shape[-1], device=p.device), 0).amax(-1, keepdim=True)
 
 
 def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingParams
@@ -185,12 +208,7 @@ def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingPa
         if params.top_k:
             keep[:, params.top_k:] = False
         probs = torch.where(keep, probs, torch.zeros_like(probs))
-    cdf = cumulative_mass(probs)
-    target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
-    choice = torch.searchsorted(cdf, target, right=True)
-    # never past the last token with mass (u * mass rounding; a parallel scan's last ulp in a zero tail)
-    ids = torch.arange(probs.shape[-1], device=probs.device)
-    choice = torch.minimum(choice, torch.where(probs > 0, ids, 0).amax(-1, keepdim=True))
+    choice = draw_index(probs, u)[:, None]
     tok = (choice if order is None else order.gather(-1, choice)).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 

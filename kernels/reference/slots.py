@@ -231,15 +231,27 @@ def _grouped_mm(x, w, offs):
     return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 
+def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(order, ends)`` of the pairs' expert ids ``flat [R]``: ``order`` is ``flat.argsort(stable=True)`` (each
+    expert's pairs in their own order) and ``ends [E]`` int32 each expert's end row in it, counted instead of
+    sorted. Why: a decode step sorts a few hundred ids per layer, and torch's sort ran four radix passes of 27 us
+    each at 64 sequences (``bench/results/rollout-h200-flash-shaped-triton-compile-mix-finish.json``); counting
+    is a comparison with every expert id and two prefix sums, which Inductor fuses."""
+    hit = (flat[:, None] == torch.arange(n_experts, device=flat.device)).to(torch.int32)     # [R, E]
+    counts = hit.sum(0)
+    ends = counts.cumsum(0)
+    seen = (hit.cumsum(0) * hit).sum(1)                           # 1 + the pairs of its expert before it
+    pos = (ends - counts).index_select(0, flat) + seen - 1        # where the pair goes in expert order
+    order = torch.empty_like(flat).index_copy_(0, pos.long(), torch.arange(flat.shape[0], device=flat.device))
+    return order, ends.to(torch.int32)
+
+
 def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm):
     """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
     up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``."""
     T, k = idx.shape
-    flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)
+    order, offs = expert_order(idx.reshape(-1), w13.shape[0])
     xs = x.index_select(0, order // k)
-    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(w13.shape[0], device=x.device),
-                              right=True).to(torch.int32)                       # each expert's end row
     gate, up = mm(xs, w13, offs).to(ct).chunk(2, dim=-1)
     hid = swiglu(gate, up, limit)
     hid = hid * weights.reshape(-1).index_select(0, order).to(ct)[:, None]   # routing weight before w2

@@ -125,6 +125,24 @@ def test_grouped_moe_equals_dense_and_the_reference_moe():
             assert err <= 1e-2, (path, err)                 # bf16 rounding of differently ordered sums
 
 
+@pytest.mark.parametrize("ids", [[], [3], [2, 0, 2, 2, 5, 0, 7, 7, 1], [4] * 9, "random"])
+def test_the_counted_expert_order_is_the_stable_sort(ids):
+    """``expert_order`` (the grouped MoE's pairs in expert order, counted) against ``argsort(stable=True)`` and the
+    sorted ids' end rows, with empty experts (first, middle, last), one expert for all, no pairs, and a decode
+    step's 64 tokens x top-6 of 32 experts; and under ``torch.compile`` (the compiled decode step traces it)."""
+    from kernels.reference.slots import expert_order
+
+    E = 8 if ids != "random" else 32
+    flat = (torch.randint(0, E, (384,), generator=torch.Generator().manual_seed(1)) if ids == "random"
+            else torch.tensor(ids, dtype=torch.long))
+    want = flat.argsort(stable=True)
+    want_ends = torch.searchsorted(flat[want], torch.arange(E), right=True).to(torch.int32)
+    for fn in (expert_order, torch.compile(expert_order, fullgraph=True, dynamic=False)):
+        order, ends = fn(flat, E)
+        assert torch.equal(order, want) and torch.equal(ends, want_ends), (order, want, ends, want_ends)
+        assert ends.dtype == torch.int32
+
+
 def test_unstacked_experts_and_routing_hooks_are_refused(seqs):
     m = _model()
     with torch.no_grad():

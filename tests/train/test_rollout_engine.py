@@ -140,45 +140,72 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
     assert cached.positions_fed * 4 < uncached.positions_fed
 
 
-def test_the_two_level_running_mass_is_the_float64_cumulative_sum():
-    """cumulative_mass sums blocks of 1,024 and then the blocks' totals: within float64 rounding of one running
-    sum, non-decreasing, and the draws over the Flash vocabulary equal those from a plain running sum."""
+def _one_running_sum_draw(probs, u):
+    """The draw :func:`rollout.reference_engine.draw_index` stands for: one float64 running sum of the row,
+    the first index whose sum exceeds ``u x`` the row's mass, never past the last index with mass."""
+    cdf = probs.double().cumsum(-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    last = torch.where(probs > 0, torch.arange(probs.shape[-1]), 0).amax(-1, keepdim=True)
+    return torch.minimum(choice, last).squeeze(-1)
+
+
+def test_the_two_level_draw_is_the_draw_of_one_running_sum():
+    """draw_index finds the block by the blocks' float64 masses and the index by the running sum inside it: the
+    same draws as one float64 running sum of the row, at vocabularies under, at and past a block, with a last
+    partial block, trailing tokens without mass and whole blocks without mass; and through sample_tokens over
+    the Flash vocabulary."""
     from rollout import reference_engine as R
 
     g = torch.Generator().manual_seed(0)
     for v in (7, 1024, 3000, 129280):
-        probs = torch.softmax(torch.randn(5, v, generator=g) * 3.0, dim=-1)
+        probs = torch.softmax(torch.randn(64, v, generator=g) * 3.0, dim=-1)
         probs[0, v // 2:] = 0.0                               # trailing tokens without mass
-        got, want = R.cumulative_mass(probs), probs.double().cumsum(-1)
-        assert got.dtype == torch.float64 and got.shape == (5, v)
-        assert torch.allclose(got, want, rtol=0, atol=1e-13)
-        assert bool((got[:, 1:] >= got[:, :-1]).all())
+        probs[1, : v // 2] = 0.0                              # leading ones (whole blocks at the larger v)
+        probs[2, 1000:2100] = 0.0                             # a gap across a block boundary
+        u = torch.rand(64, generator=g, dtype=torch.float64)
+        got = R.draw_index(probs, u)
+        assert got.dtype == torch.long and got.shape == (64,)
+        assert torch.equal(got, _one_running_sum_draw(probs, u)), v
     params = R.SamplingParams(max_new_tokens=1)
     logits = torch.randn(64, 129280, generator=g) * 2.0
     u = torch.rand(64, generator=g, dtype=torch.float64)
     tok, lp = R.sample_tokens(logits, u, params)
-    probs = torch.softmax(logits.float(), dim=-1).double()
-    cdf = probs.cumsum(-1)
-    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    assert torch.equal(tok, want)
+    assert torch.equal(tok, _one_running_sum_draw(torch.softmax(logits.float(), dim=-1), u))
+    assert torch.equal(lp, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1))
 
 
-def test_a_draw_never_lands_past_the_last_token_with_mass(monkeypatch):
-    """A parallel scan may leave a zero-probability tail an ulp above the last token with mass (here bumped by
-    hand); a draw near the top of the interval still takes the last token with mass, not one from the tail."""
+def test_a_draw_never_lands_past_the_last_token_with_mass():
+    """At the top of the unit interval (u one float64 step under 1) the target sits within rounding of the row's
+    mass, where the blocks' sums and the running sum inside a block round differently: every draw still takes
+    a token with mass, at or after where one running sum reaches all but 1e-9 of the mass, with the mass
+    ending inside a block, at a block's end and in the last partial block."""
     from rollout import reference_engine as R
 
-    real = R.cumulative_mass
+    g = torch.Generator().manual_seed(1)
+    top = torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
+    for v, end in ((5000, 2500), (5000, 2048), (5000, 5000), (129280, 129280)):
+        probs = torch.softmax(torch.randn(256, v, generator=g) * 4.0, dim=-1)
+        probs[:, end:] = 0.0
+        tok = R.draw_index(probs, top.expand(256))
+        assert bool((probs.gather(-1, tok[:, None]) > 0).all()), v
+        cdf = probs.double().cumsum(-1)
+        first = torch.searchsorted(cdf, (cdf[:, -1] * (1 - 1e-9))[:, None]).squeeze(-1)
+        assert bool((tok >= first).all()), v
 
-    def bumped(probs):
-        cdf = real(probs)
-        return torch.where(probs > 0, cdf, cdf + 1e-9)
 
-    monkeypatch.setattr(R, "cumulative_mass", bumped)
-    logits = torch.tensor([[0.0, 1.0, 2.0, -float("inf"), -float("inf")]])
-    u = torch.tensor([1.0 - 1e-12], dtype=torch.float64)
-    tok, _ = R.sample_tokens(logits, u, R.SamplingParams(max_new_tokens=1))
-    assert int(tok) == 2
+def test_a_scan_a_rounding_step_high_in_a_zero_tail_moves_no_draw_there(monkeypatch):
+    """A GPU's parallel scan may leave a running sum's zero-mass tail a rounding step above the last entry with
+    mass (here bumped by hand, at both levels): a draw near the top of the interval still takes the last token
+    with mass, not one from the tail or past the row."""
+    from rollout import reference_engine as R
+
+    real = R.running_sum
+    monkeypatch.setattr(R, "running_sum", lambda x: torch.where(x > 0, real(x), real(x) + 1e-9))
+    probs = torch.zeros(2, 3000)
+    probs[0, :3] = torch.tensor([0.2, 0.5, 0.3])                            # all in the first block
+    probs[1, 2040:2043] = torch.tensor([0.3, 0.5, 0.2])                     # in the second of three
+    top = torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
+    assert R.draw_index(probs, top.expand(2)).tolist() == [2, 2042]
 
 
 def test_sample_tokens_inverse_cdf_with_top_p_and_top_k():
