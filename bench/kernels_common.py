@@ -149,6 +149,20 @@ def add_arguments(p, shapes=True):
         p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
 
 
+def sweep_output(doc: str, argv=None) -> str:
+    """A launch-settings sweep's command line (``--out FILE.json``, required) -> that path, after making sure a
+    CUDA GPU is here (the sweeps time Triton kernels on it; elsewhere the process exits with the reason)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    out = p.parse_args(argv).out
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU and triton")
+    return out
+
+
 def base_meta(**versions):
     import datetime
 

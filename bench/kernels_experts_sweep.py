@@ -16,10 +16,8 @@ bits, or ``close``: within bf16 rounding, a reduction in another order). The swe
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import sys
 
 import torch
 
@@ -39,11 +37,7 @@ def _case(seqs: int, N: int, K: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU and triton")
+    out = bc.sweep_output(__doc__, argv)
     import triton
 
     from kernels.triton import experts as KE
@@ -73,9 +67,9 @@ def main(argv=None):
             print(f"  {r['us']:8.1f} us {r['gb_per_s']:6d} GB/s {r['vs_default']:6s} {r['config']}", flush=True)
         rows += [dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, default_us=round(us_default, 1),
                       **r, **meta) for r in here]
-    with open(args.out, "w") as fh:
+    with open(out, "w") as fh:
         json.dump(dict(bench="kernels_experts_sweep", defaults=KE.EXPERTS_CONFIG, rows=rows), fh, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

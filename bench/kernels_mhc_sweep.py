@@ -15,10 +15,8 @@ ones to the fp64 reference.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import sys
 
 import torch
 
@@ -63,11 +61,7 @@ def _agreement(got, ref) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU and triton")
+    out = bc.sweep_output(__doc__, argv)
     import triton
 
     from kernels.triton import mhc as K
@@ -86,11 +80,11 @@ def main(argv=None):
                              default_us=round(us_default, 1), **meta))
         for r in sorted((r for r in rows if r["op"] == op), key=lambda r: r["us"])[:6]:
             print(f"  {r['us']:8.1f} us  {r['vs_default']:6s} {r['config']}", flush=True)
-    with open(args.out, "w") as fh:
+    with open(out, "w") as fh:
         json.dump(dict(bench="kernels_mhc_sweep", shape=f"T={T} n={N} d={D} iters={ITERS}",
                        defaults={k: v for k, v in K.MHC_CONFIG.items() if k.startswith(("post_bwd_", "dx_", "coef_"))},
                        rows=rows), fh, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
