@@ -164,9 +164,9 @@ def draw_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     block alone (on top of the earlier blocks' mass). Why: the running sum of a whole 129,280-entry row in float64
     (a float64 copy of the probabilities, a scan, the index of the last entry with mass) was about a third of a
     millisecond of a 64-sequence decode step on an H200 (``bench/results/rollout-h200-flash-shaped-triton-compile-
-    mix-finish.json``); here the row is read once, by the block sums, and one block is scanned. Never an index
-    without mass: where rounding puts the target at or past the end of a block's (or the row's) running sum, the
-    draw takes the last entry (block) with mass. The same float64 sums in another order as one running sum (the
+    mix-finish.json``); here the row goes to float64 once, for the blocks' sums, and one block is scanned. Never an
+    index without mass: where rounding puts the target at or past the end of a block's (or the row's) running sum,
+    the draw takes the last entry (block) with mass. The same float64 sums in another order as one running sum (the
     draws of a row stay the same on every path: all sample through here)."""
     n, v = probs.shape
     B = _CDF_BLOCK

@@ -242,7 +242,7 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     ends = counts.cumsum(0)
     seen = (hit.cumsum(0) * hit).sum(1)                           # 1 + the pairs of its expert before it
     pos = (ends - counts).index_select(0, flat) + seen - 1        # where the pair goes in expert order
-    order = torch.empty_like(flat).index_copy_(0, pos.long(), torch.arange(flat.shape[0], device=flat.device))
+    order = torch.empty_like(flat).index_copy_(0, pos, torch.arange(flat.shape[0], device=flat.device))
     return order, ends.to(torch.int32)
 
 

@@ -26,10 +26,9 @@ from kernels import gpu_common, gpu_ops
 
 __all__ = ["experts_grouped_mm", "experts_grouped_mm_launch"]
 
-BM, BN, BK = 16, 64, 128       # rows (tl.dot's smallest) x output columns x reduction per step of one program
-STAGES, WARPS = 4, 4
-# the settings above as one dict (python -m bench.kernels_experts_sweep times others at the decode step's shapes)
-EXPERTS_CONFIG = dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, WARPS=WARPS)
+# Launch settings: rows (tl.dot's smallest) x output columns x reduction per step of one program, pipeline stages,
+# warps (python -m bench.kernels_experts_sweep times others at the decode step's shapes).
+EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4)
 
 
 @triton.jit

@@ -116,11 +116,12 @@ def test_the_kernel_compiles_for_sm90():
 
     from kernels.triton import experts as K
 
-    consts = dict(BM=K.BM, BN=K.BN, BK=K.BK, STAGES=K.STAGES, F32=False)
+    c = K.EXPERTS_CONFIG
+    consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False)
     sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "N": "i32", "K": "i32",
            **{k: "constexpr" for k in consts}}
     compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=K.WARPS))
+                       options=dict(num_warps=c["WARPS"]))
     assert ".entry" in compiled.asm["ptx"]
 
 
