@@ -236,14 +236,17 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     expert's pairs in their own order) and ``ends [E]`` int32 each expert's end row in it, counted instead of
     sorted. Why: a decode step sorts a few hundred ids per layer, and torch's sort ran four radix passes of 27 us
     each at 64 sequences (``bench/results/rollout-h200-flash-shaped-triton-compile-mix-finish.json``); counting
-    is a comparison with every expert id and two prefix sums, which Inductor fuses."""
-    hit = (flat[:, None] == torch.arange(n_experts, device=flat.device)).to(torch.int32)     # [R, E]
-    counts = hit.sum(0)
-    ends = counts.cumsum(0)
-    seen = (hit.cumsum(0) * hit).sum(1)                           # 1 + the pairs of its expert before it
+    is a comparison with every expert id and two prefix sums, which Inductor fuses. The one-hot is expert-major
+    ``[E, R]`` so that the running count scans its innermost dim, in int32: eager torch scans an outer dim one
+    column per thread, and an int32 cumsum promotes to int64 unless told (the ``[R, E]`` form took 69 us a layer
+    eagerly at 64 sequences, ``bench/results/rollout-h200-flash-shaped-triton-eager-expert-order.json``)."""
+    hit = (torch.arange(n_experts, device=flat.device)[:, None] == flat).to(torch.int32)     # [E, R]
+    counts = hit.sum(1, dtype=torch.int32)
+    ends = counts.cumsum(0, dtype=torch.int32)
+    seen = (hit.cumsum(1, dtype=torch.int32) * hit).sum(0)        # 1 + the pairs of its expert before it
     pos = (ends - counts).index_select(0, flat) + seen - 1        # where the pair goes in expert order
-    order = torch.empty_like(flat).index_copy_(0, pos, torch.arange(flat.shape[0], device=flat.device))
-    return order, ends.to(torch.int32)
+    order = torch.empty_like(flat).index_copy_(0, pos.long(), torch.arange(flat.shape[0], device=flat.device))
+    return order, ends
 
 
 def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm):
