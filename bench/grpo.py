@@ -88,7 +88,8 @@ def sft_first(*, folder: Path, env: dict, **kw) -> dict:
 
 
 def summarize(rows: list, warmup: int) -> dict:
-    """Mean phase times (ms), bytes and log-prob difference of the rows after the warm-up steps."""
+    """Mean phase times (ms), bytes and log-prob difference of the rows after the warm-up steps, and each step's
+    own times (``per_step``)."""
     timed = [r for r in rows if int(r["step"]) > warmup]
     if not timed:
         raise RuntimeError(f"metrics.jsonl holds {len(rows)} steps: none after the {warmup} warm-up steps")
@@ -97,6 +98,11 @@ def summarize(rows: list, warmup: int) -> dict:
         return sum(float(r.get(key) or 0.0) for r in timed) / len(timed)
 
     out = {"timed_steps": len(timed), "step_ms": 1e3 * mean("time_step")}
+    # every step's own times, the warm-up's too: a mean hides one slow step (a compile inside the timed steps)
+    out["per_step"] = [{"step": int(r["step"]), "step_ms": 1e3 * float(r.get("time_step") or 0.0),
+                        "rollout_ms": 1e3 * float(r.get("time_rollout") or 0.0),
+                        "train_ms": 1e3 * float(r.get("time_train") or 0.0),
+                        "micro_batches": r.get("micro_batches")} for r in rows]
     out.update({f"{k[len('time_'):]}_ms": 1e3 * mean(k) for k in PHASES})
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"),

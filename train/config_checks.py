@@ -87,11 +87,15 @@ def _cuda_graphs(cfg) -> None:
 
 def check_mode(mode: str, cfg) -> None:
     """The knobs that apply to one mode only (SFT: ``pad_to_length``, ``cuda_graphs``; GRPO:
-    ``async_rollout``)."""
+    ``async_rollout``, ``micro_batch_tokens``)."""
     if mode == "sft":
         if cfg.async_rollout:
             raise ConfigError("training option 'async_rollout' overlaps GRPO's rollout with its training, and --mode "
                               "sft has no rollout. Fix: drop async_rollout, or use --mode grpo")
+        if cfg.micro_batch_tokens is not None:
+            raise ConfigError("training option 'micro_batch_tokens' sizes GRPO's micro-batches of padded rows, and "
+                              "--mode sft does not read it (not built). Fix: micro_batch_size=N rows, or "
+                              "max_tokens_per_rank=N (packed), or use --mode grpo")
         return
     for key in ("cuda_graphs", "pad_to_length"):
         if getattr(cfg, key) not in (None, False):
@@ -102,11 +106,17 @@ def check_mode(mode: str, cfg) -> None:
 
 def check_static_shapes(cfg, *, packed: bool, rows: int) -> None:
     """One shape per micro-batch for ``cuda_graphs``: rows padded to ``pad_to_length`` (not packed), and
-    micro-batches of equal row counts (``rows``: the rank's sequences per step)."""
+    micro-batches of equal row counts (``rows``: the rank's sequences per step); ``micro_batch_tokens`` sizes
+    padded rows, not packed streams."""
     if cfg.pad_to_length is not None and packed:
         raise ConfigError("training option 'pad_to_length' pads rows, and this run packs them into THD micro-batches "
                           "(--cp > 1 or --max-tokens-per-rank). Fix: drop pad_to_length, or use --cp 1 without a "
                           "packing budget")
+    if cfg.micro_batch_tokens is not None and packed:
+        raise ConfigError("training option 'micro_batch_tokens' sizes micro-batches of padded rows, and this run "
+                          "packs its samples into THD micro-batches (--cp > 1 or --max-tokens-per-rank), which "
+                          "max_tokens_per_rank sizes. Fix: drop micro_batch_tokens, or give that budget as "
+                          "--max-tokens-per-rank N")
     mbs = cfg.micro_batch_size
     if cfg.cuda_graphs and mbs is not None and rows % mbs:
         raise ConfigError(f"training option 'cuda_graphs' needs micro-batches of one shape, and micro_batch_size="
@@ -139,6 +149,7 @@ def _check_true_on_policy_options(cfg) -> None:
     for key, bad, why in (
             ("micro_batch_size", cfg.micro_batch_size is not None, "splits a group's rows into other shapes"),
             ("max_tokens_per_rank", cfg.max_tokens_per_rank is not None, "packs samples into other shapes"),
+            ("micro_batch_tokens", cfg.micro_batch_tokens is not None, "regroups the samples into other shapes"),
             ("async_rollout", cfg.async_rollout, "trains on samples of the previous weights"),
             ("colocate", cfg.colocate, "is not tested with it"),
             ("rollout_cuda_graphs", bool(cfg.rollout_cuda_graphs), "replays the cached decode step"),
@@ -302,6 +313,12 @@ def validate(cfg) -> None:
         if cfg.max_tokens_per_rank is not None:
             raise ConfigError("training options 'micro_batch_size' and 'max_tokens_per_rank' both size micro-batches "
                               "(by samples, by tokens): give one of them")
+    if cfg.micro_batch_tokens is not None:
+        _int("micro_batch_tokens", cfg.micro_batch_tokens, 1, 1 << 30)
+        for other, how in (("micro_batch_size", "by samples"), ("max_tokens_per_rank", "packed, by tokens")):
+            if getattr(cfg, other) is not None:
+                raise ConfigError(f"training options 'micro_batch_tokens' and {other!r} both size GRPO's "
+                                  f"micro-batches (padded rows by tokens; {how}): give one of them")
     if cfg.true_on_policy:
         _check_true_on_policy_options(cfg)
     if cfg.indexer_replay:

@@ -158,7 +158,10 @@ def check_virtual_stages(run_config, mode: str, cfg) -> None:
     if getattr(run_config, "vpp", 1) <= 1 or cfg.max_tokens_per_rank is not None:
         return
     rows = cfg.batch_size // dp if mode == "sft" else cfg.prompts_per_step // dp * cfg.group_size
-    n = -(-rows // mbs) if mbs else (1 if mode == "sft" else cfg.prompts_per_step // dp)   # grpo: a group each
+    # grpo without micro_batch_size: micro_batch_tokens keeps at least --pp micro-batches where the rows allow
+    # (train.step_common.budget_rows); one prompt group each under true_on_policy
+    n = -(-rows // mbs) if mbs else (1 if mode == "sft" else
+                                     cfg.prompts_per_step // dp if cfg.true_on_policy else min(rows, pp))
     if n < pp:
         fix = f"set micro_batch_size={rows // pp} or less" if rows >= pp else f"give each rank {pp} or more samples"
         raise UserInputError(f"--vpp {run_config.vpp} runs megatron-core's interleaved schedule, which needs at least "

@@ -130,7 +130,8 @@ def rollout_phase(run, step: int, taken, out: Dict[str, Any], t_step: float):
 def reward_phase(run, batch, groups, out: Dict[str, Any], t_rollout: float):
     """Each sample's reward (its prompt's rule on the decoded response), each group's tensors and advantages
     (``time_rollout`` ends here, counted from ``t_rollout``), regrouped into the micro-batches the next phases run
-    (packed, or ``micro_batch_size`` rows): ``(rewards per group, micro-batch items)``."""
+    (packed, ``micro_batch_size`` rows, or as many rows as fit ``micro_batch_tokens``; one prompt group each
+    under ``true_on_policy``, the shape its engine drew with): ``(rewards per group, micro-batch items)``."""
     rewards, items = [], []
     for ex, samples in zip(batch, groups):
         r = []
@@ -143,10 +144,9 @@ def reward_phase(run, batch, groups, out: Dict[str, Any], t_rollout: float):
     out["time_rollout"] = time.perf_counter() - t_rollout
     if run.packed:                   # dynamic batching: micro-batches of samples across groups
         items, out["packing_efficiency"] = packed_items(run, items)
-        out["micro_batches"] = len(items)
-    elif run.cfg.micro_batch_size is not None:   # micro-batches of micro_batch_size samples across groups
+    elif not run.cfg.true_on_policy:  # micro-batches across groups: micro_batch_size samples, or a token budget
         items = sample_items(run, items)
-        out["micro_batches"] = len(items)
+    out["micro_batches"] = len(items)
     return rewards, items
 
 

@@ -79,12 +79,37 @@ def group_tensors(run, samples, rewards: torch.Tensor) -> Dict[str, torch.Tensor
             "lengths": [len(q) for q in seqs], "picks": batch_indexer_picks(samples, S) if cfg.indexer_replay else None}
 
 
+# GRPO's micro-batches when neither micro_batch_size nor max_tokens_per_rank sizes them: at most this many padded
+# tokens each (training option micro_batch_tokens). What it is for: every micro-batch pays a fixed cost beside its
+# tokens (its forward and backward launches, every expert's weight gradient added into the fp32 buffer), so a
+# step of short samples in one-group micro-batches was mostly that cost (a Flash-shaped GRPO step on an H200:
+# train 1,013 ms in 8 micro-batches, 426 ms in one; docs/rollout.md). 8,192 is what the training benchmark's
+# micro-batches of two 4,096-token rows hold on one H200 with the Flash-shaped model.
+GRPO_MICRO_BATCH_TOKENS = 8192
+
+
+def budget_rows(n: int, longest: int, budget: int, min_chunks: int = 1) -> int:
+    """Rows per micro-batch of ``n`` rows padded to ``longest`` tokens under a ``budget`` of padded tokens: the
+    largest divisor ``r`` of ``n`` with ``r x longest <= budget`` and at least ``min_chunks`` micro-batches
+    (``--pp``'s schedule wants one per stage) where ``n`` allows; 1 when not even one row fits. A divisor, so
+    the micro-batches are equal in rows."""
+    most = min(budget // max(longest, 1), n // max(min_chunks, 1))
+    return max((r for r in range(1, max(most, 1) + 1) if n % r == 0), default=1)
+
+
 def sample_items(run, items):
-    """The groups' samples regrouped into micro-batches of ``micro_batch_size`` rows (in order; rows padded
-    to the longest sample of their micro-batch)."""
+    """The groups' samples regrouped into micro-batches across groups (in order; rows padded to the longest
+    sample of their micro-batch): ``micro_batch_size`` rows each, else as many as fit ``micro_batch_tokens``
+    padded tokens (:func:`budget_rows`, :data:`GRPO_MICRO_BATCH_TOKENS` when unset)."""
     flat = flat_samples(items, run.tok.eos_token_id)
     n = flat["ids"].shape[0]
-    return [_rows(flat, list(range(n))[rows]) for rows in run.row_chunks(n)]
+    size = run.cfg.micro_batch_size
+    if size is None:
+        from engine.layout import current
+
+        size = budget_rows(n, max(flat["lengths"]), run.cfg.micro_batch_tokens or GRPO_MICRO_BATCH_TOKENS,
+                           min_chunks=current().pp)
+    return [_rows(flat, list(range(n))[i:i + size]) for i in range(0, n, size)]
 
 
 def packed_items(run, items):

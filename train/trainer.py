@@ -165,9 +165,14 @@ class TrainConfig:
     # activation recomputation (engine.recompute): "none", "selective" (each block's attention) or "full"
     recompute: str = "none"
     # samples per forward/backward on each rank, gradients accumulated over the rank's share of the step;
-    # None = SFT: the rank's whole batch, GRPO: one prompt group (the global batch is batch_size, or
+    # None = SFT: the rank's whole batch, GRPO: micro_batch_tokens decides (the global batch is batch_size, or
     # prompts_per_step x group_size). Packed runs (max_tokens_per_rank) size micro-batches by tokens instead.
     micro_batch_size: Optional[int] = None
+    # GRPO without micro_batch_size or max_tokens_per_rank: each micro-batch holds as many of the rank's samples
+    # as fit this many padded tokens (rows x the step's longest sample; a divisor of the rank's samples, at least
+    # one, at least --pp micro-batches where the samples allow); None = 8192 (train.step_common.
+    # GRPO_MICRO_BATCH_TOKENS). true_on_policy trains one prompt group per micro-batch (its engine's shape)
+    micro_batch_tokens: Optional[int] = None
     # Adam's two moments in fp32, or bf16 (--hardware nvidia, the Triton AdamW: 4 bytes less state per parameter,
     # a lighter step; kernels.triton.adamw)
     adam_moments_dtype: str = "fp32"

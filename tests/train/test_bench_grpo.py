@@ -46,6 +46,8 @@ def test_phases_are_averaged_after_the_warmup():
     assert first_step_seconds(rows, started=990.0) == pytest.approx(20.0)
     assert got["update_weights_ms"] == pytest.approx(250.0) and got["train_ms"] == pytest.approx(3000.0)
     assert got["sync_bytes"] == 250 and got["reward_mean"] == pytest.approx(2.5)
+    assert [(p["step"], p["step_ms"], p["train_ms"]) for p in got["per_step"]] == [(1, 1e3, 3e3), (2, 2e3, 3e3),
+                                                                                    (3, 3e3, 3e3)]
     with pytest.raises(RuntimeError, match="none after the 3 warm-up steps"):
         summarize(rows, warmup=3)
     assert "train_peak_gib" not in got                                  # a CPU run has no device memory

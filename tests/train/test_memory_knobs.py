@@ -55,6 +55,46 @@ def test_recompute_is_refused_for_the_reference_model_and_unknown_modes():
         TrainConfig(recompute="some")
     with pytest.raises(ConfigError, match="both size micro-batches"):
         TrainConfig(micro_batch_size=2, max_tokens_per_rank=256)
+    for other in ("micro_batch_size", "max_tokens_per_rank"):
+        with pytest.raises(ConfigError, match=f"'micro_batch_tokens' and '{other}' both size GRPO's micro-batches"):
+            TrainConfig(micro_batch_tokens=512, **{other: 2})
+    with pytest.raises(ConfigError, match="'micro_batch_tokens' = 0"):
+        TrainConfig(micro_batch_tokens=0)
+
+
+def test_micro_batch_tokens_is_refused_where_nothing_reads_it():
+    from core.config import ConfigError
+    from train.config_checks import check_mode, check_static_shapes
+    from train.trainer import TrainConfig
+
+    cfg = TrainConfig(micro_batch_tokens=4096)
+    check_mode("grpo", cfg)
+    with pytest.raises(ConfigError, match="--mode sft does not read it.*Fix: micro_batch_size=N rows"):
+        check_mode("sft", cfg)
+    check_static_shapes(cfg, packed=False, rows=8)
+    with pytest.raises(ConfigError, match="packs its samples into THD micro-batches.*--max-tokens-per-rank N"):
+        check_static_shapes(cfg, packed=True, rows=8)
+    with pytest.raises(ConfigError, match="micro_batch_tokens regroups the samples"):
+        TrainConfig(micro_batch_tokens=4096, true_on_policy=True, train_impl="reference")
+
+
+@pytest.mark.parametrize("n, longest, budget, pp, want", [
+    (64, 170, 8192, 1, 32),     # the Flash-shaped GRPO bench: 64 samples of <= 170 tokens -> two micro-batches
+    (64, 300, 8192, 1, 16),     # 27 would fit; 16 is the largest divisor of 64 that does
+    (64, 170, 4096, 1, 16),
+    (8, 4096, 8192, 1, 2),      # long samples: a group's rows split
+    (8, 9000, 8192, 1, 1),      # not even one row fits: one row each, never none
+    (12, 100, 1 << 20, 1, 12),  # everything in one
+    (12, 100, 1 << 20, 4, 3),   # --pp 4: at least four micro-batches
+    (3, 100, 1 << 20, 4, 1),    # fewer rows than stages: one row each
+    (7, 100, 500, 1, 1),        # a prime count: divisors 1 and 7 only
+])
+def test_budget_rows_is_the_largest_divisor_that_fits(n, longest, budget, pp, want):
+    from train.step_common import budget_rows
+
+    got = budget_rows(n, longest, budget, min_chunks=pp)
+    assert got == want
+    assert n % got == 0 and (got == 1 or (got * longest <= budget and n // got >= min(pp, n)))
 
 
 @pytest.mark.parametrize("mode", ["sft", "grpo"])
@@ -66,11 +106,19 @@ def test_micro_batches_take_the_one_batch_step(tmp_path, mode):
     kw = dict(mode=mode, steps=1, progress=False, export_at_end=False, batch_size=4, prompts_per_step=2,
               group_size=4, lr=1e-3, data=write_data(tmp_path / "d.jsonl"))
     rows = {}
-    for name, mbs in (("one", None), ("micro", 2)):
-        run_training(run_config("miles", c), c, run_dir=tmp_path / name, micro_batch_size=mbs, **kw)
+    runs = [("one", {}), ("micro", dict(micro_batch_size=2))]
+    if mode == "grpo":              # a token budget below one sample: a micro-batch per sample
+        runs.append(("tokens", dict(micro_batch_tokens=1)))
+    for name, opts in runs:
+        run_training(run_config("miles", c), c, run_dir=tmp_path / name, **opts, **kw)
         rows[name] = read_metrics(tmp_path / name)[0]
     assert rows["micro"]["micro_batches"] == (2 if mode == "sft" else 4)
+    # GRPO's default budget (8,192 padded tokens) holds both groups' 8 short samples in one micro-batch
+    assert rows["one"]["micro_batches"] == 1
+    if mode == "grpo":
+        assert rows["tokens"]["micro_batches"] == 8
     # GRPO's first-step loss is a sum of normalized advantages (zero up to rounding): its gradient is not
-    assert rows["micro"]["loss"] == pytest.approx(rows["one"]["loss"], rel=1e-5, abs=1e-7)
-    assert rows["micro"]["grad_norm"] == pytest.approx(rows["one"]["grad_norm"], rel=1e-5)
+    for name in rows:
+        assert rows[name]["loss"] == pytest.approx(rows["one"]["loss"], rel=1e-5, abs=1e-7)
+        assert rows[name]["grad_norm"] == pytest.approx(rows["one"]["grad_norm"], rel=1e-5)
     assert rows["one"]["grad_norm"] > 0
