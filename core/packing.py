@@ -34,6 +34,10 @@ Public API
   ``efficiency``
 * ``pack_micro_batches(lengths, max_tokens_per_rank, *, cp=1, pad_multiple=1, min_tokens_per_rank=0)
   -> PackResult``
+* ``budget_rows(n, longest, budget, min_chunks=1) -> int`` and ``GRPO_MICRO_BATCH_TOKENS``: micro-batches of
+  padded rows (not packed) under a token budget, GRPO's default (``train.step_common.sample_items``)
+* ``flat_samples(items, pad_id) -> dict`` and ``take_rows(flat, idx) -> dict``: GRPO's prompt groups as one
+  batch of padded rows, and a micro-batch's rows of it (packed or not)
 """
 
 from __future__ import annotations
@@ -186,3 +190,54 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens_per_rank: int, *, cp: 
     if cur:
         out.append(close(cur))
     return PackResult(micro_batches=tuple(out))
+
+
+# GRPO's micro-batches when neither micro_batch_size nor max_tokens_per_rank sizes them: at most this many padded
+# tokens each (training option micro_batch_tokens). What it is for: every micro-batch pays a fixed cost beside its
+# tokens (its forward and backward launches, every expert's weight gradient added into the fp32 buffer), so a
+# step of short samples in one-group micro-batches was mostly that cost (a Flash-shaped GRPO step on an H200:
+# train 1,013 ms in 8 micro-batches, 426 ms in one; docs/rollout.md#shared-weights). 8,192 is what the training
+# benchmark's micro-batches of two 4,096-token rows hold on one H200 with the Flash-shaped model.
+GRPO_MICRO_BATCH_TOKENS = 8192
+
+
+def budget_rows(n: int, longest: int, budget: int, min_chunks: int = 1) -> int:
+    """Rows per micro-batch of ``n`` rows padded to ``longest`` tokens under a ``budget`` of padded tokens: the
+    largest divisor ``r`` of ``n`` with ``r x longest <= budget`` and at least ``min_chunks`` micro-batches
+    (``--pp``'s schedule wants one per stage) where ``n`` allows; 1 when not even one row fits. A divisor, so
+    the micro-batches are equal in rows."""
+    most = min(budget // max(longest, 1), n // max(min_chunks, 1))
+    return max((r for r in range(1, max(most, 1) + 1) if n % r == 0), default=1)
+
+
+def take_rows(flat: dict, idx: list[int]) -> dict:
+    """The rows ``idx`` of a :func:`flat_samples` batch, trimmed to their longest sample."""
+    lengths, routed, picks = flat["lengths"], flat["routed"], flat.get("picks")
+    Sm = max(lengths[i] for i in idx)
+    return {"ids": flat["ids"][idx, :Sm], "mask": flat["mask"][idx, :Sm - 1],
+            "rollout_lp": flat["rollout_lp"][idx, :Sm - 1], "adv": flat["adv"][idx],
+            "routed": None if routed is None else routed[idx, :Sm], "lengths": [lengths[i] for i in idx],
+            "picks": None if picks is None else picks[idx, :Sm]}
+
+
+def flat_samples(items: Sequence[dict], pad_id: int) -> dict:
+    """GRPO's prompt groups (``train.step_common.group_tensors``: ids, response mask, rollout log-probs,
+    advantages, lengths, recorded routes and indexer picks) as one batch of rows, padded to the longest sample."""
+    S = max(it["ids"].shape[1] for it in items)
+
+    def pad(t, width, fill):
+        if t.shape[1] == width:
+            return t
+        extra = torch.full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), fill, dtype=t.dtype)
+        return torch.cat([t, extra], dim=1)
+
+    routed = picks = None
+    if all(it["routed"] is not None for it in items):
+        routed = torch.cat([pad(it["routed"], S, -1) for it in items])
+    if all(it.get("picks") is not None for it in items):
+        picks = torch.cat([pad(it["picks"], S, -1) for it in items])
+    return {"ids": torch.cat([pad(it["ids"], S, pad_id) for it in items]),
+            "mask": torch.cat([pad(it["mask"], S - 1, False) for it in items]),
+            "rollout_lp": torch.cat([pad(it["rollout_lp"], S - 1, 0.0) for it in items]),
+            "adv": torch.cat([it["adv"] for it in items]), "routed": routed,
+            "lengths": [n for it in items for n in it["lengths"]], "picks": picks}

@@ -158,8 +158,7 @@ def check_virtual_stages(run_config, mode: str, cfg) -> None:
     if getattr(run_config, "vpp", 1) <= 1 or cfg.max_tokens_per_rank is not None:
         return
     rows = cfg.batch_size // dp if mode == "sft" else cfg.prompts_per_step // dp * cfg.group_size
-    # grpo without micro_batch_size: micro_batch_tokens keeps at least --pp micro-batches where the rows allow
-    # (train.step_common.budget_rows); one prompt group each under true_on_policy
+    # grpo: a group each under true_on_policy, else at least --pp where the rows allow (core.packing.budget_rows)
     n = -(-rows // mbs) if mbs else (1 if mode == "sft" else
                                      cfg.prompts_per_step // dp if cfg.true_on_policy else min(rows, pp))
     if n < pp:

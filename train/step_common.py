@@ -79,74 +79,26 @@ def group_tensors(run, samples, rewards: torch.Tensor) -> Dict[str, torch.Tensor
             "lengths": [len(q) for q in seqs], "picks": batch_indexer_picks(samples, S) if cfg.indexer_replay else None}
 
 
-# GRPO's micro-batches when neither micro_batch_size nor max_tokens_per_rank sizes them: at most this many padded
-# tokens each (training option micro_batch_tokens). What it is for: every micro-batch pays a fixed cost beside its
-# tokens (its forward and backward launches, every expert's weight gradient added into the fp32 buffer), so a
-# step of short samples in one-group micro-batches was mostly that cost (a Flash-shaped GRPO step on an H200:
-# train 1,013 ms in 8 micro-batches, 426 ms in one; docs/rollout.md). 8,192 is what the training benchmark's
-# micro-batches of two 4,096-token rows hold on one H200 with the Flash-shaped model.
-GRPO_MICRO_BATCH_TOKENS = 8192
-
-
-def budget_rows(n: int, longest: int, budget: int, min_chunks: int = 1) -> int:
-    """Rows per micro-batch of ``n`` rows padded to ``longest`` tokens under a ``budget`` of padded tokens: the
-    largest divisor ``r`` of ``n`` with ``r x longest <= budget`` and at least ``min_chunks`` micro-batches
-    (``--pp``'s schedule wants one per stage) where ``n`` allows; 1 when not even one row fits. A divisor, so
-    the micro-batches are equal in rows."""
-    most = min(budget // max(longest, 1), n // max(min_chunks, 1))
-    return max((r for r in range(1, max(most, 1) + 1) if n % r == 0), default=1)
-
-
 def sample_items(run, items):
-    """The groups' samples regrouped into micro-batches across groups (in order; rows padded to the longest
-    sample of their micro-batch): ``micro_batch_size`` rows each, else as many as fit ``micro_batch_tokens``
-    padded tokens (:func:`budget_rows`, :data:`GRPO_MICRO_BATCH_TOKENS` when unset)."""
-    flat = flat_samples(items, run.tok.eos_token_id)
-    n = flat["ids"].shape[0]
-    size = run.cfg.micro_batch_size
-    if size is None:
-        from engine.layout import current
+    """The groups' samples regrouped into micro-batches across groups, in order (:func:`core.packing.take_rows`:
+    rows trimmed to the longest sample of their micro-batch): ``micro_batch_size`` rows each, else as many as fit
+    ``micro_batch_tokens`` padded tokens (:func:`core.packing.budget_rows`; 8,192 when unset)."""
+    from core.packing import GRPO_MICRO_BATCH_TOKENS, budget_rows, flat_samples, take_rows
+    from engine.layout import current
 
+    flat = flat_samples(items, run.tok.eos_token_id)
+    n, size = flat["ids"].shape[0], run.cfg.micro_batch_size
+    if size is None:
         size = budget_rows(n, max(flat["lengths"]), run.cfg.micro_batch_tokens or GRPO_MICRO_BATCH_TOKENS,
                            min_chunks=current().pp)
-    return [_rows(flat, list(range(n))[i:i + size]) for i in range(0, n, size)]
+    return [take_rows(flat, list(range(n))[i:i + size]) for i in range(0, n, size)]
 
 
 def packed_items(run, items):
     """The groups' samples regrouped into packed micro-batches (core.packing, in order, never split):
     ``(items, packing efficiency)``; each item's rows are trimmed to its longest sample."""
+    from core.packing import flat_samples, take_rows
+
     flat = flat_samples(items, run.tok.eos_token_id)
     mbs, eff = run.micro_batches(flat["lengths"])
-    return [_rows(flat, idx) for idx in mbs], eff
-
-
-def _rows(flat, idx: List[int]):
-    """The rows ``idx`` of a flat batch, trimmed to their longest sample."""
-    lengths, routed, picks = flat["lengths"], flat["routed"], flat.get("picks")
-    Sm = max(lengths[i] for i in idx)
-    return {"ids": flat["ids"][idx, :Sm], "mask": flat["mask"][idx, :Sm - 1],
-            "rollout_lp": flat["rollout_lp"][idx, :Sm - 1], "adv": flat["adv"][idx],
-            "routed": None if routed is None else routed[idx, :Sm], "lengths": [lengths[i] for i in idx],
-            "picks": None if picks is None else picks[idx, :Sm]}
-
-
-def flat_samples(items, pad_id: int):
-    """Every group's rows in one batch, padded to the longest sample."""
-    S = max(it["ids"].shape[1] for it in items)
-
-    def pad(t, width, fill):
-        if t.shape[1] == width:
-            return t
-        extra = torch.full((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]), fill, dtype=t.dtype)
-        return torch.cat([t, extra], dim=1)
-
-    routed = picks = None
-    if all(it["routed"] is not None for it in items):
-        routed = torch.cat([pad(it["routed"], S, -1) for it in items])
-    if all(it.get("picks") is not None for it in items):
-        picks = torch.cat([pad(it["picks"], S, -1) for it in items])
-    return {"ids": torch.cat([pad(it["ids"], S, pad_id) for it in items]),
-            "mask": torch.cat([pad(it["mask"], S - 1, False) for it in items]),
-            "rollout_lp": torch.cat([pad(it["rollout_lp"], S - 1, 0.0) for it in items]),
-            "adv": torch.cat([it["adv"] for it in items]), "routed": routed,
-            "lengths": [n for it in items for n in it["lengths"]], "picks": picks}
+    return [take_rows(flat, idx) for idx in mbs], eff

@@ -168,10 +168,8 @@ class TrainConfig:
     # None = SFT: the rank's whole batch, GRPO: micro_batch_tokens decides (the global batch is batch_size, or
     # prompts_per_step x group_size). Packed runs (max_tokens_per_rank) size micro-batches by tokens instead.
     micro_batch_size: Optional[int] = None
-    # GRPO without micro_batch_size or max_tokens_per_rank: each micro-batch holds as many of the rank's samples
-    # as fit this many padded tokens (rows x the step's longest sample; a divisor of the rank's samples, at least
-    # one, at least --pp micro-batches where the samples allow); None = 8192 (train.step_common.
-    # GRPO_MICRO_BATCH_TOKENS). true_on_policy trains one prompt group per micro-batch (its engine's shape)
+    # GRPO without micro_batch_size or packing: as many samples per micro-batch as fit this many padded tokens
+    # (core.packing.budget_rows); None = 8192. true_on_policy: one prompt group each (its engine's shape)
     micro_batch_tokens: Optional[int] = None
     # Adam's two moments in fp32, or bf16 (--hardware nvidia, the Triton AdamW: 4 bytes less state per parameter,
     # a lighter step; kernels.triton.adamw)

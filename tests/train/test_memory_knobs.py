@@ -90,7 +90,7 @@ def test_micro_batch_tokens_is_refused_where_nothing_reads_it():
     (7, 100, 500, 1, 1),        # a prime count: divisors 1 and 7 only
 ])
 def test_budget_rows_is_the_largest_divisor_that_fits(n, longest, budget, pp, want):
-    from train.step_common import budget_rows
+    from core.packing import budget_rows
 
     got = budget_rows(n, longest, budget, min_chunks=pp)
     assert got == want

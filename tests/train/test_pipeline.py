@@ -291,8 +291,11 @@ def test_virtual_stages_with_fewer_micro_batches_than_stages_are_refused_before_
     run = _normalize(vpp=2)
     with pytest.raises(UserInputError, match=r"steps have 1\. Fix: set micro_batch_size=4 or less, or drop --vpp\.$"):
         check_virtual_stages(run, "sft", TrainConfig())              # 8 sequences, one micro-batch
-    with pytest.raises(UserInputError, match=r"steps have 1\. Fix: set micro_batch_size=2 or less"):
-        check_virtual_stages(run, "grpo", TrainConfig(prompts_per_step=1))     # one group of 4
+    # GRPO's token budget (micro_batch_tokens) splits one group of 4 into a micro-batch per stage or more;
+    # fewer samples than stages cannot be
+    check_virtual_stages(run, "grpo", TrainConfig(prompts_per_step=1))
+    with pytest.raises(UserInputError, match=r"steps have 1\. Fix: give each rank 2 or more samples"):
+        check_virtual_stages(run, "grpo", TrainConfig(prompts_per_step=1, group_size=1))
     check_virtual_stages(run, "sft", TrainConfig(micro_batch_size=3))
     check_virtual_stages(run, "grpo", TrainConfig())                 # two groups
 

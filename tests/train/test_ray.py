@@ -142,12 +142,15 @@ def test_sglang_servers_as_engine_actors_take_the_local_connect_runs_steps(tmp_p
     from ._fake_sglang import FakeSGLang
 
     env = {"DSV4_SGLANG_SERIALIZER": "torch-b64"}       # the fake's format (the actors run in other processes)
+    # bit-equal pushed tensors across layouts: one prompt group per micro-batch on every rank (the default token
+    # budget would put one rank's 8 samples, and each of two ranks' 4, in one micro-batch: sums in other orders)
+    one_group = "micro_batch_size=4"
     fakes = [FakeSGLang(preset("tiny")) for _ in range(3)]
     with fakes[0] as ref, fakes[1] as one, fakes[2] as two:
-        _train(tmp_path / "local", "--rollout-engine", "sglang", "--rollout-url", ref.url, env=env)
+        _train(tmp_path / "local", "--rollout-engine", "sglang", "--rollout-url", ref.url, one_group, env=env)
         proc = _train(tmp_path / "ray", "--orchestrator", "ray", "--ray-address", cluster, "--trainer-num-gpus",
                       "2", "--rollout-engine", "sglang", "--rollout-url", f"{one.url},{two.url}", "colocate=true",
-                      env={**env, "DSV4_RAY_ENGINE_KILL_AT": "begin_update:2"})
+                      one_group, env={**env, "DSV4_RAY_ENGINE_KILL_AT": "begin_update:2"})
     assert "--rollout-engine sglang: one server per engine actor, connected to " \
            f"{one.url}, {two.url}" in proc.stderr
     for j in (0, 1):
