@@ -17,6 +17,8 @@ from typing import Dict, List, Optional
 import torch
 
 from core.errors import UserInputError
+from core.packing import GRPO_MICRO_BATCH_TOKENS, budget_rows, flat_samples, take_rows
+from engine.layout import current
 from engine.pipeline import pipelined
 from rollout.replay import batch_indexer_picks
 
@@ -83,22 +85,17 @@ def sample_items(run, items):
     """The groups' samples regrouped into micro-batches across groups, in order (:func:`core.packing.take_rows`:
     rows trimmed to the longest sample of their micro-batch): ``micro_batch_size`` rows each, else as many as fit
     ``micro_batch_tokens`` padded tokens (:func:`core.packing.budget_rows`; 8,192 when unset)."""
-    from core.packing import GRPO_MICRO_BATCH_TOKENS, budget_rows, flat_samples, take_rows
-    from engine.layout import current
-
     flat = flat_samples(items, run.tok.eos_token_id)
     n, size = flat["ids"].shape[0], run.cfg.micro_batch_size
     if size is None:
         size = budget_rows(n, max(flat["lengths"]), run.cfg.micro_batch_tokens or GRPO_MICRO_BATCH_TOKENS,
                            min_chunks=current().pp)
-    return [take_rows(flat, list(range(n))[i:i + size]) for i in range(0, n, size)]
+    return [take_rows(flat, list(range(n))[rows]) for rows in run.row_chunks(n, size)]
 
 
 def packed_items(run, items):
     """The groups' samples regrouped into packed micro-batches (core.packing, in order, never split):
     ``(items, packing efficiency)``; each item's rows are trimmed to its longest sample."""
-    from core.packing import flat_samples, take_rows
-
     flat = flat_samples(items, run.tok.eos_token_id)
     mbs, eff = run.micro_batches(flat["lengths"])
     return [take_rows(flat, idx) for idx in mbs], eff

@@ -364,9 +364,9 @@ class _Run:
             step_guard.check_parameters(self.model)       # the update itself blew up (e.g. lr=inf)
         return gnorm
 
-    def row_chunks(self, n: int) -> List[slice]:
-        """This rank's ``n`` rows in micro-batches of ``micro_batch_size`` rows (one when it is not set)."""
-        size = self.cfg.micro_batch_size or n
+    def row_chunks(self, n: int, size: Optional[int] = None) -> List[slice]:
+        """This rank's ``n`` rows in micro-batches of ``size`` rows (default ``micro_batch_size``; one when unset)."""
+        size = size or self.cfg.micro_batch_size or n
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
     def accumulating(self, k: int, n: int):
