@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 
 from . import _worker
 from .parity import ep_results
@@ -38,7 +37,7 @@ def test_ep_matches_ep1(weights, reference, impl, ep, tmp_path):
         reference[impl] = ep_results(impl, official, 1, 0, torch.device("cpu"))
     want = reference[impl]
     out = tmp_path / f"ep{ep}.pt"
-    spawn_cpu_ranks(_worker.run, (ep, free_port(), impl, str(path), str(out)), ep)
+    spawn_cpu_ranks(_worker.run, (ep, PORT, impl, str(path), str(out)), ep)
     got = torch.load(out)
     assert got["local_experts"] * ep == want["local_experts"]    # each rank really holds its share only
     # the full view (weight export, checkpoints) gathers every rank's experts back under their own names

@@ -10,8 +10,7 @@ import dataclasses
 import torch
 
 from core.checkpoint import prepare_checkpoint
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 
 from . import _slice_worker
 from ._helpers import TINY
@@ -27,7 +26,7 @@ def test_tp_ranks_read_only_their_slices(tmp_path):
     # tiny's 128-wide experts: a rank's 64 rows of w1 / w3 lie inside one FP8 block, read whole and trimmed
     cases.append(("fp8-unaligned", str(prepare_checkpoint(tmp_path / "fp8u", TINY, dtype="fp8", seed=5)), TINY))
     out = tmp_path / "slices"
-    spawn_cpu_ranks(_slice_worker.run, (WORLD, free_port(), cases, str(out)), WORLD)
+    spawn_cpu_ranks(_slice_worker.run, (WORLD, PORT, cases, str(out)), WORLD)
 
     for rank in range(WORLD):
         res = torch.load(f"{out}.{rank}")

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from core.memory import estimate_memory
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 
 from . import _memory_worker
 from ._helpers import TINY, run_config
@@ -20,7 +19,7 @@ from ._helpers import TINY, run_config
 def _held_per_rank(tmp_path, tp: int, ep: int) -> list:
     world = tp * ep
     prefix = tmp_path / f"tp{tp}-ep{ep}"
-    spawn_cpu_ranks(_memory_worker.run, (world, free_port(), tp, ep, str(prefix)), world)
+    spawn_cpu_ranks(_memory_worker.run, (world, PORT, tp, ep, str(prefix)), world)
     return [torch.load(f"{prefix}.{r}") for r in range(world)]
 
 
@@ -137,7 +136,7 @@ def test_a_stage_keeps_the_activations_of_the_micro_batches_1f1b_has_in_flight(t
     from . import _memory_worker
 
     prefix = tmp_path / "flight"
-    spawn_cpu_ranks(_memory_worker.in_flight, (2, free_port(), 6, str(prefix)), 2)
+    spawn_cpu_ranks(_memory_worker.in_flight, (2, PORT, 6, str(prefix)), 2)
     measured = [torch.load(f"{prefix}.{r}") for r in range(2)]
     assert measured == [in_flight_micro_batches(2, s) for s in range(2)] == [2, 1]
 

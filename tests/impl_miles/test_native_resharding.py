@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 from core.checkpoint import prepare_checkpoint
 from core.native_checkpoint import load_native, save_native
 from core.weight_contract import hf_to_native
@@ -21,7 +20,7 @@ def test_native_checkpoint_reshards_between_tp1_and_tp2(tmp_path):
     official = perturb(official_from_checkpoint(ckpt))
     native_in = save_native(tmp_path / "native_tp1", dict(hf_to_native(official.items(), TINY)), impl="miles", config=TINY)
     native_out, out = tmp_path / "native_tp2", tmp_path / "tp2.pt"
-    spawn_cpu_ranks(_tp_worker.run_native, (2, free_port(), str(native_in), str(native_out), str(out)), 2)
+    spawn_cpu_ranks(_tp_worker.run_native, (2, PORT, str(native_in), str(native_out), str(out)), 2)
 
     m = miles_model(official, tp=1)
     tp2 = torch.load(out)

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 from core.tp_layout import MAX_TP, tp_chunk_boxes, tp_split
 
 from . import _native_chunk_worker
@@ -98,7 +97,7 @@ def test_tp_ranks_read_only_their_chunks(checkpoints, tmp_path):
     state, chunked, one_chunk = checkpoints
     out = tmp_path / "reads"
     cases = [("chunked", str(chunked)), ("one_chunk", str(one_chunk))]
-    spawn_cpu_ranks(_native_chunk_worker.run, (WORLD, free_port(), cases, str(out)), WORLD)
+    spawn_cpu_ranks(_native_chunk_worker.run, (WORLD, PORT, cases, str(out)), WORLD)
 
     split = {n for n in state if tp_split(n) is not None}
     for rank in range(WORLD):

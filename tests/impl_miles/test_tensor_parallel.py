@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 from core.checkpoint import prepare_checkpoint
 
 from . import _tp_worker
@@ -22,7 +21,7 @@ def test_tp2_matches_tp1(tmp_path):
     weights = tmp_path / "official.pt"
     torch.save(official, weights)
     out = tmp_path / "tp2.pt"
-    spawn_cpu_ranks(_tp_worker.run, (2, free_port(), str(weights), str(out)), 2)
+    spawn_cpu_ranks(_tp_worker.run, (2, PORT, str(weights), str(out)), 2)
     tp2 = torch.load(out)
 
     m = miles_model(official, tp=1)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 
 from . import _cp_worker
 from ._common import build, cu_seqlens, grads_official, saved_official_weights, packed_loss, single_process_group, stream
@@ -34,7 +33,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_matches_cp1(setup, cp):
     out = setup["tmp"] / f"cp{cp}.pt"
-    spawn_cpu_ranks(_cp_worker.run, (cp, free_port(), "megatron", str(setup["weights"]), str(out)), cp)
+    spawn_cpu_ranks(_cp_worker.run, (cp, PORT, "megatron", str(setup["weights"]), str(out)), cp)
     res = torch.load(out)
     assert (res["logprobs"] - setup["logprobs"]).abs().max().item() <= LP_TOL
     assert abs(res["loss"] - setup["loss"]) <= LP_TOL
@@ -59,7 +58,7 @@ def setup_kl(setup):
 def test_cp_indexer_kl_loss_matches_cp1(setup, setup_kl):
     assert setup_kl["kl"] > 1e-3 and abs(setup_kl["loss"] - setup["loss"] - setup_kl["kl"]) <= LP_TOL
     out = setup["tmp"] / "cp2_kl.pt"
-    spawn_cpu_ranks(_cp_worker.run, (2, free_port(), "megatron", str(setup["weights"]), str(out), 0.5), 2)
+    spawn_cpu_ranks(_cp_worker.run, (2, PORT, "megatron", str(setup["weights"]), str(out), 0.5), 2)
     res = torch.load(out)
     assert abs(res["loss"] - setup_kl["loss"]) <= LP_TOL
     grads = setup_kl["grads"]

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.ports import free_port
-from tests.cpu_ranks import spawn_cpu_ranks
+from tests.cpu_ranks import PORT, spawn_cpu_ranks
 
 from . import _cp_worker
 from ._common import build, cu_seqlens, grads_official, saved_official_weights, packed_loss, reference, stream
@@ -36,7 +35,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_matches_cp1(setup, cp):
     out = setup["tmp"] / f"cp{cp}.pt"
-    spawn_cpu_ranks(_cp_worker.run, (cp, free_port(), "miles", str(setup["weights"]), str(out)), cp)
+    spawn_cpu_ranks(_cp_worker.run, (cp, PORT, "miles", str(setup["weights"]), str(out)), cp)
     res = torch.load(out)
     assert (res["logprobs"] - setup["logprobs"]).abs().max().item() <= LP_TOL
     assert abs(res["loss"] - setup["loss"]) <= LP_TOL

@@ -119,6 +119,17 @@ def test_ranks_start_again_on_another_port_when_theirs_was_taken(monkeypatch, he
         f"free port (attempt 2 of 3)"]
 
 
+def test_test_ranks_start_again_on_another_port_when_theirs_was_taken(monkeypatch, held_port):
+    """The multi-rank CPU tests' start (tests.cpu_ranks) picks the port itself and picks again when it was taken."""
+    from tests.cpu_ranks import PORT, spawn_cpu_ranks
+
+    given = _picks(monkeypatch, held_port)
+    spawn_cpu_ranks(_meet, (PORT,), 2)
+    assert given[0] == held_port and len(given) == 2 and given[1] != held_port
+    with pytest.raises(ValueError, match="put tests.cpu_ranks.PORT once in args"):
+        spawn_cpu_ranks(_meet, (given[1],), 2)
+
+
 def test_only_an_address_in_use_is_retried(monkeypatch, held_port):
     from core.ports import PortsTaken, on_free_port
 
