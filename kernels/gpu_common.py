@@ -192,11 +192,12 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
-             logprobs=None, experts=None) -> OpTable:
+             logprobs=None, experts=None, hadamard=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
-    ``swiglu`` module and ``head_logprobs`` of its ``logprobs`` module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
+    ``swiglu`` module, ``head_logprobs`` of its ``logprobs`` module and ``hadamard_transform`` of its ``hadamard``
+    module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
     ``experts``: a module whose ``experts_grouped_mm`` becomes an extra op (the decode step's routed experts,
     ``kernels.reference.slots``; without it that step runs ``torch._grouped_mm``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
@@ -221,6 +222,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         own["head_logprobs"] = logprobs.head_logprobs
     if experts is not None:
         own["experts_grouped_mm"] = experts.experts_grouped_mm
+    if hadamard is not None:
+        own["hadamard_transform"] = hadamard.hadamard_transform
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

@@ -30,7 +30,8 @@ tensors):
   -> (lp [N], lse [N])`` and ``logprob_grad(logits, labels, lse, g [N], temperature, out_dtype) -> [N,V]`` (the
   output head's log-prob passes, called by ``kernels.triton.logprobs``'s autograd function);
   ``experts_grouped_mm(x [R,K], w [E,N,K], offs [E] int32) -> [R,N]`` (the decode step's routed experts, rows
-  sorted by expert; no backward).
+  sorted by expert; no backward); ``hadamard(x [R,n]) -> [R,n]`` (the Walsh-Hadamard transform; its backward is
+  the same op).
 
 The real implementations are bound lazily (``kernels.<backend>.<module>`` is imported on the first real call),
 so this module imports only torch: the schemas and fake implementations load, and can be tested, on a machine
@@ -372,6 +373,22 @@ def _swiglu_ops(ns: str, module: str) -> dict:
     return dict(weighted_swiglu=weighted_swiglu, weighted_swiglu_bwd=weighted_swiglu_bwd)
 
 
+def _hadamard_ops(ns: str, module: str) -> dict:
+    """The Walsh-Hadamard transform (``kernels.triton.hadamard``): symmetric and its own inverse, so its backward
+    is the same op on the upstream gradient."""
+    @torch.library.custom_op(f"{ns}::hadamard", mutates_args=())
+    def hadamard(x: torch.Tensor) -> torch.Tensor:
+        return _launcher(module, "hadamard_launch")(x)
+
+    hadamard.register_fake(lambda x: torch.empty_like(x))
+
+    def backward(ctx, g):
+        return hadamard(g.contiguous())
+
+    hadamard.register_autograd(backward)
+    return dict(hadamard=hadamard)
+
+
 def _experts_ops(ns: str, module: str) -> dict:
     """The routed experts' grouped GEMM for few rows per expert (``kernels.triton.experts``; decode only, so no
     gradient)."""
@@ -420,6 +437,7 @@ def _register(ns: str, package: str, mhc: bool, indexer: bool = True, attention:
         ops.update(_swiglu_ops(ns, f"{package}.swiglu"))
         ops.update(_logprob_ops(ns, f"{package}.logprobs"))
         ops.update(_experts_ops(ns, f"{package}.experts"))
+        ops.update(_hadamard_ops(ns, f"{package}.hadamard"))
     library = getattr(torch.ops, ns)
     return types.SimpleNamespace(namespace=ns, **{name: getattr(library, name).default for name in ops})
 

@@ -16,10 +16,18 @@ once. Only ``ValueError`` counts as a refusal; any other error is a bug and prop
 The probes call each op's own function (not the counting wrapper of ``core.kernel_ops``), so
 :func:`core.kernel_ops.kernels_ran` counts only the engine's real work.
 
-The decode step calls one op that prefill does not: a backend's ``experts_grouped_mm`` (the triton backend's
-decode kernel for the routed experts' GEMMs), where the decode MoE takes the grouped path (bf16 on a Hopper
-or newer GPU: :func:`kernels.reference.slots.grouped_decode_ok`); ``decode_ops`` names it there, so the record
-lists every kernel a generate call runs.
+The KV-cached decode step calls ops that prefill does not: ``weighted_swiglu`` (the shared expert's activation
+at weight 1, and on the grouped path the routed experts' between their two grouped GEMMs) and, where the decode
+MoE takes the grouped path (bf16 on a Hopper or newer GPU: :func:`kernels.reference.slots.grouped_decode_ok`), a
+backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs); ``decode_ops`` names them
+there, so the record lists every kernel a generate call runs.
+
+A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
+norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
+with the code around them, while a kernel backend's op is an opaque node of the compiled graph (a launch of its
+own that nothing fuses into). Eagerly each of them is one kernel in place of the reference's five to two dozen
+(casts, a square, a mean, an rsqrt, products, stacks and a concatenation; the rotation's butterfly stages), so
+the eager step takes the backend's. ``decode_ops`` says which ran (``none`` for those in a compiled step).
 
 ``sinkhorn`` is not called on its own: the reference model's ``hc_pre`` (and a backend's fused one) runs the
 Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre``.
@@ -34,10 +42,15 @@ import torch
 from core.kernel_ops import OpTable
 from kernels.reference.slots import grouped_decode_ok
 
-__all__ = ["ENGINE_OPS", "engine_ops", "decode_choices", "decode_inputs"]
+__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs"]
 
-# the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use)
-ENGINE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post", "hc_head")
+# the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
+# prefill and in the decode step
+ENGINE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post", "hc_head",
+              "rms_norm", "rms_normalize", "apply_rope")
+
+# the ops a compiled decode step keeps as reference code, for Inductor to fuse (module docstring)
+INDUCTOR_FUSES = ("rms_norm", "rms_normalize", "apply_rope", "hadamard_transform", "weighted_swiglu")
 
 
 def engine_ops(config) -> Tuple[str, ...]:
@@ -52,7 +65,10 @@ def decode_inputs(config, dtype: torch.dtype, device, table: Optional[OpTable] =
     the sink, the compute dtype (fp32; fp64 for an fp64 model) for the indexer's weights and the query's
     Hadamard rotation, and for the indexer's ``q`` and ``k`` the dtype the decode step casts them to for
     ``table`` (:func:`kernels.reference.indexer.indexer_input_dtype`: the model's dtype for a bf16/fp16
-    kernel, else the compute dtype; None: the reference ops)."""
+    kernel, else the compute dtype; None: the reference ops). The norms at every width the model normalises
+    (the streams, the query's low rank, a head, the indexer's head; weights in fp32 or the model's dtype, as
+    the engine may hold them), RoPE on every tensor the step rotates (float64 angles, one per row), the experts'
+    activation on a few rows."""
     from kernels.reference.indexer import indexer_input_dtype
 
     c = config
@@ -79,6 +95,14 @@ def decode_inputs(config, dtype: torch.dtype, device, table: Optional[OpTable] =
     out["indexer_scores"] = [(r(1, 1, HI, cI, dt=it), r(1, K, cI, dt=it), r(1, 1, HI, dt=ct))]
     # the indexer's query (compute dtype) and a pooled entry of the indexer's compressor (the model's dtype)
     out["hadamard_transform"] = [(r(1, 1, HI, cI, dt=ct),), (r(1, cI),)]
+    # blocks' and the head's [b, 1, width] rows; a compressor's pooled entries [b, width]
+    out["rms_norm"] = [(x, r(w, dt=wd), c.norm_eps) for w in sorted({d, c.q_lora_rank, D, cI})
+                       for x in (r(1, 1, w), r(1, w)) for wd in (torch.float32, dtype)]
+    out["rms_normalize"] = [(r(1, 1, H, D), c.norm_eps, dtype)]
+    cs, sn = (r(1, 1, c.rope_head_dim // 2, dt=torch.float64) for _ in range(2))
+    out["apply_rope"] = [(r(1, 1, H, D), cs, sn), (r(1, 1, H, D), cs, sn, True), (r(1, 1, D), cs, sn),
+                         (r(1, 1, HI, cI), cs, sn), (r(1, 1, cI), cs, sn)]
+    out["weighted_swiglu"] = [(r(2, 2 * c.moe_inter_dim), r(2, dt=torch.float32), c.swiglu_limit, dtype)]
     return out
 
 
@@ -93,28 +117,32 @@ def _refusal(fn, calls) -> Optional[str]:
     return None
 
 
-def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtype, device
-                   ) -> Tuple[OpTable, Dict[str, str], Dict[str, str]]:
+def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtype, device, compiled: bool = False,
+                   cached: bool = True) -> Tuple[OpTable, Dict[str, str], Dict[str, str]]:
     """``(decode_table, served, refusals)``: the op table of the decode step (``table``'s op where it takes a
-    one-token decode step's inputs, ``reference``'s where it refuses them), ``{op: backend}`` for the ops the
-    engine calls, and ``{op: the refusal}`` for the ops handed to ``reference``."""
+    one-token decode step's inputs, ``reference``'s where it refuses them, and with ``compiled`` for
+    :data:`INDUCTOR_FUSES`), ``{op: backend}`` for the ops the step calls, and ``{op: the refusal}`` for the
+    ops handed to ``reference`` because they refused. ``cached``: the KV-cached step (its MoE's ops too), else
+    the uncached engine's full forwards."""
     inputs = decode_inputs(config, dtype, device, table)
     chosen, served, refusals = {}, {}, {}
-    called = engine_ops(config)
+    grouped = cached and grouped_decode_ok(device, dtype, 2 * config.moe_inter_dim, config.dim)
+    called = engine_ops(config) + (("weighted_swiglu",) if cached else ())
     for name in table.names():
         who, fn = table.provider[name], getattr(table, name)
         if name in called and who != reference.backend:
-            reason = _refusal(fn, inputs[name])
+            keep_reference = compiled and name in INDUCTOR_FUSES
+            reason = None if keep_reference else _refusal(fn, inputs[name])
             if reason is not None:
                 refusals[name] = reason
+            if keep_reference or reason is not None:
                 who, fn = reference.backend, getattr(reference, name)
         chosen[name] = (who, fn)
         if name in called:
             served[name] = who
-    if "experts_grouped_mm" in table.names() and grouped_decode_ok(device, dtype, 2 * config.moe_inter_dim,
-                                                                    config.dim):
+    if "experts_grouped_mm" in table.names() and grouped:
         served["experts_grouped_mm"] = table.provider["experts_grouped_mm"]   # the decode MoE's GEMMs
-    if not refusals:
+    if all(chosen[n][0] == table.provider[n] for n in chosen):
         return table, served, refusals
     # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)
     indexer_inputs = (reference if "indexer_scores" in refusals else table).indexer_inputs

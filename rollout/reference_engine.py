@@ -307,13 +307,13 @@ class ReferenceEngine(RolloutEngineBase):
         self.true_on_policy = bool(true_on_policy)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.ops = ops if ops is not None else reference.ops()
+        self.compile = _compile_backend(compile, kv_cache)
         self.prefill_ops = {n: self.ops.provider[n] for n in engine_ops(config)}
         self.decode_table, self.decode_ops, self.decode_refusals = decode_choices(
-            self.ops, reference.ops(), config, dtype, self.device)
+            self.ops, reference.ops(), config, dtype, self.device, compiled=bool(self.compile), cached=kv_cache)
         for name, why in self.decode_refusals.items():
             log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
                         "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
-        self.compile = _compile_backend(compile, kv_cache)
         self._fullgraph = True        # torch.compile's: no graph break in the decode step
         if self.compile:              # untraceable kernel ops run eagerly inside it (a graph break each)
             from engine.compile import kernel_op_names, opaque_kernel_ops

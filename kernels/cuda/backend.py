@@ -35,16 +35,15 @@ def unavailable_reason() -> Optional[str]:
 def ops() -> "OpTable":
     """The op table: ``sparse_attention_with_sink`` / ``_thd`` are this backend's (CUDA forward, Triton
     backward, through the ``dsv4_cuda`` custom ops of :mod:`kernels.gpu_ops`); ``indexer_scores`` / ``_thd`` /
-    ``indexer_topk``, ``apply_rope``, ``rms_normalize``, ``rms_norm``, ``weighted_swiglu`` and the mHC ops are the
-    triton backend's kernels, named as such (``kernels_ran`` counts them under ``triton.``); ``hadamard_transform`` is
-    the reference op. bf16 q and kv, head dim 512, query heads a multiple of 64, CUDA tensors on a
+    ``indexer_topk``, ``apply_rope``, ``rms_normalize``, ``rms_norm``, ``weighted_swiglu``, ``hadamard_transform``
+    and the mHC ops are the triton backend's kernels, named as such (``kernels_ran`` counts them under
+    ``triton.``). bf16 q and kv, head dim 512, query heads a multiple of 64, CUDA tensors on a
     compute-capability 9.0 GPU: anything else is refused with the fix."""
     from kernels import gpu_common
     from kernels.cuda import entry
-    from kernels.triton import attention, experts, indexer, logprobs, mhc, norm, rope, swiglu
+    from kernels.triton.backend import ops as triton_ops
 
-    # every op name, with its provider
-    triton_table = gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts)
+    triton_table = triton_ops()           # every op name, with its provider
     own = dict(sparse_attention_with_sink=entry.sparse_attention_with_sink,
                sparse_attention_with_sink_thd=entry.sparse_attention_with_sink_thd)
     delegated = {name: (triton_table.provider[name], getattr(triton_table, name))

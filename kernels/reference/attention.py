@@ -71,8 +71,9 @@ def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch
 class Attention(KeepFP32):
     """Attention sublayer of one block (``layers.N.attn``); ``layer_id`` selects the layer kind.
 
-    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``sparse_attention_with_sink`` the
-    forward calls; None (the reference model) = this module's function."""
+    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``sparse_attention_with_sink``,
+    ``rms_normalize`` (the query's per-head norm) and ``apply_rope`` the forward calls; None (the reference
+    model) = this package's functions."""
 
     _fp32_names = ("attn_sink",)
     ops = None
@@ -114,13 +115,15 @@ class Attention(KeepFP32):
         cos, sin = rope_cos_sin(inv_freq, pos)
 
         # query: low rank + weighted norm, then unweighted per-head RMS, RoPE on the last dims
+        ops = self.ops
+        rope = apply_rope if ops is None else ops.apply_rope
         cq = self.q_norm(self.wq_a(x))
         q = self.wq_b(cq).view(B, S, H, D)
-        q = rms_normalize(q, self.eps).to(x.dtype)
-        q = apply_rope(q, cos, sin)
+        q = (rms_normalize if ops is None else ops.rms_normalize)(q, self.eps, x.dtype)
+        q = rope(q, cos, sin)
 
         # one shared K=V head
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = rope(self.kv_norm(self.wkv(x)), cos, sin)
 
         idx = window_indices(S, self.window, x.device).unsqueeze(0).expand(B, -1, -1)
         kv_all = kv
@@ -134,9 +137,9 @@ class Attention(KeepFP32):
             idx = torch.cat((idx, cidx), dim=-1)
             kv_all = torch.cat((kv, comp.to(kv.dtype)), dim=1)
 
-        attend = sparse_attention_with_sink if self.ops is None else self.ops.sparse_attention_with_sink
+        attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
         o = attend(q, kv_all, idx, self.attn_sink, self.scale)
-        o = apply_rope(o, cos, sin, inverse=True)  # undo the rotation carried by V = K
+        o = rope(o, cos, sin, inverse=True)  # undo the rotation carried by V = K
 
         # grouped low-rank output: group g = heads [g*H/G, (g+1)*H/G)
         G, R = self.o_groups, self.o_lora_rank

@@ -41,8 +41,9 @@ class Compressor(KeepFP32):
     """``attn.compressor`` / ``attn.indexer.compressor``: params ``wkv, wgate [kappa*c, d]``,
     ``ape [m, kappa*c]`` (fp32) and ``norm [c]`` (fp32).
 
-    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``hadamard_transform`` a rotating
-    compressor calls; None (the reference model) = this module's function."""
+    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``apply_rope`` and (a rotating
+    compressor) ``hadamard_transform`` the forward calls, and its norm's ``rms_norm``; None (the reference model)
+    = this package's functions."""
 
     _fp32_names = ("ape",)
     ops = None
@@ -77,8 +78,8 @@ class Compressor(KeepFP32):
         comp = (torch.softmax(z, dim=2) * a).sum(dim=2)  # per-channel softmax over the slots
         comp = self.norm(comp.to(x.dtype))
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(nb, device=x.device) * m)
-        comp = apply_rope(comp, cos, sin)
+        ops = getattr(self, "ops", None)        # other modules borrow this forward (backends/miles: no ``ops``)
+        comp = (apply_rope if ops is None else ops.apply_rope)(comp, cos, sin)
         if self.rotate:
-            ops = getattr(self, "ops", None)    # other modules borrow this forward (backends/miles: no ``ops``)
             comp = (hadamard_transform if ops is None else ops.hadamard_transform)(comp)
         return comp

@@ -138,7 +138,7 @@ def _layer_cache(attn, got: dict, lengths: torch.Tensor, max_len: int) -> LayerC
     B, S, D = kv_pre.shape
     dev, W = kv_pre.device, attn.window
     cos, sin = rope_cos_sin(attn.inv_freq.to(dev), torch.arange(S, device=dev))
-    kv = apply_rope(kv_pre, cos, sin)                                   # the reference's window rows
+    kv = (apply_rope if attn.ops is None else attn.ops.apply_rope)(kv_pre, cos, sin)   # the forward's window rows
     # ring row s holds the last position p < length with p % W == s (p < 0: empty, masked when read)
     s = torch.arange(W)
     p = (lengths[:, None] - 1) - ((lengths[:, None] - 1 - s[None, :]) % W)
@@ -218,6 +218,17 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, max_len: int, device=Non
 
 
 # -------------------------------------------------------------- decode step
+def pool_slots(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """A compressor's entry from one block's slots ``a, z [B, slots, c]``: per channel, the softmax of the gate
+    scores ``z`` over the slots weighting ``a`` (``Compressor.forward``'s pooling), -> ``[B, c]``.
+
+    Why the slots go last: torch's softmax over a middle dim runs its spatial kernel, which took 101 us for a
+    decode step's three calls at one sequence and 114 us at 64 on an H200 (eager profile,
+    ``bench/results/rollout-h200-flash-shaped-triton-eager-inner-scan.json``), for a few hundred KB; over the
+    last dim it is the per-row kernel. The same sums as over dim 1, in the order of a row reduction."""
+    return (torch.softmax(z.transpose(1, 2), dim=-1) * a.transpose(1, 2)).sum(dim=-1)
+
+
 def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
                    inv_freq: torch.Tensor) -> None:
     """Add one token per row (``x [B, 1, d]`` at positions ``pos``, CPU) to the compressor state and pool
@@ -238,11 +249,11 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: 
     if comp.overlap:   # entry i pools block i-1's first-half channels and block i's second half (2m slots)
         a = torch.cat((cc.prev_a[e], a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z[e], z[..., c:]), dim=1)
-    pooled = (torch.softmax(z, dim=1) * a).sum(dim=1)             # per-channel softmax over the slots
+    pooled = pool_slots(a, z)
     pooled = comp.norm(pooled.to(cc.entries.dtype))
     block = pos[done] // m
-    cos, sin = rope_cos_sin(inv_freq.to(dev), (block * m).to(dev)[:, None])
-    pooled = apply_rope(pooled[:, None], cos, sin)[:, 0]
+    cos, sin = rope_cos_sin(inv_freq.to(dev), (block * m).to(dev)[:, None], compute_dtype(x))
+    pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
     cc.entries[e, block.to(dev)] = pooled
@@ -260,7 +271,8 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
         return torch.empty(B, 0, dtype=torch.long, device=x.device)
     ops = indexer.ops
     ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
-    q = apply_rope(indexer.wq_b(cq).view(B, 1, indexer.n_heads, indexer.head_dim), cos, sin)
+    q = (apply_rope if ops is None else ops.apply_rope)(indexer.wq_b(cq).view(B, 1, indexer.n_heads,
+                                                                              indexer.head_dim), cos, sin)
     q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
     w = indexer.weights_proj(x).to(ct) * (indexer.head_dim * indexer.n_heads) ** -0.5
     scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
@@ -292,12 +304,15 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     dev = x.device
     pos_d = pos.to(dev)
     inv_freq = device_inv_freq(attn, dev)
-    cos, sin = rope_cos_sin(inv_freq, pos_d[:, None])                      # [B, 1, r/2]
+    # [B, 1, r/2], in the compute dtype the rotations cast them to (the same values): cast once, not per call
+    cos, sin = rope_cos_sin(inv_freq, pos_d[:, None], compute_dtype(x))
 
+    ops = attn.ops
+    rope = apply_rope if ops is None else ops.apply_rope
     cq = attn.q_norm(attn.wq_a(x))
-    q = rms_normalize(attn.wq_b(cq).view(B, 1, H, D), attn.eps).to(x.dtype)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps, x.dtype)
+    q = rope(q, cos, sin)
+    kv = rope(attn.kv_norm(attn.wkv(x)), cos, sin)
     lc.window[torch.arange(B, device=dev), pos_d % W] = kv[:, 0]
 
     s = torch.arange(W, device=dev)[None, :]
@@ -317,9 +332,9 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
         idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
         kv_all = torch.cat((lc.window, entries.to(lc.window.dtype)), dim=1)
 
-    attend = sparse_attention_with_sink if attn.ops is None else attn.ops.sparse_attention_with_sink
+    attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
     o = attend(q, kv_all, idx[:, None], attn.attn_sink, attn.scale)
-    o = apply_rope(o, cos, sin, inverse=True)
+    o = rope(o, cos, sin, inverse=True)
     G, R = attn.o_groups, attn.o_lora_rank
     o = o.reshape(B, 1, G, H * D // G)
     wo_a = attn.wo_a.weight.to(o.dtype).view(G, R, H * D // G)

@@ -73,8 +73,8 @@ def indexer_input_dtype(ops, activation: torch.dtype) -> torch.dtype:
 class Indexer(nn.Module):
     """``attn.indexer``: ``wq_b [H_I*c_I, q_lora]``, ``weights_proj [H_I, d]``, ``compressor``.
 
-    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``indexer_scores`` and
-    ``hadamard_transform`` the forward calls; None (the reference model) = this module's functions."""
+    ``ops``: a kernel op table (``core.kernel_ops.OpTable``) whose ``indexer_scores``, ``hadamard_transform``
+    and ``apply_rope`` the forward calls; None (the reference model) = this package's functions."""
 
     ops = None
 
@@ -97,7 +97,8 @@ class Indexer(nn.Module):
         ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
         k = self.compressor(x, inv_freq).to(it)  # [B, nb, c_I]
         cos, sin = rope_cos_sin(inv_freq.to(x.device), torch.arange(S, device=x.device))
-        q = apply_rope(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        q = (apply_rope if ops is None else ops.apply_rope)(self.wq_b(cq).view(B, S, self.n_heads, self.head_dim),
+                                                             cos, sin)
         q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
         w = self.weights_proj(x).to(ct) * (self.head_dim * self.n_heads) ** -0.5
         scores = (indexer_scores if ops is None else ops.indexer_scores)(q, k, w)  # [B, S, nb]

@@ -21,8 +21,10 @@ streams at ``i`` (the trunk's for ``k = 0``) and the embedding of token ``t_{i+k
 
 Kernel ops: by default every module computes with this package's functions (the oracle). A module's ``ops``
 attribute (a ``core.kernel_ops.OpTable``) makes it call that table's ops instead: the blocks' ``hc_pre`` /
-``hc_post``, the model's ``hc_head``, attention's ``sparse_attention_with_sink``, the indexer's
-``indexer_scores`` and ``hadamard_transform``, the rotating compressor's ``hadamard_transform``.
+``hc_post``, the model's ``hc_head``, attention's ``sparse_attention_with_sink`` and ``rms_normalize`` (the query's
+per-head norm), the indexer's ``indexer_scores`` and ``hadamard_transform``, the rotating compressor's
+``hadamard_transform``, ``apply_rope`` wherever attention, the indexer and the compressors rotate, every
+``RMSNorm``'s ``rms_norm``; the decode MoE's (``slots``) ``weighted_swiglu`` and ``experts_grouped_mm``.
 :func:`ops_in_use` sets one table on every such module for a ``with`` block (the rollout engine's prefill and
 decode steps run the run's kernel backend this way).
 """

@@ -216,7 +216,8 @@ class MoE(nn.Module):
     """``ffn``: ``gate``, ``experts.E`` and ``shared_experts`` (one shared expert)."""
 
     # a kernel op table (kernels.reference.model.ops_in_use): the decode step's grouped experts take its
-    # experts_grouped_mm where it has one (kernels.reference.slots); the forward here never reads it
+    # weighted_swiglu, and its experts_grouped_mm where it has one (kernels.reference.slots); the forward here
+    # never reads it
     ops = None
 
     def __init__(self, config, layer_id: int):

@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
-from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq
+from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq, pool_slots
 from .layers import compute_dtype, linear_fp32
-from .moe import _has_negative_ids, current_routing_hook, route, swiglu
+from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
@@ -132,10 +132,10 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     if comp.overlap:    # entry i pools block i-1's first-half channels and block i's second half (2m slots)
         a = torch.cat((cc.prev_a, a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z, z[..., c:]), dim=1)
-    pooled = comp.norm((torch.softmax(z, dim=1) * a).sum(dim=1).to(cc.entries.dtype))
+    pooled = comp.norm(pool_slots(a, z).to(cc.entries.dtype))
     block = pos // m
-    cos, sin = rope_cos_sin(inv_freq, (block * m)[:, None])
-    pooled = apply_rope(pooled[:, None], cos, sin)[:, 0]
+    cos, sin = rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
+    pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
     at = block.clamp(max=N - 1)                  # rows that complete nothing write their entry back unchanged
@@ -153,17 +153,21 @@ def stack_expert_weights(model) -> int:
     weight updates land in the stacks). Where the expert tensors already lie that way in memory - an engine
     that shares the trainer's weights (``rollout.shared_weights``): the trainer's ``linear_fc1.weight{e}`` is
     ``cat(w1, w3)`` and its expert bank is one buffer - the stacks are views of that memory and nothing is
-    copied (:func:`kernels.reference.stacks.stacked_view`). Call again whenever the expert tensors are replaced
-    (a dtype or device move, shared weights). Returns the bytes it copied (0 when every stack is a view)."""
+    copied (:func:`kernels.reference.stacks.stacked_view`). The shared expert's ``w1`` and ``w3`` likewise as one
+    ``[2I, d]`` (one GEMM for gate and up; the trainer's ``shared_experts.linear_fc1.weight`` is that tensor).
+    Call again whenever the expert tensors are replaced (a dtype or device move, shared weights). Returns the
+    bytes it copied (0 when every stack is a view)."""
     copied = 0
     for layer in model.layers:
         moe = layer.ffn
         w1s = [e.w1.weight for e in moe.experts]
         w3s = [e.w3.weight for e in moe.experts]
         w2s = [e.w2.weight for e in moe.experts]
+        shared = moe.shared_experts
         w13, w2 = _w13_stack(w1s, w3s), _stack(w2s)
-        copied += sum(t.numel() * t.element_size() for t, made in (w13, w2) if made)
-        moe._expert_stacks = {"w13": w13[0], "w2": w2[0]}
+        shared13 = _w13_stack([shared.w1.weight], [shared.w3.weight])
+        copied += sum(t.numel() * t.element_size() for t, made in (w13, w2, shared13) if made)
+        moe._expert_stacks = {"w13": w13[0], "w2": w2[0], "shared_w13": shared13[0][0]}
     return copied
 
 
@@ -196,11 +200,14 @@ def _stack(ws):
 def _stacks(moe):
     st = getattr(moe, "_expert_stacks", None)
     if st is not None:
-        w13, w2 = st["w13"], st["w2"]
+        w13, w2, shared13 = st["w13"], st["w2"], st["shared_w13"]
         inter = w13.shape[1] // 2
+        shared = moe.shared_experts
         fresh = all(e.w1.weight.data_ptr() == w13[i, :inter].data_ptr()
                     and e.w3.weight.data_ptr() == w13[i, inter:].data_ptr()
                     and e.w2.weight.data_ptr() == w2[i].data_ptr() for i, e in enumerate(moe.experts))
+        fresh = (fresh and shared.w1.weight.data_ptr() == shared13[:inter].data_ptr()
+                 and shared.w3.weight.data_ptr() == shared13[inter:].data_ptr())
         if fresh:
             return w13, w2
     raise RuntimeError("the decode MoE reads each layer's experts as one stacked tensor: call "
@@ -249,16 +256,15 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     return order, ends
 
 
-def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm):
+def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu):
     """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
-    up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``."""
+    up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``; ``act``: the activation with the
+    routing weight applied before ``w2`` (the reference's :func:`~.moe.weighted_swiglu` or the table's)."""
     T, k = idx.shape
     order, offs = expert_order(idx.reshape(-1), w13.shape[0])
     xs = x.index_select(0, order // k)
-    gate, up = mm(xs, w13, offs).to(ct).chunk(2, dim=-1)
-    hid = swiglu(gate, up, limit)
-    hid = hid * weights.reshape(-1).index_select(0, order).to(ct)[:, None]   # routing weight before w2
-    out = mm(hid.to(x.dtype), w2, offs).to(ct)
+    hid = act(mm(xs, w13, offs), weights.reshape(-1).index_select(0, order), limit, x.dtype)
+    out = mm(hid, w2, offs).to(ct)
     return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)
 
 
@@ -302,13 +308,23 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     ct = compute_dtype(x)
     st = moe._expert_stacks
     w13, w2 = (st[n].to(x.dtype) for n in ("w13", "w2"))
+    act = weighted_swiglu if moe.ops is None else moe.ops.weighted_swiglu
     if path == "dense":
         y = _dense(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
     else:
         mm = moe.ops.experts_grouped_mm if path == GROUPED_KERNEL else _grouped_mm
-        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm)
-    y = y + moe.shared_experts(x).to(ct)
+        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act)
+    y = y + _shared_expert(moe.shared_experts, st["shared_w13"], x, act).to(ct)
     return y.to(x.dtype).view(shape), idx
+
+
+def _shared_expert(shared, w13: torch.Tensor, x: torch.Tensor, act) -> torch.Tensor:
+    """``shared(x)`` (``Expert.forward``) with gate and up in one GEMM of the stacked ``w13 [2I, d]`` and the
+    activation ``act`` (``weighted_swiglu``'s contract) at weight 1: one GEMM and one kernel where the module
+    runs two GEMMs, casts, clamps, a SiLU and a product (a weight of 1 changes no bit of the reference's)."""
+    h = F.linear(x, w13.to(x.dtype))
+    ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+    return F.linear(act(h, ones, shared.limit, x.dtype), shared.w2.weight.to(x.dtype))
 
 
 # ------------------------------------------------------------------- step

@@ -36,12 +36,11 @@ def ops() -> "OpTable":
       (``kernels/triton/norm.py``).
     * ``weighted_swiglu(h, w, limit, out_dtype)``: the routed experts' clamped SwiGLU times the gate weight,
       one pass each way (``kernels/triton/swiglu.py``).
+    * ``hadamard_transform(x)``: the Walsh-Hadamard transform of the indexer's queries and keys, the reference's
+      butterflies and roundings in one kernel (``kernels/triton/hadamard.py``); its backward is the same kernel.
 
     Each kernel launcher is a ``torch.library`` custom op (``dsv4_triton::...``, ``kernels/gpu_ops.py``), so
     ``torch.compile`` (``--compile``) traces these entry points into its graphs without a graph break.
-
-    Named from the reference set (backend ``none``; no Triton kernel yet): ``hadamard_transform``;
-    :func:`core.kernel_ops.kernels_ran` counts it under ``none.``.
 
     Extra names beyond the reference set (THD entry points): ``sparse_attention_with_sink_thd``
     (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
@@ -49,6 +48,6 @@ def ops() -> "OpTable":
     routed experts for few rows per expert (``kernels/triton/experts.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import attention, experts, indexer, logprobs, mhc, norm, rope, swiglu
+    from kernels.triton import attention, experts, hadamard, indexer, logprobs, mhc, norm, rope, swiglu
 
-    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts)
+    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard)

@@ -215,13 +215,24 @@ def test_experts_grouped_mm_fake_matches_torchs_grouped_gemm():
     assert _sig([y]) == _sig([ref[0]]) == [((7, 24), torch.bfloat16)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hadamard_fake_matches_reference(dtype):
+    """The rows flattened ``[R, n]``, the output and its gradient in the input's dtype and shape, as the reference."""
+    from kernels.reference.compressor import hadamard_transform
+
+    x = torch.randn(T * H, 128, generator=_gen(18)).to(dtype)
+    out, grads = _fake_run(gpu_ops.TRITON.hadamard, [x], grad_of=(0,))
+    ref, rgrads = _ref_run(hadamard_transform, [x], grad_of=(0,))
+    assert _sig(out) == _sig(ref) and _sig(grads) == _sig(rgrads)
+
+
 def test_every_op_has_a_fake():
     """Each registered op, forward and backward, answers under FakeTensorMode (the tests above reach them all)."""
     names = {n for n in vars(gpu_ops.TRITON) if n != "namespace"}
     assert names == {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores", "hc_pre", "hc_pre_bwd",
                      "hc_head", "hc_head_bwd", "hc_post", "hc_post_bwd", "sinkhorn", "sinkhorn_bwd", "rope",
                      "rms_normalize", "rms_normalize_bwd", "rms_norm", "rms_norm_bwd", "weighted_swiglu",
-                     "weighted_swiglu_bwd", "logprob_stats", "logprob_grad", "experts_grouped_mm"}
+                     "weighted_swiglu_bwd", "logprob_stats", "logprob_grad", "experts_grouped_mm", "hadamard"}
     assert {n for n in vars(gpu_ops.TILELANG) if n != "namespace"} == \
         {"sparse_attention_fwd", "sparse_attention_bwd", "indexer_scores"}
     for ns in ("dsv4_triton", "dsv4_tilelang"):

@@ -30,6 +30,8 @@ from core.config import preset
 
 CFG = preset("tiny")
 PROMPTS = [[0, 5, 6, 7, 8], [0, 9, 10]]
+# what only the KV-cached decode step calls (rollout.engine_ops): the shared expert's activation, on every MoE path
+CACHED_DECODE_ONLY = ("weighted_swiglu",)
 
 
 def _synced(engine):
@@ -93,10 +95,11 @@ def test_the_assembly_gives_the_engine_the_runs_ops_and_generate_runs_them():
     e = _synced(assemble(run).rollout_engine(CFG))
     assert e.ops.backend == "none"
     assert engine_ops(CFG) == ENGINE_OPS                        # tiny has CSA layers: the indexer's ops run too
-    assert e.prefill_ops == e.decode_ops == {op: "none" for op in ENGINE_OPS} and e.decode_refusals == {}
+    assert e.prefill_ops == {op: "none" for op in ENGINE_OPS} and e.decode_refusals == {}
+    assert e.decode_ops == {op: "none" for op in ENGINE_OPS + CACHED_DECODE_ONLY}
     _, ran = _generate(e)
-    assert set(ran) == {f"none.{op}" for op in ENGINE_OPS}, ran
-    assert all(ran[f"none.{op}"] > 0 for op in ENGINE_OPS)
+    assert set(ran) == {f"none.{op}" for op in ENGINE_OPS + CACHED_DECODE_ONLY}, ran
+    assert all(ran[f"none.{op}"] > 0 for op in ENGINE_OPS + CACHED_DECODE_ONLY)
 
 
 @pytest.mark.parametrize("kv_cache", [True, False])
@@ -105,9 +108,10 @@ def test_the_engine_calls_the_op_table_it_is_given(kv_cache):
     from rollout.reference_engine import ReferenceEngine
 
     fake = _synced(ReferenceEngine(CFG, ops=_fake(), kv_cache=kv_cache))
-    assert fake.prefill_ops == fake.decode_ops == {op: "fake" for op in ENGINE_OPS}
+    decoded = ENGINE_OPS + (CACHED_DECODE_ONLY if kv_cache else ())
+    assert fake.prefill_ops == {op: "fake" for op in ENGINE_OPS} and fake.decode_ops == {op: "fake" for op in decoded}
     got, ran = _generate(fake)
-    assert set(ran) == {f"fake.{op}" for op in ENGINE_OPS}, ran      # no reference op ran behind its back
+    assert set(ran) == {f"fake.{op}" for op in decoded}, ran         # no reference op ran behind its back
     want, ref_ran = _generate(_synced(ReferenceEngine(CFG, kv_cache=kv_cache)))
     assert {k.replace("none.", "fake.") for k in ref_ran} == set(ran)
     _same(got, want)
@@ -184,6 +188,29 @@ def test_the_compiled_decode_step_draws_the_eager_steps_samples():
     # per layer), the traced reference ops only in prefill
     assert ran[f"fake.{op}"] == eager_ran[f"fake.{op}"] + CFG.n_layers
     assert 0 < ran["fake.hc_pre"] < eager_ran["fake.hc_pre"]
+
+
+def test_a_compiled_step_keeps_the_reference_norms_and_rope_for_inductor_to_fuse():
+    """The eager step calls the table's norms, RoPE, Hadamard rotation and experts' activation (one kernel each on
+    a GPU), the compiled step the reference code (which Inductor fuses with its neighbours), prefill the table's
+    either way; the record says so."""
+    from rollout.engine_ops import INDUCTOR_FUSES
+    from rollout.reference_engine import ReferenceEngine
+
+    fused = ("rms_norm", "rms_normalize", "apply_rope", "hadamard_transform", "weighted_swiglu")
+    prefilled = fused[:4]                                                 # prefill's MoE is the module's
+    assert set(fused) == set(INDUCTOR_FUSES)
+    eager = _synced(ReferenceEngine(CFG, ops=_fake(), max_slots=1))
+    compiled = _synced(ReferenceEngine(CFG, ops=_fake(), max_slots=1, compile="aot_eager"))
+    assert {eager.decode_ops[o] for o in fused} == {"fake"} and eager.decode_refusals == {}
+    assert {compiled.decode_ops[o] for o in fused} == {"none"} and compiled.decode_refusals == {}
+    assert {compiled.prefill_ops[o] for o in prefilled} == {"fake"}
+    assert {o: w for o, w in compiled.decode_ops.items() if o not in fused} == {
+        o: "fake" for o in compiled.decode_ops if o not in fused}
+    _, ran = _generate(compiled)
+    assert all(ran[f"none.{o}"] > 0 for o in fused) and all(ran[f"fake.{o}"] > 0 for o in prefilled), ran
+    _, ran = _generate(eager)
+    assert not [k for k in ran if k.startswith("none.")], ran
 
 
 def test_the_compiled_step_compiles_each_layer_kind_once_for_every_slot_count():

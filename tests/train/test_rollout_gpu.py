@@ -194,6 +194,7 @@ def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     from core.run_config import Choices, normalize
     from engine.compile import kernel_op_names
     from launchers.builtin_plugins import make_host
+    from rollout.engine_ops import INDUCTOR_FUSES
     from rollout.reference_engine import ReferenceEngine, SamplingParams
     from rollout.weight_sync import sync_weights
 
@@ -205,6 +206,8 @@ def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     if not any(who == "triton" for who in e.decode_ops.values()):
         pytest.skip(f"the triton backend serves no op of the tiny model's decode step: {e.decode_refusals}")
     assert not set(kernel_op_names(e.decode_table)) & set(e.decode_ops) and e._fullgraph
+    # the compiled step leaves the norms, RoPE and the experts' activation to Inductor (rollout.engine_ops)
+    assert {e.decode_ops[op] for op in INDUCTOR_FUSES if op in e.decode_ops} == {"none"}, e.decode_ops
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, max_slots=1)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok
@@ -338,6 +341,9 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     for op, who in e.decode_ops.items():
         assert who == parts.ops.provider[op] or op in e.decode_refusals, (op, who)
     print("decode ops:", e.decode_ops, "refusals:", e.decode_refusals)
+    if backend == "triton":     # the eager step's norms, RoPE and (grouped MoE, bf16 on this GPU) the activation
+        assert {e.decode_ops[op] for op in ("rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu")} == {
+            "triton"}, e.decode_ops
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, cuda_graphs=graphs)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok

@@ -91,6 +91,7 @@ def test_the_engine_computes_with_the_trainers_memory_and_samples_as_a_copy_sync
     fc1 = next(b for b in trunk_banks if b.n == config.n_routed_experts and b[0].shape[0] == 2 * config.moe_inter_dim)
     stacks = [layer.ffn._expert_stacks for layer in shared.model.layers]
     assert any(st["w13"].data_ptr() == fc1[0].data_ptr() for st in stacks)   # the decode MoE reads the bank
+    assert shared.reusable_share          # no stack copied: the shared expert's gate and up too are the trainer's
     assert same_samples()
 
     with torch.no_grad():                        # an optimizer step: every weight changes in place
