@@ -126,8 +126,9 @@ def make_attention_api(ops, check: Callable, kernel_supports: Callable, module: 
         if indices.dim() == 2:
             indices = indices.unsqueeze(0).expand(B, -1, -1)
         idx = indices.to(torch.int64)
-        offs = (torch.arange(B, device=idx.device, dtype=torch.int64) * N).view(B, 1, 1)
-        idx = torch.where(idx >= 0, idx + offs, torch.full_like(idx, -1)).to(torch.int32)
+        # batch b's rows start at b*N; -1 stays -1 (a scalar, not a filled tensor: one kernel fewer per call)
+        offs = torch.arange(0, B * N, N, device=idx.device, dtype=torch.int64).view(B, 1, 1)
+        idx = torch.where(idx >= 0, idx + offs, -1).to(torch.int32)
         o = sparse_attention_with_sink_thd(q.reshape(B * S, H, D), kv.reshape(B * N, D),
                                            idx.reshape(B * S, -1), sink, scale)
         return o.view(B, S, H, D)

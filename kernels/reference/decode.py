@@ -230,9 +230,9 @@ def pool_slots(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                   inv_freq: torch.Tensor) -> None:
+                   inv_freq: torch.Tensor, memo: Optional[dict] = None) -> None:
     """Add one token per row (``x [B, 1, d]`` at positions ``pos``, CPU) to the compressor state and pool
-    the entry of every block it completes (in place)."""
+    the entry of every block it completes (in place). ``memo``: unused (the host step has nothing to share)."""
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
@@ -283,29 +283,48 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
 
 def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
     """``attn.inv_freq`` (a CPU float64 attribute) on ``dev``, copied once per device and kept on the module:
-    a CUDA-graph capture cannot record a copy from host memory."""
+    a CUDA-graph capture cannot record a copy from host memory. Also keeps ``attn._inv_freq_key``, the
+    frequencies as a tuple: layers with the same key rotate by the same angles (:func:`step_once`)."""
     got = getattr(attn, "_inv_freq_on", None)
     if got is None or got.device != dev:
         got = attn._inv_freq_on = attn.inv_freq.to(dev)
+        attn._inv_freq_key = tuple(attn.inv_freq.tolist())
+    return got
+
+
+def step_once(memo: Optional[dict], key, make):
+    """``make()``; with a step's ``memo`` (a dict), made by the first layer that asks for ``key`` and reused by the
+    step's other layers. Why: every layer of a decode step writes the same ring slots, masks the same window,
+    and rotates by the same angles (per set of frequencies), and eagerly each of these is a few small kernels per
+    layer (a step of the eager Flash-shaped engine was about a thousand kernels, most of its time at one
+    sequence). A compiled layer gets None and computes them inside its graph, where Inductor fuses them."""
+    if memo is None:
+        return make()
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = make()
     return got
 
 
 def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=None,
-            picks: Optional[list] = None) -> torch.Tensor:
+            picks: Optional[list] = None, memo: Optional[dict] = None) -> torch.Tensor:
     """``Attention.forward`` for one new token per row: ``x [B, 1, d]`` (attn_norm-ed) -> ``[B, 1, d]``.
 
     ``pos``: the rows' positions, on the host (this module's steps) or on the device (``slots``'s static
     step); ``compress(comp, x, cache, pos, inv_freq)`` adds the token to a compressor (default
     :func:`_compress_step`, which needs host positions). ``picks``: a list the indexer's top-k ``[B, k]`` of a
-    CSA layer is appended to (indexer replay's recording)."""
+    CSA layer is appended to (indexer replay's recording). ``memo``: the step's values shared by its layers
+    (:func:`step_once`; the static step's eager layers), passed on to ``compress``."""
     compress = compress or _compress_step
     B = x.shape[0]
     H, D, W = attn.n_heads, attn.head_dim, attn.window
     dev = x.device
     pos_d = pos.to(dev)
     inv_freq = device_inv_freq(attn, dev)
+    ct = compute_dtype(x)
     # [B, 1, r/2], in the compute dtype the rotations cast them to (the same values): cast once, not per call
-    cos, sin = rope_cos_sin(inv_freq, pos_d[:, None], compute_dtype(x))
+    cos, sin = step_once(memo, ("rope", attn._inv_freq_key, ct),
+                         lambda: rope_cos_sin(inv_freq, pos_d[:, None], ct))
 
     ops = attn.ops
     rope = apply_rope if ops is None else ops.apply_rope
@@ -313,22 +332,20 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps, x.dtype)
     q = rope(q, cos, sin)
     kv = rope(attn.kv_norm(attn.wkv(x)), cos, sin)
-    lc.window[torch.arange(B, device=dev), pos_d % W] = kv[:, 0]
-
-    s = torch.arange(W, device=dev)[None, :]
-    idx = torch.where(s < (pos_d[:, None] + 1).clamp(max=W), s, torch.full_like(s, -1))   # [B, W]
+    rows, ring, idx = step_once(memo, ("window", W), lambda: _window(B, W, pos_d))
+    lc.window[rows, ring] = kv[:, 0]
     kv_all = lc.window
     if attn.ratio:
-        compress(attn.compressor, x, lc.compressor, pos, inv_freq)
+        compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo)
         entries = lc.compressor.entries
         if attn.ratio == 4:
-            compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq)
+            compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq, memo)
             cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
             if picks is not None:
                 picks.append(cidx)
         else:
             j = torch.arange(entries.shape[1], device=dev)[None, :]
-            cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, torch.full_like(j, -1))
+            cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, -1)
         idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
         kv_all = torch.cat((lc.window, entries.to(lc.window.dtype)), dim=1)
 
@@ -339,6 +356,14 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     o = o.reshape(B, 1, G, H * D // G)
     wo_a = attn.wo_a.weight.to(o.dtype).view(G, R, H * D // G)
     return attn.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+
+
+def _window(B: int, W: int, pos: torch.Tensor):
+    """``(rows, ring, idx)`` of a step's window: the rows ``[B]``, each row's ring slot ``pos % W`` and the ring
+    rows its query sees, ``idx [B, W]`` (``-1``: not written yet)."""
+    s = torch.arange(W, device=pos.device)[None, :]
+    return (torch.arange(B, device=pos.device), pos % W,
+            torch.where(s < (pos[:, None] + 1).clamp(max=W), s, -1))
 
 
 def decode_step(model, cache: DecodeCache, tokens: torch.Tensor) -> torch.Tensor:

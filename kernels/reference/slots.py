@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
-from .decode import CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq, pool_slots
+from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq, pool_slots,
+                     step_once)
 from .layers import compute_dtype, linear_fp32
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
@@ -114,35 +115,45 @@ class SlotCache:
 
 # ------------------------------------------------------------ compressors
 def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                     inv_freq: torch.Tensor) -> None:
+                     inv_freq: torch.Tensor, memo: Optional[dict] = None) -> None:
     """``decode._compress_step`` with device positions: every row's entry is pooled and written where the
-    token completes a block, so the launches do not depend on the positions (in place)."""
+    token completes a block, so the launches do not depend on the positions (in place). ``memo``: the step's
+    shared values (:func:`~.decode.step_once`): compressors of one ratio share their slots and blocks, and of
+    one set of frequencies their blocks' angles."""
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
-    rows = torch.arange(B, device=x.device)
-    slot = pos % m
+    N = cc.entries.shape[1]
+    rows, slot, done, block, at = step_once(memo, ("blocks", m, N), lambda: _blocks(B, m, N, pos))
     cc.a[rows, slot] = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
     cc.z[rows, slot] = linear_fp32(x[:, 0], comp.wgate.weight).to(ct) + comp.ape.to(ct)[slot]
-    N = cc.entries.shape[1]
     if N == 0:          # capacity below one block: no token can complete one
         return
-    done = (pos + 1) % m == 0
     a, z = cc.a, cc.z
     if comp.overlap:    # entry i pools block i-1's first-half channels and block i's second half (2m slots)
         a = torch.cat((cc.prev_a, a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z, z[..., c:]), dim=1)
     pooled = comp.norm(pool_slots(a, z).to(cc.entries.dtype))
-    block = pos // m
-    cos, sin = rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
+    def angles():
+        return rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
+
+    # the key names the frequencies by their tensor, alive for the whole step (not read when compiled: no memo)
+    cos, sin = angles() if memo is None else step_once(memo, ("block-rope", m, id(inv_freq)), angles)
     pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
-    at = block.clamp(max=N - 1)                  # rows that complete nothing write their entry back unchanged
     cc.entries[rows, at] = torch.where(done[:, None], pooled, cc.entries[rows, at])
     if comp.overlap:
         cc.prev_a.copy_(torch.where(done[:, None, None], cc.a[..., :c], cc.prev_a))
         cc.prev_z.copy_(torch.where(done[:, None, None], cc.z[..., :c], cc.prev_z))
+
+
+def _blocks(B: int, m: int, N: int, pos: torch.Tensor):
+    """``(rows, slot, done, block, at)`` of a ratio-``m`` compressor's step: the rows, each token's slot in its
+    block, whether it completes the block, the block, and the entry it writes (``block`` within the ``N``
+    entries: a row that completes nothing writes its entry back unchanged)."""
+    block = pos // m
+    return (torch.arange(B, device=pos.device), pos % m, (pos + 1) % m == 0, block, block.clamp(max=max(N - 1, 0)))
 
 
 # -------------------------------------------------------------------- MoE
@@ -372,14 +383,15 @@ def decode_embed(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, path: str,
-                 want_picks: bool = False):
+                 want_picks: bool = False, memo: Optional[dict] = None):
     """``Block.forward`` for one token per slot: ``x [b, 1, n, d]`` -> ``(x, experts [b, k], picks)``, the
     layer's cache updated in place; ``picks``: the CSA indexer's top-k ``[b, k]`` with ``want_picks`` on a
     CSA layer, else None. One layer's device work, so a compiler can compile it once for every layer of the
-    same structure (``rollout.slot_decoder.compiled_decode_step``)."""
+    same structure (``rollout.slot_decoder.compiled_decode_step``). ``memo``: the eager step's values shared
+    by its layers (:func:`~.decode.step_once`)."""
     picks = [] if want_picks else None
     u, post, comb = layer._hc("attn", x)
-    att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks)
+    att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks, memo)
     x = layer.hc_post(att, x, post, comb)
     u, post, comb = layer._hc("ffn", x)
     f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
@@ -415,8 +427,10 @@ def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torc
     x = regions.embed(model, ids)
     routes = []
     picks = [] if indexer_picks else None
+    # eager layers share the step's positions-derived values; a compiled layer computes its own (step_once)
+    shared = (dict(memo={}) if regions.layer is decode_layer else {})
     for layer, lc, path in zip(model.layers, cache.layers, moe_paths):
-        x, idx, pick = regions.layer(layer, lc, x, ids, cache.pos, path, indexer_picks)
+        x, idx, pick = regions.layer(layer, lc, x, ids, cache.pos, path, indexer_picks, **shared)
         if not layer.ffn.gate.hash:
             routes.append(idx)
         if pick is not None:

@@ -107,6 +107,42 @@ def test_static_slots_equal_the_dynamic_step(model, seqs, compiled):
     del logits0
 
 
+def test_the_eager_step_shares_its_layers_position_work(model, seqs):
+    """The eager step's layers share what the positions give them (``decode.step_once``: the ring slots, the
+    window mask, the angles of each set of RoPE frequencies, a compressor ratio's blocks): fewer ops than layers
+    that compute their own (what a compiled layer does), and the same outputs bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels.reference.slots import StepRegions, decode_layer
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += func.overloadpacket.__name__ in ("arange", "remainder", "cos", "sin", "floor_divide")
+            return func(*args, **(kwargs or {}))
+
+    def own(*args):                      # a layer without the step's memo, as a compiled layer runs
+        return decode_layer(*args)
+
+    with torch.no_grad():
+        dyn, _ = prefill(model, [s[:L].tolist() for s, L in zip(seqs, LENGTHS)], max_len=max(LENGTHS) + STEPS)
+    tokens, active = torch.tensor([5, 6, 7]), torch.ones(3, dtype=torch.bool)
+    outs, counts = [], []
+    for regions in (None, StepRegions(layer=own)):
+        slots = SlotCache.like(dyn, 3)
+        slots.load([0, 1, 2], dyn, [0, 1, 2])
+        paths = static_step_checks(model, tokens)
+        with Count() as c:
+            outs.append(static_step_body(model, slots, tokens, active, paths, **({} if regions is None else
+                                                                                 dict(regions=regions))))
+        counts.append(c.ops)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert counts[0] < counts[1], counts
+
+
 def test_grouped_moe_equals_dense_and_the_reference_moe():
     """The two sync-free MoE paths against ``MoE.forward`` (bf16: the grouped path's dtype; runs on the CPU
     build of ``torch._grouped_mm``)."""
