@@ -150,8 +150,10 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
 
     The kept tokens (top-k, then the smallest prefix of the sorted distribution whose mass reaches top_p;
     the top token always) are laid out in order (by probability when truncating, else by id) and the
-    token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums)."""
-    return sample_from_logprobs(torch.log_softmax(logits.float() / params.temperature, dim=-1), u, params)
+    token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums). At temperature 1
+    the logits are not divided (the same values: a pass over ``[N, V]`` fp32 less)."""
+    scaled = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
+    return sample_from_logprobs(torch.log_softmax(scaled, dim=-1), u, params)
 
 
 _CDF_BLOCK = 1024
@@ -662,6 +664,8 @@ class ReferenceEngine(RolloutEngineBase):
                 view = (torch.tensor(live, device=dev), mask.to(dev),
                         torch.tensor([sample_of[s] for s in live], device=dev),
                         torch.tensor([drawn[s] for s in live], device=dev))
+                # the live slots are the first ones (packed above): their logits are a prefix, no gather needed
+                prefix = live == list(range(len(live)))
             rows, mask, ids, t = view
             logits, routes, *step_picks = dec.step(b, last[:b], mask)
             self.positions_fed += len(live)
@@ -673,7 +677,7 @@ class ReferenceEngine(RolloutEngineBase):
                 if picks is not None:
                     fed_picks.append(step_picks[0].index_select(0, rows))
             t = t + 1
-            tok, lp = sample_tokens(logits.index_select(0, rows), u[ids, t], params)
+            tok, lp = sample_tokens(logits[:len(live)] if prefix else logits.index_select(0, rows), u[ids, t], params)
             tokens[ids, t], logps[ids, t] = tok, lp
             last[rows] = tok
             view = (rows, mask, ids, t)
