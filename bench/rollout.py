@@ -138,7 +138,8 @@ def profile_decode(generate, device: torch.device, steps: int, top: int = 40) ->
     """One decode step's kernels (CUDA) or operators (CPU, self time): ``generate(new_tokens)`` runs under
     ``torch.profiler`` with 1 and with ``1 + steps`` new tokens, and the difference is divided by ``steps``
     (prefill and the first draw cancel). Returns counts per step, device (CPU) ms per step and the ``top``
-    names by time."""
+    names by time; under ``prefill``, the same of the call with one new token (the prefill, its cache copies
+    and the first draw: where a rollout's prefill time goes)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -162,11 +163,15 @@ def profile_decode(generate, device: torch.device, steps: int, top: int = 40) ->
         c0, t0 = base.get(name, (0, 0.0))
         if count > c0:
             per[name] = ((count - c0) / steps, max(us - t0, 0.0) / steps)
-    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
     what = "kernels" if cuda else "operators"
-    return {f"{what}_per_step": round(sum(c for c, _ in per.values()), 1),
-            "ms_per_step": round(sum(t for _, t in per.values()) / 1e3, 4),
-            "top": [dict(name=n[:120], calls=round(c, 2), us=round(t, 2)) for n, (c, t) in ranked[:top]]}
+
+    def summary(by_name, suffix):
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        return {f"{what}{suffix}": round(sum(c for c, _ in by_name.values()), 1),
+                f"ms{suffix}": round(sum(t for _, t in by_name.values()) / 1e3, 4),
+                "top": [dict(name=n[:120], calls=round(c, 2), us=round(t, 2)) for n, (c, t) in ranked[:top]]}
+
+    return {**summary(per, "_per_step"), "prefill": summary(base, "")}
 
 
 def _engine(config, device, dtype, seed, **kw):
@@ -356,6 +361,10 @@ def format_table(result: dict) -> str:
             count = next(v for k, v in prof.items() if k.endswith("_per_step"))
             lines.append(f"decode step at batch {r['batch']}: {count} launches, {prof['ms_per_step']} ms; costliest:")
             lines += [f"  {t['us']:>9.1f} us {t['calls']:>6} x  {t['name']}" for t in prof["top"][:10]]
+            pre = prof["prefill"]
+            count = next(v for k, v in pre.items() if k in ("kernels", "operators"))
+            lines.append(f"prefill and first draw at batch {r['batch']}: {count} launches, {pre['ms']} ms; costliest:")
+            lines += [f"  {t['us']:>9.1f} us {t['calls']:>6} x  {t['name']}" for t in pre["top"][:10]]
     return "\n".join(lines)
 
 

@@ -164,6 +164,8 @@ def test_the_decode_profile_counts_one_step():
     names = {t["name"] for t in prof["top"]}
     assert names & {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}, names
     assert all(t["calls"] > 0 and t["us"] >= 0 for t in prof["top"])
+    pre = prof["prefill"]                 # the call with one new token: the prefill's work, more than a step's
+    assert pre["operators"] > prof["operators_per_step"] and pre["ms"] > 0 and pre["top"]
     again = run_bench(model="tiny", batch=(1,), prompt_len=(12,), new_tokens=3, rows=("cached",),
                       profile_steps=4)["rows"][0]["profile"]
     assert again["operators_per_step"] == pytest.approx(prof["operators_per_step"], rel=0.25)
