@@ -193,14 +193,15 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
-             logprobs=None, experts=None, hadamard=None) -> OpTable:
+             logprobs=None, experts=None, hadamard=None, sampling=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
     ``swiglu`` module, ``head_logprobs`` of its ``logprobs`` module and ``hadamard_transform`` of its ``hadamard``
     module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
     ``experts``: a module whose ``experts_grouped_mm`` becomes an extra op (the decode step's routed experts,
-    ``kernels.reference.slots``; without it that step runs ``torch._grouped_mm``)."""
+    ``kernels.reference.slots``; without it that step runs ``torch._grouped_mm``); ``sampling``: a module whose
+    ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -225,6 +226,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         own["experts_grouped_mm"] = experts.experts_grouped_mm
     if hadamard is not None:
         own["hadamard_transform"] = hadamard.hadamard_transform
+    if sampling is not None:
+        own["draw_tokens"] = sampling.draw_tokens
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

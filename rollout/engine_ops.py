@@ -29,6 +29,12 @@ own that nothing fuses into). Eagerly each of them is one kernel in place of the
 (casts, a square, a mean, an rsqrt, products, stacks and a concatenation; the rotation's butterfly stages), so
 the eager step takes the backend's. ``decode_ops`` says which ran (``none`` for those in a compiled step).
 
+The **sampler** (``rollout.reference_engine.sample_tokens``) takes a table's extra op ``draw_tokens`` (the triton
+backend's: ``kernels/triton/sampling.py``) for calls at top-p 1 without top-k, where it takes the probe's inputs
+(:func:`sampler_choice`); it is recorded apart (``engine.sample_ops``): it runs after the decode step, never
+inside its graph. Calls with top-p below 1 or a top-k sort the distribution with torch (the kernel has no
+truncation).
+
 ``sinkhorn`` is not called on its own: the reference model's ``hc_pre`` (and a backend's fused one) runs the
 Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre``.
 """
@@ -42,7 +48,7 @@ import torch
 from core.kernel_ops import OpTable
 from kernels.reference.slots import grouped_decode_ok
 
-__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs"]
+__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs", "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -148,3 +154,18 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     indexer_inputs = (reference if "indexer_scores" in refusals else table).indexer_inputs
     return (OpTable(table.backend, {}, delegated=chosen, dtypes=table.dtypes, indexer_inputs=indexer_inputs),
             served, refusals)
+
+
+def sampler_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[callable], Optional[str]]:
+    """``(sample_ops, draw, refusal)``: the table's ``draw_tokens`` where it has one and takes a probe's inputs
+    (fp32 logits of two blocks and one entry, float64 uniforms, on the engine's device), recorded as ``{"draw_tokens":
+    backend}``; else ``({}, None, the refusal or None)``: the torch sampler."""
+    if "draw_tokens" not in table.names():
+        return {}, None, None
+    fn = getattr(table, "draw_tokens")
+    probe = (torch.zeros(1, 2 * block + 1, device=device), torch.full((1,), 0.5, dtype=torch.float64, device=device),
+             1.0, block)
+    reason = _refusal(fn, [probe])
+    if reason is not None:
+        return {}, None, reason
+    return {"draw_tokens": table.provider["draw_tokens"]}, fn, None

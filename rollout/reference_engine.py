@@ -143,7 +143,7 @@ def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
     return out
 
 
-def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams, draw=None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``logits [N, V]``, uniforms ``u [N]`` -> (token ids [N], their log-probs under softmax(logits/T) [N]),
     on ``logits``' device.
@@ -151,7 +151,11 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
     The kept tokens (top-k, then the smallest prefix of the sorted distribution whose mass reaches top_p;
     the top token always) are laid out in order (by probability when truncating, else by id) and the
     token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums). At temperature 1
-    the logits are not divided (the same values: a pass over ``[N, V]`` fp32 less)."""
+    the logits are not divided (the same values: a pass over ``[N, V]`` fp32 less). ``draw``: a kernel backend's
+    ``draw_tokens`` (``rollout.engine_ops.sampler_choice``), which draws by the same rule without writing the
+    distribution, for calls at top-p 1 without top-k."""
+    if draw is not None and params.top_p == 1.0 and not params.top_k:
+        return draw(logits.float(), u.to(logits.device, torch.float64), params.temperature, _CDF_BLOCK)
     scaled = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
     return sample_from_logprobs(torch.log_softmax(scaled, dim=-1), u, params)
 
@@ -271,7 +275,8 @@ class ReferenceEngine(RolloutEngineBase):
     ``none``). Prefill (and the uncached engine) calls it as is; the decode step calls ``decode_table``: the
     same ops, except the reference op for each op that refuses a one-token step's inputs
     (:func:`rollout.engine_ops.decode_choices`). ``prefill_ops`` / ``decode_ops``: ``{op: backend}`` for the
-    ops a generate call runs; ``decode_refusals``: ``{op: why the run's kernel does not serve decode}``."""
+    ops a generate call runs; ``decode_refusals``: ``{op: why the run's kernel does not serve decode}``;
+    ``sample_ops``: ``{"draw_tokens": backend}`` where the sampler takes the table's kernel (top-p 1 calls)."""
 
     name = "reference"
 
@@ -282,7 +287,7 @@ class ReferenceEngine(RolloutEngineBase):
         from kernels.reference import backend as reference
         from kernels.reference.model import DeepseekV4Model
 
-        from .engine_ops import decode_choices, engine_ops
+        from .engine_ops import decode_choices, engine_ops, sampler_choice
 
         self.config, self.dtype, self.record_routing = config, dtype, record_routing
         self.record_indexer = bool(record_indexer)   # indexer replay: Sample.indexer_picks (module docstring)
@@ -316,6 +321,11 @@ class ReferenceEngine(RolloutEngineBase):
         for name, why in self.decode_refusals.items():
             log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
                         "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
+        # the sampler's kernel (sample_ops: {"draw_tokens": backend}), else torch's sampler
+        self.sample_ops, self._draw, why = sampler_choice(self.ops, self.device, _CDF_BLOCK)
+        if why is not None:
+            log.warning("rollout engine: the sampler runs torch's ops: the %s draw_tokens kernel refuses them: %s",
+                        self.ops.provider["draw_tokens"], why)
         self._fullgraph = True        # torch.compile's: no graph break in the decode step
         if self.compile:              # untraceable kernel ops run eagerly inside it (a graph break each)
             from engine.compile import kernel_op_names, opaque_kernel_ops
@@ -636,7 +646,7 @@ class ReferenceEngine(RolloutEngineBase):
                     logits.append(lg)
                 logits = torch.cat(logits)
                 ids = torch.tensor(take, device=dev)
-                tok, lp = sample_tokens(logits, u[ids, 0], params)
+                tok, lp = sample_tokens(logits, u[ids, 0], params, self._draw)
                 tokens[ids, 0], logps[ids, 0] = tok, lp
                 last[torch.tensor(slots, device=dev)] = tok
                 for s, slot, stop in zip(take, slots, stopped(tok)):
@@ -677,7 +687,8 @@ class ReferenceEngine(RolloutEngineBase):
                 if picks is not None:
                     fed_picks.append(step_picks[0].index_select(0, rows))
             t = t + 1
-            tok, lp = sample_tokens(logits[:len(live)] if prefix else logits.index_select(0, rows), u[ids, t], params)
+            tok, lp = sample_tokens(logits[:len(live)] if prefix else logits.index_select(0, rows), u[ids, t], params,
+                                    self._draw)
             tokens[ids, t], logps[ids, t] = tok, lp
             last[rows] = tok
             view = (rows, mask, ids, t)
@@ -732,7 +743,7 @@ class ReferenceEngine(RolloutEngineBase):
             if on_policy:
                 tok, lp = sample_from_logprobs(next_token_logprobs(out, params.temperature)[:, L - 1], u, params)
             else:
-                tok, lp = sample_tokens(out[:, L - 1], u, params)
+                tok, lp = sample_tokens(out[:, L - 1], u, params, self._draw)
             return tok, lp, None if rec is None else rec.layers, None if irec is None else irec.as_tensor(*ids.shape)
 
         T = params.max_new_tokens

@@ -44,10 +44,12 @@ def ops() -> "OpTable":
 
     Extra names beyond the reference set (THD entry points): ``sparse_attention_with_sink_thd``
     (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
-    segment ``ks/ke`` ranges), ``indexer_topk``; and ``experts_grouped_mm``, the rollout engine's decode step's
-    routed experts for few rows per expert (``kernels/triton/experts.py``).
+    segment ``ks/ke`` ranges), ``indexer_topk``; ``experts_grouped_mm``, the rollout engine's decode step's
+    routed experts for few rows per expert (``kernels/triton/experts.py``); ``draw_tokens``, the rollout engine's
+    sampler at top-p 1 (``kernels/triton/sampling.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import attention, experts, hadamard, indexer, logprobs, mhc, norm, rope, swiglu
+    from kernels.triton import attention, experts, hadamard, indexer, logprobs, mhc, norm, rope, sampling, swiglu
 
-    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard)
+    return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
+                               sampling)

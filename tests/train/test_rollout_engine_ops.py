@@ -7,6 +7,8 @@
 * a table whose op refuses a one-token decode step's inputs serves prefill, and the decode step runs the
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
 * the decode-only expert GEMM kernel (``experts_grouped_mm``) is on the record exactly where the step calls it;
+* a table's sampler kernel (``draw_tokens``) draws at top-p 1 the torch sampler's tokens, on the record
+  (``sample_ops``), and one that refuses the probe leaves the torch sampler, logged;
 * ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
   functionalisation without code generation, which Inductor would add) draws the eager step's samples
   bit for bit; the table's own kernel (an op defined outside ``kernels.reference`` and not marked traceable,
@@ -164,6 +166,38 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
         for a, b in zip(ga, gb, strict=True):
             assert a.response_ids == b.response_ids
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_sampler_takes_the_tables_draw_kernel_at_top_p_1(top_p):
+    """A table with ``draw_tokens`` (the triton backend's sampler; here its rule in torch under the name ``fake``):
+    the engine records it (``sample_ops``) and samples through it at top-p 1, the same tokens as its torch sampler;
+    at top-p below 1 the torch sampler (the kernel has no truncation)."""
+    from kernels.reference.sampling import draw_tokens
+    from rollout.reference_engine import ReferenceEngine
+
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens})))
+    assert e.sample_ops == {"draw_tokens": "fake"} and "draw_tokens" not in e.decode_ops
+    got, ran = _generate(e, _params(top_p=top_p))
+    assert (ran.get("fake.draw_tokens", 0) > 0) is (top_p == 1.0), ran
+    want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(top_p=top_p))
+    for ga, gb in zip(got, want, strict=True):
+        for a, b in zip(ga, gb, strict=True):
+            assert a.response_ids == b.response_ids
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_draw_kernel_that_refuses_leaves_the_torch_sampler_on_the_record(caplog):
+    from rollout.reference_engine import ReferenceEngine
+
+    def picky(logits, u, temperature, block):
+        raise ValueError("the fake draw_tokens kernel takes CUDA tensors only")
+
+    with caplog.at_level("WARNING", logger="dsv4"):
+        e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": picky})))
+    assert e.sample_ops == {} and "sampler runs torch's ops" in caplog.text and "CUDA tensors only" in caplog.text
+    _, ran = _generate(e)
+    assert "fake.draw_tokens" not in ran
 
 
 def test_the_compiled_decode_step_draws_the_eager_steps_samples():

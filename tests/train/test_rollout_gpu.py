@@ -344,6 +344,7 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     if backend == "triton":     # the eager step's norms, RoPE and (grouped MoE, bf16 on this GPU) the activation
         assert {e.decode_ops[op] for op in ("rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu")} == {
             "triton"}, e.decode_ops
+        assert e.sample_ops == {"draw_tokens": "triton"}          # the sampler's kernel (top-p 1 here)
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, cuda_graphs=graphs)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok
@@ -353,7 +354,7 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     ran = kernels_ran()
     print("kernels ran:", ran)
     assert any(k.startswith(f"{backend}.") for k in ran), ran
-    assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops), ran
+    assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
     if "experts_grouped_mm" in parts.ops.names():          # the decode MoE's GEMMs: a decode-only kernel
         assert e.decode_ops["experts_grouped_mm"] == backend and ran[f"{backend}.experts_grouped_mm"] > 0
     want = ref.generate(PROMPTS, params, n=2, seed=3)

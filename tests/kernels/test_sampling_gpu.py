@@ -1,0 +1,77 @@
+"""The triton backend's sampler (``kernels/triton/sampling.py``) against its rule in torch
+(``kernels.reference.sampling.draw_tokens``) and against the engine's torch sampler
+(``rollout.reference_engine.sample_tokens`` at top-p 1: ``draw_index`` on ``exp(log_softmax)``).
+
+Oracle: the same draws (token ids equal) and log-probabilities within a few fp32 steps, on rows of random logits
+at three temperatures, vocabularies that are and are not a multiple of the block, the Flash vocabulary (129,280)
+at one and 64 rows; rows whose tail has no mass (``-inf`` logits) with a uniform next to 1 and of 1, where the draw
+must be the last token with mass. With no GPU, ``TRITON_INTERPRET=1`` runs the small shapes; otherwise they skip.
+"""
+
+import pytest
+import torch
+
+from kernels.reference.sampling import draw_tokens as reference
+
+from ._backends import triton_device
+
+pytestmark = pytest.mark.gpu
+BLOCK = 1024
+
+CASES = [
+    pytest.param((8, 5000, 1.0), id="v5000-t1"),
+    pytest.param((5, 1024, 0.7), id="one-block-t0.7"),
+    pytest.param((6, 3001, 1.3), id="partial-block-t1.3"),
+    pytest.param((1, 129280, 1.0), id="flash-vocab-one-row"),
+    pytest.param((64, 129280, 1.0), id="flash-vocab-64-rows",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="Flash shape: GPU only")),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_draws_follow_the_rule_and_the_engines_torch_sampler(case):
+    from kernels.triton.sampling import draw_tokens
+    from rollout.reference_engine import SamplingParams, sample_tokens
+
+    N, V, T = case
+    g = torch.Generator().manual_seed(V + N)
+    dev = triton_device()
+    logits = (torch.randn(N, V, generator=g) * 3).to(dev)
+    u = torch.rand(N, generator=g, dtype=torch.float64).to(dev)
+    tok, lp = draw_tokens(logits, u, T, BLOCK)
+    want_tok, want_lp = reference(logits, u, T, BLOCK)
+    torch_tok, torch_lp = sample_tokens(logits, u, SamplingParams(temperature=T, max_new_tokens=1))
+    assert tok.dtype == torch.long and lp.dtype == torch.float32
+    assert torch.equal(tok, want_tok) and torch.equal(tok, torch_tok)
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lp, torch_lp, rtol=0, atol=1e-5)
+
+
+def test_a_target_at_the_end_draws_the_last_token_with_mass():
+    from kernels.triton.sampling import draw_tokens
+
+    dev = triton_device()
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(1))
+    logits[0, 1500:] = float("-inf")           # the mass ends inside a block
+    logits[1, 2048:] = float("-inf")           # ... at a block's end
+    logits[2, :] = float("-inf")
+    logits[2, 7] = 0.0                         # one token holds all of it
+    for top in (1 - 2 ** -53, 1.0):            # 1.0: the target is the whole mass, past every running sum
+        u = torch.tensor([top] * 3, dtype=torch.float64)
+        tok, lp = draw_tokens(logits.to(dev), u.to(dev), 1.0, BLOCK)
+        assert tok.tolist() == [1499, 2047, 7], top
+        assert torch.equal(tok.cpu(), reference(logits, u, 1.0, BLOCK)[0])
+        assert lp[2].item() == 0.0
+
+
+def test_draw_tokens_refuses_what_it_cannot_serve():
+    from kernels.triton.sampling import draw_tokens
+
+    dev = triton_device()
+    logits, u = torch.randn(2, 100, device=dev), torch.rand(2, dtype=torch.float64, device=dev)
+    with pytest.raises(ValueError, match="--kernel-backend none"):
+        draw_tokens(logits.half(), u, 1.0, BLOCK)
+    with pytest.raises(ValueError, match="float64 u"):
+        draw_tokens(logits, u.float(), 1.0, BLOCK)
+    with pytest.raises(ValueError, match="power-of-two block"):
+        draw_tokens(logits, u, 1.0, 1000)
