@@ -14,7 +14,9 @@ tokens before it, per sequence (one cache row = one sequence, "slot"):
   the previous one;
 * **compressed entries**: the attention compressor's entries ``[B, N, D]`` and, on CSA layers, the indexer's
   compressed keys ``[B, N, c_I]``, ``N = max_len // m``; entry ``j`` is visible to ``p`` when
-  ``j < (p + 1) // m``;
+  ``j < (p + 1) // m``. The attention's entries follow the window ring in one buffer (``LayerCache.window``
+  ``[B, W + N, D]`` on compressed layers): the sparse attention reads both through one index, and a step need
+  not concatenate them (a copy of every row's cache, per layer and step, that grows with the context);
 * **positions** ``pos [B]``: how many tokens each row holds (the next token's position), kept on the host
   so that which rows complete a block is known without a device sync.
 
@@ -59,14 +61,16 @@ class CompressorCache:
     z: torch.Tensor                  # [B, m, kappa*c] fp32: W_gate x + ape
     prev_a: Optional[torch.Tensor]   # [B, m, c] overlap only: the previous block's a[..., :c] (0 before block 0)
     prev_z: Optional[torch.Tensor]   # [B, m, c] overlap only: the previous block's z[..., :c] (-inf before block 0)
-    entries: torch.Tensor            # [B, N, c] compressed entries (the model's dtype); row j valid if j < pos // m
+    # [B, N, c] compressed entries (the model's dtype); row j valid if j < pos // m. None for the attention's
+    # compressor: its entries are LayerCache.window[:, W:]
+    entries: Optional[torch.Tensor]
 
 
 @dataclass
 class LayerCache:
     """One layer's caches: the window ring, and on compressed layers the compressor(s)."""
 
-    window: torch.Tensor                     # [B, W, D] ring of rotated KV rows
+    window: torch.Tensor                     # [B, W, D] ring of rotated KV rows; [B, W + N, D] with the entries
     compressor: Optional[CompressorCache]    # attention compressor (CSA and HCA layers)
     indexer: Optional[CompressorCache]       # the Lightning Indexer's compressor (CSA layers)
 
@@ -147,6 +151,7 @@ def _layer_cache(attn, got: dict, lengths: torch.Tensor, max_len: int) -> LayerC
     comp = index = None
     if attn.ratio:
         comp = _tail_state(attn.compressor, got["x"], lengths, max_len // attn.ratio, got.get("comp"))
+        window, comp = torch.cat((window, comp.entries), dim=1), replace(comp, entries=None)   # one buffer
         if attn.ratio == 4:
             index = _tail_state(attn.indexer.compressor, got["x"], lengths, max_len // 4, got.get("index"))
     return LayerCache(window.contiguous(), comp, index)
@@ -230,9 +235,12 @@ def pool_slots(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                   inv_freq: torch.Tensor, memo: Optional[dict] = None) -> None:
+                   inv_freq: torch.Tensor, memo: Optional[dict] = None, entries: Optional[torch.Tensor] = None
+                   ) -> None:
     """Add one token per row (``x [B, 1, d]`` at positions ``pos``, CPU) to the compressor state and pool
-    the entry of every block it completes (in place). ``memo``: unused (the host step has nothing to share)."""
+    the entry of every block it completes (in place), into ``entries`` (default ``cc.entries``; the attention's
+    compressor: its rows of the layer's buffer). ``memo``: unused (the host step has nothing to share)."""
+    entries = cc.entries if entries is None else entries
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
@@ -250,13 +258,13 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: 
         a = torch.cat((cc.prev_a[e], a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z[e], z[..., c:]), dim=1)
     pooled = pool_slots(a, z)
-    pooled = comp.norm(pooled.to(cc.entries.dtype))
+    pooled = comp.norm(pooled.to(entries.dtype))
     block = pos[done] // m
     cos, sin = rope_cos_sin(inv_freq.to(dev), (block * m).to(dev)[:, None], compute_dtype(x))
     pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
-    cc.entries[e, block.to(dev)] = pooled
+    entries[e, block.to(dev)] = pooled
     if comp.overlap:
         cc.prev_a[e] = cc.a[e, :, :c]
         cc.prev_z[e] = cc.z[e, :, :c]
@@ -334,10 +342,9 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     kv = rope(attn.kv_norm(attn.wkv(x)), cos, sin)
     rows, ring, idx = step_once(memo, ("window", W), lambda: _window(B, W, pos_d))
     lc.window[rows, ring] = kv[:, 0]
-    kv_all = lc.window
     if attn.ratio:
-        compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo)
-        entries = lc.compressor.entries
+        entries = lc.window[:, W:]                  # the compressed entries follow the ring (module docstring)
+        compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo, entries)
         if attn.ratio == 4:
             compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq, memo)
             cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
@@ -347,10 +354,9 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
             j = torch.arange(entries.shape[1], device=dev)[None, :]
             cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, -1)
         idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
-        kv_all = torch.cat((lc.window, entries.to(lc.window.dtype)), dim=1)
 
     attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
-    o = attend(q, kv_all, idx[:, None], attn.attn_sink, attn.scale)
+    o = attend(q, lc.window, idx[:, None], attn.attn_sink, attn.scale)
     o = rope(o, cos, sin, inverse=True)
     G, R = attn.o_groups, attn.o_lora_rank
     o = o.reshape(B, 1, G, H * D // G)

@@ -143,6 +143,35 @@ def test_the_eager_step_shares_its_layers_position_work(model, seqs):
     assert counts[0] < counts[1], counts
 
 
+def test_the_attention_reads_the_layers_buffer_without_a_copy(model, seqs):
+    """On a compressed layer the window ring and the compressor's entries are one buffer (``LayerCache.window``
+    ``[B, W + N, D]``): the step's sparse attention is handed that buffer itself, not a concatenation made per
+    step (a copy of every row's cache that grows with the context)."""
+    from core.kernel_ops import OpTable
+    from kernels.reference.attention import sparse_attention_with_sink
+    from kernels.reference.backend import reference_functions
+    from kernels.reference.model import ops_in_use
+
+    seen = []
+
+    def attend(q, kv, idx, sink, scale):
+        seen.append(kv.data_ptr())
+        return sparse_attention_with_sink(q, kv, idx, sink, scale)
+
+    table = OpTable("test", {**reference_functions(), "sparse_attention_with_sink": attend})
+    with torch.no_grad():
+        dyn, _ = prefill(model, [s[:L].tolist() for s, L in zip(seqs, LENGTHS)], max_len=max(LENGTHS) + STEPS)
+        slots = SlotCache.like(dyn, 3)
+        slots.load([0, 1, 2], dyn, [0, 1, 2])
+        with ops_in_use(model, table):
+            static_decode_step(model, slots, torch.tensor([5, 6, 7]), torch.ones(3, dtype=torch.bool))
+    c = model.config
+    for lc, ratio in zip(slots.layers, c.compress_ratios[:c.n_layers]):
+        want = c.window_size + (slots.max_len // ratio if ratio else 0)
+        assert lc.window.shape[1] == want and (lc.compressor is None or lc.compressor.entries is None)
+    assert seen == [lc.window.data_ptr() for lc in slots.layers]
+
+
 def test_grouped_moe_equals_dense_and_the_reference_moe():
     """The two sync-free MoE paths against ``MoE.forward`` (bf16: the grouped path's dtype; runs on the CPU
     build of ``torch._grouped_mm``)."""
