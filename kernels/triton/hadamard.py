@@ -39,9 +39,8 @@ def _hadamard_kernel(X, Y, R, scale, N: tl.constexpr, LOG_N: tl.constexpr, BR: t
     mask = (rows < R)[:, None]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(LOG_N):
-        h: tl.constexpr = 1 << s
-        pairs = tl.permute(tl.reshape(y, (BR, N // (2 * h), 2, h)), (0, 1, 3, 2))    # [BR, blocks, h, 2]
+    for s in tl.static_range(LOG_N):                # stage s pairs entries 2^s apart
+        pairs = tl.permute(tl.reshape(y, (BR, N >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))    # [BR, blocks, h, 2]
         a, b = tl.split(pairs)
         total, diff = a + b, a - b
         if ROUND:                                   # the reference's stage output is a tensor of x's dtype

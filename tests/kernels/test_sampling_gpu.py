@@ -75,3 +75,32 @@ def test_draw_tokens_refuses_what_it_cannot_serve():
         draw_tokens(logits, u.float(), 1.0, BLOCK)
     with pytest.raises(ValueError, match="power-of-two block"):
         draw_tokens(logits, u, 1.0, 1000)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_kernels_compile_for_sm90(scaled):
+    """The three kernels compile to PTX for sm_90 (H100/H200) with triton alone, no GPU (the interpreter runs code
+    the compiler rejects: the float64 running sums among them)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kernels.triton import sampling as K
+
+    nbp = 128                                 # the Flash vocabulary's 127 blocks of 1,024
+    kernels = [
+        (K._block_stats_kernel, {"L": "*fp32", "M": "*fp32", "S": "*fp32", "temperature": "fp32", "V": "i32",
+                                 "NB": "i32"}, dict(SCALED=scaled, B=BLOCK)),
+        (K._block_mass_kernel, {"L": "*fp32", "M": "*fp32", "S": "*fp32", "LSE": "*fp32", "TOT": "*fp64",
+                                "temperature": "fp32", "V": "i32", "NB": "i32"}, dict(SCALED=scaled, B=BLOCK, NBP=nbp)),
+        (K._draw_kernel, {"L": "*fp32", "LSE": "*fp32", "TOT": "*fp64", "U": "*fp64", "TOK": "*i64", "LP": "*fp32",
+                          "temperature": "fp32", "V": "i32", "NB": "i32"}, dict(SCALED=scaled, B=BLOCK, NBP=nbp)),
+    ]
+    for fn, sig, consts in kernels:
+        compiled = compile(ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert ".entry" in compiled.asm["ptx"], fn.__name__
