@@ -316,7 +316,10 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                     engine.positions_fed = 0
                     t_full, groups = _timed(lambda: engine.generate(prompts, params, n=1, seed=seed), dev, repeats)
                     generated = sum(len(s.response_ids) for grp in groups for s in grp)
-                    extra = dict(note=note, positions_fed=engine.positions_fed // repeats)
+                    extra = dict(note=note, positions_fed=engine.positions_fed // repeats,
+                                 # which backend served each op of the step and the sampler (the record says
+                                 # which kernels it timed)
+                                 decode_ops=dict(engine.decode_ops), sample_ops=dict(engine.sample_ops))
                     if reserve_s is not None:             # slots, graph captures and compiles of this batch
                         extra["reserve_s"] = round(reserve_s, 2)
                     if profile_steps > 0 and name == "cached":

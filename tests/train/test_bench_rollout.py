@@ -164,6 +164,7 @@ def test_the_decode_profile_counts_one_step():
     names = {t["name"] for t in prof["top"]}
     assert names & {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}, names
     assert all(t["calls"] > 0 and t["us"] >= 0 for t in prof["top"])
+    assert res["rows"][0]["decode_ops"]["rms_norm"] == "none" and res["rows"][0]["sample_ops"] == {}
     pre = prof["prefill"]                 # the call with one new token: the prefill's work, more than a step's
     assert pre["operators"] > prof["operators_per_step"] and pre["ms"] > 0 and pre["top"]
     again = run_bench(model="tiny", batch=(1,), prompt_len=(12,), new_tokens=3, rows=("cached",),
