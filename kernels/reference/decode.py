@@ -235,12 +235,11 @@ def pool_slots(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                   inv_freq: torch.Tensor, memo: Optional[dict] = None, entries: Optional[torch.Tensor] = None
-                   ) -> None:
+                   inv_freq: torch.Tensor, memo: Optional[dict] = None, into: Optional[tuple] = None) -> None:
     """Add one token per row (``x [B, 1, d]`` at positions ``pos``, CPU) to the compressor state and pool
-    the entry of every block it completes (in place), into ``entries`` (default ``cc.entries``; the attention's
-    compressor: its rows of the layer's buffer). ``memo``: unused (the host step has nothing to share)."""
-    entries = cc.entries if entries is None else entries
+    the entry of every block it completes (in place), into ``(buffer, first row)`` (default ``(cc.entries, 0)``;
+    the attention's compressor: the layer's buffer after its ring). ``memo``: unused (nothing to share)."""
+    buf, first = (cc.entries, 0) if into is None else into
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
@@ -258,13 +257,13 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: 
         a = torch.cat((cc.prev_a[e], a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z[e], z[..., c:]), dim=1)
     pooled = pool_slots(a, z)
-    pooled = comp.norm(pooled.to(entries.dtype))
+    pooled = comp.norm(pooled.to(buf.dtype))
     block = pos[done] // m
     cos, sin = rope_cos_sin(inv_freq.to(dev), (block * m).to(dev)[:, None], compute_dtype(x))
     pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
-    entries[e, block.to(dev)] = pooled
+    buf[e, first + block.to(dev)] = pooled
     if comp.overlap:
         cc.prev_a[e] = cc.a[e, :, :c]
         cc.prev_z[e] = cc.z[e, :, :c]
@@ -343,15 +342,15 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     rows, ring, idx = step_once(memo, ("window", W), lambda: _window(B, W, pos_d))
     lc.window[rows, ring] = kv[:, 0]
     if attn.ratio:
-        entries = lc.window[:, W:]                  # the compressed entries follow the ring (module docstring)
-        compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo, entries)
+        # the compressed entries follow the ring in the layer's buffer (module docstring)
+        compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo, (lc.window, W))
         if attn.ratio == 4:
             compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq, memo)
             cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
             if picks is not None:
                 picks.append(cidx)
         else:
-            j = torch.arange(entries.shape[1], device=dev)[None, :]
+            j = torch.arange(lc.window.shape[1] - W, device=dev)[None, :]
             cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, -1)
         idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
 

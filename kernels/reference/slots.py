@@ -115,18 +115,19 @@ class SlotCache:
 
 # ------------------------------------------------------------ compressors
 def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                     inv_freq: torch.Tensor, memo: Optional[dict] = None, entries: Optional[torch.Tensor] = None
-                     ) -> None:
+                     inv_freq: torch.Tensor, memo: Optional[dict] = None, into: Optional[tuple] = None) -> None:
     """``decode._compress_step`` with device positions: every row's entry is pooled and written where the
     token completes a block, so the launches do not depend on the positions (in place). ``memo``: the step's
     shared values (:func:`~.decode.step_once`): compressors of one ratio share their slots and blocks, and of
-    one set of frequencies their blocks' angles. ``entries``: where the pooled entries go (default
-    ``cc.entries``; the attention's compressor: its rows of the layer's buffer)."""
+    one set of frequencies their blocks' angles. ``into``: ``(buffer, first row)`` where the pooled entries go
+    (default ``(cc.entries, 0)``; the attention's compressor: the layer's buffer after its ring). Written by index
+    into the buffer itself, not through a view of it: a compiled step then updates the rows in place (through a
+    view, Inductor wrote the whole buffer back every step)."""
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
-    entries = cc.entries if entries is None else entries
-    N = entries.shape[1]
+    buf, first = (cc.entries, 0) if into is None else into
+    N = buf.shape[1] - first
     rows, slot, done, block, at = step_once(memo, ("blocks", m, N), lambda: _blocks(B, m, N, pos))
     cc.a[rows, slot] = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
     cc.z[rows, slot] = linear_fp32(x[:, 0], comp.wgate.weight).to(ct) + comp.ape.to(ct)[slot]
@@ -136,7 +137,7 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     if comp.overlap:    # entry i pools block i-1's first-half channels and block i's second half (2m slots)
         a = torch.cat((cc.prev_a, a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z, z[..., c:]), dim=1)
-    pooled = comp.norm(pool_slots(a, z).to(entries.dtype))
+    pooled = comp.norm(pool_slots(a, z).to(buf.dtype))
     def angles():
         return rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
 
@@ -145,7 +146,8 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
-    entries[rows, at] = torch.where(done[:, None], pooled, entries[rows, at])
+    at = at + first
+    buf[rows, at] = torch.where(done[:, None], pooled, buf[rows, at])
     if comp.overlap:
         cc.prev_a.copy_(torch.where(done[:, None, None], cc.a[..., :c], cc.prev_a))
         cc.prev_z.copy_(torch.where(done[:, None, None], cc.z[..., :c], cc.prev_z))
