@@ -41,7 +41,7 @@ Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -156,7 +156,7 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
             served, refusals)
 
 
-def sampler_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[callable], Optional[str]]:
+def sampler_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:
     """``(sample_ops, draw, refusal)``: the table's ``draw_tokens`` where it has one and takes a probe's inputs
     (fp32 logits of two blocks and one entry, float64 uniforms, on the engine's device), recorded as ``{"draw_tokens":
     backend}``; else ``({}, None, the refusal or None)``: the torch sampler."""

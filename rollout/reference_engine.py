@@ -53,6 +53,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from core import weight_contract as wc
+from kernels.reference.sampling import CDF_BLOCK, draw_index
 
 from .replay import (IndexerPicksRecorder, RoutingRecorder, empty_indexer_picks, empty_routing, indexer_context,
                      learned_layers, routing_context)
@@ -155,51 +156,9 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams,
     ``draw_tokens`` (``rollout.engine_ops.sampler_choice``), which draws by the same rule without writing the
     distribution, for calls at top-p 1 without top-k."""
     if draw is not None and params.top_p == 1.0 and not params.top_k:
-        return draw(logits.float(), u.to(logits.device, torch.float64), params.temperature, _CDF_BLOCK)
+        return draw(logits.float(), u.to(logits.device, torch.float64), params.temperature, CDF_BLOCK)
     scaled = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
     return sample_from_logprobs(torch.log_softmax(scaled, dim=-1), u, params)
-
-
-_CDF_BLOCK = 1024
-
-
-def draw_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``probs [N, V]`` (non-negative, not normalized), uniforms ``u [N]`` -> ``[N]`` long: the index whose
-    interval of the running mass holds ``u x`` the row's mass, with float64 sums in two levels: the mass of each
-    block of :data:`_CDF_BLOCK` entries, their running sum to find the block, then the running sum inside that
-    block alone (on top of the earlier blocks' mass). Why: the running sum of a whole 129,280-entry row in float64
-    (a float64 copy of the probabilities, a scan, the index of the last entry with mass) was about a third of a
-    millisecond of a 64-sequence decode step on an H200 (``bench/results/rollout-h200-flash-shaped-triton-compile-
-    mix-finish.json``); here the row goes to float64 once, for the blocks' sums, and one block is scanned. Never an
-    index without mass: where rounding puts the target at or past the end of a block's (or the row's) running sum,
-    the draw takes the last entry (block) with mass. The same float64 sums in another order as one running sum (the
-    draws of a row stay the same on every path: all sample through here)."""
-    n, v = probs.shape
-    B = _CDF_BLOCK
-    full = v // B
-    parts = [probs[:, :full * B].reshape(n, full, B).sum(-1, dtype=torch.float64)] if full else []
-    if v > full * B:
-        parts.append(probs[:, full * B:].sum(-1, dtype=torch.float64, keepdim=True))
-    totals = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]           # [N, blocks]
-    upto = running_sum(totals)                                                 # mass through each block
-    target = u.to(probs.device, torch.float64)[:, None] * upto[:, -1:]
-    blk = torch.searchsorted(upto, target, right=True)
-    blk = torch.minimum(blk, _last_with_mass(totals))
-    before = torch.where(blk > 0, upto.gather(-1, (blk - 1).clamp(min=0)), 0.0)  # mass of the earlier blocks
-    cols = blk * B + torch.arange(B, device=probs.device)                          # [N, B]
-    p = torch.where(cols < v, probs.gather(-1, cols.clamp(max=v - 1)), 0.0).double()
-    j = torch.searchsorted(running_sum(p) + before, target, right=True)
-    return (blk * B + torch.minimum(j, _last_with_mass(p))).squeeze(-1)
-
-
-def running_sum(x: torch.Tensor) -> torch.Tensor:
-    """The running sum along the last dim (one place, so a test can stand in a parallel scan's rounding)."""
-    return x.cumsum(-1)
-
-
-def _last_with_mass(p: torch.Tensor) -> torch.Tensor:
-    """``[N, 1]``: the last index along ``p [N, M]``'s rows whose entry is above 0 (0 for a row without one)."""
-    return torch.where(p > 0, torch.arange(p.shape[-1], device=p.device), 0).amax(-1, keepdim=True)
 
 
 def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingParams
@@ -322,7 +281,7 @@ class ReferenceEngine(RolloutEngineBase):
             log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
                         "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
         # the sampler's kernel (sample_ops: {"draw_tokens": backend}), else torch's sampler
-        self.sample_ops, self._draw, why = sampler_choice(self.ops, self.device, _CDF_BLOCK)
+        self.sample_ops, self._draw, why = sampler_choice(self.ops, self.device, CDF_BLOCK)
         if why is not None:
             log.warning("rollout engine: the sampler runs torch's ops: the %s draw_tokens kernel refuses them: %s",
                         self.ops.provider["draw_tokens"], why)

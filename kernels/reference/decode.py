@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, fields, replace
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -288,14 +288,21 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     return stable_topk(scores, indexer.topk)   # the forward's rule: the same picks on a row of any length
 
 
+# one device tensor per set of RoPE frequencies and device (device_inv_freq): constants, shared by every layer
+_DEVICE_FREQS: Dict[Tuple[tuple, str], torch.Tensor] = {}
+
+
 def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
     """``attn.inv_freq`` (a CPU float64 attribute) on ``dev``, copied once per device and kept on the module:
-    a CUDA-graph capture cannot record a copy from host memory. Also keeps ``attn._inv_freq_key``, the
-    frequencies as a tuple: layers with the same key rotate by the same angles (:func:`step_once`)."""
+    a CUDA-graph capture cannot record a copy from host memory. Layers with equal frequencies get the same tensor,
+    so a step's memo names a set of frequencies by it (:func:`step_once`: layers alike rotate by the same angles)."""
     got = getattr(attn, "_inv_freq_on", None)
     if got is None or got.device != dev:
-        got = attn._inv_freq_on = attn.inv_freq.to(dev)
-        attn._inv_freq_key = tuple(attn.inv_freq.tolist())
+        key = (tuple(attn.inv_freq.tolist()), str(dev))
+        got = _DEVICE_FREQS.get(key)
+        if got is None:
+            got = _DEVICE_FREQS[key] = attn.inv_freq.to(dev)
+        attn._inv_freq_on = got
     return got
 
 
@@ -329,9 +336,12 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     pos_d = pos.to(dev)
     inv_freq = device_inv_freq(attn, dev)
     ct = compute_dtype(x)
-    # [B, 1, r/2], in the compute dtype the rotations cast them to (the same values): cast once, not per call
-    cos, sin = step_once(memo, ("rope", attn._inv_freq_key, ct),
-                         lambda: rope_cos_sin(inv_freq, pos_d[:, None], ct))
+
+    def angles():    # [B, 1, r/2], in the compute dtype the rotations cast them to (the same values): cast once
+        return rope_cos_sin(inv_freq, pos_d[:, None], ct)
+
+    # the memo names the frequencies by their shared device tensor (device_inv_freq; never read when compiled)
+    cos, sin = angles() if memo is None else step_once(memo, ("rope", id(inv_freq), ct), angles)
 
     ops = attn.ops
     rope = apply_rope if ops is None else ops.apply_rope

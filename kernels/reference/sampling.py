@@ -1,11 +1,12 @@
-"""The rule of the GPU backends' sampler kernels (``kernels/triton/sampling.py``), in torch: their oracle.
+"""How the rollout engine draws a token: inverse-CDF sampling with float64 sums in blocks (:func:`draw_index`, the
+engine's sampler ``rollout.reference_engine.sample_tokens`` calls it), and the same rule from the logits without
+the distribution's tensor (:func:`draw_tokens`), in torch: the oracle of the GPU backends' sampler kernels
+(``kernels/triton/sampling.py``).
 
-One token per row from ``softmax(logits / T)`` over the whole vocabulary: ``lse`` of ``logits / T``; each
-probability ``p = exp(logit / T - lse)`` in fp32; the float64 mass of each block of ``block`` entries; the block
-whose running mass holds ``u x`` the row's mass; inside it the entry whose running mass (on top of the earlier
-blocks') holds it; where rounding puts the target at or past the end, the last block (entry) with mass. The
-token's log-probability is ``logit / T - lse``. That is ``rollout.reference_engine.draw_index``'s rule applied to
-``exp(log_softmax(logits / T))``, with ``lse`` summed in another order than ``log_softmax``'s.
+:func:`draw_tokens`: one token per row from ``softmax(logits / T)`` over the whole vocabulary: ``lse`` of
+``logits / T``; each probability ``p = exp(logit / T - lse)`` in fp32; :func:`draw_index` on them; the token's
+log-probability ``logit / T - lse``. That is the engine's torch sampler on ``exp(log_softmax(logits / T))``, with
+``lse`` summed in another order than ``log_softmax``'s.
 """
 
 from __future__ import annotations
@@ -14,29 +15,56 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["draw_tokens"]
+__all__ = ["CDF_BLOCK", "draw_index", "running_sum", "draw_tokens"]
+
+#: Entries per block of the draw's first level (the blocks' float64 masses).
+CDF_BLOCK = 1024
 
 
-def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block: int
-                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+def draw_index(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """``probs [N, V]`` (non-negative, not normalized), uniforms ``u [N]`` -> ``[N]`` long: the index whose
+    interval of the running mass holds ``u x`` the row's mass, with float64 sums in two levels: the mass of each
+    block of ``block`` entries (:data:`CDF_BLOCK`), their running sum to find the block, then the running sum
+    inside that block alone (on top of the earlier blocks' mass). Why: the running sum of a whole 129,280-entry row in float64
+    (a float64 copy of the probabilities, a scan, the index of the last entry with mass) was about a third of a
+    millisecond of a 64-sequence decode step on an H200 (``bench/results/rollout-h200-flash-shaped-triton-compile-
+    mix-finish.json``); here the row goes to float64 once, for the blocks' sums, and one block is scanned. Never an
+    index without mass: where rounding puts the target at or past the end of a block's (or the row's) running sum,
+    the draw takes the last entry (block) with mass. The same float64 sums in another order as one running sum (the
+    draws of a row stay the same on every path: all sample through here)."""
+    n, v = probs.shape
+    B = block
+    full = v // B
+    parts = [probs[:, :full * B].reshape(n, full, B).sum(-1, dtype=torch.float64)] if full else []
+    if v > full * B:
+        parts.append(probs[:, full * B:].sum(-1, dtype=torch.float64, keepdim=True))
+    totals = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]           # [N, blocks]
+    upto = running_sum(totals)                                                 # mass through each block
+    target = u.to(probs.device, torch.float64)[:, None] * upto[:, -1:]
+    blk = torch.searchsorted(upto, target, right=True)
+    blk = torch.minimum(blk, _last_with_mass(totals))
+    before = torch.where(blk > 0, upto.gather(-1, (blk - 1).clamp(min=0)), 0.0)  # mass of the earlier blocks
+    cols = blk * B + torch.arange(B, device=probs.device)                          # [N, B]
+    p = torch.where(cols < v, probs.gather(-1, cols.clamp(max=v - 1)), 0.0).double()
+    j = torch.searchsorted(running_sum(p) + before, target, right=True)
+    return (blk * B + torch.minimum(j, _last_with_mass(p))).squeeze(-1)
+
+
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """The running sum along the last dim (one place, so a test can stand in a parallel scan's rounding)."""
+    return x.cumsum(-1)
+
+
+def _last_with_mass(p: torch.Tensor) -> torch.Tensor:
+    """``[N, 1]``: the last index along ``p [N, M]``'s rows whose entry is above 0 (0 for a row without one)."""
+    return torch.where(p > 0, torch.arange(p.shape[-1], device=p.device), 0).amax(-1, keepdim=True)
+
+
+def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block: int = CDF_BLOCK
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [N] long, log-probs [N] fp32)`` drawn from ``softmax(logits / temperature)`` by the uniforms ``u [N]``
     with blocks of ``block`` entries (module docstring), on ``logits``' device."""
     x = logits.float() if temperature == 1.0 else logits.float() / temperature
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    p = (x - lse).exp()
-    n, v = p.shape
-    pad = (-v) % block
-    tot = torch.nn.functional.pad(p, (0, pad)).view(n, -1, block).sum(-1, dtype=torch.float64)
-    upto = tot.cumsum(-1)
-    target = u.to(p.device, torch.float64)[:, None] * upto[:, -1:]
-    idx = torch.arange(tot.shape[1], device=p.device)
-    blk = torch.minimum(torch.searchsorted(upto, target, right=True),
-                        torch.where(tot > 0, idx, 0).amax(-1, keepdim=True))
-    before = torch.where(blk > 0, upto.gather(-1, (blk - 1).clamp(min=0)), 0.0)
-    cols = blk * block + torch.arange(block, device=p.device)
-    pb = torch.where(cols < v, p.gather(-1, cols.clamp(max=v - 1)), 0.0)
-    run = pb.double().cumsum(-1) + before
-    j = torch.minimum(torch.searchsorted(run, target, right=True),
-                      torch.where(pb > 0, torch.arange(block, device=p.device), 0).amax(-1, keepdim=True))
-    tok = (blk * block + j).squeeze(-1)
+    tok = draw_index((x - lse).exp(), u, block)
     return tok, (x.gather(-1, tok[:, None]) - lse).squeeze(-1)

@@ -138,15 +138,16 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
         a = torch.cat((cc.prev_a, a[..., c:]), dim=1)
         z = torch.cat((cc.prev_z, z[..., c:]), dim=1)
     pooled = comp.norm(pool_slots(a, z).to(buf.dtype))
+
     def angles():
         return rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
 
-    # the key names the frequencies by their tensor, alive for the whole step (not read when compiled: no memo)
+    # the memo names the frequencies by their shared device tensor (decode.device_inv_freq; never read compiled)
     cos, sin = angles() if memo is None else step_once(memo, ("block-rope", m, id(inv_freq)), angles)
     pooled = (apply_rope if comp.ops is None else comp.ops.apply_rope)(pooled[:, None], cos, sin)[:, 0]
     if comp.rotate:
         pooled = (hadamard_transform if comp.ops is None else comp.ops.hadamard_transform)(pooled)
-    at = at + first
+    at = at + first if first else at
     buf[rows, at] = torch.where(done[:, None], pooled, buf[rows, at])
     if comp.overlap:
         cc.prev_a.copy_(torch.where(done[:, None, None], cc.a[..., :c], cc.prev_a))

@@ -1,5 +1,5 @@
 """Triton draw of one token per row from ``softmax(logits / T)`` over the whole vocabulary (top-p 1, no top-k):
-the rollout engine's sampler (``rollout.reference_engine.draw_index``'s rule) in three kernels that read the fp32
+the rollout engine's sampler (``kernels.reference.sampling.draw_index``'s rule) in three kernels that read the fp32
 logits twice, never writing a ``[rows, vocab]`` tensor.
 
 Why: the torch sampler of a decode step runs ``log_softmax`` (one program per row: 30 us for the single row of a
@@ -8,8 +8,9 @@ passes over ``[rows, 129,280]`` fp32 at 64 sequences (about 170 us of a 3.5 ms c
 ``bench/results/rollout-h200-flash-shaped-triton-compile-expert-order.json``; the sampler runs eagerly after the
 step's graph, in compiled and eager engines alike).
 
-The rule is :func:`kernels.reference.sampling.draw_tokens`' (torch, the oracle of the tests): ``lse`` of ``logits / T``; each
-probability ``p = exp(logit / T - lse)`` in fp32; the float64 mass of each block of ``block`` entries; the block
+The rule is :func:`kernels.reference.sampling.draw_tokens`' (torch, the oracle of the tests): ``lse`` of
+``logits / T``; each probability ``p = exp(logit / T - lse)`` in fp32; the float64 mass of each block of ``block``
+entries; the block
 whose running mass holds ``u x`` the row's mass; inside it the entry whose running mass (on top of the earlier
 blocks') holds it; where rounding puts the target at or past the end, the last block (entry) with mass. The
 token's log-probability is ``logit / T - lse``. The same rule as ``draw_index`` on ``exp(log_softmax(...))``, with

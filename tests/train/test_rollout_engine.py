@@ -141,7 +141,7 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
 
 
 def _one_running_sum_draw(probs, u):
-    """The draw :func:`rollout.reference_engine.draw_index` stands for: one float64 running sum of the row,
+    """The draw :func:`kernels.reference.sampling.draw_index` stands for: one float64 running sum of the row,
     the first index whose sum exceeds ``u x`` the row's mass, never past the last index with mass."""
     cdf = probs.double().cumsum(-1)
     choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
@@ -197,10 +197,11 @@ def test_a_scan_a_rounding_step_high_in_a_zero_tail_moves_no_draw_there(monkeypa
     """A GPU's parallel scan may leave a running sum's zero-mass tail a rounding step above the last entry with
     mass (here bumped by hand, at both levels): a draw near the top of the interval still takes the last token
     with mass, not one from the tail or past the row."""
+    import kernels.reference.sampling as S
     from rollout import reference_engine as R
 
-    real = R.running_sum
-    monkeypatch.setattr(R, "running_sum", lambda x: torch.where(x > 0, real(x), real(x) + 1e-9))
+    real = S.running_sum
+    monkeypatch.setattr(S, "running_sum", lambda x: torch.where(x > 0, real(x), real(x) + 1e-9))
     probs = torch.zeros(2, 3000)
     probs[0, :3] = torch.tensor([0.2, 0.5, 0.3])                            # all in the first block
     probs[1, 2040:2043] = torch.tensor([0.3, 0.5, 0.2])                     # in the second of three
