@@ -5,13 +5,14 @@ step's shapes, timed and checked on one GPU.
 
 Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
 --compile on --profile-steps``) the kernel took 1.70 ms of a 3.85 ms step at 64 sequences, about 79% of the HBM
-bandwidth for the expert weights it reads, and 0.31 ms of 1.63 at one sequence. This times every setting of a
-small grid (``BN`` output columns and ``BK`` reduction a step of one program, pipeline ``STAGES``, ``WARPS``) on
-the step's two GEMMs (gate and up: ``w [32, 4096, 4096]``; down: ``w [32, 4096, 2048]``) at 1 and 64 sequences
-(6 and 384 rows, top-6 of 32 experts drawn at random), with ``triton.testing.do_bench`` (median), reports the
-weight bytes the experts with rows read over the time, and compares each output with the default's (``equal``
-bits, or ``close``: within bf16 rounding, a reduction in another order). The sweep only measures; the defaults in
-``EXPERTS_CONFIG`` change by hand after ``tests/kernels/test_experts_gpu.py`` holds them to the exact products.
+bandwidth for the expert weights it reads, and 0.31 ms of 1.63 at one sequence; at 256 sequences, with 16-row
+steps, 5.65 ms of 8.83 (``launch_settings`` now widens the row step). This times every setting of a small grid
+(``BM`` rows, ``BN`` output columns and ``BK`` reduction a step of one program, pipeline ``STAGES``, ``WARPS``)
+on the step's two GEMMs (gate and up: ``w [32, 4096, 4096]``; down: ``w [32, 4096, 2048]``) at 1, 64 and 256
+sequences (6, 384 and 1,536 rows, top-6 of 32 experts drawn at random), with ``triton.testing.do_bench`` (median), reports the
+weight bytes the experts with rows read over the time, and compares each output with the launch settings' (``equal``
+bits, or ``close``: within bf16 rounding, a reduction in another order). The sweep only measures; the settings
+(``EXPERTS_CONFIG``, ``launch_settings``) change by hand after ``tests/kernels/test_experts_gpu.py`` holds them to the exact products.
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ def main(argv=None):
     from kernels.triton import experts as KE
 
     meta = bc.base_meta(triton=triton.__version__)
-    configs = [dict(BN=bn, BK=bk, STAGES=st, WARPS=wp)
-               for bn, bk, st, wp in itertools.product([32, 64, 128], [64, 128, 256], [3, 4, 5], [4, 8])]
+    configs = [dict(BM=bm, BN=bn, BK=bk, STAGES=st, WARPS=wp)
+               for bm, bn, bk, st, wp in itertools.product([16, 32, 64], [64, 128], [64, 128], [4], [4, 8])]
     rows = []
-    for seqs, (site, N, K) in itertools.product((1, 64), (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):
+    for seqs, (site, N, K) in itertools.product((1, 64, 256), (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):
         x, w, offs, nbytes = _case(seqs, N, K)
         ref = KE.experts_grouped_mm_launch(x, w, offs)
         us_default = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs), rep=50) * 1e3
-        print(f"== {seqs} sequence(s), {site} {N}x{K}: default {us_default:.1f} us, "
+        print(f"== {seqs} sequence(s), {site} {N}x{K}: launch settings {KE.launch_settings(x.shape[0], E)} "
+              f"{us_default:.1f} us, "
               f"{nbytes / us_default / 1e3:.0f} GB/s", flush=True)
         here = []
         for cfg in configs:
@@ -68,7 +70,8 @@ def main(argv=None):
         rows += [dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, default_us=round(us_default, 1),
                       **r, **meta) for r in here]
     with open(out, "w") as fh:
-        json.dump(dict(bench="kernels_experts_sweep", defaults=KE.EXPERTS_CONFIG, rows=rows), fh, indent=1)
+        json.dump(dict(bench="kernels_experts_sweep", defaults=KE.EXPERTS_CONFIG,
+                       launch_settings={s: KE.launch_settings(s * TOPK, E) for s in (1, 64, 256)}, rows=rows), fh, indent=1)
     print(f"wrote {out}")
 
 

@@ -6,8 +6,9 @@ about 12 rows each, and reads nearly every expert's weights: the step is a weigh
 ``_grouped_mm`` (CUTLASS, tiles of many rows) took 2.24 ms for the 8 grouped GEMMs of a step against 1.34 ms for
 reading those weights at 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-b64-batched-indexer.json``); at one
 sequence a step it runs 32 groups of which 26 are empty. Here a program owns one expert and ``BN`` output
-columns: it reads that block of the expert's weights once per ``BM`` of its rows (once, for a decode step),
-accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The same exact
+columns: it reads that block of the expert's weights once per ``BM`` of its rows (:func:`launch_settings`: once for
+an expert of average load and most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads
+nothing. The same exact
 products as ``_grouped_mm``'s, summed in another order (within one rounding of the output dtype). Triton's CPU
 interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to fp32 first (``F32``; tf32
 holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as they are.
@@ -24,11 +25,29 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 
-__all__ = ["experts_grouped_mm", "experts_grouped_mm_launch"]
+__all__ = ["experts_grouped_mm", "experts_grouped_mm_launch", "launch_settings"]
 
-# Launch settings: rows (tl.dot's smallest) x output columns x reduction per step of one program, pipeline stages,
-# warps (python -m bench.kernels_experts_sweep times others at the decode step's shapes).
+# Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
+# few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
+# sequences of the Flash-shaped model: every expert's rows in one step), chosen by launch_settings. Swept on an
+# H200 (python -m bench.kernels_experts_sweep, bench/results/kernels-experts-sweep-h200-rows.json).
 EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4)
+WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=4, WARPS=8)     # at 4 warps ptxas spills 780 bytes of registers
+WIDE_FROM = 8                  # mean rows an expert above which WIDE_CONFIG runs
+
+
+def launch_settings(rows: int, experts: int) -> dict:
+    """The launch settings for ``rows`` (token, expert) pairs over ``experts``: :data:`EXPERTS_CONFIG` up to
+    :data:`WIDE_FROM` rows an expert on average, :data:`WIDE_CONFIG` above. Why: a program reads its block of an
+    expert's weights once per ``BM`` rows, and with 16-row steps the decode step of 256 Flash-shaped sequences
+    (1,536 pairs over 32 experts, 48 rows each) read every expert three times, 5.65 ms of an 8.83 ms step
+    (``bench/results/rollout-h200-flash-shaped-triton-eager-b256.json``). In the sweep the wide settings took
+    402.1 against 447.0 us for the two GEMMs at 64 sequences (the hot experts' ~20 rows took two 16-row steps)
+    and 436.2 against 1,389.2 us at 256 (three steps), with equal outputs, where at one sequence the narrow ones
+    are 4% faster (97.8 against 101.7 us). From the shapes alone: a CUDA graph replays one launch whatever the routing, and the decode
+    step's shapes are the slot bucket's."""
+    mean = -(-rows // max(experts, 1))
+    return dict(WIDE_CONFIG if mean > WIDE_FROM else EXPERTS_CONFIG)
 
 
 @triton.jit
@@ -60,10 +79,10 @@ def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK:
 
 def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None) -> torch.Tensor:
     """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``;
-    ``config`` overrides keys of :data:`EXPERTS_CONFIG` (the sweep's)."""
-    c = {**EXPERTS_CONFIG, **(config or {})}
+    ``config`` overrides keys of :func:`launch_settings` (the sweep's)."""
     R, K = x.shape
     E, N, _ = w.shape
+    c = {**launch_settings(R, E), **(config or {})}
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R and E:
         _experts_kernel[(E, triton.cdiv(N, c["BN"]))](x, w, offs, y, N, K, BM=c["BM"], BN=c["BN"], BK=c["BK"],

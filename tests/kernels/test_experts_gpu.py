@@ -40,6 +40,7 @@ def _exact(x, w, offs):
     pytest.param([0, 3, 0, 1, 20, 0], 72, 200, id="empty-and-looping-experts"),
     pytest.param([5, 7], 64, 128, id="whole-tiles"),
     pytest.param([1, 0, 0, 0], 33, 17, id="one-row"),
+    pytest.param([130, 0, 66, 40], 40, 48, id="wide-row-steps"),    # WIDE_CONFIG: experts of several steps
 ])
 def test_experts_grouped_mm_matches_each_experts_product(counts, N, K):
     from kernels.triton.experts import experts_grouped_mm
@@ -54,13 +55,24 @@ def test_experts_grouped_mm_matches_each_experts_product(counts, N, K):
     assert (err <= steps * 2.0 ** -8 * scale + 1e-30).all(), err.max().item()
 
 
-def test_the_flash_shaped_decode_step_equals_torchs_grouped_gemm():
+def test_launch_settings_widen_the_row_step_for_many_rows_an_expert():
+    """The narrow settings up to WIDE_FROM rows an expert (a Flash-shaped step of 1 sequence: 6 pairs over 32
+    experts), the wide ones above (64 and 256 sequences: 12 and 48 rows an expert)."""
+    from kernels.triton.experts import EXPERTS_CONFIG, WIDE_CONFIG, WIDE_FROM, launch_settings
+
+    assert WIDE_FROM == 8 and WIDE_CONFIG["BM"] > EXPERTS_CONFIG["BM"]
+    assert [launch_settings(r, 32) for r in (0, 6, 256, 257, 384, 1536)] == [EXPERTS_CONFIG] * 3 + [WIDE_CONFIG] * 3
+    assert launch_settings(5, 0) == EXPERTS_CONFIG and launch_settings(236, 4) == WIDE_CONFIG
+
+
+@pytest.mark.parametrize("seqs", [64, 256])
+def test_the_flash_shaped_decode_step_equals_torchs_grouped_gemm(seqs):
     if not torch.cuda.is_available():
         pytest.skip("Flash shape: GPU only")
     from kernels.triton.experts import experts_grouped_mm
 
     g = torch.Generator().manual_seed(1)
-    idx = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(64)]).flatten()
+    idx = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(seqs)]).flatten()
     counts = torch.bincount(idx, minlength=32).tolist()
     for N, K in ((2 * 2048, 4096), (4096, 2048)):          # gate and up in one, then down
         x, w, offs = _case(counts, N, K, "cuda", seed=N)
@@ -71,7 +83,7 @@ def test_the_flash_shaped_decode_step_equals_torchs_grouped_gemm():
                             ("torch", want, lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))):
             err = (y.cpu().double() - exact).abs() / scale.clamp(min=1e-30)
             us = _time_us(fn)
-            print(f"{name} N={N} K={K}: max error / |terms| {err.max().item():.2e}, {us:.1f} us, "
+            print(f"{name} {seqs} sequences N={N} K={K}: max error / |terms| {err.max().item():.2e}, {us:.1f} us, "
                   f"{w.numel() * 2 / us / 1e6:.0f} GB/s of weights")
         assert ((got.cpu().double() - exact).abs() <= 2 * 2.0 ** -8 * scale + 1e-30).all()
 
@@ -103,9 +115,10 @@ def test_refusals_name_the_fix():
         experts_grouped_mm(x.requires_grad_(), w, offs)
 
 
-def test_the_kernel_compiles_for_sm90():
-    """The kernel at its launch settings compiles to PTX for sm_90 (H100/H200) with triton alone, no GPU (the
-    interpreter runs code the compiler rejects)."""
+@pytest.mark.parametrize("rows", [6, 1536])
+def test_the_kernel_compiles_for_sm90(rows):
+    """The kernel at both launch settings (few and many rows an expert) compiles to PTX for sm_90 (H100/H200)
+    with triton alone, no GPU (the interpreter runs code the compiler rejects)."""
     import importlib.util
     import os
 
@@ -116,7 +129,7 @@ def test_the_kernel_compiles_for_sm90():
 
     from kernels.triton import experts as K
 
-    c = K.EXPERTS_CONFIG
+    c = K.launch_settings(rows, 32)
     consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False)
     sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "N": "i32", "K": "i32",
            **{k: "constexpr" for k in consts}}
