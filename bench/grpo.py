@@ -102,7 +102,8 @@ def summarize(rows: list, warmup: int) -> dict:
     out["per_step"] = [{"step": int(r["step"]), "step_ms": 1e3 * float(r.get("time_step") or 0.0),
                         "rollout_ms": 1e3 * float(r.get("time_rollout") or 0.0),
                         "train_ms": 1e3 * float(r.get("time_train") or 0.0),
-                        "micro_batches": r.get("micro_batches")} for r in rows]
+                        "micro_batches": r.get("micro_batches"), "triton_compiles": r.get("triton_compiles")}
+                       for r in rows]
     out.update({f"{k[len('time_'):]}_ms": 1e3 * mean(k) for k in PHASES})
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"),

@@ -2,6 +2,7 @@
 run's lines still reach RUN_DIR/train.log), the hardware is detected and said when --hardware is not given,
 and the known megatron-core warnings are filtered here and in child processes unless -v."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -10,13 +11,18 @@ import warnings
 from click.testing import CliRunner
 
 from launchers.cli import main
+from reporting import kernel_compiles
 
 
 def dsv4(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def test_quiet_train_prints_only_the_final_result_and_still_logs_to_the_run_folder(tmp_path):
+def test_quiet_train_prints_only_the_final_result_and_still_logs_to_the_run_folder(tmp_path, monkeypatch):
+    # a Triton to count on (reporting.kernel_compiles): the step rows carry the count; this CPU run compiles none
+    import types
+    fake = types.SimpleNamespace(runtime=types.SimpleNamespace(jit_cache_hook=None))
+    monkeypatch.setattr(kernel_compiles, "_triton_knobs", lambda: fake)
     run = tmp_path / "run"
     res = dsv4("-q", "train", "--steps", "1", "--run-dir", run, "max_new_tokens=4", "export_at_end=false")
     assert res.exit_code == 0, res.output
@@ -26,6 +32,9 @@ def test_quiet_train_prints_only_the_final_result_and_still_logs_to_the_run_fold
     log = (run / "train.log").read_text()
     assert " INFO    config: train " in log and " INFO    step 1/1 " in log
     assert "metrics {" not in log                               # debug lines only with -v
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    # the step's Triton compiles (reporting.kernel_compiles): a count where triton is, absent where not
+    assert row["triton_compiles"] == 0 and fake.runtime.jit_cache_hook is not None
 
 
 def test_quiet_and_verbose_together_is_one_line():

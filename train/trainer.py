@@ -47,7 +47,7 @@ from core.assembly import assemble
 from core.sequence_limits import check_sequences
 from rollout.async_rollout import RolloutPipeline
 from rollout.shared_weights import choose_weight_sync
-from reporting import profiling
+from reporting import kernel_compiles, profiling
 from rollout.sglang_engine import DEFAULT_SETTINGS as SGLANG_DEFAULTS
 
 from . import data as D
@@ -435,8 +435,10 @@ class _Run:
                 for step in range(self.start_step + 1, self.steps + 1):
                     t0 = time.perf_counter()
                     try:
-                        with self.profiler.step(step) if self.profiler else contextlib.nullcontext():
+                        with self.profiler.step(step) if self.profiler else contextlib.nullcontext(), \
+                                kernel_compiles.counted(f"step {step}") as compiled:
                             row = grpo_step(self, step) if self.mode == "grpo" else sft_step(self, step)
+                        row.update(compiled.metrics())       # a slow step that compiled kernels says so
                         step_guard.check_loss(row)
                     except step_guard.NonFiniteError as exc:
                         found = latest_checkpoint(self.run_dir)
@@ -447,9 +449,7 @@ class _Run:
                     row["step"] = step
                     row["time_step"] = dt
                     row["tokens_per_s"] = row["tokens"] / dt if dt > 0 else 0.0
-                    row["lr"] = self.cfg.lr
-                    row["wall_time"] = time.time()
-                    row["world_size"] = self.dist.world
+                    row.update(lr=self.cfg.lr, wall_time=time.time(), world_size=self.dist.world)
                     row["peak_memory_gib"] = self._peak_memory_gib()
                     last_row = row
                     if logger is not None:

@@ -127,3 +127,48 @@ def test_plots_have_labelled_axes_smoothing_and_the_new_panels(tmp_path):
     names = {p.name for p in plot_run(run)}
     assert {"grad_norm.png", "lr.png", "phase_times.png", "summary.png"} <= names
     assert all((run / "plots" / n).stat().st_size > 0 for n in names)
+
+
+def _fake_knobs(previous=None):
+    """An object shaped like ``triton.knobs`` (its ``runtime.jit_cache_hook``)."""
+    import types
+    return types.SimpleNamespace(runtime=types.SimpleNamespace(jit_cache_hook=previous))
+
+
+def _compile(knobs, name):
+    """What Triton's JIT does before compiling a kernel it has not compiled in this process: call the hook."""
+    import types
+    return knobs.runtime.jit_cache_hook(key=(name,), repr=name, fn=types.SimpleNamespace(name=name),
+                                        compile={}, is_manual_warmup=False, already_compiled=False)
+
+
+def test_a_step_counts_the_triton_kernels_it_compiled_and_keeps_an_installed_hook(caplog):
+    from reporting import kernel_compiles
+
+    seen = []
+    knobs = _fake_knobs(previous=lambda **kw: seen.append(kw["repr"]) or True)
+    with caplog.at_level(logging.DEBUG, logger="dsv4"):
+        with kernel_compiles.counted("step 4", knobs=knobs) as outer:
+            assert _compile(knobs, "_experts_kernel") is True        # the earlier hook's answer is Triton's
+            with kernel_compiles.counted(knobs=knobs) as inner:
+                _compile(knobs, "_rope_kernel")
+        _compile(knobs, "_after_kernel")                             # outside every block: not counted
+    assert (outer.count, inner.count) == (2, 1)
+    assert outer.metrics() == {"triton_compiles": 2}
+    assert seen == ["_experts_kernel", "_rope_kernel", "_after_kernel"]
+    assert "step 4: 2 Triton kernel(s) compiled: _experts_kernel, _rope_kernel" in caplog.text
+    with kernel_compiles.counted(knobs=knobs) as quiet:
+        pass
+    assert quiet.metrics() == {"triton_compiles": 0}
+
+
+def test_without_triton_the_metric_is_absent(monkeypatch):
+    import sys
+
+    from reporting import kernel_compiles
+
+    monkeypatch.setitem(sys.modules, "triton", None)                 # import triton fails
+    with kernel_compiles.counted() as c:
+        pass
+    assert not c.enabled and c.metrics() == {}
+
