@@ -199,8 +199,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
     ``swiglu`` module, ``head_logprobs`` of its ``logprobs`` module and ``hadamard_transform`` of its ``hadamard``
     module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
-    ``experts``: a module whose ``experts_grouped_mm`` becomes an extra op (the decode step's routed experts,
-    ``kernels.reference.slots``; without it that step runs ``torch._grouped_mm``); ``sampling``: a module whose
+    ``experts``: a module whose ``experts_grouped_mm`` and ``expert_order`` become extra ops (the decode step's
+    routed experts and the order of their rows, ``kernels.reference.slots``; without it that step runs
+    ``torch._grouped_mm`` and torch's counting); ``sampling``: a module whose
     ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
@@ -224,6 +225,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         own["head_logprobs"] = logprobs.head_logprobs
     if experts is not None:
         own["experts_grouped_mm"] = experts.experts_grouped_mm
+        own["expert_order"] = experts.expert_order
     if hadamard is not None:
         own["hadamard_transform"] = hadamard.hadamard_transform
     if sampling is not None:

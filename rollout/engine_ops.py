@@ -19,8 +19,9 @@ The probes call each op's own function (not the counting wrapper of ``core.kerne
 The KV-cached decode step calls ops that prefill does not: ``weighted_swiglu`` (the shared expert's activation
 at weight 1, and on the grouped path the routed experts' between their two grouped GEMMs) and, where the decode
 MoE takes the grouped path (bf16 on a Hopper or newer GPU: :func:`kernels.reference.slots.grouped_decode_ok`), a
-backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs); ``decode_ops`` names them
-there, so the record lists every kernel a generate call runs.
+backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs) and, in an eager step, its
+``expert_order`` (the pairs in expert order in one launch); ``decode_ops`` names them there, so the record lists
+every kernel a generate call runs.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -148,6 +149,8 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
             served[name] = who
     if "experts_grouped_mm" in table.names() and grouped:
         served["experts_grouped_mm"] = table.provider["experts_grouped_mm"]   # the decode MoE's GEMMs
+    if "expert_order" in table.names() and grouped and not compiled:
+        served["expert_order"] = table.provider["expert_order"]     # the eager decode MoE's pairs in expert order
     if all(chosen[n][0] == table.provider[n] for n in chosen):
         return table, served, refusals
     # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)

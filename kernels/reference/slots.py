@@ -273,12 +273,13 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     return order, ends
 
 
-def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu):
+def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu, order=expert_order):
     """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
     up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``; ``act``: the activation with the
-    routing weight applied before ``w2`` (the reference's :func:`~.moe.weighted_swiglu` or the table's)."""
+    routing weight applied before ``w2`` (the reference's :func:`~.moe.weighted_swiglu` or the table's);
+    ``order``: the pairs' expert order (:func:`expert_order`, or the table's one-launch ``expert_order``)."""
     T, k = idx.shape
-    order, offs = expert_order(idx.reshape(-1), w13.shape[0])
+    order, offs = order(idx.reshape(-1), w13.shape[0])
     xs = x.index_select(0, order // k)
     hid = act(mm(xs, w13, offs), weights.reshape(-1).index_select(0, order), limit, x.dtype)
     out = mm(hid, w2, offs).to(ct)
@@ -303,6 +304,15 @@ def _with_kernel(moe, path: str) -> str:
     if path == "grouped" and moe.ops is not None and "experts_grouped_mm" in moe.ops.names():
         return GROUPED_KERNEL
     return path
+
+
+def _order_of(moe, path: str):
+    """The op table's ``expert_order`` for the grouped-kernel path of an eager step, else :func:`expert_order`:
+    traced, the counting's torch code is what Inductor fuses (two kernels), where the table's is one opaque
+    launch (``rollout.engine_ops.decode_choices`` records which ran)."""
+    if path == GROUPED_KERNEL and not torch.compiler.is_compiling() and "expert_order" in moe.ops.names():
+        return moe.ops.expert_order
+    return expert_order
 
 
 def moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: Optional[str] = None):
@@ -330,7 +340,7 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
         y = _dense(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
     else:
         mm = moe.ops.experts_grouped_mm if path == GROUPED_KERNEL else _grouped_mm
-        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act)
+        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act, _order_of(moe, path))
     y = y + _shared_expert(moe.shared_experts, st["shared_w13"], x, act).to(ct)
     return y.to(x.dtype).view(shape), idx
 

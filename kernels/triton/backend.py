@@ -45,7 +45,8 @@ def ops() -> "OpTable":
     Extra names beyond the reference set (THD entry points): ``sparse_attention_with_sink_thd``
     (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
     segment ``ks/ke`` ranges), ``indexer_topk``; ``experts_grouped_mm``, the rollout engine's decode step's
-    routed experts for few rows per expert (``kernels/triton/experts.py``); ``draw_tokens``, the rollout engine's
+    routed experts for few rows per expert, and ``expert_order``, its eager MoE's pairs in expert order in one
+    launch (``kernels/triton/experts.py``); ``draw_tokens``, the rollout engine's
     sampler at top-p 1 (``kernels/triton/sampling.py``).
     """
     from kernels import gpu_common

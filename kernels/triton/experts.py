@@ -14,10 +14,13 @@ interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to
 holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as they are.
 
 Only the rollout engine's decode step calls it (``kernels.reference.slots``), through the triton op table's
-extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused).
+extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused). The eager step also puts its
+pairs in expert order here (:func:`expert_order`, the extra op ``expert_order``).
 """
 
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 import triton
@@ -25,7 +28,7 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 
-__all__ = ["experts_grouped_mm", "experts_grouped_mm_launch", "launch_settings"]
+__all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch", "launch_settings"]
 
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
@@ -107,3 +110,61 @@ def experts_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     if x.requires_grad or w.requires_grad:
         raise gpu_common.op_refusal(op, "inputs that require a gradient (the kernel has no backward: decode only)")
     return gpu_ops.TRITON.experts_grouped_mm(x.contiguous(), w.contiguous(), offs.contiguous())
+
+
+# ------------------------------------------------------------------ the pairs' expert order
+ORDER_ROWS = 64                # pairs a loop step of the ordering kernel takes (a [rows, experts] one-hot tile)
+MAX_ORDER_EXPERTS = 1024       # experts at most (the one-hot tile's width)
+
+
+@triton.jit
+def _order_kernel(FLAT, ORDER, ENDS, R, E, BR: tl.constexpr, BE: tl.constexpr):
+    """One program: count each expert's pairs (its end row), then place every pair after the earlier pairs of its
+    expert (the stable sort's position), ``BR`` pairs a step, with each expert's running count carried."""
+    experts = tl.arange(0, BE)
+    counts = tl.zeros([BE], dtype=tl.int32)
+    for r0 in range(0, R, BR):
+        rows = r0 + tl.arange(0, BR)
+        ids = tl.load(FLAT + rows, mask=rows < R, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(counts, axis=0)
+    tl.store(ENDS + experts, ends, mask=experts < E)
+    seen = ends - counts                                  # the first row of each expert, then its next free row
+    for r0 in range(0, R, BR):
+        rows = r0 + tl.arange(0, BR)
+        ids = tl.load(FLAT + rows, mask=rows < R, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)              # [BR, BE]
+        before = tl.cumsum(hit, axis=0) - hit                              # the step's earlier pairs of the expert
+        dest = tl.sum(hit * (before + seen[None, :]), axis=1)              # [BR]
+        tl.store(ORDER + dest, rows.to(tl.int64), mask=rows < R)
+        seen += tl.sum(hit, axis=0)
+
+
+def expert_order_launch(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on checked inputs: ``flat [R]`` int64 expert ids in ``[0, n_experts)`` -> ``(order [R] int64,
+    ends [n_experts] int32)``."""
+    R = flat.shape[0]
+    order = torch.empty(R, dtype=torch.long, device=flat.device)
+    ends = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
+    BE = max(16, triton.next_power_of_2(n_experts))
+    # sm_90, triton 3.6: 158 registers at 256 experts and 4 warps, 146 at 1,024 and 8, no spills
+    _order_kernel[(1,)](flat, order, ends, R, n_experts, BR=ORDER_ROWS, BE=BE, num_warps=4 if BE <= 256 else 8)
+    return order, ends
+
+
+def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.reference.slots.expert_order` in one launch: ``(order, ends)`` of the (token, expert) pairs'
+    expert ids ``flat [R]`` (int64, CUDA): ``order`` the stable sort by expert (each expert's pairs in their own
+    order), ``ends [n_experts]`` int32 each expert's end row in it. The same integers. Why: the decode step's
+    eager MoE counted its pairs in about fifteen small kernels a layer (comparisons, casts, three sums, two
+    running sums, an index copy), each a launch of its own in the step's CUDA graph; here one program reads the
+    ids twice. Ids outside ``[0, n_experts)`` are not checked (a host sync): the routing makes them. Anything
+    else is refused with the reason."""
+    op = "expert_order"
+    if not flat.is_cuda and not gpu_common.interpreting():
+        raise gpu_common.op_refusal(op, f"ids on {flat.device}, the kernel runs on CUDA tensors (or "
+                                        f"TRITON_INTERPRET=1 for CPU debugging)")
+    if flat.dtype != torch.int64 or flat.dim() != 1 or not 1 <= n_experts <= MAX_ORDER_EXPERTS:
+        raise gpu_common.op_refusal(op, f"ids {tuple(flat.shape)} {flat.dtype} over {n_experts} experts (needs int64 "
+                                        f"ids [R] over 1 to {MAX_ORDER_EXPERTS} experts)")
+    return expert_order_launch(flat.contiguous(), n_experts)

@@ -141,7 +141,7 @@ def test_the_kernel_compiles_for_sm90(rows):
 def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
     """A bf16 MoE layer of the tiny model in the decode step's grouped path: with the triton op table on its
     modules (as the rollout engine sets it, ``kernels.reference.model.ops_in_use``) the experts run
-    ``triton.experts_grouped_mm`` and give torch's grouped GEMM's output within bf16 rounding; without a table,
+    ``triton.experts_grouped_mm`` (its rows ordered by ``triton.expert_order``) and give torch's grouped GEMM's output within bf16 rounding; without a table,
     torch's (no kernel counted)."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
@@ -165,6 +165,57 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
         with ops_in_use(model, ops()):
             got, got_idx = moe_decode(layer.ffn, x, ids, "grouped")
     assert kernels_ran().get("triton.experts_grouped_mm") == 2            # gate and up, then down
+    assert kernels_ran().get("triton.expert_order") == 1                 # the pairs in expert order, one launch
     assert torch.equal(got_idx, want_idx)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 4 * 2.0 ** -8 * want.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("R,E", [(0, 4), (1, 32), (6, 32), (384, 32), (200, 7), (1536, 256), (130, 3)])
+def test_expert_order_is_the_stable_sort_by_expert(R, E):
+    """The one-launch order of the (token, expert) pairs equals the stable sort by expert id and the reference's
+    counting (``kernels.reference.slots.expert_order``), integers equal: every expert's pairs in their own order,
+    its end row; decode shapes of 1, 64 and 256 Flash-shaped sequences (V4-Flash's 256 experts at 256), empty
+    experts, sizes off the kernel's 64-pair step."""
+    from kernels.reference.slots import expert_order as counted
+    from kernels.triton.experts import expert_order
+
+    dev = triton_device()
+    flat = torch.randint(0, E, (R,), generator=torch.Generator().manual_seed(R + E)).to(dev)
+    order, ends = expert_order(flat, E)
+    want_order, want_ends = counted(flat, E)
+    assert order.dtype == torch.long and ends.dtype == torch.int32
+    assert torch.equal(order.cpu(), flat.cpu().argsort(stable=True)) and torch.equal(order, want_order)
+    assert torch.equal(ends, want_ends)
+
+
+def test_expert_order_refuses_what_it_cannot_serve():
+    from kernels.triton.experts import MAX_ORDER_EXPERTS, expert_order
+
+    dev = triton_device()
+    flat = torch.tensor([1, 0, 1], device=dev)
+    with pytest.raises(ValueError, match="needs int64 ids"):
+        expert_order(flat.int(), 2)
+    with pytest.raises(ValueError, match="--kernel-backend none"):
+        expert_order(flat, MAX_ORDER_EXPERTS + 1)
+
+
+@pytest.mark.parametrize("experts", [32, 256, 1024])
+def test_the_order_kernel_compiles_for_sm90(experts):
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kernels.triton import experts as K
+
+    be = triton.next_power_of_2(experts)
+    consts = dict(BR=K.ORDER_ROWS, BE=be)
+    sig = {"FLAT": "*i64", "ORDER": "*i64", "ENDS": "*i32", "R": "i32", "E": "i32", **{k: "constexpr" for k in consts}}
+    compiled = compile(ASTSource(K._order_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4 if be <= 256 else 8))
+    assert ".entry" in compiled.asm["ptx"]

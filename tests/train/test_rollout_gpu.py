@@ -208,6 +208,7 @@ def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     assert not set(kernel_op_names(e.decode_table)) & set(e.decode_ops) and e._fullgraph
     # the compiled step leaves the norms, RoPE and the experts' activation to Inductor (rollout.engine_ops)
     assert {e.decode_ops[op] for op in INDUCTOR_FUSES if op in e.decode_ops} == {"none"}, e.decode_ops
+    assert "expert_order" not in e.decode_ops          # traced, the counting's torch code: Inductor fuses it
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, max_slots=1)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok
@@ -357,6 +358,8 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
     if "experts_grouped_mm" in parts.ops.names():          # the decode MoE's GEMMs: a decode-only kernel
         assert e.decode_ops["experts_grouped_mm"] == backend and ran[f"{backend}.experts_grouped_mm"] > 0
+    if "expert_order" in parts.ops.names():                # the eager MoE's pairs in expert order, one launch
+        assert e.decode_ops["expert_order"] == backend and ran[f"{backend}.expert_order"] > 0
     want = ref.generate(PROMPTS, params, n=2, seed=3)
     for ga, gb in zip(got, want):
         for a, b in zip(ga, gb):
