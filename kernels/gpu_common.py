@@ -193,7 +193,7 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
-             logprobs=None, experts=None, hadamard=None, sampling=None) -> OpTable:
+             logprobs=None, experts=None, hadamard=None, sampling=None, routing=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
@@ -202,7 +202,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``experts``: a module whose ``experts_grouped_mm`` and ``expert_order`` become extra ops (the decode step's
     routed experts and the order of their rows, ``kernels.reference.slots``; without it that step runs
     ``torch._grouped_mm`` and torch's counting); ``sampling``: a module whose
-    ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``)."""
+    ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``);
+    ``routing``: a module whose ``route_experts`` becomes an extra op (the eager decode step's router)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -230,6 +231,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         own["hadamard_transform"] = hadamard.hadamard_transform
     if sampling is not None:
         own["draw_tokens"] = sampling.draw_tokens
+    if routing is not None:
+        own["route_experts"] = routing.route_experts
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

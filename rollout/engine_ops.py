@@ -20,7 +20,8 @@ The KV-cached decode step calls ops that prefill does not: ``weighted_swiglu`` (
 at weight 1, and on the grouped path the routed experts' between their two grouped GEMMs) and, where the decode
 MoE takes the grouped path (bf16 on a Hopper or newer GPU: :func:`kernels.reference.slots.grouped_decode_ok`), a
 backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs) and, in an eager step, its
-``expert_order`` (the pairs in expert order in one launch); ``decode_ops`` names them there, so the record lists
+``route_experts`` and ``expert_order`` (the router, and the pairs in expert order, one launch each);
+``decode_ops`` names them there, so the record lists
 every kernel a generate call runs.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
@@ -149,8 +150,9 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
             served[name] = who
     if "experts_grouped_mm" in table.names() and grouped:
         served["experts_grouped_mm"] = table.provider["experts_grouped_mm"]   # the decode MoE's GEMMs
-    if "expert_order" in table.names() and grouped and not compiled:
-        served["expert_order"] = table.provider["expert_order"]     # the eager decode MoE's pairs in expert order
+    for name in ("route_experts", "expert_order"):        # the eager decode MoE's router and its pairs' order
+        if name in table.names() and grouped and not compiled:
+            served[name] = table.provider[name]
     if all(chosen[n][0] == table.provider[n] for n in chosen):
         return table, served, refusals
     # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)

@@ -306,6 +306,22 @@ def _with_kernel(moe, path: str) -> str:
     return path
 
 
+def _route(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
+    """``(weights [T, k], idx [T, k])`` of the layer's router (the routing seam is not consulted:
+    static_step_checks refuses a hook): the op table's one-launch ``route_experts`` on the grouped-kernel path of
+    an eager step, else :func:`~.moe.route` (traced, the torch code Inductor fuses; ``decode_choices`` records
+    which ran)."""
+    gate = moe.gate
+    if path == GROUPED_KERNEL and not torch.compiler.is_compiling() and "route_experts" in moe.ops.names():
+        if gate.hash and _has_negative_ids(gate.tid2eid):        # the reference's check, once per table version
+            raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
+        return moe.ops.route_experts(x, gate.weight.detach(), None if gate.hash else gate.bias,
+                                     gate.tid2eid if gate.hash else None,
+                                     input_ids.reshape(-1) if gate.hash else None, gate.topk, gate.route_scale,
+                                     gate.score_func)
+    return route(gate, x, input_ids, None if gate.hash else gate.bias, replay=False)
+
+
 def _order_of(moe, path: str):
     """The op table's ``expert_order`` for the grouped-kernel path of an eager step, else :func:`expert_order`:
     traced, the counting's torch code is what Inductor fuses (two kernels), where the table's is one opaque
@@ -330,8 +346,7 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     """:func:`moe_decode` once its host-side checks have passed (traceable: no ``data_ptr``, no device query)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    gate = moe.gate                # the routing seam is not consulted (static_step_checks refuses a hook)
-    weights, idx = route(gate, x, input_ids, None if gate.hash else gate.bias, replay=False)
+    weights, idx = _route(moe, x, input_ids, path)
     ct = compute_dtype(x)
     st = moe._expert_stacks
     w13, w2 = (st[n].to(x.dtype) for n in ("w13", "w2"))

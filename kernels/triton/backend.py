@@ -46,11 +46,13 @@ def ops() -> "OpTable":
     (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
     segment ``ks/ke`` ranges), ``indexer_topk``; ``experts_grouped_mm``, the rollout engine's decode step's
     routed experts for few rows per expert, and ``expert_order``, its eager MoE's pairs in expert order in one
-    launch (``kernels/triton/experts.py``); ``draw_tokens``, the rollout engine's
+    launch (``kernels/triton/experts.py``); ``route_experts``, its eager MoE's router in one launch
+    (``kernels/triton/routing.py``); ``draw_tokens``, the rollout engine's
     sampler at top-p 1 (``kernels/triton/sampling.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import attention, experts, hadamard, indexer, logprobs, mhc, norm, rope, sampling, swiglu
+    from kernels.triton import (attention, experts, hadamard, indexer, logprobs, mhc, norm, rope, routing, sampling,
+                                swiglu)
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
-                               sampling)
+                               sampling, routing)

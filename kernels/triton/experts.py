@@ -6,10 +6,10 @@ about 12 rows each, and reads nearly every expert's weights: the step is a weigh
 ``_grouped_mm`` (CUTLASS, tiles of many rows) took 2.24 ms for the 8 grouped GEMMs of a step against 1.34 ms for
 reading those weights at 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-b64-batched-indexer.json``); at one
 sequence a step it runs 32 groups of which 26 are empty. Here a program owns one expert and ``BN`` output
-columns: it reads that block of the expert's weights once per ``BM`` of its rows (:func:`launch_settings`: once for
-an expert of average load and most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads
-nothing. The same exact
-products as ``_grouped_mm``'s, summed in another order (within one rounding of the output dtype). Triton's CPU
+columns: it reads that block of the expert's weights once per ``BM`` of its rows (:func:`launch_settings`: once
+for an expert of average load and most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert
+without rows reads nothing. The same exact products as ``_grouped_mm``'s, summed in another order (within one
+rounding of the output dtype). Triton's CPU
 interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to fp32 first (``F32``; tf32
 holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as they are.
 
@@ -47,8 +47,8 @@ def launch_settings(rows: int, experts: int) -> dict:
     (``bench/results/rollout-h200-flash-shaped-triton-eager-b256.json``). In the sweep the wide settings took
     402.1 against 447.0 us for the two GEMMs at 64 sequences (the hot experts' ~20 rows took two 16-row steps)
     and 436.2 against 1,389.2 us at 256 (three steps), with equal outputs, where at one sequence the narrow ones
-    are 4% faster (97.8 against 101.7 us). From the shapes alone: a CUDA graph replays one launch whatever the routing, and the decode
-    step's shapes are the slot bucket's."""
+    are 4% faster (97.8 against 101.7 us). From the shapes alone: a CUDA graph replays one launch whatever the
+    routing, and the decode step's shapes are the slot bucket's."""
     mean = -(-rows // max(experts, 1))
     return dict(WIDE_CONFIG if mean > WIDE_FROM else EXPERTS_CONFIG)
 

@@ -141,7 +141,8 @@ def test_the_kernel_compiles_for_sm90(rows):
 def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
     """A bf16 MoE layer of the tiny model in the decode step's grouped path: with the triton op table on its
     modules (as the rollout engine sets it, ``kernels.reference.model.ops_in_use``) the experts run
-    ``triton.experts_grouped_mm`` (its rows ordered by ``triton.expert_order``) and give torch's grouped GEMM's output within bf16 rounding; without a table,
+    ``triton.experts_grouped_mm`` (its rows ordered by ``triton.expert_order``, routed by ``triton.route_experts``)
+    and give torch's grouped GEMM's output within bf16 rounding; without a table,
     torch's (no kernel counted)."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
@@ -166,6 +167,7 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
             got, got_idx = moe_decode(layer.ffn, x, ids, "grouped")
     assert kernels_ran().get("triton.experts_grouped_mm") == 2            # gate and up, then down
     assert kernels_ran().get("triton.expert_order") == 1                 # the pairs in expert order, one launch
+    assert kernels_ran().get("triton.route_experts") == 1                # the router, one launch
     assert torch.equal(got_idx, want_idx)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 4 * 2.0 ** -8 * want.float().abs().max().item(), err

@@ -6,8 +6,8 @@
   the decode step and in the uncached engine, and it draws the reference engine's samples exactly;
 * a table whose op refuses a one-token decode step's inputs serves prefill, and the decode step runs the
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
-* the decode-only expert kernels (``experts_grouped_mm``, ``expert_order``) are on the record exactly where the step
-  calls them;
+* the decode-only expert kernels (``experts_grouped_mm``, ``expert_order``, ``route_experts``) are on the record
+  exactly where the step calls them;
 * a table's sampler kernel (``draw_tokens``) draws at top-p 1 the torch sampler's tokens, on the record
   (``sample_ops``), and one that refuses the probe leaves the torch sampler, logged;
 * ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
@@ -145,10 +145,22 @@ def _experts_grouped_mm(x, w, offs):
     return out
 
 
+def _route_experts(x, w, bias, table, ids, topk, route_scale, score_func):
+    """``kernels.reference.moe.route`` behind ``route_experts``' contract (a hash layer: ``table`` and ``ids``)."""
+    import types
+
+    from kernels.reference.moe import route
+
+    gate = types.SimpleNamespace(weight=w, score_func=score_func, topk=topk, route_scale=route_scale,
+                                 hash=table is not None, tid2eid=table, replayable=False, layer_id=None)
+    return route(gate, x, ids, bias, replay=False)
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(monkeypatch, grouped):
-    """A table with ``experts_grouped_mm`` and ``expert_order`` (the triton backend's decode kernels for the routed
-    experts' GEMMs and the order of their rows; prefill never calls them): where the decode MoE takes the grouped path (``grouped_decode_ok``, bf16 on a
+    """A table with ``experts_grouped_mm``, ``expert_order`` and ``route_experts`` (the triton backend's decode
+    kernels for the routed experts' GEMMs, the order of their rows and the router; prefill never calls them):
+    where the decode MoE takes the grouped path (``grouped_decode_ok``, bf16 on a
     Hopper GPU, made true here on the CPU), ``decode_ops`` names it and a generate call runs it; where it does
     not, neither. Either way the kernels that ran are exactly the recorded ones, and the samples are the
     reference engine's (the grouped and the dense expert sums agree to fp32 rounding)."""
@@ -158,7 +170,8 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
 
     for mod in (slots, engine_ops):
         monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: grouped)
-    extra = {"experts_grouped_mm": _experts_grouped_mm, "expert_order": slots.expert_order}
+    extra = {"experts_grouped_mm": _experts_grouped_mm, "expert_order": slots.expert_order,
+             "route_experts": _route_experts}
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra=extra)))
     for op in extra:                            # the GEMMs and the eager step's order of their rows
         assert (op in e.decode_ops) is grouped and op not in e.prefill_ops
