@@ -71,7 +71,9 @@ def check_op_input(op: str, t: torch.Tensor, name: str, dtypes=(torch.bfloat16, 
         raise op_refusal(op, f"{name} is on {t.device}, the kernel runs on CUDA tensors (or TRITON_INTERPRET=1 "
                              f"for CPU debugging)")
     if t.dtype not in dtypes:
-        raise op_refusal(op, f"{name} is {t.dtype}; the kernel takes bf16, fp16 or fp32")
+        takes = [str(d).removeprefix("torch.") for d in dtypes]
+        raise op_refusal(op, f"{name} is {t.dtype}; the kernel takes "
+                             f"{' or '.join(filter(None, (', '.join(takes[:-1]), takes[-1])))}")
 
 
 def dsink_from_delta(delta: torch.Tensor, sink: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
@@ -213,26 +215,12 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         indexer_scores_thd=indexer.indexer_scores_thd,
         indexer_topk=indexer.indexer_topk,
     )
-    if mhc is not None:
-        own.update({name: getattr(mhc, name) for name in MHC_OPS})
-    if rope is not None:
-        own["apply_rope"] = rope.apply_rope
-    if norm is not None:
-        own["rms_normalize"] = norm.rms_normalize
-        own["rms_norm"] = norm.rms_norm
-    if swiglu is not None:
-        own["weighted_swiglu"] = swiglu.weighted_swiglu
-    if logprobs is not None:
-        own["head_logprobs"] = logprobs.head_logprobs
-    if experts is not None:
-        own["experts_grouped_mm"] = experts.experts_grouped_mm
-        own["expert_order"] = experts.expert_order
-    if hadamard is not None:
-        own["hadamard_transform"] = hadamard.hadamard_transform
-    if sampling is not None:
-        own["draw_tokens"] = sampling.draw_tokens
-    if routing is not None:
-        own["route_experts"] = routing.route_experts
+    for module, names in ((mhc, MHC_OPS), (rope, ("apply_rope",)), (norm, ("rms_normalize", "rms_norm")),
+                          (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),
+                          (experts, ("experts_grouped_mm", "expert_order")), (hadamard, ("hadamard_transform",)),
+                          (sampling, ("draw_tokens",)), (routing, ("route_experts",))):
+        if module is not None:
+            own.update({name: getattr(module, name) for name in names})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}
     # the indexer kernels take bf16/fp16 q and k (fp32 accumulation): callers pass the activation dtype
     return OpTable(backend, own, delegated=delegated, dtypes=GPU_DTYPES, indexer_inputs="activation")

@@ -53,7 +53,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from core import weight_contract as wc
-from kernels.reference.sampling import CDF_BLOCK, draw_index
+from kernels.reference.sampling import CDF_BLOCK, draw_index, tempered
 
 from .replay import (IndexerPicksRecorder, RoutingRecorder, empty_indexer_picks, empty_routing, indexer_context,
                      learned_layers, routing_context)
@@ -151,14 +151,13 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams,
 
     The kept tokens (top-k, then the smallest prefix of the sorted distribution whose mass reaches top_p;
     the top token always) are laid out in order (by probability when truncating, else by id) and the
-    token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums). At temperature 1
-    the logits are not divided (the same values: a pass over ``[N, V]`` fp32 less). ``draw``: a kernel backend's
+    token whose cumulative-probability interval holds ``u * kept mass`` is chosen (float64 sums), from the
+    :func:`~kernels.reference.sampling.tempered` logits. ``draw``: a kernel backend's
     ``draw_tokens`` (``rollout.engine_ops.sampler_choice``), which draws by the same rule without writing the
     distribution, for calls at top-p 1 without top-k."""
     if draw is not None and params.top_p == 1.0 and not params.top_k:
         return draw(logits.float(), u.to(logits.device, torch.float64), params.temperature, CDF_BLOCK)
-    scaled = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
-    return sample_from_logprobs(torch.log_softmax(scaled, dim=-1), u, params)
+    return sample_from_logprobs(torch.log_softmax(tempered(logits, params.temperature), dim=-1), u, params)
 
 
 def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingParams

@@ -15,7 +15,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["CDF_BLOCK", "draw_index", "running_sum", "draw_tokens"]
+__all__ = ["CDF_BLOCK", "draw_index", "running_sum", "draw_tokens", "tempered"]
 
 #: Entries per block of the draw's first level (the blocks' float64 masses).
 CDF_BLOCK = 1024
@@ -64,7 +64,13 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [N] long, log-probs [N] fp32)`` drawn from ``softmax(logits / temperature)`` by the uniforms ``u [N]``
     with blocks of ``block`` entries (module docstring), on ``logits``' device."""
-    x = logits.float() if temperature == 1.0 else logits.float() / temperature
+    x = tempered(logits, temperature)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     tok = draw_index((x - lse).exp(), u, block)
     return tok, (x.gather(-1, tok[:, None]) - lse).squeeze(-1)
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in fp32; at temperature 1 the logits as they are (the same values: a pass over
+    ``[N, V]`` fp32 less)."""
+    return logits.float() if temperature == 1.0 else logits.float() / temperature

@@ -306,40 +306,46 @@ def _with_kernel(moe, path: str) -> str:
     return path
 
 
+def _eager_kernel(moe, path: str, name: str):
+    """The op table's ``name`` (``route_experts``, ``expert_order``) on the grouped-kernel path of an eager step,
+    else None: traced, the torch code is what Inductor fuses, where the table's kernel is one opaque launch
+    (``rollout.engine_ops.decode_choices`` records which ran)."""
+    if path == GROUPED_KERNEL and not torch.compiler.is_compiling() and name in moe.ops.names():
+        return getattr(moe.ops, name)
+    return None
+
+
 def _route(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     """``(weights [T, k], idx [T, k])`` of the layer's router (the routing seam is not consulted:
-    static_step_checks refuses a hook): the op table's one-launch ``route_experts`` on the grouped-kernel path of
-    an eager step, else :func:`~.moe.route` (traced, the torch code Inductor fuses; ``decode_choices`` records
-    which ran)."""
+    static_step_checks refuses a hook; the hash table's ids were checked with the host-side checks,
+    :func:`_host_checks`): the table's one-launch ``route_experts`` (:func:`_eager_kernel`), else
+    :func:`~.moe.route`."""
     gate = moe.gate
-    if path == GROUPED_KERNEL and not torch.compiler.is_compiling() and "route_experts" in moe.ops.names():
-        if gate.hash and _has_negative_ids(gate.tid2eid):        # the reference's check, once per table version
-            raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
-        return moe.ops.route_experts(x, gate.weight.detach(), None if gate.hash else gate.bias,
-                                     gate.tid2eid if gate.hash else None,
-                                     input_ids.reshape(-1) if gate.hash else None, gate.topk, gate.route_scale,
-                                     gate.score_func)
-    return route(gate, x, input_ids, None if gate.hash else gate.bias, replay=False)
-
-
-def _order_of(moe, path: str):
-    """The op table's ``expert_order`` for the grouped-kernel path of an eager step, else :func:`expert_order`:
-    traced, the counting's torch code is what Inductor fuses (two kernels), where the table's is one opaque
-    launch (``rollout.engine_ops.decode_choices`` records which ran)."""
-    if path == GROUPED_KERNEL and not torch.compiler.is_compiling() and "expert_order" in moe.ops.names():
-        return moe.ops.expert_order
-    return expert_order
+    kernel = _eager_kernel(moe, path, "route_experts")
+    if kernel is None:
+        return route(gate, x, input_ids, None if gate.hash else gate.bias, replay=False)
+    return kernel(x, gate.weight.detach(), None if gate.hash else gate.bias, gate.tid2eid if gate.hash else None,
+                  input_ids.reshape(-1) if gate.hash else None, gate.topk, gate.route_scale, gate.score_func)
 
 
 def moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: Optional[str] = None):
     """``MoE.forward`` without host syncs: ``x [..., d]`` -> ``(y [..., d], idx [T, k])``. ``path``: None
     (:func:`moe_decode_path`), ``"grouped"`` (its GEMMs the op table's ``experts_grouped_mm`` where the layer's
     table has one, else torch's) or ``"dense"``."""
-    _stacks(moe)
+    _host_checks(moe)
     path = path or moe_decode_path(x.reshape(-1, x.shape[-1]), moe)
     if path not in ("grouped", "dense"):
         raise ValueError(f"moe_decode: path must be 'grouped' or 'dense', got {path!r}")
     return _moe_decode(moe, x, input_ids, _with_kernel(moe, path))
+
+
+def _host_checks(moe) -> None:
+    """The decode MoE's checks before its device work: its expert stacks are current (:func:`_stacks`), and a
+    hash layer's table holds no negative id (checked once per version of the table: on a GPU a host sync)."""
+    _stacks(moe)
+    gate = moe.gate
+    if gate.hash and _has_negative_ids(gate.tid2eid):
+        raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
 
 
 def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
@@ -355,7 +361,8 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
         y = _dense(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
     else:
         mm = moe.ops.experts_grouped_mm if path == GROUPED_KERNEL else _grouped_mm
-        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act, _order_of(moe, path))
+        y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act,
+                     _eager_kernel(moe, path, "expert_order") or expert_order)
     y = y + _shared_expert(moe.shared_experts, st["shared_w13"], x, act).to(ct)
     return y.to(x.dtype).view(shape), idx
 
@@ -385,10 +392,7 @@ def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = No
     x = model.embed.weight[:1]                                  # the dtype and device the MoE sees
     paths = []
     for layer in model.layers:
-        _stacks(layer.ffn)
-        gate = layer.ffn.gate
-        if gate.hash and _has_negative_ids(gate.tid2eid):
-            raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
+        _host_checks(layer.ffn)
         device_inv_freq(layer.attn, dev)
         paths.append(_with_kernel(layer.ffn, moe_path or moe_decode_path(x, layer.ffn)))
     return tuple(paths)
