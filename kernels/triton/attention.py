@@ -63,6 +63,10 @@ __all__ = [
 # Launch parameters; bench.py may override them per call (the ``config`` argument).
 FWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=2)
 # (fastest of bench.py's sweep on the H200; BK=64 with 2 stages does not fit in shared memory)
+# Few tokens (a decode step): narrower head blocks, so more programs share the work (fwd_settings). ptxas (sm_90a,
+# triton 3.6): no spills at 8 warps; at 4 it spills 800 bytes (BK=32 with 3 stages does not)
+FEW_TOKENS_CONFIG = dict(BH=16, BK=64, num_warps=8, num_stages=2)
+FEW_PROGRAMS = 128             # programs of FWD_CONFIG's grid below which FEW_TOKENS_CONFIG runs
 BWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=1,     # dq pass
                   BK2=64, DC=64, num_warps2=4, num_stages2=3)  # dkv pass
 
@@ -210,11 +214,26 @@ def _head_block(H: int, BH: int) -> int:
     return max(16, min(BH, triton.next_power_of_2(H)))
 
 
+def fwd_settings(T: int, H: int) -> dict:
+    """The forward's launch settings for ``T`` tokens of ``H`` heads: :data:`FWD_CONFIG`, or for fewer than
+    :data:`FEW_PROGRAMS` of its programs :data:`FEW_TOKENS_CONFIG`. Why: every head of a token multiplies that
+    token's gathered rows (one shared key-value head), 84 MFLOP a token for V4-Flash's 64 heads over 640 rows,
+    and a program of 64 heads does it on one SM: a decode step of one sequence ran each layer's attention on
+    one SM (16 us a call) and one of 64 sequences on 64 of the H200's 132 (21 us;
+    ``bench/results/rollout-h200-flash-shaped-triton-eager-route-order.json``). 16-head blocks give each token
+    four programs. Each head's row is computed alike in either (its dot products over ``D``, its online
+    softmax over the same row tiles)."""
+    if triton.cdiv(H, _head_block(H, FWD_CONFIG["BH"])) * T < FEW_PROGRAMS:
+        return dict(FEW_TOKENS_CONFIG)
+    return dict(FWD_CONFIG)
+
+
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                          scale: float, config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward only. Returns ``o [T,H,D]`` (q.dtype) and ``lse2 [T,H]`` fp32 in log2 units."""
+    """Forward only. Returns ``o [T,H,D]`` (q.dtype) and ``lse2 [T,H]`` fp32 in log2 units; launch settings
+    :func:`fwd_settings`, ``config`` overrides their keys."""
     _check(q, kv, idx, sink)
-    cfg = {**FWD_CONFIG, **(config or {})}
+    cfg = {**fwd_settings(q.shape[0], q.shape[1]), **(config or {})}
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     sink = sink.to(torch.float32).contiguous()

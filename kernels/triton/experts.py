@@ -113,30 +113,29 @@ def experts_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
 
 
 # ------------------------------------------------------------------ the pairs' expert order
-ORDER_ROWS = 64                # pairs a loop step of the ordering kernel takes (a [rows, experts] one-hot tile)
-MAX_ORDER_EXPERTS = 1024       # experts at most (the one-hot tile's width)
+ORDER_ROWS = 1024              # pairs a loop step of the ordering kernel reads (1-D: ids, compares, a running sum)
+MAX_ORDER_EXPERTS = 1024       # experts at most (one program each; the tests' largest, 4x V4-Flash's)
 
 
 @triton.jit
-def _order_kernel(FLAT, ORDER, ENDS, R, E, BR: tl.constexpr, BE: tl.constexpr):
-    """One program: count each expert's pairs (its end row), then place every pair after the earlier pairs of its
-    expert (the stable sort's position), ``BR`` pairs a step, with each expert's running count carried."""
-    experts = tl.arange(0, BE)
-    counts = tl.zeros([BE], dtype=tl.int32)
+def _order_kernel(FLAT, ORDER, ENDS, R, BR: tl.constexpr):
+    """Program ``e``: count the pairs of experts below ``e`` (its first row) and its own (its end row), then place
+    each of its pairs after its earlier ones (the stable sort's position), ``BR`` pairs a step."""
+    e = tl.program_id(0)
+    below = tl.zeros([BR], dtype=tl.int32)
+    mine = tl.zeros([BR], dtype=tl.int32)
     for r0 in range(0, R, BR):
         rows = r0 + tl.arange(0, BR)
         ids = tl.load(FLAT + rows, mask=rows < R, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    ends = tl.cumsum(counts, axis=0)
-    tl.store(ENDS + experts, ends, mask=experts < E)
-    seen = ends - counts                                  # the first row of each expert, then its next free row
+        below += ((ids < e) & (rows < R)).to(tl.int32)
+        mine += (ids == e).to(tl.int32)
+    seen = tl.sum(below, axis=0)
+    tl.store(ENDS + e, seen + tl.sum(mine, axis=0))
     for r0 in range(0, R, BR):
         rows = r0 + tl.arange(0, BR)
-        ids = tl.load(FLAT + rows, mask=rows < R, other=-1)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)              # [BR, BE]
-        before = tl.cumsum(hit, axis=0) - hit                              # the step's earlier pairs of the expert
-        dest = tl.sum(hit * (before + seen[None, :]), axis=1)              # [BR]
-        tl.store(ORDER + dest, rows.to(tl.int64), mask=rows < R)
+        hit = (tl.load(FLAT + rows, mask=rows < R, other=-1) == e).to(tl.int32)
+        run = tl.cumsum(hit, axis=0)
+        tl.store(ORDER + seen + run - 1, rows.to(tl.int64), mask=hit > 0)
         seen += tl.sum(hit, axis=0)
 
 
@@ -146,9 +145,7 @@ def expert_order_launch(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tenso
     R = flat.shape[0]
     order = torch.empty(R, dtype=torch.long, device=flat.device)
     ends = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
-    BE = max(16, triton.next_power_of_2(n_experts))
-    # sm_90, triton 3.6: 158 registers at 256 experts and 4 warps, 146 at 1,024 and 8, no spills
-    _order_kernel[(1,)](flat, order, ends, R, n_experts, BR=ORDER_ROWS, BE=BE, num_warps=4 if BE <= 256 else 8)
+    _order_kernel[(n_experts,)](flat, order, ends, R, BR=ORDER_ROWS, num_warps=4)
     return order, ends
 
 
@@ -157,8 +154,11 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     expert ids ``flat [R]`` (int64, CUDA): ``order`` the stable sort by expert (each expert's pairs in their own
     order), ``ends [n_experts]`` int32 each expert's end row in it. The same integers. Why: the decode step's
     eager MoE counted its pairs in about fifteen small kernels a layer (comparisons, casts, three sums, two
-    running sums, an index copy), each a launch of its own in the step's CUDA graph; here one program reads the
-    ids twice. Ids outside ``[0, n_experts)`` are not checked (a host sync): the routing makes them. Anything
+    running sums, an index copy), each a launch of its own in the step's CUDA graph; here one program an expert
+    reads the ids twice (from L2: 12 KB at 256 Flash-shaped sequences). A first version, one program for all
+    experts with a ``[64 pairs, experts]`` one-hot tile a step, took 31 us at 256 sequences
+    (``bench/results/rollout-h200-flash-shaped-triton-eager-route-order.json``): its steps ran one after
+    another. Ids outside ``[0, n_experts)`` are not checked (a host sync): the routing makes them. Anything
     else is refused with the reason."""
     op = "expert_order"
     if not flat.is_cuda and not gpu_common.interpreting():

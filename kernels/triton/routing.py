@@ -34,7 +34,8 @@ TOKENS = 16                    # tokens a program routes (tl.dot's smallest row 
 @triton.jit
 def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
                   K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
-                  FUNC: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr, F32: tl.constexpr):
+                  STAGES: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr,
+                  F32: tl.constexpr):
     """Program ``i``: tokens ``[i BT, (i+1) BT)``: their gate scores over the ``E`` experts, their ``K`` experts
     and weights."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -43,7 +44,7 @@ def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
     experts = tl.arange(0, BE)
     emask = experts < E
     acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for d0 in range(0, D, BD):
+    for d0 in tl.range(0, D, BD, num_stages=STAGES):      # pipelined: one program streams the whole weight
         d = d0 + tl.arange(0, BD)
         dmask = d < D
         x = tl.load(X + rows64[:, None] * D + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
@@ -91,18 +92,26 @@ def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
     tl.store(IDX + out, picks, mask=omask)
 
 
-def launch_settings(experts_block: int) -> Tuple[int, int]:
-    """``(channels a reduction step, warps)`` for ``experts_block`` (the experts, padded to a power of two):
-    compiled for sm_90 by triton 3.6, no register spills at 32, 256 and 512 (Flash-shaped, V4-Flash, V4-Pro)."""
+def launch_settings(experts_block: int) -> dict:
+    """Launch settings for ``experts_block`` (the experts, padded to a power of two): ``BD`` channels a reduction
+    step, pipeline ``STAGES``, ``WARPS``. Why pipelined and wide: one program per 16 tokens streams the whole
+    router weight (256 KB at the Flash-shaped model's 32 experts), and with 64-channel steps one after another
+    the launch took 26 us of an eager decode step whatever the batch (four layers: 104 us at one sequence,
+    ``bench/results/rollout-h200-flash-shaped-triton-eager-route-order.json``), waiting on each load in turn.
+    The fastest of the sweep (``python -m bench.kernels_decode_sweep``,
+    ``bench/results/kernels-decode-sweep-h200.json``, at 1, 64 and 256 tokens): 10 us at 32 experts (no
+    register spills on sm_90, triton 3.6); at 256 (V4-Flash: 2 MB of weight for one program) 33 us at 8 warps with
+    720 bytes spilled, where the 64-channel steps without spills took 37 us and 4 warps (31 us) spill 2 KB. At
+    512 (untimed) the 32-channel steps, which compile without spills."""
     if experts_block <= 64:
-        return 64, 4
-    return (32, 8) if experts_block <= 256 else (16, 8)
+        return dict(BD=512, STAGES=3, WARPS=4)
+    return dict(BD=128, STAGES=3, WARPS=8) if experts_block <= 256 else dict(BD=32, STAGES=3, WARPS=8)
 
 
-def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, score_func: str):
+def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, score_func: str, config=None):
     """The kernel on checked inputs (``x [T, d]``, ``w [E, d]`` contiguous; ``bias [E]`` fp32 for a learned
     layer, ``table [V, k]`` int64 and ``ids [T]`` int64 for a hash layer) -> ``(weights [T, k] fp32, idx [T, k]
-    int64)``."""
+    int64)``; ``config`` overrides keys of :func:`launch_settings` (the sweep's)."""
     T, D = x.shape
     E = w.shape[0]
     weights = torch.empty(T, topk, dtype=torch.float32, device=x.device)
@@ -111,12 +120,12 @@ def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, 
         hashed = table is not None
         dummy = weights                                            # a pointer the untaken branch never reads
         BE = max(16, triton.next_power_of_2(E))
-        BD, warps = launch_settings(BE)
+        c = {**launch_settings(BE), **(config or {})}
         _route_kernel[(triton.cdiv(T, TOKENS),)](
             x, w, dummy if hashed else bias, table if hashed else dummy, ids if hashed else dummy, weights, idx, T, D,
             E, float(route_scale), K=topk, KP=triton.next_power_of_2(topk), BT=TOKENS, BE=BE,
-            BD=BD, FUNC=SCORE_FUNCS.index(score_func), HASH=hashed, RENORM=score_func != "softmax",
-            F32=gpu_common.interpreting(), num_warps=warps)
+            BD=c["BD"], STAGES=c["STAGES"], FUNC=SCORE_FUNCS.index(score_func), HASH=hashed,
+            RENORM=score_func != "softmax", F32=gpu_common.interpreting(), num_warps=c["WARPS"])
     return weights, idx
 
 

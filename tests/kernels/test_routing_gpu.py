@@ -86,10 +86,12 @@ def test_the_router_compiles_for_sm90(experts, hashed):
 
     from kernels.triton import routing as R
 
-    block, warps = R.launch_settings(experts)
-    consts = dict(K=6, KP=8, BT=R.TOKENS, BE=experts, BD=block, FUNC=0, HASH=hashed, RENORM=True, F32=False)
+    c = R.launch_settings(experts)
+    consts = dict(K=6, KP=8, BT=R.TOKENS, BE=experts, BD=c["BD"], STAGES=c["STAGES"], FUNC=0, HASH=hashed,
+                  RENORM=True, F32=False)
     sig = {"X": "*bf16", "W": "*bf16", "BIAS": "*fp32", "TABLE": "*i64", "IDS": "*i64", "WEIGHTS": "*fp32",
            "IDX": "*i64", "T": "i32", "D": "i32", "E": "i32", "scale": "fp32", **{k: "constexpr" for k in consts}}
     compiled = compile(ASTSource(R._route_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps))
+                       options=dict(num_warps=c["WARPS"], num_stages=c["STAGES"]))
     assert ".entry" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared      # an H100 / H200 SM's limit

@@ -1,0 +1,104 @@
+"""Launch settings of three small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
+(``kernels/triton/experts.py``) and the sparse attention's forward for few tokens (``kernels/triton/attention.py``).
+
+    python -m bench.kernels_decode_sweep --out FILE.json
+
+Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
+took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
+at one sequence (``bench/results/rollout-h200-flash-shaped-triton-eager-route-order.json``), each far from the
+bytes it reads. Each setting of a small grid is timed with ``triton.testing.do_bench_cudagraph`` (one replay of a
+graph of the launch, so the host's launch time is not counted) at the step's shapes: 1, 64 and 256 tokens;
+the router over the Flash-shaped model's 32 experts and V4-Flash's 256 (``d = 4096``, top 6), the order of their
+pairs, the attention of 64 heads of 512 over 128 (a window) and 640 gathered rows (a window and the indexer's 512).
+Each output is compared with the launch settings' (``equal`` bits, ``close`` within bf16 rounding). The sweep only
+measures; the settings change by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+
+from bench import kernels_common as bc
+
+
+def _time(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3           # us
+
+
+def _agree(got, ref) -> str:
+    got, ref = (got if isinstance(got, tuple) else (got,)), (ref if isinstance(ref, tuple) else (ref,))
+    if all(torch.equal(a, b) for a, b in zip(got, ref)):
+        return "equal"
+    return "close" if all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(got, ref)) \
+        else "differ"
+
+
+def _sweep(label, fn, configs, default, meta, **shape):
+    """Time ``fn(config)`` for the launch settings (``config`` None) and each of ``configs``; rows for each."""
+    ref = fn(None)
+    us_default = _time(lambda: fn(None))
+    print(f"== {label} {shape}: launch settings {default} {us_default:.1f} us", flush=True)
+    rows = [dict(kernel=label, config=default, us=round(us_default, 2), vs_default="default", **shape, **meta)]
+    for cfg in configs:
+        try:
+            got = fn(cfg)
+            us = _time(lambda: fn(cfg))
+        except Exception as e:                                      # e.g. out of shared memory: recorded, skipped
+            rows.append(dict(kernel=label, config=cfg, error=f"{type(e).__name__}: {str(e)[:120]}", **shape, **meta))
+            continue
+        rows.append(dict(kernel=label, config=cfg, us=round(us, 2), vs_default=_agree(got, ref), **shape, **meta))
+    for r in sorted((r for r in rows if "us" in r), key=lambda r: r["us"])[:4]:
+        print(f"  {r['us']:8.2f} us {r['vs_default']:8s} {r['config']}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    out = bc.sweep_output(__doc__, argv)
+    import triton
+
+    from kernels.triton import attention as A
+    from kernels.triton import experts as KE
+    from kernels.triton import routing as R
+
+    meta = bc.base_meta(triton=triton.__version__)
+    dev, g = "cuda", torch.Generator().manual_seed(0)
+    rows = []
+    route_grid = [dict(BD=bd, STAGES=st, WARPS=wp) for bd, st, wp in itertools.product([64, 128, 256, 512],
+                                                                                      [1, 2, 3], [4, 8])]
+    for E, T in itertools.product((32, 256), (1, 64, 256)):
+        x = torch.randn(T, 4096, generator=g).bfloat16().to(dev)
+        w = (torch.randn(E, 4096, generator=g) * 4096 ** -0.5).bfloat16().to(dev)
+        bias = torch.randn(E, generator=g).to(dev) * 0.1
+        BE = max(16, triton.next_power_of_2(E))
+        rows += _sweep("route_experts", lambda c: R.route_experts_launch(x, w, bias, None, None, 6, 1.5,
+                                                                         "sqrtsoftplus", c),
+                       route_grid, R.launch_settings(BE), meta, experts=E, tokens=T)
+        flat = torch.randint(0, E, (T * 6,), generator=g).to(dev)
+        us = _time(lambda: KE.expert_order_launch(flat, E))
+        us_sort = _time(lambda: flat.sort(stable=True))
+        print(f"== expert_order {E} experts, {T * 6} pairs: {us:.1f} us (torch's stable sort {us_sort:.1f} us)")
+        rows.append(dict(kernel="expert_order", experts=E, pairs=T * 6, us=round(us, 2),
+                         torch_stable_sort_us=round(us_sort, 2), **meta))
+    att_grid = [dict(BH=bh, BK=bk, num_warps=wp, num_stages=st)
+                for bh, bk, wp, st in itertools.product([16, 32], [32, 64], [4, 8], [1, 2, 3])]
+    for T, K in itertools.product((1, 64, 256), (128, 640)):
+        H, D = 64, 512
+        q = torch.randn(T, H, D, generator=g).bfloat16().to(dev)
+        kv = torch.randn(T * K, D, generator=g).bfloat16().to(dev)            # every token its own rows
+        idx = (torch.arange(T)[:, None] * K + torch.randperm(K, generator=g)[None, :]).to(torch.int32).to(dev)
+        sink = torch.randn(H, generator=g).to(dev)
+        rows += _sweep("sparse_attention_fwd", lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c),
+                       att_grid, A.fwd_settings(T, H), meta, tokens=T, heads=H, rows=K)
+    with open(out, "w") as fh:
+        json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
