@@ -33,6 +33,7 @@ class Compiles:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.names: List[str] = []
+        self.specializations: List[str] = []     # each compile's signature and constants (triton's ``repr``)
 
     @property
     def count(self) -> int:
@@ -49,6 +50,7 @@ def _counting(previous):
         name = getattr(fn, "name", None) or "?"
         for c in _active:
             c.names.append(name)
+            c.specializations.append(str(kwargs.get("repr") or name))
         return previous(*args, **kwargs) if previous is not None else None
     return hook
 
@@ -84,4 +86,4 @@ def counted(label: str = "", knobs: Any = None) -> Iterator[Compiles]:
         _active.remove(c)
         if c.count:
             log.debug(f"{label + ': ' if label else ''}{c.count} Triton kernel(s) compiled: "
-                      f"{', '.join(sorted(set(c.names)))}")
+                      f"{', '.join(sorted(set(c.names)))}; specializations: {'; '.join(c.specializations)}")

@@ -31,7 +31,7 @@ MAX_SIZE = 4096
 ELEMENTS_PER_PROGRAM = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _hadamard_kernel(X, Y, R, scale, N: tl.constexpr, LOG_N: tl.constexpr, BR: tl.constexpr,
                      ROUND: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)

@@ -27,7 +27,7 @@ __all__ = ["indexer_scores", "indexer_scores_thd", "indexer_scores_launch", "ind
 INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N", "stride_ot", "stride_ob"])
 def _indexer_kernel(Q, K, W, KS, KE, OUT,
                     T, N, H,
                     stride_qt, stride_qh, stride_kn, stride_wt, stride_ot,

@@ -45,7 +45,7 @@ __all__ = ["rms_normalize", "rms_normalize_launch", "rms_normalize_bwd_launch", 
 ELEMENTS_PER_PROGRAM = 8192
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rms_fwd_kernel(X, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, PD)
@@ -56,7 +56,7 @@ def _rms_fwd_kernel(X, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.cons
     tl.store(Y + offs, (x * r[:, None]).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rms_bwd_kernel(X, DY, DX, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, PD)
@@ -70,7 +70,7 @@ def _rms_bwd_kernel(X, DY, DX, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rms_norm_fwd_kernel(X, W, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, PD)
@@ -83,7 +83,7 @@ def _rms_norm_fwd_kernel(X, W, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR:
     tl.store(Y + offs, (y * w[None, :]).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "nblocks"])
 def _rms_norm_bwd_kernel(X, W, DY, DX, DWP, R, nblocks, programs, eps, D: tl.constexpr, PD: tl.constexpr,
                          BR: tl.constexpr):
     pid = tl.program_id(0)

@@ -40,7 +40,7 @@ def _product(a, b, ROUNDED: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "N"])
 def _rope_kernel(X, COS, SIN, OUT, R, N, HEADS,
                  D: tl.constexpr, HALF: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr,
                  INVERSE: tl.constexpr, ROUNDED: tl.constexpr):

@@ -44,7 +44,7 @@ def _load_clamped(H, rows, cols, F, mask, limit, HAS_LIMIT: tl.constexpr):
     return g0, u0, g, u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _swiglu_fwd_kernel(H, W, A, N, F, limit, HAS_LIMIT: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
@@ -56,7 +56,7 @@ def _swiglu_fwd_kernel(H, W, A, N, F, limit, HAS_LIMIT: tl.constexpr, BR: tl.con
     tl.store(A + rows.to(tl.int64)[:, None] * F + cols[None, :], a.to(A.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _swiglu_bwd_kernel(H, W, DA, DH, DWP, N, F, limit, HAS_LIMIT: tl.constexpr, BR: tl.constexpr,
                        BF: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
