@@ -3,7 +3,8 @@
     python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny|flash-shaped|bench]
                             [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
                             [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
-                            [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--top-p 1.0]
+                            [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--profile-sources]
+                            [--top-p 1.0]
                             [--layers N] [--out FILE.json]
 
 ``--model bench`` is the training benchmark's small config (``bench.configs.bench_config``); the others are
@@ -39,7 +40,8 @@ is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].
 with a single new token (prefill and one draw) and one with ``1 + N``; their difference over ``N`` is one
 decode step: the kernels a step launches (CUDA; operators on the CPU), its device time, and the kernels that
 take most of it (the row's ``profile``). That is where a decode step's time goes when it is far from the
-bandwidth its weights need.
+bandwidth its weights need. ``--profile-sources`` adds which lines of the engine's code launched them
+(``profile["sources"]``, :mod:`bench.profile_sources`; on CUDA with ``--cuda-graphs off``).
 """
 
 from __future__ import annotations
@@ -134,26 +136,36 @@ def _timed(fn, device, repeats):
     return best, out
 
 
-def profile_decode(generate, device: torch.device, steps: int, top: int = 40) -> dict:
+def profile_decode(generate, device: torch.device, steps: int, top: int = 40, sources: bool = False) -> dict:
     """One decode step's kernels (CUDA) or operators (CPU, self time): ``generate(new_tokens)`` runs under
     ``torch.profiler`` with 1 and with ``1 + steps`` new tokens, and the difference is divided by ``steps``
     (prefill and the first draw cancel). Returns counts per step, device (CPU) ms per step and the ``top``
     names by time; under ``prefill``, the same of the call with one new token (the prefill, its cache copies
-    and the first draw: where a rollout's prefill time goes)."""
+    and the first draw: where a rollout's prefill time goes). ``sources``: also the step's kernels (CUDA) or
+    operators (CPU) by the line of the engine's code that launched them (:mod:`bench.profile_sources`; the
+    row's ``profile["sources"]``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
+    sites = []
+    from bench.profile_sources import is_python_frame
+
     def totals(new_tokens: int) -> dict:
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=sources) as prof:
             generate(new_tokens)
             _sync(device)
+        if sources:
+            from bench.profile_sources import by_call_site
+            sites.append(by_call_site(prof.events(), cuda))
         got = {}
         for e in prof.key_averages():
             if cuda and e.device_type != DeviceType.CUDA:
                 continue
+            if sources and is_python_frame(e.key):
+                continue                                  # the Python frames with_stack adds (CPU)
             got[e.key] = (e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
         return got
 
@@ -171,7 +183,11 @@ def profile_decode(generate, device: torch.device, steps: int, top: int = 40) ->
                 f"ms{suffix}": round(sum(t for _, t in by_name.values()) / 1e3, 4),
                 "top": [dict(name=n[:120], calls=round(c, 2), us=round(t, 2)) for n, (c, t) in ranked[:top]]}
 
-    return {**summary(per, "_per_step"), "prefill": summary(base, "")}
+    out = {**summary(per, "_per_step"), "prefill": summary(base, "")}
+    if sources:
+        from bench.profile_sources import per_step
+        out["sources"] = per_step(sites[0], sites[1], steps, top)
+    return out
 
 
 def _engine(config, device, dtype, seed, **kw):
@@ -241,7 +257,8 @@ def _row(name, B, P, T, t_pre, t_full, generated, extra):
 def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", batch=(1, 4), prompt_len=(32,),
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
               cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none",
-              compile=False, on_row=None, profile_steps: int = 0, top_p: float = 1.0, layers=None) -> dict:
+              compile=False, on_row=None, profile_steps: int = 0, top_p: float = 1.0, layers=None,
+              profile_sources: bool = False) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
     the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
     ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name). ``on_row``: called
@@ -326,7 +343,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                         def gen_n(k, prompts=prompts):
                             return engine.generate(prompts, dataclasses.replace(params, max_new_tokens=k), n=1,
                                                    seed=seed)
-                        extra["profile"] = profile_decode(gen_n, dev, profile_steps)
+                        extra["profile"] = profile_decode(gen_n, dev, profile_steps, sources=profile_sources)
             except torch.cuda.OutOfMemoryError as e:
                 add(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
@@ -364,6 +381,9 @@ def format_table(result: dict) -> str:
             count = next(v for k, v in prof.items() if k.endswith("_per_step"))
             lines.append(f"decode step at batch {r['batch']}: {count} launches, {prof['ms_per_step']} ms; costliest:")
             lines += [f"  {t['us']:>9.1f} us {t['calls']:>6} x  {t['name']}" for t in prof["top"][:10]]
+            if prof.get("sources"):
+                lines.append(f"decode step at batch {r['batch']} by call site:")
+                lines += [f"  {t['us']:>9.1f} us {t['calls']:>6} x  {t['site']}" for t in prof["sources"][:25]]
             pre = prof["prefill"]
             count = next(v for k, v in pre.items() if k in ("kernels", "operators"))
             lines.append(f"prefill and first draw at batch {r['batch']}: {count} launches, {pre['ms']} ms; costliest:")
@@ -391,6 +411,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="timed calls per number (the best is kept)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="cached rows: profile this many decode steps (kernels per step, the costliest ones)")
+    p.add_argument("--profile-sources", action="store_true",
+                   help="with --profile-steps: also the kernels by the line of engine code that launched them "
+                        "(CUDA: needs --cuda-graphs off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: dsv4 train's default)")
     p.add_argument("--layers", type=int, default=None, help="trunk layers (default: the preset's)")
@@ -401,6 +424,9 @@ def main(argv=None) -> int:
     bad = sorted(set(rows) - {"cached", "uncached", "transformers"})
     if bad or len(a.prompt_len) > 2:
         p.error(f"--rows takes cached, uncached, transformers (got {bad}); --prompt-len takes LEN or MIN MAX")
+    if a.profile_sources and (a.profile_steps <= 0 or (a.device.startswith("cuda") and a.cuda_graphs != "off")):
+        p.error("--profile-sources needs --profile-steps N and, on CUDA, --cuda-graphs off (a graph's replay "
+                "launches its kernels without the code that recorded them)")
     torch.set_num_threads(a.threads)
     if a.device.startswith("cuda"):                 # the nvidia target's setting: no TF32 in fp32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -426,7 +452,8 @@ def main(argv=None) -> int:
                        prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
                        rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
                        kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=row_done,
-                       profile_steps=a.profile_steps, top_p=a.top_p, layers=a.layers)
+                       profile_steps=a.profile_steps, top_p=a.top_p, layers=a.layers,
+                       profile_sources=a.profile_sources)
     print(format_table(result))
     write(result)
     print(f"wrote {out}")

@@ -171,3 +171,33 @@ def test_the_decode_profile_counts_one_step():
                       profile_steps=4)["rows"][0]["profile"]
     assert again["operators_per_step"] == pytest.approx(prof["operators_per_step"], rel=0.25)
     assert "decode step at batch 1" in format_table(res)
+
+
+def test_the_profile_by_call_site_names_the_engines_functions():
+    """``--profile-sources`` on the CPU: a tiny engine's decode steps by the function of the engine's code that
+    ran each top-level operator. The mHC split, the attention and the compressor's pooling are among them, and
+    the sites' operators per step are those of the by-name profile (the same operators, grouped another way; its
+    count also holds the nested ones, so it is the larger)."""
+    from bench.rollout import run_bench
+
+    torch.set_num_threads(1)
+    res = run_bench(model="tiny", batch=(2,), prompt_len=(8,), new_tokens=4, rows=("cached",), profile_steps=2,
+                    profile_sources=True)
+    prof = res["rows"][0]["profile"]
+    sites = {r["site"].split(" ")[-1]: r for r in prof["sources"]}
+    assert {"hc_split", "sparse_attention_with_sink", "pool_slots"} <= set(sites), sorted(sites)
+    assert all(r["site"].split(":")[0].startswith(("kernels/", "rollout/", "engine/", "core/", "backends/"))
+               for r in prof["sources"])
+    assert 0 < sum(r["calls"] for r in prof["sources"]) <= prof["operators_per_step"]
+    assert not any(t["name"].startswith("<built-in") or ".py(" in t["name"] for t in prof["top"])
+
+
+def test_profile_sources_needs_eager_launches_on_cuda(capsys):
+    """On CUDA a graph's replay launches its kernels without the code that recorded them: ``--profile-sources``
+    without ``--cuda-graphs off`` is refused with the fix, as is one without ``--profile-steps``."""
+    from bench.rollout import main
+
+    for argv in (["--device", "cuda", "--profile-steps", "2", "--profile-sources"], ["--profile-sources"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--cuda-graphs off" in capsys.readouterr().err
