@@ -61,11 +61,11 @@ __all__ = [
 ]
 
 # Launch parameters; bench.py may override them per call (the ``config`` argument).
-FWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=2)
+FWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=2, SPLIT=1)
 # (fastest of bench.py's sweep on the H200; BK=64 with 2 stages does not fit in shared memory)
 # Few tokens (a decode step): narrower head blocks, so more programs share the work (fwd_settings). ptxas (sm_90a,
 # triton 3.6): no spills at 8 warps; at 4 it spills 800 bytes (BK=32 with 3 stages does not)
-FEW_TOKENS_CONFIG = dict(BH=16, BK=64, num_warps=8, num_stages=2)
+FEW_TOKENS_CONFIG = dict(BH=16, BK=64, num_warps=8, num_stages=2, SPLIT=1)
 FEW_PROGRAMS = 128             # programs of FWD_CONFIG's grid below which FEW_TOKENS_CONFIG runs
 BWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=1,     # dq pass
                   BK2=64, DC=64, num_warps2=4, num_stages2=3)  # dkv pass
@@ -74,6 +74,29 @@ BWD_CONFIG = dict(BH=64, BK=64, num_warps=8, num_stages=1,     # dq pass
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tiles(q, KV, idx_row, k_lo, k_hi, m_i, l_i, acc, scale_log2, stride_kv,
+                  BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The online softmax of ``q [BH, D]`` over the gathered rows ``idx_row[k_lo:k_hi]`` in ``BK``-row tiles,
+    from the running max ``m_i``, sum ``l_i`` (log2 units) and output ``acc``: ``(m_i, l_i, acc)`` after them."""
+    offs_d = tl.arange(0, D)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BK)
+        idx = tl.load(idx_row + offs_k, mask=offs_k < k_hi, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        kv = tl.load(KV + rows[:, None] * stride_kv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kv)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -93,27 +116,69 @@ def _fwd_kernel(Q, KV, IDX, SINK, O, LSE2,
     m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full([BH], 1.0, dtype=tl.float32)
     acc = tl.zeros([BH, D], dtype=tl.float32)
-
-    idx_row = IDX + t * stride_it
-    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
-        offs_k = k0 + tl.arange(0, BK)
-        idx = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-        kv = tl.load(KV + rows[:, None] * stride_kv + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kv)) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        m_i = m_new
+    m_i, l_i, acc = _attend_tiles(q, KV, IDX + t * stride_it, 0, K, m_i, l_i, acc, scale_log2, stride_kv,
+                                  BK, D, NUM_STAGES)
 
     o = acc / l_i[:, None]
     tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=hmask[:, None])
     tl.store(LSE2 + t * H + offs_h, m_i + tl.log2(l_i), mask=hmask)
+
+
+@triton.jit
+def _fwd_split_kernel(Q, KV, IDX, PO, PM, PL,
+                      H, K, KPER, scale_log2,
+                      stride_qt, stride_qh, stride_kv, stride_it,
+                      BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Program ``(hb, s, t)``: the online softmax of token ``t``'s heads over its rows ``[s KPER, (s+1) KPER)``,
+    unnormalized (``PO [T, S, H, D]`` fp32) with its max and sum (``PM``, ``PL`` ``[T, S, H]``, log2 units);
+    :func:`_combine_kernel` adds the sink and the splits. A finite start (not -inf) keeps a split without a
+    valid row at ``l = 0`` without NaN."""
+    hb = tl.program_id(0)
+    sp = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)
+    S = tl.num_programs(1)
+    offs_h = hb * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None], other=0.0)
+    m_i = tl.full([BH], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, D], dtype=tl.float32)
+    k_lo = sp * KPER
+    m_i, l_i, acc = _attend_tiles(q, KV, IDX + t * stride_it, k_lo, tl.minimum(k_lo + KPER, K), m_i, l_i, acc,
+                                  scale_log2, stride_kv, BK, D, NUM_STAGES)
+    row = (t * S + sp) * H + offs_h                                       # [BH] rows of [T, S, H]
+    tl.store(PO + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
+    tl.store(PM + row, m_i, mask=hmask)
+    tl.store(PL + row, l_i, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(PO, PM, PL, SINK, O, LSE2, H, S, stride_ot, stride_oh,
+                    BH: tl.constexpr, D: tl.constexpr):
+    """Program ``(hb, t)``: token ``t``'s output and log-sum-exp from its splits' partials and the sink (a
+    logit in the denominator only), as :func:`_fwd_kernel` writes them."""
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BH + tl.arange(0, BH)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    sink = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = sink
+    for sp in range(0, S):
+        m = tl.maximum(m, tl.load(PM + (t * S + sp) * H + offs_h, mask=hmask, other=-1.0e30))
+    z = tl.exp2(sink - m)
+    acc = tl.zeros([BH, D], dtype=tl.float32)
+    for sp in range(0, S):
+        row = (t * S + sp) * H + offs_h
+        w = tl.exp2(tl.load(PM + row, mask=hmask, other=-1.0e30) - m)
+        z += tl.load(PL + row, mask=hmask, other=0.0) * w
+        acc += tl.load(PO + row[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
+    tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             (acc / z[:, None]).to(O.dtype.element_ty), mask=hmask[:, None])
+    tl.store(LSE2 + t * H + offs_h, m + tl.log2(z), mask=hmask)
 
 
 @triton.jit
@@ -214,18 +279,26 @@ def _head_block(H: int, BH: int) -> int:
     return max(16, min(BH, triton.next_power_of_2(H)))
 
 
-def fwd_settings(T: int, H: int) -> dict:
-    """The forward's launch settings for ``T`` tokens of ``H`` heads: :data:`FWD_CONFIG`, or for fewer than
-    :data:`FEW_PROGRAMS` of its programs :data:`FEW_TOKENS_CONFIG`. Why: every head of a token multiplies that
-    token's gathered rows (one shared key-value head), 84 MFLOP a token for V4-Flash's 64 heads over 640 rows,
-    and a program of 64 heads does it on one SM: a decode step of one sequence ran each layer's attention on
-    one SM (16 us a call) and one of 64 sequences on 64 of the H200's 132 (21 us;
+def fwd_settings(T: int, H: int, K: int = 0) -> dict:
+    """The forward's launch settings for ``T`` tokens of ``H`` heads over ``K`` gathered rows:
+    :data:`FWD_CONFIG`, or for fewer than :data:`FEW_PROGRAMS` of its programs :data:`FEW_TOKENS_CONFIG`, whose
+    ``SPLIT`` (rows split over that many programs a head block, at least two tiles each) is raised while a
+    token's head blocks alone leave most of the GPU idle. Why: every head of a token multiplies that token's
+    gathered rows (one shared key-value head), 84 MFLOP a token for V4-Flash's 64 heads over 640 rows, and a
+    program of 64 heads does it on one SM: a decode step of one sequence ran each layer's attention on one SM
+    (16 us a call) and one of 64 sequences on 64 of the H200's 132 (21 us;
     ``bench/results/rollout-h200-flash-shaped-triton-eager-route-order.json``). 16-head blocks give each token
-    four programs. Each head's row is computed alike in either (its dot products over ``D``, its online
-    softmax over the same row tiles)."""
-    if triton.cdiv(H, _head_block(H, FWD_CONFIG["BH"])) * T < FEW_PROGRAMS:
-        return dict(FEW_TOKENS_CONFIG)
-    return dict(FWD_CONFIG)
+    four programs (64 sequences: 48.5 us for 640 rows; one: 30.7 us, four programs;
+    ``bench/results/kernels-decode-sweep-h200.json``); a split gives one token's four blocks more. Each head's
+    row is computed alike in each (its dot products over ``D``, its online softmax over the same row tiles;
+    split, the partial sums meet in fp32)."""
+    blocks = triton.cdiv(H, _head_block(H, FWD_CONFIG["BH"]))
+    if blocks * T >= FEW_PROGRAMS:
+        return dict(FWD_CONFIG)
+    cfg = dict(FEW_TOKENS_CONFIG)
+    programs = triton.cdiv(H, _head_block(H, cfg["BH"])) * T
+    cfg["SPLIT"] = max(1, min(FEW_PROGRAMS // programs, K // (2 * cfg["BK"])))
+    return cfg
 
 
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -233,7 +306,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, s
     """Forward only. Returns ``o [T,H,D]`` (q.dtype) and ``lse2 [T,H]`` fp32 in log2 units; launch settings
     :func:`fwd_settings`, ``config`` overrides their keys."""
     _check(q, kv, idx, sink)
-    cfg = {**fwd_settings(q.shape[0], q.shape[1]), **(config or {})}
+    cfg = {**fwd_settings(q.shape[0], q.shape[1], idx.shape[-1]), **(config or {})}
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     sink = sink.to(torch.float32).contiguous()
@@ -244,6 +317,19 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, s
     if T == 0:
         return o, lse2
     BH = _head_block(H, cfg["BH"])
+    split = cfg.get("SPLIT", 1)
+    if split > 1:
+        kper = triton.cdiv(triton.cdiv(K, split), cfg["BK"]) * cfg["BK"]
+        split = triton.cdiv(K, kper)
+        po = torch.empty(T, split, H, D, dtype=torch.float32, device=q.device)
+        pm = torch.empty(T, split, H, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        _fwd_split_kernel[(triton.cdiv(H, BH), split, T)](
+            q, kv, idx, po, pm, pl, H, K, kper, float(scale) * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
+            idx.stride(0), BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+        _combine_kernel[(triton.cdiv(H, BH), T)](po, pm, pl, sink, o, lse2, H, split, o.stride(0), o.stride(1),
+                                                 BH=BH, D=D, num_warps=4)
+        return o, lse2
     grid = (triton.cdiv(H, BH), T)
     _fwd_kernel[grid](q, kv, idx, sink, o, lse2, H, K, float(scale) * LOG2E,
                       q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
