@@ -10,7 +10,8 @@ at one sequence (``bench/results/rollout-h200-flash-shaped-triton-eager-route-or
 bytes it reads. Each setting of a small grid is timed with ``triton.testing.do_bench_cudagraph`` (one replay of a
 graph of the launch, so the host's launch time is not counted) at the step's shapes: 1, 64 and 256 tokens;
 the router over the Flash-shaped model's 32 experts and V4-Flash's 256 (``d = 4096``, top 6), the order of their
-pairs, the attention of 64 heads of 512 over 128 (a window) and 640 gathered rows (a window and the indexer's 512).
+pairs, the attention of 64 heads of 512 over 128 (a window) and 640 gathered rows (a window and the indexer's 512), and
+the split of one to 16 tokens' 640 rows over programs.
 Each output is compared with the launch settings' (``equal`` bits, ``close`` within bf16 rounding). The sweep only
 measures; the settings change by hand.
 """
@@ -95,6 +96,15 @@ def main(argv=None):
         sink = torch.randn(H, generator=g).to(dev)
         rows += _sweep("sparse_attention_fwd", lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c),
                        att_grid, A.fwd_settings(T, H), meta, tokens=T, heads=H, rows=K)
+    for T in (1, 4, 16):                                # one token's rows split over programs (fwd_settings' SPLIT)
+        H, D, K = 64, 512, 640
+        q = torch.randn(T, H, D, generator=g).bfloat16().to(dev)
+        kv = torch.randn(T * K, D, generator=g).bfloat16().to(dev)
+        idx = (torch.arange(T)[:, None] * K + torch.randperm(K, generator=g)[None, :]).to(torch.int32).to(dev)
+        sink = torch.randn(H, generator=g).to(dev)
+        rows += _sweep("sparse_attention_fwd split", lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c),
+                       [dict(A.FEW_TOKENS_CONFIG, SPLIT=sp) for sp in (1, 2, 3, 5, 10)], A.fwd_settings(T, H, K),
+                       meta, tokens=T, heads=H, rows=K)
     with open(out, "w") as fh:
         json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)
     print(f"wrote {out}")
