@@ -25,7 +25,8 @@ slots (default: all at once; :mod:`rollout.slot_decoder`): waiting samples are a
 :func:`kernels.reference.decode.prefill` (each distinct prompt once, right-padded), then
 :func:`kernels.reference.slots.static_decode_step` feeds one token per live slot per step (static shapes,
 replayed from a CUDA graph per slot bucket on CUDA); a finished sample frees its slot for the next waiting
-one (continuous batching), and live slots are packed into the smallest bucket; with ``compile`` the step's
+one (continuous batching; a stop token is seen a step late, so that no step waits for the one before), and live
+slots are packed into the smallest bucket; with ``compile`` the step's
 device work is TorchInductor code (up to three compiles for all buckets; :mod:`rollout.slot_decoder`). ``kv_cache=False`` is
 the former engine, kept as the oracle and the benchmark's baseline: one prompt's ``n`` samples at a time, the
 whole prefix re-run for every new token. Both sample with :func:`sample_tokens` from the same per-sample streams,
@@ -580,20 +581,49 @@ class ReferenceEngine(RolloutEngineBase):
         fed_ids, fed_pos, fed_routes = [], [], []     # per decode step: samples, positions, [rows, layers, k]
         fed_picks = []                                # per decode step: [rows, n_csa, index_topk]
 
-        def stopped(tok):                             # the one host sync per step (none without stop tokens)
+        def stopped(tok):                             # a host sync (an admission's first draws)
             return torch.isin(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
+
+        def stop_flags(tok):
+            """A decode step's stop flags on their way to the host, read one step later (:func:`settle`), so
+            that the engine launches the next step without waiting for this one; None without stop tokens."""
+            if not params.stop_token_ids:
+                return None
+            flags = torch.isin(tok, stops)
+            if not flags.is_cuda:
+                return flags, None
+            host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return host, done
+
+        def settle(step) -> None:
+            """A step's stops, learnt a step late: a sample that drew a stop token ends there (its first stop);
+            its slot, if it still holds it, is freed. It was fed that token in the step since (its cache row
+            and the token drawn after it are past its end and dropped)."""
+            nonlocal view
+            sids, counts, (flags, done) = step
+            if done is not None:
+                done.synchronize()
+            for sid, d, stop in zip(sids, counts, flags.tolist()):
+                if stop and lengths[sid] == T:
+                    lengths[sid] = d + 1
+                    if sid in sample_of:
+                        sample_of[sample_of.index(sid)], view = -1, None
 
         waiting = list(range(len(items)))[::-1]       # popped from the end: in sample order
         sample_of = [-1] * M                          # slot -> sample id (-1: free)
         drawn = [0] * M                               # slot -> index of its sample's last drawn token
         last = torch.zeros(M, dtype=torch.long, device=dev)   # slot -> the token it feeds next
         dec, view = None, None                        # view: device index tensors of the live slots
+        late = None                                   # the last step's (samples, drawn counts, stop flags)
         while True:
             free = [s for s in range(M) if sample_of[s] < 0]
             if waiting and free:                      # admit the next samples: prefill them into free slots
                 take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
                 slots = free[: len(take)]
-                dec = self._decoder_for(M, max(P) + T - 1)      # the last drawn token is never fed
+                dec = self._decoder_for(M, max(P) + T - 1)      # a drawn token past T - 2 is never fed
                 step = self.prefill_batch or len(take)
                 logits = []
                 for i in range(0, len(take), step):
@@ -650,12 +680,16 @@ class ReferenceEngine(RolloutEngineBase):
             tokens[ids, t], logps[ids, t] = tok, lp
             last[rows] = tok
             view = (rows, mask, ids, t)
-            for s, stop in zip(live, stopped(tok)):
+            flags, sids = stop_flags(tok), [sample_of[s] for s in live]
+            for s in live:
                 drawn[s] += 1
-                if stop:
-                    lengths[sample_of[s]] = drawn[s] + 1
-                if stop or drawn[s] == T - 1:
+                if drawn[s] == T - 1:                 # its last token: known without the GPU
                     sample_of[s], view = -1, None
+            if late is not None:                      # the step before's stops, while the GPU runs this one
+                settle(late)
+            late = None if flags is None else (sids, [drawn[s] for s in live], flags)
+        if late is not None:
+            settle(late)
         if fed_routes:                                # one device -> host copy for the whole call
             learned = torch.tensor(learned_layers(c), dtype=torch.long)   # empty when every layer is hash-routed
             rows = torch.tensor([i for step in fed_ids for i in step])

@@ -140,6 +140,34 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
     assert cached.positions_fed * 4 < uncached.positions_fed
 
 
+def _fresh_engine():
+    """A cached engine of its own (its work count starts at 0; the fixture's is shared)."""
+    from rollout.reference_engine import ReferenceEngine
+    from rollout.weight_sync import sync_weights
+    from train.model import build_train_model
+
+    e = ReferenceEngine(CFG)
+    assert sync_weights(build_train_model(CFG, seed=0), e, version=1).ok
+    return e
+
+
+def test_a_stopped_sample_leaves_the_batch_one_step_later():
+    """The engine reads a step's stop flags after launching the next step (no wait for the GPU between steps),
+    so a sample that draws a stop token at index ``d`` is fed that token once more and then leaves: it is fed
+    ``d + 1`` tokens in decode steps (none when its first draw, at admission, stops it; ``T - 1`` when it runs to
+    ``max_new_tokens`` ``T``). Its response still ends at the stop (``_same`` checks the samples elsewhere)."""
+    e = _fresh_engine()
+    params = _params(max_new_tokens=10, stop_token_ids=tuple(range(2, 1024, 5)))
+    e.positions_fed = 0
+    got = [s for g in e.generate(PROMPTS, params, n=N, seed=11) for s in g]
+    T = params.max_new_tokens
+    stopped = [s for s in got if s.finish_reason == "stop"]
+    assert stopped and any(len(s.response_ids) < T for s in stopped)
+    fed = sum(0 if len(s.response_ids) == 1 and s.finish_reason == "stop" else min(len(s.response_ids), T - 1)
+              for s in got)
+    assert e.positions_fed == 3 * max(len(p) for p in PROMPTS) + fed     # 3 distinct prompts, prefilled once
+
+
 def _one_running_sum_draw(probs, u):
     """The draw :func:`kernels.reference.sampling.draw_index` stands for: one float64 running sum of the row,
     the first index whose sum exceeds ``u x`` the row's mass, never past the last index with mass."""
