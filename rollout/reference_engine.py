@@ -564,6 +564,8 @@ class ReferenceEngine(RolloutEngineBase):
     def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
                          seeds: List[List[int]]) -> List[List[Sample]]:
         """Every prompt's ``n`` samples through the slots (continuous batching, module docstring)."""
+        from kernels.reference.slots import to_device
+
         c, dev, T = self.config, self.model.embed.weight.device, params.max_new_tokens
         items = [(pi, j) for pi in range(len(prompts)) for j in range(n)]       # sample id -> (prompt, j)
         P = [len(prompts[pi]) for pi, _ in items]
@@ -633,10 +635,10 @@ class ReferenceEngine(RolloutEngineBase):
                     dec.cache.load(slots[i: i + step], cache, range(len(part)))
                     logits.append(lg)
                 logits = torch.cat(logits)
-                ids = torch.tensor(take, device=dev)
+                ids = to_device(take, dev)
                 tok, lp = sample_tokens(logits, u[ids, 0], params, self._draw)
                 tokens[ids, 0], logps[ids, 0] = tok, lp
-                last[torch.tensor(slots, device=dev)] = tok
+                last[to_device(slots, dev)] = tok
                 for s, slot, stop in zip(take, slots, stopped(tok)):
                     if stop:
                         lengths[s] = 1
@@ -652,16 +654,15 @@ class ReferenceEngine(RolloutEngineBase):
                 src = [s for s in live if s >= b]
                 dst = [s for s in range(b) if sample_of[s] < 0][: len(src)]
                 dec.cache.move(src, dst)
-                last[torch.tensor(dst, device=dev)] = last[torch.tensor(src, device=dev)]
+                last[to_device(dst, dev)] = last[to_device(src, dev)]
                 for s, d in zip(src, dst):
                     sample_of[d], drawn[d], sample_of[s] = sample_of[s], drawn[s], -1
                 live, view = [s for s in range(M) if sample_of[s] >= 0], None
             if view is None:
                 mask = torch.zeros(b, dtype=torch.bool)
                 mask[live] = True
-                view = (torch.tensor(live, device=dev), mask.to(dev),
-                        torch.tensor([sample_of[s] for s in live], device=dev),
-                        torch.tensor([drawn[s] for s in live], device=dev))
+                view = (to_device(live, dev), to_device(mask, dev), to_device([sample_of[s] for s in live], dev),
+                        to_device([drawn[s] for s in live], dev))
                 # the live slots are the first ones (packed above): their logits are a prefix, no gather needed
                 prefix = live == list(range(len(live)))
             rows, mask, ids, t = view

@@ -49,9 +49,20 @@ from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighte
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
-__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "grouped_decode_ok",
+__all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "grouped_decode_ok",
            "static_decode_step", "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS",
            "decode_embed", "decode_layer", "decode_head"]
+
+
+def to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """Host values (a sequence or a CPU tensor) as a tensor on ``device`` without waiting for the GPU: a copy
+    from pageable host memory synchronizes (the host waits for every kernel queued before it, and a rollout
+    engine's step bookkeeping then keeps the GPU idle), so on CUDA the values go through pinned memory with a
+    non-blocking copy, in stream order like any other."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _map_tensors(obj, fn, other=None):
@@ -97,8 +108,7 @@ class SlotCache:
             raise ValueError(f"SlotCache.load: the prefill's capacity {cache.max_len} is not the slots' "
                              f"{self.max_len} (prefill with max_len={self.max_len})")
         dev = self.pos.device
-        dst = torch.as_tensor(list(slots), dtype=torch.long, device=dev)
-        src = torch.as_tensor(list(rows), dtype=torch.long, device=dev)
+        dst, src = to_device(slots, dev), to_device(rows, dev)
         for mine, theirs in zip(self.layers, cache.layers):
             _map_tensors(mine, lambda d, s: d.index_copy_(0, dst, s.index_select(0, src)), theirs)
         self.pos.index_copy_(0, dst, cache.pos.to(dev).index_select(0, src))
@@ -106,8 +116,7 @@ class SlotCache:
     def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy slots ``src`` to slots ``dst`` (in place; e.g. packing the live slots at the front)."""
         dev = self.pos.device
-        d = torch.as_tensor(list(dst), dtype=torch.long, device=dev)
-        s = torch.as_tensor(list(src), dtype=torch.long, device=dev)
+        d, s = to_device(dst, dev), to_device(src, dev)
         for lc in self.layers:
             _map_tensors(lc, lambda t: t.index_copy_(0, d, t.index_select(0, s)))
         self.pos.index_copy_(0, d, self.pos.index_select(0, s))
