@@ -539,6 +539,8 @@ class ReferenceEngine(RolloutEngineBase):
         ``routed`` (``picks``), samples ``ids`` (prompt lengths ``P[id]``) get their prompts' routed experts
         (indexer picks)."""
         from kernels.reference.decode import prefill
+        from kernels.reference.moe import inference_experts
+        from kernels.reference.slots import prefill_experts
 
         distinct: Dict[Tuple[int, ...], int] = {}
         for p in prompts:
@@ -548,7 +550,8 @@ class ReferenceEngine(RolloutEngineBase):
         S = max(len(p) for p in firsts)
         rec = RoutingRecorder(len(firsts), S) if routed is not None else None
         irec = IndexerPicksRecorder(self.model, self.config) if picks is not None else None
-        with routing_context(rec), indexer_context(irec), self._computing("prefill"):
+        with routing_context(rec), indexer_context(irec), self._computing("prefill"), \
+                inference_experts(prefill_experts):                  # the grouped experts where the step has them
             cache, logits = prefill(self.model, firsts, max_len=max_len)
         self.positions_fed += len(firsts) * S
         if irec is not None:

@@ -43,6 +43,8 @@ def empty_routing(seq_len: int, config) -> torch.Tensor:
 class RoutingRecorder:
     """Hook that records ``layer_id -> idx [B, S, k]`` of one forward over ``[B, S]`` ids."""
 
+    records_only = True        # returns the picks it is given (a grouped prefill may call it after routing)
+
     def __init__(self, batch: int, seq_len: int):
         self.batch, self.seq_len = batch, seq_len
         self.layers: Dict[int, torch.Tensor] = {}

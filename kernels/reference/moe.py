@@ -26,10 +26,20 @@ from .layers import KeepFP32, Linear, compute_dtype
 from .seam import HookSeam
 
 __all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook",
-           "current_routing_hook", "row_invariant_experts", "row_invariant_active", "row_invariant_mix"]
+           "current_routing_hook", "row_invariant_experts", "row_invariant_active", "row_invariant_mix",
+           "inference_experts"]
 
 _ROUTING = HookSeam("dsv4_routing_hook")
 _ROW_INVARIANT = HookSeam("dsv4_row_invariant_experts")
+_INFERENCE = HookSeam("dsv4_inference_experts")
+
+
+def inference_experts(fn):
+    """Within this context :meth:`MoE.forward` first offers its input to ``fn(moe, x, input_ids)``, which returns
+    the layer's output or None (not taken: the loop over the experts runs). The rollout engine's prefill runs the
+    experts as one grouped GEMM without host syncs this way (``kernels.reference.slots.prefill_experts``), where
+    the loop below syncs the host for every expert."""
+    return _INFERENCE.installed(fn)
 
 
 def row_invariant_experts():
@@ -231,6 +241,11 @@ class MoE(nn.Module):
         self.shared_experts = Expert(c.dim, c.moe_inter_dim, c.swiglu_limit if c.shared_expert_clamp else 0.0)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        offered = _INFERENCE.current()
+        if offered is not None and not _ROW_INVARIANT.current():
+            y = offered(self, x, input_ids)
+            if y is not None:
+                return y
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x, input_ids)

@@ -49,9 +49,9 @@ from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighte
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
-__all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "grouped_decode_ok",
-           "static_decode_step", "static_step_checks", "static_step_body", "StepRegions", "EAGER_REGIONS",
-           "decode_embed", "decode_layer", "decode_head"]
+__all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
+           "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",
+           "EAGER_REGIONS", "decode_embed", "decode_layer", "decode_head"]
 
 
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -374,6 +374,27 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
                      _eager_kernel(moe, path, "expert_order") or expert_order)
     y = y + _shared_expert(moe.shared_experts, st["shared_w13"], x, act).to(ct)
     return y.to(x.dtype).view(shape), idx
+
+
+def prefill_experts(moe, x: torch.Tensor, input_ids: torch.Tensor):
+    """``MoE.forward`` for a prefill (``kernels.reference.moe.inference_experts``' offer; None: not taken): on
+    the grouped path (:func:`moe_decode_path`) the routed experts as torch's grouped GEMM over the (token,
+    expert) pairs in expert order, with no host sync, where the reference loops over the experts with a host
+    sync each (about 130 a Flash-shaped prefill). Always torch's grouped GEMM, not the table's decode kernel:
+    a prefill gives each expert hundreds of rows. The routing seam sees the picks after routing, so only a
+    hook that records (``records_only``, ``rollout.replay.RoutingRecorder``) lets it run; a replay keeps the
+    loop."""
+    hook = current_routing_hook()
+    if hook is not None and not getattr(hook, "records_only", False):
+        return None
+    if moe_decode_path(x.reshape(-1, x.shape[-1]), moe) != "grouped":
+        return None
+    _host_checks(moe)
+    y, idx = _moe_decode(moe, x, input_ids, "grouped")
+    gate = moe.gate
+    if hook is not None and gate.replayable and not gate.hash:
+        hook(gate.layer_id, idx)
+    return y
 
 
 def _shared_expert(shared, w13: torch.Tensor, x: torch.Tensor, act) -> torch.Tensor:

@@ -381,3 +381,42 @@ def test_bad_rollout_settings_are_refused(tmp_path):
         TrainConfig(rollout_compile="yes")
     res = dsv4("train", "--hardware", "cpu", "--steps", 1, "--run-dir", tmp_path / "r", "rollout_cuda_graphs=true")
     assert res.exit_code != 0 and "rollout_cuda_graphs" in res.output and "no CUDA device" in res.output, res.output
+
+
+def test_a_grouped_prefill_is_the_reference_loops(monkeypatch):
+    """Where the decode MoE takes the grouped path (``grouped_decode_ok``, made true here on the CPU) the engine's
+    prefill runs its routed experts as torch's grouped GEMM without host syncs
+    (``kernels.reference.slots.prefill_experts``): the same last logits and caches as the reference's loop over
+    the experts (fp32 rounding), the same experts recorded for routing replay; under a replaying hook it keeps
+    the loop (the seam sees the grouped path's picks only after its experts ran)."""
+    import kernels.reference.slots as slots
+    from kernels.reference.decode import prefill
+    from kernels.reference.moe import inference_experts
+    from rollout.reference_engine import ReferenceEngine
+    from rollout.replay import RoutingRecorder, RoutingReplayer, routing_context
+
+    e = _synced(ReferenceEngine(CFG))
+    prompts = [[0, 5, 6, 7, 8, 9], [0, 11, 12]]
+
+    def run(grouped, hook=None):
+        monkeypatch.setattr(slots, "grouped_decode_ok", lambda *a: grouped)
+        calls = []
+        monkeypatch.setattr(slots, "_moe_decode", lambda *a, _f=slots._moe_decode: calls.append(1) or _f(*a))
+        with torch.no_grad(), routing_context(hook), inference_experts(slots.prefill_experts):
+            cache, logits = prefill(e.model, prompts, max_len=10)   # as the engine's _prefill runs it
+        return cache, logits, len(calls)
+
+    rec_loop, rec_grouped = RoutingRecorder(2, 6), RoutingRecorder(2, 6)
+    cache0, want, n0 = run(False, rec_loop)
+    cache1, got, n1 = run(True, rec_grouped)
+    assert n0 == 0 and n1 == CFG.n_layers                           # every trunk MoE took the grouped path
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(cache1.layers, cache0.layers):
+        torch.testing.assert_close(a.window, b.window, rtol=1e-5, atol=1e-5)
+    assert rec_grouped.layers.keys() == rec_loop.layers.keys() and rec_loop.layers
+    for layer, idx in rec_loop.layers.items():
+        assert torch.equal(rec_grouped.layers[layer], idx), layer
+    replay = RoutingReplayer(rec_loop.as_tensor(CFG))
+    _, again, n2 = run(True, replay)
+    assert n2 == 0                                                  # a replay keeps the loop
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
