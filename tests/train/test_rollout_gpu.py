@@ -419,3 +419,32 @@ def test_cuda_graph_decode_records_the_indexer_picks(compile):
             graphs.model(torch.tensor([seq], device="cuda"))
         assert torch.equal(a.indexer_picks, rec.as_tensor(1, len(seq))[0, :-1])
     assert (got[0][0].indexer_picks >= 0).sum(-1).max() == cfg.index_topk
+
+
+def test_decode_steps_do_not_wait_for_the_gpu(train_model):
+    """Between decode steps the engine's host never waits for the GPU's queue: with stop tokens (samples leave
+    at different steps, so the live set and its index tensors change) a call of 12 new tokens makes as many
+    ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` calls as one of 2 (the prefill's, the first draws', the
+    results' copies). The stop flags are read one step late with an event, and the slots' index tensors go
+    through pinned memory (``kernels.reference.slots.to_device``); before, each step copied its flags to the
+    host and each change of the live set its indices from pageable memory, waiting for every queued kernel."""
+    import dataclasses
+
+    from torch.profiler import ProfilerActivity, profile
+
+    e = _engine(train_model, "cuda", dtype=torch.bfloat16)
+    params = _params(max_new_tokens=12)
+
+    def waits(new_tokens):
+        e.generate(PROMPTS, dataclasses.replace(params, max_new_tokens=new_tokens), n=3, seed=0)    # warm
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            got = e.generate(PROMPTS, dataclasses.replace(params, max_new_tokens=new_tokens), n=3, seed=0)
+            torch.cuda.synchronize()
+        n = sum(ev.count for ev in prof.key_averages()
+                if ev.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+        return n, got
+
+    few, _ = waits(2)
+    many, got = waits(12)
+    assert len({len(s.response_ids) for g in got for s in g}) > 1          # samples left at different steps
+    assert many == few, (few, many)
