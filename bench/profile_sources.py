@@ -7,8 +7,9 @@ operator, and on CUDA it hands each kernel to the operator that launched it (``F
 each operator is walked up to the innermost frame of the repository's model and engine code
 (:data:`CALL_SITES`: ``kernels/reference/``, ``rollout/``, ``engine/``; else the innermost frame of the
 repository), and the kernels (CUDA) or the top-level operators (CPU) are counted and timed per function
-(``file:line function``, the line its definition starts on: the profiler records frames by function). Under CUDA graphs the replay launches the kernels without the code that recorded them, so
-``bench.rollout --profile-sources`` runs with ``--cuda-graphs off`` (the same kernels, launched one by one).
+(``file:line function``, the line its definition starts on: the profiler records frames by function). Under
+CUDA graphs the replay launches the kernels without the code that recorded them, so ``bench.rollout
+--profile-sources`` runs with ``--cuda-graphs off`` (the same kernels, launched one by one).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def _repo_path(path: str):
 
 
 def call_site(event) -> str:
-    """``file:line function`` (the line of its definition) of the innermost frame of :data:`CALL_SITES` code above ``event`` (its
-    ``cpu_parent`` chain), else of the innermost repository frame, else ``(outside the repository)``."""
+    """``file:line function`` (the line of its definition) of the innermost frame of :data:`CALL_SITES` code
+    above ``event`` (its ``cpu_parent`` chain), else of the innermost repository frame, else ``(outside the
+    repository)``."""
     first = None
     e = event
     while e is not None:

@@ -317,24 +317,31 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, s
     if T == 0:
         return o, lse2
     BH = _head_block(H, cfg["BH"])
-    split = cfg.get("SPLIT", 1)
-    if split > 1:
-        kper = triton.cdiv(triton.cdiv(K, split), cfg["BK"]) * cfg["BK"]
-        split = triton.cdiv(K, kper)
-        po = torch.empty(T, split, H, D, dtype=torch.float32, device=q.device)
-        pm = torch.empty(T, split, H, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-        _fwd_split_kernel[(triton.cdiv(H, BH), split, T)](
-            q, kv, idx, po, pm, pl, H, K, kper, float(scale) * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
-            idx.stride(0), BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
-        _combine_kernel[(triton.cdiv(H, BH), T)](po, pm, pl, sink, o, lse2, H, split, o.stride(0), o.stride(1),
-                                                 BH=BH, D=D, num_warps=4)
+    if cfg.get("SPLIT", 1) > 1:
+        _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg)
         return o, lse2
     grid = (triton.cdiv(H, BH), T)
     _fwd_kernel[grid](q, kv, idx, sink, o, lse2, H, K, float(scale) * LOG2E,
                       q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
                       BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
     return o, lse2
+
+
+def _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg) -> None:
+    """The forward with each token's rows split ``cfg["SPLIT"]`` ways (whole ``BK`` tiles each): the split
+    kernel's fp32 partials, then the combine into ``o`` and ``lse2`` (in place)."""
+    T, H, D = q.shape
+    K = idx.shape[1]
+    kper = triton.cdiv(triton.cdiv(K, cfg["SPLIT"]), cfg["BK"]) * cfg["BK"]
+    split = triton.cdiv(K, kper)
+    po = torch.empty(T, split, H, D, dtype=torch.float32, device=q.device)
+    pm = torch.empty(T, split, H, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _fwd_split_kernel[(triton.cdiv(H, BH), split, T)](
+        q, kv, idx, po, pm, pl, H, K, kper, float(scale) * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
+        idx.stride(0), BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+    _combine_kernel[(triton.cdiv(H, BH), T)](po, pm, pl, sink, o, lse2, H, split, o.stride(0), o.stride(1),
+                                             BH=BH, D=D, num_warps=4)
 
 
 def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[dict] = None):

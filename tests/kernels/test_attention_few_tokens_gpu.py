@@ -27,7 +27,7 @@ def test_decode_steps_take_the_few_token_settings():
 
 @pytest.mark.parametrize("T,H,K,empty", [(1, 64, 640, False), (3, 64, 200, False), (2, 20, 77, False),
                                          (2, 20, 700, True), (4, 64, 300, False)])
-def test_few_token_forward_is_the_reference(T, H, K, empty):
+def test_few_token_forward_is_the_reference(T, H, K, empty, monkeypatch):
     """Few tokens (Flash's 64 heads over 640 gathered rows, split five ways; ragged rows; heads off the 16-head
     block; ``empty``: a split's rows all ``-1``, and a token with no row at all) against the fp32 reference and
     against the wide settings forced by ``config``: the same output within bf16 rounding and the same
@@ -48,10 +48,13 @@ def test_few_token_forward_is_the_reference(T, H, K, empty):
         idx[1] = -1                                    # token 1 sees nothing: o = 0, lse = the sink
     sink = torch.randn(H, generator=g)
     scale = D ** -0.5
+    splits = []                                        # which launches ran: the split ones where SPLIT > 1
+    monkeypatch.setattr(A, "_split_forward", lambda *a, _f=A._split_forward: splits.append(a[-1]["SPLIT"]) or _f(*a))
     cfg = A.fwd_settings(T, H, K)
     assert {k: v for k, v in cfg.items() if k != "SPLIT"} == {k: v for k, v in A.FEW_TOKENS_CONFIG.items()
                                                              if k != "SPLIT"}
     o, lse2 = A.sparse_attention_fwd(q.to(dev), kv.to(dev), idx.to(dev), sink.to(dev), scale)
+    assert splits == ([cfg["SPLIT"]] if cfg["SPLIT"] > 1 else []), (splits, cfg)
     o_wide, lse2_wide = A.sparse_attention_fwd(q.to(dev), kv.to(dev), idx.to(dev), sink.to(dev), scale,
                                                config=A.FWD_CONFIG)
     want = ref(q.float()[None], kv.float()[None], idx.long(), sink, scale)[0]
