@@ -59,6 +59,15 @@ def _sweep(label, fn, configs, default, meta, **shape):
     return rows
 
 
+def _attention_case(T: int, K: int, g, dev, H: int = 64, D: int = 512):
+    """``(q, kv, idx, sink)`` of ``T`` tokens of ``H`` heads, each over ``K`` rows of its own (a decode step's
+    sequences share no cache rows), in a random order."""
+    q = torch.randn(T, H, D, generator=g).bfloat16().to(dev)
+    kv = torch.randn(T * K, D, generator=g).bfloat16().to(dev)
+    idx = (torch.arange(T)[:, None] * K + torch.randperm(K, generator=g)[None, :]).to(torch.int32).to(dev)
+    return q, kv, idx, torch.randn(H, generator=g).to(dev)
+
+
 def main(argv=None):
     out = bc.sweep_output(__doc__, argv)
     import triton
@@ -88,23 +97,15 @@ def main(argv=None):
                          torch_stable_sort_us=round(us_sort, 2), **meta))
     att_grid = [dict(BH=bh, BK=bk, num_warps=wp, num_stages=st)
                 for bh, bk, wp, st in itertools.product([16, 32], [32, 64], [4, 8], [1, 2, 3])]
-    for T, K in itertools.product((1, 64, 256), (128, 640)):
-        H, D = 64, 512
-        q = torch.randn(T, H, D, generator=g).bfloat16().to(dev)
-        kv = torch.randn(T * K, D, generator=g).bfloat16().to(dev)            # every token its own rows
-        idx = (torch.arange(T)[:, None] * K + torch.randperm(K, generator=g)[None, :]).to(torch.int32).to(dev)
-        sink = torch.randn(H, generator=g).to(dev)
-        rows += _sweep("sparse_attention_fwd", lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c),
-                       att_grid, A.fwd_settings(T, H), meta, tokens=T, heads=H, rows=K)
-    for T in (1, 4, 16):                                # one token's rows split over programs (fwd_settings' SPLIT)
-        H, D, K = 64, 512, 640
-        q = torch.randn(T, H, D, generator=g).bfloat16().to(dev)
-        kv = torch.randn(T * K, D, generator=g).bfloat16().to(dev)
-        idx = (torch.arange(T)[:, None] * K + torch.randperm(K, generator=g)[None, :]).to(torch.int32).to(dev)
-        sink = torch.randn(H, generator=g).to(dev)
-        rows += _sweep("sparse_attention_fwd split", lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c),
-                       [dict(A.FEW_TOKENS_CONFIG, SPLIT=sp) for sp in (1, 2, 3, 5, 10)], A.fwd_settings(T, H, K),
-                       meta, tokens=T, heads=H, rows=K)
+    H, D = 64, 512
+    split_grid = [dict(A.FEW_TOKENS_CONFIG, SPLIT=sp) for sp in (1, 2, 3, 5, 10)]
+    # the head blocks' settings, then one to 16 tokens' 640 rows split over programs (fwd_settings' SPLIT)
+    for label, T, K, grid in [("sparse_attention_fwd", T, K, att_grid)
+                              for T, K in itertools.product((1, 64, 256), (128, 640))] + \
+                             [("sparse_attention_fwd split", T, 640, split_grid) for T in (1, 4, 16)]:
+        q, kv, idx, sink = _attention_case(T, K, g, dev, H, D)
+        rows += _sweep(label, lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c), grid,
+                       A.fwd_settings(T, H, K), meta, tokens=T, heads=H, rows=K)
     with open(out, "w") as fh:
         json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)
     print(f"wrote {out}")

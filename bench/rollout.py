@@ -147,18 +147,17 @@ def profile_decode(generate, device: torch.device, steps: int, top: int = 40, so
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.profile_sources import by_call_site, is_python_frame, per_step
+
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-
-    sites = []
-    from bench.profile_sources import is_python_frame
+    sites = []                                  # with sources: each call's kernels by call site
 
     def totals(new_tokens: int) -> dict:
         with profile(activities=activities, with_stack=sources) as prof:
             generate(new_tokens)
             _sync(device)
         if sources:
-            from bench.profile_sources import by_call_site
             sites.append(by_call_site(prof.events(), cuda))
         got = {}
         for e in prof.key_averages():
@@ -185,7 +184,6 @@ def profile_decode(generate, device: torch.device, steps: int, top: int = 40, so
 
     out = {**summary(per, "_per_step"), "prefill": summary(base, "")}
     if sources:
-        from bench.profile_sources import per_step
         out["sources"] = per_step(sites[0], sites[1], steps, top)
     return out
 

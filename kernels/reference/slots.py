@@ -392,7 +392,7 @@ def prefill_experts(moe, x: torch.Tensor, input_ids: torch.Tensor):
     _host_checks(moe)
     y, idx = _moe_decode(moe, x, input_ids, "grouped")
     gate = moe.gate
-    if hook is not None and gate.replayable and not gate.hash:
+    if hook is not None and gate.replayable:                       # a learned trunk layer (never a hash one)
         hook(gate.layer_id, idx)
     return y
 
