@@ -195,7 +195,7 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
-             logprobs=None, experts=None, hadamard=None, sampling=None, routing=None) -> OpTable:
+             logprobs=None, experts=None, hadamard=None, sampling=None, routing=None, compress=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
@@ -205,7 +205,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     routed experts and the order of their rows, ``kernels.reference.slots``; without it that step runs
     ``torch._grouped_mm`` and torch's counting); ``sampling``: a module whose
     ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``);
-    ``routing``: a module whose ``route_experts`` becomes an extra op (the eager decode step's router)."""
+    ``routing``: a module whose ``route_experts`` becomes an extra op (the eager decode step's router);
+    ``compress``: a module whose ``compressor_step`` becomes an extra op (the eager decode step's compressors after
+    their GEMMs, ``kernels.reference.slots._compress_masked``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -218,7 +220,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     for module, names in ((mhc, MHC_OPS), (rope, ("apply_rope",)), (norm, ("rms_normalize", "rms_norm")),
                           (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),
                           (experts, ("experts_grouped_mm", "expert_order")), (hadamard, ("hadamard_transform",)),
-                          (sampling, ("draw_tokens",)), (routing, ("route_experts",))):
+                          (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
+                          (compress, ("compressor_step",))):
         if module is not None:
             own.update({name: getattr(module, name) for name in names})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}

@@ -22,7 +22,10 @@ MoE takes the grouped path (bf16 on a Hopper or newer GPU: :func:`kernels.refere
 backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs) and, in an eager step, its
 ``route_experts`` and ``expert_order`` (the router, and the pairs in expert order, one launch each);
 ``decode_ops`` names them there, so the record lists
-every kernel a generate call runs.
+every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a compressor's step after its GEMMs in
+one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, where it takes the
+step's inputs (:func:`compressor_inputs`); where it refuses them the step runs the torch code and the refusal is
+recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -50,7 +53,8 @@ import torch
 from core.kernel_ops import OpTable
 from kernels.reference.slots import grouped_decode_ok
 
-__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs", "sampler_choice"]
+__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs", "compressor_inputs",
+           "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -114,6 +118,30 @@ def decode_inputs(config, dtype: torch.dtype, device, table: Optional[OpTable] =
     return out
 
 
+def compressor_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``compressor_step`` (``kernels.reference.slots.
+    _compress_masked``): one slot of each kind of compressor ``config`` has (CSA's attention compressor and its
+    indexer's, with overlap; HCA's), the slots and GEMM outputs in the compute dtype, the entries in the model's
+    ``dtype``, the blocks' angles in the compute dtype."""
+    c = config
+    ct = torch.promote_types(dtype, torch.float32)
+    half = c.rope_head_dim // 2
+
+    def zeros(*shape, dt=ct):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    out = []
+    for m in sorted(set(r for r in c.compress_ratios[: c.n_layers] if r)):
+        kinds = [(c.head_dim, False)] + ([(c.index_head_dim, True)] if m == 4 else [])
+        for width, rotate in kinds:
+            kc = 2 * width if m == 4 else width
+            prev = (zeros(1, m, width), zeros(1, m, width)) if m == 4 else (None, None)
+            out.append((zeros(1, kc), zeros(1, kc), zeros(m, kc), zeros(1, m, kc), zeros(1, m, kc), *prev,
+                        torch.zeros(1, dtype=torch.long, device=device), zeros(1, 2, width, dt=dtype), 0,
+                        zeros(width, dt=torch.float32), c.norm_eps, zeros(2, 2, half), rotate))
+    return out
+
+
 def _refusal(fn, calls) -> Optional[str]:
     raw = getattr(fn, "__wrapped__", fn)          # the op itself, not core.kernel_ops' counting wrapper
     for args in calls:
@@ -153,7 +181,14 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     for name in ("route_experts", "expert_order"):        # the eager decode MoE's router and its pairs' order
         if name in table.names() and grouped and not compiled:
             served[name] = table.provider[name]
-    if all(chosen[n][0] == table.provider[n] for n in chosen):
+    if "compressor_step" in table.names() and cached and not compiled and any(config.compress_ratios[:config.n_layers]):
+        reason = _refusal(getattr(table, "compressor_step"), compressor_inputs(config, dtype, device))
+        if reason is None:
+            served["compressor_step"] = table.provider["compressor_step"]
+        else:                                   # the step runs the torch code: the table must not offer the op
+            refusals["compressor_step"] = reason
+            del chosen["compressor_step"]
+    if all(chosen.get(n, (None,))[0] == table.provider[n] for n in table.names()):
         return table, served, refusals
     # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)
     indexer_inputs = (reference if "indexer_scores" in refusals else table).indexer_inputs

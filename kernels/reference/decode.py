@@ -306,6 +306,33 @@ def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
     return got
 
 
+# angle tables (angle_table): {(id of the device frequencies, stride, length, dtype): (those frequencies, table)}
+_ANGLE_TABLES: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def angle_table(inv_freq: torch.Tensor, stride: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[2, length, r/2]``: the cos (``[0]``) and sin (``[1]``) of :func:`~.rope.rope_cos_sin` at the positions
+    ``stride * i`` for ``i < length``, in ``dtype``, on ``inv_freq``'s device (a :func:`device_inv_freq` tensor),
+    made once and kept. Why: a decode step's angles from its positions were six small kernels per set of
+    frequencies (a cast, a product, cos, sin, two casts), every layer's attention and every compressor ratio; a
+    row of this table is one gather (:func:`table_angles`) with the same values, bit for bit (the same
+    elementwise kernels made it). Made by the static step's host-side checks, before a CUDA graph records
+    the step (``kernels.reference.slots.static_step_checks``). The key holds the frequencies themselves, so
+    their ``id`` stays theirs."""
+    key = (id(inv_freq), int(stride), int(length), dtype)
+    got = _ANGLE_TABLES.get(key)
+    if got is None:
+        positions = torch.arange(length, device=inv_freq.device) * stride
+        got = _ANGLE_TABLES[key] = (inv_freq, torch.stack(rope_cos_sin(inv_freq, positions, dtype)))
+    return got[1]
+
+
+def table_angles(table: torch.Tensor, index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [B, 1, r/2]`` of :func:`angle_table` ``table``'s rows ``index [B]`` (one gather)."""
+    rows = table.index_select(1, index)
+    return rows[0][:, None], rows[1][:, None]
+
+
 def step_once(memo: Optional[dict], key, make):
     """``make()``; with a step's ``memo`` (a dict), made by the first layer that asks for ``key`` and reused by the
     step's other layers. Why: every layer of a decode step writes the same ring slots, masks the same window,
@@ -328,7 +355,8 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     step); ``compress(comp, x, cache, pos, inv_freq)`` adds the token to a compressor (default
     :func:`_compress_step`, which needs host positions). ``picks``: a list the indexer's top-k ``[B, k]`` of a
     CSA layer is appended to (indexer replay's recording). ``memo``: the step's values shared by its layers
-    (:func:`step_once`; the static step's eager layers), passed on to ``compress``."""
+    (:func:`step_once`; the static step's eager layers, whose memo also holds the slots' capacity ``"max_len"``:
+    their angles are rows of :func:`angle_table`), passed on to ``compress``."""
     compress = compress or _compress_step
     B = x.shape[0]
     H, D, W = attn.n_heads, attn.head_dim, attn.window
@@ -338,6 +366,8 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     ct = compute_dtype(x)
 
     def angles():    # [B, 1, r/2], in the compute dtype the rotations cast them to (the same values): cast once
+        if memo is not None and "max_len" in memo:      # the static step's eager layers: a row of a table
+            return table_angles(angle_table(inv_freq, 1, memo["max_len"] + 1, ct), pos_d)
         return rope_cos_sin(inv_freq, pos_d[:, None], ct)
 
     # the memo names the frequencies by their shared device tensor (device_inv_freq; never read when compiled)

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
-from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, device_inv_freq, pool_slots,
-                     step_once)
+from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, angle_table, device_inv_freq,
+                     pool_slots, step_once, table_angles)
 from .layers import compute_dtype, linear_fp32
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
@@ -131,15 +131,24 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     one set of frequencies their blocks' angles. ``into``: ``(buffer, first row)`` where the pooled entries go
     (default ``(cc.entries, 0)``; the attention's compressor: the layer's buffer after its ring). Written by index
     into the buffer itself, not through a view of it: a compiled step then updates the rows in place (through a
-    view, Inductor wrote the whole buffer back every step)."""
+    view, Inductor wrote the whole buffer back every step). In the eager step, a table with ``compressor_step``
+    (:func:`_eager_compressor`) runs everything after the two GEMMs as that one kernel."""
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
     buf, first = (cc.entries, 0) if into is None else into
     N = buf.shape[1] - first
+    kv = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
+    gate = linear_fp32(x[:, 0], comp.wgate.weight).to(ct)
+    kernel = _eager_compressor(comp, memo)
+    if kernel is not None:
+        table = angle_table(inv_freq, m, memo["max_len"] // m + 1, compute_dtype(x))
+        kernel(kv, gate, comp.ape, cc.a, cc.z, cc.prev_a, cc.prev_z, pos, buf, first, comp.norm.weight,
+               comp.norm.eps, table, comp.rotate)
+        return
     rows, slot, done, block, at = step_once(memo, ("blocks", m, N), lambda: _blocks(B, m, N, pos))
-    cc.a[rows, slot] = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
-    cc.z[rows, slot] = linear_fp32(x[:, 0], comp.wgate.weight).to(ct) + comp.ape.to(ct)[slot]
+    cc.a[rows, slot] = kv
+    cc.z[rows, slot] = gate + comp.ape.to(ct)[slot]
     if N == 0:          # capacity below one block: no token can complete one
         return
     a, z = cc.a, cc.z
@@ -149,6 +158,8 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     pooled = comp.norm(pool_slots(a, z).to(buf.dtype))
 
     def angles():
+        if memo is not None and "max_len" in memo:      # the eager static step: a row of the blocks' table
+            return table_angles(angle_table(inv_freq, m, memo["max_len"] // m + 1, compute_dtype(x)), block)
         return rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
 
     # the memo names the frequencies by their shared device tensor (decode.device_inv_freq; never read compiled)
@@ -161,6 +172,17 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     if comp.overlap:
         cc.prev_a.copy_(torch.where(done[:, None, None], cc.a[..., :c], cc.prev_a))
         cc.prev_z.copy_(torch.where(done[:, None, None], cc.z[..., :c], cc.prev_z))
+
+
+def _eager_compressor(comp: Compressor, memo: Optional[dict]):
+    """The op table's ``compressor_step`` (the triton backend's: ``kernels/triton/compress.py``) in the eager static
+    step (its memo holds the slots' capacity, which sizes the blocks' angle table), else None: traced, the torch
+    code is what Inductor fuses, and the dynamic step has no table. The engine's decode table holds the op only
+    where it takes the engine's inputs (``rollout.engine_ops.decode_choices``)."""
+    if (memo is None or "max_len" not in memo or comp.ops is None or "compressor_step" not in comp.ops.names()
+            or torch.compiler.is_compiling()):
+        return None
+    return comp.ops.compressor_step
 
 
 def _blocks(B: int, m: int, N: int, pos: torch.Tensor):
@@ -407,12 +429,14 @@ def _shared_expert(shared, w13: torch.Tensor, x: torch.Tensor, act) -> torch.Ten
 
 
 # ------------------------------------------------------------------- step
-def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = None) -> Tuple[str, ...]:
+def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = None,
+                       max_len: Optional[int] = None) -> Tuple[str, ...]:
     """The host-side part of :func:`static_decode_step`, run before the step's device work (and outside
     ``torch.compile``'s tracing: it reads pointers, the device's compute capability, module state): refuses an
     installed routing hook, stale expert stacks and hash tables with negative ids, puts each attention's RoPE
-    frequencies on the device, and returns each layer's MoE path (``moe_path`` for all, or
-    :func:`moe_decode_path`)."""
+    frequencies on the device (and, given the slots' capacity ``max_len``, the eager step's angle tables:
+    :func:`~.decode.angle_table`, made here so that no CUDA graph records their making), and returns each
+    layer's MoE path (``moe_path`` for all, or :func:`moe_decode_path`)."""
     if current_routing_hook() is not None:
         raise RuntimeError("static_decode_step returns the routed experts instead of calling the routing seam; "
                            "uninstall the routing hook (routing replay is not supported while decoding)")
@@ -423,7 +447,12 @@ def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = No
     paths = []
     for layer in model.layers:
         _host_checks(layer.ffn)
-        device_inv_freq(layer.attn, dev)
+        inv_freq = device_inv_freq(layer.attn, dev)
+        if max_len is not None:            # the positions' angles, and each compressor's blocks' (_compress_masked)
+            ct = compute_dtype(x)
+            angle_table(inv_freq, 1, max_len + 1, ct)
+            if layer.attn.ratio:
+                angle_table(inv_freq, layer.attn.ratio, max_len // layer.attn.ratio + 1, ct)
         paths.append(_with_kernel(layer.ffn, moe_path or moe_decode_path(x, layer.ffn)))
     return tuple(paths)
 
@@ -438,7 +467,7 @@ def static_decode_step(model, cache: SlotCache, tokens: torch.Tensor, active: to
     This is :func:`static_step_checks` followed by :func:`static_step_body`; ``torch.compile`` takes the body
     (``rollout.slot_decoder.compiled_decode_step``). ``indexer_picks``: also return the CSA layers' indexer
     top-k ``[b, n_csa, index_topk]`` (a third output)."""
-    return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path),
+    return static_step_body(model, cache, tokens, active, static_step_checks(model, tokens, moe_path, cache.max_len),
                             indexer_picks)
 
 
@@ -493,7 +522,7 @@ def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torc
     routes = []
     picks = [] if indexer_picks else None
     # eager layers share the step's positions-derived values; a compiled layer computes its own (step_once)
-    shared = (dict(memo={}) if regions.layer is decode_layer else {})
+    shared = (dict(memo={"max_len": cache.max_len}) if regions.layer is decode_layer else {})
     for layer, lc, path in zip(model.layers, cache.layers, moe_paths):
         x, idx, pick = regions.layer(layer, lc, x, ids, cache.pos, path, indexer_picks, **shared)
         if not layer.ffn.gate.hash:

@@ -48,11 +48,12 @@ def ops() -> "OpTable":
     routed experts for few rows per expert, and ``expert_order``, its eager MoE's pairs in expert order in one
     launch (``kernels/triton/experts.py``); ``route_experts``, its eager MoE's router in one launch
     (``kernels/triton/routing.py``); ``draw_tokens``, the rollout engine's
-    sampler at top-p 1 (``kernels/triton/sampling.py``).
+    sampler at top-p 1 (``kernels/triton/sampling.py``); ``compressor_step``, its eager decode step's compressors
+    after their GEMMs in one launch (``kernels/triton/compress.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import (attention, experts, hadamard, indexer, logprobs, mhc, norm, rope, routing, sampling,
-                                swiglu)
+    from kernels.triton import (attention, compress, experts, hadamard, indexer, logprobs, mhc, norm, rope, routing,
+                                sampling, swiglu)
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
-                               sampling, routing)
+                               sampling, routing, compress)

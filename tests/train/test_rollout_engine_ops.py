@@ -8,6 +8,8 @@
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
 * the decode-only expert kernels (``experts_grouped_mm``, ``expert_order``, ``route_experts``) are on the record
   exactly where the step calls them;
+* a table's ``compressor_step`` runs every compressor of the decode step, on the record, with the samples of the
+  torch code; one that refuses the step's inputs is on the record and never called;
 * a table's sampler kernel (``draw_tokens``) draws at top-p 1 the torch sampler's tokens, on the record
   (``sample_ops``), and one that refuses the probe leaves the torch sampler, logged;
 * ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
@@ -182,6 +184,31 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
         for a, b in zip(ga, gb, strict=True):
             assert a.response_ids == b.response_ids
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_decode_step_runs_the_tables_compressor_step(refuse):
+    """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch; here its
+    torch contract, ``kernels.reference.compressor_step``): the engine records it (``decode_ops``; prefill never
+    calls it), every compressor of the decode step runs it, and the samples are the reference engine's, bit for
+    bit (the same torch ops on the same angles). One that refuses the step's inputs is on the record
+    (``decode_refusals``) and never called: the step runs its torch code."""
+    from kernels.reference.compressor_step import compressor_step
+    from rollout.reference_engine import ReferenceEngine
+
+    def picky(*args):
+        raise ValueError("the fake compressor_step takes CUDA tensors only")
+
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"compressor_step": picky if refuse else compressor_step})))
+    assert ("compressor_step" in e.decode_ops) is not refuse and "compressor_step" not in e.prefill_ops
+    assert ("compressor_step" in e.decode_refusals) is refuse
+    got, ran = _generate(e, _params(max_new_tokens=12))          # past a block of 4: entries pooled and used
+    assert ("fake.compressor_step" in ran) is not refuse, ran
+    compressors = sum(1 + (r == 4) for r in CFG.compress_ratios[:CFG.n_layers] if r)
+    if not refuse:            # every compressor of every decode step (11 a sample; one slot per sample here)
+        assert ran["fake.compressor_step"] % compressors == 0 and ran["fake.compressor_step"] >= 11 * compressors
+    want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
+    _same(got, want)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])

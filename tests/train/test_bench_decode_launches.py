@@ -1,0 +1,33 @@
+"""``bench.decode_launches``: the launches of one eager decode step, counted on the CPU under a stand-in for the
+triton decode table. The count is the sum over its call sites; the table's ``compressor_step`` takes the place
+of the compressors' torch code (about twenty launches each, fewer than one); the committed record names its date,
+machine and code."""
+
+import json
+from pathlib import Path
+
+from core.config import preset
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def test_the_compressor_kernel_takes_the_place_of_the_torch_code():
+    from bench.decode_launches import count_step, model_like
+
+    config = model_like("flash-shaped")
+    with_kernel, without = count_step(config, 2), count_step(config, 2, without=("compressor_step",))
+    n = sum(1 + (r == 4) for r in config.compress_ratios[:config.n_layers] if r)
+    assert n == 3 and with_kernel.sites["compressor_step (one kernel)"] == n
+    assert sum(without.sites.values()) - sum(with_kernel.sites.values()) >= 15 * n
+    assert not any(site.endswith("pool_slots") for site in with_kernel.sites)    # the pooling is the kernel's
+    assert any(site.endswith("pool_slots") for site in without.sites)
+
+
+def test_the_tiny_pattern_counts_and_the_record_is_dated():
+    from bench.decode_launches import count_step
+
+    counter = count_step(preset("tiny"), 1)
+    assert sum(counter.sites.values()) > 100 and counter.sites["hc_pre (3 kernels)"] == 3 * 2 * preset("tiny").n_layers
+    record = json.loads((RESULTS / "decode-launches-cpu-flash-shaped.json").read_text())
+    assert record["date"] and record["machine"] and record["code"]
+    assert record["launches_per_step"] == sum(r["launches"] for r in record["sites"])
