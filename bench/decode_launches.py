@@ -41,7 +41,8 @@ LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
-                     "route_experts", "expert_order", "compressor_step")
+                     "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
+                     "moe_combine")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -109,7 +110,9 @@ def stand_in_table(counter: _Count, without=()):
 
     required = reference_functions()                     # every table has these; the extras only when kept
     extras = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
-              "route_experts": _route_experts, "compressor_step": compressor_step}
+              "route_experts": _route_experts, "compressor_step": compressor_step,
+              "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
+              "moe_combine": slots.combine_pairs}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

@@ -201,8 +201,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
     ``swiglu`` module, ``head_logprobs`` of its ``logprobs`` module and ``hadamard_transform`` of its ``hadamard``
     module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
-    ``experts``: a module whose ``experts_grouped_mm`` and ``expert_order`` become extra ops (the decode step's
-    routed experts and the order of their rows, ``kernels.reference.slots``; without it that step runs
+    ``experts``: a module whose ``experts_grouped_mm``, ``expert_order``, ``experts_gather_mm``,
+    ``experts_scatter_mm`` and ``moe_combine`` become extra ops (the decode step's routed experts, the order of their
+    rows, the GEMMs through that order and the pairs' sum, ``kernels.reference.slots``; without it that step runs
     ``torch._grouped_mm`` and torch's counting); ``sampling``: a module whose
     ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``);
     ``routing``: a module whose ``route_experts`` becomes an extra op (the eager decode step's router);
@@ -219,7 +220,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     )
     for module, names in ((mhc, MHC_OPS), (rope, ("apply_rope",)), (norm, ("rms_normalize", "rms_norm")),
                           (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),
-                          (experts, ("experts_grouped_mm", "expert_order")), (hadamard, ("hadamard_transform",)),
+                          (experts, ("experts_grouped_mm", "expert_order", "experts_gather_mm", "experts_scatter_mm",
+                                     "moe_combine")), (hadamard, ("hadamard_transform",)),
                           (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
                           (compress, ("compressor_step",))):
         if module is not None:

@@ -20,7 +20,9 @@ The KV-cached decode step calls ops that prefill does not: ``weighted_swiglu`` (
 at weight 1, and on the grouped path the routed experts' between their two grouped GEMMs) and, where the decode
 MoE takes the grouped path (bf16 on a Hopper or newer GPU: :func:`kernels.reference.slots.grouped_decode_ok`), a
 backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs) and, in an eager step, its
-``route_experts`` and ``expert_order`` (the router, and the pairs in expert order, one launch each);
+``route_experts`` and ``expert_order`` (the router, and the pairs in expert order, one launch each) and, where it has
+all three, ``experts_gather_mm``, ``experts_scatter_mm`` and ``moe_combine`` (the expert GEMMs reading the tokens and
+writing the pairs through that order, and the pairs' sum with the shared expert, one launch);
 ``decode_ops`` names them there, so the record lists
 every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a compressor's step after its GEMMs in
 one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, where it takes the
@@ -51,7 +53,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from core.kernel_ops import OpTable
-from kernels.reference.slots import grouped_decode_ok
+from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs", "compressor_inputs",
            "sampler_choice"]
@@ -176,10 +178,11 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
         chosen[name] = (who, fn)
         if name in called:
             served[name] = who
-    if "experts_grouped_mm" in table.names() and grouped:
+    pairs = all(name in table.names() for name in PAIR_KERNELS)     # used only as a set (slots._pair_kernels)
+    if "experts_grouped_mm" in table.names() and grouped and (compiled or not pairs):
         served["experts_grouped_mm"] = table.provider["experts_grouped_mm"]   # the decode MoE's GEMMs
-    for name in ("route_experts", "expert_order"):        # the eager decode MoE's router and its pairs' order
-        if name in table.names() and grouped and not compiled:
+    for name in ("route_experts", "expert_order") + (PAIR_KERNELS if pairs else ()):
+        if name in table.names() and grouped and not compiled:   # the eager decode MoE's one-launch kernels
             served[name] = table.provider[name]
     if "compressor_step" in table.names() and cached and not compiled and any(config.compress_ratios[:config.n_layers]):
         reason = _refusal(getattr(table, "compressor_step"), compressor_inputs(config, dtype, device))

@@ -50,6 +50,7 @@ from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
 __all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
+           "gather_grouped_mm", "scatter_grouped_mm", "combine_pairs", "PAIR_KERNELS",
            "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",
            "EAGER_REGIONS", "decode_embed", "decode_layer", "decode_head"]
 
@@ -304,17 +305,45 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     return order, ends
 
 
-def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu, order=expert_order):
+def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu, order=expert_order,
+             pair_mms=None):
     """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
     up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``; ``act``: the activation with the
     routing weight applied before ``w2`` (the reference's :func:`~.moe.weighted_swiglu` or the table's);
-    ``order``: the pairs' expert order (:func:`expert_order`, or the table's one-launch ``expert_order``)."""
+    ``order``: the pairs' expert order (:func:`expert_order`, or the table's one-launch ``expert_order``).
+    Returns the routed experts' sum ``[T, d]`` in ``ct``; with ``pair_mms``, the table's ``(experts_gather_mm,
+    experts_scatter_mm)`` (which read the tokens and write the pairs through the order, no copies), each pair's
+    output ``[T * k, d]`` token-major in ``x``'s dtype instead (the caller sums them: ``moe_combine``)."""
     T, k = idx.shape
     order, offs = order(idx.reshape(-1), w13.shape[0])
-    xs = x.index_select(0, order // k)
-    hid = act(mm(xs, w13, offs), weights.reshape(-1).index_select(0, order), limit, x.dtype)
+    w = weights.reshape(-1).index_select(0, order)
+    if pair_mms is not None:
+        gather, scatter = pair_mms
+        return scatter(act(gather(x, w13, offs, order, k), w, limit, x.dtype), w2, offs, order)
+    hid = act(mm(x.index_select(0, order // k), w13, offs), w, limit, x.dtype)
     out = mm(hid, w2, offs).to(ct)
     return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)
+
+
+def gather_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
+                      topk: int) -> torch.Tensor:
+    """The ``experts_gather_mm`` op's torch contract: torch's grouped GEMM of the tokens ``x [T, K]`` read in
+    the pairs' expert order ``order [T * topk]`` (row ``r`` is token ``order[r] // topk``)."""
+    return _grouped_mm(x.index_select(0, order // topk), w, offs)
+
+
+def scatter_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The ``experts_scatter_mm`` op's torch contract: torch's grouped GEMM of rows in expert order, row ``r``
+    written to row ``order[r]`` (the pairs token-major)."""
+    y = _grouped_mm(x, w, offs)
+    return torch.empty_like(y).index_copy_(0, order, y)
+
+
+def combine_pairs(pairs: torch.Tensor, shared: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``moe_combine`` op's torch contract: each token's ``topk`` pairs ``pairs [T * topk, d]`` summed in
+    fp32, plus its shared expert's ``shared [T, d]``, cast to ``shared``'s dtype (the MoE's output)."""
+    ct = compute_dtype(shared)
+    return (pairs.view(shared.shape[0], topk, -1).to(ct).sum(dim=1) + shared.to(ct)).to(shared.dtype)
 
 
 def _dense(x, weights, idx, w13, w2, limit, ct):
@@ -392,10 +421,26 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
         y = _dense(x, weights, idx, w13, w2, moe.experts[0].limit, ct)
     else:
         mm = moe.ops.experts_grouped_mm if path == GROUPED_KERNEL else _grouped_mm
+        pairs = _pair_kernels(moe, path)
         y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act,
-                     _eager_kernel(moe, path, "expert_order") or expert_order)
+                     _eager_kernel(moe, path, "expert_order") or expert_order, pairs and pairs[:2])
+        if pairs:                                         # the pairs' outputs, summed with the shared expert's
+            shared = _shared_expert(moe.shared_experts, st["shared_w13"], x, act)
+            return pairs[2](y, shared, idx.shape[1]).view(shape), idx
     y = y + _shared_expert(moe.shared_experts, st["shared_w13"], x, act).to(ct)
     return y.to(x.dtype).view(shape), idx
+
+
+PAIR_KERNELS = ("experts_gather_mm", "experts_scatter_mm", "moe_combine")
+
+
+def _pair_kernels(moe, path: str):
+    """The table's :data:`PAIR_KERNELS` on the grouped-kernel path of an eager step where it has all three
+    (:func:`_eager_kernel`), else None: the routed experts' GEMMs read the tokens and write the pairs through
+    the expert order, and one launch sums a token's pairs with its shared expert, where torch's path gathers,
+    scatters, casts, sums and adds (six launches a layer)."""
+    kernels = tuple(_eager_kernel(moe, path, name) for name in PAIR_KERNELS)
+    return kernels if all(k is not None for k in kernels) else None
 
 
 def prefill_experts(moe, x: torch.Tensor, input_ids: torch.Tensor):

@@ -15,7 +15,10 @@ holds every bf16 and fp16 value, the products stay exact); on a GPU they go to t
 
 Only the rollout engine's decode step calls it (``kernels.reference.slots``), through the triton op table's
 extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused). The eager step also puts its
-pairs in expert order here (:func:`expert_order`, the extra op ``expert_order``).
+pairs in expert order here (:func:`expert_order`, the extra op ``expert_order``), and runs the same kernel
+reading the pairs' tokens and writing the pairs' rows through that order (:func:`experts_gather_mm`,
+:func:`experts_scatter_mm`: the gather and the scatter were a copy each) and sums each token's pairs with its
+shared expert's output in one launch (:func:`moe_combine`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 
-__all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch", "launch_settings"]
+__all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
+           "experts_gather_mm", "experts_scatter_mm", "moe_combine", "launch_settings"]
 
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
@@ -54,9 +58,12 @@ def launch_settings(rows: int, experts: int) -> dict:
 
 
 @triton.jit
-def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr, F32: tl.constexpr):
-    """Program ``(e, j)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time."""
+def _experts_kernel(X, W, OFFS, Y, ORDER, N, K, TOPK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    STAGES: tl.constexpr, F32: tl.constexpr, GATHER: tl.constexpr = False,
+                    SCATTER: tl.constexpr = False):
+    """Program ``(e, j)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
+    row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the pair); ``SCATTER``: it writes ``Y`` row
+    ``ORDER[r]`` (the pair's own row)."""
     e = tl.program_id(0)
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
     end = tl.load(OFFS + e)
@@ -66,7 +73,10 @@ def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK:
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
-        xrow = X + rows.to(tl.int64)[:, None] * K
+        src = rows.to(tl.int64)
+        if GATHER:
+            src = tl.load(ORDER + rows, mask=rmask, other=0) // TOPK
+        xrow = X + src[:, None] * K
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
             k = k0 + tl.arange(0, BK)
@@ -76,21 +86,105 @@ def _experts_kernel(X, W, OFFS, Y, N, K, BM: tl.constexpr, BN: tl.constexpr, BK:
             if F32:                  # the interpreter: tf32 holds every bf16 / fp16 value, the products are exact
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
-        tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
+        dst = rows.to(tl.int64)
+        if SCATTER:                  # read after the loop: live across it, the indices spilled (WIDE_CONFIG)
+            dst = tl.load(ORDER + rows, mask=rmask, other=0)
+        tl.store(Y + dst[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
 
-def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None) -> torch.Tensor:
+def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None, order=None,
+                              topk: int = 0, scatter: bool = False) -> torch.Tensor:
     """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``;
-    ``config`` overrides keys of :func:`launch_settings` (the sweep's)."""
-    R, K = x.shape
+    ``config`` overrides keys of :func:`launch_settings` (the sweep's). With ``order [R]`` int64 (the pairs in
+    expert order) and ``topk``: ``x`` is the tokens ``[R / topk, K]``, row ``r`` read from ``order[r] // topk``;
+    with ``order`` and ``scatter``: row ``r`` written to ``order[r]``."""
+    K = x.shape[1]
+    R = order.shape[0] if order is not None else x.shape[0]
     E, N, _ = w.shape
     c = {**launch_settings(R, E), **(config or {})}
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R and E:
-        _experts_kernel[(E, triton.cdiv(N, c["BN"]))](x, w, offs, y, N, K, BM=c["BM"], BN=c["BN"], BK=c["BK"],
+        _experts_kernel[(E, triton.cdiv(N, c["BN"]))](x, w, offs, y, offs if order is None else order, N, K,
+                                                    max(topk, 1), BM=c["BM"], BN=c["BN"], BK=c["BK"],
                                                     STAGES=c["STAGES"], F32=gpu_common.interpreting(),
-                                                    num_warps=c["WARPS"])
+                                                    GATHER=topk > 0, SCATTER=bool(scatter), num_warps=c["WARPS"])
+    return y
+
+
+def _check_pairs(op: str, x, w, offs, order, rows: int):
+    """The checks of the pair GEMMs (:func:`experts_gather_mm`, :func:`experts_scatter_mm`)."""
+    for t, name in ((x, "x"), (w, "w")):
+        gpu_common.check_op_input(op, t, name, dtypes=(torch.bfloat16, torch.float16))
+    if (x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or w.dtype != x.dtype or order.dim() != 1
+            or order.dtype != torch.int64 or order.shape[0] != rows):
+        raise gpu_common.op_refusal(op, f"x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, order "
+                                        f"{tuple(order.shape)} {order.dtype} (needs x [rows, K], w [E, N, K] of one "
+                                        f"dtype and int64 order [{rows}])")
+    if offs.dim() != 1 or offs.shape[0] != w.shape[0] or offs.dtype != torch.int32:
+        raise gpu_common.op_refusal(op, f"offs {tuple(offs.shape)} {offs.dtype} (needs [E] int32 end rows)")
+    if x.requires_grad or w.requires_grad:
+        raise gpu_common.op_refusal(op, "inputs that require a gradient (the kernel has no backward: decode only)")
+
+
+def experts_gather_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
+                      topk: int) -> torch.Tensor:
+    """``experts_grouped_mm(x[order // topk], w, offs)`` without the gather's copy: ``x [T, K]`` the tokens,
+    ``order [T * topk]`` int64 their (token, expert) pairs in expert order (``expert_order``'s) -> ``[T * topk,
+    N]`` in expert order. The eager decode step's first expert GEMM (``kernels.reference.slots``: the table's
+    extra op ``experts_gather_mm``); its torch contract is ``kernels.reference.slots.gather_grouped_mm``."""
+    _check_pairs("experts_gather_mm", x, w, offs, order, x.shape[0] * topk if x.dim() == 2 else -1)
+    return experts_grouped_mm_launch(x.contiguous(), w.contiguous(), offs.contiguous(), order=order.contiguous(),
+                                     topk=int(topk))
+
+
+def experts_scatter_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``experts_grouped_mm(x, w, offs)`` with row ``r`` written to row ``order[r]``: ``x [R, K]`` rows in expert
+    order -> ``[R, N]`` in the pairs' own order (token-major), without the scatter's copy. The eager decode step's
+    second expert GEMM (the table's extra op ``experts_scatter_mm``); its torch contract is
+    ``kernels.reference.slots.scatter_grouped_mm``."""
+    _check_pairs("experts_scatter_mm", x, w, offs, order, x.shape[0] if x.dim() == 2 else -1)
+    return experts_grouped_mm_launch(x.contiguous(), w.contiguous(), offs.contiguous(), order=order.contiguous(),
+                                     scatter=True)
+
+
+# ------------------------------------------------------------------ the pairs' sum with the shared expert
+@triton.jit
+def _combine_kernel(PAIRS, SHARED, Y, D, TOPK: tl.constexpr, BD: tl.constexpr):
+    """Program ``(t, j)``: columns ``[j BD, (j+1) BD)`` of token ``t``: its ``TOPK`` pairs' rows summed in fp32
+    one after another, plus the shared expert's row, cast once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = cols < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(PAIRS + (t * TOPK + j) * D + cols, mask=mask, other=0.0).to(tl.float32)
+    acc += tl.load(SHARED + t * D + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + t * D + cols, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+COMBINE_COLUMNS = 1024         # columns a program of the pairs' sum adds (Flash's 4,096: four programs a token)
+
+
+def moe_combine(pairs: torch.Tensor, shared: torch.Tensor, topk: int) -> torch.Tensor:
+    """``(pairs.view(T, topk, D).float().sum(1) + shared.float()).to(shared.dtype)``: a token's routed experts'
+    outputs (``pairs [T * topk, D]`` token-major, ``experts_scatter_mm``'s) and its shared expert's (``shared
+    [T, D]``) in one launch, where torch's is a cast, a sum, a cast, an add and a cast. The eager decode step's
+    MoE output (the table's extra op ``moe_combine``); its torch contract is ``kernels.reference.slots.
+    combine_pairs``. Anything else is refused with the reason."""
+    op = "moe_combine"
+    for t, name in ((pairs, "pairs"), (shared, "shared")):
+        gpu_common.check_op_input(op, t, name)
+    if pairs.dim() != 2 or shared.dim() != 2 or topk < 1 or pairs.shape != (shared.shape[0] * topk, shared.shape[1]):
+        raise gpu_common.op_refusal(op, f"pairs {tuple(pairs.shape)} with shared {tuple(shared.shape)} and top-{topk} "
+                                        f"(needs pairs [T * topk, D], shared [T, D])")
+    T, D = shared.shape
+    y = torch.empty_like(shared)
+    if T:
+        _combine_kernel[(T, triton.cdiv(D, COMBINE_COLUMNS))](pairs.contiguous(), shared.contiguous(), y, D,
+                                                           TOPK=int(topk), BD=min(COMBINE_COLUMNS,
+                                                                                  triton.next_power_of_2(D)),
+                                                           num_warps=4)
     return y
 
 

@@ -130,20 +130,23 @@ def test_the_kernel_compiles_for_sm90(rows):
     from kernels.triton import experts as K
 
     c = K.launch_settings(rows, 32)
-    consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False)
-    sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "N": "i32", "K": "i32",
-           **{k: "constexpr" for k in consts}}
-    compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=c["WARPS"]))
-    assert ".entry" in compiled.asm["ptx"]
+    for gather, scatter in ((False, False), (True, False), (False, True)):     # plain, and through the order
+        consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=gather,
+                      SCATTER=scatter)
+        sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "N": "i32", "K": "i32",
+               "TOPK": "i32", **{k: "constexpr" for k in consts}}
+        compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=c["WARPS"]))
+        assert ".entry" in compiled.asm["ptx"]
 
 
 def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
     """A bf16 MoE layer of the tiny model in the decode step's grouped path: with the triton op table on its
     modules (as the rollout engine sets it, ``kernels.reference.model.ops_in_use``) the experts run
-    ``triton.experts_grouped_mm`` (its rows ordered by ``triton.expert_order``, routed by ``triton.route_experts``)
-    and give torch's grouped GEMM's output within bf16 rounding; without a table,
-    torch's (no kernel counted)."""
+    the triton GEMMs that read the tokens and write the pairs through the expert order (``triton.experts_gather_mm``,
+    ``triton.experts_scatter_mm``; the order ``triton.expert_order``'s, routed by ``triton.route_experts``), summed
+    with the shared expert by ``triton.moe_combine``, and give torch's grouped GEMM's output within bf16 rounding;
+    without a table, torch's (no kernel counted)."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from kernels.reference.model import DeepseekV4Model, init_weights, ops_in_use
@@ -165,7 +168,9 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
         reset_kernels_ran()
         with ops_in_use(model, ops()):
             got, got_idx = moe_decode(layer.ffn, x, ids, "grouped")
-    assert kernels_ran().get("triton.experts_grouped_mm") == 2            # gate and up, then down
+    ran = kernels_ran()                  # gate and up reading the tokens, down writing the pairs, through the order
+    assert ran.get("triton.experts_gather_mm") == ran.get("triton.experts_scatter_mm") == 1
+    assert ran.get("triton.moe_combine") == 1 and "triton.experts_grouped_mm" not in ran     # the pairs' sum
     assert kernels_ran().get("triton.expert_order") == 1                 # the pairs in expert order, one launch
     assert kernels_ran().get("triton.route_experts") == 1                # the router, one launch
     assert torch.equal(got_idx, want_idx)
@@ -200,6 +205,44 @@ def test_expert_order_refuses_what_it_cannot_serve():
         expert_order(flat.int(), 2)
     with pytest.raises(ValueError, match="--kernel-backend none"):
         expert_order(flat, MAX_ORDER_EXPERTS + 1)
+
+
+@pytest.mark.parametrize("counts,topk", [([0, 3, 0, 1, 20, 0], 2), ([130, 0, 66, 40], 4)])
+def test_the_pair_gemms_and_the_sum_are_their_torch_contracts(counts, topk):
+    """``experts_gather_mm`` (rows read from the tokens through the order), ``experts_scatter_mm`` (rows written
+    to the pairs' own rows) and ``moe_combine`` (a token's pairs and shared expert summed) against their torch
+    contracts in ``kernels.reference.slots``: the GEMMs within the bound of the plain kernel, at the same rows,
+    the sum within one rounding of its dtype. Narrow and wide row steps."""
+    from kernels.reference.slots import combine_pairs, expert_order
+    from kernels.triton.experts import experts_gather_mm, experts_scatter_mm, moe_combine
+
+    dev = triton_device()
+    R, E, K, N = sum(counts), len(counts), 48, 40
+    assert R % topk == 0
+    g = torch.Generator().manual_seed(R)
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])[torch.randperm(R, generator=g)]
+    order, offs = expert_order(ids, E)
+    tokens = torch.randn(R // topk, K, generator=g).bfloat16()
+    _, w, _ = _case(counts, N, K, "cpu", seed=7)
+    got = experts_gather_mm(tokens.to(dev), w.to(dev), offs.to(dev), order.to(dev), topk).cpu()
+    exact, scale = _exact(tokens.index_select(0, order // topk), w, offs)
+    steps = 4 if dev == "cpu" else 2
+    assert ((got.double() - exact).abs() <= steps * 2.0 ** -8 * scale + 1e-30).all()
+    rows = torch.randn(R, K, generator=g).bfloat16()
+    got = experts_scatter_mm(rows.to(dev), w.to(dev), offs.to(dev), order.to(dev)).cpu()
+    exact, scale = _exact(rows, w, offs)
+    placed = torch.empty_like(exact).index_copy_(0, order, exact)
+    bound = torch.empty_like(scale).index_copy_(0, order, scale)
+    assert ((got.double() - placed).abs() <= steps * 2.0 ** -8 * bound + 1e-30).all()
+    pairs, shared = torch.randn(R, N, generator=g).bfloat16(), torch.randn(R // topk, N, generator=g).bfloat16()
+    got = moe_combine(pairs.to(dev), shared.to(dev), topk).cpu()
+    want = combine_pairs(pairs, shared, topk)
+    assert got.dtype == shared.dtype
+    assert (got.float() - want.float()).abs().max() <= steps * 2.0 ** -8 * want.float().abs().max()
+    with pytest.raises(ValueError, match="int64 order"):
+        experts_gather_mm(tokens.to(dev), w.to(dev), offs.to(dev), order.to(dev).int(), topk)
+    with pytest.raises(ValueError, match="needs pairs"):
+        moe_combine(pairs.to(dev), shared.to(dev), topk + 1)
 
 
 def test_the_order_kernel_compiles_for_sm90():

@@ -31,3 +31,13 @@ def test_the_tiny_pattern_counts_and_the_record_is_dated():
     record = json.loads((RESULTS / "decode-launches-cpu-flash-shaped.json").read_text())
     assert record["date"] and record["machine"] and record["code"]
     assert record["launches_per_step"] == sum(r["launches"] for r in record["sites"])
+
+
+def test_the_pair_kernels_take_the_place_of_the_gather_scatter_and_sums():
+    from bench.decode_launches import count_step, model_like
+    from kernels.reference.slots import PAIR_KERNELS
+
+    config = model_like("flash-shaped")
+    with_pairs, without = count_step(config, 2), count_step(config, 2, without=PAIR_KERNELS)
+    assert with_pairs.sites["moe_combine (one kernel)"] == config.n_layers
+    assert sum(without.sites.values()) - sum(with_pairs.sites.values()) >= 5 * config.n_layers

@@ -158,25 +158,39 @@ def _route_experts(x, w, bias, table, ids, topk, route_scale, score_func):
     return route(gate, x, ids, bias, replay=False)
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(monkeypatch, grouped):
-    """A table with ``experts_grouped_mm``, ``expert_order`` and ``route_experts`` (the triton backend's decode
-    kernels for the routed experts' GEMMs, the order of their rows and the router; prefill never calls them):
+@pytest.mark.parametrize("grouped,pairs", [(True, True), (True, False), (False, True)])
+def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(monkeypatch, grouped, pairs):
+    """A table with ``experts_grouped_mm``, ``expert_order``, ``route_experts`` and the pair kernels
+    (``experts_gather_mm``, ``experts_scatter_mm``, ``moe_combine``: the triton backend's decode kernels for the
+    routed experts' GEMMs, the order of their rows, the router, the GEMMs through that order and the pairs' sum;
+    prefill never calls them):
     where the decode MoE takes the grouped path (``grouped_decode_ok``, bf16 on a
     Hopper GPU, made true here on the CPU), ``decode_ops`` names it and a generate call runs it; where it does
-    not, neither. Either way the kernels that ran are exactly the recorded ones, and the samples are the
-    reference engine's (the grouped and the dense expert sums agree to fp32 rounding)."""
+    not, neither. The pair kernels take the plain GEMM's place where the table has them (``pairs``). Either way
+    the kernels that ran are exactly the recorded ones, and the samples are the reference engine's (the grouped
+    and the dense expert sums agree to fp32 rounding)."""
     import kernels.reference.slots as slots
     import rollout.engine_ops as engine_ops
     from rollout.reference_engine import ReferenceEngine
 
     for mod in (slots, engine_ops):
         monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: grouped)
+
+    def gather(x, w, offs, order, topk):
+        return _experts_grouped_mm(x.index_select(0, order // topk), w, offs)
+
+    def scatter(x, w, offs, order):
+        y = _experts_grouped_mm(x, w, offs)
+        return torch.empty_like(y).index_copy_(0, order, y)
+
     extra = {"experts_grouped_mm": _experts_grouped_mm, "expert_order": slots.expert_order,
              "route_experts": _route_experts}
+    if pairs:
+        extra.update(experts_gather_mm=gather, experts_scatter_mm=scatter, moe_combine=slots.combine_pairs)
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra=extra)))
     for op in extra:                            # the GEMMs and the eager step's order of their rows
-        assert (op in e.decode_ops) is grouped and op not in e.prefill_ops
+        called = grouped and not (pairs and op == "experts_grouped_mm")   # the pair GEMMs take the plain one's place
+        assert (op in e.decode_ops) is called and op not in e.prefill_ops
     got, ran = _generate(e)
     assert set(ran) == {f"fake.{op}" for op in {**e.prefill_ops, **e.decode_ops}}, ran
     want, _ = _generate(_synced(ReferenceEngine(CFG)))
