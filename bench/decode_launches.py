@@ -10,8 +10,8 @@ kinds, hash layers, experts and top-k, streams) at the tiny preset's widths, und
 backend's decode table: the reference functions under the names of the ops the triton table serves in an eager
 step, each counted as the launches its kernel makes (:data:`LAUNCHES`: one, three for the mHC ``hc_pre`` and
 ``hc_head``), with nothing inside it counted; likewise a GEMM of bf16 operands with an fp32 result
-(``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM on the CPU). Every other torch operator that makes a tensor is one launch
-(:class:`_Count`; views and metadata are not). On a GPU some operators launch more than one kernel (cuBLAS's
+(``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM on the CPU). Every other torch
+operator that makes a tensor is one launch (:class:`_Count`; views and metadata are not). On a GPU some operators launch more than one kernel (cuBLAS's
 split-K reduction, a few index kernels), so this is a floor of the profile's count, not its copy; which ops it
 leaves out is in the record (``--without``: the torch code runs instead, e.g. ``--without compressor_step``).
 
@@ -42,7 +42,7 @@ LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "moe_combine")
+                     "moe_combine", "norm_rope", "decode_topk")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -107,12 +107,14 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference import slots
     from kernels.reference.backend import reference_functions
     from kernels.reference.compressor_step import compressor_step
+    from kernels.reference.norm_rope import norm_rope
+    from kernels.reference.topk import decode_topk
 
     required = reference_functions()                     # every table has these; the extras only when kept
     extras = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
               "route_experts": _route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
-              "moe_combine": slots.combine_pairs}
+              "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

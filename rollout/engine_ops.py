@@ -25,9 +25,11 @@ all three, ``experts_gather_mm``, ``experts_scatter_mm`` and ``moe_combine`` (th
 writing the pairs through that order, and the pairs' sum with the shared expert, one launch);
 ``decode_ops`` names them there, so the record lists
 every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a compressor's step after its GEMMs in
-one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, where it takes the
-step's inputs (:func:`compressor_inputs`); where it refuses them the step runs the torch code and the refusal is
-recorded like an op's.
+one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, and its
+``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
+launch each, ``kernels/triton/norm_rope.py``) and ``decode_topk`` (a CSA layer's indexer picks in one launch,
+``kernels/triton/topk.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them the
+step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -55,8 +57,8 @@ import torch
 from core.kernel_ops import OpTable
 from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
-__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "engine_ops", "decode_choices", "decode_inputs", "compressor_inputs",
-           "sampler_choice"]
+__all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
+           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -132,7 +134,7 @@ def compressor_inputs(config, dtype: torch.dtype, device) -> list:
     def zeros(*shape, dt=ct):
         return torch.zeros(*shape, dtype=dt, device=device)
 
-    out = []
+    out = []                                   # no compressed layer: no call (the op is never run)
     for m in sorted(set(r for r in c.compress_ratios[: c.n_layers] if r)):
         kinds = [(c.head_dim, False)] + ([(c.index_head_dim, True)] if m == 4 else [])
         for width, rotate in kinds:
@@ -142,6 +144,37 @@ def compressor_inputs(config, dtype: torch.dtype, device) -> list:
                         torch.zeros(1, dtype=torch.long, device=device), zeros(1, 2, width, dt=dtype), 0,
                         zeros(width, dt=torch.float32), c.norm_eps, zeros(2, 2, half), rotate))
     return out
+
+
+def norm_rope_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``norm_rope`` (``kernels.reference.decode._attend``): the
+    query's heads (weightless, returned) and the key (weighted, written into a ring slot), one slot, in the model's
+    ``dtype`` with fp32 angles."""
+    c = config
+    r = c.rope_head_dim // 2
+
+    def zeros(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    angles = (zeros(1, 1, r, dt=torch.float32), zeros(1, 1, r, dt=torch.float32))
+    return [(zeros(1, 1, c.n_heads, c.head_dim), None, c.norm_eps, *angles),
+            (zeros(1, 1, c.head_dim), zeros(c.head_dim, dt=torch.float32), c.norm_eps, *angles,
+             zeros(1, c.window_size + 1, c.head_dim), torch.zeros(1, dtype=torch.long, device=device), c.window_size)]
+
+
+def decode_topk_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``decode_topk`` (``kernels.reference.decode._index_step``):
+    one slot's fp32 scores over a few entries, its position, the CSA ratio and the indexer's top-k; none for a
+    model without CSA layers (never called)."""
+    if 4 not in tuple(config.compress_ratios[: config.n_layers]):
+        return []
+    return [(torch.zeros(1, 3, device=device), torch.zeros(1, dtype=torch.long, device=device), 4, config.index_topk)]
+
+
+# the eager step's extra ops that take the place of torch code where the run's table has them and they take the
+# step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
+# compressors after their GEMMs, the attention's norms, rotations and ring write, and the indexer's picks
+EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:
@@ -184,13 +217,14 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     for name in ("route_experts", "expert_order") + (PAIR_KERNELS if pairs else ()):
         if name in table.names() and grouped and not compiled:   # the eager decode MoE's one-launch kernels
             served[name] = table.provider[name]
-    if "compressor_step" in table.names() and cached and not compiled and any(config.compress_ratios[:config.n_layers]):
-        reason = _refusal(getattr(table, "compressor_step"), compressor_inputs(config, dtype, device))
-        if reason is None:
-            served["compressor_step"] = table.provider["compressor_step"]
-        else:                                   # the step runs the torch code: the table must not offer the op
-            refusals["compressor_step"] = reason
-            del chosen["compressor_step"]
+    for name, inputs_of in EAGER_EXTRAS.items():     # the eager step's one-launch ops, where they take its inputs
+        calls = inputs_of(config, dtype, device) if name in table.names() and cached and not compiled else []
+        reason = _refusal(getattr(table, name), calls) if calls else None
+        if calls and reason is None:
+            served[name] = table.provider[name]
+        elif reason is not None:                # the step runs the torch code: the table must not offer the op
+            refusals[name] = reason
+            del chosen[name]
     if all(chosen.get(n, (None,))[0] == table.provider[n] for n in table.names()):
         return table, served, refusals
     # an indexer handed to the reference op takes that op's inputs (the decode step casts by the table's rule)

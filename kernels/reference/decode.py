@@ -48,7 +48,7 @@ from .compressor import Compressor, hadamard_transform
 from .indexer import indexer_input_dtype, indexer_scores
 from .layers import compute_dtype, linear_fp32, rms_normalize
 from .rope import apply_rope, rope_cos_sin
-from .topk import stable_topk
+from .topk import decode_topk
 
 __all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step"]
 
@@ -270,8 +270,10 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: 
 
 
 def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The Lightning Indexer's top-k picks ``[B, k]`` (entry ids, -1 = none) for one query per row."""
+                cos: torch.Tensor, sin: torch.Tensor, memo: Optional[dict] = None) -> torch.Tensor:
+    """The Lightning Indexer's top-k picks ``[B, k]`` (entry ids, -1 = none) for one query per row: over the
+    entries each row's position has completed, the forward's rule (:func:`~.topk.decode_topk`; in an eager static
+    step the table's one-launch ``decode_topk`` where it has one, :func:`eager_op`)."""
     B = x.shape[0]
     N = cc.entries.shape[1]
     if N == 0:
@@ -283,9 +285,9 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
     w = indexer.weights_proj(x).to(ct) * (indexer.head_dim * indexer.n_heads) ** -0.5
     scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
-    limit = ((pos + 1) // indexer.ratio).to(x.device)[:, None]
-    scores = scores.masked_fill(torch.arange(N, device=x.device)[None, :] >= limit, float("-inf"))
-    return stable_topk(scores, indexer.topk)   # the forward's rule: the same picks on a row of any length
+    # the forward's rule (stable_topk): the same picks on a row of any length
+    return (eager_op(ops, memo, "decode_topk") or decode_topk)(scores, pos.to(x.device), indexer.ratio,
+                                                               indexer.topk)
 
 
 # one device tensor per set of RoPE frequencies and device (device_inv_freq): constants, shared by every layer
@@ -333,6 +335,16 @@ def table_angles(table: torch.Tensor, index: torch.Tensor) -> Tuple[torch.Tensor
     return rows[0][:, None], rows[1][:, None]
 
 
+def eager_op(ops, memo: Optional[dict], name: str):
+    """The op table ``ops``' extra op ``name`` in an eager static step (its ``memo`` holds the slots' capacity),
+    else None: traced, the torch code is what Inductor fuses, and the dynamic step has no such ops. The engine's
+    decode table holds such an op only where it takes the engine's inputs (``rollout.engine_ops.decode_choices``)."""
+    if (memo is None or "max_len" not in memo or ops is None or name not in ops.names()
+            or torch.compiler.is_compiling()):
+        return None
+    return getattr(ops, name)
+
+
 def step_once(memo: Optional[dict], key, make):
     """``make()``; with a step's ``memo`` (a dict), made by the first layer that asks for ``key`` and reused by the
     step's other layers. Why: every layer of a decode step writes the same ring slots, masks the same window,
@@ -376,17 +388,22 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     ops = attn.ops
     rope = apply_rope if ops is None else ops.apply_rope
     cq = attn.q_norm(attn.wq_a(x))
-    q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps, x.dtype)
-    q = rope(q, cos, sin)
-    kv = rope(attn.kv_norm(attn.wkv(x)), cos, sin)
     rows, ring, idx = step_once(memo, ("window", W), lambda: _window(B, W, pos_d))
-    lc.window[rows, ring] = kv[:, 0]
+    fused = eager_op(ops, memo, "norm_rope")      # the norms, rotations and the ring's write, one launch each
+    if fused is not None:
+        q = fused(attn.wq_b(cq).view(B, 1, H, D), None, attn.eps, cos, sin)
+        fused(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin, lc.window, pos_d, W)
+    else:
+        q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps,
+                                                                 x.dtype)
+        q = rope(q, cos, sin)
+        lc.window[rows, ring] = rope(attn.kv_norm(attn.wkv(x)), cos, sin)[:, 0]
     if attn.ratio:
         # the compressed entries follow the ring in the layer's buffer (module docstring)
         compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo, (lc.window, W))
         if attn.ratio == 4:
             compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq, memo)
-            cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin)
+            cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin, memo)
             if picks is not None:
                 picks.append(cidx)
         else:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
 from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, angle_table, device_inv_freq,
-                     pool_slots, step_once, table_angles)
+                     eager_op, pool_slots, step_once, table_angles)
 from .layers import compute_dtype, linear_fp32
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
@@ -177,13 +177,8 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
 
 def _eager_compressor(comp: Compressor, memo: Optional[dict]):
     """The op table's ``compressor_step`` (the triton backend's: ``kernels/triton/compress.py``) in the eager static
-    step (its memo holds the slots' capacity, which sizes the blocks' angle table), else None: traced, the torch
-    code is what Inductor fuses, and the dynamic step has no table. The engine's decode table holds the op only
-    where it takes the engine's inputs (``rollout.engine_ops.decode_choices``)."""
-    if (memo is None or "max_len" not in memo or comp.ops is None or "compressor_step" not in comp.ops.names()
-            or torch.compiler.is_compiling()):
-        return None
-    return comp.ops.compressor_step
+    step (:func:`~.decode.eager_op`; its memo's capacity sizes the blocks' angle table), else None."""
+    return eager_op(comp.ops, memo, "compressor_step")
 
 
 def _blocks(B: int, m: int, N: int, pos: torch.Tensor):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["stable_topk"]
+__all__ = ["stable_topk", "decode_topk"]
 
 # Row chunks hold at most this many scores, so the int64 temporaries stay near 64 MiB each.
 CHUNK_ELEMENTS = 1 << 23
@@ -63,3 +63,13 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     else:
         out = torch.cat([_stable_topk_rows(rows[r:r + step], k) for r in range(0, rows.shape[0], step)])
     return out.reshape(*lead, k)
+
+
+def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int) -> torch.Tensor:
+    """The ``decode_topk`` op's torch contract (the GPU backends' one-launch version: ``kernels/triton/topk.py``):
+    a decode step's indexer picks from ``scores [B, N]``, each row over the entries its position ``pos [B]`` has
+    completed (ids below ``(pos + 1) // ratio``; the rest scored ``-inf``), by :func:`stable_topk` -> ``[B,
+    min(k, N)]``."""
+    N = scores.shape[-1]
+    limit = ((pos + 1) // ratio).to(scores.device)[:, None]
+    return stable_topk(scores.masked_fill(torch.arange(N, device=scores.device)[None, :] >= limit, float("-inf")), k)

@@ -49,11 +49,14 @@ def ops() -> "OpTable":
     launch (``kernels/triton/experts.py``); ``route_experts``, its eager MoE's router in one launch
     (``kernels/triton/routing.py``); ``draw_tokens``, the rollout engine's
     sampler at top-p 1 (``kernels/triton/sampling.py``); ``compressor_step``, its eager decode step's compressors
-    after their GEMMs in one launch (``kernels/triton/compress.py``).
+    after their GEMMs in one launch (``kernels/triton/compress.py``); ``norm_rope``, its eager decode step's query
+    and key norms and rotations (and the key's write into the ring), one launch each
+    (``kernels/triton/norm_rope.py``); ``decode_topk``, its eager decode step's indexer picks in one launch
+    (``kernels/triton/topk.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import (attention, compress, experts, hadamard, indexer, logprobs, mhc, norm, rope, routing,
-                                sampling, swiglu)
+    from kernels.triton import (attention, compress, experts, hadamard, indexer, logprobs, mhc, norm, norm_rope,
+                                rope, routing, sampling, swiglu, topk)
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
-                               sampling, routing, compress)
+                               sampling, routing, compress, norm_rope, topk)

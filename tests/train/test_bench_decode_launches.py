@@ -41,3 +41,15 @@ def test_the_pair_kernels_take_the_place_of_the_gather_scatter_and_sums():
     with_pairs, without = count_step(config, 2), count_step(config, 2, without=PAIR_KERNELS)
     assert with_pairs.sites["moe_combine (one kernel)"] == config.n_layers
     assert sum(without.sites.values()) - sum(with_pairs.sites.values()) >= 5 * config.n_layers
+
+
+def test_the_fused_norms_and_the_indexer_top_k_take_the_place_of_their_torch_code():
+    """``norm_rope``: the query's norm and rotation (two launches) and the key's norm, rotation and ring write
+    (three) become one launch each; ``decode_topk``: a CSA layer's mask and stable top-k (about nineteen) one."""
+    from bench.decode_launches import count_step, model_like
+
+    config = model_like("flash-shaped")
+    full = sum(count_step(config, 2).sites.values())
+    csa = config.compress_ratios[:config.n_layers].count(4)
+    assert sum(count_step(config, 2, without=("norm_rope",)).sites.values()) - full == 3 * config.n_layers
+    assert sum(count_step(config, 2, without=("decode_topk",)).sites.values()) - full >= 15 * csa

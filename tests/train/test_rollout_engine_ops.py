@@ -8,8 +8,9 @@
   reference op for that op, recorded in ``decode_ops`` / ``decode_refusals`` (not silently);
 * the decode-only expert kernels (``experts_grouped_mm``, ``expert_order``, ``route_experts``) are on the record
   exactly where the step calls them;
-* a table's ``compressor_step`` runs every compressor of the decode step, on the record, with the samples of the
-  torch code; one that refuses the step's inputs is on the record and never called;
+* a table's ``compressor_step`` runs every compressor of the decode step, and its ``norm_rope`` every query's and
+  key's norm and rotation, on the record, with the samples of the torch code; one that refuses the step's inputs
+  is on the record and never called;
 * a table's sampler kernel (``draw_tokens``) draws at top-p 1 the torch sampler's tokens, on the record
   (``sample_ops``), and one that refuses the probe leaves the torch sampler, logged;
 * ``compile``: the decode step traced by ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd's
@@ -201,26 +202,36 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
 
 
 @pytest.mark.parametrize("refuse", [False, True])
-def test_the_decode_step_runs_the_tables_compressor_step(refuse):
-    """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch; here its
-    torch contract, ``kernels.reference.compressor_step``): the engine records it (``decode_ops``; prefill never
-    calls it), every compressor of the decode step runs it, and the samples are the reference engine's, bit for
-    bit (the same torch ops on the same angles). One that refuses the step's inputs is on the record
-    (``decode_refusals``) and never called: the step runs its torch code."""
+@pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk"])
+def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
+    """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch),
+    ``norm_rope`` (the attention's query and key norms and rotations, the key's write into its ring, one launch
+    each) or ``decode_topk`` (a CSA layer's indexer picks), here their torch contracts
+    (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``, ``kernels.reference.topk``):
+    the engine records the op (``decode_ops``; prefill never calls it), the decode step calls it every time it
+    would run that torch code, and the samples are the reference engine's, bit for bit (the same torch ops on the
+    same angles). One that refuses the step's inputs is on the record (``decode_refusals``) and never called: the
+    step runs its torch code."""
     from kernels.reference.compressor_step import compressor_step
+    from kernels.reference.norm_rope import norm_rope
+    from kernels.reference.topk import decode_topk
     from rollout.reference_engine import ReferenceEngine
 
     def picky(*args):
-        raise ValueError("the fake compressor_step takes CUDA tensors only")
+        raise ValueError(f"the fake {op} takes CUDA tensors only")
 
-    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"compressor_step": picky if refuse else compressor_step})))
-    assert ("compressor_step" in e.decode_ops) is not refuse and "compressor_step" not in e.prefill_ops
-    assert ("compressor_step" in e.decode_refusals) is refuse
+    contracts = {"compressor_step": compressor_step, "norm_rope": norm_rope, "decode_topk": decode_topk}
+    fn = picky if refuse else contracts[op]
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn})))
+    assert (op in e.decode_ops) is not refuse and op not in e.prefill_ops
+    assert (op in e.decode_refusals) is refuse
     got, ran = _generate(e, _params(max_new_tokens=12))          # past a block of 4: entries pooled and used
-    assert ("fake.compressor_step" in ran) is not refuse, ran
-    compressors = sum(1 + (r == 4) for r in CFG.compress_ratios[:CFG.n_layers] if r)
-    if not refuse:            # every compressor of every decode step (11 a sample; one slot per sample here)
-        assert ran["fake.compressor_step"] % compressors == 0 and ran["fake.compressor_step"] >= 11 * compressors
+    assert (f"fake.{op}" in ran) is not refuse, ran
+    # per decode step (11 a sample, one slot each): every compressor, or the query and the key of every layer
+    per_step = {"compressor_step": sum(1 + (r == 4) for r in CFG.compress_ratios[:CFG.n_layers] if r),
+                "norm_rope": 2 * CFG.n_layers, "decode_topk": CFG.compress_ratios[:CFG.n_layers].count(4)}[op]
+    if not refuse:
+        assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
     want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
     _same(got, want)
 

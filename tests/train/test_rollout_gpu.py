@@ -194,7 +194,7 @@ def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     from core.run_config import Choices, normalize
     from engine.compile import kernel_op_names
     from launchers.builtin_plugins import make_host
-    from rollout.engine_ops import INDUCTOR_FUSES
+    from rollout.engine_ops import EAGER_EXTRAS, INDUCTOR_FUSES
     from rollout.reference_engine import ReferenceEngine, SamplingParams
     from rollout.weight_sync import sync_weights
 
@@ -209,7 +209,7 @@ def test_the_compiled_step_traces_the_triton_backends_kernels(train_model):
     # the compiled step leaves the norms, RoPE and the experts' activation to Inductor (rollout.engine_ops)
     assert {e.decode_ops[op] for op in INDUCTOR_FUSES if op in e.decode_ops} == {"none"}, e.decode_ops
     assert "expert_order" not in e.decode_ops          # traced, the counting's torch code: Inductor fuses it
-    assert "compressor_step" not in e.decode_ops       # likewise the compressors' torch code
+    assert not set(EAGER_EXTRAS) & set(e.decode_ops)   # likewise the compressors', norms' and rotations' torch code
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, max_slots=1)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok
@@ -332,6 +332,7 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     from core.run_config import Choices, normalize
     from kernels.reference.slots import PAIR_KERNELS
     from launchers.builtin_plugins import make_host
+    from rollout.engine_ops import EAGER_EXTRAS
     from rollout.reference_engine import ReferenceEngine, SamplingParams
     from rollout.weight_sync import sync_weights
 
@@ -364,8 +365,9 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
         assert e.decode_ops["experts_grouped_mm"] == backend and ran[f"{backend}.experts_grouped_mm"] > 0
     if "expert_order" in parts.ops.names():                # the eager MoE's pairs in expert order, one launch
         assert e.decode_ops["expert_order"] == backend and ran[f"{backend}.expert_order"] > 0
-    if "compressor_step" in parts.ops.names():             # the eager step's compressors after their GEMMs
-        assert e.decode_ops["compressor_step"] == backend and ran[f"{backend}.compressor_step"] > 0
+    for op in EAGER_EXTRAS:         # the eager step's compressors after their GEMMs; its norms and rotations
+        if op in parts.ops.names():
+            assert e.decode_ops[op] == backend and ran[f"{backend}.{op}"] > 0, (op, e.decode_refusals)
     want = ref.generate(PROMPTS, params, n=2, seed=3)
     for ga, gb in zip(got, want):
         for a, b in zip(ga, gb):

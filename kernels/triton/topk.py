@@ -1,0 +1,100 @@
+"""Triton: the decode step's indexer top-k in one launch (``decode_topk``; its torch contract is
+``kernels.reference.topk.decode_topk``): the stable top-k of each row's scores over the entries its position has
+completed.
+
+Why: the eager decode step masked a CSA layer's indexer scores past each row's completed blocks (a floor division,
+a range, a comparison, a fill) and took the stable top-k (``kernels.reference.topk.stable_topk``: the k-th largest
+value, comparisons with it, two running sums, a second top-k over the taken ids, about fifteen kernels), about
+nineteen launches a CSA layer (V4-Flash has 21 of them) for a few KB of scores.
+
+One program a row, in passes over its ``N`` scores: each score becomes an unsigned key in the order of the floats
+(the sign bit flipped for positives, every bit for negatives); an entry counts where it is finite and below the
+row's limit ``(pos + 1) // ratio``. Where at most ``k`` count, all of them are taken; else 32 counting passes find
+the ``k``-th largest key bit by bit (the largest key with at least ``k`` keys at or above it), and a last pass
+takes the keys above it and, in id order, the first ``k`` minus that many equal to it, writing each taken id at
+its rank: the same ids as the torch contract, ascending, ``-1`` after the last.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common
+
+__all__ = ["decode_topk", "decode_topk_launch", "BLOCK"]
+
+BLOCK = 1024               # scores a loop step of a row's program reads
+
+
+@triton.jit
+def _keys(SCORES, row, ids, N, limit):
+    """The unsigned keys of scores ``ids`` of ``row`` (in the floats' order) and whether each counts."""
+    s = tl.load(SCORES + row * N + ids, mask=ids < N, other=float("-inf"))
+    bits = s.to(tl.int32, bitcast=True)
+    flip = (bits >> 31) | -2147483648                       # all bits for a negative float, the sign bit else
+    key = (bits ^ flip).to(tl.uint32, bitcast=True)
+    return key, (ids < limit) & (s > float("-inf"))
+
+
+@triton.jit(do_not_specialize=["N", "K", "ratio"])
+def _decode_topk_kernel(SCORES, POS, OUT, N, K, ratio, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    limit = tl.minimum((tl.load(POS + row) + 1) // ratio, N)
+    lane = tl.arange(0, BLOCK)
+    valid = 0
+    for n0 in range(0, N, BLOCK):
+        _, ok = _keys(SCORES, row, n0 + lane, N, limit)
+        valid += tl.sum(ok.to(tl.int32), axis=0)
+    thr = tl.full([], 0, tl.uint32)                         # the k-th largest key, bit by bit from the top
+    if valid > K:
+        for b in tl.static_range(31, -1, -1):
+            cand = thr | (tl.full([], 1, tl.uint32) << b)
+            count = 0
+            for n0 in range(0, N, BLOCK):
+                key, ok = _keys(SCORES, row, n0 + lane, N, limit)
+                count += tl.sum((ok & (key >= cand)).to(tl.int32), axis=0)
+            thr = tl.where(count >= K, cand, thr)
+    above = 0
+    for n0 in range(0, N, BLOCK):
+        key, ok = _keys(SCORES, row, n0 + lane, N, limit)
+        above += tl.sum((ok & (key > thr)).to(tl.int32), axis=0)
+    need = K - above                                        # how many ties (equal to thr) to take, lowest ids first
+    taken = 0
+    ties = 0
+    for n0 in range(0, N, BLOCK):
+        ids = n0 + lane
+        key, ok = _keys(SCORES, row, ids, N, limit)
+        tie = (ok & (key == thr)).to(tl.int32)
+        take = ok & ((valid <= K) | (key > thr) | ((tie > 0) & (ties + tl.cumsum(tie, axis=0) <= need)))
+        rank = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(OUT + row * K + rank, ids.to(tl.int64), mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(tie, axis=0)
+    for k0 in range(0, K, BLOCK):                           # -1 after the last taken id
+        ks = k0 + lane
+        tl.store(OUT + row * K + ks, tl.full([BLOCK], -1, tl.int64), mask=(ks >= taken) & (ks < K))
+
+
+def decode_topk_launch(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int) -> torch.Tensor:
+    """The kernel on checked inputs: ``scores [B, N]`` fp32 contiguous, ``pos [B]`` int64 -> ``[B, min(k, N)]``."""
+    B, N = scores.shape
+    K = min(int(k), N)
+    out = torch.empty(B, K, dtype=torch.long, device=scores.device)
+    if B and K:
+        _decode_topk_kernel[(B,)](scores, pos, out, N, K, int(ratio), BLOCK=min(BLOCK, triton.next_power_of_2(N)),
+                                  num_warps=4)
+    return out
+
+
+def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int) -> torch.Tensor:
+    """:func:`kernels.reference.topk.decode_topk` in one launch (module docstring): ``scores [B, N]`` fp32 (CUDA),
+    the rows' positions ``pos [B]`` int64, the compression ``ratio`` and ``k`` -> int64 ids ``[B, min(k, N)]``, the
+    same ids. Anything else is refused with the reason."""
+    op = "decode_topk"
+    gpu_common.check_op_input(op, scores, "scores", dtypes=(torch.float32,))
+    if scores.dim() != 2 or pos.shape != (scores.shape[0],) or pos.dtype != torch.int64 or ratio < 1 or k < 0:
+        raise gpu_common.op_refusal(op, f"scores {tuple(scores.shape)}, pos {tuple(pos.shape)} {pos.dtype}, ratio "
+                                        f"{ratio}, k {k} (needs scores [B, N], int64 pos [B], ratio >= 1, k >= 0)")
+    return decode_topk_launch(scores.contiguous(), pos.contiguous(), ratio, k)

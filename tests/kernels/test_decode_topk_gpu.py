@@ -1,0 +1,62 @@
+"""The triton ``decode_topk`` (``kernels/triton/topk.py``): a decode step's indexer picks in one launch, against the
+torch contract (``kernels.reference.topk.decode_topk``: the entries below each row's limit, ``stable_topk``'s
+rule): the same ids. Rows with many exact ties (the k-th largest value tied across the cut), ``-inf`` scores,
+fewer counted entries than ``k``, no counted entry, ``k`` above the row's length, rows longer than a loop step,
+negative and positive scores. With no GPU, ``TRITON_INTERPRET=1`` runs it; otherwise it skips."""
+
+import pytest
+import torch
+
+from ._backends import triton_device
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("B,N,k,ratio", [(6, 40, 8, 4), (4, 2500, 512, 4), (3, 7, 16, 4), (5, 300, 300, 1)])
+def test_the_kernel_picks_the_contracts_ids(B, N, k, ratio):
+    from kernels.reference.topk import decode_topk as ref
+    from kernels.triton.topk import decode_topk
+
+    dev = triton_device()
+    g = torch.Generator().manual_seed(B * N + k)
+    scores = torch.randn(B, N, generator=g)
+    scores[0] = torch.round(scores[0] * 2) / 2                     # a handful of values: ties at the cut
+    scores[1, ::3] = float("-inf")
+    scores[2] = 0.0                                                # every entry tied
+    pos = torch.randint(0, N * ratio, (B,), generator=g)
+    pos[1] = N * ratio - 1                                         # every entry completed
+    pos[-1] = 0 if ratio > 1 else pos[-1]                          # (ratio 4) no entry completed yet
+    want = ref(scores, pos, ratio, k)
+    got = decode_topk(scores.to(dev), pos.to(dev), ratio, k).cpu()
+    assert got.dtype == torch.int64 and got.shape == want.shape == (B, min(k, N))
+    assert torch.equal(got, want), (got, want)
+
+
+def test_the_kernel_refuses_what_it_cannot_serve():
+    from kernels.triton.topk import decode_topk
+
+    dev = triton_device()
+    with pytest.raises(ValueError, match="float32"):
+        decode_topk(torch.zeros(2, 8, dtype=torch.float16, device=dev), torch.zeros(2, dtype=torch.long, device=dev),
+                    4, 2)
+    with pytest.raises(ValueError, match="int64 pos"):
+        decode_topk(torch.zeros(2, 8, device=dev), torch.zeros(2, dtype=torch.int32, device=dev), 4, 2)
+
+
+def test_the_kernel_compiles_for_sm90():
+    """The kernel compiles to PTX for sm_90 (H100/H200) with triton alone, no GPU."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kernels.triton import topk as K
+
+    sig = {"SCORES": "*fp32", "POS": "*i64", "OUT": "*i64", "N": "i32", "K": "i32", "ratio": "i32",
+           "BLOCK": "constexpr"}
+    compiled = compile(ASTSource(K._decode_topk_kernel, sig, dict(BLOCK=K.BLOCK)), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    assert ".entry" in compiled.asm["ptx"]
