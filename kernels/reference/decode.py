@@ -46,7 +46,7 @@ import torch
 from .attention import sparse_attention_with_sink
 from .compressor import Compressor, hadamard_transform
 from .indexer import indexer_input_dtype, indexer_scores
-from .layers import compute_dtype, linear_fp32, rms_normalize
+from .layers import compute_dtype, grouped_projection, linear_fp32, rms_normalize
 from .rope import apply_rope, rope_cos_sin
 from .topk import decode_topk
 
@@ -406,10 +406,10 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
             cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin, memo)
             if picks is not None:
                 picks.append(cidx)
-        else:
-            j = torch.arange(lc.window.shape[1] - W, device=dev)[None, :]
-            cidx = torch.where(j < ((pos_d + 1) // attn.ratio)[:, None], j, -1)
-        idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
+            idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
+        else:    # every completed entry: the same rows for every layer of this ratio and capacity (step_once)
+            idx = step_once(memo, ("entries", attn.ratio, lc.window.shape[1], W),
+                            lambda: _all_entries(idx, pos_d, attn.ratio, lc.window.shape[1] - W, W))
 
     attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
     o = attend(q, lc.window, idx[:, None], attn.attn_sink, attn.scale)
@@ -417,7 +417,19 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     G, R = attn.o_groups, attn.o_lora_rank
     o = o.reshape(B, 1, G, H * D // G)
     wo_a = attn.wo_a.weight.to(o.dtype).view(G, R, H * D // G)
-    return attn.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+    # eagerly the grouped low-rank projection: one batched GEMM writing token-major rows (the trainer's, miles'),
+    # where the einsum's result is a group-major copy away from them (a launch a layer); traced (its bmm's out=
+    # is not), the einsum, which Inductor lays out itself
+    u = (torch.einsum("bsgd,grd->bsgr", o, wo_a) if torch.compiler.is_compiling()
+         else grouped_projection(o, wo_a))
+    return attn.wo_b(u.flatten(2))
+
+
+def _all_entries(idx: torch.Tensor, pos: torch.Tensor, ratio: int, N: int, W: int) -> torch.Tensor:
+    """The window's rows ``idx [B, W]`` followed by every entry of the ``N`` after the ring that each row's
+    position has completed (``j < (pos + 1) // ratio``; ``-1`` for the rest): an HCA layer's attention rows."""
+    j = torch.arange(N, device=pos.device)[None, :]
+    return torch.cat((idx, torch.where(j < ((pos + 1) // ratio)[:, None], j + W, -1)), dim=-1)
 
 
 def _window(B: int, W: int, pos: torch.Tensor):

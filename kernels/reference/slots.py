@@ -36,7 +36,7 @@ default).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -464,8 +464,15 @@ def _shared_expert(shared, w13: torch.Tensor, x: torch.Tensor, act) -> torch.Ten
     activation ``act`` (``weighted_swiglu``'s contract) at weight 1: one GEMM and one kernel where the module
     runs two GEMMs, casts, clamps, a SiLU and a product (a weight of 1 changes no bit of the reference's)."""
     h = F.linear(x, w13.to(x.dtype))
-    ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+    ones = None if torch.compiler.is_compiling() else _ONES.get((x.shape[0], str(x.device)))
+    if ones is None:
+        ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
     return F.linear(act(h, ones, shared.limit, x.dtype), shared.w2.weight.to(x.dtype))
+
+
+# the shared expert's weights of 1 per token count and device, made by static_step_checks before a CUDA graph
+# records the step (a fill a layer less), read only eagerly; never written
+_ONES: Dict[Tuple[int, str], torch.Tensor] = {}
 
 
 # ------------------------------------------------------------------- step
@@ -484,6 +491,8 @@ def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = No
         raise ValueError(f"static_decode_step: moe_path must be 'grouped' or 'dense', got {moe_path!r}")
     dev = tokens.device
     x = model.embed.weight[:1]                                  # the dtype and device the MoE sees
+    if (len(tokens), str(dev)) not in _ONES:                    # the shared expert's weights (_shared_expert)
+        _ONES[(len(tokens), str(dev))] = torch.ones(len(tokens), dtype=torch.float32, device=dev)
     paths = []
     for layer in model.layers:
         _host_checks(layer.ffn)
