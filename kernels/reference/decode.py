@@ -270,10 +270,11 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos: 
 
 
 def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache, pos: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, memo: Optional[dict] = None) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, memo: Optional[dict] = None, window: int = 0) -> torch.Tensor:
     """The Lightning Indexer's top-k picks ``[B, k]`` (entry ids, -1 = none) for one query per row: over the
     entries each row's position has completed, the forward's rule (:func:`~.topk.decode_topk`; in an eager static
-    step the table's one-launch ``decode_topk`` where it has one, :func:`eager_op`)."""
+    step the table's one-launch ``decode_topk`` where it has one, :func:`eager_op`). With ``window`` (the cache
+    holds entries): the attention's rows ``[B, window + k]``, the ring's written rows then the picks past it."""
     B = x.shape[0]
     N = cc.entries.shape[1]
     if N == 0:
@@ -287,7 +288,7 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
     # the forward's rule (stable_topk): the same picks on a row of any length
     return (eager_op(ops, memo, "decode_topk") or decode_topk)(scores, pos.to(x.device), indexer.ratio,
-                                                               indexer.topk)
+                                                               indexer.topk, window)
 
 
 # one device tensor per set of RoPE frequencies and device (device_inv_freq): constants, shared by every layer
@@ -403,10 +404,13 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
         compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo, (lc.window, W))
         if attn.ratio == 4:
             compress(attn.indexer.compressor, x, lc.indexer, pos, inv_freq, memo)
-            cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin, memo)
-            if picks is not None:
-                picks.append(cidx)
-            idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
+            if picks is None and lc.indexer.entries.shape[1]:      # the ring's rows and the picks past it at once
+                idx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin, memo, W)
+            else:
+                cidx = _index_step(attn.indexer, x, cq, lc.indexer, pos, cos, sin, memo)
+                if picks is not None:
+                    picks.append(cidx)
+                idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
         else:    # every completed entry: the same rows for every layer of this ratio and capacity (step_once)
             idx = step_once(memo, ("entries", attn.ratio, lc.window.shape[1], W),
                             lambda: _all_entries(idx, pos_d, attn.ratio, lc.window.shape[1] - W, W))

@@ -65,11 +65,18 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(*lead, k)
 
 
-def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int) -> torch.Tensor:
+def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int, window: int = 0) -> torch.Tensor:
     """The ``decode_topk`` op's torch contract (the GPU backends' one-launch version: ``kernels/triton/topk.py``):
     a decode step's indexer picks from ``scores [B, N]``, each row over the entries its position ``pos [B]`` has
     completed (ids below ``(pos + 1) // ratio``; the rest scored ``-inf``), by :func:`stable_topk` -> ``[B,
-    min(k, N)]``."""
+    min(k, N)]``. With ``window``: the attention's rows ``[B, window + min(k, N)]``, the ring rows the position has
+    written (``s < min(pos + 1, window)``, else ``-1``) and then the picks offset past the ring (``-1`` kept)."""
     N = scores.shape[-1]
-    limit = ((pos + 1) // ratio).to(scores.device)[:, None]
-    return stable_topk(scores.masked_fill(torch.arange(N, device=scores.device)[None, :] >= limit, float("-inf")), k)
+    pos = pos.to(scores.device)
+    limit = ((pos + 1) // ratio)[:, None]
+    ids = stable_topk(scores.masked_fill(torch.arange(N, device=scores.device)[None, :] >= limit, float("-inf")), k)
+    if not window:
+        return ids
+    s = torch.arange(window, device=scores.device)[None, :]
+    ring = torch.where(s < (pos[:, None] + 1).clamp(max=window), s, -1)
+    return torch.cat((ring, torch.where(ids >= 0, ids + window, ids)), dim=-1)

@@ -12,7 +12,9 @@ One program a row, in passes over its ``N`` scores: each score becomes an unsign
 row's limit ``(pos + 1) // ratio``. Where at most ``k`` count, all of them are taken; else 32 counting passes find
 the ``k``-th largest key bit by bit (the largest key with at least ``k`` keys at or above it), and a last pass
 takes the keys above it and, in id order, the first ``k`` minus that many equal to it, writing each taken id at
-its rank: the same ids as the torch contract, ascending, ``-1`` after the last.
+its rank: the same ids as the torch contract, ascending, ``-1`` after the last. With a ``window`` it writes the
+attention's whole row of ids: the ring rows the position has written (``s < min(pos + 1, window)``, else ``-1``),
+then the picks offset past the ring, where torch took a comparison, an add, a select and a concatenation more.
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ def _keys(SCORES, row, ids, N, limit):
     return key, (ids < limit) & (s > float("-inf"))
 
 
-@triton.jit(do_not_specialize=["N", "K", "ratio"])
-def _decode_topk_kernel(SCORES, POS, OUT, N, K, ratio, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "K", "ratio", "W"])
+def _decode_topk_kernel(SCORES, POS, OUT, N, K, ratio, W, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    limit = tl.minimum((tl.load(POS + row) + 1) // ratio, N)
+    p = tl.load(POS + row)
+    limit = tl.minimum((p + 1) // ratio, N)
     lane = tl.arange(0, BLOCK)
+    OUT += row * (W + K)                                    # the row's window rows (W), then its picks (K)
+    for w0 in range(0, W, BLOCK):                           # the ring rows written so far: s < min(pos + 1, W)
+        s = w0 + lane
+        tl.store(OUT + s, tl.where(s < tl.minimum(p + 1, W), s, -1).to(tl.int64), mask=s < W)
+    OUT += W
     valid = 0
     for n0 in range(0, N, BLOCK):
         _, ok = _keys(SCORES, row, n0 + lane, N, limit)
@@ -69,32 +77,36 @@ def _decode_topk_kernel(SCORES, POS, OUT, N, K, ratio, BLOCK: tl.constexpr):
         tie = (ok & (key == thr)).to(tl.int32)
         take = ok & ((valid <= K) | (key > thr) | ((tie > 0) & (ties + tl.cumsum(tie, axis=0) <= need)))
         rank = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(OUT + row * K + rank, ids.to(tl.int64), mask=take)
+        tl.store(OUT + rank, (ids + W).to(tl.int64), mask=take)
         taken += tl.sum(take.to(tl.int32), axis=0)
         ties += tl.sum(tie, axis=0)
     for k0 in range(0, K, BLOCK):                           # -1 after the last taken id
         ks = k0 + lane
-        tl.store(OUT + row * K + ks, tl.full([BLOCK], -1, tl.int64), mask=(ks >= taken) & (ks < K))
+        tl.store(OUT + ks, tl.full([BLOCK], -1, tl.int64), mask=(ks >= taken) & (ks < K))
 
 
-def decode_topk_launch(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int) -> torch.Tensor:
-    """The kernel on checked inputs: ``scores [B, N]`` fp32 contiguous, ``pos [B]`` int64 -> ``[B, min(k, N)]``."""
+def decode_topk_launch(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int, window: int = 0) -> torch.Tensor:
+    """The kernel on checked inputs: ``scores [B, N]`` fp32 contiguous, ``pos [B]`` int64 -> ``[B, window +
+    min(k, N)]``."""
     B, N = scores.shape
     K = min(int(k), N)
-    out = torch.empty(B, K, dtype=torch.long, device=scores.device)
-    if B and K:
-        _decode_topk_kernel[(B,)](scores, pos, out, N, K, int(ratio), BLOCK=min(BLOCK, triton.next_power_of_2(N)),
-                                  num_warps=4)
+    out = torch.empty(B, window + K, dtype=torch.long, device=scores.device)
+    if B and (K or window):
+        _decode_topk_kernel[(B,)](scores, pos, out, N, K, int(ratio), int(window),
+                                  BLOCK=min(BLOCK, triton.next_power_of_2(max(N, K, window, 1))), num_warps=4)
     return out
 
 
-def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int) -> torch.Tensor:
+def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int, window: int = 0) -> torch.Tensor:
     """:func:`kernels.reference.topk.decode_topk` in one launch (module docstring): ``scores [B, N]`` fp32 (CUDA),
     the rows' positions ``pos [B]`` int64, the compression ``ratio`` and ``k`` -> int64 ids ``[B, min(k, N)]``, the
-    same ids. Anything else is refused with the reason."""
+    same ids; with ``window`` the attention's rows ``[B, window + min(k, N)]`` (the ring rows written so far, then
+    the picks after the ring). Anything else is refused with the reason."""
     op = "decode_topk"
     gpu_common.check_op_input(op, scores, "scores", dtypes=(torch.float32,))
-    if scores.dim() != 2 or pos.shape != (scores.shape[0],) or pos.dtype != torch.int64 or ratio < 1 or k < 0:
+    if (scores.dim() != 2 or pos.shape != (scores.shape[0],) or pos.dtype != torch.int64 or ratio < 1 or k < 0
+            or window < 0):
         raise gpu_common.op_refusal(op, f"scores {tuple(scores.shape)}, pos {tuple(pos.shape)} {pos.dtype}, ratio "
-                                        f"{ratio}, k {k} (needs scores [B, N], int64 pos [B], ratio >= 1, k >= 0)")
-    return decode_topk_launch(scores.contiguous(), pos.contiguous(), ratio, k)
+                                        f"{ratio}, k {k}, window {window} (needs scores [B, N], int64 pos [B], "
+                                        f"ratio >= 1, k >= 0, window >= 0)")
+    return decode_topk_launch(scores.contiguous(), pos.contiguous(), ratio, k, int(window))

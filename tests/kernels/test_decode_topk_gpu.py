@@ -12,8 +12,10 @@ from ._backends import triton_device
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("window", [0, 8, 128])
 @pytest.mark.parametrize("B,N,k,ratio", [(6, 40, 8, 4), (4, 2500, 512, 4), (3, 7, 16, 4), (5, 300, 300, 1)])
-def test_the_kernel_picks_the_contracts_ids(B, N, k, ratio):
+def test_the_kernel_picks_the_contracts_ids(B, N, k, ratio, window):
+    """And with a ``window``: the attention's whole rows (the ring's written rows, then the picks past it)."""
     from kernels.reference.topk import decode_topk as ref
     from kernels.triton.topk import decode_topk
 
@@ -26,9 +28,9 @@ def test_the_kernel_picks_the_contracts_ids(B, N, k, ratio):
     pos = torch.randint(0, N * ratio, (B,), generator=g)
     pos[1] = N * ratio - 1                                         # every entry completed
     pos[-1] = 0 if ratio > 1 else pos[-1]                          # (ratio 4) no entry completed yet
-    want = ref(scores, pos, ratio, k)
-    got = decode_topk(scores.to(dev), pos.to(dev), ratio, k).cpu()
-    assert got.dtype == torch.int64 and got.shape == want.shape == (B, min(k, N))
+    want = ref(scores, pos, ratio, k, window)
+    got = decode_topk(scores.to(dev), pos.to(dev), ratio, k, window).cpu()
+    assert got.dtype == torch.int64 and got.shape == want.shape == (B, window + min(k, N))
     assert torch.equal(got, want), (got, want)
 
 
@@ -55,7 +57,7 @@ def test_the_kernel_compiles_for_sm90():
 
     from kernels.triton import topk as K
 
-    sig = {"SCORES": "*fp32", "POS": "*i64", "OUT": "*i64", "N": "i32", "K": "i32", "ratio": "i32",
+    sig = {"SCORES": "*fp32", "POS": "*i64", "OUT": "*i64", "N": "i32", "K": "i32", "ratio": "i32", "W": "i32",
            "BLOCK": "constexpr"}
     compiled = compile(ASTSource(K._decode_topk_kernel, sig, dict(BLOCK=K.BLOCK)), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))

@@ -78,3 +78,16 @@ def test_empty_shapes():
     assert stable_topk(torch.zeros(3, 0), 4).shape == (3, 0)
     assert stable_topk(torch.zeros(0, 9), 4).shape == (0, 4)
     assert stable_topk(torch.zeros(2, 5), 0).shape == (2, 0)
+
+
+def test_the_window_rows_are_the_steps_rows():
+    """The contract's window rows are the decode step's ring rows (``kernels.reference.decode._window``) and its
+    picks the plain call's offset past the ring."""
+    from kernels.reference.decode import _window
+    from kernels.reference.topk import decode_topk
+
+    g = torch.Generator().manual_seed(0)
+    scores, pos = torch.randn(5, 30, generator=g), torch.tensor([0, 3, 7, 8, 119])
+    got, plain = decode_topk(scores, pos, 4, 6, 8), decode_topk(scores, pos, 4, 6)
+    assert torch.equal(got[:, :8], _window(5, 8, pos)[2])
+    assert torch.equal(got[:, 8:], torch.where(plain >= 0, plain + 8, plain))

@@ -234,6 +234,16 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
         assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
     want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
     _same(got, want)
+    if op == "decode_topk" and not refuse:      # recording the picks (indexer replay) takes the op's plain form
+        e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn}), record_indexer=True))
+        ref = _synced(ReferenceEngine(CFG, record_indexer=True))
+        got, ran = _generate(e, _params(max_new_tokens=12))
+        want, _ = _generate(ref, _params(max_new_tokens=12))
+        assert ran[f"fake.{op}"] > 0
+        _same(got, want)
+        for ga, gb in zip(got, want, strict=True):
+            for a, b in zip(ga, gb, strict=True):
+                assert a.indexer_picks is not None and torch.equal(a.indexer_picks, b.indexer_picks)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
