@@ -11,9 +11,10 @@ backend's decode table: the reference functions under the names of the ops the t
 step, each counted as the launches its kernel makes (:data:`LAUNCHES`: one, three for the mHC ``hc_pre`` and
 ``hc_head``), with nothing inside it counted; likewise a GEMM of bf16 operands with an fp32 result
 (``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM on the CPU). Every other torch
-operator that makes a tensor is one launch (:class:`_Count`; views and metadata are not). On a GPU some operators launch more than one kernel (cuBLAS's
-split-K reduction, a few index kernels), so this is a floor of the profile's count, not its copy; which ops it
-leaves out is in the record (``--without``: the torch code runs instead, e.g. ``--without compressor_step``).
+operator that makes a tensor is one launch (:class:`_Count`; views and metadata are not). On a GPU some operators
+launch more than one kernel (cuBLAS's split-K reduction, a few index kernels), so this is a floor of the profile's
+count, not its copy; which ops it leaves out is in the record (``--without``: the torch code runs instead, e.g.
+``--without compressor_step``).
 
 The table and a JSON record (date, machine, settings, the count, per call site) go to the terminal and ``--out``
 (default ``bench/results/decode-launches-cpu-<model>.json``).
@@ -25,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import platform
 import traceback
@@ -42,7 +44,7 @@ LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "moe_combine", "norm_rope", "decode_topk")
+                     "moe_combine", "norm_rope", "decode_topk", "index_query")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -69,10 +71,17 @@ class _Count(TorchDispatchMode):
 def _site() -> str:
     """``path:line function`` of the innermost frame of the repository's code (not this file)."""
     for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename)
-        if path.is_relative_to(REPO) and path.name != "decode_launches.py":
-            return f"{path.relative_to(REPO).as_posix()}:{frame.lineno} {frame.name}"
+        rel = _in_repo(frame.filename)
+        if rel is not None and not rel.endswith("decode_launches.py"):
+            return f"{rel}:{frame.lineno} {frame.name}"
     return "(outside the repository)"
+
+
+@functools.lru_cache(maxsize=None)
+def _in_repo(filename: str):
+    """``filename`` relative to the repository, or None; resolved first (Bazel runs the files through symlinks)."""
+    path = Path(filename).resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else None
 
 
 def _counted(name: str, fn, counter: _Count):
@@ -108,13 +117,15 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.backend import reference_functions
     from kernels.reference.compressor_step import compressor_step
     from kernels.reference.norm_rope import norm_rope
+    from kernels.reference.index_query import index_query
     from kernels.reference.topk import decode_topk
 
     required = reference_functions()                     # every table has these; the extras only when kept
     extras = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
               "route_experts": _route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
-              "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk}
+              "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
+              "index_query": index_query}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})
