@@ -196,7 +196,7 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
              logprobs=None, experts=None, hadamard=None, sampling=None, routing=None, compress=None,
-             norm_rope=None, topk=None) -> OpTable:
+             norm_rope=None, topk=None, index_query=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
@@ -211,7 +211,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``compress``: a module whose ``compressor_step`` becomes an extra op (the eager decode step's compressors after
     their GEMMs, ``kernels.reference.slots._compress_masked``); ``norm_rope``: a module whose ``norm_rope`` becomes
     an extra op (the eager decode step's query and key norms and rotations, ``kernels.reference.decode._attend``);
-    ``topk``: a module whose ``decode_topk`` becomes an extra op (the eager decode step's indexer picks)."""
+    ``topk``: a module whose ``decode_topk`` becomes an extra op (the eager decode step's indexer picks);
+    ``index_query``: a module whose ``index_query`` becomes an extra op (its indexer query's rotation and
+    transform)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -226,7 +228,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                           (experts, ("experts_grouped_mm", "expert_order", "experts_gather_mm", "experts_scatter_mm",
                                      "moe_combine")), (hadamard, ("hadamard_transform",)),
                           (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
-                          (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)), (topk, ("decode_topk",))):
+                          (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)), (topk, ("decode_topk",)),
+                          (index_query, ("index_query",))):
         if module is not None:
             own.update({name: getattr(module, name) for name in names})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}

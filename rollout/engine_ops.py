@@ -27,9 +27,10 @@ writing the pairs through that order, and the pairs' sum with the shared expert,
 every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a compressor's step after its GEMMs in
 one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, and its
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
-launch each, ``kernels/triton/norm_rope.py``) and ``decode_topk`` (a CSA layer's indexer picks in one launch,
-``kernels/triton/topk.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them the
-step runs the torch code and the refusal is recorded like an op's.
+launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
+``kernels/triton/topk.py``) and ``index_query`` (the indexer's query rotation, transform and casts in one,
+``kernels/triton/index_query.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses
+them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -58,7 +59,7 @@ from core.kernel_ops import OpTable
 from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
-           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "sampler_choice"]
+           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs", "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -171,10 +172,23 @@ def decode_topk_inputs(config, dtype: torch.dtype, device) -> list:
     return [(torch.zeros(1, 3, device=device), torch.zeros(1, dtype=torch.long, device=device), 4, config.index_topk)]
 
 
+def index_query_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``index_query`` (``kernels.reference.decode._index_step``):
+    one slot's indexer query heads in the model's ``dtype``, fp32 angles, the activation dtype out (a GPU table's
+    scores take it); none for a model without CSA layers (never called)."""
+    if 4 not in tuple(config.compress_ratios[: config.n_layers]):
+        return []
+    r = config.rope_head_dim // 2
+    angle = torch.zeros(1, 1, r, device=device)
+    return [(torch.zeros(1, 1, config.index_n_heads, config.index_head_dim, dtype=dtype, device=device), angle, angle,
+             dtype)]
+
+
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
-# compressors after their GEMMs, the attention's norms, rotations and ring write, and the indexer's picks
-EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs}
+# compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks
+EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
+                "index_query": index_query_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

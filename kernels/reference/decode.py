@@ -281,9 +281,13 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
         return torch.empty(B, 0, dtype=torch.long, device=x.device)
     ops = indexer.ops
     ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
-    q = (apply_rope if ops is None else ops.apply_rope)(indexer.wq_b(cq).view(B, 1, indexer.n_heads,
-                                                                              indexer.head_dim), cos, sin)
-    q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
+    q = indexer.wq_b(cq).view(B, 1, indexer.n_heads, indexer.head_dim)
+    fused = eager_op(ops, memo, "index_query")           # the rotation, the transform and the casts at once
+    if fused is not None:
+        q = fused(q, cos, sin, it)
+    else:
+        q = (apply_rope if ops is None else ops.apply_rope)(q, cos, sin)
+        q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
     w = indexer.weights_proj(x).to(ct) * (indexer.head_dim * indexer.n_heads) ** -0.5
     scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
     # the forward's rule (stable_topk): the same picks on a row of any length

@@ -52,11 +52,12 @@ def ops() -> "OpTable":
     after their GEMMs in one launch (``kernels/triton/compress.py``); ``norm_rope``, its eager decode step's query
     and key norms and rotations (and the key's write into the ring), one launch each
     (``kernels/triton/norm_rope.py``); ``decode_topk``, its eager decode step's indexer picks in one launch
-    (``kernels/triton/topk.py``).
+    (``kernels/triton/topk.py``); ``index_query``, its indexer query's rotation, Hadamard transform and casts in
+    one launch (``kernels/triton/index_query.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import (attention, compress, experts, hadamard, indexer, logprobs, mhc, norm, norm_rope,
-                                rope, routing, sampling, swiglu, topk)
+    from kernels.triton import (attention, compress, experts, hadamard, index_query, indexer, logprobs, mhc, norm,
+                                norm_rope, rope, routing, sampling, swiglu, topk)
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
-                               sampling, routing, compress, norm_rope, topk)
+                               sampling, routing, compress, norm_rope, topk, index_query)
