@@ -301,37 +301,55 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
 
 
 def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu, order=expert_order,
-             pair_mms=None):
+             pair_mms=None, shared=None):
     """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
     up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``; ``act``: the activation with the
     routing weight applied before ``w2`` (the reference's :func:`~.moe.weighted_swiglu` or the table's);
     ``order``: the pairs' expert order (:func:`expert_order`, or the table's one-launch ``expert_order``).
     Returns the routed experts' sum ``[T, d]`` in ``ct``; with ``pair_mms``, the table's ``(experts_gather_mm,
     experts_scatter_mm)`` (which read the tokens and write the pairs through the order, no copies), each pair's
-    output ``[T * k, d]`` token-major in ``x``'s dtype instead (the caller sums them: ``moe_combine``)."""
+    output ``[T * k, d]`` token-major in ``x``'s dtype instead (the caller sums them: ``moe_combine``), and with
+    ``shared`` (the shared expert's ``(w13 [2I, d], w2 [d, I])``, at weight 1) its output on every token as
+    ``T`` rows more (``[T * k + T, d]``): one expert more in the same two GEMMs."""
     T, k = idx.shape
     order, offs = order(idx.reshape(-1), w13.shape[0])
     w = weights.reshape(-1).index_select(0, order)
     if pair_mms is not None:
         gather, scatter = pair_mms
-        return scatter(act(gather(x, w13, offs, order, k), w, limit, x.dtype), w2, offs, order)
+        if shared is None:
+            return scatter(act(gather(x, w13, offs, order, k), w, limit, x.dtype), w2, offs, order)
+        w = torch.cat((w, _ones_like_rows(T, x.device)))
+        return scatter(act(gather(x, w13, offs, order, k, shared[0]), w, limit, x.dtype), w2, offs, order,
+                       shared[1])
     hid = act(mm(x.index_select(0, order // k), w13, offs), w, limit, x.dtype)
     out = mm(hid, w2, offs).to(ct)
     return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)
 
 
 def gather_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
-                      topk: int) -> torch.Tensor:
+                      topk: int, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``experts_gather_mm`` op's torch contract: torch's grouped GEMM of the tokens ``x [T, K]`` read in
-    the pairs' expert order ``order [T * topk]`` (row ``r`` is token ``order[r] // topk``)."""
-    return _grouped_mm(x.index_select(0, order // topk), w, offs)
+    the pairs' expert order ``order [T * topk]`` (row ``r`` is token ``order[r] // topk``); with ``shared [N, K]``
+    (the shared expert) ``x @ shared^T`` after them (rows ``T * topk + t``)."""
+    y = _grouped_mm(x.index_select(0, order // topk), w, offs)
+    return y if shared is None else torch.cat((y, F.linear(x, shared)))
 
 
-def scatter_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def scatter_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
+                       shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``experts_scatter_mm`` op's torch contract: torch's grouped GEMM of rows in expert order, row ``r``
-    written to row ``order[r]`` (the pairs token-major)."""
-    y = _grouped_mm(x, w, offs)
-    return torch.empty_like(y).index_copy_(0, order, y)
+    written to row ``order[r]`` (the pairs token-major); with ``shared [N, K]`` the rows of ``x`` after the
+    pairs' (``x [R + T, K]``) go through the shared expert to rows ``R + t``."""
+    R = order.shape[0]
+    y = _grouped_mm(x[:R], w, offs)
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    return y if shared is None else torch.cat((y, F.linear(x[R:], shared)))
+
+
+def _ones_like_rows(T: int, device) -> torch.Tensor:
+    """``[T]`` fp32 ones: the shared expert's weights (made once per token count by static_step_checks, eagerly)."""
+    ones = None if torch.compiler.is_compiling() else _ONES.get((T, str(device)))
+    return torch.ones(T, dtype=torch.float32, device=device) if ones is None else ones
 
 
 def combine_pairs(pairs: torch.Tensor, shared: torch.Tensor, topk: int) -> torch.Tensor:
@@ -417,8 +435,12 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
     else:
         mm = moe.ops.experts_grouped_mm if path == GROUPED_KERNEL else _grouped_mm
         pairs = _pair_kernels(moe, path)
+        merged = _merged_shared(moe, st, w13) if pairs else None
         y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act,
-                     _eager_kernel(moe, path, "expert_order") or expert_order, pairs and pairs[:2])
+                     _eager_kernel(moe, path, "expert_order") or expert_order, pairs and pairs[:2], merged)
+        if merged is not None:                            # the shared expert's rows after the pairs'
+            R = idx.numel()
+            return pairs[2](y[:R], y[R:], idx.shape[1]).view(shape), idx
         if pairs:                                         # the pairs' outputs, summed with the shared expert's
             shared = _shared_expert(moe.shared_experts, st["shared_w13"], x, act)
             return pairs[2](y, shared, idx.shape[1]).view(shape), idx
@@ -427,6 +449,17 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
 
 
 PAIR_KERNELS = ("experts_gather_mm", "experts_scatter_mm", "moe_combine")
+
+
+def _merged_shared(moe, st, w13: torch.Tensor):
+    """The shared expert's ``(w13 [2I, d], w2 [d, I])`` where it runs as one expert more in the pair kernels'
+    GEMMs (:func:`_grouped`): shaped like a routed expert and clamped alike (one activation for all rows), else
+    None (it runs apart, :func:`_shared_expert`)."""
+    shared = moe.shared_experts
+    s13, s2 = st["shared_w13"], shared.w2.weight
+    if s13.shape != w13.shape[1:] or s2.shape != st["w2"].shape[1:] or shared.limit != moe.experts[0].limit:
+        return None
+    return s13.to(w13.dtype), s2.to(w13.dtype)
 
 
 def _pair_kernels(moe, path: str):
@@ -464,10 +497,7 @@ def _shared_expert(shared, w13: torch.Tensor, x: torch.Tensor, act) -> torch.Ten
     activation ``act`` (``weighted_swiglu``'s contract) at weight 1: one GEMM and one kernel where the module
     runs two GEMMs, casts, clamps, a SiLU and a product (a weight of 1 changes no bit of the reference's)."""
     h = F.linear(x, w13.to(x.dtype))
-    ones = None if torch.compiler.is_compiling() else _ONES.get((x.shape[0], str(x.device)))
-    if ones is None:
-        ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
-    return F.linear(act(h, ones, shared.limit, x.dtype), shared.w2.weight.to(x.dtype))
+    return F.linear(act(h, _ones_like_rows(x.shape[0], x.device), shared.limit, x.dtype), shared.w2.weight.to(x.dtype))
 
 
 # the shared expert's weights of 1 per token count and device, made by static_step_checks before a CUDA graph

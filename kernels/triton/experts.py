@@ -58,24 +58,32 @@ def launch_settings(rows: int, experts: int) -> dict:
 
 
 @triton.jit
-def _experts_kernel(X, W, OFFS, Y, ORDER, N, K, TOPK, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr, F32: tl.constexpr, GATHER: tl.constexpr = False,
-                    SCATTER: tl.constexpr = False):
+def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr, GATHER: tl.constexpr = False,
+                    SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Program ``(e, j)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
     row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the pair); ``SCATTER``: it writes ``Y`` row
-    ``ORDER[r]`` (the pair's own row)."""
+    ``ORDER[r]`` (the pair's own row). ``SHARED``: a program ``e = NE`` more, the shared expert ``WS`` on ``SH``
+    rows after the ``RR`` routed ones: row ``RR + t`` is token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and
+    written to its own row."""
     e = tl.program_id(0)
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
-    end = tl.load(OFFS + e)
+    end = tl.load(OFFS + e, mask=e < NE, other=0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < N
     wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
+    if SHARED:
+        if e == NE:
+            end = start + SH
+            wrow = WS + cols.to(tl.int64)[:, None] * K
     for m0 in range(start, end, BM):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
         src = rows.to(tl.int64)
         if GATHER:
-            src = tl.load(ORDER + rows, mask=rmask, other=0) // TOPK
+            src = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0) // TOPK
+            if SHARED:
+                src = tl.where(rows >= RR, rows.to(tl.int64) - RR, src)
         xrow = X + src[:, None] * K
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
@@ -88,27 +96,32 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, N, K, TOPK, BM: tl.constexpr, BN: tl.c
             acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
         dst = rows.to(tl.int64)
         if SCATTER:                  # read after the loop: live across it, the indices spilled (WIDE_CONFIG)
-            dst = tl.load(ORDER + rows, mask=rmask, other=0)
+            dst = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0)
+            if SHARED:
+                dst = tl.where(rows >= RR, rows.to(tl.int64), dst)
         tl.store(Y + dst[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
 
 def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None, order=None,
-                              topk: int = 0, scatter: bool = False) -> torch.Tensor:
+                              topk: int = 0, scatter: bool = False, shared=None) -> torch.Tensor:
     """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``;
     ``config`` overrides keys of :func:`launch_settings` (the sweep's). With ``order [R]`` int64 (the pairs in
     expert order) and ``topk``: ``x`` is the tokens ``[R / topk, K]``, row ``r`` read from ``order[r] // topk``;
-    with ``order`` and ``scatter``: row ``r`` written to ``order[r]``."""
+    with ``order`` and ``scatter``: row ``r`` written to ``order[r]``. ``shared [N, K]`` (with ``order``): the
+    shared expert on every token as well, its rows after the routed ones (``[R + T, N]``; with ``scatter``
+    ``x`` holds them too)."""
     K = x.shape[1]
     R = order.shape[0] if order is not None else x.shape[0]
     E, N, _ = w.shape
-    c = {**launch_settings(R, E), **(config or {})}
-    y = torch.empty(R, N, dtype=x.dtype, device=x.device)
-    if R and E:
-        _experts_kernel[(E, triton.cdiv(N, c["BN"]))](x, w, offs, y, offs if order is None else order, N, K,
-                                                    max(topk, 1), BM=c["BM"], BN=c["BN"], BK=c["BK"],
-                                                    STAGES=c["STAGES"], F32=gpu_common.interpreting(),
-                                                    GATHER=topk > 0, SCATTER=bool(scatter), num_warps=c["WARPS"])
+    T = 0 if shared is None else (x.shape[0] if topk > 0 else x.shape[0] - R)
+    c = {**launch_settings(R + T, E + (shared is not None)), **(config or {})}
+    y = torch.empty(R + T, N, dtype=x.dtype, device=x.device)
+    if (R or T) and E:
+        _experts_kernel[(E + (shared is not None), triton.cdiv(N, c["BN"]))](
+            x, w, offs, y, offs if order is None else order, w if shared is None else shared, N, K, max(topk, 1), E,
+            R, T, BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(),
+            GATHER=topk > 0, SCATTER=bool(scatter), SHARED=shared is not None, num_warps=c["WARPS"])
     return y
 
 
@@ -127,25 +140,40 @@ def _check_pairs(op: str, x, w, offs, order, rows: int):
         raise gpu_common.op_refusal(op, "inputs that require a gradient (the kernel has no backward: decode only)")
 
 
+def _check_shared(op: str, shared, w) -> None:
+    if shared is not None and (shared.shape != w.shape[1:] or shared.dtype != w.dtype):
+        raise gpu_common.op_refusal(op, f"shared expert {tuple(shared.shape)} {shared.dtype} (needs one expert's "
+                                        f"{tuple(w.shape[1:])} {w.dtype})")
+
+
 def experts_gather_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
-                      topk: int) -> torch.Tensor:
+                      topk: int, shared=None) -> torch.Tensor:
     """``experts_grouped_mm(x[order // topk], w, offs)`` without the gather's copy: ``x [T, K]`` the tokens,
     ``order [T * topk]`` int64 their (token, expert) pairs in expert order (``expert_order``'s) -> ``[T * topk,
-    N]`` in expert order. The eager decode step's first expert GEMM (``kernels.reference.slots``: the table's
+    N]`` in expert order; with ``shared [N, K]`` (the shared expert) also ``x @ shared^T``, rows ``T * topk + t``
+    (``[T * topk + T, N]``). The eager decode step's first expert GEMM (``kernels.reference.slots``: the table's
     extra op ``experts_gather_mm``); its torch contract is ``kernels.reference.slots.gather_grouped_mm``."""
     _check_pairs("experts_gather_mm", x, w, offs, order, x.shape[0] * topk if x.dim() == 2 else -1)
+    _check_shared("experts_gather_mm", shared, w)
     return experts_grouped_mm_launch(x.contiguous(), w.contiguous(), offs.contiguous(), order=order.contiguous(),
-                                     topk=int(topk))
+                                     topk=int(topk), shared=None if shared is None else shared.contiguous())
 
 
-def experts_scatter_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def experts_scatter_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
+                       shared=None) -> torch.Tensor:
     """``experts_grouped_mm(x, w, offs)`` with row ``r`` written to row ``order[r]``: ``x [R, K]`` rows in expert
-    order -> ``[R, N]`` in the pairs' own order (token-major), without the scatter's copy. The eager decode step's
-    second expert GEMM (the table's extra op ``experts_scatter_mm``); its torch contract is
+    order -> ``[R, N]`` in the pairs' own order (token-major), without the scatter's copy; with ``shared [N, K]``
+    ``x`` holds ``T`` rows more (``[R + T, K]``, the shared expert's), which go through it to rows ``R + t``. The
+    eager decode step's second expert GEMM (the table's extra op ``experts_scatter_mm``); its torch contract is
     ``kernels.reference.slots.scatter_grouped_mm``."""
-    _check_pairs("experts_scatter_mm", x, w, offs, order, x.shape[0] if x.dim() == 2 else -1)
+    rows = x.shape[0] if x.dim() == 2 else -1
+    _check_pairs("experts_scatter_mm", x, w, offs, order, rows if shared is None else order.shape[0])
+    _check_shared("experts_scatter_mm", shared, w)
+    if shared is not None and rows < order.shape[0]:
+        raise gpu_common.op_refusal("experts_scatter_mm", f"x {tuple(x.shape)} for {order.shape[0]} pairs and a "
+                                                          f"shared expert (needs the pairs' rows, then the tokens')")
     return experts_grouped_mm_launch(x.contiguous(), w.contiguous(), offs.contiguous(), order=order.contiguous(),
-                                     scatter=True)
+                                     scatter=True, shared=None if shared is None else shared.contiguous())
 
 
 # ------------------------------------------------------------------ the pairs' sum with the shared expert

@@ -130,11 +130,12 @@ def test_the_kernel_compiles_for_sm90(rows):
     from kernels.triton import experts as K
 
     c = K.launch_settings(rows, 32)
-    for gather, scatter in ((False, False), (True, False), (False, True)):     # plain, and through the order
+    for gather, scatter, shared in ((False, False, False), (True, False, False), (False, True, False),
+                                    (True, False, True), (False, True, True)):   # plain; through the order; shared
         consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=gather,
-                      SCATTER=scatter)
-        sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "N": "i32", "K": "i32",
-               "TOPK": "i32", **{k: "constexpr" for k in consts}}
+                      SCATTER=scatter, SHARED=shared)
+        sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "WS": "*bf16", "N": "i32",
+               "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", **{k: "constexpr" for k in consts}}
         compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=c["WARPS"]))
         assert ".entry" in compiled.asm["ptx"]
@@ -171,11 +172,13 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
     ran = kernels_ran()                  # gate and up reading the tokens, down writing the pairs, through the order
     assert ran.get("triton.experts_gather_mm") == ran.get("triton.experts_scatter_mm") == 1
     assert ran.get("triton.moe_combine") == 1 and "triton.experts_grouped_mm" not in ran     # the pairs' sum
+    assert ran.get("triton.weighted_swiglu") == 1          # the shared expert is one expert more: one activation
     assert kernels_ran().get("triton.expert_order") == 1                 # the pairs in expert order, one launch
     assert kernels_ran().get("triton.route_experts") == 1                # the router, one launch
     assert torch.equal(got_idx, want_idx)
     err = (got.float() - want.float()).abs().max().item()
-    assert err <= 4 * 2.0 ** -8 * want.float().abs().max().item(), err
+    steps = 8 if dev == "cpu" else 4       # the interpreter truncates each bf16 cast: the shared expert's too now
+    assert err <= steps * 2.0 ** -8 * want.float().abs().max().item(), err
 
 
 @pytest.mark.parametrize("R,E", [(0, 4), (1, 32), (6, 32), (384, 32), (200, 7), (1536, 256), (130, 3)])
@@ -239,6 +242,22 @@ def test_the_pair_gemms_and_the_sum_are_their_torch_contracts(counts, topk):
     want = combine_pairs(pairs, shared, topk)
     assert got.dtype == shared.dtype
     assert (got.float() - want.float()).abs().max() <= steps * 2.0 ** -8 * want.float().abs().max()
+    # the shared expert as one expert more: the tokens' rows after the pairs', in both GEMMs
+    ws = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    got = experts_gather_mm(tokens.to(dev), w.to(dev), offs.to(dev), order.to(dev), topk, ws.to(dev)).cpu()
+    exact, scale = _exact(tokens.index_select(0, order // topk), w, offs)
+    exact = torch.cat((exact, tokens.double() @ ws.double().t()))
+    scale = torch.cat((scale, tokens.double().abs() @ ws.double().abs().t()))
+    assert got.shape == (R + R // topk, N)
+    assert ((got.double() - exact).abs() <= steps * 2.0 ** -8 * scale + 1e-30).all()
+    more = torch.randn(R // topk, K, generator=g).bfloat16()
+    got = experts_scatter_mm(torch.cat((rows, more)).to(dev), w.to(dev), offs.to(dev), order.to(dev),
+                             ws.to(dev)).cpu()
+    want = torch.cat((placed, more.double() @ ws.double().t()))
+    bound = torch.cat((bound, more.double().abs() @ ws.double().abs().t()))
+    assert ((got.double() - want).abs() <= steps * 2.0 ** -8 * bound + 1e-30).all()
+    with pytest.raises(ValueError, match="shared expert"):
+        experts_gather_mm(tokens.to(dev), w.to(dev), offs.to(dev), order.to(dev), topk, ws[:, :8].to(dev))
     with pytest.raises(ValueError, match="int64 order"):
         experts_gather_mm(tokens.to(dev), w.to(dev), offs.to(dev), order.to(dev).int(), topk)
     with pytest.raises(ValueError, match="needs pairs"):

@@ -177,12 +177,15 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
     for mod in (slots, engine_ops):
         monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: grouped)
 
-    def gather(x, w, offs, order, topk):
-        return _experts_grouped_mm(x.index_select(0, order // topk), w, offs)
+    def gather(x, w, offs, order, topk, shared=None):
+        y = _experts_grouped_mm(x.index_select(0, order // topk), w, offs)
+        return y if shared is None else torch.cat((y, x @ shared.t()))
 
-    def scatter(x, w, offs, order):
-        y = _experts_grouped_mm(x, w, offs)
-        return torch.empty_like(y).index_copy_(0, order, y)
+    def scatter(x, w, offs, order, shared=None):
+        R = order.shape[0]
+        y = _experts_grouped_mm(x[:R], w, offs)
+        y = torch.empty_like(y).index_copy_(0, order, y)
+        return y if shared is None else torch.cat((y, x[R:] @ shared.t()))
 
     extra = {"experts_grouped_mm": _experts_grouped_mm, "expert_order": slots.expert_order,
              "route_experts": _route_experts}
