@@ -1,0 +1,59 @@
+"""The rollout engine's eager decode step with every kernel of the triton backend's decode table at once: the
+compressors' ``compressor_step``, the attention's ``norm_rope``, the indexer's ``index_query`` and
+``decode_topk``, and on the grouped MoE path the router, the expert order, the pair GEMMs with the shared expert
+and ``moe_combine``. The tiny model's samples follow the reference-op engine's (fp16: the same tokens,
+log-probabilities within 5e-3 nats; bf16: within 5e-2 up to the first differing token), every op of the record ran
+and nothing else. On a GPU in bf16
+(the grouped path is a Hopper's); with no GPU, ``TRITON_INTERPRET=1`` runs the same kernels on the CPU in fp16 (the
+interpreter multiplies bf16 tiles wrongly) with the grouped path forced, about a minute a case; otherwise it
+skips."""
+
+import pytest
+import torch
+
+from ._backends import triton_device
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(monkeypatch, grouped):
+    from core.config import preset
+    from core.kernel_ops import kernels_ran, reset_kernels_ran
+    from kernels.triton.backend import ops
+    from rollout.engine_ops import EAGER_EXTRAS
+    from rollout.reference_engine import ReferenceEngine, SamplingParams
+    from rollout.weight_sync import sync_weights
+    from train.model import build_train_model
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    if dev == "cpu" or not grouped:                        # the grouped path where the GPU would not take it
+        import kernels.reference.slots as slots
+        import rollout.engine_ops as engine_ops
+
+        for mod in (slots, engine_ops):
+            monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: grouped)
+    cfg = preset("tiny")
+    e = ReferenceEngine(cfg, ops=ops(), dtype=dt, device=dev, cuda_graphs=False)
+    assert e.decode_refusals == {} and all(e.decode_ops[op] == "triton" for op in EAGER_EXTRAS), e.decode_ops
+    pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_scatter_mm", "moe_combine")
+    assert all((op in e.decode_ops) is grouped for op in pairs), e.decode_ops
+    ref = ReferenceEngine(cfg, dtype=dt, device=dev, cuda_graphs=False)
+    model = build_train_model(cfg, seed=0)
+    for eng in (e, ref):
+        assert sync_weights(model, eng, version=1, engine_dtype=dt).ok
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=())
+    prompts = [[0, 5, 6, 7, 8], [0, 9, 10]]
+    reset_kernels_ran()
+    got = e.generate(prompts, params, n=2, seed=3)
+    ran = kernels_ran()
+    assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
+    want = ref.generate(prompts, params, n=2, seed=3)
+    tol = 5e-3 if dt == torch.float16 else 5e-2            # bf16's rounding is 8x fp16's
+    for ga, gb in zip(got, want, strict=True):
+        for a, b in zip(ga, gb, strict=True):
+            same = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y), None)
+            assert dt == torch.bfloat16 or same is None, (a.response_ids, b.response_ids)
+            upto = len(a.response_ids) if same is None else same + 1
+            assert (a.logprobs[:upto] - b.logprobs[:upto]).abs().max() <= tol
