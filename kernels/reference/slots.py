@@ -282,7 +282,7 @@ def _grouped_mm(x, w, offs):
     return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 
-def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def expert_order(flat: torch.Tensor, n_experts: int, weights: Optional[torch.Tensor] = None, tail: int = 0):
     """``(order, ends)`` of the pairs' expert ids ``flat [R]``: ``order`` is ``flat.argsort(stable=True)`` (each
     expert's pairs in their own order) and ``ends [E]`` int32 each expert's end row in it, counted instead of
     sorted. Why: a decode step sorts a few hundred ids per layer, and torch's sort ran four radix passes of 27 us
@@ -290,14 +290,19 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     is a comparison with every expert id and two prefix sums, which Inductor fuses. The one-hot is expert-major
     ``[E, R]`` so that the running count scans its innermost dim, in int32: eager torch scans an outer dim one
     column per thread, and an int32 cumsum promotes to int64 unless told (the ``[R, E]`` form took 69 us a layer
-    eagerly at 64 sequences, ``bench/results/rollout-h200-flash-shaped-triton-eager-expert-order.json``)."""
+    eagerly at 64 sequences, ``bench/results/rollout-h200-flash-shaped-triton-eager-expert-order.json``). With
+    ``weights [R]`` (the pairs' routing weights) a third output: those weights in that order, then ``tail`` ones
+    (the shared expert's rows, :func:`_grouped`), ``[R + tail]`` fp32."""
     hit = (torch.arange(n_experts, device=flat.device)[:, None] == flat).to(torch.int32)     # [E, R]
     counts = hit.sum(1, dtype=torch.int32)
     ends = counts.cumsum(0, dtype=torch.int32)
     seen = (hit.cumsum(1, dtype=torch.int32) * hit).sum(0)        # 1 + the pairs of its expert before it
     pos = (ends - counts).index_select(0, flat) + seen - 1        # where the pair goes in expert order
     order = torch.empty_like(flat).index_copy_(0, pos.long(), torch.arange(flat.shape[0], device=flat.device))
-    return order, ends
+    if weights is None:
+        return order, ends
+    ones = torch.ones(tail, dtype=torch.float32, device=flat.device)
+    return order, ends, torch.cat((weights.float().index_select(0, order), ones))
 
 
 def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu, order=expert_order,
@@ -312,15 +317,15 @@ def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_s
     ``shared`` (the shared expert's ``(w13 [2I, d], w2 [d, I])``, at weight 1) its output on every token as
     ``T`` rows more (``[T * k + T, d]``): one expert more in the same two GEMMs."""
     T, k = idx.shape
-    order, offs = order(idx.reshape(-1), w13.shape[0])
-    w = weights.reshape(-1).index_select(0, order)
-    if pair_mms is not None:
+    if pair_mms is not None:     # the weights in expert order from the ordering itself (the shared rows' ones after)
         gather, scatter = pair_mms
+        order, offs, w = order(idx.reshape(-1), w13.shape[0], weights.reshape(-1), 0 if shared is None else T)
         if shared is None:
             return scatter(act(gather(x, w13, offs, order, k), w, limit, x.dtype), w2, offs, order)
-        w = torch.cat((w, _ones_like_rows(T, x.device)))
         return scatter(act(gather(x, w13, offs, order, k, shared[0]), w, limit, x.dtype), w2, offs, order,
                        shared[1])
+    order, offs = order(idx.reshape(-1), w13.shape[0])
+    w = weights.reshape(-1).index_select(0, order)
     hid = act(mm(x.index_select(0, order // k), w13, offs), w, limit, x.dtype)
     out = mm(hid, w2, offs).to(ct)
     return torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1).sum(dim=1)

@@ -240,9 +240,10 @@ MAX_ORDER_EXPERTS = 1024       # experts at most (one program each; the tests' l
 
 
 @triton.jit
-def _order_kernel(FLAT, ORDER, ENDS, R, BR: tl.constexpr):
+def _order_kernel(FLAT, ORDER, ENDS, WIN, WOUT, R, TAIL, BR: tl.constexpr, WEIGHTS: tl.constexpr = False):
     """Program ``e``: count the pairs of experts below ``e`` (its first row) and its own (its end row), then place
-    each of its pairs after its earlier ones (the stable sort's position), ``BR`` pairs a step."""
+    each of its pairs after its earlier ones (the stable sort's position), ``BR`` pairs a step. ``WEIGHTS``: each
+    pair's weight ``WIN`` goes to the same place of ``WOUT``, and program 0 writes ``TAIL`` ones after them."""
     e = tl.program_id(0)
     below = tl.zeros([BR], dtype=tl.int32)
     mine = tl.zeros([BR], dtype=tl.int32)
@@ -258,20 +259,30 @@ def _order_kernel(FLAT, ORDER, ENDS, R, BR: tl.constexpr):
         hit = (tl.load(FLAT + rows, mask=rows < R, other=-1) == e).to(tl.int32)
         run = tl.cumsum(hit, axis=0)
         tl.store(ORDER + seen + run - 1, rows.to(tl.int64), mask=hit > 0)
+        if WEIGHTS:
+            tl.store(WOUT + seen + run - 1, tl.load(WIN + rows, mask=hit > 0, other=0.0), mask=hit > 0)
         seen += tl.sum(hit, axis=0)
+    if WEIGHTS:
+        if e == 0:
+            for t0 in range(0, TAIL, BR):
+                t = t0 + tl.arange(0, BR)
+                tl.store(WOUT + R + t, tl.full([BR], 1.0, tl.float32), mask=t < TAIL)
 
 
-def expert_order_launch(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def expert_order_launch(flat: torch.Tensor, n_experts: int, weights=None, tail: int = 0):
     """The kernel on checked inputs: ``flat [R]`` int64 expert ids in ``[0, n_experts)`` -> ``(order [R] int64,
-    ends [n_experts] int32)``."""
+    ends [n_experts] int32)``; with ``weights [R]`` fp32 also the weights in that order and ``tail`` ones
+    (``[R + tail]``)."""
     R = flat.shape[0]
     order = torch.empty(R, dtype=torch.long, device=flat.device)
     ends = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
-    _order_kernel[(n_experts,)](flat, order, ends, R, BR=ORDER_ROWS, num_warps=4)
-    return order, ends
+    wout = None if weights is None else torch.empty(R + tail, dtype=torch.float32, device=flat.device)
+    _order_kernel[(n_experts,)](flat, order, ends, ends if weights is None else weights, ends if wout is None else wout,
+                                R, int(tail), BR=ORDER_ROWS, WEIGHTS=weights is not None, num_warps=4)
+    return (order, ends) if weights is None else (order, ends, wout)
 
 
-def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def expert_order(flat: torch.Tensor, n_experts: int, weights=None, tail: int = 0):
     """:func:`kernels.reference.slots.expert_order` in one launch: ``(order, ends)`` of the (token, expert) pairs'
     expert ids ``flat [R]`` (int64, CUDA): ``order`` the stable sort by expert (each expert's pairs in their own
     order), ``ends [n_experts]`` int32 each expert's end row in it. The same integers. Why: the decode step's
@@ -280,8 +291,10 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     reads the ids twice (from L2: 12 KB at 256 Flash-shaped sequences). A first version, one program for all
     experts with a ``[64 pairs, experts]`` one-hot tile a step, took 31 us at 256 sequences
     (``bench/results/rollout-h200-flash-shaped-triton-eager-route-order.json``): its steps ran one after
-    another. Ids outside ``[0, n_experts)`` are not checked (a host sync): the routing makes them. Anything
-    else is refused with the reason."""
+    another. Ids outside ``[0, n_experts)`` are not checked (a host sync): the routing makes them. With ``weights
+    [R]`` fp32 (the pairs' routing weights) also those weights in that order followed by ``tail`` ones (the shared
+    expert's rows): a third output ``[R + tail]``, where torch took a gather and a concatenation. Anything else is
+    refused with the reason."""
     op = "expert_order"
     if not flat.is_cuda and not gpu_common.interpreting():
         raise gpu_common.op_refusal(op, f"ids on {flat.device}, the kernel runs on CUDA tensors (or "
@@ -289,4 +302,8 @@ def expert_order(flat: torch.Tensor, n_experts: int) -> Tuple[torch.Tensor, torc
     if flat.dtype != torch.int64 or flat.dim() != 1 or not 1 <= n_experts <= MAX_ORDER_EXPERTS:
         raise gpu_common.op_refusal(op, f"ids {tuple(flat.shape)} {flat.dtype} over {n_experts} experts (needs int64 "
                                         f"ids [R] over 1 to {MAX_ORDER_EXPERTS} experts)")
-    return expert_order_launch(flat.contiguous(), n_experts)
+    if weights is not None and (weights.shape != flat.shape or weights.dtype != torch.float32 or tail < 0):
+        raise gpu_common.op_refusal(op, f"weights {tuple(weights.shape)} {weights.dtype} with tail {tail} (needs "
+                                        f"fp32 weights [{flat.shape[0]}], tail >= 0)")
+    return expert_order_launch(flat.contiguous(), n_experts, None if weights is None else weights.contiguous(),
+                               int(tail))

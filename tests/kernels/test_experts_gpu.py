@@ -197,6 +197,15 @@ def test_expert_order_is_the_stable_sort_by_expert(R, E):
     assert order.dtype == torch.long and ends.dtype == torch.int32
     assert torch.equal(order.cpu(), flat.cpu().argsort(stable=True)) and torch.equal(order, want_order)
     assert torch.equal(ends, want_ends)
+    # with the pairs' weights: those weights in the same order, then the shared expert's rows' ones
+    weights = torch.rand(R, generator=torch.Generator().manual_seed(R)).to(dev)
+    tail = R // 6 + 1
+    got = expert_order(flat, E, weights, tail)
+    want = counted(flat, E, weights, tail)
+    assert torch.equal(got[0], order) and torch.equal(got[1], ends)
+    assert torch.equal(got[2].cpu(), want[2].cpu()) and got[2].shape == (R + tail,)
+    assert torch.equal(want[2][:R].cpu(), weights.cpu()[flat.cpu().argsort(stable=True)])
+    assert bool((want[2][R:] == 1).all())
 
 
 def test_expert_order_refuses_what_it_cannot_serve():
@@ -208,6 +217,8 @@ def test_expert_order_refuses_what_it_cannot_serve():
         expert_order(flat.int(), 2)
     with pytest.raises(ValueError, match="--kernel-backend none"):
         expert_order(flat, MAX_ORDER_EXPERTS + 1)
+    with pytest.raises(ValueError, match="fp32 weights"):
+        expert_order(flat, 2, torch.ones(3, dtype=torch.float16, device=dev), 1)
 
 
 @pytest.mark.parametrize("counts,topk", [([0, 3, 0, 1, 20, 0], 2), ([130, 0, 66, 40], 4)])
@@ -276,8 +287,10 @@ def test_the_order_kernel_compiles_for_sm90():
 
     from kernels.triton import experts as K
 
-    consts = dict(BR=K.ORDER_ROWS)
-    sig = {"FLAT": "*i64", "ORDER": "*i64", "ENDS": "*i32", "R": "i32", **{k: "constexpr" for k in consts}}
-    compiled = compile(ASTSource(K._order_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4))
-    assert ".entry" in compiled.asm["ptx"]
+    for weights in (False, True):           # with the pairs' weights in the same order (and the tail of ones)
+        consts = dict(BR=K.ORDER_ROWS, WEIGHTS=weights)
+        sig = {"FLAT": "*i64", "ORDER": "*i64", "ENDS": "*i32", "WIN": "*fp32", "WOUT": "*fp32", "R": "i32",
+               "TAIL": "i32", **{k: "constexpr" for k in consts}}
+        compiled = compile(ASTSource(K._order_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4))
+        assert ".entry" in compiled.asm["ptx"]
