@@ -11,7 +11,8 @@ bytes it reads. Each setting of a small grid is timed with ``triton.testing.do_b
 graph of the launch, so the host's launch time is not counted) at the step's shapes: 1, 64 and 256 tokens;
 the router over the Flash-shaped model's 32 experts and V4-Flash's 256 (``d = 4096``, top 6), the order of their
 pairs, the attention of 64 heads of 512 over 128 (a window) and 640 gathered rows (a window and the indexer's 512), and
-the split of one to 16 tokens' 640 rows over programs.
+the split of one to 16 tokens' 640 rows over programs; the router's one-pass settings (``SPLIT=1``) and its split
+over channel ranges (``SPLIT`` 1 to 32 at the launch settings, ``routing.split_of``).
 Each output is compared with the launch settings' (``equal`` bits, ``close`` within bf16 rounding). The sweep only
 measures; the settings change by hand.
 """
@@ -79,8 +80,9 @@ def main(argv=None):
     meta = bc.base_meta(triton=triton.__version__)
     dev, g = "cuda", torch.Generator().manual_seed(0)
     rows = []
-    route_grid = [dict(BD=bd, STAGES=st, WARPS=wp) for bd, st, wp in itertools.product([64, 128, 256, 512],
-                                                                                      [1, 2, 3], [4, 8])]
+    route_grid = [dict(BD=bd, STAGES=st, WARPS=wp, SPLIT=1) for bd, st, wp in itertools.product([64, 128, 256, 512],
+                                                                                               [1, 2, 3], [4, 8])]
+    split_grid = [dict(SPLIT=n) for n in (1, 2, 4, 8, 16, 32)]          # the split router (routing.split_of)
     for E, T in itertools.product((32, 256), (1, 64, 256)):
         x = torch.randn(T, 4096, generator=g).bfloat16().to(dev)
         w = (torch.randn(E, 4096, generator=g) * 4096 ** -0.5).bfloat16().to(dev)
@@ -88,7 +90,10 @@ def main(argv=None):
         BE = max(16, triton.next_power_of_2(E))
         rows += _sweep("route_experts", lambda c: R.route_experts_launch(x, w, bias, None, None, 6, 1.5,
                                                                          "sqrtsoftplus", c),
-                       route_grid, R.launch_settings(BE), meta, experts=E, tokens=T)
+                       route_grid, {**R.launch_settings(BE), "SPLIT": R.split_of(T, 4096)}, meta, experts=E, tokens=T)
+        rows += _sweep("route_experts_split", lambda c: R.route_experts_launch(x, w, bias, None, None, 6, 1.5,
+                                                                               "sqrtsoftplus", c),
+                       split_grid, {**R.launch_settings(BE), "SPLIT": R.split_of(T, 4096)}, meta, experts=E, tokens=T)
         flat = torch.randint(0, E, (T * 6,), generator=g).to(dev)
         us = _time(lambda: KE.expert_order_launch(flat, E))
         us_sort = _time(lambda: flat.sort(stable=True))

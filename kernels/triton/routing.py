@@ -10,7 +10,9 @@ layers: the token's row of ``tid2eid``), and writes the renormalized, scaled wei
 ``topk``'s order (largest first; equal values: the lower expert id).
 
 Only the rollout engine's eager decode step calls it (``kernels.reference.slots``), through the triton op table's
-extra op ``route_experts``; a compiled step keeps the torch code, which Inductor fuses. No gradient.
+extra op ``route_experts``; a compiled step keeps the torch code, which Inductor fuses. No gradient. Where the
+tokens are few (a decode step), the gate GEMM splits over channel ranges (:func:`split_of`) and a second kernel
+sums the ranges' partial logits in order and picks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from kernels import gpu_common
 
-__all__ = ["launch_settings", "route_experts", "route_experts_launch"]
+__all__ = ["launch_settings", "part_channels", "split_of", "route_experts", "route_experts_launch"]
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 MAX_EXPERTS = 512              # the scores of a program's tokens stay in registers (V4-Pro: 384 experts)
@@ -32,27 +34,26 @@ TOKENS = 16                    # tokens a program routes (tl.dot's smallest row 
 
 
 @triton.jit
-def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
-                  K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
-                  STAGES: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr,
-                  F32: tl.constexpr):
-    """Program ``i``: tokens ``[i BT, (i+1) BT)``: their gate scores over the ``E`` experts, their ``K`` experts
-    and weights."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    rmask = rows < T
-    rows64 = rows.to(tl.int64)
-    experts = tl.arange(0, BE)
-    emask = experts < E
-    acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for d0 in tl.range(0, D, BD, num_stages=STAGES):      # pipelined: one program streams the whole weight
+def _gate_dot(X, W, acc, rows64, rmask, experts, emask, d_lo, d_hi, D, BD: tl.constexpr, STAGES: tl.constexpr,
+              F32: tl.constexpr):
+    """``acc += x[rows, d_lo:d_hi] @ w[:, d_lo:d_hi]^T`` (fp32 accumulation), ``BD`` channels a step."""
+    for d0 in tl.range(d_lo, d_hi, BD, num_stages=STAGES):     # pipelined: the weight's channels streamed
         d = d0 + tl.arange(0, BD)
-        dmask = d < D
+        dmask = d < d_hi
         x = tl.load(X + rows64[:, None] * D + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
         w = tl.load(W + experts.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & dmask[None, :],
                     other=0.0)
         if F32:                  # the interpreter: tf32 holds every bf16 / fp16 value, the products are exact
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+    return acc
+
+
+@triton.jit
+def _pick(acc, BIAS, TABLE, IDS, WEIGHTS, IDX, rows64, rmask, experts, emask, scale, K: tl.constexpr,
+          KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr,
+          RENORM: tl.constexpr):
+    """From the gate's logits ``acc [BT, BE]``: the scores, the tokens' ``K`` experts and weights, stored."""
     if FUNC == 0:        # sqrt(softplus), softplus as torch's: x above 20 is its own value
         scores = tl.sqrt(tl.where(acc > 20.0, acc, tl.log(1.0 + tl.exp(tl.minimum(acc, 20.0)))))
     elif FUNC == 1:
@@ -92,6 +93,59 @@ def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
     tl.store(IDX + out, picks, mask=omask)
 
 
+@triton.jit
+def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
+                  K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                  STAGES: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr,
+                  F32: tl.constexpr):
+    """Program ``i``: tokens ``[i BT, (i+1) BT)``: their gate scores over the ``E`` experts, their ``K`` experts
+    and weights."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    experts = tl.arange(0, BE)
+    emask = experts < E
+    acc = _gate_dot(X, W, tl.zeros([BT, BE], dtype=tl.float32), rows64, rmask, experts, emask, 0, D, D, BD, STAGES,
+                    F32)
+    _pick(acc, BIAS, TABLE, IDS, WEIGHTS, IDX, rows64, rmask, experts, emask, scale, K, KP, BT, BE, FUNC, HASH,
+          RENORM)
+
+
+@triton.jit
+def _route_part_kernel(X, W, PART, T, D, E, DPER, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                       STAGES: tl.constexpr, F32: tl.constexpr):
+    """Program ``(i, s)``: the gate logits of tokens ``[i BT, (i+1) BT)`` over channels ``[s DPER, (s+1) DPER)``,
+    to ``PART[s]`` (the split router's first kernel)."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    s = tl.program_id(1)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    experts = tl.arange(0, BE)
+    emask = experts < E
+    d_lo = s * DPER
+    acc = _gate_dot(X, W, tl.zeros([BT, BE], dtype=tl.float32), rows64, rmask, experts, emask, d_lo,
+                    tl.minimum(d_lo + DPER, D), D, BD, STAGES, F32)
+    tl.store(PART + (s.to(tl.int64) * T + rows64)[:, None] * BE + experts[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _route_finish_kernel(PART, BIAS, TABLE, IDS, WEIGHTS, IDX, T, E, SPLIT, scale,
+                         K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, FUNC: tl.constexpr,
+                         HASH: tl.constexpr, RENORM: tl.constexpr):
+    """Program ``i``: tokens ``[i BT, (i+1) BT)``: the split router's partial logits summed in order, then as
+    :func:`_route_kernel`."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    experts = tl.arange(0, BE)
+    emask = experts < E
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(PART + (s * T + rows64)[:, None] * BE + experts[None, :], mask=rmask[:, None], other=0.0)
+    _pick(acc, BIAS, TABLE, IDS, WEIGHTS, IDX, rows64, rmask, experts, emask, scale, K, KP, BT, BE, FUNC, HASH,
+          RENORM)
+
+
 def launch_settings(experts_block: int) -> dict:
     """Launch settings for ``experts_block`` (the experts, padded to a power of two): ``BD`` channels a reduction
     step, pipeline ``STAGES``, ``WARPS``. Why pipelined and wide: one program per 16 tokens streams the whole
@@ -108,6 +162,28 @@ def launch_settings(experts_block: int) -> dict:
     return dict(BD=128, STAGES=3, WARPS=8) if experts_block <= 256 else dict(BD=32, STAGES=3, WARPS=8)
 
 
+SPLIT_PROGRAMS = 128           # programs the split router aims at (the GPU's SMs, about)
+SPLIT_MIN_CHANNELS = 256       # channels a program of the split router reads at least
+
+
+def part_channels(experts_block: int) -> int:
+    """Channels a reduction step of the split router's first kernel (its ranges are short, so narrower steps than
+    :func:`launch_settings`' cost little): the widest that compile without register spills on sm_90 (triton 3.6,
+    ptxas) at :func:`launch_settings`' warps: 128 up to 64 experts, 64 up to 256, 32 above."""
+    return 128 if experts_block <= 64 else (64 if experts_block <= 256 else 32)
+
+
+def split_of(tokens: int, channels: int) -> int:
+    """How many channel ranges the router's gate GEMM splits into (1: the one-pass kernel). Why: one program per 16
+    tokens streams the whole router weight, so a decode step of 64 tokens ran 4 programs on a GPU of 132 SMs (10 us
+    at the Flash-shaped model's 32 experts, 33 us at V4-Flash's 256 with 2 MB of weight a program, about 1.3 ms of
+    a V4-Flash step's 40 learned layers; ``bench/results/kernels-decode-sweep-h200.json``). Split into ranges of
+    at least :data:`SPLIT_MIN_CHANNELS` channels until about :data:`SPLIT_PROGRAMS` programs run, a second kernel
+    sums the partial logits in order and picks. Untimed on a GPU."""
+    blocks = -(-tokens // TOKENS)
+    return max(1, min(SPLIT_PROGRAMS // blocks, channels // SPLIT_MIN_CHANNELS))
+
+
 def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, score_func: str, config=None):
     """The kernel on checked inputs (``x [T, d]``, ``w [E, d]`` contiguous; ``bias [E]`` fp32 for a learned
     layer, ``table [V, k]`` int64 and ``ids [T]`` int64 for a hash layer) -> ``(weights [T, k] fp32, idx [T, k]
@@ -120,12 +196,22 @@ def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, 
         hashed = table is not None
         dummy = weights                                            # a pointer the untaken branch never reads
         BE = max(16, triton.next_power_of_2(E))
-        c = {**launch_settings(BE), **(config or {})}
-        _route_kernel[(triton.cdiv(T, TOKENS),)](
-            x, w, dummy if hashed else bias, table if hashed else dummy, ids if hashed else dummy, weights, idx, T, D,
-            E, float(route_scale), K=topk, KP=triton.next_power_of_2(topk), BT=TOKENS, BE=BE,
-            BD=c["BD"], STAGES=c["STAGES"], FUNC=SCORE_FUNCS.index(score_func), HASH=hashed,
-            RENORM=score_func != "softmax", F32=gpu_common.interpreting(), num_warps=c["WARPS"])
+        c = {**launch_settings(BE), "SPLIT": split_of(T, D), **(config or {})}
+        pick = dict(K=topk, KP=triton.next_power_of_2(topk), BT=TOKENS, BE=BE, FUNC=SCORE_FUNCS.index(score_func),
+                    HASH=hashed, RENORM=score_func != "softmax")
+        tables = (dummy if hashed else bias, table if hashed else dummy, ids if hashed else dummy, weights, idx)
+        blocks = triton.cdiv(T, TOKENS)
+        if c["SPLIT"] <= 1:
+            _route_kernel[(blocks,)](x, w, *tables, T, D, E, float(route_scale), BD=c["BD"], STAGES=c["STAGES"],
+                                     F32=gpu_common.interpreting(), num_warps=c["WARPS"], **pick)
+        else:
+            dper = triton.cdiv(D, c["SPLIT"])
+            split = triton.cdiv(D, dper)
+            part = torch.empty(split, T, BE, dtype=torch.float32, device=x.device)
+            _route_part_kernel[(blocks, split)](x, w, part, T, D, E, dper, BT=TOKENS, BE=BE, BD=part_channels(BE),
+                                                STAGES=c["STAGES"], F32=gpu_common.interpreting(),
+                                                num_warps=c["WARPS"])
+            _route_finish_kernel[(blocks,)](part, *tables, T, E, split, float(route_scale), num_warps=4, **pick)
     return weights, idx
 
 

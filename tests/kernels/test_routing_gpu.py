@@ -49,6 +49,34 @@ def test_route_experts_matches_the_reference_router(E, k, func, hashed, T):
     assert (got_w.cpu() - want_w).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("E,hashed,T", [(32, False, 64), (256, False, 1), (256, True, 20), (7, False, 3)])
+def test_the_split_router_is_the_reference_router(E, hashed, T):
+    """A decode step's few tokens split the gate GEMM over channel ranges (``split_of``: 4 ranges of 256 channels
+    here) and a second kernel sums and picks: the reference router's experts and weights, as the one-pass kernel
+    (forced with ``SPLIT=1``) gives them; and the split the launcher takes for these sizes is that one."""
+    from kernels.reference.moe import route
+    from kernels.triton.routing import route_experts_launch, split_of
+
+    dev = triton_device()
+    g = torch.Generator().manual_seed(E + T)
+    d, k = 1024, min(6, E)
+    assert split_of(T, d) == 4 and split_of(T, 200) == 1 and split_of(16 * 128, 4096) == 1
+    x = torch.randn(T, d, generator=g).bfloat16()
+    w = (torch.randn(E, d, generator=g) * 0.05).bfloat16()
+    table = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(50)])
+    ids = torch.randint(0, 50, (T,), generator=g)
+    bias = None if hashed else torch.randn(E, generator=g) * 0.1
+    gate = types.SimpleNamespace(weight=w, score_func="sqrtsoftplus", topk=k, route_scale=1.5, hash=hashed,
+                                 replayable=False, layer_id=None, tid2eid=table)
+    want_w, want_idx = route(gate, x, ids, bias, replay=False)
+    args = (x.to(dev), w.to(dev), None if hashed else bias.to(dev), table.to(dev) if hashed else None,
+            ids.to(dev) if hashed else None, k, 1.5, "sqrtsoftplus")
+    for config in (None, dict(SPLIT=1)):
+        got_w, got_idx = route_experts_launch(*args, config=config)
+        assert torch.equal(got_idx.cpu(), want_idx), config
+        assert (got_w.cpu() - want_w).abs().max() <= 1e-5, config
+
+
 def test_route_experts_refuses_what_it_cannot_serve():
     from kernels.triton.routing import MAX_EXPERTS, route_experts
 
@@ -95,3 +123,16 @@ def test_the_router_compiles_for_sm90(experts, hashed):
                        options=dict(num_warps=c["WARPS"], num_stages=c["STAGES"]))
     assert ".entry" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared      # an H100 / H200 SM's limit
+    # the split router's two kernels (a decode step's few tokens)
+    part = dict(BT=R.TOKENS, BE=experts, BD=R.part_channels(experts), STAGES=c["STAGES"], F32=False)
+    sig = {"X": "*bf16", "W": "*bf16", "PART": "*fp32", "T": "i32", "D": "i32", "E": "i32", "DPER": "i32",
+           **{k: "constexpr" for k in part}}
+    compiled = compile(ASTSource(R._route_part_kernel, sig, part), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=c["WARPS"], num_stages=c["STAGES"]))
+    assert ".entry" in compiled.asm["ptx"] and compiled.metadata.shared <= 227 * 1024
+    finish = {k: consts[k] for k in ("K", "KP", "BT", "BE", "FUNC", "HASH", "RENORM")}
+    sig = {"PART": "*fp32", "BIAS": "*fp32", "TABLE": "*i64", "IDS": "*i64", "WEIGHTS": "*fp32", "IDX": "*i64",
+           "T": "i32", "E": "i32", "SPLIT": "i32", "scale": "fp32", **{k: "constexpr" for k in finish}}
+    compiled = compile(ASTSource(R._route_finish_kernel, sig, finish), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    assert ".entry" in compiled.asm["ptx"]
