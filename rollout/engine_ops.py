@@ -28,9 +28,10 @@ every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a c
 one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, and its
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
-``kernels/triton/topk.py``) and ``index_query`` (the indexer's query rotation, transform and casts in one,
-``kernels/triton/index_query.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses
-them the step runs the torch code and the refusal is recorded like an op's.
+``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
+``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post and MoE pre, the post inside the
+mixing GEMM's first kernel, ``kernels/triton/mhc.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`);
+where one refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -59,7 +60,8 @@ from core.kernel_ops import OpTable
 from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
-           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs", "sampler_choice"]
+           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs", "hc_post_pre_inputs",
+           "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -184,11 +186,25 @@ def index_query_inputs(config, dtype: torch.dtype, device) -> list:
              dtype)]
 
 
+def hc_post_pre_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``hc_post_pre`` (``kernels.reference.slots.decode_layer``):
+    one slot's attention output and streams in the model's ``dtype``, fp32 coefficients and mapping weights."""
+    c = config
+    n, d, mix = c.hc_mult, c.dim, (2 + c.hc_mult) * c.hc_mult
+
+    def zeros(*shape, dt=torch.float32):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    return [(zeros(1, 1, d, dt=dtype), zeros(1, 1, n, d, dt=dtype), zeros(1, 1, n), zeros(1, 1, n, n),
+             zeros(mix, n * d), zeros(3), zeros(mix), c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)]
+
+
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
-# compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks
+# compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
+# a block's attention post and MoE pre
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
-                "index_query": index_query_inputs}
+                "index_query": index_query_inputs, "hc_post_pre": hc_post_pre_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .layers import rms_normalize
 
-__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_post", "hc_head"]
+__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_post", "hc_post_pre", "hc_head"]
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -62,6 +62,15 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     ct = post.dtype
     mixed = torch.einsum("bsjk,bsjd->bskd", comb, x.to(ct))
     return (post.unsqueeze(-1) * f.to(ct).unsqueeze(-2) + mixed).to(x.dtype)
+
+
+def hc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """The ``hc_post_pre`` op's contract (the decode step's post of one sublayer and pre of the next, one op so that
+    a GPU backend can fuse them: ``kernels/triton/mhc.py``): ``x' = hc_post(f, x, post, comb)``, then
+    ``hc_pre(x', fn, scale, base, ...)`` -> ``(x', u, post', comb')``."""
+    xn = hc_post(f, x, post, comb)
+    return (xn, *hc_pre(xn, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters))
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

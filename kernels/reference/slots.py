@@ -570,8 +570,13 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     picks = [] if want_picks else None
     u, post, comb = layer._hc("attn", x)
     att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks, memo)
-    x = layer.hc_post(att, x, post, comb)
-    u, post, comb = layer._hc("ffn", x)
+    fused = eager_op(layer.ops, memo, "hc_post_pre")    # the attention's post and the MoE's pre in one op
+    if fused is not None:
+        x, u, post, comb = fused(att, x, post, comb, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base,
+                                 layer.norm_eps, layer.hc_eps, layer.hc_iters)
+    else:
+        x = layer.hc_post(att, x, post, comb)
+        u, post, comb = layer._hc("ffn", x)
     f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
     x = layer.hc_post(f, x, post, comb)
     return x, idx, (picks[0] if picks else None)

@@ -84,11 +84,15 @@ def _mix_kernel(X, FN, MIX, RHO, T, K, M, norm_eps,
 
 
 @triton.jit
-def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
+def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER, F, XOLD, POST, COMB, d,
                      BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, N: tl.constexpr = 1, FUSED_POST: tl.constexpr = False):
     """Split-K :func:`_mix_kernel` for few tokens (a decode step): program ``(i, s)`` sums columns
-    ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``."""
+    ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``. ``FUSED_POST``: the
+    streams are the ones :func:`_post_fwd_kernel` makes, made here (the decode step's post of one sublayer and
+    mixing GEMM of the next in one launch): each ``BK`` channels of stream ``j`` (``d`` a multiple of ``BK``) are
+    ``post[t, j] f[t] + sum_i comb[t, i, j] XOLD[t, i]`` in fp32, the post kernel's order, cast to ``X``'s dtype
+    and written to ``X``, then summed as they are read there."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     s = tl.program_id(1)
     tmask = t < T
@@ -101,8 +105,20 @@ def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
     for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < K
-        x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        x = x.to(tl.float32)
+        tk = tmask[:, None] & kmask[None, :]
+        if FUSED_POST:
+            j = k0 // d                                      # the chunk's stream (BK divides d)
+            dd = k - j * d
+            f = tl.load(F + t64[:, None] * d + dd[None, :], mask=tk, other=0.0).to(tl.float32)
+            xn = tl.load(POST + t64 * N + j, mask=tmask, other=0.0)[:, None] * f
+            for i in tl.static_range(N):
+                xi = tl.load(XOLD + t64[:, None] * K + i * d + dd[None, :], mask=tk, other=0.0).to(tl.float32)
+                xn += tl.load(COMB + t64 * (N * N) + i * N + j, mask=tmask, other=0.0)[:, None] * xi
+            xn = xn.to(X.dtype.element_ty)
+            tl.store(X + t64[:, None] * K + k[None, :], xn, mask=tk)
+            x = xn.to(tl.float32)
+        else:
+            x = tl.load(X + t64[:, None] * K + k[None, :], mask=tk, other=0.0).to(tl.float32)
         w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         ss += tl.sum(x * x, 1)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
@@ -345,7 +361,7 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
     T, K = x2.shape
     M, MP = fn.shape[0], mix.shape[1]
     rows = triton.cdiv(T, cfg["mix_BT"])
-    split = min(cfg["mix_programs"] // rows, triton.cdiv(K, 4 * cfg["mix_BK"]))
+    split = _mix_split(T, K, cfg)
     if split <= 1:
         _mix_kernel[(rows,)](x2, fn, mix, rho, T, K, M, norm_eps, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
                              PREC=PRECISION, STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
@@ -354,12 +370,61 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
     split = triton.cdiv(K, kper)
     part = torch.empty(split, T, MP, dtype=torch.float32, device=x2.device)
     ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
-    _mix_part_kernel[(rows, split)](x2, fn, part, ssp, T, K, M, kper, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
-                                    PREC=PRECISION, STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
+    _mix_part_kernel[(rows, split)](x2, fn, part, ssp, T, K, M, kper, x2, x2, part, part, 0, BT=cfg["mix_BT"],
+                                    BK=cfg["mix_BK"], MP=MP, PREC=PRECISION, STAGES=cfg["mix_stages"],
+                                    num_warps=cfg["mix_warps"])
     bt = min(4, triton.next_power_of_2(T))                      # a decode step's tokens over a few programs
     sb = min(triton.next_power_of_2(split), max(1, FINISH_TILE // (bt * MP)))
     _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
                                               num_warps=4)
+
+
+def _mix_split(T: int, K: int, cfg) -> int:
+    """The split :func:`_mix` takes for ``T`` tokens over ``K`` channels (1: one pass)."""
+    return min(cfg["mix_programs"] // triton.cdiv(T, cfg["mix_BT"]), triton.cdiv(K, 4 * cfg["mix_BK"]))
+
+
+def hc_post_pre_fwd(f, x_old, post, comb, fn, scale, base, norm_eps, hc_eps, iters, config=None):
+    """The decode step's ``x = hc_post(f, x_old, post, comb)`` and ``hc_pre(x, ...)`` with the post inside the
+    mixing GEMM's split kernel (:func:`_mix_part_kernel`, ``FUSED_POST``): ``-> (x [T, n, d], u [T, d], post' [T, n],
+    comb' [T, n, n])``; where the GEMM would not split (many tokens) or ``d`` is not whole ``mix_BK`` chunks, the
+    two kernels as they are."""
+    T, n, d = x_old.shape
+    cfg = _cfg(config)
+    K = n * d
+    split = _mix_split(T, K, cfg) if T else 0
+    if split <= 1 or d % cfg["mix_BK"]:
+        x = hc_post_fwd(f, x_old, post, comb, cfg)
+        u, post2, comb2, *_ = hc_pre_fwd(x, fn, scale, base, norm_eps, hc_eps, iters, cfg)
+        return x, u, post2, comb2
+    M = fn.shape[0]
+    MP, NP = _mp(M), mhc_checks.padded(n)
+    dev = x_old.device
+    x = torch.empty_like(x_old)
+    mix = torch.empty(T, MP, dtype=torch.float32, device=dev)
+    rho = torch.empty(T, dtype=torch.float32, device=dev)
+    kper = triton.cdiv(triton.cdiv(K, split), cfg["mix_BK"]) * cfg["mix_BK"]
+    split = triton.cdiv(K, kper)
+    part = torch.empty(split, T, MP, dtype=torch.float32, device=dev)
+    ssp = torch.empty(split, T, dtype=torch.float32, device=dev)
+    rows = triton.cdiv(T, cfg["mix_BT"])
+    _mix_part_kernel[(rows, split)](x, fn, part, ssp, T, K, M, kper, f.contiguous(), x_old.contiguous(),
+                                    post.contiguous(), comb.contiguous(), d, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
+                                    PREC=PRECISION, STAGES=cfg["mix_stages"], N=n, FUSED_POST=True,
+                                    num_warps=cfg["mix_warps"])
+    bt = min(4, triton.next_power_of_2(T))
+    sb = min(triton.next_power_of_2(split), max(1, FINISH_TILE // (bt * MP)))
+    _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
+                                              num_warps=4)
+    u = torch.empty(T, d, dtype=x.dtype, device=dev)
+    pre = torch.empty(T, NP, dtype=torch.float32, device=dev)
+    post2 = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb2 = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    d_per = _coef_columns(T, d, cfg)
+    _pre_fwd_kernel[(triton.cdiv(T, cfg["coef_BT"]), triton.cdiv(d, d_per))](
+        mix, scale, base, x.view(T, K), u, pre, post2, comb2, T, n, d, hc_eps, iters, d_per, HAS_RES=True,
+        BT=cfg["coef_BT"], NP=NP, BD=cfg["coef_BD"], MP=MP, num_warps=cfg["coef_warps"])
+    return x, u, post2, comb2
 
 
 def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, cfg):
@@ -524,6 +589,24 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     n, d = x.shape[-2:]
     out = gpu_ops.TRITON.hc_post(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n), comb.reshape(-1, n, n))
     return out.view(x.shape)
+
+
+def hc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """Same contract as ``kernels.reference.mhc.hc_post_pre`` (the decode step's post of one sublayer and pre of the
+    next): ``-> (x' [..., n, d], u [..., d], post' [..., n], comb' [..., n, n])``, the post inside the mixing
+    GEMM's first kernel for a decode step's few tokens (:func:`hc_post_pre_fwd`); inputs as :func:`hc_post` and
+    :func:`hc_pre` take them, anything else refused with the reason. No gradient (a decode step)."""
+    mhc_checks.check_hc_post(f, x, post, comb)
+    mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
+    if any(t.requires_grad for t in (f, x, post, comb, fn, scale, base)):
+        raise ValueError("triton hc_post_pre: inputs that require a gradient (the decode step's op has no "
+                         "backward); run with --kernel-backend none for this input")
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    xn, u, post2, comb2 = hc_post_pre_fwd(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n),
+                                          comb.reshape(-1, n, n), fn, scale, base, float(norm_eps), float(hc_eps),
+                                          int(sinkhorn_iters))
+    return xn.view(x.shape), u.view(*lead, d), post2.view(*lead, n), comb2.view(*lead, n, n)
 
 
 @gpu_ops.traceable
