@@ -238,7 +238,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     # per decode step (11 a sample, one slot each): every compressor, or the query and the key of every layer
     per_step = {"compressor_step": sum(1 + (r == 4) for r in CFG.compress_ratios[:CFG.n_layers] if r),
                 "norm_rope": 2 * CFG.n_layers, "decode_topk": CFG.compress_ratios[:CFG.n_layers].count(4),
-                "index_query": CFG.compress_ratios[:CFG.n_layers].count(4), "hc_post_pre": CFG.n_layers}[op]
+                "index_query": CFG.compress_ratios[:CFG.n_layers].count(4), "hc_post_pre": 2 * CFG.n_layers - 1}[op]
     if not refuse:
         assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
     want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
