@@ -9,8 +9,9 @@ eager step, grouped MoE path) runs on the CPU in bf16 on a model with ``--model`
 kinds, hash layers, experts and top-k, streams) at the tiny preset's widths, under a stand-in for the triton
 backend's decode table: the reference functions under the names of the ops the triton table serves in an eager
 step, each counted as the launches its kernel makes at the real widths (:data:`LAUNCHES`: one, three for the mHC
-``hc_pre`` and ``hc_head``, two for the router), with nothing inside it counted; likewise a GEMM of bf16 operands with an fp32 result
-(``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM on the CPU). Every other torch
+``hc_pre``, ``hc_head`` and ``hc_post_pre``, two for the router), with nothing inside it counted; likewise a GEMM
+of bf16 operands with an fp32 result (``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM
+on the CPU). Every other torch
 operator that makes a tensor is one launch (:class:`_Count`; views and metadata are not). On a GPU some operators
 launch more than one kernel (cuBLAS's split-K reduction, a few index kernels), so this is a floor of the profile's
 count, not its copy; which ops it leaves out is in the record (``--without``: the torch code runs instead, e.g.
@@ -99,17 +100,6 @@ def _counted(name: str, fn, counter: _Count):
     return op
 
 
-def _route_experts(x, w, bias, table, ids, topk, route_scale, score_func):
-    """``kernels.reference.moe.route`` behind the triton ``route_experts``' contract."""
-    import types
-
-    from kernels.reference.moe import route
-
-    gate = types.SimpleNamespace(weight=w, score_func=score_func, topk=topk, route_scale=route_scale,
-                                 hash=table is not None, tid2eid=table, replayable=False, layer_id=None)
-    return route(gate, x, ids, bias, replay=False)
-
-
 def stand_in_table(counter: _Count, without=()):
     """The reference functions under the triton decode table's names (:data:`TRITON_DECODE_OPS` less ``without``),
     each counted by ``counter`` as its kernel's launches."""
@@ -120,11 +110,12 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.index_query import index_query
     from kernels.reference.mhc import hc_post_pre
+    from kernels.reference.moe import route_experts
     from kernels.reference.topk import decode_topk
 
     required = reference_functions()                     # every table has these; the extras only when kept
     extras = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
-              "route_experts": _route_experts, "compressor_step": compressor_step,
+              "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
               "index_query": index_query, "hc_post_pre": hc_post_pre}

@@ -72,10 +72,14 @@ ENGINE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transfor
 INDUCTOR_FUSES = ("rms_norm", "rms_normalize", "apply_rope", "hadamard_transform", "weighted_swiglu")
 
 
+def _has_csa(config) -> bool:
+    """Whether ``config``'s trunk has CSA (ratio 4) layers, the only ones with an indexer."""
+    return 4 in tuple(config.compress_ratios[: config.n_layers])
+
+
 def engine_ops(config) -> Tuple[str, ...]:
     """The ops a generate call of ``config``'s model calls: the indexer's only with CSA (ratio 4) layers."""
-    csa = 4 in tuple(config.compress_ratios[: config.n_layers])
-    return tuple(n for n in ENGINE_OPS if csa or n not in ("indexer_scores", "hadamard_transform"))
+    return tuple(n for n in ENGINE_OPS if _has_csa(config) or n not in ("indexer_scores", "hadamard_transform"))
 
 
 def decode_inputs(config, dtype: torch.dtype, device, table: Optional[OpTable] = None) -> Dict[str, list]:
@@ -169,7 +173,7 @@ def decode_topk_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``decode_topk`` (``kernels.reference.decode._index_step``):
     one slot's fp32 scores over a few entries, its position, the CSA ratio and the indexer's top-k; none for a
     model without CSA layers (never called)."""
-    if 4 not in tuple(config.compress_ratios[: config.n_layers]):
+    if not _has_csa(config):
         return []
     return [(torch.zeros(1, 3, device=device), torch.zeros(1, dtype=torch.long, device=device), 4, config.index_topk)]
 
@@ -178,7 +182,7 @@ def index_query_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``index_query`` (``kernels.reference.decode._index_step``):
     one slot's indexer query heads in the model's ``dtype``, fp32 angles, the activation dtype out (a GPU table's
     scores take it); none for a model without CSA layers (never called)."""
-    if 4 not in tuple(config.compress_ratios[: config.n_layers]):
+    if not _has_csa(config):
         return []
     r = config.rope_head_dim // 2
     angle = torch.zeros(1, 1, r, device=device)

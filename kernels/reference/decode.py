@@ -48,7 +48,7 @@ from .compressor import Compressor, hadamard_transform
 from .indexer import indexer_input_dtype, indexer_scores
 from .layers import compute_dtype, grouped_projection, linear_fp32, rms_normalize
 from .rope import apply_rope, rope_cos_sin
-from .topk import decode_topk
+from .topk import decode_topk, window_rows as _window
 
 __all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step"]
 
@@ -313,23 +313,25 @@ def device_inv_freq(attn, dev: torch.device) -> torch.Tensor:
     return got
 
 
-# angle tables (angle_table): {(id of the device frequencies, stride, length, dtype): (those frequencies, table)}
+# angle tables (angle_table): {(id of the device frequencies, stride, capacity, dtype): (those frequencies, table)}
 _ANGLE_TABLES: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def angle_table(inv_freq: torch.Tensor, stride: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[2, length, r/2]``: the cos (``[0]``) and sin (``[1]``) of :func:`~.rope.rope_cos_sin` at the positions
-    ``stride * i`` for ``i < length``, in ``dtype``, on ``inv_freq``'s device (a :func:`device_inv_freq` tensor),
-    made once and kept. Why: a decode step's angles from its positions were six small kernels per set of
-    frequencies (a cast, a product, cos, sin, two casts), every layer's attention and every compressor ratio; a
+def angle_table(inv_freq: torch.Tensor, stride: int, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[2, max_len // stride + 1, r/2]``: the cos (``[0]``) and sin (``[1]``) of :func:`~.rope.rope_cos_sin` at
+    the positions ``stride * i`` up to ``max_len`` (slots of that capacity: every position, or with ``stride m``
+    every block's first, a position of ``max_len`` included, which an inactive slot may hold), in ``dtype``, on
+    ``inv_freq``'s device (a :func:`device_inv_freq` tensor), made once and kept. Why: a decode step's angles from
+    its positions were six small kernels per set of frequencies (a cast, a product, cos, sin, two casts), every
+    layer's attention and every compressor ratio; a
     row of this table is one gather (:func:`table_angles`) with the same values, bit for bit (the same
     elementwise kernels made it). Made by the static step's host-side checks, before a CUDA graph records
     the step (``kernels.reference.slots.static_step_checks``). The key holds the frequencies themselves, so
     their ``id`` stays theirs."""
-    key = (id(inv_freq), int(stride), int(length), dtype)
+    key = (id(inv_freq), int(stride), int(max_len), dtype)
     got = _ANGLE_TABLES.get(key)
     if got is None:
-        positions = torch.arange(length, device=inv_freq.device) * stride
+        positions = torch.arange(max_len // stride + 1, device=inv_freq.device) * stride
         got = _ANGLE_TABLES[key] = (inv_freq, torch.stack(rope_cos_sin(inv_freq, positions, dtype)))
     return got[1]
 
@@ -384,7 +386,7 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
 
     def angles():    # [B, 1, r/2], in the compute dtype the rotations cast them to (the same values): cast once
         if memo is not None and "max_len" in memo:      # the static step's eager layers: a row of a table
-            return table_angles(angle_table(inv_freq, 1, memo["max_len"] + 1, ct), pos_d)
+            return table_angles(angle_table(inv_freq, 1, memo["max_len"], ct), pos_d)
         return rope_cos_sin(inv_freq, pos_d[:, None], ct)
 
     # the memo names the frequencies by their shared device tensor (device_inv_freq; never read when compiled)
@@ -393,7 +395,7 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     ops = attn.ops
     rope = apply_rope if ops is None else ops.apply_rope
     cq = attn.q_norm(attn.wq_a(x))
-    rows, ring, idx = step_once(memo, ("window", W), lambda: _window(B, W, pos_d))
+    idx = step_once(memo, ("window", W), lambda: _window(W, pos_d))
     fused = eager_op(ops, memo, "norm_rope")      # the norms, rotations and the ring's write, one launch each
     if fused is not None:
         q = fused(attn.wq_b(cq).view(B, 1, H, D), None, attn.eps, cos, sin)
@@ -402,6 +404,7 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
         q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps,
                                                                  x.dtype)
         q = rope(q, cos, sin)
+        rows, ring = step_once(memo, ("ring", W), lambda: (torch.arange(B, device=dev), pos_d % W))
         lc.window[rows, ring] = rope(attn.kv_norm(attn.wkv(x)), cos, sin)[:, 0]
     if attn.ratio:
         # the compressed entries follow the ring in the layer's buffer (module docstring)
@@ -438,14 +441,6 @@ def _all_entries(idx: torch.Tensor, pos: torch.Tensor, ratio: int, N: int, W: in
     position has completed (``j < (pos + 1) // ratio``; ``-1`` for the rest): an HCA layer's attention rows."""
     j = torch.arange(N, device=pos.device)[None, :]
     return torch.cat((idx, torch.where(j < ((pos + 1) // ratio)[:, None], j + W, -1)), dim=-1)
-
-
-def _window(B: int, W: int, pos: torch.Tensor):
-    """``(rows, ring, idx)`` of a step's window: the rows ``[B]``, each row's ring slot ``pos % W`` and the ring
-    rows its query sees, ``idx [B, W]`` (``-1``: not written yet)."""
-    s = torch.arange(W, device=pos.device)[None, :]
-    return (torch.arange(B, device=pos.device), pos % W,
-            torch.where(s < (pos[:, None] + 1).clamp(max=W), s, -1))
 
 
 def decode_step(model, cache: DecodeCache, tokens: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ implementations call :func:`apply_routing_hook` at the same point of their route
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,9 +27,9 @@ from torch import nn
 from .layers import KeepFP32, Linear, compute_dtype
 from .seam import HookSeam
 
-__all__ = ["swiglu", "route_scores", "select_experts", "route", "Gate", "Expert", "MoE", "routing_hook", "apply_routing_hook",
-           "current_routing_hook", "row_invariant_experts", "row_invariant_active", "row_invariant_mix",
-           "inference_experts"]
+__all__ = ["swiglu", "route_scores", "select_experts", "route", "route_experts", "Gate", "Expert", "MoE",
+           "routing_hook", "apply_routing_hook", "current_routing_hook", "row_invariant_experts",
+           "row_invariant_active", "row_invariant_mix", "inference_experts"]
 
 _ROUTING = HookSeam("dsv4_routing_hook")
 _ROW_INVARIANT = HookSeam("dsv4_row_invariant_experts")
@@ -176,6 +178,16 @@ def route(router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor | None, bi
         bias=bias,
         replay_layer=router.layer_id if (replay and router.replayable and not router.hash) else None,
     )
+
+
+def route_experts(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
+                  ids: torch.Tensor | None, topk: int, route_scale: float, score_func: str):
+    """The ``route_experts`` op's torch contract (the GPU backends' one-launch router of the eager decode step,
+    ``kernels/triton/routing.py``): :func:`route` of the router weight ``w`` with a learned layer's ``bias`` or a
+    hash layer's ``table`` (``tid2eid``) at the tokens ``ids``, without the routing seam -> ``(weights, idx)``."""
+    router = types.SimpleNamespace(weight=w, score_func=score_func, topk=topk, route_scale=route_scale,
+                                   hash=table is not None, tid2eid=table, replayable=False, layer_id=None)
+    return route(router, x, ids, bias, replay=False)
 
 
 class Gate(KeepFP32):

@@ -133,7 +133,8 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     (default ``(cc.entries, 0)``; the attention's compressor: the layer's buffer after its ring). Written by index
     into the buffer itself, not through a view of it: a compiled step then updates the rows in place (through a
     view, Inductor wrote the whole buffer back every step). In the eager step, a table with ``compressor_step``
-    (:func:`_eager_compressor`) runs everything after the two GEMMs as that one kernel."""
+    (the triton backend's: ``kernels/triton/compress.py``; :func:`~.decode.eager_op`, the memo's capacity sizing
+    the blocks' angle table) runs everything after the two GEMMs as that one kernel."""
     B = x.shape[0]
     m, c = comp.ratio, comp.head_dim
     ct = cc.a.dtype
@@ -141,9 +142,9 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     N = buf.shape[1] - first
     kv = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
     gate = linear_fp32(x[:, 0], comp.wgate.weight).to(ct)
-    kernel = _eager_compressor(comp, memo)
+    kernel = eager_op(comp.ops, memo, "compressor_step")
     if kernel is not None:
-        table = angle_table(inv_freq, m, memo["max_len"] // m + 1, compute_dtype(x))
+        table = angle_table(inv_freq, m, memo["max_len"], compute_dtype(x))
         kernel(kv, gate, comp.ape, cc.a, cc.z, cc.prev_a, cc.prev_z, pos, buf, first, comp.norm.weight,
                comp.norm.eps, table, comp.rotate)
         return
@@ -160,7 +161,7 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
 
     def angles():
         if memo is not None and "max_len" in memo:      # the eager static step: a row of the blocks' table
-            return table_angles(angle_table(inv_freq, m, memo["max_len"] // m + 1, compute_dtype(x)), block)
+            return table_angles(angle_table(inv_freq, m, memo["max_len"], compute_dtype(x)), block)
         return rope_cos_sin(inv_freq, (block * m)[:, None], compute_dtype(x))
 
     # the memo names the frequencies by their shared device tensor (decode.device_inv_freq; never read compiled)
@@ -173,12 +174,6 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     if comp.overlap:
         cc.prev_a.copy_(torch.where(done[:, None, None], cc.a[..., :c], cc.prev_a))
         cc.prev_z.copy_(torch.where(done[:, None, None], cc.z[..., :c], cc.prev_z))
-
-
-def _eager_compressor(comp: Compressor, memo: Optional[dict]):
-    """The op table's ``compressor_step`` (the triton backend's: ``kernels/triton/compress.py``) in the eager static
-    step (:func:`~.decode.eager_op`; its memo's capacity sizes the blocks' angle table), else None."""
-    return eager_op(comp.ops, memo, "compressor_step")
 
 
 def _blocks(B: int, m: int, N: int, pos: torch.Tensor):
@@ -319,11 +314,9 @@ def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_s
     T, k = idx.shape
     if pair_mms is not None:     # the weights in expert order from the ordering itself (the shared rows' ones after)
         gather, scatter = pair_mms
+        s13, s2 = (None, None) if shared is None else shared
         order, offs, w = order(idx.reshape(-1), w13.shape[0], weights.reshape(-1), 0 if shared is None else T)
-        if shared is None:
-            return scatter(act(gather(x, w13, offs, order, k), w, limit, x.dtype), w2, offs, order)
-        return scatter(act(gather(x, w13, offs, order, k, shared[0]), w, limit, x.dtype), w2, offs, order,
-                       shared[1])
+        return scatter(act(gather(x, w13, offs, order, k, s13), w, limit, x.dtype), w2, offs, order, s2)
     order, offs = order(idx.reshape(-1), w13.shape[0])
     w = weights.reshape(-1).index_select(0, order)
     hid = act(mm(x.index_select(0, order // k), w13, offs), w, limit, x.dtype)
@@ -534,9 +527,8 @@ def static_step_checks(model, tokens: torch.Tensor, moe_path: Optional[str] = No
         inv_freq = device_inv_freq(layer.attn, dev)
         if max_len is not None:            # the positions' angles, and each compressor's blocks' (_compress_masked)
             ct = compute_dtype(x)
-            angle_table(inv_freq, 1, max_len + 1, ct)
-            if layer.attn.ratio:
-                angle_table(inv_freq, layer.attn.ratio, max_len // layer.attn.ratio + 1, ct)
+            for stride in (1, layer.attn.ratio) if layer.attn.ratio else (1,):
+                angle_table(inv_freq, stride, max_len, ct)
         paths.append(_with_kernel(layer.ffn, moe_path or moe_decode_path(x, layer.ffn)))
     return tuple(paths)
 

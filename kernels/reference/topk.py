@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["stable_topk", "decode_topk"]
+__all__ = ["stable_topk", "decode_topk", "window_rows"]
 
 # Row chunks hold at most this many scores, so the int64 temporaries stay near 64 MiB each.
 CHUNK_ELEMENTS = 1 << 23
@@ -77,6 +77,11 @@ def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int, win
     ids = stable_topk(scores.masked_fill(torch.arange(N, device=scores.device)[None, :] >= limit, float("-inf")), k)
     if not window:
         return ids
-    s = torch.arange(window, device=scores.device)[None, :]
-    ring = torch.where(s < (pos[:, None] + 1).clamp(max=window), s, -1)
-    return torch.cat((ring, torch.where(ids >= 0, ids + window, ids)), dim=-1)
+    return torch.cat((window_rows(window, pos), torch.where(ids >= 0, ids + window, ids)), dim=-1)
+
+
+def window_rows(W: int, pos: torch.Tensor) -> torch.Tensor:
+    """A decode step's window: the ring rows each row's query sees at positions ``pos [B]``, ``[B, W]`` (``-1``:
+    not written yet); the decode step's (``kernels.reference.decode``) and :func:`decode_topk`'s."""
+    s = torch.arange(W, device=pos.device)[None, :]
+    return torch.where(s < (pos[:, None] + 1).clamp(max=W), s, -1)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
-from kernels.triton.rope import _product
+from kernels.triton.rope import _rotate_pairs
 
 __all__ = ["compressor_step", "compressor_step_launch", "MAX_CHANNELS", "MAX_RATIO"]
 
@@ -106,9 +106,7 @@ def _compress_kernel(KV, GATE, APE, A, Z, PA, PZ, POS, OUT, NORM_W, ANG, eps, ha
         rope = pair >= 0
         cs = tl.load(ANG + block * HALF + pair, mask=rope, other=1.0)
         sn = tl.load(ANG + (NB + block) * HALF + pair, mask=rope, other=0.0)
-        ev2 = _product(ev, cs, ROUNDED) - _product(od, sn, ROUNDED)
-        od2 = _product(ev, sn, ROUNDED) + _product(od, cs, ROUNDED)
-        x = tl.reshape(tl.join(tl.where(rope, ev2, ev), tl.where(rope, od2, od)), (C,))
+        x = tl.reshape(tl.join(*_rotate_pairs(ev, od, cs, sn, rope, ROUNDED)), (C,))
         x = x.to(OUT.dtype.element_ty).to(tl.float32)
         if ROTATE:
             x = _hadamard_row(x, C, LOG_C, ROUND, OUT.dtype.element_ty) * hadamard_scale

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels import gpu_common
 from kernels.triton.compress import _hadamard_row
-from kernels.triton.rope import _product
+from kernels.triton.rope import _rotate_pairs
 
 __all__ = ["index_query", "index_query_launch", "MAX_WIDTH"]
 
@@ -38,9 +38,7 @@ def _index_query_kernel(Q, COS, SIN, OUT, R, HEADS, scale, D: tl.constexpr, LOG_
     tok = r // HEADS
     cs = tl.load(COS + tok * HALF + pair, mask=rope, other=1.0)
     sn = tl.load(SIN + tok * HALF + pair, mask=rope, other=0.0)
-    ev2 = _product(ev, cs, ROUNDED) - _product(od, sn, ROUNDED)
-    od2 = _product(ev, sn, ROUNDED) + _product(od, cs, ROUNDED)
-    x = tl.reshape(tl.join(tl.where(rope, ev2, ev), tl.where(rope, od2, od)), (D,))
+    x = tl.reshape(tl.join(*_rotate_pairs(ev, od, cs, sn, rope, ROUNDED)), (D,))
     x = x.to(Q.dtype.element_ty).to(tl.float32)          # the rotation's output is a tensor of q's dtype
     y = _hadamard_row(x, D, LOG_D, False, tl.float32) * scale
     tl.store(OUT + r * D + cols, y.to(OUT.dtype.element_ty))

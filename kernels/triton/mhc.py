@@ -354,10 +354,12 @@ def _cfg(config):
     return {**MHC_CONFIG, **(config or {})}
 
 
-def _mix(x2, fn, mix, rho, norm_eps, cfg):
+def _mix(x2, fn, mix, rho, norm_eps, cfg, pending=None):
     """``mix``, ``rho`` of the mixing GEMM: one program per ``mix_BT`` tokens over all of ``K``, or, when that
     leaves most of the GPU idle (a decode step: 64 tokens were 4 programs, 0.2 ms a call on an H200), split
-    over ``K`` into about ``mix_programs`` programs and summed by a second kernel."""
+    over ``K`` into about ``mix_programs`` programs and summed by a second kernel. ``pending``: ``(f, x_old,
+    post, comb)``, a post whose streams the split kernel makes and writes to ``x2`` first (``FUSED_POST``; the
+    caller checks that the GEMM splits, :func:`hc_post_pre_fwd`)."""
     T, K = x2.shape
     M, MP = fn.shape[0], mix.shape[1]
     rows = triton.cdiv(T, cfg["mix_BT"])
@@ -370,8 +372,11 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
     split = triton.cdiv(K, kper)
     part = torch.empty(split, T, MP, dtype=torch.float32, device=x2.device)
     ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
-    _mix_part_kernel[(rows, split)](x2, fn, part, ssp, T, K, M, kper, x2, x2, part, part, 0, BT=cfg["mix_BT"],
-                                    BK=cfg["mix_BK"], MP=MP, PREC=PRECISION, STAGES=cfg["mix_stages"],
+    f, x_old, post, comb = (x2, x2, part, part) if pending is None else (t.contiguous() for t in pending)
+    n = 1 if pending is None else x_old.shape[1]
+    _mix_part_kernel[(rows, split)](x2, fn, part, ssp, T, K, M, kper, f, x_old, post, comb, K // n,
+                                    BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
+                                    STAGES=cfg["mix_stages"], N=n, FUSED_POST=pending is not None,
                                     num_warps=cfg["mix_warps"])
     bt = min(4, triton.next_power_of_2(T))                      # a decode step's tokens over a few programs
     sb = min(triton.next_power_of_2(split), max(1, FINISH_TILE // (bt * MP)))
@@ -397,38 +402,15 @@ def hc_post_pre_fwd(f, x_old, post, comb, fn, scale, base, norm_eps, hc_eps, ite
         x = hc_post_fwd(f, x_old, post, comb, cfg)
         u, post2, comb2, *_ = hc_pre_fwd(x, fn, scale, base, norm_eps, hc_eps, iters, cfg)
         return x, u, post2, comb2
-    M = fn.shape[0]
-    MP, NP = _mp(M), mhc_checks.padded(n)
-    dev = x_old.device
     x = torch.empty_like(x_old)
-    mix = torch.empty(T, MP, dtype=torch.float32, device=dev)
-    rho = torch.empty(T, dtype=torch.float32, device=dev)
-    kper = triton.cdiv(triton.cdiv(K, split), cfg["mix_BK"]) * cfg["mix_BK"]
-    split = triton.cdiv(K, kper)
-    part = torch.empty(split, T, MP, dtype=torch.float32, device=dev)
-    ssp = torch.empty(split, T, dtype=torch.float32, device=dev)
-    rows = triton.cdiv(T, cfg["mix_BT"])
-    _mix_part_kernel[(rows, split)](x, fn, part, ssp, T, K, M, kper, f.contiguous(), x_old.contiguous(),
-                                    post.contiguous(), comb.contiguous(), d, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP,
-                                    PREC=PRECISION, STAGES=cfg["mix_stages"], N=n, FUSED_POST=True,
-                                    num_warps=cfg["mix_warps"])
-    bt = min(4, triton.next_power_of_2(T))
-    sb = min(triton.next_power_of_2(split), max(1, FINISH_TILE // (bt * MP)))
-    _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
-                                              num_warps=4)
-    u = torch.empty(T, d, dtype=x.dtype, device=dev)
-    pre = torch.empty(T, NP, dtype=torch.float32, device=dev)
-    post2 = torch.empty(T, n, dtype=torch.float32, device=dev)
-    comb2 = torch.empty(T, n, n, dtype=torch.float32, device=dev)
-    d_per = _coef_columns(T, d, cfg)
-    _pre_fwd_kernel[(triton.cdiv(T, cfg["coef_BT"]), triton.cdiv(d, d_per))](
-        mix, scale, base, x.view(T, K), u, pre, post2, comb2, T, n, d, hc_eps, iters, d_per, HAS_RES=True,
-        BT=cfg["coef_BT"], NP=NP, BD=cfg["coef_BD"], MP=MP, num_warps=cfg["coef_warps"])
+    u, _, post2, comb2, _, _ = _coef_forward(x.view(T, K), fn, scale, base, n, d, norm_eps, hc_eps, iters, True,
+                                             cfg, (f, x_old, post, comb))
     return x, u, post2, comb2
 
 
-def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, cfg):
-    """The mixing GEMM and the coefficient kernel: ``(u, pre [T, NP], post, comb, mix [T, MP], rho)``."""
+def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, cfg, pending=None):
+    """The mixing GEMM and the coefficient kernel: ``(u, pre [T, NP], post, comb, mix [T, MP], rho)``;
+    ``pending``: a post the mixing GEMM makes ``x2`` from first (:func:`_mix`)."""
     T, K = x2.shape
     M = fn.shape[0]
     MP, NP = _mp(M), mhc_checks.padded(n)
@@ -440,7 +422,7 @@ def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, c
     post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
     comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
     if T:
-        _mix(x2, fn, mix, rho, norm_eps, cfg)
+        _mix(x2, fn, mix, rho, norm_eps, cfg, pending)
         rows, d_per = triton.cdiv(T, cfg["coef_BT"]), _coef_columns(T, d, cfg)
         _pre_fwd_kernel[(rows, triton.cdiv(d, d_per))](
             mix, scale, base, x2, u, pre, post if has_res else mix, comb if has_res else mix, T, n, d, hc_eps, iters,

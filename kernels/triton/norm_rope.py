@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
-from kernels.triton.rope import _product
+from kernels.triton.rope import _rotate_pairs
 
 __all__ = ["norm_rope", "norm_rope_launch", "MAX_WIDTH"]
 
@@ -47,9 +47,7 @@ def _norm_rope_kernel(X, W, COS, SIN, OUT, POS, R, HEADS, eps, stride_ob, RING, 
     amask = rmask[:, None] & rope[None, :]
     cs = tl.load(COS + tok[:, None] * HALF + pair[None, :], mask=amask, other=1.0)
     sn = tl.load(SIN + tok[:, None] * HALF + pair[None, :], mask=amask, other=0.0)
-    ev2 = _product(ev, cs, ROUNDED) - _product(od, sn, ROUNDED)
-    od2 = _product(ev, sn, ROUNDED) + _product(od, cs, ROUNDED)
-    y = tl.reshape(tl.join(tl.where(rope[None, :], ev2, ev), tl.where(rope[None, :], od2, od)), (BR, D))
+    y = tl.reshape(tl.join(*_rotate_pairs(ev, od, cs, sn, rope[None, :], ROUNDED)), (BR, D))
     if INTO:                  # one row a token (HEADS == 1): its ring slot pos % RING
         dst = tok * stride_ob + (tl.load(POS + tok, mask=rmask, other=0) % RING) * D
     else:

@@ -40,6 +40,16 @@ def _product(a, b, ROUNDED: tl.constexpr):
     return out
 
 
+@triton.jit
+def _rotate_pairs(ev, od, c, s, rope, ROUNDED: tl.constexpr):
+    """Interleaved pairs ``(ev, od)`` rotated by the angles ``c, s`` where ``rope`` (elsewhere as they are):
+    ``ev c - od s`` and ``ev s + od c``, each product rounded on its own (:func:`_product`), the rounding of the
+    fused decode kernels that rotate a row in registers (``compress``, ``norm_rope``, ``index_query``)."""
+    ev2 = _product(ev, c, ROUNDED) - _product(od, s, ROUNDED)
+    od2 = _product(ev, s, ROUNDED) + _product(od, c, ROUNDED)
+    return tl.where(rope, ev2, ev), tl.where(rope, od2, od)
+
+
 @triton.jit(do_not_specialize=["R", "N"])
 def _rope_kernel(X, COS, SIN, OUT, R, N, HEADS,
                  D: tl.constexpr, HALF: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr,

@@ -53,5 +53,6 @@ def test_the_fused_norms_and_the_indexer_top_k_take_the_place_of_their_torch_cod
     config = model_like("flash-shaped")
     full = sum(count_step(config, 2).sites.values())
     csa = config.compress_ratios[:config.n_layers].count(4)
-    assert sum(count_step(config, 2, without=("norm_rope",)).sites.values()) - full == 3 * config.n_layers
+    # and the torch write's ring rows (a range and a remainder, once a step) are not made at all
+    assert sum(count_step(config, 2, without=("norm_rope",)).sites.values()) - full == 3 * config.n_layers + 2
     assert sum(count_step(config, 2, without=("decode_topk",)).sites.values()) - full >= 15 * csa

@@ -148,17 +148,6 @@ def _experts_grouped_mm(x, w, offs):
     return out
 
 
-def _route_experts(x, w, bias, table, ids, topk, route_scale, score_func):
-    """``kernels.reference.moe.route`` behind ``route_experts``' contract (a hash layer: ``table`` and ``ids``)."""
-    import types
-
-    from kernels.reference.moe import route
-
-    gate = types.SimpleNamespace(weight=w, score_func=score_func, topk=topk, route_scale=route_scale,
-                                 hash=table is not None, tid2eid=table, replayable=False, layer_id=None)
-    return route(gate, x, ids, bias, replay=False)
-
-
 @pytest.mark.parametrize("grouped,pairs", [(True, True), (True, False), (False, True)])
 def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(monkeypatch, grouped, pairs):
     """A table with ``experts_grouped_mm``, ``expert_order``, ``route_experts`` and the pair kernels
@@ -172,6 +161,7 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
     and the dense expert sums agree to fp32 rounding)."""
     import kernels.reference.slots as slots
     import rollout.engine_ops as engine_ops
+    from kernels.reference.moe import route_experts
     from rollout.reference_engine import ReferenceEngine
 
     for mod in (slots, engine_ops):
@@ -188,7 +178,7 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
         return y if shared is None else torch.cat((y, x[R:] @ shared.t()))
 
     extra = {"experts_grouped_mm": _experts_grouped_mm, "expert_order": slots.expert_order,
-             "route_experts": _route_experts}
+             "route_experts": route_experts}
     if pairs:
         extra.update(experts_gather_mm=gather, experts_scatter_mm=scatter, moe_combine=slots.combine_pairs)
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra=extra)))
