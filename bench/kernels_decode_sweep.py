@@ -1,6 +1,7 @@
-"""Launch settings of three small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+"""Launch settings of four small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
 step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
-(``kernels/triton/experts.py``) and the sparse attention's forward for few tokens (``kernels/triton/attention.py``).
+(``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``)
+and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two launches).
 
     python -m bench.kernels_decode_sweep --out FILE.json
 
@@ -69,6 +70,39 @@ def _attention_case(T: int, K: int, g, dev, H: int = 64, D: int = 512):
     return q, kv, idx, torch.randn(H, generator=g).to(dev)
 
 
+def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
+    """``hc_post_pre`` (a post, the next pre and its norm) at 1, 64 and 256 tokens: the second kernel's settings
+    (``norm_BT``, ``norm_BD``, ``norm_warps``), and the same work as the post, pre and norm kernels one by one
+    (five launches, ``unfused_us``)."""
+    from kernels.reference.mhc import sinkhorn
+    from kernels.triton import mhc as M
+    from kernels.triton.norm import rms_norm_launch
+
+    grid = [dict(norm_BT=bt, norm_BD=bd, norm_warps=wp)
+            for bt, bd, wp in itertools.product([1, 2, 4], [256, 512, 1024], [4, 8])]
+    rows, mix = [], (2 + n) * n
+    for T in (1, 64, 256):
+        f = torch.randn(T, d, generator=g).bfloat16().to(dev)
+        x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
+        post = (2 * torch.sigmoid(torch.randn(T, n, generator=g))).to(dev)
+        comb = sinkhorn(torch.randn(T, n, n, generator=g), 20, 1e-6).to(dev)
+        fn = (torch.randn(mix, n * d, generator=g) * (n * d) ** -0.5).to(dev)
+        scale, base = torch.rand(3, generator=g).to(dev), torch.randn(mix, generator=g).to(dev) * 0.1
+        w = (1 + 0.1 * torch.randn(d, generator=g)).to(dev)
+        args = (f, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+        default = {k: M.MHC_CONFIG[k] for k in grid[0]}
+        got = _sweep("hc_post_pre", lambda c: M.hc_post_pre_fwd(*args, config=c), grid, default, meta, tokens=T)
+
+        def unfused():
+            xn = M.hc_post_fwd(f, x, post, comb)
+            return rms_norm_launch(M.hc_pre_fwd(xn, fn, scale, base, 1e-6, 1e-6, 20)[0], w, 1e-6)
+        us = _time(unfused)
+        print(f"  post, pre and norm kernels one by one: {us:.1f} us")
+        got[0]["unfused_us"] = round(us, 2)
+        rows += got
+    return rows
+
+
 def main(argv=None):
     out = bc.sweep_output(__doc__, argv)
     import triton
@@ -111,6 +145,7 @@ def main(argv=None):
         q, kv, idx, sink = _attention_case(T, K, g, dev, H, D)
         rows += _sweep(label, lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c), grid,
                        A.fwd_settings(T, H, K), meta, tokens=T, heads=H, rows=K)
+    rows += _mhc_rows(g, dev, meta)
     with open(out, "w") as fh:
         json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)
     print(f"wrote {out}")

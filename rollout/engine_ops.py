@@ -29,9 +29,9 @@ one launch, ``kernels/triton/compress.py``), in an eager step of a model with co
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
-``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post and MoE pre, the post inside the
-mixing GEMM's first kernel, ``kernels/triton/mhc.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`);
-where one refuses them the step runs the torch code and the refusal is recorded like an op's.
+``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm,
+the post inside the mixing GEMM's first kernel and the norm inside the coefficients' kernel,
+``kernels/triton/mhc.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -192,7 +192,8 @@ def index_query_inputs(config, dtype: torch.dtype, device) -> list:
 
 def hc_post_pre_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``hc_post_pre`` (``kernels.reference.slots.decode_layer``):
-    one slot's attention output and streams in the model's ``dtype``, fp32 coefficients and mapping weights."""
+    one slot's attention output and streams in the model's ``dtype``, fp32 coefficients, mapping weights and the
+    sublayer norm's weight."""
     c = config
     n, d, mix = c.hc_mult, c.dim, (2 + c.hc_mult) * c.hc_mult
 
@@ -200,7 +201,8 @@ def hc_post_pre_inputs(config, dtype: torch.dtype, device) -> list:
         return torch.zeros(*shape, dtype=dt, device=device)
 
     return [(zeros(1, 1, d, dt=dtype), zeros(1, 1, n, d, dt=dtype), zeros(1, 1, n), zeros(1, 1, n, n),
-             zeros(mix, n * d), zeros(3), zeros(mix), c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)]
+             zeros(mix, n * d), zeros(3), zeros(mix), c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters, zeros(d),
+             c.norm_eps)]
 
 
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the

@@ -561,23 +561,27 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     by its layers (:func:`~.decode.step_once`).
 
     Where the op table has ``hc_post_pre`` (eagerly, :func:`~.decode.eager_op`), each post runs inside the next
-    pre's op: the attention's inside the MoE's, and the MoE's inside the next block's attention pre. Then ``x``
-    may be the previous block's pending post ``(f, x, post, comb)`` (a tuple), and the returned ``x`` is this
-    block's (:func:`finish_streams` applies the last one)."""
+    pre's op, with that sublayer's input norm: the attention's inside the MoE's, and the MoE's inside the next
+    block's attention pre. Then ``x`` may be the previous block's pending post ``(f, x, post, comb)`` (a tuple),
+    and the returned ``x`` is this block's (:func:`finish_streams` applies the last one)."""
     picks = [] if want_picks else None
-    fused = eager_op(layer.ops, memo, "hc_post_pre")    # a post and the next pre in one op
+    fused = eager_op(layer.ops, memo, "hc_post_pre")    # a post, the next pre and its norm in one op
     hc = (layer.norm_eps, layer.hc_eps, layer.hc_iters)
     if isinstance(x, tuple):                             # the previous block's MoE post, inside this attention pre
-        x, u, post, comb = fused(*x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, *hc)
+        x, h, post, comb = fused(*x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, *hc,
+                                 layer.attn_norm.weight, layer.attn_norm.eps)
     else:
         u, post, comb = layer._hc("attn", x)
-    att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks, memo)
+        h = layer.attn_norm(u)
+    att = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo)
     if fused is not None:
-        x, u, post, comb = fused(att, x, post, comb, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, *hc)
+        x, h, post, comb = fused(att, x, post, comb, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, *hc,
+                                 layer.ffn_norm.weight, layer.ffn_norm.eps)
     else:
         x = layer.hc_post(att, x, post, comb)
         u, post, comb = layer._hc("ffn", x)
-    f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
+        h = layer.ffn_norm(u)
+    f, idx = _moe_decode(layer.ffn, h, ids, path)
     x = (f, x, post, comb) if fused is not None else layer.hc_post(f, x, post, comb)
     return x, idx, (picks[0] if picks else None)
 

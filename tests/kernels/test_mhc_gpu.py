@@ -143,12 +143,15 @@ POST_PRE = [dict(B=5, S=1, n=4, d=128), dict(B=1, S=1, n=4, d=320), dict(B=2, S=
                          + [pytest.param(DECODE, id="decode-T64", marks=pytest.mark.skipif(
                              not torch.cuda.is_available(), reason="Flash shape: GPU only"))])
 def test_hc_post_pre_matches_reference(shape):
-    """The decode step's post of one sublayer and pre of the next (``hc_post_pre``): with the post inside the mixing
-    GEMM's split kernel (a decode step's few tokens over whole 64-channel chunks: the first two shapes) and as the
-    two kernels (the third: the GEMM does not split), against the reference contract (``hc_post`` then
-    ``hc_pre``); forward only (a decode step). The streams ``x'`` are ``hc_post``'s."""
+    """The decode step's post of one sublayer, pre of the next and its input norm (``hc_post_pre``): with the post
+    inside the mixing GEMM's split kernel and the partials' sum, coefficients and norm in one (a decode step's few
+    tokens over whole 64-channel chunks: the first two shapes) and as the post, pre and norm kernels (the third:
+    the GEMM does not split), against the reference contract (``hc_post``, ``hc_pre``, then ``rms_norm``); forward
+    only (a decode step). The streams ``x'`` are ``hc_post``'s; the norm's weight is fp32 (the model keeps it so)
+    or bf16 (the trainer's weights read in place)."""
     dev = triton_device()
     from kernels.reference import mhc as R
+    from kernels.reference.layers import rms_norm
     from kernels.triton import mhc as K
 
     B, S, n, d = shape["B"], shape["S"], shape["n"], shape["d"]
@@ -159,14 +162,19 @@ def test_hc_post_pre_matches_reference(shape):
     post = 2 * torch.sigmoid(_rand(B, S, n, seed=32))
     comb = R.sinkhorn(_rand(B, S, n, n, seed=33), ITERS, HC_EPS)
     _, fn, scale, base = _mhc_inputs(B, S, n, d, (2 + n) * n, 3, seed=34)
-    got = [t.cpu() for t in K.hc_post_pre(*[t.to(dev) for t in (f, x, post, comb, fn, scale, base)], NORM_EPS,
-                                          HC_EPS, ITERS)]
-    # the streams against hc_post's reference; the pre against hc_pre's on those very streams (their bf16 values)
-    _check("x'", got[0], R.hc_post(f, x, post, comb), R.hc_post(*(t.double() for t in (f, x, post, comb))), BF16_REL)
-    pre = (fn, scale, base, NORM_EPS, HC_EPS, ITERS)
-    ref, ora = R.hc_pre(got[0], *pre), R.hc_pre(got[0].double(), *(t.double() for t in pre[:3]), *pre[3:])
-    for name, g, r, o in zip(("u", "post'", "comb'"), got[1:], ref, ora):
-        _check(name, g, r, o, BF16_REL if g.dtype == torch.bfloat16 else FP32_REL)
+    weight = 1 + 0.5 * _rand(d, seed=35)
+    for w in (weight, weight.bfloat16()):
+        got = [t.cpu() for t in K.hc_post_pre(*[t.to(dev) for t in (f, x, post, comb, fn, scale, base)], NORM_EPS,
+                                              HC_EPS, ITERS, w.to(dev), NORM_EPS)]
+        # the streams against hc_post's reference; the pre and norm against the reference's on those very streams
+        _check("x'", got[0], R.hc_post(f, x, post, comb), R.hc_post(*(t.double() for t in (f, x, post, comb))),
+               BF16_REL)
+        pre = (fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+        (u, *ref), (uo, *ora) = R.hc_pre(got[0], *pre), R.hc_pre(got[0].double(), *(t.double() for t in pre[:3]),
+                                                                  *pre[3:])
+        ref, ora = [rms_norm(u, w, NORM_EPS)] + ref, [rms_norm(uo, w.double(), NORM_EPS)] + ora
+        for name, g, r, o in zip(("y", "post'", "comb'"), got[1:], ref, ora):
+            _check(name, g, r, o, BF16_REL if g.dtype == torch.bfloat16 else FP32_REL)
 
 
 @pytest.mark.parametrize("n", [4, 3])
@@ -322,6 +330,10 @@ def test_kernels_compile_for_sm90():
          c["coef_warps"]),
         (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i, i], dict(HAS_RES=False, **coef),
          c["coef_warps"]),
+        (K._pre_norm_kernel, [p32, p32, p32, p32, pb, p32, pb, p32, p32, i, i, i, i, f, f, i, f],    # decode
+         dict(BT=c["norm_BT"], NP=4, NN=16, BD=c["norm_BD"], MP=32, SB=64), c["norm_warps"]),
+        (K._pre_norm_kernel, [p32, p32, p32, p32, pb, pb, pb, p32, p32, i, i, i, i, f, f, i, f],     # bf16 weight
+         dict(BT=c["norm_BT"], NP=4, NN=16, BD=c["norm_BD"], MP=32, SB=64), c["norm_warps"]),
         (K._pre_bwd_kernel, [p32, p32, p32, p32, pb, pb, p32, p32, p32, p32, p32, i, i, i, f, i],
          dict(HAS_RES=True, **coef), c["coef_warps"]),
         (K._dx_kernel, [pb, pb, p32, p32, p32, p32, pb, i, i, i, i],
