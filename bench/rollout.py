@@ -4,7 +4,7 @@
                             [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
                             [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
                             [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--profile-sources]
-                            [--top-p 1.0]
+                            [--top-p 1.0] [--ablate OP ...]
                             [--layers N] [--out FILE.json]
 
 ``--model bench`` is the training benchmark's small config (``bench.configs.bench_config``); the others are
@@ -42,6 +42,11 @@ decode step: the kernels a step launches (CUDA; operators on the CPU), its devic
 take most of it (the row's ``profile``). That is where a decode step's time goes when it is far from the
 bandwidth its weights need. ``--profile-sources`` adds which lines of the engine's code launched them
 (``profile["sources"]``, :mod:`bench.profile_sources`; on CUDA with ``--cuda-graphs off``).
+
+``--ablate OP ...`` (``--rows cached`` with a kernel backend): the cached rows again, once per ``OP`` with that
+extra op left out of the table (``core.kernel_ops.OpTable.without``: the step runs the torch code there; the
+row's ``without``), so one run times each decode kernel against the code it replaces (the profile is taken
+of the full table's rows only).
 """
 
 from __future__ import annotations
@@ -200,14 +205,16 @@ def _engine(config, device, dtype, seed, **kw):
     return engine
 
 
-def _ops(config, device, kernel_backend: str):
+def _ops(config, device, kernel_backend: str, without=()):
     """The kernel op table of a run with ``kernel_backend`` on this device (``core.assembly``), as ``dsv4
-    train`` hands it to its engine; the engine records which backend served each decode op."""
+    train`` hands it to its engine, less the extra ops ``without`` (``--ablate``); the engine records which
+    backend served each decode op."""
     from bench.configs import bench_run_config
     from core.assembly import assemble
 
     hardware = "nvidia" if device.type == "cuda" else "cpu"
-    return assemble(bench_run_config("miles", config, hardware=hardware, kernels=kernel_backend)).ops
+    ops = assemble(bench_run_config("miles", config, hardware=hardware, kernels=kernel_backend)).ops
+    return ops.without(without) if without else ops
 
 
 def _transformers_model(config, weights, device, dtype):
@@ -256,13 +263,14 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
               new_tokens: int = 16, repeats: int = 1, seed: int = 0, rows=("cached", "transformers"),
               cuda_graphs=None, prefill_tokens: int = 16384, hbm=None, kernel_backend: str = "none",
               compile=False, on_row=None, profile_steps: int = 0, top_p: float = 1.0, layers=None,
-              profile_sources: bool = False) -> dict:
+              profile_sources: bool = False, without=()) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
     the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
     ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name). ``on_row``: called
     with the result so far after every row (``main`` writes it, so a run stopped by a time limit keeps the rows
     it measured). ``profile_steps``: > 0 profiles that many decode steps of each cached row
-    (:func:`profile_decode`, the row's ``profile``)."""
+    (:func:`profile_decode`, the row's ``profile``). ``without``: extra ops left out of the table (the rows'
+    ``without``; ``main``'s ``--ablate``)."""
     from rollout.reference_engine import SamplingParams
 
     config = model_config(model, layers)
@@ -298,7 +306,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 add(dict(engine=name, skipped=f"{type(e).__name__}: {e}"[:300]))
                 continue
         else:
-            kw = dict(kv_cache=name == "cached", ops=_ops(config, dev, kernel_backend))
+            kw = dict(kv_cache=name == "cached", ops=_ops(config, dev, kernel_backend, without))
             if name == "cached":
                 kw.update(cuda_graphs=cuda_graphs, prefill_batch=max(1, prefill_tokens // hi), compile=compile)
             engine = _engine(config, dev, DTYPES[dtype], seed, **kw)
@@ -347,6 +355,8 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 torch.cuda.empty_cache()
                 continue
             row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
+            if without:
+                row["without"] = sorted(without)
             if hbm and new_tokens > 1 and name != "transformers":
                 row["weight_bytes_per_step"] = step_bytes = weight_bytes_per_step(engine.model, B)
                 # None when the decode time did not show above the timer's noise (a tiny model on a busy CPU)
@@ -360,18 +370,20 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
 
 
 def format_table(result: dict) -> str:
-    head = (f"{'engine':<13}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'total tok/s':>13}"
+    labels = [r["engine"] + "".join(f" -{op}" for op in r.get("without", ())) for r in result["rows"]]
+    w = max([13] + [len(x) + 2 for x in labels])
+    head = (f"{'engine':<{w}}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'total tok/s':>13}"
             f"{'step ms':>10}{'HBM share':>11}{'vs HF':>8}")
     lines = [f"{result['model']} on {result['machine']}, {result['dtype']}: prompt {result['prompt_len']} + "
              f"{result['new_tokens']} new tokens", head, "-" * len(head)]
-    for r in result["rows"]:
+    for r, label in zip(result["rows"], labels):
         if "skipped" in r:
-            lines.append(f"{r['engine']:<13}{r.get('batch', ''):>6}  skipped: {r['skipped']}")
+            lines.append(f"{label:<{w}}{r.get('batch', ''):>6}  skipped: {r['skipped']}")
             continue
         share = f"{r['hbm_share']:.1%}" if r.get("hbm_share") is not None else "-"
         vs = f"{r['speedup_vs_transformers']:.1f}x" if "speedup_vs_transformers" in r else "-"
         dec = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"
-        lines.append(f"{r['engine']:<13}{r['batch']:>6}{r['prefill_tokens_per_s']:>15.1f}{dec:>14}"
+        lines.append(f"{label:<{w}}{r['batch']:>6}{r['prefill_tokens_per_s']:>15.1f}{dec:>14}"
                      f"{r['tokens_per_s']:>13.1f}{r['decode_step_ms']:>10.2f}{share:>11}{vs:>8}")
     for r in result["rows"]:
         prof = r.get("profile")
@@ -412,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile-sources", action="store_true",
                    help="with --profile-steps: also the kernels by the line of engine code that launched them "
                         "(CUDA: needs --cuda-graphs off)")
+    p.add_argument("--ablate", nargs="+", default=[], metavar="OP",
+                   help="cached rows again with each of these extra ops left out of the table (the torch code "
+                        "runs instead): which kernel is worth its place, timed in one run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: dsv4 train's default)")
     p.add_argument("--layers", type=int, default=None, help="trunk layers (default: the preset's)")
@@ -446,12 +461,22 @@ def main(argv=None) -> int:
         print(f"{last['engine']} batch {last.get('batch')}: "
               f"{last.get('skipped') or str(last.get('tokens_per_s')) + ' tokens/s'} (in {out})", flush=True)
 
-    result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
-                       prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
-                       rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
-                       kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=row_done,
-                       profile_steps=a.profile_steps, top_p=a.top_p, layers=a.layers,
-                       profile_sources=a.profile_sources)
+    if a.ablate and (rows != ("cached",) or a.kernel_backend == "none"):
+        p.error("--ablate times the cached rows of a kernel backend: pass --rows cached and --kernel-backend")
+    done: list = []
+
+    def variant_done(result: dict) -> None:
+        row_done({**result, "rows": done + result["rows"]})
+
+    for without in [()] + [(op,) for op in a.ablate]:
+        result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
+                           prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
+                           rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
+                           kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=variant_done,
+                           profile_steps=0 if without else a.profile_steps, top_p=a.top_p, layers=a.layers,
+                           profile_sources=a.profile_sources, without=without)
+        done += result["rows"]
+    result["rows"] = done
     print(format_table(result))
     write(result)
     print(f"wrote {out}")

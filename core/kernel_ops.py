@@ -156,6 +156,21 @@ class OpTable:
         out.__dict__.update(out._ops)
         return out
 
+    def without(self, names: Iterable[str]) -> "OpTable":
+        """This table less the extra ops ``names`` (their callers run the torch code instead: an A/B of one
+        kernel, ``bench.rollout --ablate``). A required op (:data:`OP_NAMES`) or one the table lacks is refused."""
+        names = set(names)
+        bad = sorted(n for n in names if n in OP_NAMES or n not in self._ops)
+        if bad:
+            raise ValueError(f"kernel backend {self.backend!r}: cannot leave out {', '.join(bad)} (only the extra "
+                             f"ops it has: {', '.join(n for n in self._ops if n not in OP_NAMES)})")
+        out = OpTable.__new__(OpTable)
+        out.backend, out.dtypes, out.indexer_inputs = self.backend, self.dtypes, self.indexer_inputs
+        out.provider = {n: who for n, who in self.provider.items() if n not in names}
+        out._ops = {n: fn for n, fn in self._ops.items() if n not in names}
+        out.__dict__.update(out._ops)
+        return out
+
     def __repr__(self) -> str:
         own = sorted(n for n, who in self.provider.items() if who == self.backend)
         return f"OpTable({self.backend!r}, own={own})"

@@ -1,8 +1,10 @@
 """``bench.rollout`` on the CPU: a small run gives every row its numbers, and the table and the weight-byte
 count follow their definitions (the H200 numbers are in docs/rollout.md); ``--compile on|off`` reaches the
-engine and each cached row's note."""
+engine and each cached row's note; ``--ablate`` times each extra op left out."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -201,3 +203,32 @@ def test_profile_sources_needs_eager_launches_on_cuda(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "--cuda-graphs off" in capsys.readouterr().err
+
+
+def test_ablate_times_each_extra_op_left_out(tmp_path, monkeypatch, capsys):
+    """``--ablate OP``: the cached rows with the full table, then again with ``OP`` left out
+    (``OpTable.without``): that row's step no longer calls it (``decode_ops``), says so (``without``) and draws
+    the same tokens (the op's torch contract is the code it replaces). A required op cannot be left out; the flag
+    needs the cached rows of a kernel backend."""
+    from bench import rollout
+    from core.kernel_ops import OpTable
+    from kernels.reference.backend import reference_functions
+    from kernels.reference.mhc import hc_post_pre
+
+    torch.set_num_threads(1)
+    table = OpTable("fake", {**reference_functions(), "hc_post_pre": hc_post_pre})
+    with pytest.raises(ValueError, match="cannot leave out hc_pre"):
+        table.without(["hc_pre"])
+    monkeypatch.setattr(rollout, "_ops", lambda config, dev, backend, without=(): table.without(without))
+    out = tmp_path / "ablate.json"
+    assert rollout.main(["--device", "cpu", "--model", "tiny", "--batch", "2", "--prompt-len", "8",
+                         "--new-tokens", "4", "--rows", "cached", "--kernel-backend", "triton",
+                         "--ablate", "hc_post_pre", "--out", str(out)]) == 0
+    full, less = json.loads(out.read_text())["rows"]
+    assert "without" not in full and full["decode_ops"]["hc_post_pre"] == "fake"
+    assert less["without"] == ["hc_post_pre"] and "hc_post_pre" not in less["decode_ops"]
+    assert full["positions_fed"] == less["positions_fed"]
+    assert "cached -hc_post_pre" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        rollout.main(["--device", "cpu", "--rows", "cached", "--ablate", "hc_post_pre"])
+    assert "--ablate times the cached rows of a kernel backend" in capsys.readouterr().err

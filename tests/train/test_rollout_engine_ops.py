@@ -200,7 +200,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch),
     ``norm_rope`` (the attention's query and key norms and rotations, the key's write into its ring, one launch
     each), ``decode_topk`` (a CSA layer's indexer picks), ``index_query`` (its indexer query's rotation and
-    transform) or ``hc_post_pre`` (a block's attention post and MoE pre), here their torch contracts
+    transform) or ``hc_post_pre`` (a block's attention post, MoE pre and its norm), here their torch contracts
     (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``, ``kernels.reference.topk``,
     ``kernels.reference.index_query``, ``kernels.reference.mhc.hc_post_pre``):
     the engine records the op (``decode_ops``; prefill never calls it), the decode step calls it every time it
