@@ -41,7 +41,8 @@ __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd
 #   mix / dfn: BT tokens x BK columns of K per step (mix: split over K below mix_programs programs);
 #   coef: BT tokens, BD of d per step (d split over the grid below coef_programs programs);
 #   dx: BT x BK tiles; post / post_bwd: BT tokens x BD; norm (the decode step's pre with the sublayer norm): BT
-#   tokens a program, all of d in BD chunks.
+#   tokens a program, all of d in BD chunks (wide chunks: one program walks d twice, and at one token it is the
+#   only program; untimed, bench.kernels_decode_sweep times the grid).
 # Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4. dx and post_bwd were then
 # tuned on an H200 at the Flash shape (python -m bench.kernels_mhc_sweep, bench/results/kernels-mhc-sweep-h200.json):
 # post_bwd's BD 64 -> 128 took a call from 910 to 170 us, dx's BT 32 -> 64 took hc_pre's backward from 606 to 583 us.
@@ -51,7 +52,7 @@ MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3, mix_programs=
                   dfn_BT=64, dfn_BK=64, dfn_warps=4, dfn_stages=3,
                   post_BT=8, post_BD=128, post_warps=4,
                   post_bwd_BT=8, post_bwd_BD=128, post_bwd_warps=4,
-                  norm_BT=1, norm_BD=512, norm_warps=4)
+                  norm_BT=1, norm_BD=1024, norm_warps=8)
 PRECISION = "tf32x3"
 FINISH_TILE = 4096     # fp32 partials one program of the split mixing GEMM's sum loads at once
 
