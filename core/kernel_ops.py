@@ -149,12 +149,7 @@ class OpTable:
 
     def map(self, wrap: Callable[[str, Callable], Callable]) -> "OpTable":
         """A table of the same backend whose op ``name`` is ``wrap(name, op)`` (counting kept)."""
-        out = OpTable.__new__(OpTable)
-        out.backend, out.dtypes, out.provider = self.backend, self.dtypes, dict(self.provider)
-        out.indexer_inputs = self.indexer_inputs
-        out._ops = {name: wrap(name, fn) for name, fn in self._ops.items()}
-        out.__dict__.update(out._ops)
-        return out
+        return self._derived({name: wrap(name, fn) for name, fn in self._ops.items()})
 
     def without(self, names: Iterable[str]) -> "OpTable":
         """This table less the extra ops ``names`` (their callers run the torch code instead: an A/B of one
@@ -164,10 +159,15 @@ class OpTable:
         if bad:
             raise ValueError(f"kernel backend {self.backend!r}: cannot leave out {', '.join(bad)} (only the extra "
                              f"ops it has: {', '.join(n for n in self._ops if n not in OP_NAMES)})")
+        return self._derived({n: fn for n, fn in self._ops.items() if n not in names})
+
+    def _derived(self, ops: Mapping[str, Callable]) -> "OpTable":
+        """A table of this backend, dtypes and indexer inputs holding ``ops`` (already counted), each from the
+        provider it has here."""
         out = OpTable.__new__(OpTable)
         out.backend, out.dtypes, out.indexer_inputs = self.backend, self.dtypes, self.indexer_inputs
-        out.provider = {n: who for n, who in self.provider.items() if n not in names}
-        out._ops = {n: fn for n, fn in self._ops.items() if n not in names}
+        out.provider = {name: self.provider[name] for name in ops}
+        out._ops = dict(ops)
         out.__dict__.update(out._ops)
         return out
 

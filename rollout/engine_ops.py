@@ -31,7 +31,8 @@ launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's in
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
 ``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm,
 the post inside the mixing GEMM's first kernel and the norm inside the coefficients' kernel,
-``kernels/triton/mhc.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them the step runs the torch code and the refusal is recorded like an op's.
+``kernels/triton/mhc.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them
+the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -208,7 +209,7 @@ def hc_post_pre_inputs(config, dtype: torch.dtype, device) -> list:
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
-# a block's attention post and MoE pre
+# a block's attention post, MoE pre and its norm
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
                 "index_query": index_query_inputs, "hc_post_pre": hc_post_pre_inputs}
 

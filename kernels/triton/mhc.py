@@ -429,24 +429,26 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
     over ``K`` into about ``mix_programs`` programs (:func:`_mix_parts`) and summed by a second kernel."""
     T, K = x2.shape
     M, MP = fn.shape[0], mix.shape[1]
-    if _mix_split(T, K, cfg) <= 1:
+    split = _mix_split(T, K, cfg)
+    if split <= 1:
         _mix_kernel[(triton.cdiv(T, cfg["mix_BT"]),)](x2, fn, mix, rho, T, K, M, norm_eps, BT=cfg["mix_BT"],
                                                       BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
                                                       STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
         return
-    part, ssp, split = _mix_parts(x2, fn, MP, cfg)
+    part, ssp, split = _mix_parts(x2, fn, MP, cfg, split)
     bt = min(4, triton.next_power_of_2(T))                      # a decode step's tokens over a few programs
     sb = _partials_a_load(split, bt, MP)
     _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
                                               num_warps=4)
 
 
-def _mix_parts(x2, fn, MP, cfg, pending=None):
-    """The split mixing GEMM's first kernel (:func:`_mix_part_kernel`) -> ``(part [split, T, MP], ssp [split, T],
-    split)``. ``pending``: ``(f, x_old, post, comb)``, a post whose streams the kernel makes and writes to ``x2``
-    first (``FUSED_POST``; the caller checks that the GEMM splits and ``d`` is whole ``mix_BK`` chunks)."""
+def _mix_parts(x2, fn, MP, cfg, split: int, pending=None):
+    """The split mixing GEMM's first kernel (:func:`_mix_part_kernel`) over about ``split`` column ranges (whole
+    ``mix_BK`` chunks; :func:`_mix_split`) -> ``(part [split', T, MP], ssp [split', T], split')``. ``pending``:
+    ``(f, x_old, post, comb)``, a post whose streams the kernel makes and writes to ``x2`` first (``FUSED_POST``;
+    the caller checks that the GEMM splits and ``d`` is whole ``mix_BK`` chunks)."""
     T, K = x2.shape
-    kper = triton.cdiv(triton.cdiv(K, _mix_split(T, K, cfg)), cfg["mix_BK"]) * cfg["mix_BK"]
+    kper = triton.cdiv(triton.cdiv(K, split), cfg["mix_BK"]) * cfg["mix_BK"]
     split = triton.cdiv(K, kper)
     part = torch.empty(split, T, MP, dtype=torch.float32, device=x2.device)
     ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
@@ -478,13 +480,14 @@ def hc_post_pre_fwd(f, x_old, post, comb, fn, scale, base, norm_eps, hc_eps, ite
     T, n, d = x_old.shape
     cfg = _cfg(config)
     K = n * d
-    if not T or _mix_split(T, K, cfg) <= 1 or d % cfg["mix_BK"]:
+    split = _mix_split(T, K, cfg) if T else 0
+    if split <= 1 or d % cfg["mix_BK"]:
         x = hc_post_fwd(f, x_old, post, comb, cfg)
         u, post2, comb2, *_ = hc_pre_fwd(x, fn, scale, base, norm_eps, hc_eps, iters, cfg)
         return x, rms_norm_launch(u, weight.contiguous(), eps), post2, comb2
     x = torch.empty_like(x_old)
     MP, NP = _mp(fn.shape[0]), mhc_checks.padded(n)
-    part, ssp, split = _mix_parts(x.view(T, K), fn, MP, cfg, (f, x_old, post, comb))
+    part, ssp, split = _mix_parts(x.view(T, K), fn, MP, cfg, split, (f, x_old, post, comb))
     y = torch.empty(T, d, dtype=x.dtype, device=x.device)
     post2 = torch.empty(T, n, dtype=torch.float32, device=x.device)
     comb2 = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
