@@ -41,8 +41,14 @@ GRPO = ("--mode", "grpo", "--steps", "3", "--lr", "1e-3", "--save-every", "1", "
 FIRST_STEP = ("loss", "grad_norm", "reward_mean", "train_rollout_logprob_abs_diff", "response_tokens")
 
 
+#: Ray's driver folds log lines that differ only in words with digits (actor 0 / actor 1, two stores' ports)
+#: into one "[repeated Nx across cluster]" line, when they arrive within its window: the counts below would
+#: depend on timing. Each line printed as it comes.
+NO_DEDUP = {"RAY_DEDUP_LOGS": "0"}
+
+
 def _train(run_dir, *args, env=None, check=True):
-    return train_cli(run_dir, *GRPO, *args, env=env, check=check, timeout=600)
+    return train_cli(run_dir, *GRPO, *args, env={**NO_DEDUP, **(env or {})}, check=check, timeout=600)
 
 
 def _same_rows(got, want, keys=FIRST_STEP):
