@@ -16,7 +16,8 @@ bandwidth (read and write: 2 x bytes / bandwidth; H200: 4.8e12 B/s). On a GPU tw
 pace: the rollout's share of the weight-read roofline (``max_new_tokens`` decode steps, each reading the
 weights a batch of ``prompts x group`` rows touches (:func:`decode_weight_bytes`), at the bandwidth, over the
 rollout phase's time; prefill, sampling and the KV cache's reads are inside that time and not in the bound,
-so the share is a lower bound of the decode step's) and the train phase's MFU from dense FLOPs only
+so the share is a lower bound of the decode step's; ``generate_roofline_share``: over the engine's ``generate``
+call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and hand-over) and the train phase's MFU from dense FLOPs only
 (6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
 H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4
@@ -101,10 +102,14 @@ def summarize(rows: list, warmup: int) -> dict:
     # every step's own times, the warm-up's too: a mean hides one slow step (a compile inside the timed steps)
     out["per_step"] = [{"step": int(r["step"]), "step_ms": 1e3 * float(r.get("time_step") or 0.0),
                         "rollout_ms": 1e3 * float(r.get("time_rollout") or 0.0),
+                        "generate_ms": 1e3 * float(r.get("time_rollout_wait") or 0.0),
                         "train_ms": 1e3 * float(r.get("time_train") or 0.0),
                         "micro_batches": r.get("micro_batches"), "triton_compiles": r.get("triton_compiles")}
                        for r in rows]
     out.update({f"{k[len('time_'):]}_ms": 1e3 * mean(k) for k in PHASES})
+    # the engine's generate call alone (metrics' time_rollout_wait): the rollout phase less the rewards, the
+    # groups' tensors and the hand-over to the trainer ranks
+    out["generate_ms"] = 1e3 * mean("time_rollout_wait")
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"),
                rollout_entropy=mean("rollout_entropy"))
@@ -143,8 +148,10 @@ def hardware_shares(row: dict, config, *, batch: int, new_tokens: int) -> dict:
     bound_s = new_tokens * decode_weight_bytes(config, batch) / H200_HBM_BYTES_PER_S
     rollout_s, train_s = row["rollout_ms"] / 1e3, row["train_ms"] / 1e3
     flops = 6 * active_params(config) * row["train_tokens"]
+    generate_s = row.get("generate_ms", 0.0) / 1e3
     return dict(rollout_roofline_ms=1e3 * bound_s,
                 rollout_roofline_share=bound_s / rollout_s if rollout_s > 0 else None,
+                generate_roofline_share=bound_s / generate_s if generate_s > 0 else None,
                 train_dense_flops=flops,
                 train_mfu_dense=flops / train_s / (H200_BF16_DENSE_TFLOPS * 1e12) if train_s > 0 else None)
 
@@ -196,22 +203,25 @@ def print_table(rows: list, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "rollout tok/s", "roofline", "logprobs ms",
+    for col in ("weight sync", "step ms", "sync ms", "rollout ms", "generate ms", "rollout tok/s", "roofline",
+                "generate roofline", "logprobs ms",
                 "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "entropy", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 12)
+            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 14)
             continue
         tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
         share, mfu = r.get("rollout_roofline_share"), r.get("train_mfu_dense")
+        gen_share = r.get("generate_roofline_share")
         table.add_row(r["weight_sync"], f"{r['step_ms']:.1f}", f"{r['update_weights_ms']:.2f}",
-                      f"{r['rollout_ms']:.1f}", "-" if tok_s is None else f"{tok_s:,.0f}",
-                      "-" if share is None else f"{share:.1%}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
+                      f"{r['rollout_ms']:.1f}", f"{r.get('generate_ms', 0.0):.1f}",
+                      "-" if tok_s is None else f"{tok_s:,.0f}", "-" if share is None else f"{share:.1%}",
+                      "-" if gen_share is None else f"{gen_share:.1%}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
                       "-" if mfu is None else f"{mfu:.1%}", f"{r['sync_bytes'] / 1e6:.3f}",
                       f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}", f"{r['rollout_entropy']:.2f}",
                       "-" if first is None else f"{first:.1f}")
-    Console(width=160).print(table)
+    Console(width=200).print(table)
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,8 @@ def test_sft_first_trains_the_model_on_the_task_and_exports_it():
 def test_phases_are_averaged_after_the_warmup():
     from bench.grpo import first_step_seconds, summarize
 
-    rows = [dict(step=s, time_step=s, time_update_weights=0.1 * s, time_rollout=2, time_logprobs=2, time_train=3,
+    rows = [dict(step=s, time_step=s, time_update_weights=0.1 * s, time_rollout=2, time_rollout_wait=1.5 + s,
+                 time_logprobs=2, time_train=3,
                  weight_sync_bytes=100 * s, weight_sync_shared_bytes=0, train_rollout_logprob_abs_diff=0.5,
                  reward_mean=s, response_tokens=64 * s, wall_time=1000.0 + 10 * s) for s in (1, 2, 3)]
     got = summarize(rows, warmup=1)
@@ -48,6 +49,8 @@ def test_phases_are_averaged_after_the_warmup():
     assert got["sync_bytes"] == 250 and got["reward_mean"] == pytest.approx(2.5)
     assert [(p["step"], p["step_ms"], p["train_ms"]) for p in got["per_step"]] == [(1, 1e3, 3e3), (2, 2e3, 3e3),
                                                                                     (3, 3e3, 3e3)]
+    assert got["generate_ms"] == pytest.approx(4000.0)                  # the engine's generate call, steps 2, 3
+    assert [p["generate_ms"] for p in got["per_step"]] == [2500.0, 3500.0, 4500.0]
     with pytest.raises(RuntimeError, match="none after the 3 warm-up steps"):
         summarize(rows, warmup=3)
     assert "train_peak_gib" not in got                                  # a CPU run has no device memory
@@ -78,8 +81,9 @@ def test_the_decode_roofline_counts_the_weights_a_batch_touches():
         experts * (1 - share) + (c.vocab_size - 1) * (c.dim * 2 + c.n_hash_layers * c.n_activated_experts * 8),
         rel=1e-9)
 
-    row = dict(rollout_ms=1000.0, train_ms=500.0, train_tokens=4096.0)
+    row = dict(rollout_ms=1000.0, generate_ms=800.0, train_ms=500.0, train_tokens=4096.0)
     got = hardware_shares(row, c, batch=4, new_tokens=16)
     assert got["rollout_roofline_ms"] == pytest.approx(1e3 * 16 * decode_weight_bytes(c, 4) / H200_HBM_BYTES_PER_S)
     assert got["rollout_roofline_share"] == pytest.approx(got["rollout_roofline_ms"] / 1000.0)
+    assert got["generate_roofline_share"] == pytest.approx(got["rollout_roofline_ms"] / 800.0)
     assert got["train_mfu_dense"] == pytest.approx(6 * active_params(c) * 4096 / 0.5 / (H200_BF16_DENSE_TFLOPS * 1e12))
