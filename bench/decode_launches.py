@@ -9,7 +9,7 @@ eager step, grouped MoE path) runs on the CPU in bf16 on a model with ``--model`
 kinds, hash layers, experts and top-k, streams) at the tiny preset's widths, under a stand-in for the triton
 backend's decode table: the reference functions under the names of the ops the triton table serves in an eager
 step, each counted as the launches its kernel makes at the real widths (:data:`LAUNCHES`: one, three for the mHC
-``hc_pre`` and ``hc_head``, two for ``hc_post_pre`` and the router), with nothing inside it counted; likewise a GEMM
+``hc_pre`` and ``hc_head``, two for the router), with nothing inside it counted; likewise a GEMM
 of bf16 operands with an fp32 result (``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM
 on the CPU). Every other torch
 operator that makes a tensor is one launch (:class:`_Count`; views and metadata are not). On a GPU some operators
@@ -39,14 +39,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 #: launches of each stand-in op's GPU kernel at a decode step's sizes (the triton mHC pre and head: the split mixing
-#: GEMM, its sum, the coefficients; hc_post_pre: the split GEMM with the post inside, then the sum, coefficients
-#: and the sublayer's norm in one; the router: its split gate GEMM and the pick, ``routing.split_of``); others one
-LAUNCHES = {"hc_pre": 3, "hc_head": 3, "route_experts": 2, "hc_post_pre": 2}
+#: GEMM, its sum, the coefficients; the router: its split gate GEMM and the pick, ``routing.split_of``); others one
+LAUNCHES = {"hc_pre": 3, "hc_head": 3, "route_experts": 2}
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "moe_combine", "norm_rope", "decode_topk", "index_query", "hc_post_pre")
+                     "moe_combine", "norm_rope", "decode_topk", "index_query")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -109,7 +108,6 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.compressor_step import compressor_step
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.index_query import index_query
-    from kernels.reference.mhc import hc_post_pre
     from kernels.reference.moe import route_experts
     from kernels.reference.topk import decode_topk
 
@@ -118,7 +116,7 @@ def stand_in_table(counter: _Count, without=()):
               "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
-              "index_query": index_query, "hc_post_pre": hc_post_pre}
+              "index_query": index_query}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

@@ -198,8 +198,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
              logprobs=None, experts=None, hadamard=None, sampling=None, routing=None, compress=None,
              norm_rope=None, topk=None, index_query=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
-    op names plus the THD extras, the mHC ops (``MHC_OPS``, and the decode step's extra ``hc_post_pre``) of its
-    ``mhc`` module, ``apply_rope`` of its
+    op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
     ``swiglu`` module, ``head_logprobs`` of its ``logprobs`` module and ``hadamard_transform`` of its ``hadamard``
     module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
@@ -224,7 +223,13 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         indexer_scores_thd=indexer.indexer_scores_thd,
         indexer_topk=indexer.indexer_topk,
     )
-    for module, names in ((mhc, MHC_OPS + ("hc_post_pre",)), (rope, ("apply_rope",)),
+    # not hc_post_pre (kernels/triton/mhc.py): timed in a decode step on an H100, its two kernels took 16 and 18 us
+    # a site at 64 tokens (11 and 18 at one), where the post, the pre's three kernels and the norm it replaces
+    # took about 23 together on an H200 (17 at one;
+    # bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json,
+    # bench/results/rollout-h200-flash-shaped-triton-eager-decode-kernels.json). It joins the table again once
+    # bench.kernels_decode_sweep times it below them
+    for module, names in ((mhc, MHC_OPS), (rope, ("apply_rope",)),
                           (norm, ("rms_normalize", "rms_norm")),
                           (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),
                           (experts, ("experts_grouped_mm", "expert_order", "experts_gather_mm", "experts_scatter_mm",

@@ -29,9 +29,8 @@ one launch, ``kernels/triton/compress.py``), in an eager step of a model with co
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
-``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm,
-the post inside the mixing GEMM's first kernel and the norm inside the coefficients' kernel,
-``kernels/triton/mhc.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them
+``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm;
+no backend's table offers it at present, ``kernels/gpu_common.py`` says why), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them
 the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the

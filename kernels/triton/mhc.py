@@ -18,6 +18,8 @@ sigmoids, the whole Sinkhorn loop in registers and ``u``), its backward four (co
 each way. The streams are read as bf16 and never copied to fp32. A decode step's few tokens split the mixing GEMM
 over ``K`` (its partials summed by one more kernel); its ``hc_post_pre`` makes the streams inside that split GEMM
 and sums the partials, computes the coefficients, ``u`` and the next sublayer's input norm in a second kernel.
+``hc_post_pre`` is not in the backend's table (``kernels/gpu_common.py``): timed in a decode step it was slower
+than the post, pre and norm it replaces; ``bench.kernels_decode_sweep`` times it for its return.
 
 The GEMMs with fp32 operands (``x @ fn^T``, ``dz @ fn``, ``dz^T @ x``) use ``tf32x3`` (three TF32 products,
 about fp32 accuracy on the tensor cores), not plain TF32: the reference computes them in fp32.
