@@ -1,7 +1,9 @@
-"""Launch settings of four small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+"""Launch settings of five small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
 step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
-(``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``)
-and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two launches).
+(``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``),
+the indexer scores of one query a sequence (``kernels/triton/indexer.py``' few-query kernel, beside the head loop
+it replaced) and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two
+launches, out of the triton table until it beats the five launches it would replace).
 
     python -m bench.kernels_decode_sweep --out FILE.json
 
@@ -103,6 +105,28 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     return rows
 
 
+def _indexer_rows(g, dev, meta, H: int = 64, D: int = 128) -> list:
+    """The indexer scores of one query a sequence (a decode step) at 1, 64 and 256 sequences over 80 and 512
+    entries: the few-query kernel's settings (``heads_BN``, ``heads_warps``), and the head loop the call took
+    before it (``head_loop_us``)."""
+    from kernels.triton import indexer as I
+
+    grid = [dict(heads_BN=bn, heads_warps=wp) for bn, wp in itertools.product([32, 64, 128], [2, 4, 8])]
+    rows = []
+    for B, N in itertools.product((1, 64, 256), (80, 512)):
+        q = torch.randn(B, 1, H, D, generator=g).bfloat16().to(dev)
+        k = torch.randn(B, N, D, generator=g).bfloat16().to(dev)
+        w = (torch.randn(B, 1, H, generator=g) * (H * D) ** -0.5).to(dev)
+        default = {key: I.INDEXER_CONFIG[key] for key in grid[0]}
+        got = _sweep("indexer_scores", lambda c: I.indexer_scores_launch(q, k, w, None, None, c), grid, default,
+                     meta, sequences=B, entries=N)
+        us = _time(lambda: I.indexer_scores_launch(q, k, w, None, None, dict(heads_below=0)))
+        print(f"  the head loop: {us:.1f} us")
+        got[0]["head_loop_us"] = round(us, 2)
+        rows += got
+    return rows
+
+
 def main(argv=None):
     out = bc.sweep_output(__doc__, argv)
     import triton
@@ -145,6 +169,7 @@ def main(argv=None):
         q, kv, idx, sink = _attention_case(T, K, g, dev, H, D)
         rows += _sweep(label, lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c), grid,
                        A.fwd_settings(T, H, K), meta, tokens=T, heads=H, rows=K)
+    rows += _indexer_rows(g, dev, meta)
     rows += _mhc_rows(g, dev, meta)
     with open(out, "w") as fh:
         json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)

@@ -8,7 +8,11 @@ or segment-local ranges of a packed THD batch). Scores outside the range are ``-
 ``[BT, BN]`` tile that no query of the block can see is not computed at all.
 
 One program = ``BT`` queries x ``BN`` keys; the loop over heads does one ``[BT, D] x [D, BN]`` dot per
-head, applies ReLU and the weight, and accumulates in fp32 registers. Top-k is the reference's stable
+head, applies ReLU and the weight, and accumulates in fp32 registers. A few queries a sequence (a decode
+step's one) take :func:`_indexer_heads_kernel` instead: one query's heads are the rows of a single ``[H, D] x
+[D, BN]`` dot, where the loop would run its ``H`` dots one after another on a tile of one real row (26 us a
+call at one or 64 sequences in a decode step on an H100,
+``bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json``). Top-k is the reference's stable
 top-k (``kernels.reference.topk``) on the fp32 scores (``-1`` where fewer entries are visible).
 """
 
@@ -24,7 +28,9 @@ from kernels import gpu_common, gpu_ops
 
 __all__ = ["indexer_scores", "indexer_scores_thd", "indexer_scores_launch", "indexer_topk", "INDEXER_CONFIG"]
 
-INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3)
+# heads_*: the few-query kernel's (below heads_below queries a sequence; 0: never, bench.kernels_decode_sweep's
+# baseline); untimed on a GPU
+INDEXER_CONFIG = dict(BT=64, BN=128, num_warps=4, num_stages=3, heads_BN=64, heads_warps=4, heads_below=16)
 
 
 @triton.jit(do_not_specialize=["T", "N", "stride_ot", "stride_ob"])
@@ -72,6 +78,37 @@ def _indexer_kernel(Q, K, W, KS, KE, OUT,
         tl.store(out_ptr, acc, mask=omask)
     else:
         tl.store(out_ptr, tl.full([BT, BN], float("-inf"), tl.float32), mask=omask)
+
+
+@triton.jit(do_not_specialize=["T", "N"])
+def _indexer_heads_kernel(Q, K, W, OUT, T, N, H,
+                          stride_qt, stride_qh, stride_kn, stride_wt, stride_ot,
+                          stride_qb, stride_kb, stride_wb, stride_ob,
+                          BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+    """One query's scores over ``BN`` keys: its ``H`` heads (padded to ``BH``, at least a dot's 16 rows) times the
+    keys in one dot, then ReLU, the heads' weights and their sum. Grid: (key blocks, queries, sequences)."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    pid_b = tl.program_id(2).to(tl.int64)
+    offs_h = tl.arange(0, BH)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    hmask = offs_h < H
+    nmask = offs_n < N
+    q = tl.load(Q + pid_b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None], other=0.0)
+    k = tl.load(K + pid_b * stride_kb + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                mask=nmask[:, None], other=0.0)
+    w = tl.load(W + pid_b * stride_wb + t * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                   # [BH, BN]: a head a row
+    acc = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+    tl.store(OUT + pid_b * stride_ob + t * stride_ot + offs_n, acc, mask=nmask)
+
+
+def heads_kernel_takes(T: int, has_range: bool, below: int = 16) -> bool:
+    """Whether a call of ``T`` queries a sequence runs :func:`_indexer_heads_kernel` (no key ranges, fewer than
+    ``below`` queries, by default the head loop's smallest query tile: a decode step) rather than the head loop."""
+    return not has_range and T < below
 
 
 @gpu_ops.traceable
@@ -125,9 +162,16 @@ def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks:
     precision = "ieee" if dt == torch.float32 or dt == torch.float64 else "tf32"
     if dt == torch.float64:
         q, k = q.float(), k.float()
-    bt = cfg["BT"] if T > 16 else 16                # a decode step's one query row: the smallest dot tile
-    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(T, bt), B)
     batch_strides = (q.stride(0), k.stride(0), w.stride(0), out.stride(0)) if batched else (0, 0, 0, 0)
+    if heads_kernel_takes(T, has_range, cfg["heads_below"]):
+        bn = cfg["heads_BN"]
+        _indexer_heads_kernel[(triton.cdiv(N, bn), T, B)](
+            q, k, w, out, T, N, H, q.stride(-3), q.stride(-2), k.stride(-2), w.stride(-2), out.stride(-2),
+            *batch_strides, BH=max(16, triton.next_power_of_2(H)), BN=bn, D=D, PRECISION=precision,
+            num_warps=cfg["heads_warps"])
+        return out
+    bt = cfg["BT"] if T > 16 else 16                # a few query rows: the smallest dot tile
+    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(T, bt), B)
     _indexer_kernel[grid](q, k, w, ks, ke, out, T, N, H,
                           q.stride(-3), q.stride(-2), k.stride(-2), w.stride(-2), out.stride(-2), *batch_strides,
                           HAS_RANGE=has_range, BT=bt, BN=cfg["BN"], D=D, PRECISION=precision,
