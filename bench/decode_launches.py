@@ -45,7 +45,7 @@ LAUNCHES = {"hc_pre": 3, "hc_head": 3, "route_experts": 2}
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "moe_combine", "norm_rope", "decode_topk", "index_query")
+                     "moe_combine", "norm_rope", "decode_topk", "index_query", "linear_group")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -108,6 +108,7 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.compressor_step import compressor_step
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.index_query import index_query
+    from kernels.reference.linear_group import linear_group
     from kernels.reference.moe import route_experts
     from kernels.reference.topk import decode_topk
 
@@ -116,7 +117,7 @@ def stand_in_table(counter: _Count, without=()):
               "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
-              "index_query": index_query}
+              "index_query": index_query, "linear_group": linear_group}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

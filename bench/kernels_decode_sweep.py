@@ -1,8 +1,9 @@
-"""Launch settings of five small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+"""Launch settings of six small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
 step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
 (``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``),
 the indexer scores of one query a sequence (``kernels/triton/indexer.py``' few-query kernel, beside the head loop
-it replaced) and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two
+it replaced), a layer's projections of its attention input (``kernels/triton/linear_group.py``, beside the
+GEMMs it replaces) and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two
 launches, out of the triton table until it beats the five launches it would replace).
 
     python -m bench.kernels_decode_sweep --out FILE.json
@@ -127,6 +128,31 @@ def _indexer_rows(g, dev, meta, H: int = 64, D: int = 128) -> list:
     return rows
 
 
+def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
+    """``linear_group`` of a Flash CSA layer's attention input (``wq_a``, ``wkv``, two compressors' ``wkv`` and
+    ``wgate`` with fp32 results, ``weights_proj``) at 1, 4 and 16 tokens: the kernel's settings, and the GEMMs it
+    replaces, one a weight (``gemms_us``, the torch contract)."""
+    from kernels.reference.linear_group import linear_group as gemms
+    from kernels.triton import linear_group as L
+
+    rows_of = (1024, 512, 1024, 1024, 256, 256, 64)
+    fp32 = [False, False, True, True, True, True, False]
+    grid = [dict(BN=bn, BK=bk, warps=wp, stages=st)
+            for bn, bk, wp, st in itertools.product([16, 32, 64], [64, 128, 256], [4, 8], [2, 3, 4])]
+    ws = [(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
+    rows = []
+    for T in (1, 4, 16):
+        x = torch.randn(T, d, generator=g).bfloat16().to(dev)
+        default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
+        got = _sweep("linear_group", lambda c: tuple(L.linear_group_launch(x, ws, fp32, c)), grid, default, meta,
+                     tokens=T)
+        us = _time(lambda: gemms(x, ws, fp32))
+        print(f"  the GEMMs one by one: {us:.1f} us")
+        got[0]["gemms_us"] = round(us, 2)
+        rows += got
+    return rows
+
+
 def main(argv=None):
     out = bc.sweep_output(__doc__, argv)
     import triton
@@ -170,6 +196,7 @@ def main(argv=None):
         rows += _sweep(label, lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c), grid,
                        A.fwd_settings(T, H, K), meta, tokens=T, heads=H, rows=K)
     rows += _indexer_rows(g, dev, meta)
+    rows += _linear_group_rows(g, dev, meta)
     rows += _mhc_rows(g, dev, meta)
     with open(out, "w") as fh:
         json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)

@@ -196,7 +196,7 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
              logprobs=None, experts=None, hadamard=None, sampling=None, routing=None, compress=None,
-             norm_rope=None, topk=None, index_query=None) -> OpTable:
+             norm_rope=None, topk=None, index_query=None, linear_group=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
@@ -213,7 +213,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     an extra op (the eager decode step's query and key norms and rotations, ``kernels.reference.decode._attend``);
     ``topk``: a module whose ``decode_topk`` becomes an extra op (the eager decode step's indexer picks);
     ``index_query``: a module whose ``index_query`` becomes an extra op (its indexer query's rotation and
-    transform)."""
+    transform); ``linear_group``: a module whose ``linear_group`` becomes an extra op (the projections of a
+    layer's attention input in one launch, ``kernels.reference.decode.layer_projections``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -236,7 +237,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                                      "moe_combine")), (hadamard, ("hadamard_transform",)),
                           (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
                           (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)), (topk, ("decode_topk",)),
-                          (index_query, ("index_query",))):
+                          (index_query, ("index_query",)), (linear_group, ("linear_group",))):
         if module is not None:
             own.update({name: getattr(module, name) for name in names})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}

@@ -30,7 +30,9 @@ one launch, ``kernels/triton/compress.py``), in an eager step of a model with co
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
 ``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm;
-no backend's table offers it at present, ``kernels/gpu_common.py`` says why), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them
+no backend's table offers it at present, ``kernels/gpu_common.py`` says why) and ``linear_group`` (the projections
+of a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a
+few tokens, ``kernels/triton/linear_group.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them
 the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
@@ -61,6 +63,7 @@ from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs", "hc_post_pre_inputs",
+           "linear_group_inputs",
            "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
@@ -205,12 +208,39 @@ def hc_post_pre_inputs(config, dtype: torch.dtype, device) -> list:
              c.norm_eps)]
 
 
+def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``linear_group`` (``kernels.reference.decode.
+    layer_projections``): one slot's attention input in the model's ``dtype`` and each kind of layer's weights
+    that read it in that dtype (``wq_a`` and ``wkv``; a compressed layer's compressors' ``wkv`` and ``wgate``, fp32
+    results; a CSA layer's indexer compressor and ``weights_proj``)."""
+    c = config
+    d = c.dim
+
+    def w(rows):
+        return torch.zeros(rows, d, dtype=dtype, device=device)
+
+    out = []
+    for m in sorted(set(c.compress_ratios[: c.n_layers])):
+        ws, f32 = [w(c.q_lora_rank), w(c.head_dim)], [False, False]
+        if m:
+            widths = [c.head_dim] + ([c.index_head_dim] if m == 4 else [])
+            for width in widths:
+                ws += [w(2 * width if m == 4 else width)] * 2
+                f32 += [True, True]
+            if m == 4:
+                ws.append(w(c.index_n_heads))
+                f32.append(False)
+        out.append((torch.zeros(1, 1, d, dtype=dtype, device=device), ws, f32))
+    return out
+
+
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
-# a block's attention post, MoE pre and its norm
+# a block's attention post, MoE pre and its norm, a layer's projections of its attention input
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
-                "index_query": index_query_inputs, "hc_post_pre": hc_post_pre_inputs}
+                "index_query": index_query_inputs, "hc_post_pre": hc_post_pre_inputs,
+                "linear_group": linear_group_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

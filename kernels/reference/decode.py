@@ -288,7 +288,8 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
     else:
         q = (apply_rope if ops is None else ops.apply_rope)(q, cos, sin)
         q = (hadamard_transform if ops is None else ops.hadamard_transform)(q.to(ct)).to(it)
-    w = indexer.weights_proj(x).to(ct) * (indexer.head_dim * indexer.n_heads) ** -0.5
+    w = projected(memo, indexer.weights_proj.weight, lambda: indexer.weights_proj(x)).to(ct) \
+        * (indexer.head_dim * indexer.n_heads) ** -0.5
     scores = (indexer_scores if ops is None else ops.indexer_scores)(q, cc.entries.to(it), w)[:, 0]  # [B, N]
     # the forward's rule (stable_topk): the same picks on a row of any length
     return (eager_op(ops, memo, "decode_topk") or decode_topk)(scores, pos.to(x.device), indexer.ratio,
@@ -352,6 +353,34 @@ def eager_op(ops, memo: Optional[dict], name: str):
     return getattr(ops, name)
 
 
+def layer_projections(attn, x: torch.Tensor, memo: Optional[dict]) -> Optional[dict]:
+    """In an eager static step whose table has ``linear_group`` (:func:`eager_op`), every projection of the
+    attention's input ``x [B, 1, d]`` by a weight in ``x``'s dtype at once: ``wq_a``, ``wkv``, each compressor's
+    ``wkv`` and ``wgate`` (fp32 results) and the indexer's ``weights_proj``, one launch where they were up to seven
+    GEMMs (and their split-K reductions). Returns ``{id(weight): output}``, also left in ``memo["projected"]``
+    for the compressors and the indexer (:func:`projected`); else None (each GEMM runs where it is used)."""
+    fused = eager_op(attn.ops, memo, "linear_group")
+    if fused is None:
+        return None
+    lin = [(attn.wq_a.weight, False), (attn.wkv.weight, False)]
+    if attn.ratio:
+        comps = (attn.compressor,) + ((attn.indexer.compressor,) if attn.ratio == 4 else ())
+        for comp in comps:
+            lin += [(comp.wkv.weight, True), (comp.wgate.weight, True)]
+        if attn.ratio == 4:
+            lin.append((attn.indexer.weights_proj.weight, False))
+    lin = [(w, f) for w, f in lin if w.dtype == x.dtype]      # a weight held in another dtype: its own GEMM
+    outs = fused(x, [w for w, _ in lin], [f for _, f in lin])
+    got = memo["projected"] = {id(w): y for (w, _), y in zip(lin, outs)}
+    return got
+
+
+def projected(memo: Optional[dict], weight: torch.Tensor, make) -> torch.Tensor:
+    """This layer's projection by ``weight`` from :func:`layer_projections`, else ``make()`` (the GEMM itself)."""
+    got = None if memo is None else memo.get("projected", {}).get(id(weight))
+    return make() if got is None else got
+
+
 def step_once(memo: Optional[dict], key, make):
     """``make()``; with a step's ``memo`` (a dict), made by the first layer that asks for ``key`` and reused by the
     step's other layers. Why: every layer of a decode step writes the same ring slots, masks the same window,
@@ -394,18 +423,22 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
 
     ops = attn.ops
     rope = apply_rope if ops is None else ops.apply_rope
-    cq = attn.q_norm(attn.wq_a(x))
+    if memo is not None:
+        memo.pop("projected", None)                   # the previous layer's
+    layer_projections(attn, x, memo)
+    wkv = projected(memo, attn.wkv.weight, lambda: attn.wkv(x))
+    cq = attn.q_norm(projected(memo, attn.wq_a.weight, lambda: attn.wq_a(x)))
     idx = step_once(memo, ("window", W), lambda: _window(W, pos_d))
     fused = eager_op(ops, memo, "norm_rope")      # the norms, rotations and the ring's write, one launch each
     if fused is not None:
         q = fused(attn.wq_b(cq).view(B, 1, H, D), None, attn.eps, cos, sin)
-        fused(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin, lc.window, pos_d, W)
+        fused(wkv, attn.kv_norm.weight, attn.kv_norm.eps, cos, sin, lc.window, pos_d, W)
     else:
         q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps,
                                                                  x.dtype)
         q = rope(q, cos, sin)
         rows, ring = step_once(memo, ("ring", W), lambda: (torch.arange(B, device=dev), pos_d % W))
-        lc.window[rows, ring] = rope(attn.kv_norm(attn.wkv(x)), cos, sin)[:, 0]
+        lc.window[rows, ring] = rope(attn.kv_norm(wkv), cos, sin)[:, 0]
     if attn.ratio:
         # the compressed entries follow the ring in the layer's buffer (module docstring)
         compress(attn.compressor, x, lc.compressor, pos, inv_freq, memo, (lc.window, W))

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
 from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, angle_table, device_inv_freq,
-                     eager_op, pool_slots, step_once, table_angles)
+                     eager_op, pool_slots, projected, step_once, table_angles)
 from .layers import compute_dtype, linear_fp32
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
@@ -140,8 +140,9 @@ def _compress_masked(comp: Compressor, x: torch.Tensor, cc: CompressorCache, pos
     ct = cc.a.dtype
     buf, first = (cc.entries, 0) if into is None else into
     N = buf.shape[1] - first
-    kv = linear_fp32(x[:, 0], comp.wkv.weight).to(ct)
-    gate = linear_fp32(x[:, 0], comp.wgate.weight).to(ct)
+    # a layer's projections in one launch where the table has linear_group (decode.layer_projections)
+    kv = projected(memo, comp.wkv.weight, lambda: linear_fp32(x, comp.wkv.weight))[:, 0].to(ct)
+    gate = projected(memo, comp.wgate.weight, lambda: linear_fp32(x, comp.wgate.weight))[:, 0].to(ct)
     kernel = eager_op(comp.ops, memo, "compressor_step")
     if kernel is not None:
         table = angle_table(inv_freq, m, memo["max_len"], compute_dtype(x))

@@ -53,11 +53,12 @@ def ops() -> "OpTable":
     and key norms and rotations (and the key's write into the ring), one launch each
     (``kernels/triton/norm_rope.py``); ``decode_topk``, its eager decode step's indexer picks in one launch
     (``kernels/triton/topk.py``); ``index_query``, its indexer query's rotation, Hadamard transform and casts in
-    one launch (``kernels/triton/index_query.py``).
+    one launch (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
+    input in one launch at a few tokens (``kernels/triton/linear_group.py``).
     """
     from kernels import gpu_common
-    from kernels.triton import (attention, compress, experts, hadamard, index_query, indexer, logprobs, mhc, norm,
-                                norm_rope, rope, routing, sampling, swiglu, topk)
+    from kernels.triton import (attention, compress, experts, hadamard, index_query, indexer, linear_group, logprobs,
+                                mhc, norm, norm_rope, rope, routing, sampling, swiglu, topk)
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
-                               sampling, routing, compress, norm_rope, topk, index_query)
+                               sampling, routing, compress, norm_rope, topk, index_query, linear_group)

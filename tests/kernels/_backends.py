@@ -55,3 +55,48 @@ def within(got, exact, dtype, what, interpreted, scale=None):
     worst = err.argmax()
     print(f"{what}: max error {err.max().item():.3e} (bound there {bound.flatten()[worst].item():.3e})")
     assert (err <= bound + 1e-30).all(), what
+
+
+class CountedLaunches:
+    """A Triton kernel whose ``kernel[grid](...)`` launches are counted (``calls``): which of a launcher's kernels
+    ran. Install it with ``monkeypatch.setattr(module, name, CountedLaunches(kernel))``."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def __getitem__(self, grid):
+        self.calls += 1
+        return self.kernel[grid]
+
+
+def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warps: int) -> None:
+    """Compile ``kernel`` (argument ``types`` such as ``"*bf16"``, ``"i32"``; ``consts`` its constexprs) to PTX
+    for sm_90 with triton alone, no GPU, and assert that ptxas (the one triton ships) reports no spilled
+    registers; skips in interpreter mode, without triton or without its ptxas."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps))
+    ptx = compiled.asm["ptx"]
+    assert ".entry" in ptx
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("triton ships no ptxas here")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stderr)]
+    assert spills and not any(spills), out.stderr

@@ -6,33 +6,19 @@ partial one. The launcher takes that kernel below 16 queries a sequence without 
 otherwise; the test counts the launches of each. With no GPU, ``TRITON_INTERPRET=1`` runs it (fp16, small
 shapes); otherwise it skips."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from ._backends import triton_device
+from ._backends import CountedLaunches, compiles_for_sm90_without_spills, triton_device
 
 pytestmark = pytest.mark.gpu
-
-
-class _Launches:
-    """A Triton kernel whose ``kernel[grid](...)`` launches are counted."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
-
-    def __getitem__(self, grid):
-        self.calls += 1
-        return self.kernel[grid]
 
 
 @pytest.fixture
 def launches(monkeypatch):
     from kernels.triton import indexer as K
 
-    heads, loop = _Launches(K._indexer_heads_kernel), _Launches(K._indexer_kernel)
+    heads, loop = CountedLaunches(K._indexer_heads_kernel), CountedLaunches(K._indexer_kernel)
     monkeypatch.setattr(K, "_indexer_heads_kernel", heads)
     monkeypatch.setattr(K, "_indexer_kernel", loop)
     return heads, loop
@@ -74,35 +60,10 @@ def test_many_queries_and_key_ranges_keep_the_head_loop(launches):
 def test_the_heads_kernel_compiles_for_sm90_without_spills():
     """V4's indexer (64 heads of 128) at the launch settings compiles for sm_90 with triton alone, no GPU, and
     ptxas reports no spilled registers."""
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs triton, not in interpreter mode")
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.triton import indexer as K
 
     cfg = K.INDEXER_CONFIG
     consts = dict(BH=64, BN=cfg["heads_BN"], D=128, PRECISION="tf32")
-    runtime = [a for a in K._indexer_heads_kernel.arg_names if a not in consts]
-    types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * (len(runtime) - 4)
-    compiled = triton.compile(ASTSource(K._indexer_heads_kernel, dict(zip(runtime, types)) |
-                                        {c: "constexpr" for c in consts}, consts),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["heads_warps"]))
-    ptx = compiled.asm["ptx"]
-    assert ".entry" in ptx
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("triton ships no ptxas here")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True, check=True)
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stderr)]
-    assert spills and not any(spills), out.stderr
+    types = dict(Q="*bf16", K="*bf16", W="*fp32", OUT="*fp32")
+    types.update({a: "i32" for a in K._indexer_heads_kernel.arg_names if a not in types and a not in consts})
+    compiles_for_sm90_without_spills(K._indexer_heads_kernel, types, consts, cfg["heads_warps"])

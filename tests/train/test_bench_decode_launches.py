@@ -56,3 +56,15 @@ def test_the_fused_norms_and_the_indexer_top_k_take_the_place_of_their_torch_cod
     # and the torch write's ring rows (a range and a remainder, once a step) are not made at all
     assert sum(count_step(config, 2, without=("norm_rope",)).sites.values()) - full == 3 * config.n_layers + 2
     assert sum(count_step(config, 2, without=("decode_topk",)).sites.values()) - full >= 15 * csa
+
+
+def test_one_launch_projects_a_layers_attention_input():
+    """``linear_group``: a layer's ``wq_a``, ``wkv``, its compressors' ``wkv`` and ``wgate`` and a CSA layer's
+    ``weights_proj`` are one launch where they were a GEMM each (two, four or seven a layer)."""
+    from bench.decode_launches import count_step, model_like
+
+    config = model_like("flash-shaped")
+    with_group, without = count_step(config, 2), count_step(config, 2, without=("linear_group",))
+    gemms = [2 + 2 * (1 + (r == 4)) * (r > 0) + (r == 4) for r in config.compress_ratios[:config.n_layers]]
+    assert gemms == [2, 2, 7, 4] and with_group.sites["linear_group (one kernel)"] == config.n_layers
+    assert sum(without.sites.values()) - sum(with_group.sites.values()) == sum(g - 1 for g in gemms)

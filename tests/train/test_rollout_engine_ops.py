@@ -195,20 +195,23 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
 
 
 @pytest.mark.parametrize("refuse", [False, True])
-@pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk", "index_query", "hc_post_pre"])
+@pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk", "index_query", "hc_post_pre",
+                                "linear_group"])
 def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch),
     ``norm_rope`` (the attention's query and key norms and rotations, the key's write into its ring, one launch
     each), ``decode_topk`` (a CSA layer's indexer picks), ``index_query`` (its indexer query's rotation and
-    transform) or ``hc_post_pre`` (a block's attention post, MoE pre and its norm), here their torch contracts
-    (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``, ``kernels.reference.topk``,
-    ``kernels.reference.index_query``, ``kernels.reference.mhc.hc_post_pre``):
+    transform), ``hc_post_pre`` (a block's attention post, MoE pre and its norm) or ``linear_group`` (a layer's
+    projections of its attention input), here their torch contracts (``kernels.reference.compressor_step``,
+    ``kernels.reference.norm_rope``, ``kernels.reference.topk``, ``kernels.reference.index_query``,
+    ``kernels.reference.mhc.hc_post_pre``, ``kernels.reference.linear_group``):
     the engine records the op (``decode_ops``; prefill never calls it), the decode step calls it every time it
     would run that torch code, and the samples are the reference engine's, bit for bit (the same torch ops on the
     same angles). One that refuses the step's inputs is on the record (``decode_refusals``) and never called: the
     step runs its torch code."""
     from kernels.reference.compressor_step import compressor_step
     from kernels.reference.index_query import index_query
+    from kernels.reference.linear_group import linear_group
     from kernels.reference.mhc import hc_post_pre
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.topk import decode_topk
@@ -218,7 +221,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
         raise ValueError(f"the fake {op} takes CUDA tensors only")
 
     contracts = {"compressor_step": compressor_step, "norm_rope": norm_rope, "decode_topk": decode_topk,
-                 "index_query": index_query, "hc_post_pre": hc_post_pre}
+                 "index_query": index_query, "hc_post_pre": hc_post_pre, "linear_group": linear_group}
     fn = picky if refuse else contracts[op]
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn})))
     assert (op in e.decode_ops) is not refuse and op not in e.prefill_ops
@@ -228,7 +231,8 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     # per decode step (11 a sample, one slot each): every compressor, or the query and the key of every layer
     per_step = {"compressor_step": sum(1 + (r == 4) for r in CFG.compress_ratios[:CFG.n_layers] if r),
                 "norm_rope": 2 * CFG.n_layers, "decode_topk": CFG.compress_ratios[:CFG.n_layers].count(4),
-                "index_query": CFG.compress_ratios[:CFG.n_layers].count(4), "hc_post_pre": 2 * CFG.n_layers - 1}[op]
+                "index_query": CFG.compress_ratios[:CFG.n_layers].count(4), "hc_post_pre": 2 * CFG.n_layers - 1,
+                "linear_group": CFG.n_layers}[op]
     if not refuse:
         assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
     want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
@@ -243,6 +247,46 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
         for ga, gb in zip(got, want, strict=True):
             for a, b in zip(ga, gb, strict=True):
                 assert a.indexer_picks is not None and torch.equal(a.indexer_picks, b.indexer_picks)
+
+
+def test_every_projection_of_the_group_is_the_one_the_step_uses():
+    """``linear_group``'s outputs are what the decode step computes with, each of them: a table whose op reverses
+    the channels of its ``j``-th output draws other log-probabilities than the reference engine (``wq_a``,
+    ``wkv``, the attention compressor's ``wkv`` and ``wgate``), or hands the indexer other inputs (its
+    compressor's ``wkv`` and ``wgate``: its entries; ``weights_proj``: its head weights; at this length the
+    indexer keeps every entry, so the samples cannot tell)."""
+    from kernels.reference.indexer import indexer_scores
+    from kernels.reference.linear_group import linear_group
+    from rollout.reference_engine import ReferenceEngine
+
+    params = _params(max_new_tokens=12)                           # past a block of 4: entries pooled and used
+    assert 4 in CFG.compress_ratios[:CFG.n_layers]
+
+    def run(j):
+        seen = []
+
+        def spy(q, k, w):                                         # the decode step's indexer inputs
+            if q.shape[1] == 1:
+                seen.append((k.clone(), w.clone()))
+            return indexer_scores(q, k, w)
+
+        def flipped(x, weights, fp32):
+            return [y.flip(-1) if i == j else y for i, y in enumerate(linear_group(x, weights, fp32))]
+
+        e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"linear_group": flipped, "indexer_scores": spy})))
+        got, ran = _generate(e, params)
+        assert ran["fake.linear_group"] > 0 and seen
+        return got, seen
+
+    want, plain = run(None)
+    _same(want, _generate(_synced(ReferenceEngine(CFG)), params)[0])
+    for j in range(7):
+        got, seen = run(j)
+        if j < 4:
+            assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb)), j
+        else:
+            part = 1 if j == 6 else 0                             # the head weights, else the entries
+            assert any(not torch.equal(a[part], b[part]) for a, b in zip(seen, plain)), j
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])

@@ -1,0 +1,146 @@
+"""Triton: one decode-step input projected by up to eight weights in one launch (``linear_group``; its torch
+contract is ``kernels.reference.linear_group.linear_group``).
+
+Why: at a few tokens the eager decode step's small projections are latency, not bytes: on an H100 at one
+sequence, a layer's ``wq_a``, ``wkv`` and its compressors' ``wkv`` / ``wgate`` ran as 14 cuBLAS GEMMs a
+Flash-shaped step at about 5 us each, plus 19 split-K reductions (103 us together for about 80 MB;
+``bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json``). Here the weights' row blocks
+are one grid: program ``p`` finds its weight by the blocks before it (``E0 <= ... <= E7``, fixed at compile
+time) and computes ``x [M, K] @ W[rows]^T`` for every token, ``BK`` columns a step, accumulating in fp32, then
+stores in its output's dtype (fp32, or the input's). Up to ``max_tokens`` rows (the launch settings); more go
+to one cuBLAS GEMM a weight (the torch contract), whose tiles serve many rows. No gradient (a decode step).
+Untimed on a GPU (``bench.kernels_decode_sweep`` times it beside the GEMMs it replaces).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import List, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common
+
+__all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS"]
+
+MAX_WEIGHTS = 8
+# BN weight rows and BK columns a step per program; max_tokens: the most rows the kernel takes (more: cuBLAS)
+LINEAR_GROUP_CONFIG = dict(BN=32, BK=128, warps=4, stages=3, max_tokens=16)
+
+
+@triton.jit
+def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """``Y[:, block rows] = X @ W[block rows]^T`` for all ``M`` rows, fp32 accumulation."""
+    m = tl.arange(0, BM)
+    n = block * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    mmask, nmask = m < M, n < N
+    x_ptr = X + m[:, None] * stride_xm + k[None, :]
+    w_ptr = W + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        x = tl.load(x_ptr + k0, mask=mmask[:, None], other=0.0)
+        w = tl.load(w_ptr + k0, mask=nmask[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _linear_group_kernel(X, M, K, stride_xm,
+                         W0, Y0, N0, SW0, SY0, W1, Y1, N1, SW1, SY1, W2, Y2, N2, SW2, SY2, W3, Y3, N3, SW3, SY3,
+                         W4, Y4, N4, SW4, SY4, W5, Y5, N5, SW5, SY5, W6, Y6, N6, SW6, SY6, W7, Y7, N7, SW7, SY7,
+                         E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
+                         E4: tl.constexpr, E5: tl.constexpr, E6: tl.constexpr, E7: tl.constexpr,
+                         G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         STAGES: tl.constexpr):
+    """Program ``p``: row block ``p - E(i-1)`` of weight ``i``, where ``E(i-1) <= p < Ei`` (``Ei``: the row blocks
+    of weights ``0..i``; ``G`` weights, the rest's arguments unused)."""
+    p = tl.program_id(0)
+    if p < E0:
+        _rows(X, W0, Y0, M, N0, K, stride_xm, SW0, SY0, p, BM, BN, BK, STAGES)
+    if G > 1:
+        if (p >= E0) & (p < E1):
+            _rows(X, W1, Y1, M, N1, K, stride_xm, SW1, SY1, p - E0, BM, BN, BK, STAGES)
+    if G > 2:
+        if (p >= E1) & (p < E2):
+            _rows(X, W2, Y2, M, N2, K, stride_xm, SW2, SY2, p - E1, BM, BN, BK, STAGES)
+    if G > 3:
+        if (p >= E2) & (p < E3):
+            _rows(X, W3, Y3, M, N3, K, stride_xm, SW3, SY3, p - E2, BM, BN, BK, STAGES)
+    if G > 4:
+        if (p >= E3) & (p < E4):
+            _rows(X, W4, Y4, M, N4, K, stride_xm, SW4, SY4, p - E3, BM, BN, BK, STAGES)
+    if G > 5:
+        if (p >= E4) & (p < E5):
+            _rows(X, W5, Y5, M, N5, K, stride_xm, SW5, SY5, p - E4, BM, BN, BK, STAGES)
+    if G > 6:
+        if (p >= E5) & (p < E6):
+            _rows(X, W6, Y6, M, N6, K, stride_xm, SW6, SY6, p - E5, BM, BN, BK, STAGES)
+    if G > 7:
+        if (p >= E6) & (p < E7):
+            _rows(X, W7, Y7, M, N7, K, stride_xm, SW7, SY7, p - E6, BM, BN, BK, STAGES)
+
+
+def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool]) -> None:
+    """The inputs the kernel takes, anything else refused with the reason (a ``ValueError``)."""
+    if not 1 <= len(weights) <= MAX_WEIGHTS or len(fp32) != len(weights):
+        raise ValueError(f"triton linear_group: 1 to {MAX_WEIGHTS} weights, one fp32 flag each; got {len(weights)} "
+                         f"weights and {len(fp32)} flags")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"triton linear_group: a bf16 or fp16 input, got {x.dtype}")
+    K = x.shape[-1]
+    if K % 16:
+        raise ValueError(f"triton linear_group: the input width {K} is not a multiple of 16 (a dot's depth)")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype:
+            raise ValueError(f"triton linear_group: weights [N, {K}] in the input's dtype {x.dtype}; got "
+                             f"{tuple(w.shape)} {w.dtype}")
+    if not gpu_common.interpreting() and not x.is_cuda:
+        raise ValueError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging)")
+    gpu_common.refuse_grad("triton", x, *weights)
+
+
+def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
+                        config: Optional[dict] = None) -> List[torch.Tensor]:
+    """The launcher of :func:`linear_group` (inputs checked): ``x [M, K]`` -> one output a weight."""
+    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    M, K = x.shape
+    outs = [torch.empty(M, w.shape[0], dtype=torch.float32 if f else x.dtype, device=x.device)
+            for w, f in zip(weights, fp32)]
+    if M == 0:
+        return outs
+    bn, bk = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K))
+    while K % bk:                                   # whole steps over K: the largest power of two dividing it
+        bk //= 2
+    x = x.contiguous()
+    weights = [w.contiguous() for w in weights]
+    ends = list(accumulate(triton.cdiv(w.shape[0], bn) for w in weights))
+    pad = MAX_WEIGHTS - len(weights)
+    args = []
+    for w, y in zip(weights, outs):
+        args += [w, y, w.shape[0], w.stride(0), y.stride(0)]
+    args += [x, x, 0, 0, 0] * pad                    # unused (G)
+    ends += [ends[-1]] * pad
+    _linear_group_kernel[(ends[len(weights) - 1],)](
+        x, M, K, x.stride(0), *args, *ends, G=len(weights), BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=bk,
+        STAGES=cfg["stages"], num_warps=cfg["warps"])
+    return outs
+
+
+def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
+                 config: Optional[dict] = None) -> List[torch.Tensor]:
+    """Same contract as ``kernels.reference.linear_group.linear_group``: ``x [..., K]`` and weights ``[N_i, K]`` ->
+    ``[x @ W_i^T]`` (``[..., N_i]``, fp32 where ``fp32[i]``, else ``x``'s dtype), one launch for at most
+    ``max_tokens`` rows of ``x``; more rows run the contract (a cuBLAS GEMM a weight)."""
+    _check(x, weights, fp32)
+    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > cfg["max_tokens"]:
+        from kernels.reference.linear_group import linear_group as torch_contract
+
+        return torch_contract(x, weights, fp32)
+    return [y.view(*lead, y.shape[-1]) for y in linear_group_launch(x2, weights, fp32, cfg)]

@@ -1,0 +1,102 @@
+"""The triton ``linear_group`` (``kernels/triton/linear_group.py``): one decode-step input projected by up to eight
+weights in one launch, against the torch contract (``kernels.reference.linear_group.linear_group``): the fp32
+outputs to fp32 summation order, the half-precision ones within one rounding of their dtype, at one token and a
+few, weights of row counts that are not whole blocks, widths below one ``BK`` step. More tokens than the launch
+settings' ``max_tokens`` run the contract itself (no launch: counted). What it cannot take is refused with the
+reason. With no GPU, ``TRITON_INTERPRET=1`` runs it (fp16); otherwise it skips; the compile test needs triton only
+(sm_90, no spills)."""
+
+import pytest
+import torch
+
+from ._backends import CountedLaunches, compiles_for_sm90_without_spills, triton_device
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    from kernels.triton import linear_group as K
+
+    spy = CountedLaunches(K._linear_group_kernel)
+    monkeypatch.setattr(K, "_linear_group_kernel", spy)
+    return spy
+
+
+def _case(M, K, rows, seed, dt, dev, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dt)
+    ws = [(torch.randn(n, K, generator=g) * K ** -0.5).to(dt) for n in rows]
+    return x, ws, x.to(dev), [w.to(dev) for w in ws]
+
+
+@pytest.mark.parametrize("M,K,rows", [(1, 256, (40, 64, 7, 100, 33, 32, 1)), (3, 64, (16, 5)), (16, 48, (70,)),
+                                      (2, 512, (1, 2, 3, 4, 5, 6, 7, 8))])
+def test_the_outputs_are_the_torch_contract(launches, M, K, rows):
+    from kernels.reference.linear_group import linear_group as ref
+    from kernels.triton.linear_group import linear_group
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    x, ws, xd, wd = _case(M, K, rows, M * K, dt, dev, lead=(1,))      # [M, 1, K]: a decode step's shape
+    x, xd = x.transpose(0, 1), xd.transpose(0, 1)
+    fp32 = [i % 2 == 1 for i in range(len(rows))]
+    got = [y.cpu() for y in linear_group(xd, wd, fp32)]
+    want = ref(x, ws, fp32)
+    assert launches.calls == 1
+    for y, z, f in zip(got, want, fp32, strict=True):
+        assert y.dtype == z.dtype == (torch.float32 if f else dt) and y.shape == z.shape == (M, 1, z.shape[-1])
+        err = (y.float() - z.float()).abs().max().item()
+        bound = (1e-5 if f else torch.finfo(dt).eps) * max(1.0, z.float().abs().max().item())
+        assert err <= bound, (err, bound)
+
+
+def test_more_tokens_than_the_settings_take_run_the_contract(launches):
+    from kernels.reference.linear_group import linear_group as ref
+    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, linear_group
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    M = LINEAR_GROUP_CONFIG["max_tokens"] + 1
+    x, ws, xd, wd = _case(M, 64, (32, 16), 1, dt, dev)
+    got = linear_group(xd, wd, [False, True])
+    assert launches.calls == 0
+    for y, z in zip(got, ref(x, ws, [False, True])):
+        torch.testing.assert_close(y.cpu(), z, rtol=1e-3, atol=1e-3)
+
+
+def test_what_it_cannot_take_is_refused():
+    from kernels.triton.linear_group import linear_group
+
+    dev = triton_device()
+    x = torch.zeros(2, 64, dtype=torch.float16, device=dev)
+    w = torch.zeros(8, 64, dtype=torch.float16, device=dev)
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        linear_group(x, [w] * 9, [False] * 9)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        linear_group(x.float(), [w.float()], [False])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        linear_group(x[:, :40], [w[:, :40]], [False])
+    with pytest.raises(ValueError, match="input's dtype"):
+        linear_group(x, [w.float()], [True])
+    with pytest.raises(ValueError, match="no backward"):
+        linear_group(x.clone().requires_grad_(), [w], [False])
+
+
+def test_the_kernel_compiles_for_sm90_without_spills():
+    """Seven weights (a CSA layer's group), bf16 and fp32 outputs, one to 16 tokens: PTX for sm_90 with triton
+    alone, and ptxas reports no spilled registers."""
+    from kernels.triton import linear_group as K
+
+    c = K.LINEAR_GROUP_CONFIG
+    ends = dict(E0=32, E1=48, E2=80, E3=112, E4=116, E5=120, E6=122, E7=122)
+    consts = dict(**ends, G=7, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
+    types = {}
+    for a in K._linear_group_kernel.arg_names:
+        if a == "X" or a.startswith("W"):
+            types[a] = "*bf16"
+        elif a.startswith("Y"):
+            types[a] = "*fp32" if a in ("Y2", "Y3", "Y4", "Y5") else "*bf16"
+        else:
+            types[a] = "i32"
+    compiles_for_sm90_without_spills(K._linear_group_kernel, types, consts, c["warps"])
