@@ -115,8 +115,9 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
     bn, bk = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K))
     while K % bk:                                   # whole steps over K: the largest power of two dividing it
         bk //= 2
-    x = x.contiguous()
-    weights = [w.contiguous() for w in weights]
+    # rows of any stride (a weight may be a slice of a wider tensor), each row's K columns contiguous
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weights = [w if w.stride(1) == 1 else w.contiguous() for w in weights]
     ends = list(accumulate(triton.cdiv(w.shape[0], bn) for w in weights))
     pad = MAX_WEIGHTS - len(weights)
     args = []

@@ -51,6 +51,22 @@ def test_the_outputs_are_the_torch_contract(launches, M, K, rows):
         assert err <= bound, (err, bound)
 
 
+def test_weights_read_in_place_with_their_row_stride(launches):
+    """A weight whose rows lie apart (columns of a wider tensor) is read where it lies, not copied."""
+    from kernels.reference.linear_group import linear_group as ref
+    from kernels.triton.linear_group import linear_group
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    x, (w,), xd, (wd,) = _case(2, 128, (48,), 7, dt, dev)
+    wide, wide_d = torch.cat((w, w), dim=1), torch.cat((wd, wd), dim=1)       # [48, 256]: rows of stride 256
+    part, part_d = wide[:, 128:], wide_d[:, 128:]
+    assert part_d.stride() == (256, 1)
+    got = linear_group(xd, [part_d], [True])[0].cpu()
+    torch.testing.assert_close(got, ref(x, [part], [True])[0], rtol=1e-5, atol=1e-5)
+    assert launches.calls == 1
+
+
 def test_more_tokens_than_the_settings_take_run_the_contract(launches):
     from kernels.reference.linear_group import linear_group as ref
     from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, linear_group
