@@ -27,8 +27,9 @@ their ranks. ``--batch N`` (default 8): N sequences per data-parallel rank per s
 step's fixed costs are shared by N forward/backward passes, as in a real run's global batch (hundreds of
 sequences); ``--batch 1`` is the one-sequence step, dominated by those fixed costs. Two sequences of 4,096
 tokens were the flash-shaped preset's largest micro-batch that one H200 held when measured
-(docs/kernels-and-benchmarks.md). ``--set KEY=VALUE`` passes more training options
-(e.g. ``recompute=full`` for long sequences). Settings: bf16 and triton kernels on nvidia, fp32 and the reference kernels on the CPU;
+(docs/kernels-and-benchmarks.md#dsv4-train-per-layout). ``--set KEY=VALUE`` passes more training options
+(e.g. ``recompute=full`` for long sequences). Settings: bf16 and triton kernels on nvidia, fp32 and the
+reference kernels on the CPU;
 eager (``--compile`` passes ``dsv4 train --compile``); ``export_at_end=false``, and no checkpoint
 (``save_at_end=false``, ``save_every`` past the run): the final checkpoint of the flash-shaped preset (model
 plus fp32 optimizer state) is about 80 GB, more than a one-GPU machine's disk may hold.

@@ -3,8 +3,9 @@
 Why: megatron-core zeroes every fp32 gradient buffer at the start of a step and then *adds* each parameter's
 bf16 gradient into it (a fill over the whole buffer, then a read-modify-write in mixed dtypes). On the
 Flash-shaped model on one H200 that was 4.9 ms of zeroing and 18.3 ms of adding per step, 9% of the step
-(docs/kernels-and-benchmarks.md). Here the first gradient a parameter receives in a step is copied (read bf16,
-write fp32), later ones (more micro-batches, recomputed segments) are added, and nothing is zeroed up front.
+(bench/results/train-cli-h200-flash-shaped-seq4096-triton-adam.json). Here the first gradient a parameter receives
+in a step is copied (read bf16, write fp32), later ones (more micro-batches, recomputed segments) are added, and
+nothing is zeroed up front.
 
 What stays true: a parameter that no backward reached since :meth:`CopyFirstDDP.zero_grad_buffer` holds the
 previous step's gradient in the buffer, so :meth:`CopyFirstDDP.settle_grad_buffer` zeroes exactly those before

@@ -2,8 +2,9 @@
 
 Why: the routed experts' dispatch copies each token's row to its ``k`` expert slots with
 ``x.index_select(0, order // k)``, whose backward is ``index_add_``: on CUDA ``k`` atomic bf16 additions into
-every token's gradient row (3.3 ms of the Flash-shaped training step on one H200, the "moe permute/unpermute"
-row of docs/kernels-and-benchmarks.md), ``k`` roundings to bf16 per element, in the order the atomics land.
+every token's gradient row (3.3 ms of the Flash-shaped training step on one H200, its ``index_add_`` under "moe
+permute/unpermute" in bench/results/train-cli-h200-flash-shaped-seq4096-mhc-launch.json), ``k`` roundings to bf16
+per element, in the order the atomics land.
 The combine put the expert outputs back in (token, slot) order with ``zeros_like(out).index_copy(0, order,
 out)``: a zero fill that the copy then overwrites. Since ``order`` is a permutation of the ``T*k`` assignments,
 its inverse ``inv`` (``inv[order[j]] = j``) turns every direction into a gather:

@@ -2,8 +2,8 @@
 
 Why: megatron-core's data-parallel wrapper keeps every parameter's gradient in an fp32 buffer (``param.main_grad``)
 and, unfused, each backward first writes the weight gradient in bf16 and then a second pass casts it into that
-buffer (a step's first micro-batch) or adds it (every later one): one pass over all parameters per micro-batch,
-about 12 ms at the HBM limit for the Flash-shaped preset on one H200 (docs/kernels-and-benchmarks.md). Here the
+buffer (a step's first micro-batch) or adds it (every later one): one memory-bound pass over all parameters per
+micro-batch, whatever its number of tokens, so it weighs most where micro-batches are small. Here the
 weight-gradient GEMM itself writes the buffer: bf16 operands, fp32 products and sums, the fp32 result stored into
 ``main_grad`` (the step's first gradient of the parameter) or added to it in the GEMM's epilogue (cuBLAS with
 ``beta = 1``: ``torch.addmm(main, g^T, x, out_dtype=float32, out=main)``). No bf16 gradient is written and no

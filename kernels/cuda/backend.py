@@ -3,9 +3,9 @@ with the triton backend's kernels for everything else.
 
 Why a backend of its own: the kernel is written for one attention shape (head dim 512, query heads in tiles
 of 64: DeepSeek-V4-Flash and -Pro) and one GPU generation, where Triton's forward is structurally limited
-(docs/kernels-and-benchmarks.md); the record declares the shape (``attention_head_dims``,
-``attention_heads_multiple``), so another model is refused at parse time (rule ``kernel-attention-shape``)
-instead of reaching a kernel that cannot take it.
+(docs/kernels-and-benchmarks.md#sparse-attention-and-indexer-kernels); the record declares the shape
+(``attention_head_dims``, ``attention_heads_multiple``), so another model is refused at parse time (rule
+``kernel-attention-shape``) instead of reaching a kernel that cannot take it.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 
 Why: torch's mixed-dtype ``copy_`` / ``add_`` (bf16 in, fp32 out) is not vectorized and ran near half the HBM
 bandwidth: 14.5 ms of the Flash-shaped training step on one H200 went to ``engine.grad_buffers.CopyFirstDDP``'s
-copies and adds (docs/kernels-and-benchmarks.md). Here every full block is read and written with unmasked 16-byte
-accesses where the pointers allow (the offsets are multiples of the block, so Triton knows their alignment, as in
-``kernels/triton/adamw.py``'s ``ALIGNED`` path); only a head and a tail are masked, in launches of their own.
+copies and adds (bench/results/train-cli-h200-flash-shaped-seq4096-swiglu.json). Here every full block is read
+and written with unmasked 16-byte accesses where the pointers allow (the offsets are multiples of the block, so
+Triton knows their alignment, as in ``kernels/triton/adamw.py``'s ``ALIGNED`` path); only a head and a tail are
+masked, in launches of their own.
 
 Alignment: a parameter's view into megatron-core's fp32 buffer need not start on a 16-byte boundary, and the fp32
 stores are two thirds of the bytes moved, so the unmasked body starts at the buffer's first 16-byte boundary (the

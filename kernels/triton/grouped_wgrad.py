@@ -6,9 +6,9 @@ micro-batch) or adds it (later ones) into megatron-core's fp32 ``main_grad`` wit
 
 Why: that is one bf16 write of ``[E, O, I]`` and one more pass over it (a bf16 read, an fp32 read and write) per
 micro-batch, and the routed experts hold 3.2 B of the Flash-shaped model's 5.8 B parameters (the step budget in
-docs/kernels-and-benchmarks.md counts the cast pass under gradient accumulation). Here the fp32 sums of the products
-go into ``main`` directly, once per tile: no bf16 gradient, no second pass, and no rounding of the gradient to bf16
-before it reaches the fp32 buffer.
+docs/kernels-and-benchmarks.md#where-the-steps-time-goes counts the cast pass under gradient accumulation). Here the
+fp32 sums of the products go into ``main`` directly, once per tile: no bf16 gradient, no second pass, and no rounding
+of the gradient to bf16 before it reaches the fp32 buffer.
 
     main[e] = g[rows_e]^T @ x[rows_e]          (accumulate=False; zeros for an expert with no rows)
     main[e] += g[rows_e]^T @ x[rows_e]         (accumulate=True; an expert with no rows is not written)

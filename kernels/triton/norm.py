@@ -5,8 +5,10 @@ forward and backward, one pass each.
 Why: the attention normalises every query head (``q / rms(q)``, DeepSeek-V4's per-head query norm) in fp32 torch
 ops: a cast up, a square, a mean, an rsqrt, a product and a cast down, each a pass over a ``[tokens, heads, 512]``
 tensor in fp32, and about as many again in the backward; on the Flash-shaped model that was most of what the
-attention glue still cost after the fused RoPE (docs/kernels-and-benchmarks.md). Here each row is read once and
-written once, in fp32 registers, and the backward keeps only the input (in its own dtype, not an fp32 copy).
+attention glue still cost after the fused RoPE ("attention other" in
+bench/results/train-cli-h200-flash-shaped-seq4096-triton-rope.json against
+bench/results/train-cli-h200-flash-shaped-seq4096-glue-kernels.json). Here each row is read once and written
+once, in fp32 registers, and the backward keeps only the input (in its own dtype, not an fp32 copy).
 
     y = x * rsqrt(mean(x^2) + eps)
     dx = r * dy - x * r^3 * mean(dy * x),   r = rsqrt(mean(x^2) + eps)
@@ -17,7 +19,8 @@ kernel leaves out). The row sums are in a different order than torch's mean: the
 step of the output dtype of the reference's, not bit-identical.
 
 Weighted (``rms_norm``): the ``RMSNorm`` modules ran the same fp32 torch passes plus a product with the weight
-and a cast, and as many again backward (8.4 ms of the Flash-shaped training step, docs/kernels-and-benchmarks.md).
+and a cast, and as many again backward (8.4 ms of the Flash-shaped training step,
+bench/results/train-cli-h200-flash-shaped-seq4096-swiglu.json).
 
     y = (x * r) * w,   r = rsqrt(mean(x^2) + eps)       (x * r rounded to fp32, then * w, then one cast to x's dtype)
     dx = r * g - x * r^3 * mean(g * x),   g = dy * w

@@ -3,7 +3,8 @@
 Why a kernel: the reference op is about nine elementwise kernels (casts, four products, a stack, a cast back)
 over the rope slice plus a ``torch.cat`` of the whole tensor, forward and again backward, for every query,
 key and attention output of every layer; on the Flash-shaped model that glue was a sixth of the training
-step (docs/kernels-and-benchmarks.md). Here each row is read once and written once.
+step (bench/results/train-cli-h200-flash-shaped-seq4096-triton-adam.json). Here each row is read once and
+written once.
 
 Rows: ``x`` is ``[R, D]`` (the entry point flattens ``[B, S, D]`` or ``[B, S, H, D]``); row ``r`` belongs to
 token ``(r // heads) % N`` of ``cos`` / ``sin`` ``[N, D_rope / 2]`` (fp32). The trailing ``D_rope`` channels

@@ -3,9 +3,10 @@ each (``kernels.reference.moe.weighted_swiglu``).
 
 Why: between the experts' two grouped GEMMs the MoE ran a cast of ``[gate | up]`` to fp32, two clamps, SiLU,
 two products and a cast back, each a pass over every routed row, and about twice as many passes backward; on
-the Flash-shaped model that was 16.6 ms of a 222 ms training step (docs/kernels-and-benchmarks.md). Here each
-element of ``h`` is read once and ``a`` written once; the backward reads ``h``, the gate weights and ``da``
-once and writes ``dh`` and per-block partial sums of the gate weights' gradient.
+the Flash-shaped model that was 16.6 ms of a 222 ms training step
+(bench/results/train-cli-h200-flash-shaped-seq4096-glue-kernels.json). Here each element of ``h`` is read once
+and ``a`` written once; the backward reads ``h``, the gate weights and ``da`` once and writes ``dh`` and
+per-block partial sums of the gate weights' gradient.
 
     g = min(gate, limit), u = clamp(up, -limit, limit)     (no clamp when limit <= 0)
     a = silu(g) * u * w                                      fp32 math, a in the caller's dtype
