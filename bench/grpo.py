@@ -17,7 +17,8 @@ pace: the rollout's share of the weight-read roofline (``max_new_tokens`` decode
 weights a batch of ``prompts x group`` rows touches (:func:`decode_weight_bytes`), at the bandwidth, over the
 rollout phase's time; prefill, sampling and the KV cache's reads are inside that time and not in the bound,
 so the share is a lower bound of the decode step's; ``generate_roofline_share``: over the engine's ``generate``
-call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and hand-over) and the train phase's MFU from dense FLOPs only
+call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and hand-over) and the train phase's
+MFU from dense FLOPs only
 (6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
 H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4

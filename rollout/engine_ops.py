@@ -29,11 +29,11 @@ one launch, ``kernels/triton/compress.py``), in an eager step of a model with co
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
-``kernels/triton/index_query.py``) and ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm;
-no backend's table offers it at present, ``kernels/gpu_common.py`` says why) and ``linear_group`` (the projections
-of a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a
-few tokens, ``kernels/triton/linear_group.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one refuses them
-the step runs the torch code and the refusal is recorded like an op's.
+``kernels/triton/index_query.py``), ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm; no
+backend's table offers it at present, ``kernels/gpu_common.py`` says why) and ``linear_group`` (the projections of
+a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a few
+tokens, ``kernels/triton/linear_group.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
+refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses

@@ -353,15 +353,17 @@ def eager_op(ops, memo: Optional[dict], name: str):
     return getattr(ops, name)
 
 
-def layer_projections(attn, x: torch.Tensor, memo: Optional[dict]) -> Optional[dict]:
+def layer_projections(attn, x: torch.Tensor, memo: Optional[dict]) -> None:
     """In an eager static step whose table has ``linear_group`` (:func:`eager_op`), every projection of the
     attention's input ``x [B, 1, d]`` by a weight in ``x``'s dtype at once: ``wq_a``, ``wkv``, each compressor's
     ``wkv`` and ``wgate`` (fp32 results) and the indexer's ``weights_proj``, one launch where they were up to seven
-    GEMMs (and their split-K reductions). Returns ``{id(weight): output}``, also left in ``memo["projected"]``
-    for the compressors and the indexer (:func:`projected`); else None (each GEMM runs where it is used)."""
+    GEMMs (and their split-K reductions). ``memo["projected"]`` then holds ``{id(weight): output}`` for this
+    layer's readers (:func:`projected`); otherwise it holds nothing and each GEMM runs where it is used."""
+    if memo is not None:
+        memo.pop("projected", None)                   # the previous layer's
     fused = eager_op(attn.ops, memo, "linear_group")
     if fused is None:
-        return None
+        return
     lin = [(attn.wq_a.weight, False), (attn.wkv.weight, False)]
     if attn.ratio:
         comps = (attn.compressor,) + ((attn.indexer.compressor,) if attn.ratio == 4 else ())
@@ -371,8 +373,7 @@ def layer_projections(attn, x: torch.Tensor, memo: Optional[dict]) -> Optional[d
             lin.append((attn.indexer.weights_proj.weight, False))
     lin = [(w, f) for w, f in lin if w.dtype == x.dtype]      # a weight held in another dtype: its own GEMM
     outs = fused(x, [w for w, _ in lin], [f for _, f in lin])
-    got = memo["projected"] = {id(w): y for (w, _), y in zip(lin, outs)}
-    return got
+    memo["projected"] = {id(w): y for (w, _), y in zip(lin, outs)}
 
 
 def projected(memo: Optional[dict], weight: torch.Tensor, make) -> torch.Tensor:
@@ -423,8 +424,6 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
 
     ops = attn.ops
     rope = apply_rope if ops is None else ops.apply_rope
-    if memo is not None:
-        memo.pop("projected", None)                   # the previous layer's
     layer_projections(attn, x, memo)
     wkv = projected(memo, attn.wkv.weight, lambda: attn.wkv(x))
     cq = attn.q_norm(projected(memo, attn.wq_a.weight, lambda: attn.wq_a(x)))

@@ -105,9 +105,10 @@ def _indexer_heads_kernel(Q, K, W, OUT, T, N, H,
     tl.store(OUT + pid_b * stride_ob + t * stride_ot + offs_n, acc, mask=nmask)
 
 
-def heads_kernel_takes(T: int, has_range: bool, below: int = 16) -> bool:
+def heads_kernel_takes(T: int, has_range: bool, below: int) -> bool:
     """Whether a call of ``T`` queries a sequence runs :func:`_indexer_heads_kernel` (no key ranges, fewer than
-    ``below`` queries, by default the head loop's smallest query tile: a decode step) rather than the head loop."""
+    ``below`` queries, ``heads_below`` of the launch settings: the head loop's smallest query tile, a decode step)
+    rather than the head loop."""
     return not has_range and T < below
 
 
