@@ -80,7 +80,7 @@ def _indexer_kernel(Q, K, W, KS, KE, OUT,
         tl.store(out_ptr, tl.full([BT, BN], float("-inf"), tl.float32), mask=omask)
 
 
-@triton.jit(do_not_specialize=["T", "N"])
+@triton.jit(do_not_specialize=["T", "N", "stride_ot", "stride_ob"])   # the output's strides are key counts
 def _indexer_heads_kernel(Q, K, W, OUT, T, N, H,
                           stride_qt, stride_qh, stride_kn, stride_wt, stride_ot,
                           stride_qb, stride_kb, stride_wb, stride_ob,
