@@ -41,7 +41,8 @@ from core import weight_contract as wc
 from core.errors import UserInputError
 from core.pp_layout import stage_layers, stage_of
 
-__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "rank_tensors", "default_world",
+__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "check_state_fits", "rank_tensors",
+           "default_world",
            "in_flight_micro_batches"]
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -227,3 +228,31 @@ def _stage_estimate(config, tensors: Dict[str, Tuple[int, str, bool, bool]], *, 
         parameters=sum(n for n, *_ in tensors.values()), trainable_dense=dense, trainable_expert=expert,
         weights=weights, gradients=gradients, optimizer=optimizer, activations=activations, stage=stage,
         layers=layers, moments=moments)
+
+
+class StateDoesNotFit(UserInputError):
+    """The training state alone is larger than the GPU's memory."""
+
+
+def check_state_fits(config, *, tp: int, cp: int, ep: int, pp: int, world: int, dtype: str, moments: str,
+                     device_bytes: int, device_name: str) -> MemoryEstimate:
+    """Refuse a layout whose weights, fp32 gradients and optimizer state on one GPU (the estimate's exact parts:
+    no activations, no buffers, no rollout engine) exceed the GPU's ``device_bytes``, before anything is built.
+    Why: a Flash-shaped GRPO run on an 80 GB H100 built the model, loaded it, started the engine and failed with
+    CUDA's out-of-memory error 71 s in (``bench/results/grpo-h100-flash-shaped-oom-256.json``); its state needs
+    97.4 GiB on one GPU. Returns the estimate when it fits."""
+    est = estimate_memory(config, tp=tp, cp=cp, ep=ep, pp=pp, world=world, dtype=dtype, moments=moments)
+    state = est.weights + est.gradients + est.optimizer
+    if state <= device_bytes:
+        return est
+    gib = 2 ** 30
+    fixes = ["spread the model over more GPUs (--ep, --tp, --pp; data-parallel ranks shard the optimizer)"]
+    if moments == "fp32":
+        saved = est.optimizer - estimate_memory(config, tp=tp, cp=cp, ep=ep, pp=pp, world=world, dtype=dtype,
+                                                moments="bf16").optimizer
+        fixes.append(f"adam_moments_dtype=bf16 (saves {saved / gib:.1f} GiB)")
+    raise StateDoesNotFit(
+        f"the training state needs {state / gib:.1f} GiB a GPU (weights {est.weights / gib:.1f}, fp32 gradients "
+        f"{est.gradients / gib:.1f}, optimizer {est.optimizer / gib:.1f}; tp {tp}, cp {cp}, ep {ep}, pp {pp} on "
+        f"{world} GPU(s)), more than the {device_bytes / gib:.1f} GiB of {device_name}, before any activation. "
+        f"Fix: {', or '.join(fixes)}; `dsv4 inspect` estimates a layout")

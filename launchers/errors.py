@@ -9,6 +9,9 @@ inside. :func:`report` turns an exception into one line and an exit code:
 * operating-system errors a user can fix (no space, quota, read-only file
   system, permission denied, missing file): the path, the reason and the fix,
   exit 1;
+* the GPU running out of memory (torch's ``OutOfMemoryError``, anywhere in the chain): what was asked for and
+  what was free, and the settings that shrink a run, exit 1 (before, a Flash-shaped GRPO run on an 80 GB card
+  printed torch's five sentences as an "unexpected" bug);
 * anything else is a bug: one line naming the exception plus
   "rerun with --debug for the traceback", exit 1.
 
@@ -82,6 +85,24 @@ def _os_error(exc: BaseException):
     return None
 
 
+_OOM_FIX = ("shrink the run: fewer tokens a micro-batch (max_tokens_per_rank, micro_batch_size), fewer rollout "
+            "sequences or tokens (prompts_per_step x group_size, max_new_tokens), or more GPUs for the model "
+            "(--tp, --ep, --pp); `dsv4 inspect` estimates a layout's memory per GPU")
+_OOM_WHAT = re.compile(r"Tried to allocate [\d.]+ \w+\. GPU \d+ has a total capacity of [\d.]+ \w+ of which "
+                       r"[\d.]+ \w+ is free")
+
+
+def _out_of_memory(exc: BaseException):
+    """torch's ``OutOfMemoryError`` at or under ``exc`` (by name: this module does not import torch)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ == "OutOfMemoryError" and type(exc).__module__.startswith("torch"):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def one_line(exc: BaseException, *, expected: tuple) -> str:
     """The message `dsv4` prints (after ``error: ``) for ``exc``."""
     if isinstance(exc, expected):
@@ -91,4 +112,8 @@ def one_line(exc: BaseException, *, expected: tuple) -> str:
         where = os_err.filename or ""
         reason = os_err.strerror or _first_line(os_err)
         return f"{where + ': ' if where else ''}{reason}; {_OS_FIX[os_err.errno]}"
+    oom = _out_of_memory(exc)
+    if oom is not None:
+        what = _OOM_WHAT.search(str(oom))
+        return f"the GPU ran out of memory{' (' + what.group(0) + ')' if what else ''}; {_OOM_FIX}"
     return f"unexpected {type(exc).__name__}: {_first_line(exc)} (rerun with --debug for the traceback)"

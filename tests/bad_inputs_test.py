@@ -98,6 +98,29 @@ def test_full_disk_and_read_only_output_are_one_line(monkeypatch, err, words):
         assert w in res.output, res.output
 
 
+def test_a_gpu_out_of_memory_is_one_line_naming_what_shrinks_a_run(monkeypatch):
+    """torch's message (from a Flash-shaped GRPO run on an 80 GB H100) is kept to what was asked and free, and the
+    line names the settings that shrink a run, not "unexpected"."""
+    import torch
+
+    from launchers import stages
+
+    text = ("CUDA out of memory. Tried to allocate 1.97 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+            "268.19 MiB is free. Including non-PyTorch memory, this process has 78.91 GiB memory in use.")
+
+    def fail(*a, **k):
+        raise RuntimeError("a step failed") from torch.OutOfMemoryError(text)
+
+    monkeypatch.setattr(stages, "inspect", fail)
+    res = dsv4_here("inspect", "--preset", "tiny")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("error: the GPU ran out of memory (Tried to allocate 1.97 GiB."), line
+    for w in ("268.19 MiB is free", "max_tokens_per_rank", "prompts_per_step", "--tp", "dsv4 inspect"):
+        assert w in line, line
+    assert "unexpected" not in line and "Including non-PyTorch" not in line
+
+
 def test_a_truncated_distcp_is_one_line(native, tmp_path):
     import shutil
 
