@@ -17,7 +17,11 @@ pace: the rollout's share of the weight-read roofline (``max_new_tokens`` decode
 weights a batch of ``prompts x group`` rows touches (:func:`decode_weight_bytes`), at the bandwidth, over the
 rollout phase's time; prefill, sampling and the KV cache's reads are inside that time and not in the bound,
 so the share is a lower bound of the decode step's; ``generate_roofline_share``: over the engine's ``generate``
-call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and hand-over) and the train phase's
+call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and hand-over;
+``decode_roofline_share``: issue #32's measure, the engine's decode steps alone (``time_rollout_decode``, device
+time from the engine's :class:`rollout.phase_clock.PhaseClock`, without the prefill, the slots' set-up and the
+rewards), each bound by the weights its mean rows a step touch; the KV cache's reads are not in the bound) and
+the train phase's
 MFU from dense FLOPs only
 (6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
 H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
@@ -104,6 +108,7 @@ def summarize(rows: list, warmup: int) -> dict:
     out["per_step"] = [{"step": int(r["step"]), "step_ms": 1e3 * float(r.get("time_step") or 0.0),
                         "rollout_ms": 1e3 * float(r.get("time_rollout") or 0.0),
                         "generate_ms": 1e3 * float(r.get("time_rollout_wait") or 0.0),
+                        "decode_ms": _ms(r.get("time_rollout_decode")),
                         "train_ms": 1e3 * float(r.get("time_train") or 0.0),
                         "micro_batches": r.get("micro_batches"), "triton_compiles": r.get("triton_compiles")}
                        for r in rows]
@@ -111,6 +116,11 @@ def summarize(rows: list, warmup: int) -> dict:
     # the engine's generate call alone (metrics' time_rollout_wait): the rollout phase less the rewards, the
     # groups' tensors and the hand-over to the trainer ranks
     out["generate_ms"] = 1e3 * mean("time_rollout_wait")
+    # inside it, the engine's phases (the built-in cached engine's, device time on a GPU): the decode steps alone
+    if all(r.get("time_rollout_decode") is not None for r in timed):
+        out.update(setup_ms=1e3 * mean("time_rollout_setup"), prefill_ms=1e3 * mean("time_rollout_prefill"),
+                   decode_ms=1e3 * mean("time_rollout_decode"), decode_steps=mean("rollout_decode_steps"),
+                   decode_rows=mean("rollout_decode_rows"))
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"),
                rollout_entropy=mean("rollout_entropy"))
@@ -122,6 +132,10 @@ def summarize(rows: list, warmup: int) -> dict:
     if peaks:                      # a GPU run: the trainer's peak, and the allocator's retries over the whole run
         out.update(train_peak_gib=max(peaks), alloc_retries=max(retries) if retries else None)
     return out
+
+
+def _ms(seconds) -> Optional[float]:
+    return None if seconds is None else 1e3 * float(seconds)
 
 
 def decode_weight_bytes(config, batch: int, dtype_bytes: int = 2) -> float:
@@ -150,9 +164,18 @@ def hardware_shares(row: dict, config, *, batch: int, new_tokens: int) -> dict:
     rollout_s, train_s = row["rollout_ms"] / 1e3, row["train_ms"] / 1e3
     flops = 6 * active_params(config) * row["train_tokens"]
     generate_s = row.get("generate_ms", 0.0) / 1e3
+    decode = {}
+    if row.get("decode_ms") and row.get("decode_steps"):
+        # the decode steps the engine ran, each reading the weights of its mean rows a step (issue #32's measure)
+        rows_a_step = max(1, round(row["decode_rows"] / row["decode_steps"]))
+        decode_bound_s = row["decode_steps"] * decode_weight_bytes(config, rows_a_step) / H200_HBM_BYTES_PER_S
+        decode = dict(decode_roofline_ms=1e3 * decode_bound_s,
+                      decode_step_ms=row["decode_ms"] / row["decode_steps"],
+                      decode_roofline_share=decode_bound_s / (row["decode_ms"] / 1e3))
     return dict(rollout_roofline_ms=1e3 * bound_s,
                 rollout_roofline_share=bound_s / rollout_s if rollout_s > 0 else None,
                 generate_roofline_share=bound_s / generate_s if generate_s > 0 else None,
+                **decode,
                 train_dense_flops=flops,
                 train_mfu_dense=flops / train_s / (H200_BF16_DENSE_TFLOPS * 1e12) if train_s > 0 else None)
 
@@ -205,20 +228,23 @@ def print_table(rows: list, title: str) -> None:
 
     table = Table(title=title)
     for col in ("weight sync", "step ms", "sync ms", "rollout ms", "generate ms", "rollout tok/s", "roofline",
-                "generate roofline", "logprobs ms",
+                "generate roofline", "decode step ms", "decode roofline", "logprobs ms",
                 "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "entropy", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 14)
+            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 16)
             continue
         tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
         share, mfu = r.get("rollout_roofline_share"), r.get("train_mfu_dense")
-        gen_share = r.get("generate_roofline_share")
+        gen_share, step_ms, dec_share = (r.get(k) for k in ("generate_roofline_share", "decode_step_ms",
+                                                             "decode_roofline_share"))
         table.add_row(r["weight_sync"], f"{r['step_ms']:.1f}", f"{r['update_weights_ms']:.2f}",
                       f"{r['rollout_ms']:.1f}", f"{r.get('generate_ms', 0.0):.1f}",
                       "-" if tok_s is None else f"{tok_s:,.0f}", "-" if share is None else f"{share:.1%}",
-                      "-" if gen_share is None else f"{gen_share:.1%}", f"{r['logprobs_ms']:.1f}", f"{r['train_ms']:.1f}",
+                      "-" if gen_share is None else f"{gen_share:.1%}", "-" if step_ms is None else f"{step_ms:.3f}",
+                      "-" if dec_share is None else f"{dec_share:.1%}", f"{r['logprobs_ms']:.1f}",
+                      f"{r['train_ms']:.1f}",
                       "-" if mfu is None else f"{mfu:.1%}", f"{r['sync_bytes'] / 1e6:.3f}",
                       f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}", f"{r['rollout_entropy']:.2f}",
                       "-" if first is None else f"{first:.1f}")

@@ -5,7 +5,9 @@ Every line has at least :data:`REQUIRED_KEYS`. Values that do not apply to a mod
 no reward or rollout). Time per phase is in seconds: ``time_rollout``, ``time_logprobs``, ``time_train``,
 ``time_update_weights`` (and ``time_step``). GRPO rows also hold ``rollout_policy_lag`` (the step minus the
 weights version its samples came from: 1 with ``async_rollout`` but at a run's first step), ``time_rollout_wait``,
-``at_train_end`` and, with ``async_rollout``, ``at_next_rollout_issued`` (seconds from the step's start), and
+``at_train_end`` and, with ``async_rollout``, ``at_next_rollout_issued`` (seconds from the step's start); with the
+built-in cached engine, its generate call by phase: ``time_rollout_setup``, ``time_rollout_prefill``,
+``time_rollout_decode`` (device time on a GPU), ``rollout_decode_steps`` and ``rollout_decode_rows``; and
 ``zero_variance_group_frac``, the fraction of prompt groups whose rewards were all equal and so gave no gradient
 (``train.losses``). On
 resume, :func:`truncate_after` drops the lines of steps after the checkpoint (they are recomputed) and the
@@ -28,7 +30,8 @@ METRICS_FILE = "metrics.jsonl"
 REQUIRED_KEYS = ("step", "reward_mean", "train_rollout_logprob_abs_diff", "train_rollout_kl", "loss", "grad_norm",
                  "tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights")
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
-               "weight_sync_seconds", "wall_time", "time_rollout_wait", "at_next_rollout_issued", "at_train_end")
+               "weight_sync_seconds", "wall_time", "time_rollout_wait", "at_next_rollout_issued", "at_train_end",
+               "time_rollout_setup", "time_rollout_prefill", "time_rollout_decode")
 
 
 def read_metrics(run_dir) -> List[Dict]:

@@ -56,6 +56,7 @@ import torch
 from core import weight_contract as wc
 from kernels.reference.sampling import CDF_BLOCK, draw_index, tempered
 
+from .phase_clock import PhaseClock
 from .replay import (IndexerPicksRecorder, RoutingRecorder, empty_indexer_picks, empty_routing, indexer_context,
                      learned_layers, routing_context)
 
@@ -293,6 +294,7 @@ class ReferenceEngine(RolloutEngineBase):
             self.decode_table = opaque_kernel_ops(self.decode_table)
         self._decoder = None          # rollout.slot_decoder.SlotDecoder, built by the first cached generate
         self.positions_fed = 0        # token positions fed to the model by generate() (work done)
+        self._timing = None           # the last cached generate's phases (generate_timing)
         self.model = DeepseekV4Model(config, device=device)
         if dtype != torch.float32:
             self.model.to(dtype)
@@ -486,6 +488,14 @@ class ReferenceEngine(RolloutEngineBase):
     def held_weights(self):
         return dict(self.model.state_dict())
 
+    def generate_timing(self) -> Optional[Dict[str, float]]:
+        """The last cached ``generate``'s time by phase (:class:`~rollout.phase_clock.PhaseClock`, device time
+        on a GPU): ``setup_s`` (slots and their CUDA graphs, when a call needs new ones), ``prefill_s`` (the
+        prompts and each sample's first draw), ``decode_s`` (the decode steps with their draws), and
+        ``decode_steps`` / ``decode_rows`` (the steps, and the samples they fed in all); a phase that did not
+        occur is absent. None before a cached call (the uncached engine runs full forwards, no decode step)."""
+        return None if self._timing is None else dict(self._timing)
+
     # -- generation ------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, *, n: int, seed: int,
@@ -623,12 +633,15 @@ class ReferenceEngine(RolloutEngineBase):
         last = torch.zeros(M, dtype=torch.long, device=dev)   # slot -> the token it feeds next
         dec, view = None, None                        # view: device index tensors of the live slots
         late = None                                   # the last step's (samples, drawn counts, stop flags)
+        clock, decode_steps, decode_rows = PhaseClock(dev), 0, 0
         while True:
             free = [s for s in range(M) if sample_of[s] < 0]
             if waiting and free:                      # admit the next samples: prefill them into free slots
                 take = [waiting.pop() for _ in range(min(len(free), len(waiting)))]
                 slots = free[: len(take)]
+                clock.enter("setup")                  # the slots (and their graphs) when a call needs new ones
                 dec = self._decoder_for(M, max(P) + T - 1)      # a drawn token past T - 2 is never fed
+                clock.enter("prefill")                # the prompts and each sample's first draw
                 step = self.prefill_batch or len(take)
                 logits = []
                 for i in range(0, len(take), step):
@@ -669,7 +682,9 @@ class ReferenceEngine(RolloutEngineBase):
                 # the live slots are the first ones (packed above): their logits are a prefix, no gather needed
                 prefix = live == list(range(len(live)))
             rows, mask, ids, t = view
+            clock.enter("decode")                     # the decode steps, their draws and bookkeeping
             logits, routes, *step_picks = dec.step(b, last[:b], mask)
+            decode_steps, decode_rows = decode_steps + 1, decode_rows + len(live)
             self.positions_fed += len(live)
             if routed is not None or picks is not None:   # the fed token (index drawn) sits at position P + drawn
                 fed_ids.append([sample_of[s] for s in live])
@@ -694,6 +709,8 @@ class ReferenceEngine(RolloutEngineBase):
             late = None if flags is None else (sids, [drawn[s] for s in live], flags)
         if late is not None:
             settle(late)
+        self._timing = {**{f"{k}_s": v for k, v in clock.seconds().items()}, "decode_steps": decode_steps,
+                        "decode_rows": decode_rows}
         if fed_routes:                                # one device -> host copy for the whole call
             learned = torch.tensor(learned_layers(c), dtype=torch.long)   # empty when every layer is hash-routed
             rows = torch.tensor([i for step in fed_ids for i in step])

@@ -1,7 +1,7 @@
-"""The metrics rows of two runs compared: the keys that measure time differ between equal runs."""
+"""The metrics rows of two runs compared: the keys that measure time differ between equal runs
+(``reporting.metrics.TIMING_KEYS``, the one list of them)."""
 
-TIMING = ("tokens_per_s", "time_rollout", "time_logprobs", "time_train", "time_update_weights", "time_step",
-          "wall_time", "time_rollout_wait", "at_next_rollout_issued", "at_train_end")
+from reporting.metrics import TIMING_KEYS as TIMING
 
 
 def without_timing(rows):

@@ -202,6 +202,11 @@ def test_metrics_carry_the_lag_and_the_overlap(runs):
     for r in async_rows[1:]:     # and the next step waited for it (the sync must not update a generating engine)
         assert r["time_rollout_wait"] >= WAITED_S * 0.9
     assert "at_next_rollout_issued" not in async_rows[-1]      # no batch is generated past the last step
+    # the engine's phases of the batch each step trained on (read before the next batch is issued): at most
+    # max_new_tokens - 1 steps of at most prompts x group rows
+    for r in sync_rows + async_rows:
+        assert r["time_rollout_decode"] > 0 and r["time_rollout_prefill"] > 0, r
+        assert 0 < r["rollout_decode_steps"] <= 3 and 0 < r["rollout_decode_rows"] <= 3 * 8, r
     assert len(async_log["generate"]) == STEPS
     assert async_log["updated_while_generating"] == []        # the sync waited for the call in flight
 

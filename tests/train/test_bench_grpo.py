@@ -50,6 +50,7 @@ def test_phases_are_averaged_after_the_warmup():
     assert [(p["step"], p["step_ms"], p["train_ms"]) for p in got["per_step"]] == [(1, 1e3, 3e3), (2, 2e3, 3e3),
                                                                                     (3, 3e3, 3e3)]
     assert got["generate_ms"] == pytest.approx(4000.0)                  # the engine's generate call, steps 2, 3
+    assert "decode_ms" not in got                                       # no engine phases in these rows
     assert [p["generate_ms"] for p in got["per_step"]] == [2500.0, 3500.0, 4500.0]
     with pytest.raises(RuntimeError, match="none after the 3 warm-up steps"):
         summarize(rows, warmup=3)
@@ -58,6 +59,13 @@ def test_phases_are_averaged_after_the_warmup():
         r.update(train_peak_memory_gib=50.0 + r["step"], cuda_alloc_retries=2 * r["step"])
     got = summarize(rows, warmup=1)
     assert got["train_peak_gib"] == 53.0 and got["alloc_retries"] == 6
+    for r in rows:                                                      # the built-in engine's phases
+        r.update(time_rollout_setup=0.0, time_rollout_prefill=0.1 * r["step"], time_rollout_decode=r["step"],
+                 rollout_decode_steps=7, rollout_decode_rows=7 * 64)
+    got = summarize(rows, warmup=1)
+    assert got["decode_ms"] == pytest.approx(2500.0) and got["prefill_ms"] == pytest.approx(250.0)
+    assert got["decode_steps"] == 7 and got["decode_rows"] == 448
+    assert [p["decode_ms"] for p in got["per_step"]] == [1000.0, 2000.0, 3000.0]
 
 
 
@@ -87,3 +95,10 @@ def test_the_decode_roofline_counts_the_weights_a_batch_touches():
     assert got["rollout_roofline_share"] == pytest.approx(got["rollout_roofline_ms"] / 1000.0)
     assert got["generate_roofline_share"] == pytest.approx(got["rollout_roofline_ms"] / 800.0)
     assert got["train_mfu_dense"] == pytest.approx(6 * active_params(c) * 4096 / 0.5 / (H200_BF16_DENSE_TFLOPS * 1e12))
+    assert "decode_roofline_share" not in got                # an engine that does not time its phases
+    # the engine's decode steps alone: 15 steps of 4 rows (60 rows fed) in 300 ms, each bound by batch 4's weights
+    row.update(decode_ms=300.0, decode_steps=15.0, decode_rows=60.0)
+    got = hardware_shares(row, c, batch=4, new_tokens=16)
+    bound_ms = 1e3 * 15 * decode_weight_bytes(c, 4) / H200_HBM_BYTES_PER_S
+    assert got["decode_roofline_ms"] == pytest.approx(bound_ms) and got["decode_step_ms"] == pytest.approx(20.0)
+    assert got["decode_roofline_share"] == pytest.approx(bound_ms / 300.0)

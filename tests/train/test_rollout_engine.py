@@ -140,6 +140,59 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
     assert cached.positions_fed * 4 < uncached.positions_fed
 
 
+def test_generate_timing_splits_the_call_by_phase(engines):
+    """``generate_timing``: the last cached call's decode steps and the rows they fed (each sample its
+    ``max_new_tokens - 1`` tokens after the first draw, in one wave or in several when the slots are fewer than the
+    samples), the phases' seconds within the call's wall time; none for the uncached engine."""
+    import time
+
+    from rollout.reference_engine import ReferenceEngine
+    from rollout.weight_sync import sync_weights
+    from train.model import build_train_model
+
+    params = _params(max_new_tokens=10, stop_token_ids=())
+    samples = len(PROMPTS) * N
+    assert engines[False].generate_timing() is None
+    few = ReferenceEngine(CFG, max_slots=5)
+    assert sync_weights(build_train_model(CFG, seed=0), few, version=1).ok
+    for e, steps in ((engines[True], params.max_new_tokens - 1), (few, None)):
+        t0 = time.perf_counter()
+        e.generate(PROMPTS, params, n=N, seed=0)
+        wall = time.perf_counter() - t0
+        got = e.generate_timing()
+        assert got["decode_rows"] == samples * (params.max_new_tokens - 1)
+        if steps is not None:                   # every sample in the slots at once: one step a token
+            assert got["decode_steps"] == steps
+        else:                                   # 12 samples through 5 slots: at least three waves of steps
+            assert got["decode_steps"] >= 3 * (params.max_new_tokens - 1)
+        assert got["prefill_s"] > 0 and got["decode_s"] > 0
+        assert sum(v for k, v in got.items() if k.endswith("_s")) <= wall
+    # samples that stop leave the steps: the rows fed are the positions fed less the prompts' (3 distinct, 10 long)
+    e = engines[True]
+    e.positions_fed = 0
+    e.generate(PROMPTS, _params(max_new_tokens=10, stop_token_ids=tuple(range(2, 1024, 5))), n=N, seed=0)
+    got = e.generate_timing()
+    assert got["decode_rows"] == e.positions_fed - 3 * 10 < samples * 9
+
+
+def test_the_phase_clock_sums_each_phase_over_its_spans():
+    import time
+
+    from rollout.phase_clock import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    clock.enter("a")
+    time.sleep(0.05)
+    clock.enter("b")
+    clock.enter("b")                            # no new mark
+    time.sleep(0.02)
+    clock.enter("a")
+    time.sleep(0.03)
+    got = clock.seconds()
+    assert set(got) == {"a", "b"}
+    assert got["a"] == pytest.approx(0.08, abs=0.02) and got["b"] == pytest.approx(0.02, abs=0.015)
+
+
 def _fresh_engine():
     """A cached engine of its own (its work count starts at 0; the fixture's is shared)."""
     from rollout.reference_engine import ReferenceEngine
