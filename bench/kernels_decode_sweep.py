@@ -6,7 +6,7 @@ it replaced), a layer's projections of its attention input (``kernels/triton/lin
 GEMMs it replaces) and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two
 launches, out of the triton table until it beats the five launches it would replace).
 
-    python -m bench.kernels_decode_sweep --out FILE.json
+    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group mhc]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -153,16 +153,38 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     return rows
 
 
-def main(argv=None):
-    out = bc.sweep_output(__doc__, argv)
-    import triton
+SECTIONS = ("route", "attention", "indexer", "linear_group", "mhc")
 
-    from kernels.triton import attention as A
-    from kernels.triton import experts as KE
-    from kernels.triton import routing as R
+
+def main(argv=None):
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="the kernels to time (default: all; a run of all takes over 200 s on an H100)")
+    known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    out = bc.sweep_output(__doc__, rest)
+    import triton
 
     meta = bc.base_meta(triton=triton.__version__)
     dev, g = "cuda", torch.Generator().manual_seed(0)
+    rows = []
+    for name in SECTIONS:
+        if name in known.only:
+            rows += _SECTION_ROWS[name](g, dev, meta)
+            with open(out, "w") as fh:          # after each section: a run stopped by a time limit keeps them
+                json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)
+    print(f"wrote {out}")
+
+
+def _route_rows(g, dev, meta) -> list:
+    """The router's one-pass settings and its split over channel ranges, and the pairs' expert order."""
+    import triton
+
+    from kernels.triton import experts as KE
+    from kernels.triton import routing as R
+
     rows = []
     route_grid = [dict(BD=bd, STAGES=st, WARPS=wp, SPLIT=1) for bd, st, wp in itertools.product([64, 128, 256, 512],
                                                                                                [1, 2, 3], [4, 8])]
@@ -184,23 +206,29 @@ def main(argv=None):
         print(f"== expert_order {E} experts, {T * 6} pairs: {us:.1f} us (torch's stable sort {us_sort:.1f} us)")
         rows.append(dict(kernel="expert_order", experts=E, pairs=T * 6, us=round(us, 2),
                          torch_stable_sort_us=round(us_sort, 2), **meta))
+    return rows
+
+
+def _attention_rows(g, dev, meta) -> list:
+    """The few-token attention's head blocks, then one to 16 tokens' 640 rows split over programs."""
+    from kernels.triton import attention as A
+
+    rows = []
     att_grid = [dict(BH=bh, BK=bk, num_warps=wp, num_stages=st)
                 for bh, bk, wp, st in itertools.product([16, 32], [32, 64], [4, 8], [1, 2, 3])]
     H, D = 64, 512
     split_grid = [dict(A.FEW_TOKENS_CONFIG, SPLIT=sp) for sp in (1, 2, 3, 5, 10)]
-    # the head blocks' settings, then one to 16 tokens' 640 rows split over programs (fwd_settings' SPLIT)
     for label, T, K, grid in [("sparse_attention_fwd", T, K, att_grid)
                               for T, K in itertools.product((1, 64, 256), (128, 640))] + \
                              [("sparse_attention_fwd split", T, 640, split_grid) for T in (1, 4, 16)]:
         q, kv, idx, sink = _attention_case(T, K, g, dev, H, D)
         rows += _sweep(label, lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c), grid,
                        A.fwd_settings(T, H, K), meta, tokens=T, heads=H, rows=K)
-    rows += _indexer_rows(g, dev, meta)
-    rows += _linear_group_rows(g, dev, meta)
-    rows += _mhc_rows(g, dev, meta)
-    with open(out, "w") as fh:
-        json.dump(dict(bench="kernels_decode_sweep", rows=rows), fh, indent=1)
-    print(f"wrote {out}")
+    return rows
+
+
+_SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
+                 "linear_group": _linear_group_rows, "mhc": _mhc_rows}
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ bandwidth its weights need. ``--profile-sources`` adds which lines of the engine
 ``--ablate OP ...`` (``--rows cached`` with a kernel backend): the cached rows again, once per ``OP`` with that
 extra op left out of the table (``core.kernel_ops.OpTable.without``: the step runs the torch code there; the
 row's ``without``), so one run times each decode kernel against the code it replaces (the profile is taken
-of the full table's rows only).
+of the full table's first rows only). The full table runs again last (rows ``"again": true``, labelled
+``(again)``): the drift between its two runs bounds what an ablated row's difference can say.
 """
 
 from __future__ import annotations
@@ -370,7 +371,8 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
 
 
 def format_table(result: dict) -> str:
-    labels = [r["engine"] + "".join(f" -{op}" for op in r.get("without", ())) for r in result["rows"]]
+    labels = [r["engine"] + "".join(f" -{op}" for op in r.get("without", ())) + (" (again)" if r.get("again") else "")
+              for r in result["rows"]]
     w = max([13] + [len(x) + 2 for x in labels])
     head = (f"{'engine':<{w}}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'total tok/s':>13}"
             f"{'step ms':>10}{'HBM share':>11}{'vs HF':>8}")
@@ -464,18 +466,26 @@ def main(argv=None) -> int:
     if a.ablate and (rows != ("cached",) or a.kernel_backend == "none"):
         p.error("--ablate times the cached rows of a kernel backend: pass --rows cached and --kernel-backend")
     done: list = []
+    # with --ablate, the full table runs first and again last: the two rows' difference is the machine's drift
+    # over the run, below which an ablated row's difference says nothing. One H100 run timed the first row of
+    # one sequence at 1.367 ms and every ablated row at 1.75-1.95:
+    # bench/results/rollout-h100-flash-shaped-triton-ablate-linear-group.json
+    variants = [()] + [(op,) for op in a.ablate] + ([()] if a.ablate else [])
 
-    def variant_done(result: dict) -> None:
-        row_done({**result, "rows": done + result["rows"]})
+    for i, without in enumerate(variants):
+        again = i > 0 and not without
 
-    for without in [()] + [(op,) for op in a.ablate]:
+        def variant_done(result: dict, again=again) -> None:
+            rows = [{**r, "again": True} if again else r for r in result["rows"]]
+            row_done({**result, "rows": done + rows})
+
         result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
                            prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
                            rows=rows, cuda_graphs=graphs, prefill_tokens=a.prefill_tokens, hbm=a.hbm,
                            kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=variant_done,
-                           profile_steps=0 if without else a.profile_steps, top_p=a.top_p, layers=a.layers,
-                           profile_sources=a.profile_sources, without=without)
-        done += result["rows"]
+                           profile_steps=0 if without or again else a.profile_steps, top_p=a.top_p,
+                           layers=a.layers, profile_sources=a.profile_sources, without=without)
+        done += [{**r, "again": True} if again else r for r in result["rows"]]
     result["rows"] = done
     print(format_table(result))
     write(result)

@@ -208,8 +208,9 @@ def test_profile_sources_needs_eager_launches_on_cuda(capsys):
 def test_ablate_times_each_extra_op_left_out(tmp_path, monkeypatch, capsys):
     """``--ablate OP``: the cached rows with the full table, then again with ``OP`` left out
     (``OpTable.without``): that row's step no longer calls it (``decode_ops``), says so (``without``) and draws
-    the same tokens (the op's torch contract is the code it replaces). A required op cannot be left out; the flag
-    needs the cached rows of a kernel backend."""
+    the same tokens (the op's torch contract is the code it replaces); last the full table again (``again``,
+    ``(again)``: the run's drift). A required op cannot be left out; the flag needs the cached rows of a kernel
+    backend."""
     from bench import rollout
     from core.kernel_ops import OpTable
     from kernels.reference.backend import reference_functions
@@ -224,11 +225,13 @@ def test_ablate_times_each_extra_op_left_out(tmp_path, monkeypatch, capsys):
     assert rollout.main(["--device", "cpu", "--model", "tiny", "--batch", "2", "--prompt-len", "8",
                          "--new-tokens", "4", "--rows", "cached", "--kernel-backend", "triton",
                          "--ablate", "hc_post_pre", "--out", str(out)]) == 0
-    full, less = json.loads(out.read_text())["rows"]
-    assert "without" not in full and full["decode_ops"]["hc_post_pre"] == "fake"
-    assert less["without"] == ["hc_post_pre"] and "hc_post_pre" not in less["decode_ops"]
-    assert full["positions_fed"] == less["positions_fed"]
-    assert "cached -hc_post_pre" in capsys.readouterr().out
+    full, less, again = json.loads(out.read_text())["rows"]
+    assert "without" not in full and full["decode_ops"]["hc_post_pre"] == "fake" and "again" not in full
+    assert less["without"] == ["hc_post_pre"] and "hc_post_pre" not in less["decode_ops"] and "again" not in less
+    assert again["again"] is True and "without" not in again and again["decode_ops"] == full["decode_ops"]
+    assert full["positions_fed"] == less["positions_fed"] == again["positions_fed"]
+    printed = capsys.readouterr().out
+    assert "cached -hc_post_pre" in printed and "cached (again)" in printed
     with pytest.raises(SystemExit):
         rollout.main(["--device", "cpu", "--rows", "cached", "--ablate", "hc_post_pre"])
     assert "--ablate times the cached rows of a kernel backend" in capsys.readouterr().err
