@@ -125,6 +125,26 @@ def test_cuda_graph_decode_follows_eager_decode_bf16(train_model):
     assert worst <= 5e-2 and same * 2 >= len(_pairs(got, want))
 
 
+def test_generate_timing_on_cuda_is_the_device_time_of_each_phase(train_model):
+    """``generate_timing`` with CUDA graphs: CUDA events at each change of phase (the loop runs ahead of the GPU,
+    so a host clock would time launches): the first call sets the slots up (graph capture), a second of the same
+    size does not; every sample in the slots at once, one decode step a token; the phases fit in the call."""
+    import time
+
+    params = _params(max_new_tokens=12, stop_token_ids=())
+    e = _engine(train_model, "cuda", dtype=torch.bfloat16)
+    e.generate(PROMPTS, params, n=4, seed=0)
+    assert e.generate_timing()["setup_s"] > 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    e.generate(PROMPTS, params, n=4, seed=1)
+    wall = time.perf_counter() - t0
+    got = e.generate_timing()
+    assert "setup_s" not in got or got["setup_s"] < 1e-3      # the slots fit: no capture
+    assert got["decode_steps"] == 11 and got["decode_rows"] == 4 * len(PROMPTS) * 11
+    assert 0 < got["prefill_s"] and 0 < got["decode_s"] and got["prefill_s"] + got["decode_s"] <= wall
+
+
 def test_continuous_batching_on_cuda(train_model):
     params = _params(top_k=40)
     few = _engine(train_model, "cuda", max_slots=3)
