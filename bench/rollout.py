@@ -27,10 +27,12 @@ Timing (best of ``--repeats``, ``torch.cuda.synchronize()`` around each call, af
 engine's slots and graphs are built by ``engine.reserve`` first, its compile time is the row's ``reserve_s``):
 ``t_prefill`` is a call with one new token
 (prefill plus one draw), ``t_full`` one with ``--new-tokens``. prefill tokens/s = ``B x prompt-len /
-t_prefill``; decode tokens/s = ``B x (new-tokens - 1) / (t_full - t_prefill)``; total tokens/s = ``B x
-new-tokens / t_full``. On a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
-step / decode step time / HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the step time ``(t_full -
-t_prefill) / (new-tokens - 1)`` and the weight bytes those a step of ``B`` rows needs: every trunk tensor
+t_prefill``; total tokens/s = ``B x new-tokens / t_full``. The decode step of the cached rows is the engine's
+own clock of the ``t_full`` call (``generate_timing``: its decode steps alone, CUDA events on a GPU; the row's
+``decode_clock: "engine"``, with ``decode_step_ms_difference`` beside it); of the other rows ``(t_full -
+t_prefill) / (new-tokens - 1)`` (``"difference"``, which carries the prefill call's noise); decode tokens/s
+follows. On a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
+step / decode step time / HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the weight bytes those a step of ``B`` rows needs: every trunk tensor
 except the embedding (a row per token), the MTP block (not run) and the routed experts, of which ``k`` per
 layer count for one row and the share ``1 - (1 - k/E)^B`` a batch touches in expectation (bench.grpo's bound).
 KV-cache reads are not counted (at these lengths well under 1% of the weights). A table is printed and a JSON object (``date``, ``machine``, settings, rows)
@@ -250,12 +252,24 @@ def _transformers_generate(config, weights, device, dtype, top_p: float = 1.0):
     return generate, note
 
 
-def _row(name, B, P, T, t_pre, t_full, generated, extra):
+def _row(name, B, P, T, t_pre, t_full, generated, extra, clocked=None):
+    """A row's speeds. ``clocked``: the engine's own decode time of the timed call (``generate_timing``: its
+    decode steps alone, device time on a GPU): the decode step and decode tokens/s come from it
+    (``decode_clock: "engine"``); without it, from ``t_full - t_pre`` (``"difference"``), which carries both
+    calls' noise, the prefill's most: one H100 run timed one sequence's step at 1.367 to 1.945 ms across tables
+    whose prefill throughput varied from 4,662 to 7,668 tokens/s, the step shortest where the prefill call was
+    slowest (bench/results/rollout-h100-flash-shaped-triton-ablate-linear-group.json)."""
     dec = max(t_full - t_pre, 1e-9)
+    steps = max(T - 1, 1)
     row = dict(engine=name, batch=B, prompt_len=P, new_tokens=T, tokens=generated, prefill_s=round(t_pre, 4),
                total_s=round(t_full, 4), prefill_tokens_per_s=round(B * P / t_pre, 1),
                decode_tokens_per_s=round(B * (T - 1) / dec, 1) if T > 1 else None,
-               tokens_per_s=round(generated / t_full, 1), decode_step_ms=round(dec / max(T - 1, 1) * 1e3, 3))
+               tokens_per_s=round(generated / t_full, 1), decode_step_ms=round(dec / steps * 1e3, 3),
+               decode_clock="difference")
+    if clocked and clocked.get("decode_steps"):
+        step_s = clocked["decode_s"] / clocked["decode_steps"]
+        row.update(decode_step_ms_difference=row["decode_step_ms"], decode_step_ms=round(step_s * 1e3, 3),
+                   decode_tokens_per_s=round(clocked["decode_rows"] / clocked["decode_s"], 1), decode_clock="engine")
     row.update(extra)
     return row
 
@@ -338,7 +352,16 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                     engine.generate(prompts, one, n=1, seed=seed)
                     t_pre, _ = _timed(lambda: engine.generate(prompts, one, n=1, seed=seed), dev, repeats)
                     engine.positions_fed = 0
-                    t_full, groups = _timed(lambda: engine.generate(prompts, params, n=1, seed=seed), dev, repeats)
+                    clocks = []
+
+                    def full(prompts=prompts, clocks=clocks):
+                        out = engine.generate(prompts, params, n=1, seed=seed)
+                        clocks.append(getattr(engine, "generate_timing", lambda: None)())
+                        return out
+
+                    t_full, groups = _timed(full, dev, repeats)
+                    clocked = [c for c in clocks if c and c.get("decode_steps")]
+                    clocked = min(clocked, key=lambda c: c["decode_s"] / c["decode_steps"]) if clocked else None
                     generated = sum(len(s.response_ids) for grp in groups for s in grp)
                     extra = dict(note=note, positions_fed=engine.positions_fed // repeats,
                                  # which backend served each op of the step and the sampler (the record says
@@ -355,7 +378,8 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 add(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
                 continue
-            row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra)
+            row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra,
+                       clocked if name == "cached" else None)
             if without:
                 row["without"] = sorted(without)
             if hbm and new_tokens > 1 and name != "transformers":

@@ -27,6 +27,13 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
     assert rows[("cached", 1)]["note"] == "cuda graphs off; compile off; kernels none"
     assert rows[("cached", 1)]["reserve_s"] >= 0 and "reserve_s" not in rows[("uncached", 1)]
     assert "decode tok/s" in format_table(res)
+    for B in (1, 2):       # the cached engine's step by its own clock, within the timed call; the uncached by difference
+        r = rows[("cached", B)]
+        assert r["decode_clock"] == "engine" and r["decode_step_ms_difference"] > 0
+        assert 0 < r["decode_step_ms"] * 3 <= r["total_s"] * 1e3
+        assert r["hbm_share"] == pytest.approx(r["weight_bytes_per_step"] / (r["decode_step_ms"] / 1e3) / 1e12,
+                                               abs=1e-4)
+        assert rows[("uncached", B)]["decode_clock"] == "difference"
 
     c = preset("tiny")
     m = DeepseekV4Model(c, device="meta")
@@ -235,3 +242,16 @@ def test_ablate_times_each_extra_op_left_out(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         rollout.main(["--device", "cpu", "--rows", "cached", "--ablate", "hc_post_pre"])
     assert "--ablate times the cached rows of a kernel backend" in capsys.readouterr().err
+
+
+def test_a_row_takes_the_engines_decode_clock_over_the_difference_of_two_calls():
+    """``_row``: the decode step from the engine's clock (20 steps of 4 rows in 50 ms: 2.5 ms, 1,600 tokens/s) where
+    the calls' difference says otherwise (a prefill call timed 30 ms slow); the difference kept beside it."""
+    from bench.rollout import _row
+
+    clocked = dict(prefill_s=0.05, decode_s=0.05, decode_steps=20, decode_rows=80)
+    r = _row("cached", 4, 16, 21, t_pre=0.08, t_full=0.10, generated=84, extra={}, clocked=clocked)
+    assert r["decode_clock"] == "engine" and r["decode_step_ms"] == 2.5 and r["decode_tokens_per_s"] == 1600.0
+    assert r["decode_step_ms_difference"] == 1.0
+    r = _row("cached", 4, 16, 21, t_pre=0.08, t_full=0.10, generated=84, extra={})
+    assert r["decode_clock"] == "difference" and r["decode_step_ms"] == 1.0 and r["decode_tokens_per_s"] == 4000.0
