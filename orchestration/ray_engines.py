@@ -189,6 +189,11 @@ class EngineActor:
     def held_bytes(self) -> int:
         return int(self.engine.held_bytes())
 
+    def generate_timing(self):
+        """The engine's last generate by phase (the built-in engine's ``generate_timing``), or None."""
+        timing = getattr(self.engine, "generate_timing", None)
+        return None if timing is None else timing()
+
     def shutdown(self) -> None:
         """Stop what the engine started (a launched server); a connected server is left running."""
         if self.engine is not None:
@@ -337,6 +342,10 @@ class RayEngineProxy:
         if not self._reports_bytes:
             return None
         return lambda: self._call(lambda: self.actor.held_bytes.remote())
+
+    def generate_timing(self):
+        """The actor's engine's last generate by phase (the trainer's ``time_rollout_decode`` ...), or None."""
+        return self._call(lambda: self.actor.generate_timing.remote())
 
     # -- generation ----------------------------------------------------------
     def generate(self, prompts, params, *, n: int, seed: int, first_prompt: int = 0):

@@ -107,6 +107,10 @@ def test_disaggregated_survives_a_killed_engine_and_a_killed_trainer(tmp_path, c
     assert [r["world_size"] for r in got] == [1] * 3
     _same_rows(got, local)
     assert all(r["engine_memory_gib"] > 0 for r in got)   # not colocated: the engine keeps its memory
+    # the actor's engine timed its generate by phase; the same samples as the local run: the same decode steps
+    assert all(r["time_rollout_decode"] > 0 for r in got)
+    assert [(r["rollout_decode_steps"], r["rollout_decode_rows"]) for r in got] == \
+        [(r["rollout_decode_steps"], r["rollout_decode_rows"]) for r in local]
 
 
 def test_gloo_transport_over_two_engine_nodes_loads_the_published_weights(tmp_path, cluster, local):
