@@ -41,8 +41,8 @@ from core import weight_contract as wc
 from core.errors import UserInputError
 from core.pp_layout import stage_layers, stage_of
 
-__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "check_state_fits", "rank_tensors",
-           "default_world",
+__all__ = ["TP_SPLIT", "DTYPE_BYTES", "MemoryEstimate", "estimate_memory", "check_state_fits", "check_run_fits_gpu",
+           "rank_tensors", "default_world",
            "in_flight_micro_batches"]
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -256,3 +256,18 @@ def check_state_fits(config, *, tp: int, cp: int, ep: int, pp: int, world: int, 
         f"{est.gradients / gib:.1f}, optimizer {est.optimizer / gib:.1f}; tp {tp}, cp {cp}, ep {ep}, pp {pp} on "
         f"{world} GPU(s)), more than the {device_bytes / gib:.1f} GiB of {device_name}, before any activation. "
         f"Fix: {', or '.join(fixes)}; `dsv4 inspect` estimates a layout")
+
+
+def check_run_fits_gpu(config, run_config, moments: str) -> None:
+    """:func:`check_state_fits` for a run (``core.run_config``) on this process's GPU, before its model is built:
+    on a GPU target with ``--quant bf16`` (the estimate's dtypes) only; other schemes and the CPU are not
+    checked. ``moments``: the trainer's ``adam_moments_dtype``."""
+    import torch
+
+    sel = run_config.selection
+    if not sel.hardware.gpu or sel.quant.name != "bf16" or not torch.cuda.is_available():
+        return
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    check_state_fits(config, tp=run_config.tp, cp=run_config.cp, ep=run_config.ep, pp=run_config.pp,
+                     world=run_config.world, dtype=run_config.dtype, moments=moments,
+                     device_bytes=props.total_memory, device_name=props.name)

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["PhaseClock"]
+__all__ = ["PhaseClock", "timing_metrics"]
 
 
 class PhaseClock:
@@ -50,3 +50,17 @@ class PhaseClock:
                 dt = a.elapsed_time(b) / 1e3 if self._cuda else b - a
                 out[phase] = out.get(phase, 0.0) + dt
         return out
+
+
+def timing_metrics(engine) -> Dict[str, float]:
+    """A GRPO step's metrics of the engine's last ``generate`` (the step's batch), for engines that can say (the
+    built-in cached engine's ``generate_timing``, directly or through a Ray actor): ``time_rollout_setup`` /
+    ``_prefill`` / ``_decode`` (seconds, device time on a GPU), ``rollout_decode_steps`` and
+    ``rollout_decode_rows``; empty otherwise."""
+    timing = getattr(engine, "generate_timing", None)
+    got = None if timing is None else timing()
+    if not got:
+        return {}
+    out = {f"time_rollout_{k[:-2]}": v for k, v in got.items() if k.endswith("_s")}
+    out.update({f"rollout_{k}": v for k, v in got.items() if not k.endswith("_s")})
+    return out

@@ -17,8 +17,7 @@ from typing import Any
 
 from core.config import ConfigError
 
-__all__ = ["validate", "check_mode", "check_static_shapes", "check_train_options", "check_true_on_policy",
-           "check_state_fits_the_gpu"]
+__all__ = ["validate", "check_mode", "check_static_shapes", "check_train_options", "check_true_on_policy"]
 
 _OPTION = {"tracker": "--tracker", "lr": "--lr", "seed": "--seed", "save_every": "--save-every", "data": "--data",
            "max_tokens_per_rank": "--max-tokens-per-rank"}
@@ -363,20 +362,3 @@ def validate(cfg) -> None:
                           "drop one of them")
     _int("save_every", cfg.save_every, 1, 1 << 30)
     _int("keep_last", cfg.keep_last, 1, 1 << 20)
-
-
-def check_state_fits_the_gpu(model_config, run_config, cfg) -> None:
-    """On a GPU target with ``--quant bf16`` (the estimate's dtypes), refuse a layout whose weights, gradients and
-    optimizer state alone exceed this GPU's memory (:func:`core.memory.check_state_fits`), before the model is
-    built; other schemes and the CPU are not checked."""
-    import torch
-
-    from core.memory import check_state_fits
-
-    sel = run_config.selection
-    if not sel.hardware.gpu or sel.quant.name != "bf16" or not torch.cuda.is_available():
-        return
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    check_state_fits(model_config, tp=run_config.tp, cp=run_config.cp, ep=run_config.ep, pp=run_config.pp,
-                     world=run_config.world, dtype=run_config.dtype, moments=cfg.adam_moments_dtype,
-                     device_bytes=props.total_memory, device_name=props.name)

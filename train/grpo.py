@@ -25,6 +25,7 @@ import torch
 
 from engine.pipeline import forward_items, pipelined, rows_device, run_items
 from reporting import profiling
+from rollout.phase_clock import timing_metrics
 from rollout.reference_engine import SamplingParams
 from rollout.replay import routing_match
 from rollout.weight_sync import sync_weights
@@ -116,10 +117,9 @@ def rollout_phase(run, step: int, taken, out: Dict[str, Any], t_step: float):
         out.update(rollout_policy_lag=step - version, time_rollout_wait=wait)
         if run.cfg.colocate:
             run.engine.release_memory()
-        # what the engine holds and how its last generate (this batch's) spent its time, asked before it is busy
-        # with the next batch (an actor answers in call order)
+        # what the engine holds and its generate's phases, asked before the next batch (actors answer in order)
         out.update(run.engine_memory())
-        out.update(run.engine_timing())
+        out.update(timing_metrics(run.engine))
         if run.rollouts is not None and step < run.steps:   # the next batch, from the weights just loaded
             generate(run, step + 1, step, in_background=True)
             out["at_next_rollout_issued"] = time.perf_counter() - t_step

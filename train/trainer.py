@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 import torch
 
 from core.assembly import assemble
+from core.memory import check_run_fits_gpu
 from core.sequence_limits import check_sequences
 from rollout.async_rollout import RolloutPipeline
 from rollout.shared_weights import choose_weight_sync
@@ -53,7 +54,7 @@ from rollout.sglang_engine import DEFAULT_SETTINGS as SGLANG_DEFAULTS
 from . import data as D
 from . import step_guard
 from .checkpointing import latest_checkpoint, save_checkpoint
-from .config_checks import check_state_fits_the_gpu, check_static_shapes, check_true_on_policy
+from .config_checks import check_static_shapes, check_true_on_policy
 from .distributed import ParallelGroups, check_divisible
 from .export import export_model
 from .grpo import grpo_step
@@ -258,24 +259,23 @@ class _Run:
             raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
         if steps < 1:
             raise ValueError("--steps must be >= 1")
-        self.mode, self.steps, self.cfg, self.progress = mode, steps, cfg, progress
+        self.mode, self.steps, self.cfg, self.progress, self.run_config = mode, steps, cfg, progress, run_config
         self.engine_source = engine_source   # the orchestrator's engine for this rank (train_rank), or None
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_config = run_config
         self.parts = parts if parts is not None else assemble(run_config)   # the run's handles, made once per rank
         self.model_config, self.ckpt_source = resolve_model_config(run_config, model_source)
         self.tok = D.tokenizer_for(self.ckpt_source, self.model_config.vocab_size)
         self.examples = D.load_data(cfg.data, mode)
         check_sequences(D.example_lengths(self.tok, self.examples, mode, cfg.max_new_tokens), self.model_config,
                         source=f"{mode.upper()} data {cfg.data or '(built-in)'}")   # before the model is built
+        check_run_fits_gpu(self.model_config, run_config, cfg.adam_moments_dtype)    # and the state against the GPU
         torch.manual_seed(cfg.seed)
         self.dtype = run_config.torch_dtype                               # the run's --dtype
         self.publish_format = run_config.selection.quant.publish_format   # published to the engine: --quant's
         # no random init when a load overwrites every weight (and is checked to): a model source, or the run's
         # own checkpoint that --resume continues from (the init of a large model takes minutes, all overwritten)
         self.resume_fills = self.ckpt_source is None and resumes(self.run_dir, resume)
-        check_state_fits_the_gpu(self.model_config, run_config, cfg)      # before anything is built
         self._build_models(layout)
         self.engine = None
         self.rollouts = None             # async_rollout: the leader's generate call in flight (rollout.async_rollout)
@@ -386,20 +386,6 @@ class _Run:
         that can say)."""
         held = getattr(self.engine, "held_bytes", None)
         return {} if held is None else {"engine_memory_gib": held() / 2**30}
-
-    def engine_timing(self) -> Dict[str, Any]:
-        """After the rollout (the leader): the engine's last ``generate`` by phase, for engines that can say
-        (the built-in cached engine, :meth:`rollout.reference_engine.ReferenceEngine.generate_timing`):
-        ``time_rollout_setup`` / ``_prefill`` / ``_decode`` (seconds, device time on a GPU),
-        ``rollout_decode_steps`` and ``rollout_decode_rows``. Why: the decode steps' share of the memory roofline
-        (``bench.grpo``) needs their time without the prefill's."""
-        timing = getattr(self.engine, "generate_timing", None)
-        got = None if timing is None else timing()
-        if not got:
-            return {}
-        out = {f"time_rollout_{k[:-2]}": v for k, v in got.items() if k.endswith("_s")}
-        out.update({f"rollout_{k}": v for k, v in got.items() if not k.endswith("_s")})
-        return out
 
     def memory_phase_start(self) -> Dict[str, Any]:
         """After the rollout: on a GPU a fresh peak for the train phase (the run's peak so far is kept for

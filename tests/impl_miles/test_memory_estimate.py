@@ -184,8 +184,8 @@ def test_a_training_state_larger_than_the_gpu_is_refused_before_anything_is_buil
     from types import SimpleNamespace
 
     from core.config import preset
+    from core import memory
     from core.memory import StateDoesNotFit, check_state_fits
-    from train import config_checks
 
     flash, gib = preset("flash-shaped"), 2 ** 30
     one = dict(tp=1, cp=1, ep=1, pp=1, world=1, dtype="bf16", moments="fp32")
@@ -209,11 +209,11 @@ def test_a_training_state_larger_than_the_gpu_is_refused_before_anything_is_buil
         return SimpleNamespace(selection=sel, tp=1, cp=1, ep=1, pp=1, world=1, dtype="bf16")
 
     with pytest.raises(StateDoesNotFit, match="97.4 GiB"):
-        config_checks.check_state_fits_the_gpu(flash, run(), SimpleNamespace(adam_moments_dtype="fp32"))
+        memory.check_run_fits_gpu(flash, run(), "fp32")
     # bf16 moments: 75.8 GiB, under the card (activations may still not fit: the run's own error says so)
-    config_checks.check_state_fits_the_gpu(flash, run(), SimpleNamespace(adam_moments_dtype="bf16"))
-    config_checks.check_state_fits_the_gpu(flash, run(quant="fp8"), SimpleNamespace(adam_moments_dtype="fp32"))
-    config_checks.check_state_fits_the_gpu(flash, run(gpu=False), SimpleNamespace(adam_moments_dtype="fp32"))
+    memory.check_run_fits_gpu(flash, run(), "bf16")
+    memory.check_run_fits_gpu(flash, run(quant="fp8"), "fp32")
+    memory.check_run_fits_gpu(flash, run(gpu=False), "fp32")
 
 
 def test_dsv4_inspect_prints_the_estimate_for_any_preset_and_layout():
