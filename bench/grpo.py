@@ -231,9 +231,11 @@ def print_table(rows: list, title: str) -> None:
                 "generate roofline", "decode step ms", "decode roofline", "logprobs ms",
                 "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "entropy", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
+    failed = []
     for r in rows:
-        if "error" in r:
-            table.add_row(r["weight_sync"], f"[red]{r['error']}[/red]", *[""] * 16)
+        if "error" in r:              # the message under the table: in a cell it wrapped into a column of words
+            failed.append(r)
+            table.add_row(r["weight_sync"], "[red]failed[/red]", *[""] * 16)
             continue
         tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
         share, mfu = r.get("rollout_roofline_share"), r.get("train_mfu_dense")
@@ -248,7 +250,10 @@ def print_table(rows: list, title: str) -> None:
                       "-" if mfu is None else f"{mfu:.1%}", f"{r['sync_bytes'] / 1e6:.3f}",
                       f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}", f"{r['rollout_entropy']:.2f}",
                       "-" if first is None else f"{first:.1f}")
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    for r in failed:
+        console.print(f"[red]{r['weight_sync']}: {r['error']}[/red]", soft_wrap=True)
 
 
 def main(argv=None) -> int:

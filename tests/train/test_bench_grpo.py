@@ -102,3 +102,19 @@ def test_the_decode_roofline_counts_the_weights_a_batch_touches():
     bound_ms = 1e3 * 15 * decode_weight_bytes(c, 4) / H200_HBM_BYTES_PER_S
     assert got["decode_roofline_ms"] == pytest.approx(bound_ms) and got["decode_step_ms"] == pytest.approx(20.0)
     assert got["decode_roofline_share"] == pytest.approx(bound_ms / 300.0)
+
+
+def test_a_failed_row_prints_its_error_whole_under_the_table(capsys):
+    """A row that failed (the H100's out-of-memory line, bench/results/grpo-h100-flash-shaped-oom-256.json) says
+    so in the table and prints its message on one line below it, not wrapped into a column of words."""
+    import json
+    from pathlib import Path
+
+    from bench.grpo import print_table
+
+    record = Path(__file__).parents[2] / "bench/results/grpo-h100-flash-shaped-oom-256.json"
+    row = json.loads(record.read_text())["rows"][0]
+    print_table([row], "t")
+    out = capsys.readouterr().out
+    assert "failed" in out
+    assert f"shared: {row['error']}" in out.splitlines()          # whole, on a line of its own
