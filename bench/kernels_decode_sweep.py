@@ -1,12 +1,11 @@
-"""Launch settings of six small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+"""Launch settings of five small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
 step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
 (``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``),
 the indexer scores of one query a sequence (``kernels/triton/indexer.py``' few-query kernel, beside the head loop
-it replaced), a layer's projections of its attention input (``kernels/triton/linear_group.py``, beside the
-GEMMs it replaces) and the mHC's ``hc_post_pre`` (``kernels/triton/mhc.py``: a post, the next pre and its norm in two
-launches, out of the triton table until it beats the five launches it would replace).
+it replaced) and a layer's projections of its attention input (``kernels/triton/linear_group.py``, beside the
+GEMMs it replaces).
 
-    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group mhc]
+    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -73,39 +72,6 @@ def _attention_case(T: int, K: int, g, dev, H: int = 64, D: int = 512):
     return q, kv, idx, torch.randn(H, generator=g).to(dev)
 
 
-def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
-    """``hc_post_pre`` (a post, the next pre and its norm) at 1, 64 and 256 tokens: the second kernel's settings
-    (``norm_BT``, ``norm_BD``, ``norm_warps``), and the same work as the post, pre and norm kernels one by one
-    (five launches, ``unfused_us``)."""
-    from kernels.reference.mhc import sinkhorn
-    from kernels.triton import mhc as M
-    from kernels.triton.norm import rms_norm_launch
-
-    grid = [dict(norm_BT=bt, norm_BD=bd, norm_warps=wp)
-            for bt, bd, wp in itertools.product([1, 2, 4], [256, 512, 1024], [4, 8])]
-    rows, mix = [], (2 + n) * n
-    for T in (1, 64, 256):
-        f = torch.randn(T, d, generator=g).bfloat16().to(dev)
-        x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
-        post = (2 * torch.sigmoid(torch.randn(T, n, generator=g))).to(dev)
-        comb = sinkhorn(torch.randn(T, n, n, generator=g), 20, 1e-6).to(dev)
-        fn = (torch.randn(mix, n * d, generator=g) * (n * d) ** -0.5).to(dev)
-        scale, base = torch.rand(3, generator=g).to(dev), torch.randn(mix, generator=g).to(dev) * 0.1
-        w = (1 + 0.1 * torch.randn(d, generator=g)).to(dev)
-        args = (f, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
-        default = {k: M.MHC_CONFIG[k] for k in grid[0]}
-        got = _sweep("hc_post_pre", lambda c: M.hc_post_pre_fwd(*args, config=c), grid, default, meta, tokens=T)
-
-        def unfused():
-            xn = M.hc_post_fwd(f, x, post, comb)
-            return rms_norm_launch(M.hc_pre_fwd(xn, fn, scale, base, 1e-6, 1e-6, 20)[0], w, 1e-6)
-        us = _time(unfused)
-        print(f"  post, pre and norm kernels one by one: {us:.1f} us")
-        got[0]["unfused_us"] = round(us, 2)
-        rows += got
-    return rows
-
-
 def _indexer_rows(g, dev, meta, H: int = 64, D: int = 128) -> list:
     """The indexer scores of one query a sequence (a decode step) at 1, 64 and 256 sequences over 80 and 512
     entries: the few-query kernel's settings (``heads_BN``, ``heads_warps``), and the head loop the call took
@@ -153,7 +119,7 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     return rows
 
 
-SECTIONS = ("route", "attention", "indexer", "linear_group", "mhc")
+SECTIONS = ("route", "attention", "indexer", "linear_group")
 
 
 def main(argv=None):
@@ -228,7 +194,7 @@ def _attention_rows(g, dev, meta) -> list:
 
 
 _SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
-                 "linear_group": _linear_group_rows, "mhc": _mhc_rows}
+                 "linear_group": _linear_group_rows}
 
 
 if __name__ == "__main__":

@@ -224,12 +224,6 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
         indexer_scores_thd=indexer.indexer_scores_thd,
         indexer_topk=indexer.indexer_topk,
     )
-    # not hc_post_pre (kernels/triton/mhc.py): timed in a decode step on an H100, its two kernels took 16 and 18 us
-    # a site at 64 tokens (11 and 18 at one), where the post, the pre's three kernels and the norm it replaces
-    # took about 23 together on an H200 (17 at one;
-    # bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json,
-    # bench/results/rollout-h200-flash-shaped-triton-eager-decode-kernels.json). It joins the table again once
-    # bench.kernels_decode_sweep times it below them
     for module, names in ((mhc, MHC_OPS), (rope, ("apply_rope",)),
                           (norm, ("rms_normalize", "rms_norm")),
                           (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),

@@ -29,8 +29,7 @@ one launch, ``kernels/triton/compress.py``), in an eager step of a model with co
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
-``kernels/triton/index_query.py``), ``hc_post_pre`` (a block's attention post, MoE pre and MoE input norm; no
-backend's table offers it at present, ``kernels/gpu_common.py`` says why) and ``linear_group`` (the projections of
+``kernels/triton/index_query.py``) and ``linear_group`` (the projections of
 a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a few
 tokens, ``kernels/triton/linear_group.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
 refuses them the step runs the torch code and the refusal is recorded like an op's.
@@ -62,9 +61,8 @@ from core.kernel_ops import OpTable
 from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
-           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs", "hc_post_pre_inputs",
-           "linear_group_inputs",
-           "sampler_choice"]
+           "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
+           "linear_group_inputs", "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -193,21 +191,6 @@ def index_query_inputs(config, dtype: torch.dtype, device) -> list:
              dtype)]
 
 
-def hc_post_pre_inputs(config, dtype: torch.dtype, device) -> list:
-    """The argument tuples the eager decode step passes ``hc_post_pre`` (``kernels.reference.slots.decode_layer``):
-    one slot's attention output and streams in the model's ``dtype``, fp32 coefficients, mapping weights and the
-    sublayer norm's weight."""
-    c = config
-    n, d, mix = c.hc_mult, c.dim, (2 + c.hc_mult) * c.hc_mult
-
-    def zeros(*shape, dt=torch.float32):
-        return torch.zeros(*shape, dtype=dt, device=device)
-
-    return [(zeros(1, 1, d, dt=dtype), zeros(1, 1, n, d, dt=dtype), zeros(1, 1, n), zeros(1, 1, n, n),
-             zeros(mix, n * d), zeros(3), zeros(mix), c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters, zeros(d),
-             c.norm_eps)]
-
-
 def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``linear_group`` (``kernels.reference.decode.
     layer_projections``): one slot's attention input in the model's ``dtype`` and each kind of layer's weights
@@ -237,10 +220,9 @@ def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
-# a block's attention post, MoE pre and its norm, a layer's projections of its attention input
+# a layer's projections of its attention input
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
-                "index_query": index_query_inputs, "hc_post_pre": hc_post_pre_inputs,
-                "linear_group": linear_group_inputs}
+                "index_query": index_query_inputs, "linear_group": linear_group_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

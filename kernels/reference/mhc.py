@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import rms_norm, rms_normalize
+from .layers import rms_normalize
 
-__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_post", "hc_post_pre", "hc_head"]
+__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_post", "hc_head"]
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -62,19 +62,6 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     ct = post.dtype
     mixed = torch.einsum("bsjk,bsjd->bskd", comb, x.to(ct))
     return (post.unsqueeze(-1) * f.to(ct).unsqueeze(-2) + mixed).to(x.dtype)
-
-
-def hc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
-                weight: torch.Tensor, eps: float):
-    """The ``hc_post_pre`` op's contract (the decode step's post of one sublayer, pre of the next and that
-    sublayer's input norm, one op so that a GPU backend can fuse them: ``kernels/triton/mhc.py``):
-    ``x' = hc_post(f, x, post, comb)``, ``(u, post', comb') = hc_pre(x', fn, scale, base, ...)``, then
-    ``-> (x', rms_norm(u, weight, eps), post', comb')`` (``u`` itself has no other reader: a block feeds its
-    sublayer the normed ``u`` only)."""
-    xn = hc_post(f, x, post, comb)
-    u, post2, comb2 = hc_pre(xn, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters)
-    return xn, rms_norm(u, weight, eps), post2, comb2
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -52,7 +52,7 @@ from .stacks import stacked_view
 __all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
            "gather_grouped_mm", "scatter_grouped_mm", "combine_pairs", "PAIR_KERNELS",
            "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",
-           "EAGER_REGIONS", "decode_embed", "decode_layer", "finish_streams", "decode_head"]
+           "EAGER_REGIONS", "decode_embed", "decode_layer", "decode_head"]
 
 
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -559,37 +559,14 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     layer's cache updated in place; ``picks``: the CSA indexer's top-k ``[b, k]`` with ``want_picks`` on a
     CSA layer, else None. One layer's device work, so a compiler can compile it once for every layer of the
     same structure (``rollout.slot_decoder.compiled_decode_step``). ``memo``: the eager step's values shared
-    by its layers (:func:`~.decode.step_once`).
-
-    Where the op table has ``hc_post_pre`` (eagerly, :func:`~.decode.eager_op`), each post runs inside the next
-    pre's op, with that sublayer's input norm: the attention's inside the MoE's, and the MoE's inside the next
-    block's attention pre. Then ``x`` may be the previous block's pending post ``(f, x, post, comb)`` (a tuple),
-    and the returned ``x`` is this block's (:func:`finish_streams` applies the last one)."""
+    by its layers (:func:`~.decode.step_once`)."""
     picks = [] if want_picks else None
-    fused = eager_op(layer.ops, memo, "hc_post_pre")    # a post, the next pre and its norm in one op
-    hc = (layer.norm_eps, layer.hc_eps, layer.hc_iters)
-    if isinstance(x, tuple):                             # the previous block's MoE post, inside this attention pre
-        x, h, post, comb = fused(*x, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, *hc,
-                                 layer.attn_norm.weight, layer.attn_norm.eps)
-    else:
-        u, post, comb = layer._hc("attn", x)
-        h = layer.attn_norm(u)
-    att = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo)
-    if fused is not None:
-        x, h, post, comb = fused(att, x, post, comb, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, *hc,
-                                 layer.ffn_norm.weight, layer.ffn_norm.eps)
-    else:
-        x = layer.hc_post(att, x, post, comb)
-        u, post, comb = layer._hc("ffn", x)
-        h = layer.ffn_norm(u)
-    f, idx = _moe_decode(layer.ffn, h, ids, path)
-    x = (f, x, post, comb) if fused is not None else layer.hc_post(f, x, post, comb)
-    return x, idx, (picks[0] if picks else None)
-
-
-def finish_streams(model, x):
-    """The trunk's streams after the last block: ``x``, or its pending post applied (:func:`decode_layer`)."""
-    return model.layers[-1].hc_post(*x) if isinstance(x, tuple) else x
+    u, post, comb = layer._hc("attn", x)
+    att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks, memo)
+    x = layer.hc_post(att, x, post, comb)
+    u, post, comb = layer._hc("ffn", x)
+    f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
+    return layer.hc_post(f, x, post, comb), idx, (picks[0] if picks else None)
 
 
 def decode_head(model, x: torch.Tensor) -> torch.Tensor:
@@ -628,7 +605,6 @@ def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torc
             routes.append(idx)
         if pick is not None:
             picks.append(pick)
-    x = finish_streams(model, x)
     cache.pos.add_(active.to(cache.pos.dtype))
     k = model.config.n_activated_experts
     routes = torch.stack(routes, dim=1) if routes else torch.empty(len(tokens), 0, k, dtype=torch.long,

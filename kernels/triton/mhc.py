@@ -16,10 +16,10 @@ Here ``hc_pre`` is two kernels (a mixing GEMM that also reduces ``sum x^2``, the
 sigmoids, the whole Sinkhorn loop in registers and ``u``), its backward four (coefficient gradients, ``dx``,
 ``dfn``, then a few small torch reductions over ``[T, M]`` for ``dscale``/``dbase``); ``hc_post`` is one kernel
 each way. The streams are read as bf16 and never copied to fp32. A decode step's few tokens split the mixing GEMM
-over ``K`` (its partials summed by one more kernel); its ``hc_post_pre`` makes the streams inside that split GEMM
-and sums the partials, computes the coefficients, ``u`` and the next sublayer's input norm in a second kernel.
-``hc_post_pre`` is not in the backend's table (``kernels/gpu_common.py``): timed in a decode step it was slower
-than the post, pre and norm it replaces; ``bench.kernels_decode_sweep`` times it for its return.
+over ``K`` (its partials summed by one more kernel). A post, the next pre and its norm in two launches
+(``hc_post_pre``) was built and taken out: in a decode step on an H100 it took about 34 us a site where these
+kernels take about 17 (``bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json``,
+``bench/results/rollout-h100-flash-shaped-triton-profile-linear-group.json``; the code is in the history).
 
 The GEMMs with fp32 operands (``x @ fn^T``, ``dz @ fn``, ``dz^T @ x``) use ``tf32x3`` (three TF32 products,
 about fp32 accuracy on the tensor cores), not plain TF32: the reference computes them in fp32.
@@ -33,7 +33,6 @@ import triton.language as tl
 
 from kernels import gpu_ops
 from kernels.triton import mhc_checks
-from kernels.triton.norm import rms_norm_launch
 from kernels.triton.sinkhorn import sinkhorn, sinkhorn_bwd_tile, sinkhorn_fwd_tile
 
 __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd", "hc_head_fwd", "hc_head_bwd",
@@ -42,9 +41,7 @@ __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd
 # Launch settings (the ``config`` argument of the launchers overrides them):
 #   mix / dfn: BT tokens x BK columns of K per step (mix: split over K below mix_programs programs);
 #   coef: BT tokens, BD of d per step (d split over the grid below coef_programs programs);
-#   dx: BT x BK tiles; post / post_bwd: BT tokens x BD; norm (the decode step's pre with the sublayer norm): BT
-#   tokens a program, all of d in BD chunks (wide chunks: one program walks d twice, and at one token it is the
-#   only program; untimed, bench.kernels_decode_sweep times the grid).
+#   dx: BT x BK tiles; post / post_bwd: BT tokens x BD.
 # Chosen so that ptxas (sm_90a, Triton 3.6) reports no register spills for hc_mult 4. dx and post_bwd were then
 # tuned on an H200 at the Flash shape (python -m bench.kernels_mhc_sweep, bench/results/kernels-mhc-sweep-h200.json):
 # post_bwd's BD 64 -> 128 took a call from 910 to 170 us, dx's BT 32 -> 64 took hc_pre's backward from 606 to 583 us.
@@ -53,8 +50,7 @@ MHC_CONFIG = dict(mix_BT=16, mix_BK=64, mix_warps=4, mix_stages=3, mix_programs=
                   dx_BT=64, dx_BK=64, dx_warps=4,
                   dfn_BT=64, dfn_BK=64, dfn_warps=4, dfn_stages=3,
                   post_BT=8, post_BD=128, post_warps=4,
-                  post_bwd_BT=8, post_bwd_BD=128, post_bwd_warps=4,
-                  norm_BT=1, norm_BD=1024, norm_warps=8)
+                  post_bwd_BT=8, post_bwd_BD=128, post_bwd_warps=4)
 PRECISION = "tf32x3"
 FINISH_TILE = 4096     # fp32 partials one program of the split mixing GEMM's sum loads at once
 
@@ -92,15 +88,11 @@ def _mix_kernel(X, FN, MIX, RHO, T, K, M, norm_eps,
 
 
 @triton.jit
-def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER, F, XOLD, POST, COMB, d,
+def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
                      BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr,
-                     STAGES: tl.constexpr, N: tl.constexpr = 1, FUSED_POST: tl.constexpr = False):
+                     STAGES: tl.constexpr):
     """Split-K :func:`_mix_kernel` for few tokens (a decode step): program ``(i, s)`` sums columns
-    ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``. ``FUSED_POST``: the
-    streams are the ones :func:`_post_fwd_kernel` makes, made here (the decode step's post of one sublayer and
-    mixing GEMM of the next in one launch): each ``BK`` channels of stream ``j`` (``d`` a multiple of ``BK``) are
-    ``post[t, j] f[t] + sum_i comb[t, i, j] XOLD[t, i]`` in fp32, the post kernel's order, cast to ``X``'s dtype
-    and written to ``X``, then summed as they are read there."""
+    ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     s = tl.program_id(1)
     tmask = t < T
@@ -113,20 +105,8 @@ def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER, F, XOLD, POST, COMB, d,
     for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < K
-        tk = tmask[:, None] & kmask[None, :]
-        if FUSED_POST:
-            j = k0 // d                                      # the chunk's stream (BK divides d)
-            dd = k - j * d
-            f = tl.load(F + t64[:, None] * d + dd[None, :], mask=tk, other=0.0).to(tl.float32)
-            xn = tl.load(POST + t64 * N + j, mask=tmask, other=0.0)[:, None] * f
-            for i in tl.static_range(N):
-                xi = tl.load(XOLD + t64[:, None] * K + i * d + dd[None, :], mask=tk, other=0.0).to(tl.float32)
-                xn += tl.load(COMB + t64 * (N * N) + i * N + j, mask=tmask, other=0.0)[:, None] * xi
-            xn = xn.to(X.dtype.element_ty)
-            tl.store(X + t64[:, None] * K + k[None, :], xn, mask=tk)
-            x = xn.to(tl.float32)
-        else:
-            x = tl.load(X + t64[:, None] * K + k[None, :], mask=tk, other=0.0).to(tl.float32)
+        x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        x = x.to(tl.float32)
         w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         ss += tl.sum(x * x, 1)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
@@ -203,69 +183,6 @@ def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, it
         x = tl.load(xrow + dd[None, None, :], mask=tj[:, :, None] & dmask[None, None, :], other=0.0)
         u = tl.sum(pre[:, :, None] * x.to(tl.float32), 1)
         tl.store(U + t64[:, None] * d + dd[None, :], u.to(U.dtype.element_ty), mask=tmask[:, None] & dmask[None, :])
-
-
-@triton.jit
-def _pre_norm_kernel(PART, SSP, SCALE, BASE, X, W, Y, POST, COMB, T, n, d, SPLIT, norm_eps, hc_eps, iters, eps,
-                     BT: tl.constexpr, NP: tl.constexpr, NN: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr,
-                     SB: tl.constexpr):
-    """A decode step's mHC pre after :func:`_mix_part_kernel` and the sublayer's input norm, in one launch (where
-    :func:`_mix_finish_kernel`, :func:`_pre_fwd_kernel` and the norm's kernel were three): each program sums
-    its ``BT`` tokens' partials (only the pre, post and comb columns, ``SB`` partials a load), computes their
-    coefficients as :func:`_pre_fwd_kernel` does (same order: ``(sum * rho) * scale + base``), then walks all
-    of ``d`` twice: ``u = sum_j pre_j X_j`` rounded to ``X``'s dtype for the norm's ``sum u^2``, then the same
-    ``u`` again (recomputed, not re-read: no thread reads what another wrote) as ``Y = ((u rsqrt(mean u^2 +
-    eps)) W)`` in ``X``'s dtype, the rounding order of ``kernels.reference.layers.rms_norm``."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    j, jmask, cidx, valid = _coef_offsets(n, NP)
-    cc = tl.arange(0, NN)                                       # the comb columns, flattened [NP * NP]
-    ccol = 2 * n + (cc // NP) * n + cc % NP
-    cvalid = (cc // NP < n) & (cc % NP < n)
-    sb = tl.arange(0, SB)
-    apre = tl.zeros([BT, NP], dtype=tl.float32)
-    apost = tl.zeros([BT, NP], dtype=tl.float32)
-    acomb = tl.zeros([BT, NN], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for s0 in range(0, SPLIT, SB):
-        s = s0 + sb
-        st = (s.to(tl.int64) * T)[:, None] + t64[None, :]                       # [SB, BT] rows of the partials
-        smask = (s < SPLIT)[:, None] & tmask[None, :]
-        row = PART + st[:, :, None] * MP
-        apre += tl.sum(tl.load(row + j[None, None, :], mask=smask[:, :, None] & jmask[None, None, :], other=0.0), 0)
-        apost += tl.sum(tl.load(row + n + j[None, None, :], mask=smask[:, :, None] & jmask[None, None, :],
-                                other=0.0), 0)
-        acomb += tl.sum(tl.load(row + ccol[None, None, :], mask=smask[:, :, None] & cvalid[None, None, :],
-                                other=0.0), 0)
-        ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0), 0)
-    rho = tl.rsqrt(ss / (n * d) + norm_eps)
-    tj = tmask[:, None] & jmask[None, :]
-    a = (apre * rho[:, None]) * tl.load(SCALE) + tl.load(BASE + j, mask=jmask, other=0.0)
-    pre = tl.where(jmask[None, :], tl.sigmoid(a) + hc_eps, 0.0)
-    ap = (apost * rho[:, None]) * tl.load(SCALE + 1) + tl.load(BASE + n + j, mask=jmask, other=0.0)
-    tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj)
-    tv = tmask[:, None, None] & valid[None, :, :]
-    c = tl.reshape(acomb * rho[:, None], (BT, NP, NP)) * tl.load(SCALE + 2) \
-        + tl.load(BASE + cidx, mask=valid, other=0.0)[None, :, :]
-    comb = sinkhorn_fwd_tile(c, valid[None, :, :], iters, hc_eps)
-    tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb, mask=tv)
-    xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
-    sq = tl.zeros([BT], dtype=tl.float32)
-    for d0 in range(0, d, BD):
-        dd = d0 + tl.arange(0, BD)
-        x = tl.load(xrow + dd[None, None, :], mask=tj[:, :, None] & (dd < d)[None, None, :], other=0.0)
-        u = tl.sum(pre[:, :, None] * x.to(tl.float32), 1).to(X.dtype.element_ty).to(tl.float32)
-        sq += tl.sum(u * u, 1)
-    r = tl.rsqrt(sq / d + eps)
-    for d0 in range(0, d, BD):
-        dd = d0 + tl.arange(0, BD)
-        dmask = dd < d
-        x = tl.load(xrow + dd[None, None, :], mask=tj[:, :, None] & dmask[None, None, :], other=0.0)
-        u = tl.sum(pre[:, :, None] * x.to(tl.float32), 1).to(X.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + dd, mask=dmask, other=0.0).to(tl.float32)
-        y = (u * r[:, None]) * w[None, :]
-        tl.store(Y + t64[:, None] * d + dd[None, :], y.to(Y.dtype.element_ty), mask=tmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -444,22 +361,17 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
                                               num_warps=4)
 
 
-def _mix_parts(x2, fn, MP, cfg, split: int, pending=None):
+def _mix_parts(x2, fn, MP, cfg, split: int):
     """The split mixing GEMM's first kernel (:func:`_mix_part_kernel`) over about ``split`` column ranges (whole
-    ``mix_BK`` chunks; :func:`_mix_split`) -> ``(part [split', T, MP], ssp [split', T], split')``. ``pending``:
-    ``(f, x_old, post, comb)``, a post whose streams the kernel makes and writes to ``x2`` first (``FUSED_POST``;
-    the caller checks that the GEMM splits and ``d`` is whole ``mix_BK`` chunks)."""
+    ``mix_BK`` chunks; :func:`_mix_split`) -> ``(part [split', T, MP], ssp [split', T], split')``."""
     T, K = x2.shape
     kper = triton.cdiv(triton.cdiv(K, split), cfg["mix_BK"]) * cfg["mix_BK"]
     split = triton.cdiv(K, kper)
     part = torch.empty(split, T, MP, dtype=torch.float32, device=x2.device)
     ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
-    f, x_old, post, comb = (x2, x2, part, part) if pending is None else (t.contiguous() for t in pending)
-    n = 1 if pending is None else x_old.shape[1]
     _mix_part_kernel[(triton.cdiv(T, cfg["mix_BT"]), split)](
-        x2, fn, part, ssp, T, K, fn.shape[0], kper, f, x_old, post, comb, K // n, BT=cfg["mix_BT"], BK=cfg["mix_BK"],
-        MP=MP, PREC=PRECISION, STAGES=cfg["mix_stages"], N=n, FUSED_POST=pending is not None,
-        num_warps=cfg["mix_warps"])
+        x2, fn, part, ssp, T, K, fn.shape[0], kper, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
+        STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
     return part, ssp, split
 
 
@@ -471,34 +383,6 @@ def _partials_a_load(split: int, bt: int, width: int) -> int:
 def _mix_split(T: int, K: int, cfg) -> int:
     """The split :func:`_mix` takes for ``T`` tokens over ``K`` channels (1: one pass)."""
     return min(cfg["mix_programs"] // triton.cdiv(T, cfg["mix_BT"]), triton.cdiv(K, 4 * cfg["mix_BK"]))
-
-
-def hc_post_pre_fwd(f, x_old, post, comb, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, config=None):
-    """The decode step's ``x = hc_post(f, x_old, post, comb)``, ``hc_pre(x, ...)`` and the next sublayer's
-    ``rms_norm(u, weight, eps)``: ``-> (x [T, n, d], y [T, d], post' [T, n], comb' [T, n, n])``. Two launches: the
-    post inside the mixing GEMM's split kernel (:func:`_mix_part_kernel`, ``FUSED_POST``), then the partials'
-    sum, coefficients, ``u`` and its norm (:func:`_pre_norm_kernel`). Where the GEMM would not split (many
-    tokens) or ``d`` is not whole ``mix_BK`` chunks: the post, pre and norm kernels as they are."""
-    T, n, d = x_old.shape
-    cfg = _cfg(config)
-    K = n * d
-    split = _mix_split(T, K, cfg) if T else 0
-    if split <= 1 or d % cfg["mix_BK"]:
-        x = hc_post_fwd(f, x_old, post, comb, cfg)
-        u, post2, comb2, *_ = hc_pre_fwd(x, fn, scale, base, norm_eps, hc_eps, iters, cfg)
-        return x, rms_norm_launch(u, weight.contiguous(), eps), post2, comb2
-    x = torch.empty_like(x_old)
-    MP, NP = _mp(fn.shape[0]), mhc_checks.padded(n)
-    part, ssp, split = _mix_parts(x.view(T, K), fn, MP, cfg, split, (f, x_old, post, comb))
-    y = torch.empty(T, d, dtype=x.dtype, device=x.device)
-    post2 = torch.empty(T, n, dtype=torch.float32, device=x.device)
-    comb2 = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
-    bt = cfg["norm_BT"]
-    _pre_norm_kernel[(triton.cdiv(T, bt),)](
-        part, ssp, scale, base, x, weight.contiguous(), y, post2, comb2, T, n, d, split, norm_eps, hc_eps, iters,
-        eps, BT=bt, NP=NP, NN=NP * NP, BD=cfg["norm_BD"], MP=MP, SB=_partials_a_load(split, bt, 2 * NP + NP * NP),
-        num_warps=cfg["norm_warps"])
-    return x, y, post2, comb2
 
 
 def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, cfg):
@@ -663,27 +547,6 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     n, d = x.shape[-2:]
     out = gpu_ops.TRITON.hc_post(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n), comb.reshape(-1, n, n))
     return out.view(x.shape)
-
-
-def hc_post_pre(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
-                weight: torch.Tensor, eps: float):
-    """Same contract as ``kernels.reference.mhc.hc_post_pre`` (the decode step's post of one sublayer, pre of the
-    next and its input norm): ``-> (x' [..., n, d], rms_norm(u) [..., d], post' [..., n], comb' [..., n, n])`` in
-    two launches for a decode step's few tokens (:func:`hc_post_pre_fwd`); inputs as :func:`hc_post` and
-    :func:`hc_pre` take them and a norm ``weight [d]`` (bf16/fp16/fp32), anything else refused with the reason. No
-    gradient (a decode step)."""
-    mhc_checks.check_hc_post(f, x, post, comb)
-    mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
-    mhc_checks.check_norm_weight(x, weight, "hc_post_pre")
-    if any(t.requires_grad for t in (f, x, post, comb, fn, scale, base, weight)):
-        raise ValueError("triton hc_post_pre: inputs that require a gradient (the decode step's op has no "
-                         "backward); run with --kernel-backend none for this input")
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    xn, y, post2, comb2 = hc_post_pre_fwd(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n),
-                                          comb.reshape(-1, n, n), fn, scale, base, float(norm_eps), float(hc_eps),
-                                          int(sinkhorn_iters), weight, float(eps))
-    return xn.view(x.shape), y.view(*lead, d), post2.view(*lead, n), comb2.view(*lead, n, n)
 
 
 @gpu_ops.traceable

@@ -12,8 +12,7 @@ import torch
 from kernels import gpu_common
 from kernels.gpu_ops import padded  # noqa: F401  (the register tile's side; the custom ops' fakes use it too)
 
-__all__ = ["MAX_N", "padded", "check_device", "check_sinkhorn", "check_hc_pre", "check_hc_post", "check_hc_head",
-           "check_norm_weight"]
+__all__ = ["MAX_N", "padded", "check_device", "check_sinkhorn", "check_hc_pre", "check_hc_post", "check_hc_head"]
 
 # A token's n x n mixing matrix lives in registers, padded to a power of two; hc_mult is 4 in every preset.
 MAX_N = 8
@@ -83,15 +82,6 @@ def check_hc_pre(x, fn, scale, base, iters) -> None:
 def check_hc_head(x, fn, scale, base) -> None:
     _check_streams(x, "hc_head")
     _check_mapping(x, fn, scale, base, x.shape[-2], 1, "hc_head")
-
-
-def check_norm_weight(x, weight, what: str) -> None:
-    """A sublayer norm's weight ``[d]`` for streams ``x [..., n, d]`` (bf16/fp16/fp32, on x's device)."""
-    d = x.shape[-1]
-    if weight.shape != (d,) or weight.dtype not in HALF + (torch.float32,):
-        raise ValueError(f"the triton {what} kernel takes a norm weight [{d}] in bf16/fp16/fp32; got "
-                         f"{tuple(weight.shape)} {weight.dtype}. {_FIX}")
-    check_device(x, weight)
 
 
 def check_hc_post(f, x, post, comb) -> None:

@@ -36,7 +36,7 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
             monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: grouped)
     cfg = preset("tiny")
     e = ReferenceEngine(cfg, ops=ops(), dtype=dt, device=dev, cuda_graphs=False)
-    # every eager extra of the table (hc_post_pre is not in it: kernels/gpu_common.py says why)
+    # every eager extra of the table
     extras = [op for op in EAGER_EXTRAS if op in ops().names()]
     assert set(extras) == {"compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group"}, extras
     assert e.decode_refusals == {} and all(e.decode_ops[op] == "triton" for op in extras), e.decode_ops

@@ -136,47 +136,6 @@ def test_hc_post_matches_reference(shape, f_dtype):
              ["out", "df", "dx", "dpost", "dcomb"], dev)
 
 
-POST_PRE = [dict(B=5, S=1, n=4, d=128), dict(B=1, S=1, n=4, d=320), dict(B=2, S=19, n=3, d=80)]
-
-
-@pytest.mark.parametrize("shape", [pytest.param(s, id=f"n{s['n']}-d{s['d']}-T{s['B'] * s['S']}") for s in POST_PRE]
-                         + [pytest.param(DECODE, id="decode-T64", marks=pytest.mark.skipif(
-                             not torch.cuda.is_available(), reason="Flash shape: GPU only"))])
-def test_hc_post_pre_matches_reference(shape):
-    """The decode step's post of one sublayer, pre of the next and its input norm (``hc_post_pre``): with the post
-    inside the mixing GEMM's split kernel and the partials' sum, coefficients and norm in one (a decode step's few
-    tokens over whole 64-channel chunks: the first two shapes) and as the post, pre and norm kernels (the third:
-    the GEMM does not split), against the reference contract (``hc_post``, ``hc_pre``, then ``rms_norm``); forward
-    only (a decode step). The streams ``x'`` are ``hc_post``'s; the norm's weight is fp32 (the model keeps it so)
-    or bf16 (the trainer's weights read in place)."""
-    dev = triton_device()
-    from kernels.reference import mhc as R
-    from kernels.reference.layers import rms_norm
-    from kernels.triton import mhc as K
-
-    B, S, n, d = shape["B"], shape["S"], shape["n"], shape["d"]
-    split = K._mix_split(B * S, n * d, K.MHC_CONFIG)
-    assert (split > 1 and d % K.MHC_CONFIG["mix_BK"] == 0) is (shape is not POST_PRE[2])
-    f = _rand(B, S, d, seed=30).bfloat16()
-    x = _rand(B, S, n, d, seed=31).bfloat16()
-    post = 2 * torch.sigmoid(_rand(B, S, n, seed=32))
-    comb = R.sinkhorn(_rand(B, S, n, n, seed=33), ITERS, HC_EPS)
-    _, fn, scale, base = _mhc_inputs(B, S, n, d, (2 + n) * n, 3, seed=34)
-    weight = 1 + 0.5 * _rand(d, seed=35)
-    for w in (weight, weight.bfloat16()):
-        got = [t.cpu() for t in K.hc_post_pre(*[t.to(dev) for t in (f, x, post, comb, fn, scale, base)], NORM_EPS,
-                                              HC_EPS, ITERS, w.to(dev), NORM_EPS)]
-        # the streams against hc_post's reference; the pre and norm against the reference's on those very streams
-        _check("x'", got[0], R.hc_post(f, x, post, comb), R.hc_post(*(t.double() for t in (f, x, post, comb))),
-               BF16_REL)
-        pre = (fn, scale, base, NORM_EPS, HC_EPS, ITERS)
-        (u, *ref), (uo, *ora) = R.hc_pre(got[0], *pre), R.hc_pre(got[0].double(), *(t.double() for t in pre[:3]),
-                                                                  *pre[3:])
-        ref, ora = [rms_norm(u, w, NORM_EPS)] + ref, [rms_norm(uo, w.double(), NORM_EPS)] + ora
-        for name, g, r, o in zip(("y", "post'", "comb'"), got[1:], ref, ora):
-            _check(name, g, r, o, BF16_REL if g.dtype == torch.bfloat16 else FP32_REL)
-
-
 @pytest.mark.parametrize("n", [4, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sinkhorn_matches_reference(n, dtype):
@@ -318,22 +277,14 @@ def test_kernels_compile_for_sm90():
     cases = [
         (K._mix_kernel, [pb, p32, p32, p32, i, i, i, f],
          dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"]), c["mix_warps"]),
-        (K._mix_part_kernel, [pb, p32, p32, p32, i, i, i, i, pb, pb, p32, p32, i],
-         dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"], N=4,
-              FUSED_POST=False), c["mix_warps"]),
-        (K._mix_part_kernel, [pb, p32, p32, p32, i, i, i, i, pb, pb, p32, p32, i],          # decode: post inside
-         dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"], N=4,
-              FUSED_POST=True), c["mix_warps"]),
+        (K._mix_part_kernel, [pb, p32, p32, p32, i, i, i, i],
+         dict(BT=c["mix_BT"], BK=c["mix_BK"], MP=32, PREC=K.PRECISION, STAGES=c["mix_stages"]), c["mix_warps"]),
         (K._mix_finish_kernel, [p32, p32, p32, p32, i, i, i, f], dict(BT=1, MP=32, SB=64), 4),     # decode: 1 token
         (K._mix_finish_kernel, [p32, p32, p32, p32, i, i, i, f], dict(BT=4, MP=32, SB=32), 4),     # 64 tokens
         (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i, i], dict(HAS_RES=True, **coef),
          c["coef_warps"]),
         (K._pre_fwd_kernel, [p32, p32, p32, pb, pb, p32, p32, p32, i, i, i, f, i, i], dict(HAS_RES=False, **coef),
          c["coef_warps"]),
-        (K._pre_norm_kernel, [p32, p32, p32, p32, pb, p32, pb, p32, p32, i, i, i, i, f, f, i, f],    # decode
-         dict(BT=c["norm_BT"], NP=4, NN=16, BD=c["norm_BD"], MP=32, SB=64), c["norm_warps"]),
-        (K._pre_norm_kernel, [p32, p32, p32, p32, pb, pb, pb, p32, p32, i, i, i, i, f, f, i, f],     # bf16 weight
-         dict(BT=c["norm_BT"], NP=4, NN=16, BD=c["norm_BD"], MP=32, SB=64), c["norm_warps"]),
         (K._pre_bwd_kernel, [p32, p32, p32, p32, pb, pb, p32, p32, p32, p32, p32, i, i, i, f, i],
          dict(HAS_RES=True, **coef), c["coef_warps"]),
         (K._dx_kernel, [pb, pb, p32, p32, p32, p32, pb, i, i, i, i],

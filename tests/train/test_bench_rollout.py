@@ -221,26 +221,26 @@ def test_ablate_times_each_extra_op_left_out(tmp_path, monkeypatch, capsys):
     from bench import rollout
     from core.kernel_ops import OpTable
     from kernels.reference.backend import reference_functions
-    from kernels.reference.mhc import hc_post_pre
+    from kernels.reference.linear_group import linear_group
 
     torch.set_num_threads(1)
-    table = OpTable("fake", {**reference_functions(), "hc_post_pre": hc_post_pre})
+    table = OpTable("fake", {**reference_functions(), "linear_group": linear_group})
     with pytest.raises(ValueError, match="cannot leave out hc_pre"):
         table.without(["hc_pre"])
     monkeypatch.setattr(rollout, "_ops", lambda config, dev, backend, without=(): table.without(without))
     out = tmp_path / "ablate.json"
     assert rollout.main(["--device", "cpu", "--model", "tiny", "--batch", "2", "--prompt-len", "8",
                          "--new-tokens", "4", "--rows", "cached", "--kernel-backend", "triton",
-                         "--ablate", "hc_post_pre", "--out", str(out)]) == 0
+                         "--ablate", "linear_group", "--out", str(out)]) == 0
     full, less, again = json.loads(out.read_text())["rows"]
-    assert "without" not in full and full["decode_ops"]["hc_post_pre"] == "fake" and "again" not in full
-    assert less["without"] == ["hc_post_pre"] and "hc_post_pre" not in less["decode_ops"] and "again" not in less
+    assert "without" not in full and full["decode_ops"]["linear_group"] == "fake" and "again" not in full
+    assert less["without"] == ["linear_group"] and "linear_group" not in less["decode_ops"] and "again" not in less
     assert again["again"] is True and "without" not in again and again["decode_ops"] == full["decode_ops"]
     assert full["positions_fed"] == less["positions_fed"] == again["positions_fed"]
     printed = capsys.readouterr().out
-    assert "cached -hc_post_pre" in printed and "cached (again)" in printed
+    assert "cached -linear_group" in printed and "cached (again)" in printed
     with pytest.raises(SystemExit):
-        rollout.main(["--device", "cpu", "--rows", "cached", "--ablate", "hc_post_pre"])
+        rollout.main(["--device", "cpu", "--rows", "cached", "--ablate", "linear_group"])
     assert "--ablate times the cached rows of a kernel backend" in capsys.readouterr().err
 
 
