@@ -21,8 +21,7 @@ call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and
 ``decode_roofline_share``: issue #32's measure, the engine's decode steps alone (``time_rollout_decode``, device
 time from the engine's :class:`rollout.phase_clock.PhaseClock`, without the prefill, the slots' set-up and the
 rewards), each bound by the weights its mean rows a step touch; the KV cache's reads are not in the bound) and
-the train phase's
-MFU from dense FLOPs only
+the train phase's MFU from dense FLOPs only
 (6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
 H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4

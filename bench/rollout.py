@@ -31,9 +31,9 @@ t_prefill``; total tokens/s = ``B x new-tokens / t_full``. The decode step of th
 own clock of the ``t_full`` call (``generate_timing``: its decode steps alone, CUDA events on a GPU; the row's
 ``decode_clock: "engine"``, with ``decode_step_ms_difference`` beside it); of the other rows ``(t_full -
 t_prefill) / (new-tokens - 1)`` (``"difference"``, which carries the prefill call's noise); decode tokens/s
-follows. On a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode
-step / decode step time / HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the weight bytes those a step of ``B`` rows needs: every trunk tensor
-except the embedding (a row per token), the MTP block (not run) and the routed experts, of which ``k`` per
+follows. On a GPU, decode's share of HBM bandwidth = ``weight bytes read per decode step / decode step time /
+HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the weight bytes those a step of ``B`` rows needs: every trunk
+tensor except the embedding (a row per token), the MTP block (not run) and the routed experts, of which ``k`` per
 layer count for one row and the share ``1 - (1 - k/E)^B`` a batch touches in expectation (bench.grpo's bound).
 KV-cache reads are not counted (at these lengths well under 1% of the weights). A table is printed and a JSON object (``date``, ``machine``, settings, rows)
 is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
@@ -344,7 +344,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                     gen(ids, 2)
                     t_pre, _ = _timed(lambda: gen(ids, 1), dev, repeats)
                     t_full, got = _timed(lambda: gen(ids, new_tokens), dev, repeats)
-                    generated, extra = int(got.numel()), dict(note=note)
+                    generated, extra, clocked = int(got.numel()), dict(note=note), None    # timed from outside
                 else:
                     reserve_s = None
                     if name == "cached":
@@ -356,7 +356,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
 
                     def full(prompts=prompts, clocks=clocks):
                         out = engine.generate(prompts, params, n=1, seed=seed)
-                        clocks.append(getattr(engine, "generate_timing", lambda: None)())
+                        clocks.append(engine.generate_timing())     # None for the uncached engine
                         return out
 
                     t_full, groups = _timed(full, dev, repeats)
@@ -378,8 +378,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 add(dict(engine=name, batch=B, skipped=f"out of memory: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
                 continue
-            row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra,
-                       clocked if name == "cached" else None)
+            row = _row(name, B, hi, new_tokens, t_pre, t_full, generated, extra, clocked)
             if without:
                 row["without"] = sorted(without)
             if hbm and new_tokens > 1 and name != "transformers":
@@ -499,9 +498,11 @@ def main(argv=None) -> int:
     for i, without in enumerate(variants):
         again = i > 0 and not without
 
-        def variant_done(result: dict, again=again) -> None:
-            rows = [{**r, "again": True} if again else r for r in result["rows"]]
-            row_done({**result, "rows": done + rows})
+        def marked(rows: list, again=again) -> list:
+            return [{**r, "again": True} for r in rows] if again else rows
+
+        def variant_done(result: dict) -> None:
+            row_done({**result, "rows": done + marked(result["rows"])})
 
         result = run_bench(model=a.model, device=a.device, dtype=dtype, batch=tuple(a.batch),
                            prompt_len=tuple(a.prompt_len), new_tokens=a.new_tokens, repeats=a.repeats, seed=a.seed,
@@ -509,7 +510,7 @@ def main(argv=None) -> int:
                            kernel_backend=a.kernel_backend, compile=a.compile == "on", on_row=variant_done,
                            profile_steps=0 if without or again else a.profile_steps, top_p=a.top_p,
                            layers=a.layers, profile_sources=a.profile_sources, without=without)
-        done += [{**r, "again": True} if again else r for r in result["rows"]]
+        done += marked(result["rows"])
     result["rows"] = done
     print(format_table(result))
     write(result)

@@ -67,12 +67,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _os_error(exc: BaseException):
-    """The OSError at the root of ``exc`` (DCP and others wrap them), if it is one a user can fix; an error of
-    a Rust library that names one only in its text (``(os error 28)``) counts as that OSError."""
+def _chain(exc: BaseException):
+    """``exc`` and the exceptions it was raised from or during (``__cause__``, else ``__context__``), each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _os_error(exc: BaseException):
+    """The OSError at the root of ``exc`` (DCP and others wrap them), if it is one a user can fix; an error of
+    a Rust library that names one only in its text (``(os error 28)``) counts as that OSError."""
+    for exc in _chain(exc):
         if isinstance(exc, OSError) and exc.errno in _OS_FIX:
             return exc
         m = _OS_ERROR_TEXT.search(str(exc))
@@ -81,7 +88,6 @@ def _os_error(exc: BaseException):
                     errno.ENOSPC if "No space" in m.group(0) else errno.ENAMETOOLONG)
             if code in _OS_FIX:
                 return OSError(code, os.strerror(code))
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -94,13 +100,8 @@ _OOM_WHAT = re.compile(r"Tried to allocate [\d.]+ \w+\. GPU \d+ has a total capa
 
 def _out_of_memory(exc: BaseException):
     """torch's ``OutOfMemoryError`` at or under ``exc`` (by name: this module does not import torch)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if type(exc).__name__ == "OutOfMemoryError" and type(exc).__module__.startswith("torch"):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((e for e in _chain(exc)
+                 if type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch")), None)
 
 
 def one_line(exc: BaseException, *, expected: tuple) -> str:

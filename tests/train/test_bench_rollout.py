@@ -255,3 +255,17 @@ def test_a_row_takes_the_engines_decode_clock_over_the_difference_of_two_calls()
     assert r["decode_step_ms_difference"] == 1.0
     r = _row("cached", 4, 16, 21, t_pre=0.08, t_full=0.10, generated=84, extra={})
     assert r["decode_clock"] == "difference" and r["decode_step_ms"] == 1.0 and r["decode_tokens_per_s"] == 4000.0
+
+
+def test_the_transformers_row_after_an_engine_row_is_timed_by_difference():
+    """The engine's clock belongs to the engine's rows: a transformers row run after a cached one takes the
+    difference of its own two calls, not the cached row's clock."""
+    from bench.rollout import run_bench
+
+    torch.set_num_threads(1)
+    res = run_bench(model="tiny", batch=(1,), prompt_len=(8,), new_tokens=3, rows=("cached", "transformers"))
+    rows = {r["engine"]: r for r in res["rows"]}
+    assert rows["cached"]["decode_clock"] == "engine"
+    if "skipped" not in rows["transformers"]:
+        assert rows["transformers"]["decode_clock"] == "difference"
+        assert "decode_step_ms_difference" not in rows["transformers"]
