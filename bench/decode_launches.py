@@ -41,11 +41,14 @@ REPO = Path(__file__).resolve().parent.parent
 #: launches of each stand-in op's GPU kernel at a decode step's sizes (the triton mHC pre and head: the split mixing
 #: GEMM, its sum, the coefficients; the router: its split gate GEMM and the pick, ``routing.split_of``); others one
 LAUNCHES = {"hc_pre": 3, "hc_head": 3, "route_experts": 2}
+#: ``hc_pre_norm`` / ``hc_head_norm``: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else the mHC op's three and
+#: the norm's one
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "moe_combine", "norm_rope", "decode_topk", "index_query", "linear_group")
+                     "moe_combine", "norm_rope", "decode_topk", "index_query", "linear_group", "hc_pre_norm",
+                     "hc_head_norm")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -85,11 +88,20 @@ def _in_repo(filename: str):
     return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else None
 
 
+def _launches(name: str, args) -> int:
+    """How many kernels the triton op ``name`` launches on ``args``."""
+    if name in ("hc_pre_norm", "hc_head_norm"):
+        from kernels.gpu_common import PRE_NORM_MAX_TOKENS
+
+        return 1 if args[0][..., 0, 0].numel() <= PRE_NORM_MAX_TOKENS else LAUNCHES[name[:-5]] + 1
+    return LAUNCHES.get(name, 1)
+
+
 def _counted(name: str, fn, counter: _Count):
     def op(*args, **kwargs):
         if not counter.inside:
-            counter.sites[f"{name} (one kernel)" if name not in LAUNCHES else f"{name} ({LAUNCHES[name]} kernels)"] += \
-                LAUNCHES.get(name, 1)
+            k = _launches(name, args)
+            counter.sites[f"{name} (one kernel)" if k == 1 else f"{name} ({k} kernels)"] += k
         counter.inside += 1
         try:
             return fn(*args, **kwargs)
@@ -109,6 +121,7 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.index_query import index_query
     from kernels.reference.linear_group import linear_group
+    from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.moe import route_experts
     from kernels.reference.topk import decode_topk
 
@@ -117,7 +130,8 @@ def stand_in_table(counter: _Count, without=()):
               "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
-              "index_query": index_query, "linear_group": linear_group}
+              "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
+              "hc_head_norm": hc_head_norm}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

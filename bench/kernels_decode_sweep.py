@@ -1,11 +1,12 @@
-"""Launch settings of five small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+"""Launch settings of six small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
 step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
 (``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``),
 the indexer scores of one query a sequence (``kernels/triton/indexer.py``' few-query kernel, beside the head loop
-it replaced) and a layer's projections of its attention input (``kernels/triton/linear_group.py``, beside the
-GEMMs it replaces).
+it replaced), a layer's projections of its attention input (``kernels/triton/linear_group.py``, beside the
+GEMMs it replaces) and a site's mHC pre with its norm (``kernels/triton/mhc_decode.py``, beside the four kernels it
+replaces).
 
-    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group]
+    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group mhc]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -119,7 +120,39 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     return rows
 
 
-SECTIONS = ("route", "attention", "indexer", "linear_group")
+def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
+    """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site at 1 and 4 tokens: the one-launch
+    kernel's settings, and the four kernels it replaces (``four_us``: the split mixing GEMM, its sum, the
+    coefficients, the norm; ``kernels.triton.mhc`` and ``kernels.triton.norm``)."""
+    from kernels.triton import mhc as KM
+    from kernels.triton import mhc_decode as MD
+    from kernels.triton import norm as KN
+
+    rows_m = (2 + n) * n
+    fn = (torch.randn(rows_m, n * d, generator=g) * (n * d) ** -0.5).to(dev)
+    scale, base = (0.5 + torch.rand(3, generator=g)).to(dev), (torch.randn(rows_m, generator=g) * 0.5).to(dev)
+    weight = (0.5 + torch.rand(d, generator=g)).to(dev)
+    grid = [dict(programs=p, BK=bk, warps=wp, stages=st)
+            for p, bk, wp, st in itertools.product([64, 128, 256], [64, 128], [4, 8], [2, 3])]
+    rows = []
+    for T in (1, 4):
+        x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
+        default = {k: MD.PRE_NORM_CONFIG[k] for k in grid[0]}
+        got = _sweep("hc_pre_norm", lambda c: MD.hc_pre_norm(x, fn, scale, base, 1e-6, 1e-6, 20, weight, 1e-6, c),
+                     grid, default, meta, tokens=T)
+
+        def four():
+            u = KM.hc_pre_fwd(x, fn, scale, base, 1e-6, 1e-6, 20)[0]
+            return KN.rms_norm_launch(u, weight, 1e-6)
+
+        us = _time(four)
+        print(f"  the four kernels: {us:.1f} us")
+        got[0]["four_us"] = round(us, 2)
+        rows += got
+    return rows
+
+
+SECTIONS = ("route", "attention", "indexer", "linear_group", "mhc")
 
 
 def main(argv=None):
@@ -194,7 +227,7 @@ def _attention_rows(g, dev, meta) -> list:
 
 
 _SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
-                 "linear_group": _linear_group_rows}
+                 "linear_group": _linear_group_rows, "mhc": _mhc_rows}
 
 
 if __name__ == "__main__":

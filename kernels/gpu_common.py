@@ -128,9 +128,12 @@ def make_attention_api(ops, check: Callable, kernel_supports: Callable, module: 
         if indices.dim() == 2:
             indices = indices.unsqueeze(0).expand(B, -1, -1)
         idx = indices.to(torch.int64)
-        # batch b's rows start at b*N; -1 stays -1 (a scalar, not a filled tensor: one kernel fewer per call)
-        offs = torch.arange(0, B * N, N, device=idx.device, dtype=torch.int64).view(B, 1, 1)
-        idx = torch.where(idx >= 0, idx + offs, -1).to(torch.int32)
+        if B > 1:
+            # batch b's rows start at b*N; -1 stays -1 (a scalar, not a filled tensor: one kernel fewer per call).
+            # One batch's ids are the rows as they are, and the kernels take int64: a decode step of one
+            # sequence made these four launches and a cast in every layer
+            offs = torch.arange(0, B * N, N, device=idx.device, dtype=torch.int64).view(B, 1, 1)
+            idx = torch.where(idx >= 0, idx + offs, -1)
         o = sparse_attention_with_sink_thd(q.reshape(B * S, H, D), kv.reshape(B * N, D),
                                            idx.reshape(B * S, -1), sink, scale)
         return o.view(B, S, H, D)
@@ -190,13 +193,17 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 GPU_DTYPES = ("bf16", "fp16")
 
+#: the most tokens the triton ``hc_pre_norm`` serves in one launch (``kernels/triton/mhc_decode.py``: its last program
+#: reads every token's streams alone); here, torch-only, for ``bench.decode_launches``' count of that op's launches
+PRE_NORM_MAX_TOKENS = 4
+
 
 MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
              logprobs=None, experts=None, hadamard=None, sampling=None, routing=None, compress=None,
-             norm_rope=None, topk=None, index_query=None, linear_group=None) -> OpTable:
+             norm_rope=None, topk=None, index_query=None, linear_group=None, mhc_decode=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
@@ -214,7 +221,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``topk``: a module whose ``decode_topk`` becomes an extra op (the eager decode step's indexer picks);
     ``index_query``: a module whose ``index_query`` becomes an extra op (its indexer query's rotation and
     transform); ``linear_group``: a module whose ``linear_group`` becomes an extra op (the projections of a
-    layer's attention input in one launch, ``kernels.reference.decode.layer_projections``)."""
+    layer's attention input in one launch, ``kernels.reference.decode.layer_projections``); ``mhc_decode``: a module
+    whose ``hc_pre_norm`` and ``hc_head_norm`` become extra ops (a site's mHC pre and its sublayer's norm, the head's
+    collapse and the final norm, one launch each at a few tokens, ``kernels.reference.slots``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -231,7 +240,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                                      "moe_combine")), (hadamard, ("hadamard_transform",)),
                           (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
                           (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)), (topk, ("decode_topk",)),
-                          (index_query, ("index_query",)), (linear_group, ("linear_group",))):
+                          (index_query, ("index_query",)), (linear_group, ("linear_group",)),
+                          (mhc_decode, ("hc_pre_norm", "hc_head_norm"))):
         if module is not None:
             own.update({name: getattr(module, name) for name in names})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}

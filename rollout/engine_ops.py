@@ -29,9 +29,11 @@ one launch, ``kernels/triton/compress.py``), in an eager step of a model with co
 ``norm_rope`` (the attention's query norm and rotation, and its key's norm, rotation and write into the ring, one
 launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's indexer picks in one launch,
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
-``kernels/triton/index_query.py``) and ``linear_group`` (the projections of
+``kernels/triton/index_query.py``), ``linear_group`` (the projections of
 a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a few
-tokens, ``kernels/triton/linear_group.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
+tokens, ``kernels/triton/linear_group.py``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
+launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
+``kernels/triton/mhc_decode.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
 refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
@@ -62,7 +64,8 @@ from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
-           "linear_group_inputs", "sampler_choice"]
+           "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs",
+           "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -217,12 +220,44 @@ def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
     return out
 
 
+def hc_pre_norm_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``hc_pre_norm`` (``kernels.reference.slots.decode_layer``):
+    one slot's streams in the model's ``dtype``, a block's fp32 mHC mapping, and the sublayer norm's weight in fp32
+    or the model's dtype (as the engine may hold it)."""
+    c = config
+    n, d = c.hc_mult, c.dim
+    mix = (2 + n) * n
+
+    def zeros(*shape, dt=torch.float32):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    x = zeros(1, 1, n, d, dt=dtype)
+    return [(x, zeros(mix, n * d), zeros(3), zeros(mix), c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters, zeros(d, dt=wd),
+             c.norm_eps) for wd in dict.fromkeys((torch.float32, dtype))]
+
+
+def hc_head_norm_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step's head passes ``hc_head_norm`` (``kernels.reference.slots.
+    decode_head``): one slot's streams in the model's ``dtype``, the head's fp32 collapse mapping, the final norm's
+    weight in fp32 or the model's dtype."""
+    c = config
+    n, d = c.hc_mult, c.dim
+
+    def zeros(*shape, dt=torch.float32):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    return [(zeros(1, 1, n, d, dt=dtype), zeros(n, n * d), zeros(1), zeros(n), c.norm_eps, c.hc_eps, zeros(d, dt=wd),
+             c.norm_eps) for wd in dict.fromkeys((torch.float32, dtype))]
+
+
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
-# a layer's projections of its attention input
+# a layer's projections of its attention input, a site's mHC pre with its sublayer's norm, the head's collapse with
+# the final norm
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
-                "index_query": index_query_inputs, "linear_group": linear_group_inputs}
+                "index_query": index_query_inputs, "linear_group": linear_group_inputs,
+                "hc_pre_norm": hc_pre_norm_inputs, "hc_head_norm": hc_head_norm_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import rms_normalize
+from .layers import rms_norm, rms_normalize
 
-__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_post", "hc_head"]
+__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_pre_norm", "hc_post", "hc_head", "hc_head_norm"]
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -57,6 +57,16 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return u.to(x.dtype), post, comb
 
 
+def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float, sinkhorn_iters: int, weight: torch.Tensor, eps: float):
+    """:func:`hc_pre` and the sublayer's weighted RMS norm of its ``u`` (``weight [d]``, ``eps``):
+    ``(rms_norm(u), post, comb)``. The contract of a GPU backend's one-launch decode op (the triton backend's
+    ``kernels/triton/mhc_decode.py``), which the eager static decode step calls where the run's table has it
+    (``kernels.reference.slots.decode_layer``)."""
+    u, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters)
+    return rms_norm(u, weight, eps), post, comb
+
+
 def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``X'_k = post_k f + sum_j comb[j,k] X_j``; ``f [B,S,d]``, ``x [B,S,n,d]`` -> ``[B,S,n,d]`` (x.dtype)."""
     ct = post.dtype
@@ -71,3 +81,11 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     mixes = F.linear(flat, fn.to(flat.dtype))
     pre = torch.sigmoid(mixes * scale.to(flat.dtype) + base.to(flat.dtype)) + hc_eps
     return (pre.unsqueeze(-1) * x.to(pre.dtype)).sum(dim=-2).to(x.dtype)
+
+
+def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`hc_head` and the model's final weighted RMS norm (``weight [d]``, ``eps``): the contract of a GPU
+    backend's one-launch decode op (``kernels/triton/mhc_decode.py``), which the eager static decode step's head
+    calls where the run's table has it (``kernels.reference.slots.decode_head``)."""
+    return rms_norm(hc_head(x, fn, scale, base, norm_eps, hc_eps), weight, eps)

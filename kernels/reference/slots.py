@@ -561,17 +561,36 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     same structure (``rollout.slot_decoder.compiled_decode_step``). ``memo``: the eager step's values shared
     by its layers (:func:`~.decode.step_once`)."""
     picks = [] if want_picks else None
-    u, post, comb = layer._hc("attn", x)
-    att = _attend(layer.attn, layer.attn_norm(u), lc, pos, _compress_masked, picks, memo)
+    h, post, comb = _pre_normed(layer, "attn", x, layer.attn_norm, memo)
+    att = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo)
     x = layer.hc_post(att, x, post, comb)
-    u, post, comb = layer._hc("ffn", x)
-    f, idx = _moe_decode(layer.ffn, layer.ffn_norm(u), ids, path)
+    h, post, comb = _pre_normed(layer, "ffn", x, layer.ffn_norm, memo)
+    f, idx = _moe_decode(layer.ffn, h, ids, path)
     return layer.hc_post(f, x, post, comb), idx, (picks[0] if picks else None)
 
 
-def decode_head(model, x: torch.Tensor) -> torch.Tensor:
-    """The trunk's streams ``[b, 1, n, d]`` -> fp32 logits ``[b, V]``."""
-    return _final_logits(model, x)[:, 0]
+def _pre_normed(layer, site: str, x: torch.Tensor, rms, memo: Optional[dict]):
+    """A site's mHC pre and its sublayer's norm ``rms``: ``(rms(u), post, comb)``, in one launch where the eager
+    step's table has ``hc_pre_norm`` (:func:`~.decode.eager_op`; ``kernels/triton/mhc_decode.py``), else
+    ``hc_pre`` and the norm."""
+    fused = eager_op(layer.ops, memo, "hc_pre_norm")
+    if fused is None:
+        u, post, comb = layer._hc(site, x)
+        return rms(u), post, comb
+    return fused(x, getattr(layer, f"hc_{site}_fn"), getattr(layer, f"hc_{site}_scale"),
+                 getattr(layer, f"hc_{site}_base"), layer.norm_eps, layer.hc_eps, layer.hc_iters, rms.weight, rms.eps)
+
+
+def decode_head(model, x: torch.Tensor, memo: Optional[dict] = None) -> torch.Tensor:
+    """The trunk's streams ``[b, 1, n, d]`` -> fp32 logits ``[b, V]``; the collapse and the final norm in one
+    launch where the eager step's table has ``hc_head_norm`` (:func:`~.decode.eager_op`)."""
+    fused = eager_op(model.ops, memo, "hc_head_norm")
+    if fused is None:
+        return _final_logits(model, x)[:, 0]
+    c = model.config
+    y = fused(x, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, c.norm_eps, c.hc_eps, model.norm.weight,
+              model.norm.eps)
+    return linear_fp32(y, model.head.weight)[:, 0]
 
 
 @dataclass(frozen=True)
@@ -609,7 +628,7 @@ def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torc
     k = model.config.n_activated_experts
     routes = torch.stack(routes, dim=1) if routes else torch.empty(len(tokens), 0, k, dtype=torch.long,
                                                                    device=tokens.device)
-    logits = regions.head(model, x)
+    logits = regions.head(model, x, **shared)
     if picks is None:
         return logits, routes
     topk = model.config.index_topk

@@ -308,7 +308,8 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, s
     _check(q, kv, idx, sink)
     cfg = {**fwd_settings(q.shape[0], q.shape[1], idx.shape[-1]), **(config or {})}
     q, kv = q.contiguous(), kv.contiguous()
-    idx = idx.to(torch.int32).contiguous()
+    # int64 ids as they come (a decode step's): their cast was a launch a layer; the kernels load either width
+    idx = (idx if idx.dtype == torch.int64 else idx.to(torch.int32)).contiguous()
     sink = sink.to(torch.float32).contiguous()
     T, H, D = q.shape
     K = idx.shape[1]

@@ -54,11 +54,13 @@ def ops() -> "OpTable":
     (``kernels/triton/norm_rope.py``); ``decode_topk``, its eager decode step's indexer picks in one launch
     (``kernels/triton/topk.py``); ``index_query``, its indexer query's rotation, Hadamard transform and casts in
     one launch (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
-    input in one launch at a few tokens (``kernels/triton/linear_group.py``).
+    input in one launch at a few tokens (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
+    mHC pre and the norm after it in one launch at a few tokens (``kernels/triton/mhc_decode.py``).
     """
     from kernels import gpu_common
     from kernels.triton import (attention, compress, experts, hadamard, index_query, indexer, linear_group, logprobs,
-                                mhc, norm, norm_rope, rope, routing, sampling, swiglu, topk)
+                                mhc, mhc_decode, norm, norm_rope, rope, routing, sampling, swiglu, topk)
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
-                               sampling, routing, compress, norm_rope, topk, index_query, linear_group)
+                               sampling, routing, compress, norm_rope, topk, index_query, linear_group,
+                               mhc_decode)

@@ -28,8 +28,8 @@ def test_the_tiny_pattern_counts_and_the_record_is_dated():
 
     counter = count_step(preset("tiny"), 1)
     n = preset("tiny").n_layers           # a pre and a post around each sublayer
-    assert sum(counter.sites.values()) > 100 and counter.sites["hc_pre (3 kernels)"] == 3 * 2 * n
-    assert counter.sites["hc_post (one kernel)"] == 2 * n
+    assert sum(counter.sites.values()) > 100 and counter.sites["hc_pre_norm (one kernel)"] == 2 * n
+    assert counter.sites["hc_post (one kernel)"] == 2 * n and "hc_pre (3 kernels)" not in counter.sites
     record = json.loads((RESULTS / "decode-launches-cpu-flash-shaped.json").read_text())
     assert record["date"] and record["machine"] and record["code"]
     assert record["launches_per_step"] == sum(r["launches"] for r in record["sites"])
@@ -68,3 +68,23 @@ def test_one_launch_projects_a_layers_attention_input():
     gemms = [2 + 2 * (1 + (r == 4)) * (r > 0) + (r == 4) for r in config.compress_ratios[:config.n_layers]]
     assert gemms == [2, 2, 7, 4] and with_group.sites["linear_group (one kernel)"] == config.n_layers
     assert sum(without.sites.values()) - sum(with_group.sites.values()) == sum(g - 1 for g in gemms)
+
+
+def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():
+    """``hc_pre_norm``: a site's mHC pre (three launches) and its sublayer's norm (one) are one launch at up to
+    ``PRE_NORM_MAX_TOKENS`` slots and those four above it; without it the step runs ``hc_pre`` and ``rms_norm``.
+    Likewise ``hc_head_norm`` for the head's collapse (``hc_head``) and the final norm."""
+    from bench.decode_launches import count_step, model_like
+    from kernels.gpu_common import PRE_NORM_MAX_TOKENS
+
+    config = model_like("flash-shaped")
+    sites = 2 * config.n_layers
+    for slots, each in ((1, 1), (PRE_NORM_MAX_TOKENS, 1), (PRE_NORM_MAX_TOKENS + 1, 4)):
+        got = count_step(config, slots)
+        label = "hc_pre_norm (one kernel)" if each == 1 else "hc_pre_norm (4 kernels)"
+        assert got.sites[label] == each * sites, (slots, got.sites)
+        without = count_step(config, slots, without=("hc_pre_norm",))
+        assert sum(without.sites.values()) - sum(got.sites.values()) == (4 - each) * sites
+        assert without.sites["hc_pre (3 kernels)"] == 3 * sites
+        head = count_step(config, slots, without=("hc_head_norm",))
+        assert sum(head.sites.values()) - sum(got.sites.values()) == 4 - each and head.sites["hc_head (3 kernels)"] == 3

@@ -1,0 +1,236 @@
+"""The mHC pre and the norm after it in one launch for a decode step's few tokens: the extra ops ``hc_pre_norm``
+and ``hc_head_norm`` (the head's collapse and the model's final norm, the same kernel without the residual
+coefficients).
+
+    y, post, comb = hc_pre_norm(x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps)
+                  = (rms_norm(u, weight, eps), post, comb)  where  u, post, comb = hc_pre(x, fn, scale, ...)
+
+Why: a site of the eager decode step (a layer's attention and its MoE, each behind an mHC pre) ran four kernels
+before the sublayer: the split mixing GEMM, the sum of its partials, the coefficients with ``u``, and the norm
+(``kernels.triton.mhc``, ``kernels.triton.norm``). At one sequence they took about 5.1, 2.0, 6.7 and 1.8 us a
+site on an H100, each of them a launch that reads a few kilobytes and waits on the one before
+(``bench/results/rollout-h100-flash-shaped-triton-profile-linear-group.json``): latency, not bandwidth. Here the
+programs of the split GEMM each write their partial and take a ticket (an atomic counter); the program that
+takes the last ticket has every partial and does the rest alone: their sum, the coefficients and the Sinkhorn
+loop, ``u`` and its norm. It then sets the counter back to 0 for the next launch (one counter per device,
+:func:`_ticket`: the decode step runs on one stream, so launches never overlap). One program reads all of
+``u``'s streams, so this plan serves up to ``max_tokens`` tokens; above it (a decode step of many sequences,
+where the split kernels have programs enough) the launcher runs those four kernels. Both are this backend's
+kernels, the same op for the same inputs, chosen by the token count alone (a CUDA graph holds one of them).
+
+The math is the reference's (``kernels.reference.mhc.hc_pre``, then ``kernels.reference.layers.rms_norm`` on ``u``
+rounded to the streams' dtype); the partials are those of ``kernels.triton.mhc``'s split GEMM (fp32, ``tf32x3``),
+summed in a fixed order (the same outputs on every replay).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common, gpu_ops
+from kernels.triton import mhc, mhc_checks, norm
+from kernels.triton.sinkhorn import sinkhorn_fwd_tile
+
+__all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
+
+# programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
+# max_tokens: the most tokens the one-program tail takes; TAIL_ELEMENTS: the streams' values one step of the
+# tail's u loop loads (BD = TAIL_ELEMENTS / (tokens x streams), so one token's four 4,096-wide streams are two steps)
+PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS)
+TAIL_ELEMENTS = 8192
+
+_TICKETS: dict = {}
+
+
+def _ticket(device: torch.device) -> torch.Tensor:
+    """The device's ticket counter (int32, 0 between launches). Made once, outside any CUDA graph capture: a
+    counter made during one would live in the graph's pool and be zeroed by a captured memset."""
+    key = (device.type, device.index)
+    got = _TICKETS.get(key)
+    if got is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("hc_pre_norm's first call on a device ran inside a CUDA graph capture; call it once "
+                               "before capturing (the engine's op probe does)")
+        got = _TICKETS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return got
+
+
+@triton.jit
+def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
+          HAS_RES: tl.constexpr, TB: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
+          SB: tl.constexpr):
+    """The last program's work: the partials' sum (``kernels.triton.mhc._mix_finish_kernel``), the coefficients
+    (``_pre_fwd_kernel``), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm written over it."""
+    t = tl.arange(0, TB)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tl.arange(0, MP)
+    sb = tl.arange(0, SB)
+    acc = tl.zeros([TB, MP], dtype=tl.float32)
+    ss = tl.zeros([TB], dtype=tl.float32)
+    for s0 in range(0, SPLIT, SB):
+        s = s0 + sb
+        st = (s.to(tl.int64) * T)[:, None] + t64[None, :]
+        smask = (s < SPLIT)[:, None] & tmask[None, :]
+        acc += tl.sum(tl.load(PART + st[:, :, None] * MP + m[None, None, :], mask=smask[:, :, None], other=0.0,
+                              cache_modifier=".cg"), 0)
+        ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+    rho = tl.rsqrt(ss / K + norm_eps)
+    tl.store(MIXS + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
+    tl.debug_barrier()                                   # the coefficients read MIXS back in another layout
+    j = tl.arange(0, NP)
+    jmask = j < n
+    cidx = 2 * n + j[:, None] * n + j[None, :]
+    valid = jmask[:, None] & jmask[None, :]
+    tj = tmask[:, None] & jmask[None, :]
+    mrow = MIXS + t64[:, None] * MP
+    a = tl.load(mrow + j[None, :], mask=tj, other=0.0) * tl.load(SCALE) + tl.load(BASE + j, mask=jmask, other=0.0)
+    pre = tl.where(jmask[None, :], tl.sigmoid(a) + hc_eps, 0.0)
+    if HAS_RES:
+        ap = tl.load(mrow + n + j[None, :], mask=tj, other=0.0) * tl.load(SCALE + 1) \
+            + tl.load(BASE + n + j, mask=jmask, other=0.0)
+        tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj)
+        tv = tmask[:, None, None] & valid[None, :, :]
+        c = tl.load(MIXS + t64[:, None, None] * MP + cidx[None, :, :], mask=tv, other=0.0) * tl.load(SCALE + 2) \
+            + tl.load(BASE + cidx, mask=valid, other=0.0)[None, :, :]
+        comb = sinkhorn_fwd_tile(c, valid[None, :, :], iters, hc_eps)
+        tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb, mask=tv)
+    xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
+    sq = tl.zeros([TB], dtype=tl.float32)
+    for d0 in range(0, d, BD):
+        dd = d0 + tl.arange(0, BD)
+        dmask = dd < d
+        x = tl.load(xrow + dd[None, None, :], mask=tj[:, :, None] & dmask[None, None, :], other=0.0)
+        u = tl.sum(pre[:, :, None] * x.to(tl.float32), 1).to(Y.dtype.element_ty)
+        uf = u.to(tl.float32)
+        sq += tl.sum(uf * uf, 1)
+        tl.store(Y + t64[:, None] * d + dd[None, :], u, mask=tmask[:, None] & dmask[None, :])
+    r = tl.rsqrt(sq / d + eps)
+    tl.debug_barrier()                                   # the norm reads u back in another layout
+    for d0 in range(0, d, BD):
+        dd = d0 + tl.arange(0, BD)
+        dmask = dd < d
+        ym = tmask[:, None] & dmask[None, :]
+        u = tl.load(Y + t64[:, None] * d + dd[None, :], mask=ym, other=0.0).to(tl.float32)
+        w = tl.load(W + dd, mask=dmask, other=0.0).to(tl.float32)
+        y = u * r[:, None]                               # rounded to fp32 first, as the reference
+        tl.store(Y + t64[:, None] * d + dd[None, :], (y * w[None, :]).to(Y.dtype.element_ty), mask=ym)
+
+
+@triton.jit
+def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, COMB, T, K, M, KPER, SPLIT, n, d,
+                     norm_eps, hc_eps, iters, eps, HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr,
+                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
+    """Program ``s``: columns ``[s * KPER, (s + 1) * KPER)`` of the mixing GEMM into ``PART[s]``, ``SSP[s]``
+    (``kernels.triton.mhc._mix_part_kernel``'s math), then a ticket; the last ticket runs :func:`_tail`."""
+    s = tl.program_id(0)
+    t = tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tl.arange(0, MP)
+    mmask = m < M
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    k_lo = s * KPER
+    for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < K
+        x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        ss += tl.sum(x * x, 1)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    base = s.to(tl.int64) * T
+    tl.store(PART + (base + t64)[:, None] * MP + m[None, :], acc, mask=tmask[:, None])
+    tl.store(SSP + base + t64, ss, mask=tmask)
+    tl.debug_barrier()                                   # every thread's partial is written before the release
+    ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLIT - 1:
+        tl.debug_barrier()
+        _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
+              HAS_RES, TB, MP, NP, BD, SB)
+        tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")
+
+
+def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg):
+    """One launch of :func:`_pre_norm_kernel` on ``x2 [T, n d]`` (T <= max_tokens) -> ``(y [T, d], post, comb)``."""
+    T, K = x2.shape
+    M = fn.shape[0]
+    MP, NP = gpu_ops.mix_width(M), mhc_checks.padded(n)
+    dev = x2.device
+    bk = cfg["BK"]
+    kper = triton.cdiv(triton.cdiv(K, cfg["programs"]), bk) * bk
+    split = triton.cdiv(K, kper)
+    part = torch.empty(split, T, MP, dtype=torch.float32, device=dev)
+    ssp = torch.empty(split, T, dtype=torch.float32, device=dev)
+    mixs = torch.empty(T, MP, dtype=torch.float32, device=dev)
+    y = torch.empty(T, d, dtype=x2.dtype, device=dev)
+    post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
+    tb = triton.next_power_of_2(T)
+    bd = min(triton.next_power_of_2(d), max(16, TAIL_ELEMENTS // (tb * NP)))
+    sb = min(triton.next_power_of_2(split), max(1, mhc.FINISH_TILE // (tb * MP)))
+    _pre_norm_kernel[(split,)](x2, fn, part, ssp, mixs, _ticket(dev), scale, base, weight, y,
+                               post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
+                               float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
+                               BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
+                               BD=bd, SB=sb, num_warps=cfg["warps"])
+    return y, post, comb
+
+
+def _check_norm_weight(op: str, x: torch.Tensor, fn: torch.Tensor, weight: torch.Tensor) -> None:
+    d = x.shape[-1]
+    if weight.shape != (d,) or weight.dtype not in (torch.float32, x.dtype) or weight.device != x.device:
+        raise gpu_common.op_refusal(op, f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} "
+                                        f"(needs [{d}] in fp32 or {x.dtype} on {x.device})")
+    if x.requires_grad or fn.requires_grad:
+        raise gpu_common.op_refusal(op, "an input that requires a gradient (the op is the decode step's and has no "
+                                        "backward)")
+
+
+def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float, sinkhorn_iters: int, weight: torch.Tensor, eps: float, config: Optional[dict] = None):
+    """:func:`kernels.reference.mhc.hc_pre_norm` (module docstring): ``x [..., n, d]`` bf16/fp16, the mHC mapping
+    as ``hc_pre`` takes it, the norm's ``weight [d]`` (fp32 or ``x``'s dtype) -> ``(y [..., d] in x's dtype, post
+    [..., n], comb [..., n, n] fp32)``. One launch at up to ``max_tokens`` tokens, else the split kernels of
+    ``kernels.triton.mhc`` and the norm's. Anything else is refused with the reason."""
+    mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
+    _check_norm_weight("hc_pre_norm", x, fn, weight)
+    n, d = x.shape[-2:]
+    cfg = {**PRE_NORM_CONFIG, **(config or {})}
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, n, d)
+    T = x3.shape[0]
+    if T <= cfg["max_tokens"]:
+        y, post, comb = _launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d,
+                                norm_eps, hc_eps, sinkhorn_iters, eps, True, cfg)
+    else:
+        u, post, comb, *_ = mhc.hc_pre_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps), int(sinkhorn_iters))
+        y = norm.rms_norm_launch(u, weight.contiguous(), float(eps))
+    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                 hc_eps: float, weight: torch.Tensor, eps: float, config: Optional[dict] = None) -> torch.Tensor:
+    """:func:`kernels.reference.mhc.hc_head_norm`: the head's collapse of ``x [..., n, d]`` and the model's final
+    norm, one launch at up to ``max_tokens`` tokens (the kernel without the residual coefficients), else
+    ``kernels.triton.mhc``'s ``hc_head`` kernels and the norm's -> ``[..., d]`` in x's dtype."""
+    mhc_checks.check_hc_head(x, fn, scale, base)
+    _check_norm_weight("hc_head_norm", x, fn, weight)
+    cfg = {**PRE_NORM_CONFIG, **(config or {})}
+    n, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, n, d)
+    T = x3.shape[0]
+    if T <= cfg["max_tokens"]:
+        y = _launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d, norm_eps, hc_eps,
+                    1, eps, False, cfg)[0]
+    else:
+        u = mhc.hc_head_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps))[0]
+        y = norm.rms_norm_launch(u, weight.contiguous(), float(eps))
+    return y.view(*lead, d)

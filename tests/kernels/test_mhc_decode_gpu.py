@@ -1,0 +1,172 @@
+"""The triton backend's ``hc_pre_norm`` and ``hc_head_norm`` (``kernels/triton/mhc_decode.py``: a decode site's mHC
+pre and its sublayer's norm, or the head's collapse and the final norm, in one launch, the split mixing GEMM's last
+program doing the rest) against the reference contracts ``kernels.reference.mhc.hc_pre_norm`` (``hc_pre``, then
+``rms_norm`` of ``u``) and ``hc_head_norm``.
+
+Oracle: the reference in fp64 on the same bf16-valued inputs; ``y`` within a bf16 rounding step (two under the
+interpreter, which truncates) of the oracle's largest value and no further than the fp32 reference op itself,
+``post`` and ``comb`` within ``FP32_REL``. The one-launch plan serves up to ``max_tokens`` tokens and the split
+kernels above it (asserted by which launcher runs); the ticket counter is back at 0 after every launch, and a
+CUDA graph of the op replays to the same bits. On a GPU at the Flash-shaped sizes too; with no GPU,
+``TRITON_INTERPRET=1`` runs the small shapes on the CPU; ``test_kernel_compiles_for_sm90`` compiles it for
+sm_90 with triton alone."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from ._backends import triton_device
+
+pytestmark = pytest.mark.gpu
+
+FP32_REL = 1e-4
+ITERS, NORM_EPS, HC_EPS, RMS_EPS = 20, 1e-6, 1e-6, 1e-6
+
+
+def _inputs(T, n, d, seed=0, weight_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    rows = (2 + n) * n
+    x = torch.randn(T, 1, n, d, generator=g).bfloat16()
+    fn = torch.randn(rows, n * d, generator=g) * (n * d) ** -0.5
+    scale = 0.5 + torch.rand(3, generator=g)
+    base = torch.randn(rows, generator=g) * 0.5
+    weight = (0.5 + torch.rand(d, generator=g)).to(weight_dtype)
+    return x, fn, scale, base, weight
+
+
+def _run(fn, inputs, dev):
+    x, mapping, scale, base, weight = [t.to(dev) for t in inputs]
+    return fn(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
+
+
+def _small_and_flash():
+    small = [pytest.param(T, 4, 300, id=f"T{T}-d300") for T in (1, 3, 4, 6)]
+    flash = [pytest.param(T, 4, 4096, id=f"flash-T{T}", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="Flash shape: GPU only")) for T in (1, 4, 64)]
+    return small + flash
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, n, d", _small_and_flash())
+def test_hc_pre_norm_matches_reference(T, n, d, weight_dtype):
+    dev = triton_device()
+    from kernels.reference import mhc as R
+    from kernels.triton import mhc_decode as K
+
+    inputs = _inputs(T, n, d, weight_dtype=weight_dtype)
+    got = _run(K.hc_pre_norm, inputs, dev)
+    ref = _run(R.hc_pre_norm, inputs, dev)
+    x, mapping, scale, base, weight = inputs
+    oracle = R.hc_pre_norm(x.double(), mapping.double(), scale.double(), base.double(), NORM_EPS, HC_EPS, ITERS,
+                           weight.double(), RMS_EPS)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    for name, a, r, o in zip(("y", "post", "comb"), got, ref, oracle):
+        assert a.dtype == r.dtype and a.shape == r.shape, (name, a.dtype, r.dtype, a.shape, r.shape)
+        top = o.abs().max().item()
+        err = (a.cpu().double() - o).abs().max().item() / top
+        err_ref = (r.cpu().double() - o).abs().max().item() / top
+        bound = (2 if interpreted else 1) * 2.0 ** -7 if name == "y" else FP32_REL
+        print(f"  {name}: kernel {err:.2e} reference {err_ref:.2e} (bound {bound:.0e})")
+        assert torch.isfinite(a).all() and err <= max(bound, err_ref), (name, err, err_ref)
+    assert K._ticket(torch.device(dev)).item() == 0                     # set back for the next launch
+
+
+@pytest.mark.parametrize("T, n, d", _small_and_flash())
+def test_hc_head_norm_matches_reference(T, n, d):
+    """The head's collapse and the final norm: the same kernel without the residual coefficients."""
+    dev = triton_device()
+    from kernels.reference import mhc as R
+    from kernels.triton import mhc_decode as K
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, 1, n, d, generator=g).bfloat16()
+    inputs = [x, torch.randn(n, n * d, generator=g) * (n * d) ** -0.5, 0.5 + torch.rand(1, generator=g),
+              torch.randn(n, generator=g) * 0.5]
+    weight = 0.5 + torch.rand(d, generator=g)
+    got = K.hc_head_norm(*[t.to(dev) for t in inputs], NORM_EPS, HC_EPS, weight.to(dev), RMS_EPS)
+    ref = R.hc_head_norm(*[t.to(dev) for t in inputs], NORM_EPS, HC_EPS, weight.to(dev), RMS_EPS)
+    oracle = R.hc_head_norm(*[t.double() for t in inputs], NORM_EPS, HC_EPS, weight.double(), RMS_EPS)
+    top = oracle.abs().max().item()
+    err = (got.cpu().double() - oracle).abs().max().item() / top
+    err_ref = (ref.cpu().double() - oracle).abs().max().item() / top
+    bound = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) * 2.0 ** -7
+    assert got.dtype == ref.dtype and got.shape == ref.shape == (T, 1, d)
+    assert torch.isfinite(got).all() and err <= max(bound, err_ref), (err, err_ref)
+    assert K._ticket(torch.device(dev)).item() == 0
+
+
+@pytest.mark.parametrize("T, n, d", [(1, 4, 300), (4, 4, 300), (5, 4, 300)])
+def test_one_launch_up_to_max_tokens_the_split_kernels_above(monkeypatch, T, n, d):
+    """At most ``max_tokens`` tokens never reach ``kernels.triton.mhc``'s split kernels; more always do."""
+    dev = triton_device()
+    from kernels.triton import mhc, mhc_decode as K
+
+    assert K.PRE_NORM_CONFIG["max_tokens"] == 4
+    calls = []
+    real = mhc.hc_pre_fwd
+    monkeypatch.setattr(mhc, "hc_pre_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    one = T <= K.PRE_NORM_CONFIG["max_tokens"]
+    y, post, comb = _run(K.hc_pre_norm, _inputs(T, n, d, seed=3), dev)
+    assert (calls == []) is one and y.shape == (T, 1, d) and post.shape == (T, 1, n) and comb.shape == (T, 1, n, n)
+    again = _run(K.hc_pre_norm, _inputs(T, n, d, seed=3), dev)
+    assert all(torch.equal(a, b) for a, b in zip((y, post, comb), again))   # the partials summed in one order
+
+
+def test_bad_inputs_are_refused():
+    dev = triton_device()
+    from kernels.triton import mhc_decode as K
+
+    x, mapping, scale, base, weight = [t.to(dev) for t in _inputs(1, 4, 300)]
+    with pytest.raises(ValueError, match="weight"):
+        K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight[:-1], RMS_EPS)
+    with pytest.raises(ValueError, match="weight"):
+        K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight.double(), RMS_EPS)
+    with pytest.raises(ValueError, match="gradient"):
+        K.hc_pre_norm(x.float().requires_grad_().bfloat16(), mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight,
+                      RMS_EPS)
+    with pytest.raises(ValueError):                                  # the mapping's own checks (mhc_checks)
+        K.hc_pre_norm(x, mapping[:-1], scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
+def test_a_cuda_graph_of_the_op_replays_to_the_same_bits():
+    """The decode step's use: captured once, replayed on new streams each step; the counter made before capture."""
+    from kernels.triton import mhc_decode as K
+
+    x, mapping, scale, base, weight = [t.cuda() for t in _inputs(1, 4, 4096, seed=5)]
+    K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)          # warm-up, the counter
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
+    for seed in (6, 7, 6):
+        x.copy_(_inputs(1, 4, 4096, seed=seed)[0].cuda())
+        graph.replay()
+        want = K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), seed
+    torch.cuda.synchronize()
+    assert K._ticket(x.device).item() == 0
+
+
+def test_kernel_compiles_for_sm90():
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.triton import mhc, mhc_decode as K
+
+    c = K.PRE_NORM_CONFIG
+    p32, pb, pi, i, f = "*fp32", "*bf16", "*i32", "i32", "fp32"
+    for has_res, tb in ((True, 1), (True, 4), (False, 1)):
+        consts = dict(HAS_RES=has_res, BT=c["BT"], BK=c["BK"], MP=32, PREC=mhc.PRECISION, STAGES=c["stages"], TB=tb,
+                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb))
+        types = [pb, p32, p32, p32, p32, pi, p32, p32, p32, pb, p32, p32, i, i, i, i, i, i, i, f, f, i, f]
+        runtime = [a for a in K._pre_norm_kernel.arg_names if a not in consts]
+        assert len(runtime) == len(types), runtime
+        sig = {**dict(zip(runtime, types)), **{k: "constexpr" for k in consts}}
+        compiled = triton.compile(ASTSource(K._pre_norm_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=c["warps"]))
+        assert ".entry" in compiled.asm["ptx"] and "atom" in compiled.asm["ptx"], (has_res, tb)
