@@ -45,16 +45,17 @@ def _agree(got, ref) -> str:
         else "differ"
 
 
-def _sweep(label, fn, configs, default, meta, **shape):
-    """Time ``fn(config)`` for the launch settings (``config`` None) and each of ``configs``; rows for each."""
+def _sweep(label, fn, configs, default, meta, per: int = 1, **shape):
+    """Time ``fn(config)`` for the launch settings (``config`` None) and each of ``configs``; rows for each. ``per``:
+    the launches one call of ``fn`` makes (each row's time is one launch's)."""
     ref = fn(None)
-    us_default = _time(lambda: fn(None))
+    us_default = _time(lambda: fn(None)) / per
     print(f"== {label} {shape}: launch settings {default} {us_default:.1f} us", flush=True)
     rows = [dict(kernel=label, config=default, us=round(us_default, 2), vs_default="default", **shape, **meta)]
     for cfg in configs:
         try:
             got = fn(cfg)
-            us = _time(lambda: fn(cfg))
+            us = _time(lambda: fn(cfg)) / per
         except Exception as e:                                      # e.g. out of shared memory: recorded, skipped
             rows.append(dict(kernel=label, config=cfg, error=f"{type(e).__name__}: {str(e)[:120]}", **shape, **meta))
             continue
@@ -95,10 +96,16 @@ def _indexer_rows(g, dev, meta, H: int = 64, D: int = 128) -> list:
     return rows
 
 
+COPIES = 4          # weight sets a timed linear_group graph cycles through (L2-cold, as in a decode step)
+
+
 def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     """``linear_group`` of a Flash CSA layer's attention input (``wq_a``, ``wkv``, two compressors' ``wkv`` and
     ``wgate`` with fp32 results, ``weights_proj``) at 1, 4 and 16 tokens: the kernel's settings, and the GEMMs it
-    replaces, one a weight (``gemms_us``, the torch contract)."""
+    replaces, one a weight (``gemms_us``, the torch contract). Each timed graph runs :data:`COPIES` launches on
+    as many copies of the weights (130 MB): in a decode step the weights come from HBM, where one set (32.5 MB)
+    replayed alone stays in the H100's and H200's 50 MB L2 (a first sweep that way timed 9.81 us a launch where
+    the step's profile had about 16)."""
     from kernels.reference.linear_group import linear_group as gemms
     from kernels.triton import linear_group as L
 
@@ -106,14 +113,15 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     fp32 = [False, False, True, True, True, True, False]
     grid = [dict(BN=bn, BK=bk, warps=wp, stages=st)
             for bn, bk, wp, st in itertools.product([16, 32, 64], [64, 128, 256], [4, 8], [2, 3, 4])]
-    ws = [(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
+    copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
+              for _ in range(COPIES)]
     rows = []
     for T in (1, 4, 16):
         x = torch.randn(T, d, generator=g).bfloat16().to(dev)
         default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
-        got = _sweep("linear_group", lambda c: tuple(L.linear_group_launch(x, ws, fp32, c)), grid, default, meta,
-                     tokens=T)
-        us = _time(lambda: gemms(x, ws, fp32))
+        got = _sweep("linear_group", lambda c: tuple(y for ws in copies for y in L.linear_group_launch(x, ws, fp32, c)),
+                     grid, default, meta, per=COPIES, tokens=T, weight_copies=COPIES)
+        us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / COPIES
         print(f"  the GEMMs one by one: {us:.1f} us")
         got[0]["gemms_us"] = round(us, 2)
         rows += got
