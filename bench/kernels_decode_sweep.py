@@ -101,7 +101,7 @@ COPIES = 4          # weight sets a timed linear_group graph cycles through (L2-
 
 def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     """``linear_group`` of a Flash CSA layer's attention input (``wq_a``, ``wkv``, two compressors' ``wkv`` and
-    ``wgate`` with fp32 results, ``weights_proj``) at 1, 4 and 16 tokens: the kernel's settings, and the GEMMs it
+    ``wgate`` with fp32 results, ``weights_proj``) and a window layer's (``wq_a``, ``wkv``) at 1, 4 and 16 tokens: the kernel's settings, and the GEMMs it
     replaces, one a weight (``gemms_us``, the torch contract). Each timed graph runs :data:`COPIES` launches on
     as many copies of the weights (130 MB): in a decode step the weights come from HBM, where one set (32.5 MB)
     replayed alone stays in the H100's and H200's 50 MB L2 (a first sweep that way timed 9.81 us a launch where
@@ -109,22 +109,24 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     from kernels.reference.linear_group import linear_group as gemms
     from kernels.triton import linear_group as L
 
-    rows_of = (1024, 512, 1024, 1024, 256, 256, 64)
-    fp32 = [False, False, True, True, True, True, False]
+    layers = {"csa": ((1024, 512, 1024, 1024, 256, 256, 64), [False, False, True, True, True, True, False]),
+              "window": ((1024, 512), [False, False])}            # a window layer's wq_a and wkv: fewer programs
     grid = [dict(BN=bn, BK=bk, warps=wp, stages=st)
-            for bn, bk, wp, st in itertools.product([16, 32, 64], [64, 128, 256], [4, 8], [2, 3, 4])]
-    copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
-              for _ in range(COPIES)]
+            for bn, bk, wp, st in itertools.product([16, 32, 64], [128, 256], [4, 8], [2, 3, 4])]
     rows = []
-    for T in (1, 4, 16):
-        x = torch.randn(T, d, generator=g).bfloat16().to(dev)
-        default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
-        got = _sweep("linear_group", lambda c: tuple(y for ws in copies for y in L.linear_group_launch(x, ws, fp32, c)),
-                     grid, default, meta, per=COPIES, tokens=T, weight_copies=COPIES)
-        us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / COPIES
-        print(f"  the GEMMs one by one: {us:.1f} us")
-        got[0]["gemms_us"] = round(us, 2)
-        rows += got
+    for layer, (rows_of, fp32) in layers.items():
+        copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
+                  for _ in range(COPIES)]
+        for T in (1, 4, 16):
+            x = torch.randn(T, d, generator=g).bfloat16().to(dev)
+            default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
+            got = _sweep("linear_group",
+                         lambda c: tuple(y for ws in copies for y in L.linear_group_launch(x, ws, fp32, c)),
+                         grid, default, meta, per=COPIES, layer=layer, tokens=T, weight_copies=COPIES)
+            us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / COPIES
+            print(f"  the GEMMs one by one: {us:.1f} us")
+            got[0]["gemms_us"] = round(us, 2)
+            rows += got
     return rows
 
 
