@@ -112,7 +112,7 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     layers = {"csa": ((1024, 512, 1024, 1024, 256, 256, 64), [False, False, True, True, True, True, False]),
               "window": ((1024, 512), [False, False])}            # a window layer's wq_a and wkv: fewer programs
     grid = [dict(BN=bn, BK=bk, warps=wp, stages=st)
-            for bn, bk, wp, st in itertools.product([16, 32, 64], [128, 256], [4, 8], [2, 3, 4])]
+            for bn, bk, wp, st in itertools.product([16, 32, 64], [128, 256], [4], [2, 3, 4])]
     rows = []
     for layer, (rows_of, fp32) in layers.items():
         copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
