@@ -9,7 +9,7 @@ are one grid: program ``p`` finds its weight by the blocks before it (``E0 <= ..
 time) and computes ``x [M, K] @ W[rows]^T`` for every token, ``BK`` columns a step, accumulating in fp32, then
 stores in its output's dtype (fp32, or the input's). Up to ``max_tokens`` rows (the launch settings); more go
 to one cuBLAS GEMM a weight (the torch contract), whose tiles serve many rows. No gradient (a decode step).
-Untimed on a GPU (``bench.kernels_decode_sweep`` times it beside the GEMMs it replaces).
+``bench.kernels_decode_sweep`` times it beside the GEMMs it replaces.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ from kernels import gpu_common
 __all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS"]
 
 MAX_WEIGHTS = 8
-# BN weight rows and BK columns a step per program; max_tokens: the most rows the kernel takes (more: cuBLAS)
-LINEAR_GROUP_CONFIG = dict(BN=32, BK=128, warps=4, stages=3, max_tokens=16)
+# BN weight rows and BK columns a step per program; max_tokens: the most rows the kernel takes (more: cuBLAS).
+# BK 256 and 4 stages (from 128 and 3): with the weights read from HBM, as in a decode step, a Flash CSA layer's
+# launch took 15.37 against 17.9 us and a window layer's 10.72 against 14.8 at one token on an H100
+# (python -m bench.kernels_decode_sweep --only linear_group, four weight copies a graph;
+# bench/results/kernels-decode-sweep-h100-linear-group-l2-cold.json)
+LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, max_tokens=16)
 
 
 @triton.jit
