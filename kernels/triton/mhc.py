@@ -93,8 +93,15 @@ def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
                      STAGES: tl.constexpr):
     """Split-K :func:`_mix_kernel` for few tokens (a decode step): program ``(i, s)`` sums columns
     ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    s = tl.program_id(1)
+    mix_partial(X, FN, PART, SSP, T, K, M, KPER, tl.program_id(0) * BT, tl.program_id(1), BT, BK, MP, PREC, STAGES)
+
+
+@triton.jit
+def mix_partial(X, FN, PART, SSP, T, K, M, KPER, t0, s, BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                PREC: tl.constexpr, STAGES: tl.constexpr):
+    """Tokens ``t0 .. t0 + BT`` of split ``s`` of the mixing GEMM (:func:`_mix_part_kernel`'s work; also the first
+    phase of ``kernels.triton.mhc_decode``'s one-launch kernel)."""
+    t = t0 + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)

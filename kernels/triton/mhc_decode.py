@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 from kernels.triton import mhc, mhc_checks, norm
+from kernels.triton.mhc import mix_partial
 from kernels.triton.sinkhorn import sinkhorn_fwd_tile
 
 __all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
@@ -127,27 +128,9 @@ def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, CO
                      MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr,
                      NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
     """Program ``s``: columns ``[s * KPER, (s + 1) * KPER)`` of the mixing GEMM into ``PART[s]``, ``SSP[s]``
-    (``kernels.triton.mhc._mix_part_kernel``'s math), then a ticket; the last ticket runs :func:`_tail`."""
+    (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`."""
     s = tl.program_id(0)
-    t = tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    m = tl.arange(0, MP)
-    mmask = m < M
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    k_lo = s * KPER
-    for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
-        k = k0 + tl.arange(0, BK)
-        kmask = k < K
-        x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        x = x.to(tl.float32)
-        w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        ss += tl.sum(x * x, 1)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-    base = s.to(tl.int64) * T
-    tl.store(PART + (base + t64)[:, None] * MP + m[None, :], acc, mask=tmask[:, None])
-    tl.store(SSP + base + t64, ss, mask=tmask)
+    mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
     tl.debug_barrier()                                   # every thread's partial is written before the release
     ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLIT - 1:
