@@ -123,11 +123,10 @@ def mix_partial(X, FN, PART, SSP, T, K, M, KPER, t0, s, BT: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.constexpr, MP: tl.constexpr,
-                       SB: tl.constexpr):
-    """The sum of :func:`_mix_part_kernel`'s partials: ``MIX``, ``RHO`` as :func:`_mix_kernel` writes them. ``SB``
-    partials a load: one partial a loop step was 64 dependent loads of a decode step's token, 8.6 us a call."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+def mix_sums(PART, SSP, T, SPLIT, t, BT: tl.constexpr, MP: tl.constexpr, SB: tl.constexpr):
+    """``(acc [BT, MP], ss [BT])``: tokens ``t``' sums over the ``SPLIT`` partials of :func:`mix_partial`, ``SB`` a
+    load, in a fixed order (the same sums on every call). The loads skip L1 (``.cg``): the partials were written
+    by other programs (``kernels.triton.mhc_decode``'s last one reads them in the launch that wrote them)."""
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
@@ -138,8 +137,22 @@ def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.conste
         s = s0 + sb
         st = (s.to(tl.int64) * T)[:, None] + t64[None, :]                       # [SB, BT] rows of the partials
         smask = (s < SPLIT)[:, None] & tmask[None, :]
-        acc += tl.sum(tl.load(PART + st[:, :, None] * MP + m[None, None, :], mask=smask[:, :, None], other=0.0), 0)
-        ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0), 0)
+        acc += tl.sum(tl.load(PART + st[:, :, None] * MP + m[None, None, :], mask=smask[:, :, None], other=0.0,
+                              cache_modifier=".cg"), 0)
+        ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+    return acc, ss
+
+
+@triton.jit
+def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.constexpr, MP: tl.constexpr,
+                       SB: tl.constexpr):
+    """The sum of :func:`_mix_part_kernel`'s partials: ``MIX``, ``RHO`` as :func:`_mix_kernel` writes them. ``SB``
+    partials a load: one partial a loop step was 64 dependent loads of a decode step's token, 8.6 us a call."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    m = tl.arange(0, MP)
+    acc, ss = mix_sums(PART, SSP, T, SPLIT, t, BT, MP, SB)
     rho = tl.rsqrt(ss / K + norm_eps)
     tl.store(MIX + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
     tl.store(RHO + t, rho, mask=tmask)
@@ -156,6 +169,31 @@ def _coef_offsets(n, NP: tl.constexpr):
 
 
 @triton.jit
+def coefficients(MIX, SCALE, BASE, POST, COMB, t, tmask, n, hc_eps, iters, write, HAS_RES: tl.constexpr,
+                 NP: tl.constexpr, MP: tl.constexpr):
+    """Tokens ``t``' coefficients from their mixes ``MIX [T, MP]``: ``(pre [BT, NP], j, tj)`` returned, and with
+    ``HAS_RES`` ``post`` and the Sinkhorn loop's ``comb`` stored where ``write`` (``_pre_fwd_kernel``'s and
+    ``kernels.triton.mhc_decode``'s)."""
+    t64 = t.to(tl.int64)
+    j, jmask, cidx, valid = _coef_offsets(n, NP)
+    tj = tmask[:, None] & jmask[None, :]
+    mrow = MIX + t64[:, None] * MP
+    a = tl.load(mrow + j[None, :], mask=tj, other=0.0) * tl.load(SCALE) + tl.load(BASE + j, mask=jmask, other=0.0)
+    pre = tl.where(jmask[None, :], tl.sigmoid(a) + hc_eps, 0.0)
+    if HAS_RES:
+        ap = tl.load(mrow + n + j[None, :], mask=tj, other=0.0) * tl.load(SCALE + 1) \
+            + tl.load(BASE + n + j, mask=jmask, other=0.0)
+        tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj & write)
+        tv = tmask[:, None, None] & valid[None, :, :]
+        c = tl.load(MIX + t64[:, None, None] * MP + cidx[None, :, :], mask=tv, other=0.0) * tl.load(SCALE + 2) \
+            + tl.load(BASE + cidx, mask=valid, other=0.0)[None, :, :]
+        comb = sinkhorn_fwd_tile(c, valid[None, :, :], iters, hc_eps)
+        tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb,
+                 mask=tv & write)
+    return pre, j, tj
+
+
+@triton.jit
 def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, iters, d_per,
                     HAS_RES: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr):
     """Coefficients of ``BT`` tokens (sigmoids, the Sinkhorn loop) and ``u = sum_j pre_j X_j`` over columns
@@ -166,22 +204,8 @@ def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, it
     first = tl.program_id(1) == 0
     tmask = t < T
     t64 = t.to(tl.int64)
-    j, jmask, cidx, valid = _coef_offsets(n, NP)
-    tj = tmask[:, None] & jmask[None, :]
-    mrow = MIX + t64[:, None] * MP
-    a = tl.load(mrow + j[None, :], mask=tj, other=0.0) * tl.load(SCALE) + tl.load(BASE + j, mask=jmask, other=0.0)
-    pre = tl.where(jmask[None, :], tl.sigmoid(a) + hc_eps, 0.0)
+    pre, j, tj = coefficients(MIX, SCALE, BASE, POST, COMB, t, tmask, n, hc_eps, iters, first, HAS_RES, NP, MP)
     tl.store(PRE + t64[:, None] * NP + j[None, :], pre, mask=tmask[:, None] & first)
-    if HAS_RES:
-        ap = tl.load(mrow + n + j[None, :], mask=tj, other=0.0) * tl.load(SCALE + 1) \
-            + tl.load(BASE + n + j, mask=jmask, other=0.0)
-        tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj & first)
-        tv = tmask[:, None, None] & valid[None, :, :]
-        c = tl.load(MIX + t64[:, None, None] * MP + cidx[None, :, :], mask=tv, other=0.0) * tl.load(SCALE + 2) \
-            + tl.load(BASE + cidx, mask=valid, other=0.0)[None, :, :]
-        comb = sinkhorn_fwd_tile(c, valid[None, :, :], iters, hc_eps)
-        tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb,
-                 mask=tv & first)
     xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
     d_lo = tl.program_id(1) * d_per
     for d0 in range(d_lo, tl.minimum(d_lo + d_per, d), BD):

@@ -33,8 +33,7 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 from kernels.triton import mhc, mhc_checks, norm
-from kernels.triton.mhc import mix_partial
-from kernels.triton.sinkhorn import sinkhorn_fwd_tile
+from kernels.triton.mhc import coefficients, mix_partial, mix_sums
 
 __all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
 
@@ -64,42 +63,18 @@ def _ticket(device: torch.device) -> torch.Tensor:
 def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
           HAS_RES: tl.constexpr, TB: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
           SB: tl.constexpr):
-    """The last program's work: the partials' sum (``kernels.triton.mhc._mix_finish_kernel``), the coefficients
-    (``_pre_fwd_kernel``), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm written over it."""
+    """The last program's work: the partials' sum (:func:`kernels.triton.mhc.mix_sums`), the coefficients
+    (:func:`kernels.triton.mhc.coefficients`), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm
+    written over it."""
     t = tl.arange(0, TB)
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
-    sb = tl.arange(0, SB)
-    acc = tl.zeros([TB, MP], dtype=tl.float32)
-    ss = tl.zeros([TB], dtype=tl.float32)
-    for s0 in range(0, SPLIT, SB):
-        s = s0 + sb
-        st = (s.to(tl.int64) * T)[:, None] + t64[None, :]
-        smask = (s < SPLIT)[:, None] & tmask[None, :]
-        acc += tl.sum(tl.load(PART + st[:, :, None] * MP + m[None, None, :], mask=smask[:, :, None], other=0.0,
-                              cache_modifier=".cg"), 0)
-        ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+    acc, ss = mix_sums(PART, SSP, T, SPLIT, t, TB, MP, SB)
     rho = tl.rsqrt(ss / K + norm_eps)
     tl.store(MIXS + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
     tl.debug_barrier()                                   # the coefficients read MIXS back in another layout
-    j = tl.arange(0, NP)
-    jmask = j < n
-    cidx = 2 * n + j[:, None] * n + j[None, :]
-    valid = jmask[:, None] & jmask[None, :]
-    tj = tmask[:, None] & jmask[None, :]
-    mrow = MIXS + t64[:, None] * MP
-    a = tl.load(mrow + j[None, :], mask=tj, other=0.0) * tl.load(SCALE) + tl.load(BASE + j, mask=jmask, other=0.0)
-    pre = tl.where(jmask[None, :], tl.sigmoid(a) + hc_eps, 0.0)
-    if HAS_RES:
-        ap = tl.load(mrow + n + j[None, :], mask=tj, other=0.0) * tl.load(SCALE + 1) \
-            + tl.load(BASE + n + j, mask=jmask, other=0.0)
-        tl.store(POST + t64[:, None] * n + j[None, :], 2.0 * tl.sigmoid(ap), mask=tj)
-        tv = tmask[:, None, None] & valid[None, :, :]
-        c = tl.load(MIXS + t64[:, None, None] * MP + cidx[None, :, :], mask=tv, other=0.0) * tl.load(SCALE + 2) \
-            + tl.load(BASE + cidx, mask=valid, other=0.0)[None, :, :]
-        comb = sinkhorn_fwd_tile(c, valid[None, :, :], iters, hc_eps)
-        tl.store(COMB + t64[:, None, None] * (n * n) + (j[:, None] * n + j[None, :])[None, :, :], comb, mask=tv)
+    pre, j, tj = coefficients(MIXS, SCALE, BASE, POST, COMB, t, tmask, n, hc_eps, iters, True, HAS_RES, NP, MP)
     xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
     sq = tl.zeros([TB], dtype=tl.float32)
     for d0 in range(0, d, BD):
