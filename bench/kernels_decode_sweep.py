@@ -6,7 +6,7 @@ it replaced), a layer's projections of its attention input (``kernels/triton/lin
 GEMMs it replaces) and a site's mHC pre with its norm (``kernels/triton/mhc_decode.py``, beside the four kernels it
 replaces).
 
-    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group mhc]
+    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group projections mhc]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -101,23 +101,23 @@ COPIES = 4          # weight sets a timed linear_group graph cycles through (L2-
 
 def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     """``linear_group`` of a Flash CSA layer's attention input (``wq_a``, ``wkv``, two compressors' ``wkv`` and
-    ``wgate`` with fp32 results, ``weights_proj``) and a window layer's (``wq_a``, ``wkv``) at 1, 4 and 16 tokens: the kernel's settings, and the GEMMs it
-    replaces, one a weight (``gemms_us``, the torch contract). Each timed graph runs :data:`COPIES` launches on
-    as many copies of the weights (130 MB): in a decode step the weights come from HBM, where one set (32.5 MB)
-    replayed alone stays in the H100's and H200's 50 MB L2 (a first sweep that way timed 9.81 us a launch where
-    the step's profile had about 16)."""
+    ``wgate`` with fp32 results, ``weights_proj``) and a window layer's (``wq_a``, ``wkv``) at 1 and 16 tokens: the
+    kernel's settings (``SPLIT``: shares of K), and the GEMMs it replaces, one a weight (``gemms_us``, the torch
+    contract). Each timed graph runs :data:`COPIES` launches on as many copies of the weights (130 MB): in a decode
+    step the weights come from HBM, where one set (32.5 MB) replayed alone stays in the H100's and H200's 50 MB L2
+    (a first sweep that way timed 9.81 us a launch where the step's profile had about 16)."""
     from kernels.reference.linear_group import linear_group as gemms
     from kernels.triton import linear_group as L
 
     layers = {"csa": ((1024, 512, 1024, 1024, 256, 256, 64), [False, False, True, True, True, True, False]),
               "window": ((1024, 512), [False, False])}            # a window layer's wq_a and wkv: fewer programs
-    grid = [dict(BN=bn, BK=bk, warps=wp, stages=st)
-            for bn, bk, wp, st in itertools.product([16, 32, 64], [128, 256], [4], [2, 3, 4])]
+    grid = [dict(BN=bn, BK=bk, warps=4, stages=st, SPLIT=sp)
+            for bn, bk, st, sp in itertools.product([16, 32], [128, 256], [3, 4], [1, 2, 4, 8])]
     rows = []
     for layer, (rows_of, fp32) in layers.items():
         copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
                   for _ in range(COPIES)]
-        for T in (1, 4, 16):
+        for T in (1, 16):
             x = torch.randn(T, d, generator=g).bfloat16().to(dev)
             default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
             got = _sweep("linear_group",
@@ -125,6 +125,35 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
                          grid, default, meta, per=COPIES, layer=layer, tokens=T, weight_copies=COPIES)
             us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / COPIES
             print(f"  the GEMMs one by one: {us:.1f} us")
+            got[0]["gemms_us"] = round(us, 2)
+            rows += got
+    return rows
+
+
+def _projection_rows(g, dev, meta) -> list:
+    """The attention's large projections of one token through ``linear_group`` (the query's ``wq_b`` with a CSA
+    layer's indexer ``wq_b``, both of the query's low rank; ``wo_b``) against cuBLAS's GEMMs one by one
+    (``gemms_us``), at 1 and 16 tokens, two copies of the weights a timed graph (each past the 50 MB L2): whether
+    the decode step should send them to the kernel (cuBLAS read them at about 77% of an H100's bandwidth at one
+    token, ``bench/results/rollout-h100-flash-shaped-triton-profile-hc-pre-norm.json``)."""
+    from kernels.reference.linear_group import linear_group as gemms
+    from kernels.triton import linear_group as L
+
+    grid = [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
+            for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
+    rows = []
+    for name, rows_of, d in (("wq_b+indexer_wq_b", (32768, 8192), 1024), ("wo_b", (4096,), 8192)):
+        copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
+                  for _ in range(2)]
+        fp32 = [False] * len(rows_of)
+        for T in (1, 16):
+            x = torch.randn(T, d, generator=g).bfloat16().to(dev)
+            default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
+            got = _sweep("linear_group",
+                         lambda c: tuple(y for ws in copies for y in L.linear_group_launch(x, ws, fp32, c)),
+                         grid, default, meta, per=2, projection=name, tokens=T, weight_copies=2)
+            us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / 2
+            print(f"  cuBLAS one by one: {us:.1f} us")
             got[0]["gemms_us"] = round(us, 2)
             rows += got
     return rows
@@ -162,7 +191,7 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     return rows
 
 
-SECTIONS = ("route", "attention", "indexer", "linear_group", "mhc")
+SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "mhc")
 
 
 def main(argv=None):
@@ -237,7 +266,7 @@ def _attention_rows(g, dev, meta) -> list:
 
 
 _SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
-                 "linear_group": _linear_group_rows, "mhc": _mhc_rows}
+                 "linear_group": _linear_group_rows, "projections": _projection_rows, "mhc": _mhc_rows}
 
 
 if __name__ == "__main__":

@@ -26,18 +26,22 @@ from kernels import gpu_common
 __all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS"]
 
 MAX_WEIGHTS = 8
-# BN weight rows and BK columns a step per program; max_tokens: the most rows the kernel takes (more: cuBLAS).
+# BN weight rows and BK columns a step per program; SPLIT: shares of K a row block's programs take (1: one program
+# a block; more: partials summed by the block's last program, for groups of few blocks, which leave SMs idle);
+# max_tokens: the most rows the kernel takes (more: cuBLAS).
 # BK 256 and 4 stages (from 128 and 3): with the weights read from HBM, as in a decode step, a Flash CSA layer's
 # launch took 15.37 against 17.9 us and a window layer's 10.72 against 14.8 at one token on an H100
 # (python -m bench.kernels_decode_sweep --only linear_group, four weight copies a graph;
 # bench/results/kernels-decode-sweep-h100-linear-group-l2-cold.json)
-LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, max_tokens=16)
+LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=1, max_tokens=16)
 
 
 @triton.jit
-def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    """``Y[:, block rows] = X @ W[block rows]^T`` for all ``M`` rows, fp32 accumulation."""
+def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, PART, TICKETS,
+          SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """``Y[:, block rows] = X @ W[block rows]^T`` for all ``M`` rows, fp32 accumulation; with ``SPLIT`` > 1 this
+    program's share ``s`` of ``K``, its partial written to ``PART`` and summed, in order, by the last program of the
+    group's row block ``gblock`` to take a ticket."""
     m = tl.arange(0, BM)
     n = block * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -45,47 +49,64 @@ def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block,
     x_ptr = X + m[:, None] * stride_xm + k[None, :]
     w_ptr = W + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    ks = K // SPLIT                                      # a whole number of BK steps (the launcher's choice)
+    for k0 in tl.range(s * ks, s * ks + ks, BK, num_stages=STAGES):
         x = tl.load(x_ptr + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_ptr + k0, mask=nmask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    out = Y + m[:, None] * stride_ym + n[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=omask)
+    else:
+        tile = m[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(PART + (gblock * SPLIT + s).to(tl.int64) * (BM * BN) + tile, acc)
+        tl.debug_barrier()                               # every thread's partial is written before the release
+        if tl.atomic_add(TICKETS + gblock, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.debug_barrier()
+            tot = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in range(SPLIT):                       # in order: the same sums on every call
+                tot += tl.load(PART + (gblock * SPLIT + i).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
+            tl.store(out, tot.to(Y.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(TICKETS + gblock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _linear_group_kernel(X, M, K, stride_xm,
+def _linear_group_kernel(X, M, K, stride_xm, PART, TICKETS,
                          W0, Y0, N0, SW0, SY0, W1, Y1, N1, SW1, SY1, W2, Y2, N2, SW2, SY2, W3, Y3, N3, SW3, SY3,
                          W4, Y4, N4, SW4, SY4, W5, Y5, N5, SW5, SY5, W6, Y6, N6, SW6, SY6, W7, Y7, N7, SW7, SY7,
                          E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                          E4: tl.constexpr, E5: tl.constexpr, E6: tl.constexpr, E7: tl.constexpr,
-                         G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         STAGES: tl.constexpr):
-    """Program ``p``: row block ``p - E(i-1)`` of weight ``i``, where ``E(i-1) <= p < Ei`` (``Ei``: the row blocks
-    of weights ``0..i``; ``G`` weights, the rest's arguments unused)."""
-    p = tl.program_id(0)
+                         G: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, STAGES: tl.constexpr):
+    """Program ``p``: share ``p % SPLIT`` of ``K`` of the group's row block ``q = p // SPLIT``, which is row block
+    ``q - E(i-1)`` of weight ``i``, where ``E(i-1) <= q < Ei`` (``Ei``: the row blocks of weights ``0..i``; ``G``
+    weights, the rest's arguments unused)."""
+    s = tl.program_id(0) % SPLIT
+    p = tl.program_id(0) // SPLIT
     if p < E0:
-        _rows(X, W0, Y0, M, N0, K, stride_xm, SW0, SY0, p, BM, BN, BK, STAGES)
+        _rows(X, W0, Y0, M, N0, K, stride_xm, SW0, SY0, p, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 1:
         if (p >= E0) & (p < E1):
-            _rows(X, W1, Y1, M, N1, K, stride_xm, SW1, SY1, p - E0, BM, BN, BK, STAGES)
+            _rows(X, W1, Y1, M, N1, K, stride_xm, SW1, SY1, p - E0, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 2:
         if (p >= E1) & (p < E2):
-            _rows(X, W2, Y2, M, N2, K, stride_xm, SW2, SY2, p - E1, BM, BN, BK, STAGES)
+            _rows(X, W2, Y2, M, N2, K, stride_xm, SW2, SY2, p - E1, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 3:
         if (p >= E2) & (p < E3):
-            _rows(X, W3, Y3, M, N3, K, stride_xm, SW3, SY3, p - E2, BM, BN, BK, STAGES)
+            _rows(X, W3, Y3, M, N3, K, stride_xm, SW3, SY3, p - E2, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 4:
         if (p >= E3) & (p < E4):
-            _rows(X, W4, Y4, M, N4, K, stride_xm, SW4, SY4, p - E3, BM, BN, BK, STAGES)
+            _rows(X, W4, Y4, M, N4, K, stride_xm, SW4, SY4, p - E3, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 5:
         if (p >= E4) & (p < E5):
-            _rows(X, W5, Y5, M, N5, K, stride_xm, SW5, SY5, p - E4, BM, BN, BK, STAGES)
+            _rows(X, W5, Y5, M, N5, K, stride_xm, SW5, SY5, p - E4, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 6:
         if (p >= E5) & (p < E6):
-            _rows(X, W6, Y6, M, N6, K, stride_xm, SW6, SY6, p - E5, BM, BN, BK, STAGES)
+            _rows(X, W6, Y6, M, N6, K, stride_xm, SW6, SY6, p - E5, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
     if G > 7:
         if (p >= E6) & (p < E7):
-            _rows(X, W7, Y7, M, N7, K, stride_xm, SW7, SY7, p - E6, BM, BN, BK, STAGES)
+            _rows(X, W7, Y7, M, N7, K, stride_xm, SW7, SY7, p - E6, p, s, PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
 
 
 def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool]) -> None:
@@ -116,9 +137,11 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
             for w, f in zip(weights, fp32)]
     if M == 0:
         return outs
-    bn, bk = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K))
+    bn, bk, split = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K)), max(1, int(cfg["SPLIT"]))
     while K % bk:                                   # whole steps over K: the largest power of two dividing it
         bk //= 2
+    while split > 1 and (K // bk) % split:          # each share of K whole steps: fewer shares where they are not
+        split -= 1
     # rows of any stride (a weight may be a slice of a wider tensor), each row's K columns contiguous
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = [w if w.stride(1) == 1 else w.contiguous() for w in weights]
@@ -129,10 +152,39 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
         args += [w, y, w.shape[0], w.stride(0), y.stride(0)]
     args += [x, x, 0, 0, 0] * pad                    # unused (G)
     ends += [ends[-1]] * pad
-    _linear_group_kernel[(ends[len(weights) - 1],)](
-        x, M, K, x.stride(0), *args, *ends, G=len(weights), BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=bk,
+    blocks = ends[len(weights) - 1]
+    bm = max(16, triton.next_power_of_2(M))
+    if split > 1:
+        part = torch.empty(blocks * split * bm * bn, dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device, blocks)
+    else:
+        part = tickets = x                           # unused (SPLIT 1)
+    _linear_group_kernel[(blocks * split,)](
+        x, M, K, x.stride(0), part, tickets, *args, *ends, G=len(weights), SPLIT=split, BM=bm, BN=bn, BK=bk,
         STAGES=cfg["stages"], num_warps=cfg["warps"])
     return outs
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
+    """At least ``blocks`` ticket counters of ``device`` (int32, each 0 between launches: the row block's last
+    program sets it back). Made, or grown, outside any CUDA graph capture: a counter made during one would live
+    in the graph's pool and be zeroed by a captured memset."""
+    key = (device.type, device.index)
+    got = _TICKETS.get(key)
+    if got is None or got.numel() < blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"linear_group with SPLIT > 1 first needed {blocks} ticket counters inside a CUDA "
+                               f"graph capture; call it once at that size before capturing")
+        if got is not None:                          # a captured graph may still count on the old ones
+            _OUTGROWN.append(got)
+        got = _TICKETS[key] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+    return got
+
+
+_OUTGROWN: list = []
 
 
 def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],

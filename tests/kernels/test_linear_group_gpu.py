@@ -51,6 +51,29 @@ def test_the_outputs_are_the_torch_contract(launches, M, K, rows):
         assert err <= bound, (err, bound)
 
 
+@pytest.mark.parametrize("split", [2, 4, 3])
+def test_shares_of_k_sum_to_the_torch_contract(launches, split):
+    """``SPLIT``: each row block's ``K`` in shares, their fp32 partials summed in order by the block's last program
+    (3 shares of 8 steps: 2 taken, the largest count that divides them); the counters are back at 0 after the
+    launch and a second launch gives the same bits."""
+    from kernels.reference.linear_group import linear_group as ref
+    from kernels.triton import linear_group as K
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    x, ws, xd, wd = _case(2, 512, (40, 64, 7), 5, dt, dev)
+    fp32 = [False, True, False]
+    cfg = dict(BK=64, SPLIT=split)
+    got = K.linear_group(xd, wd, fp32, cfg)
+    assert launches.calls == 1
+    for y, z, f in zip(got, ref(x, ws, fp32), fp32, strict=True):
+        err = (y.cpu().float() - z.float()).abs().max().item()
+        bound = (1e-5 if f else torch.finfo(dt).eps) * max(1.0, z.float().abs().max().item())
+        assert err <= bound, (err, bound)
+    assert int(K._tickets(torch.device(dev), 1).abs().sum()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, K.linear_group(xd, wd, fp32, cfg)))
+
+
 def test_weights_read_in_place_with_their_row_stride(launches):
     """A weight whose rows lie apart (columns of a wider tensor) is read where it lies, not copied."""
     from kernels.reference.linear_group import linear_group as ref
@@ -106,13 +129,18 @@ def test_the_kernel_compiles_for_sm90_without_spills():
 
     c = K.LINEAR_GROUP_CONFIG
     ends = dict(E0=32, E1=48, E2=80, E3=112, E4=116, E5=120, E6=122, E7=122)
-    consts = dict(**ends, G=7, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
-    types = {}
-    for a in K._linear_group_kernel.arg_names:
-        if a == "X" or a.startswith("W"):
-            types[a] = "*bf16"
-        elif a.startswith("Y"):
-            types[a] = "*fp32" if a in ("Y2", "Y3", "Y4", "Y5") else "*bf16"
-        else:
-            types[a] = "i32"
-    compiles_for_sm90_without_spills(K._linear_group_kernel, types, consts, c["warps"])
+    for split in (c["SPLIT"], 4):                               # the launch settings', and shares of K
+        consts = dict(**ends, G=7, SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
+        types = {}
+        for a in K._linear_group_kernel.arg_names:
+            if a == "X" or a.startswith("W"):
+                types[a] = "*bf16"
+            elif a.startswith("Y"):
+                types[a] = "*fp32" if a in ("Y2", "Y3", "Y4", "Y5") else "*bf16"
+            elif a == "PART":
+                types[a] = "*fp32"
+            elif a == "TICKETS":
+                types[a] = "*i32"
+            else:
+                types[a] = "i32"
+        compiles_for_sm90_without_spills(K._linear_group_kernel, types, consts, c["warps"])
