@@ -132,7 +132,8 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
 
 def _projection_rows(g, dev, meta) -> list:
     """The attention's large projections of one token through ``linear_group`` (the query's ``wq_b`` with a CSA
-    layer's indexer ``wq_b``, both of the query's low rank; ``wo_b``) against cuBLAS's GEMMs one by one
+    layer's indexer ``wq_b``, both of the query's low rank; ``wo_b``) and the output head (fp32 logits, as
+    ``linear_fp32``) against cuBLAS's GEMMs one by one
     (``gemms_us``), at 1 and 16 tokens, two copies of the weights a timed graph (each past the 50 MB L2): whether
     the decode step should send them to the kernel (cuBLAS read them at about 77% of an H100's bandwidth at one
     token, ``bench/results/rollout-h100-flash-shaped-triton-profile-hc-pre-norm.json``)."""
@@ -142,10 +143,11 @@ def _projection_rows(g, dev, meta) -> list:
     grid = [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
             for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
     rows = []
-    for name, rows_of, d in (("wq_b+indexer_wq_b", (32768, 8192), 1024), ("wo_b", (4096,), 8192)):
+    for name, rows_of, d, f32 in (("wq_b+indexer_wq_b", (32768, 8192), 1024, False), ("wo_b", (4096,), 8192, False),
+                                  ("head", (129280,), 4096, True)):
         copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
                   for _ in range(2)]
-        fp32 = [False] * len(rows_of)
+        fp32 = [f32] * len(rows_of)
         for T in (1, 16):
             x = torch.randn(T, d, generator=g).bfloat16().to(dev)
             default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
