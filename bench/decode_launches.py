@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: launches of each stand-in op's GPU kernel at a decode step's sizes (the triton mHC pre and head: the split mixing
 #: GEMM, its sum, the coefficients; the router: its split gate GEMM and the pick, ``routing.split_of``); others one
 LAUNCHES = {"hc_pre": 3, "hc_head": 3, "route_experts": 2}
-#: ``hc_pre_norm`` / ``hc_head_norm``: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else the mHC op's three and
-#: the norm's one
+#: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else this mHC op's and the norm's
+WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
@@ -90,10 +90,10 @@ def _in_repo(filename: str):
 
 def _launches(name: str, args) -> int:
     """How many kernels the triton op ``name`` launches on ``args``."""
-    if name in ("hc_pre_norm", "hc_head_norm"):
+    if name in WITH_NORM:
         from kernels.gpu_common import PRE_NORM_MAX_TOKENS
 
-        return 1 if args[0][..., 0, 0].numel() <= PRE_NORM_MAX_TOKENS else LAUNCHES[name[:-5]] + 1
+        return 1 if args[0][..., 0, 0].numel() <= PRE_NORM_MAX_TOKENS else LAUNCHES[WITH_NORM[name]] + 1
     return LAUNCHES.get(name, 1)
 
 

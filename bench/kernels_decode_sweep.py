@@ -106,27 +106,32 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
     contract). Each timed graph runs :data:`COPIES` launches on as many copies of the weights (130 MB): in a decode
     step the weights come from HBM, where one set (32.5 MB) replayed alone stays in the H100's and H200's 50 MB L2
     (a first sweep that way timed 9.81 us a launch where the step's profile had about 16)."""
-    from kernels.reference.linear_group import linear_group as gemms
-    from kernels.triton import linear_group as L
-
     layers = {"csa": ((1024, 512, 1024, 1024, 256, 256, 64), [False, False, True, True, True, True, False]),
               "window": ((1024, 512), [False, False])}            # a window layer's wq_a and wkv: fewer programs
     grid = [dict(BN=bn, BK=bk, warps=4, stages=st, SPLIT=sp)
             for bn, bk, st, sp in itertools.product([16, 32], [128, 256], [3, 4], [1, 2, 4, 8])]
+    return [r for layer, (rows_of, fp32) in layers.items()
+            for r in _group_rows(g, dev, meta, rows_of, fp32, d, COPIES, grid, layer=layer)]
+
+
+def _group_rows(g, dev, meta, rows_of, fp32, d: int, copies: int, grid, **shape) -> list:
+    """``linear_group`` of weights ``[n, d]`` for ``n`` in ``rows_of`` at 1 and 16 tokens over ``grid``, each timed
+    graph cycling through ``copies`` copies of the weights (read from HBM, as in a decode step), and the GEMMs one
+    by one, cuBLAS's (``gemms_us`` on the launch settings' row)."""
+    from kernels.reference.linear_group import linear_group as gemms
+    from kernels.triton import linear_group as L
+
+    sets = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of] for _ in range(copies)]
+    default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
     rows = []
-    for layer, (rows_of, fp32) in layers.items():
-        copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
-                  for _ in range(COPIES)]
-        for T in (1, 16):
-            x = torch.randn(T, d, generator=g).bfloat16().to(dev)
-            default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
-            got = _sweep("linear_group",
-                         lambda c: tuple(y for ws in copies for y in L.linear_group_launch(x, ws, fp32, c)),
-                         grid, default, meta, per=COPIES, layer=layer, tokens=T, weight_copies=COPIES)
-            us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / COPIES
-            print(f"  the GEMMs one by one: {us:.1f} us")
-            got[0]["gemms_us"] = round(us, 2)
-            rows += got
+    for T in (1, 16):
+        x = torch.randn(T, d, generator=g).bfloat16().to(dev)
+        got = _sweep("linear_group", lambda c: tuple(y for ws in sets for y in L.linear_group_launch(x, ws, fp32, c)),
+                     grid, default, meta, per=copies, tokens=T, weight_copies=copies, **shape)
+        us = _time(lambda: [gemms(x, ws, fp32) for ws in sets]) / copies
+        print(f"  the GEMMs one by one: {us:.1f} us")
+        got[0]["gemms_us"] = round(us, 2)
+        rows += got
     return rows
 
 
@@ -137,28 +142,11 @@ def _projection_rows(g, dev, meta) -> list:
     (``gemms_us``), at 1 and 16 tokens, two copies of the weights a timed graph (each past the 50 MB L2): whether
     the decode step should send them to the kernel (cuBLAS read them at about 77% of an H100's bandwidth at one
     token, ``bench/results/rollout-h100-flash-shaped-triton-profile-hc-pre-norm.json``)."""
-    from kernels.reference.linear_group import linear_group as gemms
-    from kernels.triton import linear_group as L
-
     grid = [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
             for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
-    rows = []
-    for name, rows_of, d, f32 in (("wq_b+indexer_wq_b", (32768, 8192), 1024, False), ("wo_b", (4096,), 8192, False),
-                                  ("head", (129280,), 4096, True)):
-        copies = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of]
-                  for _ in range(2)]
-        fp32 = [f32] * len(rows_of)
-        for T in (1, 16):
-            x = torch.randn(T, d, generator=g).bfloat16().to(dev)
-            default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
-            got = _sweep("linear_group",
-                         lambda c: tuple(y for ws in copies for y in L.linear_group_launch(x, ws, fp32, c)),
-                         grid, default, meta, per=2, projection=name, tokens=T, weight_copies=2)
-            us = _time(lambda: [gemms(x, ws, fp32) for ws in copies]) / 2
-            print(f"  cuBLAS one by one: {us:.1f} us")
-            got[0]["gemms_us"] = round(us, 2)
-            rows += got
-    return rows
+    return [r for name, rows_of, d, f32 in (("wq_b+indexer_wq_b", (32768, 8192), 1024, False),
+                                            ("wo_b", (4096,), 8192, False), ("head", (129280,), 4096, True))
+            for r in _group_rows(g, dev, meta, rows_of, [f32] * len(rows_of), d, 2, grid, projection=name)]
 
 
 def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:

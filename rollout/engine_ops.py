@@ -220,34 +220,31 @@ def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
     return out
 
 
-def hc_pre_norm_inputs(config, dtype: torch.dtype, device) -> list:
-    """The argument tuples the eager decode step passes ``hc_pre_norm`` (``kernels.reference.slots.decode_layer``):
-    one slot's streams in the model's ``dtype``, a block's fp32 mHC mapping, and the sublayer norm's weight in fp32
-    or the model's dtype (as the engine may hold it)."""
+def _mhc_norm_inputs(config, dtype: torch.dtype, device, head: bool) -> list:
+    """One slot's streams in the model's ``dtype``, an fp32 mHC mapping (a block's, or with ``head`` the head's
+    collapse), its mHC settings, and the norm's weight in fp32 or the model's dtype (as the engine may hold it)."""
     c = config
     n, d = c.hc_mult, c.dim
-    mix = (2 + n) * n
+    rows, scales = (n, 1) if head else ((2 + n) * n, 3)
 
     def zeros(*shape, dt=torch.float32):
         return torch.zeros(*shape, dtype=dt, device=device)
 
-    x = zeros(1, 1, n, d, dt=dtype)
-    return [(x, zeros(mix, n * d), zeros(3), zeros(mix), c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters, zeros(d, dt=wd),
+    settings = (c.norm_eps, c.hc_eps) + (() if head else (c.hc_sinkhorn_iters,))
+    return [(zeros(1, 1, n, d, dt=dtype), zeros(rows, n * d), zeros(scales), zeros(rows), *settings, zeros(d, dt=wd),
              c.norm_eps) for wd in dict.fromkeys((torch.float32, dtype))]
+
+
+def hc_pre_norm_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``hc_pre_norm`` (``kernels.reference.slots.decode_layer``):
+    a block site's (:func:`_mhc_norm_inputs`)."""
+    return _mhc_norm_inputs(config, dtype, device, head=False)
 
 
 def hc_head_norm_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step's head passes ``hc_head_norm`` (``kernels.reference.slots.
-    decode_head``): one slot's streams in the model's ``dtype``, the head's fp32 collapse mapping, the final norm's
-    weight in fp32 or the model's dtype."""
-    c = config
-    n, d = c.hc_mult, c.dim
-
-    def zeros(*shape, dt=torch.float32):
-        return torch.zeros(*shape, dtype=dt, device=device)
-
-    return [(zeros(1, 1, n, d, dt=dtype), zeros(n, n * d), zeros(1), zeros(n), c.norm_eps, c.hc_eps, zeros(d, dt=wd),
-             c.norm_eps) for wd in dict.fromkeys((torch.float32, dtype))]
+    decode_head``): the head's collapse and final norm (:func:`_mhc_norm_inputs`)."""
+    return _mhc_norm_inputs(config, dtype, device, head=True)
 
 
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the

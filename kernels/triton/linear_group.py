@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton.tickets import counters
 
 __all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS"]
 
@@ -156,35 +157,13 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
     bm = max(16, triton.next_power_of_2(M))
     if split > 1:
         part = torch.empty(blocks * split * bm * bn, dtype=torch.float32, device=x.device)
-        tickets = _tickets(x.device, blocks)
+        tickets = counters(x.device, blocks)
     else:
         part = tickets = x                           # unused (SPLIT 1)
     _linear_group_kernel[(blocks * split,)](
         x, M, K, x.stride(0), part, tickets, *args, *ends, G=len(weights), SPLIT=split, BM=bm, BN=bn, BK=bk,
         STAGES=cfg["stages"], num_warps=cfg["warps"])
     return outs
-
-
-_TICKETS: dict = {}
-
-
-def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
-    """At least ``blocks`` ticket counters of ``device`` (int32, each 0 between launches: the row block's last
-    program sets it back). Made, or grown, outside any CUDA graph capture: a counter made during one would live
-    in the graph's pool and be zeroed by a captured memset."""
-    key = (device.type, device.index)
-    got = _TICKETS.get(key)
-    if got is None or got.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"linear_group with SPLIT > 1 first needed {blocks} ticket counters inside a CUDA "
-                               f"graph capture; call it once at that size before capturing")
-        if got is not None:                          # a captured graph may still count on the old ones
-            _OUTGROWN.append(got)
-        got = _TICKETS[key] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
-    return got
-
-
-_OUTGROWN: list = []
 
 
 def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],

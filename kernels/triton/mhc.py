@@ -123,10 +123,11 @@ def mix_partial(X, FN, PART, SSP, T, K, M, KPER, t0, s, BT: tl.constexpr, BK: tl
 
 
 @triton.jit
-def mix_sums(PART, SSP, T, SPLIT, t, BT: tl.constexpr, MP: tl.constexpr, SB: tl.constexpr):
-    """``(acc [BT, MP], ss [BT])``: tokens ``t``' sums over the ``SPLIT`` partials of :func:`mix_partial`, ``SB`` a
-    load, in a fixed order (the same sums on every call). The loads skip L1 (``.cg``): the partials were written
-    by other programs (``kernels.triton.mhc_decode``'s last one reads them in the launch that wrote them)."""
+def mix_sums(PART, SSP, T, K, SPLIT, norm_eps, t, BT: tl.constexpr, MP: tl.constexpr, SB: tl.constexpr):
+    """``(mix [BT, MP], rho [BT])`` of tokens ``t`` (:func:`_mix_kernel`'s values) from the ``SPLIT`` partials of
+    :func:`mix_partial`, ``SB`` a load, summed in a fixed order (the same sums on every call). The loads skip L1
+    (``.cg``): the partials were written by other programs (``kernels.triton.mhc_decode``'s last one reads them in
+    the launch that wrote them)."""
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
@@ -140,7 +141,8 @@ def mix_sums(PART, SSP, T, SPLIT, t, BT: tl.constexpr, MP: tl.constexpr, SB: tl.
         acc += tl.sum(tl.load(PART + st[:, :, None] * MP + m[None, None, :], mask=smask[:, :, None], other=0.0,
                               cache_modifier=".cg"), 0)
         ss += tl.sum(tl.load(SSP + st, mask=smask, other=0.0, cache_modifier=".cg"), 0)
-    return acc, ss
+    rho = tl.rsqrt(ss / K + norm_eps)
+    return acc * rho[:, None], rho
 
 
 @triton.jit
@@ -152,9 +154,8 @@ def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.conste
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
-    acc, ss = mix_sums(PART, SSP, T, SPLIT, t, BT, MP, SB)
-    rho = tl.rsqrt(ss / K + norm_eps)
-    tl.store(MIX + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
+    mix, rho = mix_sums(PART, SSP, T, K, SPLIT, norm_eps, t, BT, MP, SB)
+    tl.store(MIX + t64[:, None] * MP + m[None, :], mix, mask=tmask[:, None])
     tl.store(RHO + t, rho, mask=tmask)
 
 

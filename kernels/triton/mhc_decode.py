@@ -13,7 +13,7 @@ site on an H100, each of them a launch that reads a few kilobytes and waits on t
 programs of the split GEMM each write their partial and take a ticket (an atomic counter); the program that
 takes the last ticket has every partial and does the rest alone: their sum, the coefficients and the Sinkhorn
 loop, ``u`` and its norm. It then sets the counter back to 0 for the next launch (one counter per device,
-:func:`_ticket`: the decode step runs on one stream, so launches never overlap). One program reads all of
+:mod:`kernels.triton.tickets`). One program reads all of
 ``u``'s streams, so this plan serves up to ``max_tokens`` tokens; above it (a decode step of many sequences,
 where the split kernels have programs enough) the launcher runs those four kernels. Both are this backend's
 kernels, the same op for the same inputs, chosen by the token count alone (a CUDA graph holds one of them).
@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels import gpu_common, gpu_ops
 from kernels.triton import mhc, mhc_checks, norm
 from kernels.triton.mhc import coefficients, mix_partial, mix_sums
+from kernels.triton.tickets import counters
 
 __all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
 
@@ -46,22 +47,6 @@ __all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
 # tail's u loop loads (BD = TAIL_ELEMENTS / (tokens x streams), so one token's four 4,096-wide streams are two steps)
 PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS)
 TAIL_ELEMENTS = 8192
-
-_TICKETS: dict = {}
-
-
-def _ticket(device: torch.device) -> torch.Tensor:
-    """The device's ticket counter (int32, 0 between launches). Made once, outside any CUDA graph capture: a
-    counter made during one would live in the graph's pool and be zeroed by a captured memset."""
-    key = (device.type, device.index)
-    got = _TICKETS.get(key)
-    if got is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("hc_pre_norm's first call on a device ran inside a CUDA graph capture; call it once "
-                               "before capturing (the engine's op probe does)")
-        got = _TICKETS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return got
-
 
 @triton.jit
 def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
@@ -74,9 +59,8 @@ def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, 
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
-    acc, ss = mix_sums(PART, SSP, T, SPLIT, t, TB, MP, SB)
-    rho = tl.rsqrt(ss / K + norm_eps)
-    tl.store(MIXS + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
+    mix, _ = mix_sums(PART, SSP, T, K, SPLIT, norm_eps, t, TB, MP, SB)
+    tl.store(MIXS + t64[:, None] * MP + m[None, :], mix, mask=tmask[:, None])
     tl.debug_barrier()                                   # the coefficients read MIXS back in another layout
     pre, j, tj = coefficients(MIXS, SCALE, BASE, POST, COMB, t, tmask, n, hc_eps, iters, True, HAS_RES, NP, MP)
     xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
@@ -137,7 +121,7 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
     tb = triton.next_power_of_2(T)
     bd = min(triton.next_power_of_2(d), max(16, TAIL_ELEMENTS // (tb * NP)))
     sb = min(triton.next_power_of_2(split), max(1, mhc.FINISH_TILE // (tb * MP)))
-    _pre_norm_kernel[(split,)](x2, fn, part, ssp, mixs, _ticket(dev), scale, base, weight, y,
+    _pre_norm_kernel[(split,)](x2, fn, part, ssp, mixs, counters(dev, 1), scale, base, weight, y,
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
                                BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
@@ -155,6 +139,29 @@ def _check_norm_weight(op: str, x: torch.Tensor, fn: torch.Tensor, weight: torch
                                         "backward)")
 
 
+def _pre_norm(x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, has_res: bool, config):
+    """Both ops on checked inputs: one launch up to ``max_tokens`` tokens, else ``kernels.triton.mhc``'s kernels
+    (``hc_pre`` with ``has_res``, ``hc_head`` without) and the norm's -> ``(y, post, comb)`` over ``x``'s leading
+    shape (``post`` and ``comb`` None without ``has_res``)."""
+    cfg = {**PRE_NORM_CONFIG, **(config or {})}
+    n, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, n, d)
+    T = x3.shape[0]
+    if T <= cfg["max_tokens"]:
+        y, post, comb = _launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d,
+                                norm_eps, hc_eps, iters, eps, has_res, cfg)
+    elif has_res:
+        u, post, comb, *_ = mhc.hc_pre_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps), int(iters))
+        y = norm.rms_norm_launch(u, weight.contiguous(), float(eps))
+    else:
+        u = mhc.hc_head_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps))[0]
+        y, post, comb = norm.rms_norm_launch(u, weight.contiguous(), float(eps)), None, None
+    if not has_res:
+        return y.view(*lead, d), None, None
+    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
 def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
                 hc_eps: float, sinkhorn_iters: int, weight: torch.Tensor, eps: float, config: Optional[dict] = None):
     """:func:`kernels.reference.mhc.hc_pre_norm` (module docstring): ``x [..., n, d]`` bf16/fp16, the mHC mapping
@@ -163,18 +170,7 @@ def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     ``kernels.triton.mhc`` and the norm's. Anything else is refused with the reason."""
     mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
     _check_norm_weight("hc_pre_norm", x, fn, weight)
-    n, d = x.shape[-2:]
-    cfg = {**PRE_NORM_CONFIG, **(config or {})}
-    lead = x.shape[:-2]
-    x3 = x.reshape(-1, n, d)
-    T = x3.shape[0]
-    if T <= cfg["max_tokens"]:
-        y, post, comb = _launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d,
-                                norm_eps, hc_eps, sinkhorn_iters, eps, True, cfg)
-    else:
-        u, post, comb, *_ = mhc.hc_pre_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps), int(sinkhorn_iters))
-        y = norm.rms_norm_launch(u, weight.contiguous(), float(eps))
-    return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+    return _pre_norm(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, weight, eps, True, config)
 
 
 def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
@@ -184,15 +180,4 @@ def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     ``kernels.triton.mhc``'s ``hc_head`` kernels and the norm's -> ``[..., d]`` in x's dtype."""
     mhc_checks.check_hc_head(x, fn, scale, base)
     _check_norm_weight("hc_head_norm", x, fn, weight)
-    cfg = {**PRE_NORM_CONFIG, **(config or {})}
-    n, d = x.shape[-2:]
-    lead = x.shape[:-2]
-    x3 = x.reshape(-1, n, d)
-    T = x3.shape[0]
-    if T <= cfg["max_tokens"]:
-        y = _launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d, norm_eps, hc_eps,
-                    1, eps, False, cfg)[0]
-    else:
-        u = mhc.hc_head_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps))[0]
-        y = norm.rms_norm_launch(u, weight.contiguous(), float(eps))
-    return y.view(*lead, d)
+    return _pre_norm(x, fn, scale, base, norm_eps, hc_eps, 1, weight, eps, False, config)[0]
