@@ -19,6 +19,7 @@ rank. Here:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -119,6 +120,24 @@ def _wait_for_listener(rank: int, addr: str, port: int, deadline: float, fix: st
             time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def _cpp_log_hidden():
+    """Standard error (file descriptor 2) sent to /dev/null for the ``with`` block. Why: torch's store client logs a
+    C++ warning with its whole stack there when what answers at the port is not a store (another service, or a
+    port another run took), and the caller raises its own one-line error naming the fix instead."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
     """The store every rank of the world registered in within ``timeout_s`` seconds (module docstring)."""
     import torch.distributed as dist
@@ -131,7 +150,8 @@ def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float 
     if not hosts:
         _wait_for_listener(rank, addr, port, started + timeout_s, fix)
     try:
-        store = dist.TCPStore(addr, port, None, hosts, timedelta(seconds=timeout_s), wait_for_workers=False)
+        with contextlib.nullcontext() if hosts else _cpp_log_hidden():
+            store = dist.TCPStore(addr, port, None, hosts, timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:          # torch raises DistNetworkError / DistStoreError / RuntimeError
         if hosts and address_in_use(exc):
             raise MasterPortTaken(f"rank 0 cannot listen on MASTER_PORT {port} at {addr}: the port is taken by another "

@@ -825,6 +825,33 @@ def test_a_rank_started_without_rank_0_names_rank_0_quietly(tmp_path):
     refused(proc, "rank 1", "waited for ranks: 0", "rendezvous_timeout_s")     # and no C++ stack (refused)
 
 
+def test_a_rank_whose_master_port_answers_but_is_no_store_says_so_quietly(tmp_path):
+    """Something listens at MASTER_PORT but is not rank 0's store (another service, or a port another run took):
+    the one line naming rank 0, without torch's C++ warning and stack (a parallel CI run met it once)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def hang_up():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        proc = dsv4_bounded("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
+                            "rendezvous_timeout_s=3", env=_rank_env(RANK=1, MASTER_PORT=listener.getsockname()[1]))
+    finally:
+        listener.close()
+    refused(proc, "rank 1", "waited for ranks: 0", "rendezvous_timeout_s")
+
+
 def test_a_taken_master_port_is_named(tmp_path):
     import socket
 
