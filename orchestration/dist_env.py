@@ -120,6 +120,29 @@ def _wait_for_listener(rank: int, addr: str, port: int, deadline: float, fix: st
             time.sleep(0.1)
 
 
+def _client_by(deadline: float, make):
+    """``make()`` (the store client) if it returns by ``deadline``, else None; its exception re-raised. Why: a
+    listener that takes the connection and never answers (a full backlog, another service) keeps torch's client
+    waiting past its own timeout, so the rank hung past ``rendezvous_timeout_s``; the client is built on a daemon
+    thread, left behind on the way out."""
+    import threading
+
+    got: dict = {}
+
+    def build():
+        try:
+            got["store"] = make()
+        except Exception as exc:      # handed to the caller
+            got["error"] = exc
+
+    worker = threading.Thread(target=build, name="dsv4-store-client", daemon=True)
+    worker.start()
+    worker.join(max(0.1, deadline - time.monotonic()))
+    if "error" in got:
+        raise got["error"]
+    return got.get("store")
+
+
 @contextlib.contextmanager
 def _cpp_log_hidden():
     """Standard error (file descriptor 2) sent to /dev/null for the ``with`` block. Why: torch's store client logs a
@@ -150,8 +173,18 @@ def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float 
     if not hosts:
         _wait_for_listener(rank, addr, port, started + timeout_s, fix)
     try:
-        with contextlib.nullcontext() if hosts else _cpp_log_hidden():
-            store = dist.TCPStore(addr, port, None, hosts, timedelta(seconds=timeout_s), wait_for_workers=False)
+        if hosts:
+            store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        else:
+            with _cpp_log_hidden():
+                store = _client_by(started + timeout_s, lambda: dist.TCPStore(
+                    addr, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False))
+            if store is None:
+                raise DistEnvError(f"rank {rank} ({socket.gethostname()}) waited {time.monotonic() - started:.0f} s "
+                                   f"for rank 0 at {addr}:{port} (waited for ranks: 0); something listens there "
+                                   f"but no store answered (another service?). {fix}")
+    except DistEnvError:
+        raise
     except Exception as exc:          # torch raises DistNetworkError / DistStoreError / RuntimeError
         if hosts and address_in_use(exc):
             raise MasterPortTaken(f"rank 0 cannot listen on MASTER_PORT {port} at {addr}: the port is taken by another "

@@ -852,6 +852,20 @@ def test_a_rank_whose_master_port_answers_but_is_no_store_says_so_quietly(tmp_pa
     refused(proc, "rank 1", "waited for ranks: 0", "rendezvous_timeout_s")
 
 
+def test_a_rank_whose_master_port_never_answers_gives_up_at_its_timeout(tmp_path):
+    """Something listens at MASTER_PORT and takes the connection but never answers (a full backlog, a service that
+    waits for its client to speak first): the rank gives up at ``rendezvous_timeout_s`` with the one line naming
+    rank 0, where torch's store client waited on past it (over 120 s at 3)."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)                                   # never accepted: the kernel completes the handshake
+        proc = dsv4_bounded("train", "--mode", "sft", "--steps", "1", "--run-dir", tmp_path / "r",
+                            "rendezvous_timeout_s=3", env=_rank_env(RANK=1, MASTER_PORT=listener.getsockname()[1]))
+    refused(proc, "rank 1", "waited for ranks: 0", "no store answered", "rendezvous_timeout_s")
+
+
 def test_a_taken_master_port_is_named(tmp_path):
     import socket
 
