@@ -31,7 +31,8 @@ launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's in
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
 ``kernels/triton/index_query.py``), ``linear_group`` (the projections of
 a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a few
-tokens, ``kernels/triton/linear_group.py``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
+tokens, and likewise the query's ``wq_b`` with the indexer's, ``wo_b`` and the output head,
+``kernels/triton/linear_group.py``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
 launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
 ``kernels/triton/mhc_decode.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
 refuses them the step runs the torch code and the refusal is recorded like an op's.
@@ -196,14 +197,20 @@ def index_query_inputs(config, dtype: torch.dtype, device) -> list:
 
 def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``linear_group`` (``kernels.reference.decode.
-    layer_projections``): one slot's attention input in the model's ``dtype`` and each kind of layer's weights
-    that read it in that dtype (``wq_a`` and ``wkv``; a compressed layer's compressors' ``wkv`` and ``wgate``, fp32
-    results; a CSA layer's indexer compressor and ``weights_proj``)."""
+    layer_projections``, ``query_projections`` and ``eager_linear``): one slot's attention input in the model's
+    ``dtype`` and each kind of layer's weights that read it in that dtype (``wq_a`` and ``wkv``; a compressed
+    layer's compressors' ``wkv`` and ``wgate``, fp32 results; a CSA layer's indexer compressor and
+    ``weights_proj``); the query's low rank with ``wq_b`` (and a CSA layer's indexer ``wq_b``); the attention's
+    grouped output with ``wo_b``; the final norm's output with the head (fp32 logits). The weights are one row
+    of zeros seen ``N`` times (the head's would be a GiB at Flash size)."""
     c = config
     d = c.dim
 
-    def w(rows):
-        return torch.zeros(rows, d, dtype=dtype, device=device)
+    def w(rows, width=d):
+        return torch.zeros(1, width, dtype=dtype, device=device).expand(rows, width)
+
+    def x(width=d):
+        return torch.zeros(1, 1, width, dtype=dtype, device=device)
 
     out = []
     for m in sorted(set(c.compress_ratios[: c.n_layers])):
@@ -216,7 +223,13 @@ def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
             if m == 4:
                 ws.append(w(c.index_n_heads))
                 f32.append(False)
-        out.append((torch.zeros(1, 1, d, dtype=dtype, device=device), ws, f32))
+        out.append((x(), ws, f32))
+        query = [w(c.n_heads * c.head_dim, c.q_lora_rank)]
+        if m == 4:
+            query.append(w(c.index_n_heads * c.index_head_dim, c.q_lora_rank))
+        out.append((x(c.q_lora_rank), query, [False] * len(query)))
+    out.append((x(c.o_groups * c.o_lora_rank), [w(d, c.o_groups * c.o_lora_rank)], [False]))
+    out.append((x(), [w(c.vocab_size)], [True]))
     return out
 
 

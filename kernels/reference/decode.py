@@ -281,7 +281,8 @@ def _index_step(indexer, x: torch.Tensor, cq: torch.Tensor, cc: CompressorCache,
         return torch.empty(B, 0, dtype=torch.long, device=x.device)
     ops = indexer.ops
     ct, it = compute_dtype(x), indexer_input_dtype(ops, x.dtype)
-    q = indexer.wq_b(cq).view(B, 1, indexer.n_heads, indexer.head_dim)
+    q = projected(memo, indexer.wq_b.weight, lambda: indexer.wq_b(cq))     # with the query's (query_projections)
+    q = q.view(B, 1, indexer.n_heads, indexer.head_dim)
     fused = eager_op(ops, memo, "index_query")           # the rotation, the transform and the casts at once
     if fused is not None:
         q = fused(q, cos, sin, it)
@@ -361,9 +362,6 @@ def layer_projections(attn, x: torch.Tensor, memo: Optional[dict]) -> None:
     layer's readers (:func:`projected`); otherwise it holds nothing and each GEMM runs where it is used."""
     if memo is not None:
         memo.pop("projected", None)                   # the previous layer's
-    fused = eager_op(attn.ops, memo, "linear_group")
-    if fused is None:
-        return
     lin = [(attn.wq_a.weight, False), (attn.wkv.weight, False)]
     if attn.ratio:
         comps = (attn.compressor,) + ((attn.indexer.compressor,) if attn.ratio == 4 else ())
@@ -371,9 +369,40 @@ def layer_projections(attn, x: torch.Tensor, memo: Optional[dict]) -> None:
             lin += [(comp.wkv.weight, True), (comp.wgate.weight, True)]
         if attn.ratio == 4:
             lin.append((attn.indexer.weights_proj.weight, False))
-    lin = [(w, f) for w, f in lin if w.dtype == x.dtype]      # a weight held in another dtype: its own GEMM
+    _project_group(attn.ops, x, memo, lin)
+
+
+def query_projections(attn, cq: torch.Tensor, memo: Optional[dict]) -> None:
+    """Likewise (:func:`layer_projections`) the projections of the query's low rank ``cq [B, 1, q_lora]``: the
+    query's ``wq_b`` and a CSA layer's indexer ``wq_b``, one launch where they were a GEMM each. Why: at one token
+    ``linear_group`` read them at 31.1 us a CSA layer where cuBLAS's two GEMMs took 33.9 (H100, L2-cold,
+    ``bench/results/kernels-decode-sweep-h100-projections.json``)."""
+    lin = [(attn.wq_b.weight, False)] + ([(attn.indexer.wq_b.weight, False)] if attn.ratio == 4 else [])
+    _project_group(attn.ops, cq, memo, lin)
+
+
+def _project_group(ops, x: torch.Tensor, memo: Optional[dict], lin: list) -> None:
+    """``linear_group`` of ``x`` by the weights of ``lin`` ``[(weight, fp32 result)]`` held in ``x``'s dtype (a weight
+    held in another dtype: its own GEMM where it is used), into ``memo["projected"]``; nothing outside an eager
+    static step whose table has the op."""
+    fused = eager_op(ops, memo, "linear_group")
+    lin = [(w, f) for w, f in lin if w.dtype == x.dtype]
+    if fused is None or not lin:
+        return
     outs = fused(x, [w for w, _ in lin], [f for _, f in lin])
-    memo["projected"] = {id(w): y for (w, _), y in zip(lin, outs)}
+    memo.setdefault("projected", {}).update({id(w): y for (w, _), y in zip(lin, outs)})
+
+
+def eager_linear(ops, memo: Optional[dict], x: torch.Tensor, weight: torch.Tensor, fp32: bool, make):
+    """``x @ weight^T`` (fp32 with ``fp32``) through the table's ``linear_group`` in an eager static step
+    (:func:`eager_op`; ``weight`` in ``x``'s dtype), else ``make()`` (the GEMM itself). Why: at one token the
+    kernel read the attention's ``wo_b`` at 26.4 us against cuBLAS's 27.9 (a split-K GEMM and its reduction) and
+    the output head at 345.2 against 377.7 (H100, L2-cold, ``bench/results/kernels-decode-sweep-h100-projections.json``);
+    above its token limit it runs that GEMM."""
+    fused = eager_op(ops, memo, "linear_group")
+    if fused is None or weight.dtype != x.dtype:
+        return make()
+    return fused(x, [weight], [fp32])[0]
 
 
 def projected(memo: Optional[dict], weight: torch.Tensor, make) -> torch.Tensor:
@@ -427,13 +456,15 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     layer_projections(attn, x, memo)
     wkv = projected(memo, attn.wkv.weight, lambda: attn.wkv(x))
     cq = attn.q_norm(projected(memo, attn.wq_a.weight, lambda: attn.wq_a(x)))
+    query_projections(attn, cq, memo)
+    qb = projected(memo, attn.wq_b.weight, lambda: attn.wq_b(cq))
     idx = step_once(memo, ("window", W), lambda: _window(W, pos_d))
     fused = eager_op(ops, memo, "norm_rope")      # the norms, rotations and the ring's write, one launch each
     if fused is not None:
-        q = fused(attn.wq_b(cq).view(B, 1, H, D), None, attn.eps, cos, sin)
+        q = fused(qb.view(B, 1, H, D), None, attn.eps, cos, sin)
         fused(wkv, attn.kv_norm.weight, attn.kv_norm.eps, cos, sin, lc.window, pos_d, W)
     else:
-        q = (rms_normalize if ops is None else ops.rms_normalize)(attn.wq_b(cq).view(B, 1, H, D), attn.eps,
+        q = (rms_normalize if ops is None else ops.rms_normalize)(qb.view(B, 1, H, D), attn.eps,
                                                                  x.dtype)
         q = rope(q, cos, sin)
         rows, ring = step_once(memo, ("ring", W), lambda: (torch.arange(B, device=dev), pos_d % W))
@@ -465,7 +496,7 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     # is not), the einsum, which Inductor lays out itself
     u = (torch.einsum("bsgd,grd->bsgr", o, wo_a) if torch.compiler.is_compiling()
          else grouped_projection(o, wo_a))
-    return attn.wo_b(u.flatten(2))
+    return eager_linear(ops, memo, u.flatten(2), attn.wo_b.weight, False, lambda: attn.wo_b(u.flatten(2)))
 
 
 def _all_entries(idx: torch.Tensor, pos: torch.Tensor, ratio: int, N: int, W: int) -> torch.Tensor:

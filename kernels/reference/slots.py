@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
-from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, _final_logits, angle_table, device_inv_freq,
-                     eager_op, pool_slots, projected, step_once, table_angles)
+from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, angle_table, device_inv_freq,
+                     eager_linear, eager_op, pool_slots, projected, step_once, table_angles)
 from .layers import compute_dtype, linear_fp32
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
@@ -583,14 +583,17 @@ def _pre_normed(layer, site: str, x: torch.Tensor, rms, memo: Optional[dict]):
 
 def decode_head(model, x: torch.Tensor, memo: Optional[dict] = None) -> torch.Tensor:
     """The trunk's streams ``[b, 1, n, d]`` -> fp32 logits ``[b, V]``; the collapse and the final norm in one
-    launch where the eager step's table has ``hc_head_norm`` (:func:`~.decode.eager_op`)."""
+    launch where the eager step's table has ``hc_head_norm`` (:func:`~.decode.eager_op`), the head GEMM through its
+    ``linear_group`` where it has that (:func:`~.decode.eager_linear`)."""
     fused = eager_op(model.ops, memo, "hc_head_norm")
     if fused is None:
-        return _final_logits(model, x)[:, 0]
-    c = model.config
-    y = fused(x, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, c.norm_eps, c.hc_eps, model.norm.weight,
-              model.norm.eps)
-    return linear_fp32(y, model.head.weight)[:, 0]
+        y = model.collapse(x)
+    else:
+        c = model.config
+        y = fused(x, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, c.norm_eps, c.hc_eps,
+                  model.norm.weight, model.norm.eps)
+    w = model.head.weight
+    return eager_linear(model.ops, memo, y, w, True, lambda: linear_fp32(y, w))[:, 0]
 
 
 @dataclass(frozen=True)

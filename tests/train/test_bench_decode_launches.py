@@ -60,14 +60,17 @@ def test_the_fused_norms_and_the_indexer_top_k_take_the_place_of_their_torch_cod
 
 def test_one_launch_projects_a_layers_attention_input():
     """``linear_group``: a layer's ``wq_a``, ``wkv``, its compressors' ``wkv`` and ``wgate`` and a CSA layer's
-    ``weights_proj`` are one launch where they were a GEMM each (two, four or seven a layer)."""
+    ``weights_proj`` are one launch where they were a GEMM each (two, four or seven a layer); the query's ``wq_b``
+    and a CSA layer's indexer ``wq_b`` one more, ``wo_b`` and the head one each (cuBLAS's GEMMs before)."""
     from bench.decode_launches import count_step, model_like
 
     config = model_like("flash-shaped")
+    ratios = config.compress_ratios[:config.n_layers]
     with_group, without = count_step(config, 2), count_step(config, 2, without=("linear_group",))
-    gemms = [2 + 2 * (1 + (r == 4)) * (r > 0) + (r == 4) for r in config.compress_ratios[:config.n_layers]]
-    assert gemms == [2, 2, 7, 4] and with_group.sites["linear_group (one kernel)"] == config.n_layers
-    assert sum(without.sites.values()) - sum(with_group.sites.values()) == sum(g - 1 for g in gemms)
+    gemms = [2 + 2 * (1 + (r == 4)) * (r > 0) + (r == 4) for r in ratios]
+    assert gemms == [2, 2, 7, 4] and with_group.sites["linear_group (one kernel)"] == 3 * config.n_layers + 1
+    query = [1 + (r == 4) for r in ratios]                # wq_b, and a CSA layer's indexer wq_b
+    assert sum(without.sites.values()) - sum(with_group.sites.values()) == sum(g - 1 for g in gemms + query)
 
 
 def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():

@@ -232,7 +232,8 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     # per decode step (11 a sample, one slot each): every compressor, or the query and the key of every layer
     per_step = {"compressor_step": sum(1 + (r == 4) for r in CFG.compress_ratios[:CFG.n_layers] if r),
                 "norm_rope": 2 * CFG.n_layers, "decode_topk": CFG.compress_ratios[:CFG.n_layers].count(4),
-                "index_query": CFG.compress_ratios[:CFG.n_layers].count(4), "linear_group": CFG.n_layers,
+                "index_query": CFG.compress_ratios[:CFG.n_layers].count(4),
+                "linear_group": 3 * CFG.n_layers + 1,      # the attention's input, its query, wo_b; the head
                 "hc_pre_norm": 2 * CFG.n_layers, "hc_head_norm": 1}[op]
     if not refuse:
         assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
@@ -288,6 +289,50 @@ def test_every_projection_of_the_group_is_the_one_the_step_uses():
         else:
             part = 1 if j == 6 else 0                             # the head weights, else the entries
             assert any(not torch.equal(a[part], b[part]) for a, b in zip(seen, plain)), j
+
+
+@pytest.mark.parametrize("name", ["wq_b", "indexer.wq_b", "wo_b", "head"])
+def test_the_query_output_and_head_projections_are_the_groups(name):
+    """``linear_group`` also projects the query's low rank (``wq_b``, with a CSA layer's indexer ``wq_b`` in the same
+    launch), the attention's grouped output (``wo_b``) and the final norm's output (the head, fp32 logits), and the
+    step computes with what it returns: a table whose op negates the output of that one weight draws other
+    log-probabilities than the reference engine (the indexer's: hands its scores another query; at this length
+    the indexer keeps every entry, so the samples cannot tell)."""
+    from kernels.reference.indexer import indexer_scores
+    from kernels.reference.linear_group import linear_group
+    from rollout.reference_engine import ReferenceEngine
+
+    params = _params(max_new_tokens=12)
+    csa = CFG.compress_ratios[:CFG.n_layers].index(4)
+
+    def run(target_of):
+        seen, built = [], []                                      # the engine, once built (the probe calls first)
+
+        def spy(q, k, w):
+            if q.shape[1] == 1:
+                seen.append(q.clone())
+            return indexer_scores(q, k, w)
+
+        def negated(x, weights, fp32):
+            target = target_of(built[0].model) if built else torch.empty(0)
+            return [-y if w.data_ptr() == target.data_ptr() and w.shape == target.shape else y
+                    for w, y in zip(weights, linear_group(x, weights, fp32))]
+
+        built.append(_synced(ReferenceEngine(CFG, ops=_fake(extra={"linear_group": negated, "indexer_scores": spy}))))
+        got, ran = _generate(built[0], params)
+        assert ran["fake.linear_group"] > 0 and seen
+        return got, seen
+
+    weight = {"wq_b": lambda m: m.layers[csa].attn.wq_b.weight,
+              "indexer.wq_b": lambda m: m.layers[csa].attn.indexer.wq_b.weight,
+              "wo_b": lambda m: m.layers[csa].attn.wo_b.weight, "head": lambda m: m.head.weight}[name]
+    want, plain = run(lambda m: torch.empty(0))
+    _same(want, _generate(_synced(ReferenceEngine(CFG)), params)[0])
+    got, seen = run(weight)
+    if name == "indexer.wq_b":
+        assert any(not torch.equal(a, b) for a, b in zip(seen, plain))
+    else:
+        assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
