@@ -24,17 +24,24 @@ import triton.language as tl
 from kernels import gpu_common
 from kernels.triton.tickets import counters
 
-__all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS"]
+__all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS", "FEW_BLOCKS", "FEW_BLOCKS_SPLIT",
+           "shares"]
 
 MAX_WEIGHTS = 8
 # BN weight rows and BK columns a step per program; SPLIT: shares of K a row block's programs take (1: one program
-# a block; more: partials summed by the block's last program, for groups of few blocks, which leave SMs idle);
+# a block; more: partials summed by the block's last program, for groups of few blocks, which leave SMs idle; None:
+# by the group's blocks, below);
 # max_tokens: the most rows the kernel takes (more: cuBLAS).
 # BK 256 and 4 stages (from 128 and 3): with the weights read from HBM, as in a decode step, a Flash CSA layer's
 # launch took 15.37 against 17.9 us and a window layer's 10.72 against 14.8 at one token on an H100
 # (python -m bench.kernels_decode_sweep --only linear_group, four weight copies a graph;
 # bench/results/kernels-decode-sweep-h100-linear-group-l2-cold.json)
-LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=1, max_tokens=16)
+# SPLIT None: FEW_BLOCKS_SPLIT shares where a group has fewer than FEW_BLOCKS row blocks, else 1. A window layer's
+# wq_a and wkv (48 blocks on an H100's 132 SMs) took 8.74 us at SPLIT 2 against 11.3 at one token (8.63 against
+# 10.7 at 16), where a CSA layer's group (130 blocks) and the query's (1,280) were fastest at 1
+# (bench/results/kernels-decode-sweep-h100-projections.json, L2-cold)
+LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16)
+FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
 
 
 @triton.jit
@@ -129,6 +136,15 @@ def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool
     gpu_common.refuse_grad("triton", x, *weights)
 
 
+def shares(blocks: int, config: Optional[dict] = None) -> int:
+    """The shares of ``K`` a group of ``blocks`` row blocks takes: ``config``'s ``SPLIT``, or where it is None
+    :data:`FEW_BLOCKS_SPLIT` below :data:`FEW_BLOCKS` blocks (SMs left idle by one program a block) and 1 above."""
+    split = {**LINEAR_GROUP_CONFIG, **(config or {})}["SPLIT"]
+    if split is None:
+        split = FEW_BLOCKS_SPLIT if blocks < FEW_BLOCKS else 1
+    return max(1, int(split))
+
+
 def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
                         config: Optional[dict] = None) -> List[torch.Tensor]:
     """The launcher of :func:`linear_group` (inputs checked): ``x [M, K]`` -> one output a weight."""
@@ -138,15 +154,16 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
             for w, f in zip(weights, fp32)]
     if M == 0:
         return outs
-    bn, bk, split = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K)), max(1, int(cfg["SPLIT"]))
+    bn, bk = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K))
     while K % bk:                                   # whole steps over K: the largest power of two dividing it
         bk //= 2
+    ends = list(accumulate(triton.cdiv(w.shape[0], bn) for w in weights))
+    split = shares(ends[-1], cfg)
     while split > 1 and (K // bk) % split:          # each share of K whole steps: fewer shares where they are not
         split -= 1
     # rows of any stride (a weight may be a slice of a wider tensor), each row's K columns contiguous
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = [w if w.stride(1) == 1 else w.contiguous() for w in weights]
-    ends = list(accumulate(triton.cdiv(w.shape[0], bn) for w in weights))
     pad = MAX_WEIGHTS - len(weights)
     args = []
     for w, y in zip(weights, outs):

@@ -75,6 +75,18 @@ def test_shares_of_k_sum_to_the_torch_contract(launches, split):
     assert all(torch.equal(a, b) for a, b in zip(got, K.linear_group(xd, wd, fp32, cfg)))
 
 
+def test_groups_of_few_row_blocks_split_k_by_default():
+    """The launch settings' ``SPLIT`` (None): a group of fewer than ``FEW_BLOCKS`` row blocks (a Flash window layer's
+    ``wq_a`` and ``wkv``: 48 blocks of 32 rows) takes ``FEW_BLOCKS_SPLIT`` shares of ``K``, a CSA layer's group
+    (130 blocks), the query's projections and the head one; a ``SPLIT`` given is taken as it is."""
+    from kernels.triton.linear_group import FEW_BLOCKS, FEW_BLOCKS_SPLIT, LINEAR_GROUP_CONFIG, shares
+
+    assert LINEAR_GROUP_CONFIG["SPLIT"] is None and FEW_BLOCKS_SPLIT == 2 and LINEAR_GROUP_CONFIG["BN"] == 32
+    window, csa = (1024 + 512) // 32, (1024 + 512 + 1024 + 1024 + 256 + 256 + 64) // 32
+    assert [shares(b) for b in (window, FEW_BLOCKS - 1, FEW_BLOCKS, csa, 1280, 4040)] == [2, 2, 1, 1, 1, 1]
+    assert shares(window, dict(SPLIT=1)) == 1 and shares(csa, dict(SPLIT=4)) == 4
+
+
 def test_weights_read_in_place_with_their_row_stride(launches):
     """A weight whose rows lie apart (columns of a wider tensor) is read where it lies, not copied."""
     from kernels.reference.linear_group import linear_group as ref
@@ -130,7 +142,7 @@ def test_the_kernel_compiles_for_sm90_without_spills():
 
     c = K.LINEAR_GROUP_CONFIG
     ends = dict(E0=32, E1=48, E2=80, E3=112, E4=116, E5=120, E6=122, E7=122)
-    for split in (c["SPLIT"], 4):                               # the launch settings', and shares of K
+    for split in (1, 4):                                        # one program a block, and shares of K
         consts = dict(**ends, G=7, SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
         types = {}
         for a in K._linear_group_kernel.arg_names:
