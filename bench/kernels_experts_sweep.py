@@ -1,7 +1,7 @@
 """Launch settings of the triton decode experts kernel (``kernels/triton/experts.py``) at the Flash-shaped decode
 step's shapes, timed and checked on one GPU.
 
-    python -m bench.kernels_experts_sweep [--sequences 1 64 256] --out FILE.json
+    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split] --out FILE.json
 
 Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
 --compile on --profile-steps``) the kernel took 1.70 ms of a 3.85 ms step at 64 sequences, about 79% of the HBM
@@ -44,6 +44,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--sequences", nargs="+", type=int, default=[1, 64, 256],
                    help="decode steps of these many sequences (default 1 64 256)")
+    p.add_argument("--split", action="store_true",
+                   help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN and STAGES "
+                        "around the few-rows settings instead")
     known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     out = bc.sweep_output(__doc__, rest)
     import triton
@@ -53,8 +56,11 @@ def main(argv=None):
     meta = bc.base_meta(triton=triton.__version__)
     # fewer pipeline stages leave a program less shared memory, so more of them fit an SM at once: at one
     # sequence the seven experts with rows make one and a half waves of four-stage programs
-    configs = [dict(BM=bm, BN=bn, BK=bk, STAGES=st, WARPS=wp)
+    configs = [dict(BM=bm, BN=bn, BK=bk, STAGES=st, WARPS=wp, SPLIT=1)
                for bm, bn, bk, st, wp in itertools.product([16, 32, 64], [32, 64, 128], [64, 128], [2, 3, 4], [4, 8])]
+    if known.split:
+        configs = [dict(KE.EXPERTS_CONFIG, BN=bn, STAGES=st, SPLIT=sp)
+                   for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4, 8])]
     rows = []
     for seqs, (site, N, K) in itertools.product(known.sequences,
                                                 (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):

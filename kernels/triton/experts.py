@@ -23,13 +23,12 @@ shared expert's output in one launch (:func:`moe_combine`).
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
+from kernels.triton.tickets import counters
 
 __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
            "experts_gather_mm", "experts_scatter_mm", "moe_combine", "launch_settings"]
@@ -38,9 +37,15 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
 # sequences of the Flash-shaped model: every expert's rows in one step), chosen by launch_settings. Swept on an
 # H200 (python -m bench.kernels_experts_sweep, bench/results/kernels-experts-sweep-h200-rows.json).
-EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4)
-WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=4, WARPS=8)     # at 4 warps ptxas spills 780 bytes of registers
+# SPLIT: shares of K a block's programs take (partials summed, in order, by the block's last program), at most
+# FEW_ROWS rows FEW_ROWS_SPLIT of them: at one Flash-shaped sequence the seven experts with rows are 448 programs of
+# four stages a GEMM, one and a half waves of the SMs (bench/results/kernels-experts-sweep-h100-one-sequence.json:
+# no setting without a split beat 81.1 us for the gate and up GEMMs). FEW_ROWS_SPLIT stays 1 until
+# python -m bench.kernels_experts_sweep --sequences 1 --split times the shares on a GPU
+EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1)
+WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=4, WARPS=8, SPLIT=1)   # at 4 warps ptxas spills 780 bytes of registers
 WIDE_FROM = 8                  # mean rows an expert above which WIDE_CONFIG runs
+FEW_ROWS, FEW_ROWS_SPLIT = 16, 1
 
 
 def launch_settings(rows: int, experts: int) -> dict:
@@ -52,20 +57,26 @@ def launch_settings(rows: int, experts: int) -> dict:
     402.1 against 447.0 us for the two GEMMs at 64 sequences (the hot experts' ~20 rows took two 16-row steps)
     and 436.2 against 1,389.2 us at 256 (three steps), with equal outputs, where at one sequence the narrow ones
     are 4% faster (97.8 against 101.7 us). From the shapes alone: a CUDA graph replays one launch whatever the
-    routing, and the decode step's shapes are the slot bucket's."""
+    routing, and the decode step's shapes are the slot bucket's. At most :data:`FEW_ROWS` rows (one or two
+    sequences) a block's programs split ``K`` in :data:`FEW_ROWS_SPLIT` shares."""
     mean = -(-rows // max(experts, 1))
-    return dict(WIDE_CONFIG if mean > WIDE_FROM else EXPERTS_CONFIG)
+    if mean > WIDE_FROM:
+        return dict(WIDE_CONFIG)
+    return dict(EXPERTS_CONFIG, SPLIT=FEW_ROWS_SPLIT if rows <= FEW_ROWS else 1)
 
 
 @triton.jit
-def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr, GATHER: tl.constexpr = False,
-                    SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False):
-    """Program ``(e, j)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
+def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICKETS, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr,
+                    GATHER: tl.constexpr = False, SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False,
+                    SPLIT: tl.constexpr = 1):
+    """Program ``(e, j, s)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
     row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the pair); ``SCATTER``: it writes ``Y`` row
     ``ORDER[r]`` (the pair's own row). ``SHARED``: a program ``e = NE`` more, the shared expert ``WS`` on ``SH``
     rows after the ``RR`` routed ones: row ``RR + t`` is token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and
-    written to its own row."""
+    written to its own row. ``SPLIT`` > 1: the program takes share ``s`` of ``K``, writes its rows' partials to
+    ``PART`` ``[rows, SPLIT, N]`` and takes a ticket of the block ``(e, j)``; the last program of the block to
+    take one sums the shares in order and stores."""
     e = tl.program_id(0)
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
     end = tl.load(OFFS + e, mask=e < NE, other=0)
@@ -76,31 +87,72 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, BM: tl.con
         if e == NE:
             end = start + SH
             wrow = WS + cols.to(tl.int64)[:, None] * K
-    for m0 in range(start, end, BM):
-        rows = m0 + tl.arange(0, BM)
-        rmask = rows < end
-        src = rows.to(tl.int64)
-        if GATHER:
-            src = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0) // TOPK
-            if SHARED:
-                src = tl.where(rows >= RR, rows.to(tl.int64) - RR, src)
-        xrow = X + src[:, None] * K
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            k = k0 + tl.arange(0, BK)
-            kmask = k < K
-            x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(wrow + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-            if F32:                  # the interpreter: tf32 holds every bf16 / fp16 value, the products are exact
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
-        dst = rows.to(tl.int64)
-        if SCATTER:                  # read after the loop: live across it, the indices spilled (WIDE_CONFIG)
-            dst = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0)
-            if SHARED:
-                dst = tl.where(rows >= RR, rows.to(tl.int64), dst)
-        tl.store(Y + dst[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+    if SPLIT == 1:
+        for m0 in range(start, end, BM):
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < end
+            acc = _rows_product(X, wrow, ORDER, rows, rmask, cmask, 0, K, K, TOPK, RR, BM, BN, BK, STAGES, F32,
+                                GATHER, SHARED)
+            _store_rows(Y, ORDER, rows, rmask, cols, cmask, acc, N, RR, SCATTER, SHARED)
+    elif end > start:                                     # an expert without rows: no partial, no ticket
+        s = tl.program_id(2)
+        ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK          # whole BK steps a share (the last ones may be short)
+        for m0 in range(start, end, BM):
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < end
+            acc = _rows_product(X, wrow, ORDER, rows, rmask, cmask, s * ks, s * ks + ks, K, TOPK, RR, BM, BN, BK,
+                                STAGES, F32, GATHER, SHARED)
+            tl.store(PART + (rows.to(tl.int64)[:, None] * SPLIT + s) * N + cols[None, :], acc,
+                     mask=rmask[:, None] & cmask[None, :])
+        tl.debug_barrier()                                # every thread's partials are written before the release
+        block = e * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(TICKETS + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.debug_barrier()
+            for m0 in range(start, end, BM):
+                rows = m0 + tl.arange(0, BM)
+                rmask = rows < end
+                part = PART + (rows.to(tl.int64)[:, None] * SPLIT) * N + cols[None, :]
+                tot = tl.zeros([BM, BN], dtype=tl.float32)
+                for i in range(SPLIT):                    # in order: the same sums on every call
+                    tot += tl.load(part + i * N, mask=rmask[:, None] & cmask[None, :], other=0.0,
+                                   cache_modifier=".cg")
+                _store_rows(Y, ORDER, rows, rmask, cols, cmask, tot, N, RR, SCATTER, SHARED)
+            tl.atomic_xchg(TICKETS + block, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _rows_product(X, wrow, ORDER, rows, rmask, cmask, k_from, k_to, K, TOPK, RR, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr, GATHER: tl.constexpr,
+                  SHARED: tl.constexpr):
+    """``[BM, BN]`` fp32: rows ``rows`` of ``X`` (through ``ORDER`` with ``GATHER``) times the weight rows at ``wrow``
+    over columns ``[k_from, k_to)`` of ``K``."""
+    src = rows.to(tl.int64)
+    if GATHER:
+        src = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0) // TOPK
+        if SHARED:
+            src = tl.where(rows >= RR, rows.to(tl.int64) - RR, src)
+    xrow = X + src[:, None] * K
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(k_from, k_to, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < K
+        x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(wrow + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if F32:                  # the interpreter: tf32 holds every bf16 / fp16 value, the products are exact
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+    return acc
+
+
+@triton.jit
+def _store_rows(Y, ORDER, rows, rmask, cols, cmask, acc, N, RR, SCATTER: tl.constexpr, SHARED: tl.constexpr):
+    """``acc`` into ``Y``'s rows (through ``ORDER`` with ``SCATTER``) in ``Y``'s dtype."""
+    dst = rows.to(tl.int64)
+    if SCATTER:                  # read after the loop: live across it, the indices spilled (WIDE_CONFIG)
+        dst = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0)
+        if SHARED:
+            dst = tl.where(rows >= RR, rows.to(tl.int64), dst)
+    tl.store(Y + dst[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None, order=None,
@@ -117,11 +169,19 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     T = 0 if shared is None else (x.shape[0] if topk > 0 else x.shape[0] - R)
     c = {**launch_settings(R + T, E + (shared is not None)), **(config or {})}
     y = torch.empty(R + T, N, dtype=x.dtype, device=x.device)
+    split = max(1, int(c.get("SPLIT", 1)))
+    blocks = (E + (shared is not None)) * triton.cdiv(N, c["BN"])
+    if split > 1:
+        part = torch.empty(R + T, split, N, dtype=torch.float32, device=x.device)
+        tickets = counters(x.device, blocks)
+    else:
+        part = tickets = offs                        # unused (SPLIT 1)
     if (R or T) and E:
-        _experts_kernel[(E + (shared is not None), triton.cdiv(N, c["BN"]))](
+        _experts_kernel[(E + (shared is not None), triton.cdiv(N, c["BN"]), split)](
             x, w, offs, y, offs if order is None else order, w if shared is None else shared, N, K, max(topk, 1), E,
-            R, T, BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(),
-            GATHER=topk > 0, SCATTER=bool(scatter), SHARED=shared is not None, num_warps=c["WARPS"])
+            R, T, part, tickets, BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"],
+            F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter), SHARED=shared is not None,
+            SPLIT=split, num_warps=c["WARPS"])
     return y
 
 

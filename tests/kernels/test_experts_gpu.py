@@ -58,11 +58,13 @@ def test_experts_grouped_mm_matches_each_experts_product(counts, N, K):
 def test_launch_settings_widen_the_row_step_for_many_rows_an_expert():
     """The narrow settings up to WIDE_FROM rows an expert (a Flash-shaped step of 1 sequence: 6 pairs over 32
     experts), the wide ones above (64 and 256 sequences: 12 and 48 rows an expert)."""
-    from kernels.triton.experts import EXPERTS_CONFIG, WIDE_CONFIG, WIDE_FROM, launch_settings
+    from kernels.triton.experts import EXPERTS_CONFIG, FEW_ROWS, FEW_ROWS_SPLIT, WIDE_CONFIG, WIDE_FROM, launch_settings
 
-    assert WIDE_FROM == 8 and WIDE_CONFIG["BM"] > EXPERTS_CONFIG["BM"]
-    assert [launch_settings(r, 32) for r in (0, 6, 256, 257, 384, 1536)] == [EXPERTS_CONFIG] * 3 + [WIDE_CONFIG] * 3
-    assert launch_settings(5, 0) == EXPERTS_CONFIG and launch_settings(236, 4) == WIDE_CONFIG
+    assert WIDE_FROM == 8 and WIDE_CONFIG["BM"] > EXPERTS_CONFIG["BM"] and FEW_ROWS == 16
+    few = dict(EXPERTS_CONFIG, SPLIT=FEW_ROWS_SPLIT)      # one or two sequences: the reduction split in shares
+    assert [launch_settings(r, 32) for r in (0, 7, 16, 17, 256, 257, 384, 1536)] == \
+        [few] * 3 + [EXPERTS_CONFIG] * 2 + [WIDE_CONFIG] * 3
+    assert launch_settings(5, 0) == few and launch_settings(236, 4) == WIDE_CONFIG
 
 
 @pytest.mark.parametrize("seqs", [64, 256])
@@ -117,9 +119,10 @@ def test_refusals_name_the_fix():
 
 @pytest.mark.parametrize("rows", [6, 1536])
 def test_the_kernel_compiles_for_sm90(rows):
-    """The kernel at both launch settings (few and many rows an expert) compiles to PTX for sm_90 (H100/H200)
-    with triton alone, no GPU (the interpreter runs code the compiler rejects)."""
+    """The kernel at both launch settings (few rows an expert, the reduction split in shares; many rows, one program
+    a block) compiles to PTX for sm_90 (H100/H200) with triton alone, no GPU (the interpreter runs code the compiler rejects)."""
     import importlib.util
+    import itertools
     import os
 
     if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
@@ -130,12 +133,15 @@ def test_the_kernel_compiles_for_sm90(rows):
     from kernels.triton import experts as K
 
     c = K.launch_settings(rows, 32)
-    for gather, scatter, shared in ((False, False, False), (True, False, False), (False, True, False),
-                                    (True, False, True), (False, True, True)):   # plain; through the order; shared
+    splits = (1, 4) if rows <= K.FEW_ROWS else (c["SPLIT"],)           # one program a block, and shares of K
+    for split, gather, scatter, shared in itertools.product(splits, *[(False, True)] * 3):
+        if gather and scatter:                                          # plain; through the order; shared
+            continue
         consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=gather,
-                      SCATTER=scatter, SHARED=shared)
+                      SCATTER=scatter, SHARED=shared, SPLIT=split)
         sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "WS": "*bf16", "N": "i32",
-               "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", **{k: "constexpr" for k in consts}}
+               "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "PART": "*fp32", "TICKETS": "*i32",
+               **{k: "constexpr" for k in consts}}
         compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=c["WARPS"]))
         assert ".entry" in compiled.asm["ptx"]
@@ -273,6 +279,57 @@ def test_the_pair_gemms_and_the_sum_are_their_torch_contracts(counts, topk):
         experts_gather_mm(tokens.to(dev), w.to(dev), offs.to(dev), order.to(dev).int(), topk)
     with pytest.raises(ValueError, match="needs pairs"):
         moe_combine(pairs.to(dev), shared.to(dev), topk + 1)
+
+
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("counts,topk", [([0, 3, 0, 1, 20, 0], 2), ([130, 0, 66, 40], 4), ([1, 0, 1, 1], 3)])
+def test_a_split_reduction_gives_the_same_products(counts, topk, split):
+    """``SPLIT`` shares of ``K`` (the few-rows settings, one or two sequences), each share's partial summed in order
+    by the block's last program: the plain GEMM, the gather with the shared expert and the scatter with it within
+    the plain kernel's bound of the exact products, the same bits on a second call, and every ticket counter back
+    at 0. Experts of several row steps (20 and 130 rows), experts without rows, a share past ``K`` (4 shares of 3
+    steps of 16)."""
+    from kernels.reference.slots import expert_order
+    from kernels.triton import tickets
+    from kernels.triton.experts import experts_grouped_mm_launch, launch_settings
+
+    dev = triton_device()
+    R, E, K, N = sum(counts), len(counts), 48, 40
+    g = torch.Generator().manual_seed(R + split)
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])[torch.randperm(R, generator=g)]
+    order, offs = expert_order(ids, E)
+    tokens = torch.randn(R // topk, K, generator=g).bfloat16()
+    rows = torch.randn(R + R // topk, K, generator=g).bfloat16()
+    _, w, _ = _case(counts, N, K, "cpu", seed=7)
+    ws = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    steps = 4 if dev == "cpu" else 2
+
+    def run(**kw):
+        c = dict(launch_settings(R + R // topk, E + 1), BK=16, SPLIT=split)
+        x = kw.pop("x")
+        args = [t.to(dev) for t in (x, w, offs)]
+        got = experts_grouped_mm_launch(*args, config=c, **{k: v.to(dev) if torch.is_tensor(v) else v
+                                                            for k, v in kw.items()})
+        again = experts_grouped_mm_launch(*args, config=c, **{k: v.to(dev) if torch.is_tensor(v) else v
+                                                              for k, v in kw.items()})
+        assert torch.equal(got, again)
+        return got.cpu().double()
+
+    exact, scale = _exact(rows[:R], w, offs)
+    assert ((run(x=rows[:R]) - exact).abs() <= steps * 2.0 ** -8 * scale + 1e-30).all()
+    exact, scale = _exact(tokens.index_select(0, order // topk), w, offs)
+    exact = torch.cat((exact, tokens.double() @ ws.double().t()))
+    scale = torch.cat((scale, tokens.double().abs() @ ws.double().abs().t()))
+    got = run(x=tokens, order=order, topk=topk, shared=ws)
+    assert ((got - exact).abs() <= steps * 2.0 ** -8 * scale + 1e-30).all()
+    exact, scale = _exact(rows[:R], w, offs)
+    want = torch.cat((torch.empty_like(exact).index_copy_(0, order, exact), rows[R:].double() @ ws.double().t()))
+    bound = torch.cat((torch.empty_like(scale).index_copy_(0, order, scale),
+                       rows[R:].double().abs() @ ws.double().abs().t()))
+    got = run(x=rows, order=order, scatter=True, shared=ws)
+    assert ((got - want).abs() <= steps * 2.0 ** -8 * bound + 1e-30).all()
+    for buffer in tickets._COUNTERS.values():
+        assert int(buffer.count_nonzero()) == 0
 
 
 def test_the_order_kernel_compiles_for_sm90():
