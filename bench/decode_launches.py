@@ -48,7 +48,7 @@ TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_t
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
                      "moe_combine", "norm_rope", "decode_topk", "index_query", "linear_group", "hc_pre_norm",
-                     "hc_head_norm")
+                     "hc_head_norm", "attention_rows")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -123,7 +123,7 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.linear_group import linear_group
     from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.moe import route_experts
-    from kernels.reference.topk import decode_topk
+    from kernels.reference.topk import attention_rows, decode_topk
 
     required = reference_functions()                     # every table has these; the extras only when kept
     extras = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
@@ -131,7 +131,7 @@ def stand_in_table(counter: _Count, without=()):
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
               "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
-              "hc_head_norm": hc_head_norm}
+              "hc_head_norm": hc_head_norm, "attention_rows": attention_rows}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

@@ -218,7 +218,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``compress``: a module whose ``compressor_step`` becomes an extra op (the eager decode step's compressors after
     their GEMMs, ``kernels.reference.slots._compress_masked``); ``norm_rope``: a module whose ``norm_rope`` becomes
     an extra op (the eager decode step's query and key norms and rotations, ``kernels.reference.decode._attend``);
-    ``topk``: a module whose ``decode_topk`` becomes an extra op (the eager decode step's indexer picks);
+    ``topk``: a module whose ``decode_topk`` and ``attention_rows`` become extra ops (the eager decode step's
+    indexer picks, and a window or HCA layer's attention rows);
     ``index_query``: a module whose ``index_query`` becomes an extra op (its indexer query's rotation and
     transform); ``linear_group``: a module whose ``linear_group`` becomes an extra op (the projections of a
     layer's attention input in one launch, ``kernels.reference.decode.layer_projections``); ``mhc_decode``: a module
@@ -239,7 +240,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                           (experts, ("experts_grouped_mm", "expert_order", "experts_gather_mm", "experts_scatter_mm",
                                      "moe_combine")), (hadamard, ("hadamard_transform",)),
                           (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
-                          (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)), (topk, ("decode_topk",)),
+                          (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)),
+                          (topk, ("decode_topk", "attention_rows")),
                           (index_query, ("index_query",)), (linear_group, ("linear_group",)),
                           (mhc_decode, ("hc_pre_norm", "hc_head_norm"))):
         if module is not None:

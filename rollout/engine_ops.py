@@ -34,7 +34,8 @@ a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's
 tokens, and likewise the query's ``wq_b`` with the indexer's, ``wo_b`` and the output head,
 ``kernels/triton/linear_group.py``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
 launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
-``kernels/triton/mhc_decode.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
+``kernels/triton/mhc_decode.py``), ``attention_rows`` (a window or HCA layer's attention rows, the ring rows
+written and the entries completed, in one launch, ``kernels/triton/topk.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
 refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
@@ -65,7 +66,7 @@ from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
-           "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs",
+           "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
            "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
@@ -183,6 +184,14 @@ def decode_topk_inputs(config, dtype: torch.dtype, device) -> list:
     return [(torch.zeros(1, 3, device=device), torch.zeros(1, dtype=torch.long, device=device), 4, config.index_topk)]
 
 
+def attention_rows_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step passes ``attention_rows`` (``kernels.reference.decode._attend``): one
+    slot's position and the ring's width (a window layer's rows), and with each HCA ratio a few entries after it."""
+    pos, W = torch.zeros(1, dtype=torch.long, device=device), config.window_size
+    hca = sorted({r for r in config.compress_ratios[:config.n_layers] if r not in (0, 4)})
+    return [(pos, W)] + [(pos, W, r, 3) for r in hca]
+
+
 def index_query_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``index_query`` (``kernels.reference.decode._index_step``):
     one slot's indexer query heads in the model's ``dtype``, fp32 angles, the activation dtype out (a GPU table's
@@ -264,10 +273,11 @@ def hc_head_norm_inputs(config, dtype: torch.dtype, device) -> list:
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
 # a layer's projections of its attention input, a site's mHC pre with its sublayer's norm, the head's collapse with
-# the final norm
+# the final norm, a window or HCA layer's attention rows
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
                 "index_query": index_query_inputs, "linear_group": linear_group_inputs,
-                "hc_pre_norm": hc_pre_norm_inputs, "hc_head_norm": hc_head_norm_inputs}
+                "hc_pre_norm": hc_pre_norm_inputs, "hc_head_norm": hc_head_norm_inputs,
+                "attention_rows": attention_rows_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

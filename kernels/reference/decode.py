@@ -458,7 +458,8 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     cq = attn.q_norm(projected(memo, attn.wq_a.weight, lambda: attn.wq_a(x)))
     query_projections(attn, cq, memo)
     qb = projected(memo, attn.wq_b.weight, lambda: attn.wq_b(cq))
-    idx = step_once(memo, ("window", W), lambda: _window(W, pos_d))
+    rows_op = eager_op(ops, memo, "attention_rows")      # a window or HCA layer's rows in one launch
+    idx = step_once(memo, ("window", W), lambda: _window(W, pos_d) if rows_op is None else rows_op(pos_d, W))
     fused = eager_op(ops, memo, "norm_rope")      # the norms, rotations and the ring's write, one launch each
     if fused is not None:
         q = fused(qb.view(B, 1, H, D), None, attn.eps, cos, sin)
@@ -482,8 +483,10 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
                     picks.append(cidx)
                 idx = torch.cat((idx, torch.where(cidx >= 0, cidx + W, cidx)), dim=-1)
         else:    # every completed entry: the same rows for every layer of this ratio and capacity (step_once)
+            N = lc.window.shape[1] - W
             idx = step_once(memo, ("entries", attn.ratio, lc.window.shape[1], W),
-                            lambda: _all_entries(idx, pos_d, attn.ratio, lc.window.shape[1] - W, W))
+                            lambda: rows_op(pos_d, W, attn.ratio, N) if rows_op is not None
+                            else _all_entries(idx, pos_d, attn.ratio, N, W))
 
     attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
     o = attend(q, lc.window, idx[:, None], attn.attn_sink, attn.scale)

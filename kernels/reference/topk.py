@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["stable_topk", "decode_topk", "window_rows"]
+__all__ = ["stable_topk", "decode_topk", "window_rows", "attention_rows"]
 
 # Row chunks hold at most this many scores, so the int64 temporaries stay near 64 MiB each.
 CHUNK_ELEMENTS = 1 << 23
@@ -85,3 +85,16 @@ def window_rows(W: int, pos: torch.Tensor) -> torch.Tensor:
     not written yet); the decode step's (``kernels.reference.decode``) and :func:`decode_topk`'s."""
     s = torch.arange(W, device=pos.device)[None, :]
     return torch.where(s < (pos[:, None] + 1).clamp(max=W), s, -1)
+
+
+def attention_rows(pos: torch.Tensor, window: int, ratio: int = 0, entries: int = 0) -> torch.Tensor:
+    """A decode step's attention rows at positions ``pos [B]`` int64 -> ``[B, window + entries]`` int64: the ring
+    rows each position has written (:func:`window_rows`), then, with ``ratio``, the ``entries`` compressed entries
+    after the ring in id order, each where the position has completed it (``j < (pos + 1) // ratio``: ``window +
+    j``, else ``-1``): a window layer's rows (``entries`` 0) and an HCA layer's, which attends to every entry. The
+    eager decode step's (``kernels.reference.decode``), and the contract of the GPU backends' one-launch op."""
+    rows = window_rows(window, pos)
+    if not entries:
+        return rows
+    j = torch.arange(entries, device=pos.device)[None, :]
+    return torch.cat((rows, torch.where(j < ((pos + 1) // ratio)[:, None], j + window, -1)), dim=-1)

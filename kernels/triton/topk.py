@@ -15,6 +15,11 @@ takes the keys above it and, in id order, the first ``k`` minus that many equal 
 its rank: the same ids as the torch contract, ascending, ``-1`` after the last. With a ``window`` it writes the
 attention's whole row of ids: the ring rows the position has written (``s < min(pos + 1, window)``, else ``-1``),
 then the picks offset past the ring, where torch took a comparison, an add, a select and a concatenation more.
+
+``attention_rows`` (torch contract ``kernels.reference.topk.attention_rows``) writes a window or HCA layer's rows
+the same way in one launch: the ring rows written, then every entry the position has completed, where torch's
+range, comparisons, clamp, selects and concatenation were five launches a step for the window layers and seven
+more for the HCA layers'.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import triton.language as tl
 
 from kernels import gpu_common
 
-__all__ = ["decode_topk", "decode_topk_launch", "BLOCK"]
+__all__ = ["decode_topk", "decode_topk_launch", "attention_rows", "BLOCK"]
 
 BLOCK = 1024               # scores a loop step of a row's program reads
 
@@ -110,3 +115,40 @@ def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int, win
                                         f"{ratio}, k {k}, window {window} (needs scores [B, N], int64 pos [B], "
                                         f"ratio >= 1, k >= 0, window >= 0)")
     return decode_topk_launch(scores.contiguous(), pos.contiguous(), ratio, k, int(window))
+
+
+@triton.jit(do_not_specialize=["W", "N", "ratio"])
+def _attention_rows_kernel(POS, OUT, W, N, ratio, BLOCK: tl.constexpr):
+    """Program ``b``: row ``b``'s ring rows written (``s < min(pos + 1, W)``, else -1), then entries ``j <
+    (pos + 1) // ratio`` as ``W + j`` (else -1)."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.load(POS + row)
+    lane = tl.arange(0, BLOCK)
+    OUT += row * (W + N)
+    for w0 in range(0, W, BLOCK):
+        s = w0 + lane
+        tl.store(OUT + s, tl.where(s < tl.minimum(p + 1, W), s, -1).to(tl.int64), mask=s < W)
+    done = (p + 1) // tl.maximum(ratio, 1)
+    for n0 in range(0, N, BLOCK):
+        j = n0 + lane
+        tl.store(OUT + W + j, tl.where(j < done, j + W, -1).to(tl.int64), mask=j < N)
+
+
+def attention_rows(pos: torch.Tensor, window: int, ratio: int = 0, entries: int = 0) -> torch.Tensor:
+    """:func:`kernels.reference.topk.attention_rows` in one launch: positions ``pos [B]`` int64 (CUDA), the ring's
+    ``window`` and, with ``ratio`` >= 1, the ``entries`` after it -> int64 ``[B, window + entries]``, the same ids.
+    Anything else is refused with the reason."""
+    op = "attention_rows"
+    if not pos.is_cuda and not gpu_common.interpreting():
+        raise gpu_common.op_refusal(op, f"pos is on {pos.device}, the kernel runs on CUDA tensors (or "
+                                        f"TRITON_INTERPRET=1 for CPU debugging)")
+    if pos.dim() != 1 or pos.dtype != torch.int64 or window < 0 or entries < 0 or (entries and ratio < 1):
+        raise gpu_common.op_refusal(op, f"pos {tuple(pos.shape)} {pos.dtype}, window {window}, ratio {ratio}, "
+                                        f"entries {entries} (needs int64 pos [B], window >= 0, entries >= 0 and "
+                                        f"ratio >= 1 with entries)")
+    B, W, N = pos.shape[0], int(window), int(entries)
+    out = torch.empty(B, W + N, dtype=torch.long, device=pos.device)
+    if B and W + N:
+        _attention_rows_kernel[(B,)](pos.contiguous(), out, W, N, int(ratio),
+                                     BLOCK=min(BLOCK, triton.next_power_of_2(max(W, N, 1))), num_warps=4)
+    return out

@@ -62,3 +62,47 @@ def test_the_kernel_compiles_for_sm90():
     compiled = compile(ASTSource(K._decode_topk_kernel, sig, dict(BLOCK=K.BLOCK)), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))
     assert ".entry" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("window,ratio,entries", [(128, 0, 0), (8, 0, 0), (128, 128, 40), (8, 4, 2500), (0, 2, 5)])
+def test_attention_rows_are_the_contracts(window, ratio, entries):
+    """``attention_rows``: a window layer's rows (the ring rows written) and an HCA layer's (then every entry
+    completed), the torch contract's ids (``kernels.reference.topk.attention_rows``) at positions before the ring
+    is full, at its edge, past it, and with more entries than a loop step."""
+    from kernels.reference.topk import attention_rows as ref
+    from kernels.triton.topk import attention_rows
+
+    dev = triton_device()
+    top = max(window, (entries + 1) * max(ratio, 1)) + 3
+    pos = torch.tensor([0, 1, max(window - 1, 0), window, top // 2, top], dtype=torch.long)
+    want = ref(pos, window, ratio, entries)
+    got = attention_rows(pos.to(dev), window, ratio, entries).cpu()
+    assert got.dtype == torch.int64 and got.shape == want.shape == (6, window + entries)
+    assert torch.equal(got, want), (got, want)
+
+
+def test_attention_rows_refuse_what_they_cannot_serve():
+    from kernels.triton.topk import attention_rows
+
+    dev = triton_device()
+    with pytest.raises(ValueError, match="int64 pos"):
+        attention_rows(torch.zeros(2, dtype=torch.int32, device=dev), 8)
+    with pytest.raises(ValueError, match="ratio >= 1 with entries"):
+        attention_rows(torch.zeros(2, dtype=torch.long, device=dev), 8, 0, 4)
+
+
+def test_attention_rows_compile_for_sm90():
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kernels.triton import topk as K
+
+    sig = {"POS": "*i64", "OUT": "*i64", "W": "i32", "N": "i32", "ratio": "i32", "BLOCK": "constexpr"}
+    compiled = compile(ASTSource(K._attention_rows_kernel, sig, dict(BLOCK=K.BLOCK)),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert ".entry" in compiled.asm["ptx"]

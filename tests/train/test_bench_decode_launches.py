@@ -73,6 +73,19 @@ def test_one_launch_projects_a_layers_attention_input():
     assert sum(without.sites.values()) - sum(with_group.sites.values()) == sum(g - 1 for g in gemms + query)
 
 
+def test_a_window_and_an_hca_layers_attention_rows_are_one_launch_each():
+    """``attention_rows``: the window's ring rows (a range, an add, a clamp, a comparison and a select) and an HCA
+    layer's entries after them (a range, a division, a comparison, an add, a select and a concatenation more) are
+    one launch each a step, shared by the layers of a kind."""
+    from bench.decode_launches import count_step, model_like
+
+    config = model_like("flash-shaped")
+    assert sorted(set(config.compress_ratios[:config.n_layers])) == [0, 4, 128]
+    with_rows, without = count_step(config, 2), count_step(config, 2, without=("attention_rows",))
+    assert with_rows.sites["attention_rows (one kernel)"] == 2
+    assert sum(without.sites.values()) - sum(with_rows.sites.values()) == (5 + 7) - 2
+
+
 def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():
     """``hc_pre_norm``: a site's mHC pre (three launches) and its sublayer's norm (one) are one launch at up to
     ``PRE_NORM_MAX_TOKENS`` slots and those four above it; without it the step runs ``hc_pre`` and ``rms_norm``.
