@@ -203,9 +203,11 @@ def _child(request: dict, channel: Sequence[int]) -> None:
             out = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, fd)
             os.close(out)
-        from orchestration.local_workers import adopt
-
-        adopt({"env": request["env"], "cwd": request["cwd"]})
+        # the request's whole environment: the zygote's own may hold the launcher's variables of the request that
+        # started it (RANK, MASTER_PORT, ...), which a worker's adopt() would keep, so every later run was that rank
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
         _fork_server_template()
         try:
             _run_main(request)

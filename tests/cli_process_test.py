@@ -37,6 +37,17 @@ def test_code_sees_its_arguments_environment_and_folder_and_its_atexit_handlers_
     assert proc.stderr == "to stderr\n"
 
 
+def test_a_run_sees_its_own_launcher_variables_not_those_that_started_the_zygote():
+    """A zygote started by a run with ``RANK`` and ``MASTER_PORT`` (a rank-1 probe) hands a later run the variables
+    of its own request, not those (two tests of tests/bad_inputs_test.py, run alone, met the first's rank)."""
+    code = "import os; print(os.environ.get('RANK'), os.environ.get('MASTER_PORT'))"
+    start = {**os.environ, "PYTHONZYGOTEPROBE": str(time.monotonic_ns())}    # a zygote of its own
+    first = run_code(code, env={**start, "RANK": "1", "MASTER_PORT": "39983"})
+    later = run_code(code, env={k: v for k, v in start.items() if k not in ("RANK", "MASTER_PORT")})
+    again = run_code(code, env={**start, "RANK": "0", "MASTER_PORT": "45945"})
+    assert [p.stdout for p in (first, later, again)] == ["1 39983\n", "None None\n", "0 45945\n"]
+
+
 def test_a_cli_refusal_is_the_fresh_interpreters_exactly():
     proc = _both(run_module, "launchers.cli", ["validate", "--impl", "megatron", "--kernel-backend", "tilelang"])
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stdout == ""
