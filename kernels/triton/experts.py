@@ -41,7 +41,8 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # FEW_ROWS rows FEW_ROWS_SPLIT of them: at one Flash-shaped sequence the seven experts with rows are 448 programs of
 # four stages a GEMM, one and a half waves of the SMs (bench/results/kernels-experts-sweep-h100-one-sequence.json:
 # no setting without a split beat 81.1 us for the gate and up GEMMs). FEW_ROWS_SPLIT stays 1 until
-# python -m bench.kernels_experts_sweep --sequences 1 --split times the shares on a GPU
+# python -m bench.kernels_experts_sweep --sequences 1 --split times the shares on a GPU (with shares, 4 warps spill
+# 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both)
 EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1)
 WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=4, WARPS=8, SPLIT=1)   # at 4 warps ptxas spills 780 bytes of registers
 WIDE_FROM = 8                  # mean rows an expert above which WIDE_CONFIG runs
