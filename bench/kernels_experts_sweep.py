@@ -45,8 +45,8 @@ def main(argv=None):
     p.add_argument("--sequences", nargs="+", type=int, default=[1, 64, 256],
                    help="decode steps of these many sequences (default 1 64 256)")
     p.add_argument("--split", action="store_true",
-                   help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN, STAGES and WARPS "
-                        "around the few-rows settings instead")
+                   help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN, STAGES "
+                        "and WARPS around the few-rows settings instead")
     known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     out = bc.sweep_output(__doc__, rest)
     import triton

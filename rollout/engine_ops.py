@@ -35,8 +35,8 @@ tokens, and likewise the query's ``wq_b`` with the indexer's, ``wo_b`` and the o
 ``kernels/triton/linear_group.py``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
 launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
 ``kernels/triton/mhc_decode.py``), ``attention_rows`` (a window or HCA layer's attention rows, the ring rows
-written and the entries completed, in one launch, ``kernels/triton/topk.py``), where they take the step's inputs (:data:`EAGER_EXTRAS`); where one
-refuses them the step runs the torch code and the refusal is recorded like an op's.
+written and the entries completed, in one launch, ``kernels/triton/topk.py``), where they take the step's inputs
+(:data:`EAGER_EXTRAS`); where one refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
 norms, RoPE, the Hadamard rotation and the experts' activation are a few element-wise passes that Inductor fuses
@@ -233,8 +233,9 @@ def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
                 ws.append(w(c.index_n_heads))
                 f32.append(False)
         out.append((x(), ws, f32))
+    for csa in sorted({m == 4 for m in c.compress_ratios[: c.n_layers]}):     # the query's, with the indexer's
         query = [w(c.n_heads * c.head_dim, c.q_lora_rank)]
-        if m == 4:
+        if csa:
             query.append(w(c.index_n_heads * c.index_head_dim, c.q_lora_rank))
         out.append((x(c.q_lora_rank), query, [False] * len(query)))
     out.append((x(c.o_groups * c.o_lora_rank), [w(d, c.o_groups * c.o_lora_rank)], [False]))

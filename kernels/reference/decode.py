@@ -397,7 +397,8 @@ def eager_linear(ops, memo: Optional[dict], x: torch.Tensor, weight: torch.Tenso
     """``x @ weight^T`` (fp32 with ``fp32``) through the table's ``linear_group`` in an eager static step
     (:func:`eager_op`; ``weight`` in ``x``'s dtype), else ``make()`` (the GEMM itself). Why: at one token the
     kernel read the attention's ``wo_b`` at 26.4 us against cuBLAS's 27.9 (a split-K GEMM and its reduction) and
-    the output head at 345.2 against 377.7 (H100, L2-cold, ``bench/results/kernels-decode-sweep-h100-projections.json``);
+    the output head at 345.2 against 377.7 (H100, L2-cold,
+    ``bench/results/kernels-decode-sweep-h100-projections.json``);
     above its token limit it runs that GEMM."""
     fused = eager_op(ops, memo, "linear_group")
     if fused is None or weight.dtype != x.dtype:

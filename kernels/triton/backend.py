@@ -52,8 +52,9 @@ def ops() -> "OpTable":
     after their GEMMs in one launch (``kernels/triton/compress.py``); ``norm_rope``, its eager decode step's query
     and key norms and rotations (and the key's write into the ring), one launch each
     (``kernels/triton/norm_rope.py``); ``decode_topk``, its eager decode step's indexer picks in one launch, and
-    ``attention_rows``, a window or HCA layer's attention rows in one (``kernels/triton/topk.py``); ``index_query``, its indexer query's rotation, Hadamard transform and casts in
-    one launch (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
+    ``attention_rows``, a window or HCA layer's attention rows in one (``kernels/triton/topk.py``);
+    ``index_query``, its indexer query's rotation, Hadamard transform and casts in one launch
+    (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
     input in one launch at a few tokens (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
     mHC pre and the norm after it in one launch at a few tokens (``kernels/triton/mhc_decode.py``).
     """

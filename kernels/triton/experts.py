@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
-from kernels.triton.tickets import counters
+from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
            "experts_gather_mm", "experts_scatter_mm", "moe_combine", "launch_settings"]
@@ -105,10 +105,8 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                                 STAGES, F32, GATHER, SHARED)
             tl.store(PART + (rows.to(tl.int64)[:, None] * SPLIT + s) * N + cols[None, :], acc,
                      mask=rmask[:, None] & cmask[None, :])
-        tl.debug_barrier()                                # every thread's partials are written before the release
         block = e * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(TICKETS + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.debug_barrier()
+        if last_ticket(TICKETS + block, SPLIT):
             for m0 in range(start, end, BM):
                 rows = m0 + tl.arange(0, BM)
                 rmask = rows < end
@@ -118,7 +116,7 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                     tot += tl.load(part + i * N, mask=rmask[:, None] & cmask[None, :], other=0.0,
                                    cache_modifier=".cg")
                 _store_rows(Y, ORDER, rows, rmask, cols, cmask, tot, N, RR, SCATTER, SHARED)
-            tl.atomic_xchg(TICKETS + block, 0, sem="relaxed", scope="gpu")
+            release(TICKETS + block)
 
 
 @triton.jit

@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
-from kernels.triton.tickets import counters
+from kernels.triton.tickets import counters, last_ticket, release
 
-__all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS", "FEW_BLOCKS", "FEW_BLOCKS_SPLIT",
-           "shares"]
+__all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS", "FEW_BLOCKS",
+           "FEW_BLOCKS_SPLIT", "shares"]
 
 MAX_WEIGHTS = 8
 # BN weight rows and BK columns a step per program; SPLIT: shares of K a row block's programs take (1: one program
@@ -69,14 +69,12 @@ def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, P
     else:
         tile = m[:, None] * BN + tl.arange(0, BN)[None, :]
         tl.store(PART + (gblock * SPLIT + s).to(tl.int64) * (BM * BN) + tile, acc)
-        tl.debug_barrier()                               # every thread's partial is written before the release
-        if tl.atomic_add(TICKETS + gblock, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.debug_barrier()
+        if last_ticket(TICKETS + gblock, SPLIT):
             tot = tl.zeros([BM, BN], dtype=tl.float32)
             for i in range(SPLIT):                       # in order: the same sums on every call
                 tot += tl.load(PART + (gblock * SPLIT + i).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
             tl.store(out, tot.to(Y.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(TICKETS + gblock, 0, sem="relaxed", scope="gpu")
+            release(TICKETS + gblock)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import triton.language as tl
 from kernels import gpu_common, gpu_ops
 from kernels.triton import mhc, mhc_checks, norm
 from kernels.triton.mhc import coefficients, mix_partial, mix_sums
-from kernels.triton.tickets import counters
+from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
 
@@ -94,13 +94,10 @@ def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, CO
     (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`."""
     s = tl.program_id(0)
     mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
-    tl.debug_barrier()                                   # every thread's partial is written before the release
-    ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLIT - 1:
-        tl.debug_barrier()
+    if last_ticket(TICKET, SPLIT):
         _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
               HAS_RES, TB, MP, NP, BD, SB)
-        tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")
+        release(TICKET)
 
 
 def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg):

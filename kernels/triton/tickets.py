@@ -1,5 +1,6 @@
 """Ticket counters of the triton kernels whose programs split a reduction and let the last program to finish sum
-the partials (``kernels/triton/mhc_decode.py``, ``kernels/triton/linear_group.py``'s ``SPLIT``).
+the partials (``kernels/triton/mhc_decode.py``, ``kernels/triton/linear_group.py``'s and ``kernels/triton/experts.py``'s
+``SPLIT``), and the kernels' side of that protocol (:func:`last_ticket`, :func:`release`).
 
 A program writes its partial and takes a ticket (an atomic add on its counter); the one whose ticket completes
 the count sums the partials in a fixed order and sets the counter back to 0, so every counter is 0 between
@@ -14,8 +15,10 @@ counts on it.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["counters"]
+__all__ = ["counters", "last_ticket", "release"]
 
 _COUNTERS: dict = {}
 _OUTGROWN: list = []
@@ -33,3 +36,20 @@ def counters(device: torch.device, count: int) -> torch.Tensor:
             _OUTGROWN.append(got)
         got = _COUNTERS[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
     return got
+
+
+@triton.jit
+def last_ticket(TICKET, count):
+    """Once this program's partial is written: take a ticket of the counter ``TICKET``; True in the program whose
+    ticket completes ``count``, which then sees every partial (a barrier before the release, so every thread's
+    stores are in it, and one after, before the partials are read)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == count - 1
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def release(TICKET):
+    """The counter back to 0 for the next launch (the last program's, after its sum)."""
+    tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")

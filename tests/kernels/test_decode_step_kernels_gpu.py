@@ -2,8 +2,8 @@
 compressors' ``compressor_step``, the attention's ``norm_rope``, the indexer's ``index_query`` and
 ``decode_topk``, a layer's projections of its attention input (``linear_group``), each site's mHC pre with its
 sublayer's norm (``hc_pre_norm``), the head's collapse with the final norm (``hc_head_norm``), the window and HCA
-layers' attention rows (``attention_rows``), and on the grouped MoE path the router, the expert order, the pair GEMMs with the shared expert
-and ``moe_combine``. The tiny model's samples follow the reference-op engine's (fp16: the same tokens,
+layers' attention rows (``attention_rows``), and on the grouped MoE path the router, the expert order, the pair
+GEMMs with the shared expert and ``moe_combine``. The tiny model's samples follow the reference-op engine's (fp16: the same tokens,
 log-probabilities within 5e-3 nats; bf16: within 5e-2 up to the first differing token), every op of the record ran
 and nothing else. On a GPU in bf16
 (the grouped path is a Hopper's); with no GPU, ``TRITON_INTERPRET=1`` runs the same kernels on the CPU in fp16 (the
