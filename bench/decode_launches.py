@@ -47,8 +47,9 @@ WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "moe_combine", "norm_rope", "decode_topk", "index_query", "linear_group", "hc_pre_norm",
-                     "hc_head_norm", "attention_rows")
+                     "experts_swiglu_scatter_mm", "moe_combine", "norm_rope", "decode_topk", "index_query",
+                     "linear_group", "hc_pre_norm",
+                     "hc_head_norm", "attention_rows", "grouped_projection", "attention_inverse_rope")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -116,10 +117,12 @@ def stand_in_table(counter: _Count, without=()):
     each counted by ``counter`` as its kernel's launches."""
     from core.kernel_ops import OpTable
     from kernels.reference import slots
+    from kernels.reference.attention import attention_inverse_rope
     from kernels.reference.backend import reference_functions
     from kernels.reference.compressor_step import compressor_step
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.index_query import index_query
+    from kernels.reference.layers import grouped_projection
     from kernels.reference.linear_group import linear_group
     from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.moe import route_experts
@@ -129,9 +132,11 @@ def stand_in_table(counter: _Count, without=()):
     extras = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
               "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
+              "experts_swiglu_scatter_mm": slots.swiglu_scatter_grouped_mm,
               "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
               "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
-              "hc_head_norm": hc_head_norm, "attention_rows": attention_rows}
+              "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
+              "grouped_projection": grouped_projection, "attention_inverse_rope": attention_inverse_rope}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

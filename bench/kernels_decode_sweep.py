@@ -1,12 +1,14 @@
-"""Launch settings of six small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
+"""Launch settings of the small triton kernels of the decode step, timed on one GPU inside CUDA graphs (as the
 step replays them): the router (``kernels/triton/routing.py``), the pairs' expert order
 (``kernels/triton/experts.py``), the sparse attention's forward for few tokens (``kernels/triton/attention.py``),
 the indexer scores of one query a sequence (``kernels/triton/indexer.py``' few-query kernel, beside the head loop
-it replaced), a layer's projections of its attention input (``kernels/triton/linear_group.py``, beside the
-GEMMs it replaces) and a site's mHC pre with its norm (``kernels/triton/mhc_decode.py``, beside the four kernels it
-replaces).
+it replaced), a layer's projections of its attention input and its grouped ``wo_a``
+(``kernels/triton/linear_group.py``, beside the GEMMs they replace), a site's mHC pre with its norm
+(``kernels/triton/mhc_decode.py``, beside the four kernels it replaces) and the split mHC pre of many tokens
+(``kernels/triton/mhc.py``).
 
-    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group projections mhc]
+    python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group projections wo_a
+                                                                 mhc mhc_split]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -149,6 +151,29 @@ def _projection_rows(g, dev, meta) -> list:
             for r in _group_rows(g, dev, meta, rows_of, [f32] * len(rows_of), d, 2, grid, projection=name)]
 
 
+def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: int = 2) -> list:
+    """A Flash layer's grouped ``wo_a`` (8 groups of ``[1024, 4096]``, 64 MiB) through ``grouped_projection``
+    (``kernels/triton/linear_group.py``) against the batched GEMM it replaces (``bmm_us``: the torch contract,
+    ``kernels.reference.layers.grouped_projection``), at 1 and 16 tokens, ``copies`` weight sets a timed graph."""
+    from kernels.reference.layers import grouped_projection as bmm
+    from kernels.triton import linear_group as L
+
+    grid = [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
+            for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
+    sets = [(torch.randn(G, R, d, generator=g) * d ** -0.5).bfloat16().to(dev) for _ in range(copies)]
+    default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
+    rows = []
+    for T in (1, 16):
+        o = torch.randn(T, 1, G, d, generator=g).bfloat16().to(dev)
+        got = _sweep("grouped_projection", lambda c: tuple(L.grouped_projection(o, w, c) for w in sets), grid,
+                     default, meta, per=copies, tokens=T, weight_copies=copies, projection="wo_a")
+        us = _time(lambda: [bmm(o, w) for w in sets]) / copies
+        print(f"  the batched GEMM: {us:.1f} us")
+        got[0]["bmm_us"] = round(us, 2)
+        rows += got
+    return rows
+
+
 def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site at 1 and 4 tokens: the one-launch
     kernel's settings, and the four kernels it replaces (``four_us``: the split mixing GEMM, its sum, the
@@ -177,11 +202,36 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
         us = _time(four)
         print(f"  the four kernels: {us:.1f} us")
         got[0]["four_us"] = round(us, 2)
+        # the launch without the Sinkhorn loop: what its 20 serial iterations cost the one program that ends it
+        us = _time(lambda: MD.hc_pre_norm(x, fn, scale, base, 1e-6, 1e-6, 0, weight, 1e-6))
+        print(f"  without the Sinkhorn loop: {us:.1f} us")
+        got[0]["no_sinkhorn_us"] = round(us, 2)
         rows += got
     return rows
 
 
-SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "mhc")
+def _mhc_split_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
+    """The mHC pre of a Flash block site at 64 and 256 tokens, where the decode step runs ``kernels.triton.mhc``'s
+    split mixing GEMM, its sum and the coefficients (9 sites a Flash-shaped step took 186.28 us in the mixing GEMM at
+    256 sequences on an H200, about 2 us of bytes each; ``bench/results/rollout-h200-flash-shaped-triton-profile-
+    linear-group-head.json``): its programs (``mix_programs``, ``coef_programs``) and steps (``mix_BT``, ``mix_BK``)."""
+    from kernels.triton import mhc as KM
+
+    rows_m = (2 + n) * n
+    fn = (torch.randn(rows_m, n * d, generator=g) * (n * d) ** -0.5).to(dev)
+    scale, base = (0.5 + torch.rand(3, generator=g)).to(dev), (torch.randn(rows_m, generator=g) * 0.5).to(dev)
+    grid = [dict(mix_programs=p, mix_BT=bt, mix_BK=bk, coef_programs=cp)
+            for p, bt, bk, cp in itertools.product([256, 512, 1024, 2048], [16, 32], [64, 128], [256, 1024])]
+    rows = []
+    for T in (64, 256):
+        x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
+        default = {k: KM.MHC_CONFIG[k] for k in grid[0]}
+        rows += _sweep("hc_pre split", lambda c: KM.hc_pre_fwd(x, fn, scale, base, 1e-6, 1e-6, 20, c)[:3], grid,
+                       default, meta, tokens=T)
+    return rows
+
+
+SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "wo_a", "mhc", "mhc_split")
 
 
 def main(argv=None):
@@ -256,7 +306,8 @@ def _attention_rows(g, dev, meta) -> list:
 
 
 _SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
-                 "linear_group": _linear_group_rows, "projections": _projection_rows, "mhc": _mhc_rows}
+                 "linear_group": _linear_group_rows, "projections": _projection_rows, "wo_a": _wo_a_rows,
+                 "mhc": _mhc_rows, "mhc_split": _mhc_split_rows}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ C++ attention forward, and imports it on purpose); each one passes its raw kerne
 Only torch is imported here (no triton, no tilelang).
 """
 
+import contextlib
 import os
+import threading
 import types
 from typing import Callable, Optional
 
@@ -52,6 +54,27 @@ def check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
         raise ValueError(f"the {backend} kernels take bf16/fp16 q and kv of one dtype, got {q.dtype}, {kv.dtype}")
     if need_cuda and not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
         raise ValueError(f"the {backend} kernels need CUDA tensors{cuda_hint}")
+
+
+_DEPENDENT = threading.local()
+
+
+@contextlib.contextmanager
+def dependent_launches():
+    """Within it the triton decode kernels launch with programmatic dependent launch where the GPU has it
+    (``kernels/triton/pdl.py``): the rollout engine's decode step (``rollout.slot_decoder``), its kernels a chain of
+    short launches that each wait on the one before. Outside it (training, prefill) they launch as always."""
+    before = getattr(_DEPENDENT, "on", False)
+    _DEPENDENT.on = True
+    try:
+        yield
+    finally:
+        _DEPENDENT.on = before
+
+
+def dependent_launches_on() -> bool:
+    """Whether this thread is inside :func:`dependent_launches`."""
+    return getattr(_DEPENDENT, "on", False)
 
 
 def interpreting() -> bool:
@@ -203,15 +226,17 @@ MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")
 
 def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, swiglu=None,
              logprobs=None, experts=None, hadamard=None, sampling=None, routing=None, compress=None,
-             norm_rope=None, topk=None, index_query=None, linear_group=None, mhc_decode=None) -> OpTable:
+             norm_rope=None, topk=None, index_query=None, linear_group=None, mhc_decode=None,
+             decode_attention=None) -> OpTable:
     """The op table of a GPU backend: its ``attention`` / ``indexer`` modules' kernels under the reference
     op names plus the THD extras, the mHC ops (``MHC_OPS``) of its ``mhc`` module, ``apply_rope`` of its
     ``rope`` module, ``rms_normalize`` and ``rms_norm`` of its ``norm`` module, ``weighted_swiglu`` of its
     ``swiglu`` module, ``head_logprobs`` of its ``logprobs`` module and ``hadamard_transform`` of its ``hadamard``
     module when it has them; the reference ops (backend ``none``) for every op it has no kernel for.
     ``experts``: a module whose ``experts_grouped_mm``, ``expert_order``, ``experts_gather_mm``,
-    ``experts_scatter_mm`` and ``moe_combine`` become extra ops (the decode step's routed experts, the order of their
-    rows, the GEMMs through that order and the pairs' sum, ``kernels.reference.slots``; without it that step runs
+    ``experts_scatter_mm``, ``experts_swiglu_scatter_mm`` and ``moe_combine`` become extra ops (the decode step's
+    routed experts, the order of their rows, the GEMMs through that order, the second with the activation in its
+    operand load, and the pairs' sum, ``kernels.reference.slots``; without it that step runs
     ``torch._grouped_mm`` and torch's counting); ``sampling``: a module whose
     ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``);
     ``routing``: a module whose ``route_experts`` becomes an extra op (the eager decode step's router);
@@ -221,10 +246,13 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``topk``: a module whose ``decode_topk`` and ``attention_rows`` become extra ops (the eager decode step's
     indexer picks, and a window or HCA layer's attention rows);
     ``index_query``: a module whose ``index_query`` becomes an extra op (its indexer query's rotation and
-    transform); ``linear_group``: a module whose ``linear_group`` becomes an extra op (the projections of a
-    layer's attention input in one launch, ``kernels.reference.decode.layer_projections``); ``mhc_decode``: a module
+    transform); ``linear_group``: a module whose ``linear_group`` and ``grouped_projection`` become extra ops (the
+    projections of a layer's attention input in one launch, ``kernels.reference.decode.layer_projections``, and the
+    attention's grouped ``wo_a``); ``mhc_decode``: a module
     whose ``hc_pre_norm`` and ``hc_head_norm`` become extra ops (a site's mHC pre and its sublayer's norm, the head's
-    collapse and the final norm, one launch each at a few tokens, ``kernels.reference.slots``)."""
+    collapse and the final norm, one launch each at a few tokens, ``kernels.reference.slots``); ``decode_attention``: a
+    module whose ``attention_inverse_rope`` becomes an extra op (the eager decode step's attention with its output's
+    inverse rotation in one launch, ``kernels.reference.decode._attend``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
 
     own = dict(
@@ -238,12 +266,13 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                           (norm, ("rms_normalize", "rms_norm")),
                           (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),
                           (experts, ("experts_grouped_mm", "expert_order", "experts_gather_mm", "experts_scatter_mm",
-                                     "moe_combine")), (hadamard, ("hadamard_transform",)),
+                                     "experts_swiglu_scatter_mm", "moe_combine")), (hadamard, ("hadamard_transform",)),
                           (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
                           (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)),
                           (topk, ("decode_topk", "attention_rows")),
-                          (index_query, ("index_query",)), (linear_group, ("linear_group",)),
-                          (mhc_decode, ("hc_pre_norm", "hc_head_norm"))):
+                          (index_query, ("index_query",)), (linear_group, ("linear_group", "grouped_projection")),
+                          (mhc_decode, ("hc_pre_norm", "hc_head_norm")),
+                          (decode_attention, ("attention_inverse_rope",))):
         if module is not None:
             own.update({name: getattr(module, name) for name in names})
     delegated = {name: (REFERENCE, fn) for name, fn in reference_functions().items() if name not in own}

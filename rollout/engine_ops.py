@@ -22,7 +22,10 @@ MoE takes the grouped path (bf16 on a Hopper or newer GPU: :func:`kernels.refere
 backend's ``experts_grouped_mm`` (the triton backend's decode kernel for those GEMMs) and, in an eager step, its
 ``route_experts`` and ``expert_order`` (the router, and the pairs in expert order, one launch each) and, where it has
 all three, ``experts_gather_mm``, ``experts_scatter_mm`` and ``moe_combine`` (the expert GEMMs reading the tokens and
-writing the pairs through that order, and the pairs' sum with the shared expert, one launch);
+writing the pairs through that order, and the pairs' sum with the shared expert, one launch), and with them
+``experts_swiglu_scatter_mm`` where it takes the step's inputs (:func:`swiglu_scatter_inputs`; the activation in the
+second GEMM's operand load, where ``weighted_swiglu`` and ``experts_scatter_mm`` were two launches; refused, the step
+runs those two and the refusal is recorded);
 ``decode_ops`` names them there, so the record lists
 every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a compressor's step after its GEMMs in
 one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, and its
@@ -32,10 +35,13 @@ launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's in
 ``kernels/triton/index_query.py``), ``linear_group`` (the projections of
 a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a few
 tokens, and likewise the query's ``wq_b`` with the indexer's, ``wo_b`` and the output head,
-``kernels/triton/linear_group.py``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
+``kernels/triton/linear_group.py``), ``grouped_projection`` (the attention's grouped ``wo_a`` with that kernel's
+row blocks), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
 launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
 ``kernels/triton/mhc_decode.py``), ``attention_rows`` (a window or HCA layer's attention rows, the ring rows
-written and the entries completed, in one launch, ``kernels/triton/topk.py``), where they take the step's inputs
+written and the entries completed, in one launch, ``kernels/triton/topk.py``), ``attention_inverse_rope`` (a layer's
+sparse attention with its output's inverse rotation in one launch, ``kernels/triton/attention.py``), where they take
+the step's inputs
 (:data:`EAGER_EXTRAS`); where one refuses them the step runs the torch code and the refusal is recorded like an op's.
 
 A **compiled** decode step (the engine's ``compile``) keeps the reference op for :data:`INDUCTOR_FUSES`: the
@@ -62,12 +68,13 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from core.kernel_ops import OpTable
-from kernels.reference.slots import PAIR_KERNELS, grouped_decode_ok
+from kernels.reference.slots import PAIR_KERNELS, SWIGLU_SCATTER, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
            "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
-           "sampler_choice"]
+           "attention_inverse_rope_inputs",
+           "grouped_projection_inputs", "swiglu_scatter_inputs", "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -192,6 +199,22 @@ def attention_rows_inputs(config, dtype: torch.dtype, device) -> list:
     return [(pos, W)] + [(pos, W, r, 3) for r in hca]
 
 
+def attention_inverse_rope_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuple the eager decode step passes ``attention_inverse_rope`` (``kernels.reference.decode.
+    _attend``): one slot's query heads over a few rows of its cache (int64 ids, one empty) in the model's ``dtype``,
+    the fp32 sink and the layer's scale, the angles in the compute dtype (``[1, 1, r/2]``)."""
+    c = config
+    ct = torch.promote_types(dtype, torch.float32)
+
+    def zeros(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    idx = torch.tensor([[[0, 1, 2, -1]]], dtype=torch.long, device=device)
+    angle = zeros(1, 1, c.rope_head_dim // 2, dt=ct)
+    return [(zeros(1, 1, c.n_heads, c.head_dim), zeros(1, 4, c.head_dim), idx, zeros(c.n_heads, dt=torch.float32),
+             c.head_dim ** -0.5, angle, angle)]
+
+
 def index_query_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step passes ``index_query`` (``kernels.reference.decode._index_step``):
     one slot's indexer query heads in the model's ``dtype``, fp32 angles, the activation dtype out (a GPU table's
@@ -243,6 +266,35 @@ def linear_group_inputs(config, dtype: torch.dtype, device) -> list:
     return out
 
 
+def grouped_projection_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuple the eager decode step passes ``grouped_projection`` (``kernels.reference.decode._attend``):
+    one slot's grouped attention output and ``wo_a`` as ``[G, R, H D / G]`` in the model's ``dtype`` (one row of
+    zeros seen ``G R`` times)."""
+    c = config
+    d = c.n_heads * c.head_dim // c.o_groups
+    w = torch.zeros(1, 1, d, dtype=dtype, device=device).expand(c.o_groups, c.o_lora_rank, d)
+    return [(torch.zeros(1, 1, c.o_groups, d, dtype=dtype, device=device), w)]
+
+
+def swiglu_scatter_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuples the eager decode step's pair path passes ``experts_swiglu_scatter_mm``
+    (``kernels.reference.slots._grouped``): one slot's top-k pairs on one expert, ``[gate | up]`` in the model's
+    ``dtype`` with fp32 routing weights and the experts' clamp, ``w2`` of that expert; with the shared expert's
+    ``w2`` and its row after the pairs', and without (a shared expert shaped or clamped otherwise runs apart).
+    One expert of zeros: the kernel's checks do not depend on how many (V4-Flash's ``w2`` is 4 GiB)."""
+    c = config
+    k, inter = c.n_activated_experts, c.moe_inter_dim
+
+    def zeros(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    w2, offs = zeros(1, c.dim, inter), torch.full((1,), k, dtype=torch.int32, device=device)
+    order = torch.arange(k, dtype=torch.long, device=device)
+    return [(zeros(k + 1, 2 * inter), zeros(k + 1, dt=torch.float32), c.swiglu_limit, w2, offs, order,
+             zeros(c.dim, inter)),
+            (zeros(k, 2 * inter), zeros(k, dt=torch.float32), c.swiglu_limit, w2, offs, order)]
+
+
 def _mhc_norm_inputs(config, dtype: torch.dtype, device, head: bool) -> list:
     """One slot's streams in the model's ``dtype``, an fp32 mHC mapping (a block's, or with ``head`` the head's
     collapse), its mHC settings, and the norm's weight in fp32 or the model's dtype (as the engine may hold it)."""
@@ -274,11 +326,13 @@ def hc_head_norm_inputs(config, dtype: torch.dtype, device) -> list:
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
 # a layer's projections of its attention input, a site's mHC pre with its sublayer's norm, the head's collapse with
-# the final norm, a window or HCA layer's attention rows
+# the final norm, a window or HCA layer's attention rows, the attention's grouped wo_a, a layer's attention with its
+# output's inverse rotation
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
                 "index_query": index_query_inputs, "linear_group": linear_group_inputs,
                 "hc_pre_norm": hc_pre_norm_inputs, "hc_head_norm": hc_head_norm_inputs,
-                "attention_rows": attention_rows_inputs}
+                "attention_rows": attention_rows_inputs, "grouped_projection": grouped_projection_inputs,
+                "attention_inverse_rope": attention_inverse_rope_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:
@@ -321,6 +375,14 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     for name in ("route_experts", "expert_order") + (PAIR_KERNELS if pairs else ()):
         if name in table.names() and grouped and not compiled:   # the eager decode MoE's one-launch kernels
             served[name] = table.provider[name]
+    if SWIGLU_SCATTER in table.names() and pairs and grouped and not compiled:   # the activation in the 2nd GEMM
+        reason = _refusal(getattr(table, SWIGLU_SCATTER), swiglu_scatter_inputs(config, dtype, device))
+        if reason is None:                      # the step calls it in experts_scatter_mm's place (slots._grouped)
+            served[SWIGLU_SCATTER] = table.provider[SWIGLU_SCATTER]
+            del served["experts_scatter_mm"]
+        else:                                   # the step runs the activation, then experts_scatter_mm
+            refusals[SWIGLU_SCATTER] = reason
+            del chosen[SWIGLU_SCATTER]
     for name, inputs_of in EAGER_EXTRAS.items():     # the eager step's one-launch ops, where they take its inputs
         calls = inputs_of(config, dtype, device) if name in table.names() and cached and not compiled else []
         reason = _refusal(getattr(table, name), calls) if calls else None

@@ -36,6 +36,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from kernels.gpu_common import dependent_launches
 from kernels.reference.decode import DecodeCache
 from kernels.reference.slots import (SlotCache, StepRegions, decode_embed, decode_head, decode_layer,
                                     static_decode_step, static_step_body, static_step_checks)
@@ -158,8 +159,10 @@ class SlotDecoder:
         return next(b for b in self.buckets if b >= live)
 
     def _eager(self, b: int):
-        """The step on the first ``b`` slots, run now (compiled code included; not a graph replay)."""
-        with torch.no_grad():
+        """The step on the first ``b`` slots, run now (compiled code included; not a graph replay), its triton
+        kernels launched dependent on the ones before where the GPU allows (``kernels.gpu_common.
+        dependent_launches``; a capture keeps that)."""
+        with torch.no_grad(), dependent_launches():
             return self._step_fn(self.model, self.cache.view(b), self.tokens[:b], self.active[:b],
                                  indexer_picks=self.indexer_picks)
 

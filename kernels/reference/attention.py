@@ -20,7 +20,8 @@ from .indexer import Indexer
 from .layers import KeepFP32, Linear, RMSNorm, compute_dtype, rms_normalize
 from .rope import apply_rope, layer_inv_freq, rope_cos_sin
 
-__all__ = ["window_indices", "compressed_visible_indices", "sparse_attention_with_sink", "Attention"]
+__all__ = ["window_indices", "compressed_visible_indices", "sparse_attention_with_sink", "attention_inverse_rope",
+           "Attention"]
 
 
 def window_indices(seq_len: int, window: int, device=None) -> torch.Tensor:
@@ -66,6 +67,15 @@ def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch
     probs = torch.softmax(torch.cat((logits, sink_logits), dim=-1), dim=-1)[..., :K]
     out = torch.einsum("bshk,bskd->bshd", probs, gathered)
     return out.to(q.dtype)
+
+
+def attention_inverse_rope(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float,
+                           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`sparse_attention_with_sink`, then its output rotated back (``apply_rope(..., inverse=True)``: the
+    rotation the values carry, since V = K): what the eager decode step does with a layer's attention
+    (``kernels.reference.decode._attend``; ``q [B, 1, H, D]``, ``cos``/``sin`` ``[B, 1, r/2]``). The contract of a GPU
+    backend's one-launch op for that step (the triton backend's ``kernels/triton/attention.py``)."""
+    return apply_rope(sparse_attention_with_sink(q, kv, indices, sink, scale), cos, sin, inverse=True)
 
 
 class Attention(KeepFP32):

@@ -489,17 +489,23 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
                             lambda: rows_op(pos_d, W, attn.ratio, N) if rows_op is not None
                             else _all_entries(idx, pos_d, attn.ratio, N, W))
 
-    attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
-    o = attend(q, lc.window, idx[:, None], attn.attn_sink, attn.scale)
-    o = rope(o, cos, sin, inverse=True)
+    unrotated = eager_op(ops, memo, "attention_inverse_rope")    # the attention and its output's rotation back
+    if unrotated is not None:
+        o = unrotated(q, lc.window, idx[:, None], attn.attn_sink, attn.scale, cos, sin)
+    else:
+        attend = sparse_attention_with_sink if ops is None else ops.sparse_attention_with_sink
+        o = rope(attend(q, lc.window, idx[:, None], attn.attn_sink, attn.scale), cos, sin, inverse=True)
     G, R = attn.o_groups, attn.o_lora_rank
     o = o.reshape(B, 1, G, H * D // G)
     wo_a = attn.wo_a.weight.to(o.dtype).view(G, R, H * D // G)
-    # eagerly the grouped low-rank projection: one batched GEMM writing token-major rows (the trainer's, miles'),
-    # where the einsum's result is a group-major copy away from them (a launch a layer); traced (its bmm's out=
-    # is not), the einsum, which Inductor lays out itself
-    u = (torch.einsum("bsgd,grd->bsgr", o, wo_a) if torch.compiler.is_compiling()
-         else grouped_projection(o, wo_a))
+    # eagerly the grouped low-rank projection: the table's one-launch grouped_projection in an eager static step,
+    # else one batched GEMM writing token-major rows (the trainer's, miles'), where the einsum's result is a
+    # group-major copy away from them (a launch a layer); traced (its bmm's out= is not), the einsum, which
+    # Inductor lays out itself
+    if torch.compiler.is_compiling():
+        u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+    else:
+        u = (eager_op(ops, memo, "grouped_projection") or grouped_projection)(o, wo_a)
     return eager_linear(ops, memo, u.flatten(2), attn.wo_b.weight, False, lambda: attn.wo_b(u.flatten(2)))
 
 

@@ -50,7 +50,8 @@ from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
 __all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
-           "gather_grouped_mm", "scatter_grouped_mm", "combine_pairs", "PAIR_KERNELS",
+           "gather_grouped_mm", "scatter_grouped_mm", "swiglu_scatter_grouped_mm", "combine_pairs", "PAIR_KERNELS",
+           "SWIGLU_SCATTER",
            "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",
            "EAGER_REGIONS", "decode_embed", "decode_layer", "decode_head"]
 
@@ -302,7 +303,7 @@ def expert_order(flat: torch.Tensor, n_experts: int, weights: Optional[torch.Ten
 
 
 def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_swiglu, order=expert_order,
-             pair_mms=None, shared=None):
+             pair_mms=None, shared=None, act_scatter=None):
     """(token, expert) pairs sorted by expert, each expert's rows one group of a grouped GEMM ``mm`` (gate and
     up in one: ``w13``): torch's, or the op table's ``experts_grouped_mm``; ``act``: the activation with the
     routing weight applied before ``w2`` (the reference's :func:`~.moe.weighted_swiglu` or the table's);
@@ -311,13 +312,18 @@ def _grouped(x, weights, idx, w13, w2, limit, ct, mm=_grouped_mm, act=weighted_s
     experts_scatter_mm)`` (which read the tokens and write the pairs through the order, no copies), each pair's
     output ``[T * k, d]`` token-major in ``x``'s dtype instead (the caller sums them: ``moe_combine``), and with
     ``shared`` (the shared expert's ``(w13 [2I, d], w2 [d, I])``, at weight 1) its output on every token as
-    ``T`` rows more (``[T * k + T, d]``): one expert more in the same two GEMMs."""
+    ``T`` rows more (``[T * k + T, d]``): one expert more in the same two GEMMs. ``act_scatter`` (with
+    ``pair_mms``): the table's :data:`SWIGLU_SCATTER`, the activation and the second GEMM in one launch
+    (:func:`swiglu_scatter_grouped_mm`'s contract), else ``act`` and then ``experts_scatter_mm``."""
     T, k = idx.shape
     if pair_mms is not None:     # the weights in expert order from the ordering itself (the shared rows' ones after)
         gather, scatter = pair_mms
         s13, s2 = (None, None) if shared is None else shared
         order, offs, w = order(idx.reshape(-1), w13.shape[0], weights.reshape(-1), 0 if shared is None else T)
-        return scatter(act(gather(x, w13, offs, order, k, s13), w, limit, x.dtype), w2, offs, order, s2)
+        h = gather(x, w13, offs, order, k, s13)
+        if act_scatter is not None:
+            return act_scatter(h, w, limit, w2, offs, order, s2)
+        return scatter(act(h, w, limit, x.dtype), w2, offs, order, s2)
     order, offs = order(idx.reshape(-1), w13.shape[0])
     w = weights.reshape(-1).index_select(0, order)
     hid = act(mm(x.index_select(0, order // k), w13, offs), w, limit, x.dtype)
@@ -343,6 +349,15 @@ def scatter_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ord
     y = _grouped_mm(x[:R], w, offs)
     y = torch.empty_like(y).index_copy_(0, order, y)
     return y if shared is None else torch.cat((y, F.linear(x[R:], shared)))
+
+
+def swiglu_scatter_grouped_mm(h: torch.Tensor, weights: torch.Tensor, limit: float, w: torch.Tensor,
+                              offs: torch.Tensor, order: torch.Tensor,
+                              shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ``experts_swiglu_scatter_mm`` op's torch contract: the experts' activation at the rows' weights
+    ``weights`` (:func:`~.moe.weighted_swiglu` of ``h = [gate | up]``, cast to ``h``'s dtype) followed by
+    :func:`scatter_grouped_mm`: what the eager step's pair path runs as two ops without it (:func:`_grouped`)."""
+    return scatter_grouped_mm(weighted_swiglu(h, weights, limit, h.dtype), w, offs, order, shared)
 
 
 def _ones_like_rows(T: int, device) -> torch.Tensor:
@@ -436,7 +451,8 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
         pairs = _pair_kernels(moe, path)
         merged = _merged_shared(moe, st, w13) if pairs else None
         y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act,
-                     _eager_kernel(moe, path, "expert_order") or expert_order, pairs and pairs[:2], merged)
+                     _eager_kernel(moe, path, "expert_order") or expert_order, pairs and pairs[:2], merged,
+                     pairs and _eager_kernel(moe, path, SWIGLU_SCATTER))
         if merged is not None:                            # the shared expert's rows after the pairs'
             R = idx.numel()
             return pairs[2](y[:R], y[R:], idx.shape[1]).view(shape), idx
@@ -448,6 +464,9 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
 
 
 PAIR_KERNELS = ("experts_gather_mm", "experts_scatter_mm", "moe_combine")
+# the pair path's activation and second GEMM in one launch, where the table has it besides PAIR_KERNELS (_grouped;
+# without it the step runs the table's weighted_swiglu, then experts_scatter_mm)
+SWIGLU_SCATTER = "experts_swiglu_scatter_mm"
 
 
 def _merged_shared(moe, st, w13: torch.Tensor):

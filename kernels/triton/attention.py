@@ -34,6 +34,12 @@ token are adjacent in launch order so the second one reads the gathered KV rows 
   deterministic run to run (fp32 addition order of the atomics); dq, d_sink, o and lse are.
 * d_sink is a torch reduction of ``-Delta*exp(sink-lse)`` over tokens (deterministic).
 
+Decode (``attention_inverse_rope``, the eager rollout step's op): whichever of ``_fwd_kernel`` and ``_combine_kernel``
+writes the output then rotates its last rope channels back in place (``_inverse_rope_epilogue``: the stored output
+read back and rotated with ``kernels/triton/rope.py``'s math, the bits of that kernel run after), and token ``t``
+reads its own sequence's cache (``stride_kvt``, the split kernel too); without those arguments the kernels compile
+as before.
+
 Known limitation (Triton codegen): with a chained dot and ``M = BH = 64`` rows on 8 warps, Triton
 assigns both warpgroups to the M axis, so the ``q.kv^T`` (and ``do.kv^T``) products are computed by both
 warpgroups redundantly; the tensor-core work of the forward is 1.5x the useful FLOPs. See bench.py.
@@ -50,12 +56,15 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 from kernels.gpu_common import LN2, LOG2E  # noqa: F401  (re-exported: bench.py uses A.LOG2E)
+from kernels.triton import pdl
+from kernels.triton.rope import _rotate_channels
 
 __all__ = [
     "sparse_attention_with_sink",
     "sparse_attention_with_sink_thd",
     "sparse_attention_fwd",
     "sparse_attention_bwd",
+    "attention_inverse_rope",
     "FWD_CONFIG",
     "BWD_CONFIG",
 ]
@@ -100,12 +109,47 @@ def _attend_tiles(q, KV, idx_row, k_lo, k_hi, m_i, l_i, acc, scale_log2, stride_
 
 
 @triton.jit
+def _inverse_rope_epilogue(O_t, offs_h, hmask, stride_oh, COS_t, SIN_t, D: tl.constexpr, PAIRS: tl.constexpr,
+                           ROUNDED: tl.constexpr):
+    """The inverse rotation, in place, of the rows ``O_t + offs_h stride_oh`` that this program has just stored: their
+    last ``2 PAIRS`` channels, interleaved pairs, by the token's angles ``COS_t``/``SIN_t`` ``[PAIRS]`` fp32. It
+    reads back the output as stored (rounded to its dtype) and rotates it with :func:`_rope_kernel`'s math
+    (``kernels.triton.rope._rotate_channels``), so the result has the bits of that kernel run after this one.
+    The first barrier orders the program's stores before its reloads, the second every reload (a channel and its
+    partner are read by different threads) before the rotated stores; no other program touches these rows."""
+    RW: tl.constexpr = triton.next_power_of_2(2 * PAIRS)
+    j = tl.arange(0, RW)
+    is_rope = j < 2 * PAIRS
+    cols = (D - 2 * PAIRS) + j                       # the rope channels start at an even column (D is even)
+    mask = hmask[:, None] & is_rope[None, :]
+    rows = O_t + offs_h[:, None] * stride_oh
+    tl.debug_barrier()
+    x = tl.load(rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(rows + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    pair = tl.where(is_rope, j // 2, 0)
+    c = tl.load(COS_t + pair, mask=is_rope, other=1.0)
+    s = tl.load(SIN_t + pair, mask=is_rope, other=0.0)
+    out = _rotate_channels(x, partner, c[None, :], s[None, :], ((j & 1) == 1)[None, :], True, ROUNDED)
+    tl.debug_barrier()
+    tl.store(rows + cols[None, :], out.to(O_t.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fwd_kernel(Q, KV, IDX, SINK, O, LSE2,
                 H, K, scale_log2,
                 stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh,
-                BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                stride_kvt=None, COS=None, SIN=None, ROPE: tl.constexpr = 0, ROUNDED: tl.constexpr = False,
+                PDL: tl.constexpr = False):
+    """Program ``(hb, t)``: token ``t``'s heads of block ``hb``. ``stride_kvt``: token ``t``'s rows start at ``KV +
+    t stride_kvt`` (one sequence's cache a token, the decode step's; None: one ``KV`` for every token). ``ROPE``:
+    that many trailing pairs of the output are then rotated back by the token's angles ``COS``/``SIN``
+    (:func:`_inverse_rope_epilogue`; 0: none, the training forward)."""
+    pdl.wait_prior(PDL)
     hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
+    if stride_kvt is not None:
+        KV += t * stride_kvt
     offs_h = hb * BH + tl.arange(0, BH)
     hmask = offs_h < H
     offs_d = tl.arange(0, D)
@@ -123,20 +167,27 @@ def _fwd_kernel(Q, KV, IDX, SINK, O, LSE2,
     tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=hmask[:, None])
     tl.store(LSE2 + t * H + offs_h, m_i + tl.log2(l_i), mask=hmask)
+    if ROPE:
+        _inverse_rope_epilogue(O + t * stride_ot, offs_h, hmask, stride_oh, COS + t * ROPE, SIN + t * ROPE,
+                               D, ROPE, ROUNDED)
 
 
 @triton.jit
 def _fwd_split_kernel(Q, KV, IDX, PO, PM, PL,
                       H, K, KPER, scale_log2,
                       stride_qt, stride_qh, stride_kv, stride_it,
-                      BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      BH: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      stride_kvt=None, PDL: tl.constexpr = False):
     """Program ``(hb, s, t)``: the online softmax of token ``t``'s heads over its rows ``[s KPER, (s+1) KPER)``,
     unnormalized (``PO [T, S, H, D]`` fp32) with its max and sum (``PM``, ``PL`` ``[T, S, H]``, log2 units);
     :func:`_combine_kernel` adds the sink and the splits. A finite start (not -inf) keeps a split without a
-    valid row at ``l = 0`` without NaN."""
+    valid row at ``l = 0`` without NaN. ``stride_kvt``: as :func:`_fwd_kernel`'s."""
+    pdl.wait_prior(PDL)
     hb = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)
+    if stride_kvt is not None:
+        KV += t * stride_kvt
     S = tl.num_programs(1)
     offs_h = hb * BH + tl.arange(0, BH)
     hmask = offs_h < H
@@ -157,9 +208,12 @@ def _fwd_split_kernel(Q, KV, IDX, PO, PM, PL,
 
 @triton.jit
 def _combine_kernel(PO, PM, PL, SINK, O, LSE2, H, S, stride_ot, stride_oh,
-                    BH: tl.constexpr, D: tl.constexpr):
+                    BH: tl.constexpr, D: tl.constexpr,
+                    COS=None, SIN=None, ROPE: tl.constexpr = 0, ROUNDED: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Program ``(hb, t)``: token ``t``'s output and log-sum-exp from its splits' partials and the sink (a
-    logit in the denominator only), as :func:`_fwd_kernel` writes them."""
+    logit in the denominator only), as :func:`_fwd_kernel` writes them (its ``ROPE`` epilogue too)."""
+    pdl.wait_prior(PDL)
     hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     offs_h = hb * BH + tl.arange(0, BH)
@@ -179,6 +233,9 @@ def _combine_kernel(PO, PM, PL, SINK, O, LSE2, H, S, stride_ot, stride_oh,
     tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              (acc / z[:, None]).to(O.dtype.element_ty), mask=hmask[:, None])
     tl.store(LSE2 + t * H + offs_h, m + tl.log2(z), mask=hmask)
+    if ROPE:
+        _inverse_rope_epilogue(O + t * stride_ot, offs_h, hmask, stride_oh, COS + t * ROPE, SIN + t * ROPE,
+                               D, ROPE, ROUNDED)
 
 
 @triton.jit
@@ -311,26 +368,38 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, s
     # int64 ids as they come (a decode step's): their cast was a launch a layer; the kernels load either width
     idx = (idx if idx.dtype == torch.int64 else idx.to(torch.int32)).contiguous()
     sink = sink.to(torch.float32).contiguous()
-    T, H, D = q.shape
-    K = idx.shape[1]
+    T, H = q.shape[:2]
     o = torch.empty_like(q)
     lse2 = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return o, lse2
-    BH = _head_block(H, cfg["BH"])
-    if cfg.get("SPLIT", 1) > 1:
-        _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg)
-        return o, lse2
-    grid = (triton.cdiv(H, BH), T)
-    _fwd_kernel[grid](q, kv, idx, sink, o, lse2, H, K, float(scale) * LOG2E,
-                      q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), o.stride(0), o.stride(1),
-                      BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+    _forward(q, kv, idx, sink, o, lse2, scale, cfg)
     return o, lse2
 
 
-def _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg) -> None:
+def _forward(q, kv, idx, sink, o, lse2, scale, cfg, **decode) -> None:
+    """The forward's launches into ``o [T,H,D]`` and ``lse2 [T,H]``: ``q [T,H,D]``, the rows of ``kv``
+    (``kv.stride(-2)`` apart), ``idx [T,K]`` (unit stride along K), fp32 ``sink``. ``decode`` (the decode step's op,
+    :func:`attention_inverse_rope`): ``stride_kvt``, token ``t``'s rows start at ``kv + t stride_kvt``, and ``COS``,
+    ``SIN`` ``[T, ROPE]`` fp32 with ``ROPE`` and ``ROUNDED``, the inverse-rope epilogue; none: the training forward's
+    kernels, as compiled before the epilogue existed."""
+    T, H, D = q.shape
+    K = idx.shape[1]
+    BH = _head_block(H, cfg["BH"])
+    if cfg.get("SPLIT", 1) > 1:
+        _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg, **decode)
+        return
+    grid = (triton.cdiv(H, BH), T)
+    _fwd_kernel[grid](q, kv, idx, sink, o, lse2, H, K, float(scale) * LOG2E,
+                      q.stride(0), q.stride(1), kv.stride(-2), idx.stride(0), o.stride(0), o.stride(1),
+                      BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], **decode,
+                      **pdl.launch(q.device))
+
+
+def _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg, stride_kvt=None, **rope) -> None:
     """The forward with each token's rows split ``cfg["SPLIT"]`` ways (whole ``BK`` tiles each): the split
-    kernel's fp32 partials, then the combine into ``o`` and ``lse2`` (in place)."""
+    kernel's fp32 partials, then the combine into ``o`` and ``lse2`` (in place); ``stride_kvt`` and ``rope`` as
+    :func:`_forward`'s ``decode`` (the combine writes the output, so it runs the epilogue)."""
     T, H, D = q.shape
     K = idx.shape[1]
     kper = triton.cdiv(triton.cdiv(K, cfg["SPLIT"]), cfg["BK"]) * cfg["BK"]
@@ -338,11 +407,63 @@ def _split_forward(q, kv, idx, sink, o, lse2, scale, BH, cfg) -> None:
     po = torch.empty(T, split, H, D, dtype=torch.float32, device=q.device)
     pm = torch.empty(T, split, H, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
+    per_token = {} if stride_kvt is None else dict(stride_kvt=stride_kvt)
     _fwd_split_kernel[(triton.cdiv(H, BH), split, T)](
-        q, kv, idx, po, pm, pl, H, K, kper, float(scale) * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
-        idx.stride(0), BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+        q, kv, idx, po, pm, pl, H, K, kper, float(scale) * LOG2E, q.stride(0), q.stride(1), kv.stride(-2),
+        idx.stride(0), BH=BH, BK=cfg["BK"], D=D, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+        **per_token, **pdl.launch(q.device))
     _combine_kernel[(triton.cdiv(H, BH), T)](po, pm, pl, sink, o, lse2, H, split, o.stride(0), o.stride(1),
-                                             BH=BH, D=D, num_warps=4)
+                                             BH=BH, D=D, num_warps=4, **rope, **pdl.launch(o.device))
+
+
+def attention_inverse_rope(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                           scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.reference.attention.attention_inverse_rope` for a decode step, the same bits as this backend's
+    ``sparse_attention_with_sink`` then its ``apply_rope(..., inverse=True)``, in one launch (two where a token's
+    rows are split, :func:`fwd_settings`): ``q [B, 1, H, D]`` (bf16/fp16, a power-of-two head dim), ``kv [B, N, D]``
+    (each sequence's cache, read where it lies: no batch offsets added to the ids), ``indices [B, 1, K]`` int64 or
+    int32 (``-1`` = empty), ``sink [H]``, ``cos``/``sin`` ``[B, 1, r/2]`` (cast to fp32, as ``apply_rope``'s) ->
+    ``[B, 1, H, D]``. The kernel that writes the output rotates its last ``r`` channels back in place
+    (:func:`_inverse_rope_epilogue`).
+
+    Why: the eager decode step (``kernels.reference.decode._attend``) ran the inverse rotation as a launch of its
+    own after every attention layer's: on an H200 the Flash-shaped step's four ``_rope_kernel`` launches took 8.6 us
+    at 1 sequence, 12.8 at 64 and 39.9 at 256, on top of the gaps between launches
+    (``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-head.json``); above one sequence the
+    batched entry point's id offsets were four launches more a layer. Forward only (no backward: the training
+    forward keeps the two ops). Anything else is refused with the reason."""
+    op = "attention_inverse_rope"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, sink)):
+        raise gpu_common.op_refusal(op, "its inputs require a gradient and the op has no backward (the decode "
+                                        "step's only)")
+    if (q.dim() != 4 or q.shape[1] != 1 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or indices.dim() != 3
+            or indices.shape[:2] != q.shape[:2]):
+        raise gpu_common.op_refusal(op, f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)} "
+                                        f"(needs one token a sequence: q [B, 1, H, D], kv [B, N, D], indices "
+                                        f"[B, 1, K])")
+    B, _, H, D = q.shape
+    half = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape != (B, 1, half) or not 0 < 2 * half <= D or cos.device != q.device:
+        raise gpu_common.op_refusal(op, f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} on {cos.device} for q "
+                                        f"{tuple(q.shape)} on {q.device} (needs one angle row a sequence, [B, 1, "
+                                        f"r/2] with 0 < r <= D, on q's device)")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise gpu_common.op_refusal(op, f"indices are {indices.dtype} (needs int32 or int64 row ids)")
+    q, kv = q.contiguous(), (kv if kv.stride(-1) == 1 else kv.contiguous())     # as they come in a decode step
+    idx = indices[:, 0] if indices.stride(-1) == 1 else indices[:, 0].contiguous()
+    try:                                       # the attention's own refusals: dtypes, head dim, devices, shapes
+        _check(q.view(B, H, D), kv[:1].flatten(0, 1), idx, sink)
+    except ValueError as e:
+        raise gpu_common.op_refusal(op, str(e)) from None
+    o = torch.empty_like(q)
+    if B == 0:
+        return o
+    lse2 = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    angles = [a.to(torch.float32).reshape(B, half).contiguous() for a in (cos, sin)]
+    cfg = fwd_settings(B, H, idx.shape[-1])
+    _forward(q.view(B, H, D), kv, idx, sink.to(torch.float32).contiguous(), o.view(B, H, D), lse2, scale, cfg,
+             stride_kvt=kv.stride(0), COS=angles[0], SIN=angles[1], ROPE=half, ROUNDED=not gpu_common.interpreting())
+    return o
 
 
 def sparse_attention_bwd(q, kv, idx, sink, o, lse2, do, scale, config: Optional[dict] = None):

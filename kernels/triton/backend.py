@@ -46,7 +46,9 @@ def ops() -> "OpTable":
     (``return_lse=True`` also gives the natural-log LSE), ``indexer_scores_thd`` (with causal or
     segment ``ks/ke`` ranges), ``indexer_topk``; ``experts_grouped_mm``, the rollout engine's decode step's
     routed experts for few rows per expert, and ``expert_order``, its eager MoE's pairs in expert order in one
-    launch (``kernels/triton/experts.py``); ``route_experts``, its eager MoE's router in one launch
+    launch, ``experts_gather_mm``, ``experts_scatter_mm`` and ``moe_combine``, its GEMMs through that order and
+    the pairs' sum, and ``experts_swiglu_scatter_mm``, the activation and the second GEMM in one launch
+    (``kernels/triton/experts.py``); ``route_experts``, its eager MoE's router in one launch
     (``kernels/triton/routing.py``); ``draw_tokens``, the rollout engine's
     sampler at top-p 1 (``kernels/triton/sampling.py``); ``compressor_step``, its eager decode step's compressors
     after their GEMMs in one launch (``kernels/triton/compress.py``); ``norm_rope``, its eager decode step's query
@@ -55,8 +57,11 @@ def ops() -> "OpTable":
     ``attention_rows``, a window or HCA layer's attention rows in one (``kernels/triton/topk.py``);
     ``index_query``, its indexer query's rotation, Hadamard transform and casts in one launch
     (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
-    input in one launch at a few tokens (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
-    mHC pre and the norm after it in one launch at a few tokens (``kernels/triton/mhc_decode.py``).
+    input in one launch at a few tokens, and ``grouped_projection``, the attention's grouped ``wo_a`` with the same
+    kernel's row blocks (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
+    mHC pre and the norm after it in one launch at a few tokens (``kernels/triton/mhc_decode.py``);
+    ``attention_inverse_rope``, its eager decode step's sparse attention with the inverse rotation of its output in
+    the kernel's epilogue, one launch where the attention and ``apply_rope`` were two (``kernels/triton/attention.py``).
     """
     from kernels import gpu_common
     from kernels.triton import (attention, compress, experts, hadamard, index_query, indexer, linear_group, logprobs,
@@ -64,4 +69,4 @@ def ops() -> "OpTable":
 
     return gpu_common.make_ops("triton", attention, indexer, mhc, rope, norm, swiglu, logprobs, experts, hadamard,
                                sampling, routing, compress, norm_rope, topk, index_query, linear_group,
-                               mhc_decode)
+                               mhc_decode, decode_attention=attention)

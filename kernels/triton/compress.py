@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 from kernels.triton.rope import _rotate_pairs
 
 __all__ = ["compressor_step", "compressor_step_launch", "MAX_CHANNELS", "MAX_RATIO"]
@@ -57,7 +58,9 @@ def _hadamard_row(y, C: tl.constexpr, LOG_C: tl.constexpr, ROUND: tl.constexpr, 
 @triton.jit(do_not_specialize=["N", "first", "stride_ob"])
 def _compress_kernel(KV, GATE, APE, A, Z, PA, PZ, POS, OUT, NORM_W, ANG, eps, hadamard_scale, N, first, stride_ob,
                      NB, M: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr, OVERLAP: tl.constexpr,
-                     ROTATE: tl.constexpr, LOG_C: tl.constexpr, ROUND: tl.constexpr, ROUNDED: tl.constexpr):
+                     ROTATE: tl.constexpr, LOG_C: tl.constexpr, ROUND: tl.constexpr, ROUNDED: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     b = tl.program_id(0).to(tl.int64)
     KC: tl.constexpr = 2 * C if OVERLAP else C          # the slots' channels (kappa * c)
     cols = tl.arange(0, C)
@@ -133,7 +136,7 @@ def compressor_step_launch(kv, gate, ape, a, z, prev_a, prev_z, pos, out, first:
                            norm_weight, angles, float(eps), float(C ** -0.5), out.shape[1] - first, first,
                            out.stride(0), angles.shape[1], M=M, C=C, HALF=angles.shape[2], OVERLAP=overlap,
                            ROTATE=bool(rotate), LOG_C=C.bit_length() - 1, ROUND=out.dtype != torch.float32,
-                           ROUNDED=not gpu_common.interpreting(), num_warps=4)
+                           ROUNDED=not gpu_common.interpreting(), num_warps=4, **pdl.launch(kv.device))
 
 
 def compressor_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, a: torch.Tensor, z: torch.Tensor,

@@ -17,8 +17,9 @@ Only the rollout engine's decode step calls it (``kernels.reference.slots``), th
 extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused). The eager step also puts its
 pairs in expert order here (:func:`expert_order`, the extra op ``expert_order``), and runs the same kernel
 reading the pairs' tokens and writing the pairs' rows through that order (:func:`experts_gather_mm`,
-:func:`experts_scatter_mm`: the gather and the scatter were a copy each) and sums each token's pairs with its
-shared expert's output in one launch (:func:`moe_combine`).
+:func:`experts_scatter_mm`: the gather and the scatter were a copy each), computes the activation between the
+two in the second one's operand load (:func:`experts_swiglu_scatter_mm`: one launch where there were two, the same
+bits) and sums each token's pairs with its shared expert's output in one launch (:func:`moe_combine`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
+from kernels.triton import pdl
+from kernels.triton.swiglu import swiglu_tile
 from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
-           "experts_gather_mm", "experts_scatter_mm", "moe_combine", "launch_settings"]
+           "experts_gather_mm", "experts_scatter_mm", "experts_swiglu_scatter_mm", "moe_combine", "launch_settings"]
 
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
@@ -67,17 +70,21 @@ def launch_settings(rows: int, experts: int) -> dict:
 
 
 @triton.jit
-def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICKETS, BM: tl.constexpr,
+def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICKETS, RW, limit, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr,
                     GATHER: tl.constexpr = False, SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False,
-                    SPLIT: tl.constexpr = 1):
+                    SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False, HAS_LIMIT: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Program ``(e, j, s)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
     row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the pair); ``SCATTER``: it writes ``Y`` row
     ``ORDER[r]`` (the pair's own row). ``SHARED``: a program ``e = NE`` more, the shared expert ``WS`` on ``SH``
     rows after the ``RR`` routed ones: row ``RR + t`` is token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and
     written to its own row. ``SPLIT`` > 1: the program takes share ``s`` of ``K``, writes its rows' partials to
     ``PART`` ``[rows, SPLIT, N]`` and takes a ticket of the block ``(e, j)``; the last program of the block to
-    take one sums the shares in order and stores."""
+    take one sums the shares in order and stores. ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and
+    row ``r``'s A tile is its weighted SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s
+    dtype (:func:`_rows_product`)."""
+    pdl.wait_prior(PDL)
     e = tl.program_id(0)
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
     end = tl.load(OFFS + e, mask=e < NE, other=0)
@@ -92,8 +99,8 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
         for m0 in range(start, end, BM):
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
-            acc = _rows_product(X, wrow, ORDER, rows, rmask, cmask, 0, K, K, TOPK, RR, BM, BN, BK, STAGES, F32,
-                                GATHER, SHARED)
+            acc = _rows_product(X, wrow, ORDER, rows, rmask, cmask, 0, K, K, TOPK, RR, RW, limit, BM, BN, BK, STAGES,
+                                F32, GATHER, SHARED, SWIGLU, HAS_LIMIT)
             _store_rows(Y, ORDER, rows, rmask, cols, cmask, acc, N, RR, SCATTER, SHARED)
     elif end > start:                                     # an expert without rows: no partial, no ticket
         s = tl.program_id(2)
@@ -101,8 +108,8 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
         for m0 in range(start, end, BM):
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
-            acc = _rows_product(X, wrow, ORDER, rows, rmask, cmask, s * ks, s * ks + ks, K, TOPK, RR, BM, BN, BK,
-                                STAGES, F32, GATHER, SHARED)
+            acc = _rows_product(X, wrow, ORDER, rows, rmask, cmask, s * ks, s * ks + ks, K, TOPK, RR, RW, limit, BM,
+                                BN, BK, STAGES, F32, GATHER, SHARED, SWIGLU, HAS_LIMIT)
             tl.store(PART + (rows.to(tl.int64)[:, None] * SPLIT + s) * N + cols[None, :], acc,
                      mask=rmask[:, None] & cmask[None, :])
         block = e * tl.num_programs(1) + tl.program_id(1)
@@ -120,27 +127,45 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
 
 
 @triton.jit
-def _rows_product(X, wrow, ORDER, rows, rmask, cmask, k_from, k_to, K, TOPK, RR, BM: tl.constexpr,
+def _rows_product(X, wrow, ORDER, rows, rmask, cmask, k_from, k_to, K, TOPK, RR, RW, limit, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr, GATHER: tl.constexpr,
-                  SHARED: tl.constexpr):
+                  SHARED: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """``[BM, BN]`` fp32: rows ``rows`` of ``X`` (through ``ORDER`` with ``GATHER``) times the weight rows at ``wrow``
-    over columns ``[k_from, k_to)`` of ``K``."""
+    over columns ``[k_from, k_to)`` of ``K``. ``SWIGLU``: row ``r`` of the A operand is ``swiglu_tile`` of ``X``'s
+    gate and up halves at ``RW[r]``, cast to ``X``'s dtype: the bits ``_swiglu_fwd_kernel`` stores."""
     src = rows.to(tl.int64)
     if GATHER:
         src = tl.load(ORDER + rows, mask=rmask & (rows < RR), other=0) // TOPK
         if SHARED:
             src = tl.where(rows >= RR, rows.to(tl.int64) - RR, src)
-    xrow = X + src[:, None] * K
+    xrow = X + src[:, None] * (2 * K if SWIGLU else K)
+    if SWIGLU:                   # the rows' routing weights (the shared expert's rows: ones), read once
+        rw = tl.load(RW + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in tl.range(k_from, k_to, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < K
-        x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if SWIGLU:
+            x = _swiglu_rows(xrow, k, rmask[:, None] & kmask[None, :], K, rw, limit, HAS_LIMIT)
+            x = x.to(X.dtype.element_ty)
+        else:
+            x = tl.load(xrow + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(wrow + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
         if F32:                  # the interpreter: tf32 holds every bf16 / fp16 value, the products are exact
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
     return acc
+
+
+@triton.jit
+def _swiglu_rows(xrow, k, mask, K, rw, limit, HAS_LIMIT: tl.constexpr):
+    """fp32 ``swiglu_tile`` of the rows at ``xrow``: their gate columns ``k`` and up columns ``K + k`` (masked: 0,
+    whose SwiGLU is 0 at any weight), weights ``rw [rows, 1]``. The up tile's offsets are one ``[1, BK]`` vector
+    added to the rows' pointers: a second ``[BM, BK]`` tensor of pointers made ptxas spill at the narrow settings
+    (4 bytes, 128 registers, compiled as the runtime specializes the decode step's aligned shapes)."""
+    g0 = tl.load(xrow + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    u0 = tl.load(xrow + (K + k)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return swiglu_tile(g0, u0, rw, limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -155,14 +180,16 @@ def _store_rows(Y, ORDER, rows, rmask, cols, cmask, acc, N, RR, SCATTER: tl.cons
 
 
 def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None, order=None,
-                              topk: int = 0, scatter: bool = False, shared=None) -> torch.Tensor:
+                              topk: int = 0, scatter: bool = False, shared=None, weights=None,
+                              limit: float = 0.0) -> torch.Tensor:
     """The kernel on checked, contiguous inputs: ``x [R, K]``, ``w [E, N, K]``, ``offs [E]`` int32 -> ``[R, N]``;
     ``config`` overrides keys of :func:`launch_settings` (the sweep's). With ``order [R]`` int64 (the pairs in
     expert order) and ``topk``: ``x`` is the tokens ``[R / topk, K]``, row ``r`` read from ``order[r] // topk``;
     with ``order`` and ``scatter``: row ``r`` written to ``order[r]``. ``shared [N, K]`` (with ``order``): the
     shared expert on every token as well, its rows after the routed ones (``[R + T, N]``; with ``scatter``
-    ``x`` holds them too)."""
-    K = x.shape[1]
+    ``x`` holds them too). ``weights`` (fp32, one a row of ``x``): ``x`` is ``[gate | up]`` ``[rows, 2K]`` and
+    the GEMM reads its weighted SwiGLU at ``limit`` (clamped where ``limit > 0``), cast to ``x``'s dtype."""
+    K = x.shape[1] // (2 if weights is not None else 1)
     R = order.shape[0] if order is not None else x.shape[0]
     E, N, _ = w.shape
     T = 0 if shared is None else (x.shape[0] if topk > 0 else x.shape[0] - R)
@@ -178,21 +205,24 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     if (R or T) and E:
         _experts_kernel[(E + (shared is not None), triton.cdiv(N, c["BN"]), split)](
             x, w, offs, y, offs if order is None else order, w if shared is None else shared, N, K, max(topk, 1), E,
-            R, T, part, tickets, BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"],
-            F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter), SHARED=shared is not None,
-            SPLIT=split, num_warps=c["WARPS"])
+            R, T, part, tickets, offs if weights is None else weights, float(limit), BM=c["BM"], BN=c["BN"],
+            BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter),
+            SHARED=shared is not None, SPLIT=split, SWIGLU=weights is not None, HAS_LIMIT=limit > 0,
+            num_warps=c["WARPS"], **pdl.launch(x.device))
     return y
 
 
-def _check_pairs(op: str, x, w, offs, order, rows: int):
-    """The checks of the pair GEMMs (:func:`experts_gather_mm`, :func:`experts_scatter_mm`)."""
+def _check_pairs(op: str, x, w, offs, order, rows: int, halves: int = 1):
+    """The checks of the pair GEMMs (:func:`experts_gather_mm`, :func:`experts_scatter_mm`,
+    :func:`experts_swiglu_scatter_mm`: ``halves`` 2, ``x`` the gate and up halves of ``K`` columns each)."""
     for t, name in ((x, "x"), (w, "w")):
         gpu_common.check_op_input(op, t, name, dtypes=(torch.bfloat16, torch.float16))
-    if (x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or w.dtype != x.dtype or order.dim() != 1
-            or order.dtype != torch.int64 or order.shape[0] != rows):
+    if (x.dim() != 2 or w.dim() != 3 or halves * w.shape[2] != x.shape[1] or w.dtype != x.dtype
+            or order.dim() != 1 or order.dtype != torch.int64 or order.shape[0] != rows):
+        width = "2K" if halves == 2 else "K"
         raise gpu_common.op_refusal(op, f"x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, order "
-                                        f"{tuple(order.shape)} {order.dtype} (needs x [rows, K], w [E, N, K] of one "
-                                        f"dtype and int64 order [{rows}])")
+                                        f"{tuple(order.shape)} {order.dtype} (needs x [rows, {width}], w [E, N, K] "
+                                        f"of one dtype and int64 order [{rows}])")
     if offs.dim() != 1 or offs.shape[0] != w.shape[0] or offs.dtype != torch.int32:
         raise gpu_common.op_refusal(op, f"offs {tuple(offs.shape)} {offs.dtype} (needs [E] int32 end rows)")
     if x.requires_grad or w.requires_grad:
@@ -235,11 +265,45 @@ def experts_scatter_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, ord
                                      scatter=True, shared=None if shared is None else shared.contiguous())
 
 
+def experts_swiglu_scatter_mm(h: torch.Tensor, weights: torch.Tensor, limit: float, w: torch.Tensor,
+                              offs: torch.Tensor, order: torch.Tensor, shared=None) -> torch.Tensor:
+    """``experts_scatter_mm(weighted_swiglu(h, weights, limit, h.dtype), w, offs, order, shared)`` in one launch,
+    the same bits: the GEMM computes each A tile from ``h = [gate | up]`` ``[R (+ T), 2K]`` (the first GEMM's
+    output, ``experts_gather_mm``'s) and the rows' fp32 routing weights ``weights [R (+ T)]`` (``expert_order``'s,
+    the shared expert's ones after the pairs') with the activation kernel's own jit math
+    (``kernels.triton.swiglu.swiglu_tile``), casts it to ``h``'s dtype as that kernel stores it, and multiplies.
+    Why: on an H200 the separate activation took 12.4 us of a Flash-shaped 4-layer step at 1 sequence, 21.2 at 64
+    and 29.6 at 256, four launches a step, plus the gap between launches
+    (``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-head.json``), and its ``[rows, K]``
+    output went to memory and back. The cost: each of an expert's ``N / BN`` column blocks computes its rows'
+    activation again (32 times at 256 Flash-shaped sequences, 64 at one) and reads ``h`` (twice ``a``) from L2;
+    whether the weight stream hides that is untimed on a GPU. The eager decode step's second expert GEMM where the
+    table has this op (``kernels.reference.slots._grouped``: the table's extra op ``experts_swiglu_scatter_mm``);
+    its torch contract is ``kernels.reference.slots.swiglu_scatter_grouped_mm``. Decode only (no gradient);
+    anything else is refused with the reason."""
+    op = "experts_swiglu_scatter_mm"
+    rows = h.shape[0] if h.dim() == 2 else -1
+    _check_pairs(op, h, w, offs, order, rows if shared is None else order.shape[0], halves=2)
+    _check_shared(op, shared, w)
+    if shared is not None and rows < order.shape[0]:
+        raise gpu_common.op_refusal(op, f"h {tuple(h.shape)} for {order.shape[0]} pairs and a shared expert (needs "
+                                        f"the pairs' rows, then the tokens')")
+    gpu_common.check_op_input(op, weights, "weights", dtypes=(torch.float32,))
+    if weights.shape != (rows,) or weights.requires_grad:
+        raise gpu_common.op_refusal(op, f"weights {tuple(weights.shape)} {weights.dtype}"
+                                        f"{' that require a gradient' if weights.requires_grad else ''} (needs fp32 "
+                                        f"[{rows}], one a row of h, no gradient: decode only)")
+    return experts_grouped_mm_launch(h.contiguous(), w.contiguous(), offs.contiguous(), order=order.contiguous(),
+                                     scatter=True, shared=None if shared is None else shared.contiguous(),
+                                     weights=weights.contiguous(), limit=float(limit))
+
+
 # ------------------------------------------------------------------ the pairs' sum with the shared expert
 @triton.jit
-def _combine_kernel(PAIRS, SHARED, Y, D, TOPK: tl.constexpr, BD: tl.constexpr):
+def _combine_kernel(PAIRS, SHARED, Y, D, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(t, j)``: columns ``[j BD, (j+1) BD)`` of token ``t``: its ``TOPK`` pairs' rows summed in fp32
     one after another, plus the shared expert's row, cast once."""
+    pdl.wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = cols < D
@@ -271,7 +335,7 @@ def moe_combine(pairs: torch.Tensor, shared: torch.Tensor, topk: int) -> torch.T
         _combine_kernel[(T, triton.cdiv(D, COMBINE_COLUMNS))](pairs.contiguous(), shared.contiguous(), y, D,
                                                            TOPK=int(topk), BD=min(COMBINE_COLUMNS,
                                                                                   triton.next_power_of_2(D)),
-                                                           num_warps=4)
+                                                           num_warps=4, **pdl.launch(pairs.device))
     return y
 
 
@@ -299,10 +363,12 @@ MAX_ORDER_EXPERTS = 1024       # experts at most (one program each; the tests' l
 
 
 @triton.jit
-def _order_kernel(FLAT, ORDER, ENDS, WIN, WOUT, R, TAIL, BR: tl.constexpr, WEIGHTS: tl.constexpr = False):
+def _order_kernel(FLAT, ORDER, ENDS, WIN, WOUT, R, TAIL, BR: tl.constexpr, WEIGHTS: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     """Program ``e``: count the pairs of experts below ``e`` (its first row) and its own (its end row), then place
     each of its pairs after its earlier ones (the stable sort's position), ``BR`` pairs a step. ``WEIGHTS``: each
     pair's weight ``WIN`` goes to the same place of ``WOUT``, and program 0 writes ``TAIL`` ones after them."""
+    pdl.wait_prior(PDL)
     e = tl.program_id(0)
     below = tl.zeros([BR], dtype=tl.int32)
     mine = tl.zeros([BR], dtype=tl.int32)
@@ -337,7 +403,8 @@ def expert_order_launch(flat: torch.Tensor, n_experts: int, weights=None, tail: 
     ends = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
     wout = None if weights is None else torch.empty(R + tail, dtype=torch.float32, device=flat.device)
     _order_kernel[(n_experts,)](flat, order, ends, ends if weights is None else weights, ends if wout is None else wout,
-                                R, int(tail), BR=ORDER_ROWS, WEIGHTS=weights is not None, num_warps=4)
+                                R, int(tail), BR=ORDER_ROWS, WEIGHTS=weights is not None, num_warps=4,
+                                **pdl.launch(flat.device))
     return (order, ends) if weights is None else (order, ends, wout)
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 from kernels.triton.compress import _hadamard_row
 from kernels.triton.rope import _rotate_pairs
 
@@ -27,8 +28,9 @@ ELEMENTS_PER_PROGRAM = 4096
 
 @triton.jit(do_not_specialize=["R"])
 def _index_query_kernel(Q, COS, SIN, OUT, R, HEADS, scale, D: tl.constexpr, LOG_D: tl.constexpr,
-                        HALF: tl.constexpr, ROUNDED: tl.constexpr):
+                        HALF: tl.constexpr, ROUNDED: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``r``: head row ``r`` of token ``r // HEADS``."""
+    pdl.wait_prior(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, D)
     x = tl.load(Q + r * D + cols).to(tl.float32)
@@ -52,7 +54,7 @@ def index_query_launch(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ou
     if R:
         _index_query_kernel[(R,)](q, cos, sin, out, R, R // cos.shape[0], float(D ** -0.5), D=D,
                                   LOG_D=D.bit_length() - 1, HALF=cos.shape[1], ROUNDED=not gpu_common.interpreting(),
-                                  num_warps=1 if D <= 256 else 4)
+                                  num_warps=1 if D <= 256 else 4, **pdl.launch(q.device))
     return out
 
 

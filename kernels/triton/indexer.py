@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
+from kernels.triton import pdl
 
 __all__ = ["indexer_scores", "indexer_scores_thd", "indexer_scores_launch", "indexer_topk", "INDEXER_CONFIG"]
 
@@ -85,9 +86,11 @@ def _indexer_kernel(Q, K, W, KS, KE, OUT,
 def _indexer_heads_kernel(Q, K, W, OUT, T, N, H,
                           stride_qt, stride_qh, stride_kn, stride_wt, stride_ot,
                           stride_qb, stride_kb, stride_wb, stride_ob,
-                          BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+                          BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """One query's scores over ``BN`` keys: its ``H`` heads (padded to ``BH``, at least a dot's 16 rows) times the
     keys in one dot, then ReLU, the heads' weights and their sum. Grid: (key blocks, queries, sequences)."""
+    pdl.wait_prior(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -170,7 +173,7 @@ def indexer_scores_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks:
         _indexer_heads_kernel[(triton.cdiv(N, bn), T, B)](
             q, k, w, out, T, N, H, q.stride(-3), q.stride(-2), k.stride(-2), w.stride(-2), out.stride(-2),
             *batch_strides, BH=max(16, triton.next_power_of_2(H)), BN=bn, D=D, PRECISION=precision,
-            num_warps=cfg["heads_warps"])
+            num_warps=cfg["heads_warps"], **pdl.launch(q.device))
         return out
     bt = cfg["BT"] if T > 16 else 16                # a few query rows: the smallest dot tile
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(T, bt), B)

@@ -10,6 +10,10 @@ time) and computes ``x [M, K] @ W[rows]^T`` for every token, ``BK`` columns a st
 stores in its output's dtype (fp32, or the input's). Up to ``max_tokens`` rows (the launch settings); more go
 to one cuBLAS GEMM a weight (the torch contract), whose tiles serve many rows. No gradient (a decode step).
 ``bench.kernels_decode_sweep`` times it beside the GEMMs it replaces.
+
+:func:`grouped_projection` runs the same row blocks (:func:`_rows`) for the attention's grouped ``wo_a``: one input,
+weight and output per group, each group's a fixed distance after the one before, so any number of groups is one
+grid (``linear_group`` takes at most :data:`MAX_WEIGHTS` weights, and V4-Pro has 16 groups).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 from kernels.triton.tickets import counters, last_ticket, release
 
-__all__ = ["linear_group", "linear_group_launch", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS", "FEW_BLOCKS",
-           "FEW_BLOCKS_SPLIT", "shares"]
+__all__ = ["linear_group", "linear_group_launch", "grouped_projection", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS",
+           "FEW_BLOCKS", "FEW_BLOCKS_SPLIT", "shares"]
 
 MAX_WEIGHTS = 8
 # BN weight rows and BK columns a step per program; SPLIT: shares of K a row block's programs take (1: one program
@@ -84,10 +89,11 @@ def _linear_group_kernel(X, M, K, stride_xm, PART, TICKETS,
                          E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                          E4: tl.constexpr, E5: tl.constexpr, E6: tl.constexpr, E7: tl.constexpr,
                          G: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr):
+                         BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``p``: share ``p % SPLIT`` of ``K`` of the group's row block ``q = p // SPLIT``, which is row block
     ``q - E(i-1)`` of weight ``i``, where ``E(i-1) <= q < Ei`` (``Ei``: the row blocks of weights ``0..i``; ``G``
     weights, the rest's arguments unused)."""
+    pdl.wait_prior(PDL)
     s = tl.program_id(0) % SPLIT
     p = tl.program_id(0) // SPLIT
     if p < E0:
@@ -143,6 +149,29 @@ def shares(blocks: int, config: Optional[dict] = None) -> int:
     return max(1, int(split))
 
 
+def _depth(K: int, BK: int) -> int:
+    """``BK`` of the launch: at most the settings', the largest power of two dividing ``K`` (whole steps over it)."""
+    bk = min(BK, triton.next_power_of_2(K))
+    while K % bk:
+        bk //= 2
+    return bk
+
+
+def _whole_shares(split: int, K: int, bk: int) -> int:
+    """``split`` shares of ``K``, fewer where they would not be whole ``bk`` steps each."""
+    while split > 1 and (K // bk) % split:
+        split -= 1
+    return split
+
+
+def _partials(blocks: int, split: int, bm: int, bn: int, device, unused: torch.Tensor):
+    """``(PART, TICKETS)`` of ``blocks`` row blocks in ``split`` shares: fp32 partials and a ticket counter a
+    block, or ``unused`` twice at one share (the kernel reads neither)."""
+    if split == 1:
+        return unused, unused
+    return torch.empty(blocks * split * bm * bn, dtype=torch.float32, device=device), counters(device, blocks)
+
+
 def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
                         config: Optional[dict] = None) -> List[torch.Tensor]:
     """The launcher of :func:`linear_group` (inputs checked): ``x [M, K]`` -> one output a weight."""
@@ -152,13 +181,9 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
             for w, f in zip(weights, fp32)]
     if M == 0:
         return outs
-    bn, bk = cfg["BN"], min(cfg["BK"], triton.next_power_of_2(K))
-    while K % bk:                                   # whole steps over K: the largest power of two dividing it
-        bk //= 2
+    bn, bk = cfg["BN"], _depth(K, cfg["BK"])
     ends = list(accumulate(triton.cdiv(w.shape[0], bn) for w in weights))
-    split = shares(ends[-1], cfg)
-    while split > 1 and (K // bk) % split:          # each share of K whole steps: fewer shares where they are not
-        split -= 1
+    split = _whole_shares(shares(ends[-1], cfg), K, bk)
     # rows of any stride (a weight may be a slice of a wider tensor), each row's K columns contiguous
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = [w if w.stride(1) == 1 else w.contiguous() for w in weights]
@@ -170,15 +195,26 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
     ends += [ends[-1]] * pad
     blocks = ends[len(weights) - 1]
     bm = max(16, triton.next_power_of_2(M))
-    if split > 1:
-        part = torch.empty(blocks * split * bm * bn, dtype=torch.float32, device=x.device)
-        tickets = counters(x.device, blocks)
-    else:
-        part = tickets = x                           # unused (SPLIT 1)
+    part, tickets = _partials(blocks, split, bm, bn, x.device, x)
     _linear_group_kernel[(blocks * split,)](
         x, M, K, x.stride(0), part, tickets, *args, *ends, G=len(weights), SPLIT=split, BM=bm, BN=bn, BK=bk,
-        STAGES=cfg["stages"], num_warps=cfg["warps"])
+        STAGES=cfg["stages"], num_warps=cfg["warps"], **pdl.launch(x.device))
     return outs
+
+
+@triton.jit
+def _grouped_kernel(X, W, Y, M, N, K, stride_xm, stride_ym, BLOCKS, PART, TICKETS, SPLIT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Program ``p``: share ``p % SPLIT`` of ``K`` of row block ``b`` of group ``g`` (``p // SPLIT = g BLOCKS + b``):
+    ``Y[:, g, block rows] = X[:, g, :] @ W[g, block rows]^T``, every group's input, weight and output ``K``, ``N K``
+    and ``N`` elements after the one before."""
+    pdl.wait_prior(PDL)
+    s = tl.program_id(0) % SPLIT
+    p = tl.program_id(0) // SPLIT
+    g = p // BLOCKS
+    _rows(X + g * K, W + g.to(tl.int64) * N * K, Y + g * N, M, N, K, stride_xm, K, stride_ym, p - g * BLOCKS, p, s,
+          PART, TICKETS, SPLIT, BM, BN, BK, STAGES)
 
 
 def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
@@ -195,3 +231,41 @@ def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequenc
 
         return torch_contract(x, weights, fp32)
     return [y.view(*lead, y.shape[-1]) for y in linear_group_launch(x2, weights, fp32, cfg)]
+
+
+def grouped_projection(o: torch.Tensor, w: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
+    """Same contract as ``kernels.reference.layers.grouped_projection`` (forward): ``o [..., G, d]`` and ``w [G, R,
+    d]`` in ``o``'s dtype -> ``[..., G, R]``, row ``g`` of each token ``o[..., g, :] @ w[g]^T``: the attention's
+    grouped ``wo_a`` in one launch for at most ``max_tokens`` tokens (more: the contract's batched GEMM), any number
+    of groups. Why: at one sequence cuBLAS's batched GEMM read a Flash-shaped layer's ``wo_a`` (64 MiB) in 18.7 us on
+    an H200, 74.65 us of the 1.2431 ms step, about 75% of the 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-
+    triton-profile-linear-group-head.json``), where ``linear_group``'s row blocks read the head at 92% of an H100's
+    (``bench/results/kernels-decode-sweep-h100-projections.json``); here the groups' row blocks are one grid of that
+    kernel's programs."""
+    if o.dim() < 2 or w.dim() != 3 or o.shape[-2:] != (w.shape[0], w.shape[2]) or w.dtype != o.dtype:
+        raise ValueError(f"triton grouped_projection: o [..., G, d] and w [G, R, d] of one dtype; got o "
+                         f"{tuple(o.shape)} {o.dtype}, w {tuple(w.shape)} {w.dtype}")
+    G, R, d = w.shape
+    _check(o.reshape(-1, d), [w[0]], [False])
+    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    lead = o.shape[:-2]
+    x = o.reshape(-1, G, d)
+    M = x.shape[0]
+    if M > cfg["max_tokens"]:
+        from kernels.reference.layers import grouped_projection as torch_contract
+
+        return torch_contract(o, w)
+    x = x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous()
+    w = w.contiguous()
+    y = torch.empty(M, G, R, dtype=o.dtype, device=o.device)
+    if M == 0 or G == 0 or R == 0:
+        return y.view(*lead, G, R)
+    bn, bk = cfg["BN"], _depth(d, cfg["BK"])
+    per_group = triton.cdiv(R, bn)
+    split = _whole_shares(shares(G * per_group, cfg), d, bk)
+    bm = max(16, triton.next_power_of_2(M))
+    part, tickets = _partials(G * per_group, split, bm, bn, x.device, x)
+    _grouped_kernel[(G * per_group * split,)](x, w, y, M, R, d, x.stride(0), y.stride(0), per_group, part, tickets,
+                                              SPLIT=split, BM=bm, BN=bn, BK=bk, STAGES=cfg["stages"],
+                                              num_warps=cfg["warps"], **pdl.launch(x.device))
+    return y.view(*lead, G, R)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kernels import gpu_ops
 from kernels.triton import mhc_checks
+from kernels.triton import pdl
 from kernels.triton.sinkhorn import sinkhorn, sinkhorn_bwd_tile, sinkhorn_fwd_tile
 
 __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd", "hc_head_fwd", "hc_head_bwd",
@@ -65,8 +66,10 @@ _mp = gpu_ops.mix_width  # the mixing GEMM's padded width (the custom ops' fake 
 
 @triton.jit
 def _mix_kernel(X, FN, MIX, RHO, T, K, M, norm_eps,
-                BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+                BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                PDL: tl.constexpr = False):
     """``MIX[t, :M] = rho_t * (x_t @ fn^T)`` (fp32, padded to MP columns of zeros) and ``RHO[t]``."""
+    pdl.wait_prior(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -90,9 +93,10 @@ def _mix_kernel(X, FN, MIX, RHO, T, K, M, norm_eps,
 @triton.jit
 def _mix_part_kernel(X, FN, PART, SSP, T, K, M, KPER,
                      BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Split-K :func:`_mix_kernel` for few tokens (a decode step): program ``(i, s)`` sums columns
     ``[s * KPER, (s + 1) * KPER)`` into ``PART[s, t, :]`` and their squares into ``SSP[s, t]``."""
+    pdl.wait_prior(PDL)
     mix_partial(X, FN, PART, SSP, T, K, M, KPER, tl.program_id(0) * BT, tl.program_id(1), BT, BK, MP, PREC, STAGES)
 
 
@@ -147,9 +151,10 @@ def mix_sums(PART, SSP, T, K, SPLIT, norm_eps, t, BT: tl.constexpr, MP: tl.const
 
 @triton.jit
 def _mix_finish_kernel(PART, SSP, MIX, RHO, T, K, SPLIT, norm_eps, BT: tl.constexpr, MP: tl.constexpr,
-                       SB: tl.constexpr):
+                       SB: tl.constexpr, PDL: tl.constexpr = False):
     """The sum of :func:`_mix_part_kernel`'s partials: ``MIX``, ``RHO`` as :func:`_mix_kernel` writes them. ``SB``
     partials a load: one partial a loop step was 64 dependent loads of a decode step's token, 8.6 us a call."""
+    pdl.wait_prior(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -196,11 +201,13 @@ def coefficients(MIX, SCALE, BASE, POST, COMB, t, tmask, n, hc_eps, iters, write
 
 @triton.jit
 def _pre_fwd_kernel(MIX, SCALE, BASE, X, U, PRE, POST, COMB, T, n, d, hc_eps, iters, d_per,
-                    HAS_RES: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr):
+                    HAS_RES: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, MP: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Coefficients of ``BT`` tokens (sigmoids, the Sinkhorn loop) and ``u = sum_j pre_j X_j`` over columns
     ``[pid1 * d_per, (pid1 + 1) * d_per)`` of ``d``: few tokens (a decode step) split ``d`` over the grid's second
     dimension, each program recomputing the tokens' coefficients (a few hundred flops) and the first storing
     them."""
+    pdl.wait_prior(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     first = tl.program_id(1) == 0
     tmask = t < T
@@ -310,8 +317,9 @@ def _dfn_kernel(DZ, X, DFN, T, K, M,
 
 @triton.jit
 def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
-                     BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, N: tl.constexpr):
+                     BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, N: tl.constexpr, PDL: tl.constexpr = False):
     """``OUT[t, k] = post[t, k] f[t] + sum_j comb[t, j, k] X[t, j]`` for a ``BT x BD`` tile."""
+    pdl.wait_prior(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     tmask = t < T
@@ -384,13 +392,14 @@ def _mix(x2, fn, mix, rho, norm_eps, cfg):
     if split <= 1:
         _mix_kernel[(triton.cdiv(T, cfg["mix_BT"]),)](x2, fn, mix, rho, T, K, M, norm_eps, BT=cfg["mix_BT"],
                                                       BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
-                                                      STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
+                                                      STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"],
+                                                      **pdl.launch(x2.device))
         return
     part, ssp, split = _mix_parts(x2, fn, MP, cfg, split)
     bt = min(4, triton.next_power_of_2(T))                      # a decode step's tokens over a few programs
     sb = _partials_a_load(split, bt, MP)
     _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
-                                              num_warps=4)
+                                              num_warps=4, **pdl.launch(part.device))
 
 
 def _mix_parts(x2, fn, MP, cfg, split: int):
@@ -403,7 +412,7 @@ def _mix_parts(x2, fn, MP, cfg, split: int):
     ssp = torch.empty(split, T, dtype=torch.float32, device=x2.device)
     _mix_part_kernel[(triton.cdiv(T, cfg["mix_BT"]), split)](
         x2, fn, part, ssp, T, K, fn.shape[0], kper, BT=cfg["mix_BT"], BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
-        STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"])
+        STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"], **pdl.launch(x2.device))
     return part, ssp, split
 
 
@@ -435,7 +444,7 @@ def _coef_forward(x2, fn, scale, base, n, d, norm_eps, hc_eps, iters, has_res, c
         _pre_fwd_kernel[(rows, triton.cdiv(d, d_per))](
             mix, scale, base, x2, u, pre, post if has_res else mix, comb if has_res else mix, T, n, d, hc_eps, iters,
             d_per, HAS_RES=has_res,
-            BT=cfg["coef_BT"], NP=NP, BD=cfg["coef_BD"], MP=MP, num_warps=cfg["coef_warps"])
+            BT=cfg["coef_BT"], NP=NP, BD=cfg["coef_BD"], MP=MP, num_warps=cfg["coef_warps"], **pdl.launch(mix.device))
     return u, pre, post, comb, mix, rho
 
 
@@ -534,7 +543,7 @@ def hc_post_fwd(f, x, post, comb, config=None):
     if T:
         _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
             f, x, post, comb, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n), BD=cfg["post_BD"],
-            N=n, num_warps=cfg["post_warps"])
+            N=n, num_warps=cfg["post_warps"], **pdl.launch(f.device))
     return out
 
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 from kernels.triton import mhc, mhc_checks, norm
+from kernels.triton import pdl
 from kernels.triton.mhc import coefficients, mix_partial, mix_sums
 from kernels.triton.tickets import counters, last_ticket, release
 
@@ -89,9 +90,10 @@ def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, 
 def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, COMB, T, K, M, KPER, SPLIT, n, d,
                      norm_eps, hc_eps, iters, eps, HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr,
-                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
+                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``s``: columns ``[s * KPER, (s + 1) * KPER)`` of the mixing GEMM into ``PART[s]``, ``SSP[s]``
     (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`."""
+    pdl.wait_prior(PDL)
     s = tl.program_id(0)
     mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
     if last_ticket(TICKET, SPLIT):
@@ -122,7 +124,7 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
                                BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
-                               BD=bd, SB=sb, num_warps=cfg["warps"])
+                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device))
     return y, post, comb
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
+from kernels.triton import pdl
 
 __all__ = ["rms_normalize", "rms_normalize_launch", "rms_normalize_bwd_launch", "rms_norm", "rms_norm_launch",
            "rms_norm_bwd_launch"]
@@ -49,7 +50,8 @@ ELEMENTS_PER_PROGRAM = 8192
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rms_fwd_kernel(X, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
+def _rms_fwd_kernel(X, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, PD)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
@@ -74,7 +76,9 @@ def _rms_bwd_kernel(X, DY, DX, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rms_norm_fwd_kernel(X, W, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr):
+def _rms_norm_fwd_kernel(X, W, Y, R, eps, D: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, PD)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
@@ -123,7 +127,7 @@ def rms_normalize_launch(x: torch.Tensor, eps: float, out_dtype: torch.dtype) ->
     y = torch.empty((R, D), dtype=out_dtype, device=x.device)
     if R:
         grid, pd, br = _grid(R, D)
-        _rms_fwd_kernel[grid](x, y, R, float(eps), D=D, PD=pd, BR=br, num_warps=4)
+        _rms_fwd_kernel[grid](x, y, R, float(eps), D=D, PD=pd, BR=br, num_warps=4, **pdl.launch(x.device))
     return y
 
 
@@ -163,7 +167,7 @@ def rms_norm_launch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     y = torch.empty_like(x)
     if R:
         grid, pd, br = _grid(R, D)
-        _rms_norm_fwd_kernel[grid](x, w, y, R, float(eps), D=D, PD=pd, BR=br, num_warps=4)
+        _rms_norm_fwd_kernel[grid](x, w, y, R, float(eps), D=D, PD=pd, BR=br, num_warps=4, **pdl.launch(x.device))
     return y
 
 

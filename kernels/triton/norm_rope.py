@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 from kernels.triton.rope import _rotate_pairs
 
 __all__ = ["norm_rope", "norm_rope_launch", "MAX_WIDTH"]
@@ -31,7 +32,8 @@ ELEMENTS_PER_PROGRAM = 8192
 @triton.jit(do_not_specialize=["R", "stride_ob"])
 def _norm_rope_kernel(X, W, COS, SIN, OUT, POS, R, HEADS, eps, stride_ob, RING, D: tl.constexpr,
                       HALF: tl.constexpr, BR: tl.constexpr, WEIGHTED: tl.constexpr, INTO: tl.constexpr,
-                      ROUNDED: tl.constexpr):
+                      ROUNDED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     cols = tl.arange(0, D)
@@ -67,7 +69,8 @@ def norm_rope_launch(x, weight, eps: float, cos, sin, out, pos, window: int) -> 
     _norm_rope_kernel[(triton.cdiv(R, br),)](x, x if weight is None else weight, cos, sin, out, pos if into else cos,
                                              R, R // tokens, float(eps), out.stride(0) if into else 0,
                                              max(int(window), 1), D=D, HALF=half, BR=br, WEIGHTED=weight is not None,
-                                             INTO=into, ROUNDED=not gpu_common.interpreting(), num_warps=4)
+                                             INTO=into, ROUNDED=not gpu_common.interpreting(), num_warps=4,
+                                             **pdl.launch(x.device))
 
 
 def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
+from kernels.triton import pdl
 
 __all__ = ["apply_rope", "rope_launch", "ROPE_ELEMENTS_PER_PROGRAM"]
 
@@ -51,10 +52,24 @@ def _rotate_pairs(ev, od, c, s, rope, ROUNDED: tl.constexpr):
     return tl.where(rope, ev2, ev), tl.where(rope, od2, od)
 
 
+@triton.jit
+def _rotate_channels(x, partner, c, s, odd, INVERSE: tl.constexpr, ROUNDED: tl.constexpr):
+    """Channels ``x`` of interleaved pairs rotated by the angles ``c, s`` (the sine negated with ``INVERSE``), where
+    ``partner`` is each channel's pair partner and ``odd`` marks a pair's second channel: ``x c - partner s`` at an
+    even channel, ``x c + partner s`` at an odd one, each product rounded on its own (:func:`_product`). The
+    rotation of :func:`_rope_kernel`, shared with the sparse attention's inverse-rope epilogue
+    (``kernels.triton.attention``) so that the two give the same bits."""
+    if INVERSE:
+        s = -s
+    sign = tl.where(odd, 1.0, -1.0)
+    return _product(x, c, ROUNDED) + sign * _product(partner, s, ROUNDED)
+
+
 @triton.jit(do_not_specialize=["R", "N"])
 def _rope_kernel(X, COS, SIN, OUT, R, N, HEADS,
                  D: tl.constexpr, HALF: tl.constexpr, PD: tl.constexpr, BR: tl.constexpr,
-                 INVERSE: tl.constexpr, ROUNDED: tl.constexpr):
+                 INVERSE: tl.constexpr, ROUNDED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, PD)
     rmask = rows < R
@@ -72,11 +87,8 @@ def _rope_kernel(X, COS, SIN, OUT, R, N, HEADS,
     cs = tok[:, None] * HALF + pair[None, :]
     c = tl.load(COS + cs, mask=rope_mask, other=1.0)
     s = tl.load(SIN + cs, mask=rope_mask, other=0.0)
-    if INVERSE:
-        s = -s
     # even channel: a*c - b*s (a = x, b = the odd partner); odd channel: a*s + b*c (a = the even partner, b = x)
-    sign = tl.where((cols & 1) == 1, 1.0, -1.0)
-    rotated = _product(x, c, ROUNDED) + sign[None, :] * _product(partner, s, ROUNDED)
+    rotated = _rotate_channels(x, partner, c, s, ((cols & 1) == 1)[None, :], INVERSE, ROUNDED)
     out = tl.where(is_rope[None, :], rotated, x)
     tl.store(OUT + rows64[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
@@ -92,7 +104,7 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     br = max(1, min(triton.next_power_of_2(R), ROPE_ELEMENTS_PER_PROGRAM // pd))
     _rope_kernel[(triton.cdiv(R, br),)](x, cos, sin, out, R, cos.shape[0], heads, D=D, HALF=half, PD=pd, BR=br,
                                        INVERSE=inverse, ROUNDED=not gpu_common.interpreting(),
-                                       num_warps=4)
+                                       num_warps=4, **pdl.launch(x.device))
     return out
 
 

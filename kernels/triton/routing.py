@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 
 __all__ = ["launch_settings", "part_channels", "split_of", "route_experts", "route_experts_launch"]
 
@@ -97,9 +98,10 @@ def _pick(acc, BIAS, TABLE, IDS, WEIGHTS, IDX, rows64, rmask, experts, emask, sc
 def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
                   K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
                   STAGES: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr,
-                  F32: tl.constexpr):
+                  F32: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``i``: tokens ``[i BT, (i+1) BT)``: their gate scores over the ``E`` experts, their ``K`` experts
     and weights."""
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
@@ -113,9 +115,10 @@ def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
 
 @triton.jit
 def _route_part_kernel(X, W, PART, T, D, E, DPER, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
-                       STAGES: tl.constexpr, F32: tl.constexpr):
+                       STAGES: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(i, s)``: the gate logits of tokens ``[i BT, (i+1) BT)`` over channels ``[s DPER, (s+1) DPER)``,
     to ``PART[s]`` (the split router's first kernel)."""
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     s = tl.program_id(1)
     rmask = rows < T
@@ -131,9 +134,10 @@ def _route_part_kernel(X, W, PART, T, D, E, DPER, BT: tl.constexpr, BE: tl.const
 @triton.jit
 def _route_finish_kernel(PART, BIAS, TABLE, IDS, WEIGHTS, IDX, T, E, SPLIT, scale,
                          K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, FUNC: tl.constexpr,
-                         HASH: tl.constexpr, RENORM: tl.constexpr):
+                         HASH: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``i``: tokens ``[i BT, (i+1) BT)``: the split router's partial logits summed in order, then as
     :func:`_route_kernel`."""
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
@@ -203,15 +207,17 @@ def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, 
         blocks = triton.cdiv(T, TOKENS)
         if c["SPLIT"] <= 1:
             _route_kernel[(blocks,)](x, w, *tables, T, D, E, float(route_scale), BD=c["BD"], STAGES=c["STAGES"],
-                                     F32=gpu_common.interpreting(), num_warps=c["WARPS"], **pick)
+                                     F32=gpu_common.interpreting(), num_warps=c["WARPS"], **pick,
+                                     **pdl.launch(x.device))
         else:
             dper = triton.cdiv(D, c["SPLIT"])
             split = triton.cdiv(D, dper)
             part = torch.empty(split, T, BE, dtype=torch.float32, device=x.device)
             _route_part_kernel[(blocks, split)](x, w, part, T, D, E, dper, BT=TOKENS, BE=BE, BD=part_channels(BE),
                                                 STAGES=c["STAGES"], F32=gpu_common.interpreting(),
-                                                num_warps=c["WARPS"])
-            _route_finish_kernel[(blocks,)](part, *tables, T, E, split, float(route_scale), num_warps=4, **pick)
+                                                num_warps=c["WARPS"], **pdl.launch(x.device))
+            _route_finish_kernel[(blocks,)](part, *tables, T, E, split, float(route_scale), num_warps=4, **pick,
+                                            **pdl.launch(part.device))
     return weights, idx
 
 

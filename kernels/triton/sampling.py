@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 
 __all__ = ["draw_tokens"]
 
@@ -39,8 +40,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _block_stats_kernel(L, M, S, temperature, V, NB, SCALED: tl.constexpr, B: tl.constexpr):
+def _block_stats_kernel(L, M, S, temperature, V, NB, SCALED: tl.constexpr, B: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(row, b)``: block ``b``'s max of ``logits / T`` (base 2) and sum of ``exp2(x - max)``."""
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cols = b * B + tl.arange(0, B)
@@ -65,8 +67,9 @@ def _row_lse(M, S, row, NB, NBP: tl.constexpr):
 
 @triton.jit
 def _block_mass_kernel(L, M, S, LSE, TOT, temperature, V, NB, SCALED: tl.constexpr, B: tl.constexpr,
-                       NBP: tl.constexpr):
+                       NBP: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(row, b)``: the row's ``lse`` and block ``b``'s float64 sum of ``exp(logit / T - lse)``."""
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     lse = _row_lse(M, S, row, NB, NBP)
@@ -82,8 +85,9 @@ def _block_mass_kernel(L, M, S, LSE, TOT, temperature, V, NB, SCALED: tl.constex
 
 @triton.jit
 def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, SCALED: tl.constexpr, B: tl.constexpr,
-                 NBP: tl.constexpr):
+                 NBP: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``row``: the block, then the entry, whose running float64 mass holds ``u x`` the row's mass."""
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.arange(0, NBP)
     tot = tl.load(TOT + row * NB + blocks, mask=blocks < NB, other=0.0)
@@ -137,7 +141,10 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block
     tot = torch.empty(N, nb, dtype=torch.float64, device=dev)
     lse = torch.empty(N, dtype=torch.float32, device=dev)
     scaled, t = temperature != 1.0, float(temperature)
-    _block_stats_kernel[(N, nb)](logits, m, s, t, V, nb, SCALED=scaled, B=block, num_warps=4)
-    _block_mass_kernel[(N, nb)](logits, m, s, lse, tot, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4)
-    _draw_kernel[(N,)](logits, lse, tot, u, tok, lp, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4)
+    _block_stats_kernel[(N, nb)](logits, m, s, t, V, nb, SCALED=scaled, B=block, num_warps=4,
+                                 **pdl.launch(logits.device))
+    _block_mass_kernel[(N, nb)](logits, m, s, lse, tot, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4,
+                                **pdl.launch(logits.device))
+    _draw_kernel[(N,)](logits, lse, tot, u, tok, lp, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4,
+                       **pdl.launch(logits.device))
     return tok, lp

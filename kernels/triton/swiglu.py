@@ -26,10 +26,34 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
+from kernels.triton import pdl
 
-__all__ = ["weighted_swiglu", "weighted_swiglu_launch", "weighted_swiglu_bwd_launch"]
+__all__ = ["weighted_swiglu", "weighted_swiglu_launch", "weighted_swiglu_bwd_launch", "swiglu_tile"]
 
 BR, BF = 16, 256           # rows x columns of one program
+
+
+@triton.jit
+def _clamped(g0, u0, limit, HAS_LIMIT: tl.constexpr):
+    """``(g, u)``: the gate clamped from above and the up from both sides at ``limit`` (as given without
+    ``HAS_LIMIT``), NaN kept as torch's clamp keeps it."""
+    g, u = g0, u0
+    if HAS_LIMIT:
+        g = tl.minimum(g0, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u0, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
+    return g, u
+
+
+@triton.jit
+def swiglu_tile(g0, u0, w, limit, HAS_LIMIT: tl.constexpr):
+    """fp32 ``silu(min(g0, limit)) * clamp(u0, -limit, limit) * w`` of fp32 gate and up tiles ``g0``, ``u0`` and
+    the rows' fp32 weights ``w`` (``[rows, 1]``), in this order of products. The one copy of the forward's math:
+    :func:`_swiglu_fwd_kernel` stores it, and the second expert GEMM of the eager decode step computes its A
+    tiles with it (``kernels.triton.experts``, ``SWIGLU``), so that the fused step keeps every bit of the
+    activation's output followed by the GEMM."""
+    g, u = _clamped(g0, u0, limit, HAS_LIMIT)
+    return g * tl.sigmoid(g) * u * w
 
 
 @triton.jit
@@ -37,23 +61,23 @@ def _load_clamped(H, rows, cols, F, mask, limit, HAS_LIMIT: tl.constexpr):
     base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
     g0 = tl.load(H + base, mask=mask, other=0.0).to(tl.float32)
     u0 = tl.load(H + base + F, mask=mask, other=0.0).to(tl.float32)
-    g, u = g0, u0
-    if HAS_LIMIT:
-        g = tl.minimum(g0, limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(tl.maximum(u0, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                       propagate_nan=tl.PropagateNan.ALL)
+    g, u = _clamped(g0, u0, limit, HAS_LIMIT)
     return g0, u0, g, u
 
 
 @triton.jit(do_not_specialize=["N"])
-def _swiglu_fwd_kernel(H, W, A, N, F, limit, HAS_LIMIT: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_fwd_kernel(H, W, A, N, F, limit, HAS_LIMIT: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
     rmask = rows < N
     mask = rmask[:, None] & (cols < F)[None, :]
-    _g0, _u0, g, u = _load_clamped(H, rows, cols, F, mask, limit, HAS_LIMIT)
+    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    g0 = tl.load(H + base, mask=mask, other=0.0).to(tl.float32)
+    u0 = tl.load(H + base + F, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + rows, mask=rmask, other=0.0).to(tl.float32)
-    a = g * tl.sigmoid(g) * u * w[:, None]
+    a = swiglu_tile(g0, u0, w[:, None], limit, HAS_LIMIT)
     tl.store(A + rows.to(tl.int64)[:, None] * F + cols[None, :], a.to(A.dtype.element_ty), mask=mask)
 
 
@@ -91,7 +115,7 @@ def weighted_swiglu_launch(h: torch.Tensor, w: torch.Tensor, limit: float, out_d
     a = torch.empty((N, F), dtype=out_dtype, device=h.device)
     if N and F:
         _swiglu_fwd_kernel[_grid(N, F)](h, w, a, N, F, float(limit), HAS_LIMIT=limit > 0, BR=BR, BF=BF,
-                                        num_warps=4)
+                                        num_warps=4, **pdl.launch(h.device))
     return a
 
 

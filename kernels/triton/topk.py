@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import gpu_common
+from kernels.triton import pdl
 
 __all__ = ["decode_topk", "decode_topk_launch", "attention_rows", "BLOCK"]
 
@@ -46,7 +47,8 @@ def _keys(SCORES, row, ids, N, limit):
 
 
 @triton.jit(do_not_specialize=["N", "K", "ratio", "W"])
-def _decode_topk_kernel(SCORES, POS, OUT, N, K, ratio, W, BLOCK: tl.constexpr):
+def _decode_topk_kernel(SCORES, POS, OUT, N, K, ratio, W, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     p = tl.load(POS + row)
     limit = tl.minimum((p + 1) // ratio, N)
@@ -98,7 +100,8 @@ def decode_topk_launch(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: i
     out = torch.empty(B, window + K, dtype=torch.long, device=scores.device)
     if B and (K or window):
         _decode_topk_kernel[(B,)](scores, pos, out, N, K, int(ratio), int(window),
-                                  BLOCK=min(BLOCK, triton.next_power_of_2(max(N, K, window, 1))), num_warps=4)
+                                  BLOCK=min(BLOCK, triton.next_power_of_2(max(N, K, window, 1))), num_warps=4,
+                                  **pdl.launch(scores.device))
     return out
 
 
@@ -118,9 +121,10 @@ def decode_topk(scores: torch.Tensor, pos: torch.Tensor, ratio: int, k: int, win
 
 
 @triton.jit(do_not_specialize=["W", "N", "ratio"])
-def _attention_rows_kernel(POS, OUT, W, N, ratio, BLOCK: tl.constexpr):
+def _attention_rows_kernel(POS, OUT, W, N, ratio, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``b``: row ``b``'s ring rows written (``s < min(pos + 1, W)``, else -1), then entries ``j <
     (pos + 1) // ratio`` as ``W + j`` (else -1)."""
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     p = tl.load(POS + row)
     lane = tl.arange(0, BLOCK)
@@ -150,5 +154,6 @@ def attention_rows(pos: torch.Tensor, window: int, ratio: int = 0, entries: int 
     out = torch.empty(B, W + N, dtype=torch.long, device=pos.device)
     if B and W + N:
         _attention_rows_kernel[(B,)](pos.contiguous(), out, W, N, int(ratio),
-                                     BLOCK=min(BLOCK, triton.next_power_of_2(max(W, N, 1))), num_warps=4)
+                                     BLOCK=min(BLOCK, triton.next_power_of_2(max(W, N, 1))), num_warps=4,
+                                     **pdl.launch(pos.device))
     return out

@@ -69,10 +69,13 @@ class CountedLaunches:
         return self.kernel[grid]
 
 
-def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warps: int) -> None:
+def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warps: int, aligned=()) -> None:
     """Compile ``kernel`` (argument ``types`` such as ``"*bf16"``, ``"i32"``; ``consts`` its constexprs) to PTX
     for sm_90 with triton alone, no GPU, and assert that ptxas (the one triton ships) reports no spilled
-    registers; skips in interpreter mode, without triton or without its ptxas."""
+    registers; skips in interpreter mode, without triton or without its ptxas. ``aligned``: the arguments the
+    runtime specializes as multiples of 16 (a pointer at a 16-byte address, an int divisible by 16: Triton's
+    ``tt.divisibility``), so that ptxas sees the code a launch on such inputs compiles to. A kernel with a ``PDL``
+    flag (``kernels/triton/pdl.py``) compiles as a Hopper launches it, the flag on, unless ``consts`` sets it."""
     import os
     import re
     import subprocess
@@ -85,9 +88,12 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if "PDL" in kernel.arg_names and "PDL" not in consts:     # a decode kernel: as a Hopper launches it
+        consts = dict(consts, PDL=True)
     sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps))
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, launch_pdl=bool(consts.get("PDL", False))))
     ptx = compiled.asm["ptx"]
     assert ".entry" in ptx
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

@@ -2,8 +2,10 @@
 compressors' ``compressor_step``, the attention's ``norm_rope``, the indexer's ``index_query`` and
 ``decode_topk``, a layer's projections of its attention input (``linear_group``), each site's mHC pre with its
 sublayer's norm (``hc_pre_norm``), the head's collapse with the final norm (``hc_head_norm``), the window and HCA
-layers' attention rows (``attention_rows``), and on the grouped MoE path the router, the expert order, the pair
-GEMMs with the shared expert and ``moe_combine``. The tiny model's samples follow the reference-op engine's (fp16: the same tokens,
+layers' attention rows (``attention_rows``), every layer's attention with its output's inverse rotation
+(``attention_inverse_rope``) and its grouped ``wo_a`` (``grouped_projection``), and on the grouped MoE path the router, the expert order, the pair
+GEMMs with the shared expert (the second with the activation in its operand load) and ``moe_combine``. The tiny
+model's samples follow the reference-op engine's (fp16: the same tokens,
 log-probabilities within 5e-3 nats; bf16: within 5e-2 up to the first differing token), every op of the record ran
 and nothing else. On a GPU in bf16
 (the grouped path is a Hopper's); with no GPU, ``TRITON_INTERPRET=1`` runs the same kernels on the CPU in fp16 (the
@@ -41,10 +43,12 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     # every eager extra of the table
     extras = [op for op in EAGER_EXTRAS if op in ops().names()]
     assert set(extras) == {"compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
-                           "hc_pre_norm", "hc_head_norm", "attention_rows"}, extras
+                           "hc_pre_norm", "hc_head_norm", "attention_rows", "attention_inverse_rope",
+                           "grouped_projection"}, extras
     assert e.decode_refusals == {} and all(e.decode_ops[op] == "triton" for op in extras), e.decode_ops
-    pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_scatter_mm", "moe_combine")
+    pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_swiglu_scatter_mm", "moe_combine")
     assert all((op in e.decode_ops) is grouped for op in pairs), e.decode_ops
+    assert "experts_scatter_mm" not in e.decode_ops       # the activation is the second GEMM's operand load
     ref = ReferenceEngine(cfg, dtype=dt, device=dev, cuda_graphs=False)
     model = build_train_model(cfg, seed=0)
     for eng in (e, ref):

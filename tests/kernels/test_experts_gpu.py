@@ -117,6 +117,11 @@ def test_refusals_name_the_fix():
         experts_grouped_mm(x.requires_grad_(), w, offs)
 
 
+EXPERTS_TYPES = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "WS": "*bf16", "N": "i32",
+                 "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "PART": "*fp32", "TICKETS": "*i32",
+                 "RW": "*fp32", "limit": "fp32"}
+
+
 @pytest.mark.parametrize("rows", [6, 1536])
 def test_the_kernel_compiles_for_sm90(rows):
     """The kernel at both launch settings (few rows an expert, the reduction split in shares; many rows, one program
@@ -134,14 +139,12 @@ def test_the_kernel_compiles_for_sm90(rows):
 
     c = K.launch_settings(rows, 32)
     splits = (1, 4) if rows <= K.FEW_ROWS else (c["SPLIT"],)           # one program a block, and shares of K
-    for split, gather, scatter, shared in itertools.product(splits, *[(False, True)] * 3):
-        if gather and scatter:                                          # plain; through the order; shared
+    for split, gather, scatter, shared, swiglu in itertools.product(splits, *[(False, True)] * 4):
+        if gather and scatter or swiglu and not scatter:    # plain; through the order; shared; the activation
             continue
         consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=gather,
-                      SCATTER=scatter, SHARED=shared, SPLIT=split)
-        sig = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "WS": "*bf16", "N": "i32",
-               "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "PART": "*fp32", "TICKETS": "*i32",
-               **{k: "constexpr" for k in consts}}
+                      SCATTER=scatter, SHARED=shared, SPLIT=split, SWIGLU=swiglu, HAS_LIMIT=swiglu)
+        sig = {**EXPERTS_TYPES, **{k: "constexpr" for k in consts}}
         compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=c["WARPS"]))
         assert ".entry" in compiled.asm["ptx"]
@@ -151,9 +154,10 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
     """A bf16 MoE layer of the tiny model in the decode step's grouped path: with the triton op table on its
     modules (as the rollout engine sets it, ``kernels.reference.model.ops_in_use``) the experts run
     the triton GEMMs that read the tokens and write the pairs through the expert order (``triton.experts_gather_mm``,
-    ``triton.experts_scatter_mm``; the order ``triton.expert_order``'s, routed by ``triton.route_experts``), summed
-    with the shared expert by ``triton.moe_combine``, and give torch's grouped GEMM's output within bf16 rounding;
-    without a table, torch's (no kernel counted)."""
+    ``triton.experts_swiglu_scatter_mm`` with the activation in its operand load; the order
+    ``triton.expert_order``'s, routed by ``triton.route_experts``), summed with the shared expert by
+    ``triton.moe_combine``, and give torch's grouped GEMM's output within bf16 rounding; without a table, torch's
+    (no kernel counted)."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from kernels.reference.model import DeepseekV4Model, init_weights, ops_in_use
@@ -176,9 +180,10 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
         with ops_in_use(model, ops()):
             got, got_idx = moe_decode(layer.ffn, x, ids, "grouped")
     ran = kernels_ran()                  # gate and up reading the tokens, down writing the pairs, through the order
-    assert ran.get("triton.experts_gather_mm") == ran.get("triton.experts_scatter_mm") == 1
+    assert ran.get("triton.experts_gather_mm") == ran.get("triton.experts_swiglu_scatter_mm") == 1
     assert ran.get("triton.moe_combine") == 1 and "triton.experts_grouped_mm" not in ran     # the pairs' sum
-    assert ran.get("triton.weighted_swiglu") == 1          # the shared expert is one expert more: one activation
+    # the shared expert is one expert more, and the activation of all rows is the second GEMM's operand load
+    assert "triton.weighted_swiglu" not in ran and "triton.experts_scatter_mm" not in ran, ran
     assert kernels_ran().get("triton.expert_order") == 1                 # the pairs in expert order, one launch
     assert kernels_ran().get("triton.route_experts") == 1                # the router, one launch
     assert torch.equal(got_idx, want_idx)
@@ -351,3 +356,126 @@ def test_the_order_kernel_compiles_for_sm90():
         compiled = compile(ASTSource(K._order_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4))
         assert ".entry" in compiled.asm["ptx"]
+
+
+def _activation_case(counts, topk, K, N, shared, dev, seed=0):
+    """The second expert GEMM's inputs as the eager step makes them: ``h = [gate | up]`` ``[R (+ T), 2K]`` (drawn
+    wide, so that the clamp at 10 cuts a share of both halves), the pairs' fp32 routing weights in expert order
+    with the shared expert's ones after them (``expert_order``'s), the order, the ends, ``w2 [E, N, K]`` and the
+    shared expert's ``[N, K]`` or None."""
+    from kernels.reference.slots import expert_order
+
+    R, E, T = sum(counts), len(counts), sum(counts) // topk
+    g = torch.Generator().manual_seed(seed + R)
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])[torch.randperm(R, generator=g)]
+    order, offs, weights = expert_order(ids, E, torch.rand(R, generator=g), T if shared else 0)
+    h = (torch.randn(R + (T if shared else 0), 2 * K, generator=g) * 8).bfloat16()
+    w2 = (torch.randn(E, N, K, generator=g) * K ** -0.5).bfloat16()
+    ws = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16() if shared else None
+    return [None if t is None else t.to(dev) for t in (h, weights, order, offs, w2, ws)]
+
+
+# experts without rows (first, middle, last) and one of more rows than the narrow settings' 16-row step; the wide
+# settings (48 rows an expert on average) with experts of more rows than their 64-row step
+ACTIVATION_CASES = [pytest.param([0, 3, 0, 1, 20, 0], 2, id="narrow"), pytest.param([130, 0, 66, 40], 4, id="wide")]
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.0, -1.0], ids=["clamped", "no-clamp", "negative-limit"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed-only"])
+@pytest.mark.parametrize("counts,topk", ACTIVATION_CASES)
+def test_the_swiglu_scatter_gemm_is_its_torch_contract(counts, topk, shared, limit):
+    """``experts_swiglu_scatter_mm`` against ``kernels.reference.slots.swiglu_scatter_grouped_mm`` (the activation,
+    cast to bf16, then the scatter GEMM): within two of the plain kernel's bounds at the magnitude of the row's
+    terms (each side rounds the activation and the output once; the interpreter truncates), rows written to the
+    pairs' own rows and the shared expert's after them."""
+    from kernels.reference.moe import weighted_swiglu as reference
+    from kernels.reference.slots import swiglu_scatter_grouped_mm
+    from kernels.triton.experts import experts_swiglu_scatter_mm, launch_settings
+
+    dev = triton_device()
+    K, N = 48, 40
+    h, weights, order, offs, w2, ws = _activation_case(counts, topk, K, N, shared, dev)
+    R, T = order.shape[0], h.shape[0] - order.shape[0]
+    assert launch_settings(R + T, len(counts) + shared)["BM"] == (16 if len(counts) == 6 else 64)
+    got = experts_swiglu_scatter_mm(h, weights, limit, w2, offs, order, ws).cpu()
+    cpu = [None if t is None else t.cpu() for t in (h, weights, order, offs, w2, ws)]
+    want = swiglu_scatter_grouped_mm(cpu[0], cpu[1], limit, cpu[4], cpu[3], cpu[2], cpu[5])
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (R + T, N)
+    a = reference(cpu[0].double(), cpu[1].double(), limit).abs()                 # the activation's magnitudes
+    _, scale = _exact(a[:R], cpu[4].double().abs(), cpu[3])
+    scale = torch.empty_like(scale).index_copy_(0, cpu[2], scale)
+    if shared:
+        scale = torch.cat((scale, a[R:] @ cpu[5].double().abs().t()))
+    steps = 4 if dev == "cpu" else 2
+    err = (got.double() - want.double()).abs()
+    assert (err <= 2 * steps * 2.0 ** -8 * scale + 1e-30).all(), err.max().item()
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("limit", [10.0, 0.0], ids=["clamped", "no-clamp"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed-only"])
+@pytest.mark.parametrize("counts,topk", ACTIVATION_CASES)
+def test_the_swiglu_scatter_gemm_keeps_the_bits_of_the_activation_then_the_scatter(counts, topk, shared, limit,
+                                                                                   split):
+    """The fused GEMM and the two launches it replaces (the triton ``weighted_swiglu`` to bf16, then the triton
+    scatter GEMM) give the same bits: through the ops at the launch settings, and at ``SPLIT`` shares of ``K``
+    (2; 4 of three 16-column steps: a share past ``K``), the shares summed in order by the block's last program,
+    every ticket counter back at 0."""
+    from kernels.triton import tickets
+    from kernels.triton.experts import (experts_grouped_mm_launch, experts_scatter_mm, experts_swiglu_scatter_mm,
+                                        launch_settings)
+    from kernels.triton.swiglu import weighted_swiglu
+
+    dev = triton_device()
+    h, weights, order, offs, w2, ws = _activation_case(counts, topk, 48, 40, shared, dev, seed=split)
+    a = weighted_swiglu(h, weights, limit, torch.bfloat16)
+    if split == 1:
+        fused = experts_swiglu_scatter_mm(h, weights, limit, w2, offs, order, ws)
+        assert torch.equal(fused, experts_scatter_mm(a, w2, offs, order, ws))
+    c = dict(launch_settings(h.shape[0], len(counts) + shared), BK=16, SPLIT=split)
+    fused = experts_grouped_mm_launch(h, w2, offs, config=c, order=order, scatter=True, shared=ws, weights=weights,
+                                      limit=limit)
+    two = experts_grouped_mm_launch(a, w2, offs, config=c, order=order, scatter=True, shared=ws)
+    assert torch.equal(fused, two)
+    for buffer in tickets._COUNTERS.values():
+        assert int(buffer.count_nonzero()) == 0
+
+
+def test_the_swiglu_scatter_gemm_refuses_what_it_cannot_serve():
+    """Each refusal is one line that names what the kernel needs."""
+    from kernels.triton.experts import experts_swiglu_scatter_mm
+
+    dev = triton_device()
+    h, weights, order, offs, w2, ws = _activation_case([2, 0, 2], 2, 16, 8, True, dev)
+    R = order.shape[0]
+    cases = [((h[:, :16], weights, 10.0, w2, offs, order, ws), "needs x \\[rows, 2K\\]"),
+             ((h.float(), weights, 10.0, w2, offs, order, ws), "--kernel-backend none"),
+             ((h, weights.bfloat16(), 10.0, w2, offs, order, ws), "weights is torch.bfloat16"),
+             ((h, weights[:R], 10.0, w2, offs, order, ws), "needs fp32 \\[6\\], one a row of h"),
+             ((h[:R - 1], weights[:R - 1], 10.0, w2, offs, order, ws), "the pairs' rows, then the tokens'"),
+             ((h, weights, 10.0, w2, offs, order, ws[:, :8]), "shared expert"),
+             ((h, weights, 10.0, w2, offs.long(), order, ws), "int32 end rows"),
+             ((h, weights.clone().requires_grad_(), 10.0, w2, offs, order, ws), "no gradient: decode only"),
+             ((h.clone().requires_grad_(), weights, 10.0, w2, offs, order, ws), "no backward")]
+    for args, reason in cases:
+        with pytest.raises(ValueError, match=reason) as refused:
+            experts_swiglu_scatter_mm(*args)
+        assert "\n" not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("rows", [6, 1536])
+def test_the_swiglu_scatter_gemm_compiles_for_sm90_without_spills_as_the_step_launches_it(rows):
+    """The fused GEMM at the launch settings of one sequence (narrow, 4 warps; also at 4 shares of ``K``, the
+    sweep's) and of 256 (wide, 8 warps), compiled as the runtime specializes the decode step's inputs (16-byte
+    aligned tensors, ``N`` and ``K`` multiples of 16): ptxas reports no spilled registers (180 and 166 registers
+    with the clamp, where the scatter GEMM alone takes 110 and 108; triton 3.6)."""
+    from kernels.triton import experts as K
+
+    from ._backends import compiles_for_sm90_without_spills
+
+    c = K.launch_settings(rows, 32)
+    aligned = ("X", "W", "OFFS", "Y", "ORDER", "WS", "PART", "TICKETS", "RW", "N", "K")
+    for split in (1, 4) if rows <= K.FEW_ROWS else (1,):
+        consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=False,
+                      SCATTER=True, SHARED=True, SPLIT=split, SWIGLU=True, HAS_LIMIT=True)
+        compiles_for_sm90_without_spills(K._experts_kernel, EXPERTS_TYPES, consts, c["WARPS"], aligned)

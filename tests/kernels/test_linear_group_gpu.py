@@ -157,3 +157,91 @@ def test_the_kernel_compiles_for_sm90_without_spills():
             else:
                 types[a] = "i32"
         compiles_for_sm90_without_spills(K._linear_group_kernel, types, consts, c["warps"])
+
+
+@pytest.fixture
+def grouped_launches(monkeypatch):
+    from kernels.triton import linear_group as K
+
+    spy = CountedLaunches(K._grouped_kernel)
+    monkeypatch.setattr(K, "_grouped_kernel", spy)
+    return spy
+
+
+def _grouped_case(M, G, R, d, seed, dt, dev):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(M, 1, G, d, generator=g).to(dt)                # a decode step's [B, 1, G, d]
+    w = (torch.randn(G, R, d, generator=g) * d ** -0.5).to(dt)
+    return o, w, o.to(dev), w.to(dev)
+
+
+def _within_a_rounding(got, want, dt):
+    err = (got.float() - want.float()).abs().max().item()
+    bound = torch.finfo(dt).eps * max(1.0, want.float().abs().max().item())
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("M,G,R,d,split", [(1, 8, 96, 256, None), (3, 3, 40, 128, None), (16, 2, 33, 64, None),
+                                           (2, 16, 32, 512, None), (1, 4, 64, 512, 2), (2, 3, 40, 256, 3)])
+def test_grouped_projection_is_the_torch_contract(grouped_launches, M, G, R, d, split):
+    """``grouped_projection``: every group's rows in one launch (more groups than ``linear_group``'s eight, rows
+    that are not whole blocks, shares of ``K``) within one rounding of the output dtype of the contract
+    (``kernels.reference.layers.grouped_projection``), the counters back at 0 and a second launch the same bits."""
+    from kernels.reference.layers import grouped_projection as ref
+    from kernels.triton.linear_group import grouped_projection
+    from kernels.triton.tickets import counters
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    o, w, od, wd = _grouped_case(M, G, R, d, M * G + R, dt, dev)
+    cfg = None if split is None else dict(BK=64, SPLIT=split)
+    got = grouped_projection(od, wd, cfg)
+    assert grouped_launches.calls == 1
+    want = ref(o, w)
+    assert got.dtype == dt and got.shape == want.shape == (M, 1, G, R)
+    _within_a_rounding(got.cpu(), want, dt)
+    assert not counters(torch.device(dev), 1).any()
+    assert torch.equal(got, grouped_projection(od, wd, cfg))
+
+
+def test_grouped_projection_of_more_tokens_runs_the_contract(grouped_launches):
+    from kernels.reference.layers import grouped_projection as ref
+    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, grouped_projection
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    o, w, od, wd = _grouped_case(LINEAR_GROUP_CONFIG["max_tokens"] + 1, 2, 32, 64, 3, dt, dev)
+    got = grouped_projection(od, wd)
+    assert grouped_launches.calls == 0
+    torch.testing.assert_close(got.cpu(), ref(o, w), rtol=1e-3, atol=1e-3)
+
+
+def test_what_grouped_projection_cannot_take_is_refused():
+    from kernels.triton.linear_group import grouped_projection
+
+    dev = triton_device()
+    o = torch.zeros(1, 4, 64, dtype=torch.float16, device=dev)
+    w = torch.zeros(4, 8, 64, dtype=torch.float16, device=dev)
+    with pytest.raises(ValueError, match=r"o \[\.\.\., G, d\] and w \[G, R, d\]"):
+        grouped_projection(o, w[:3])
+    with pytest.raises(ValueError, match=r"o \[\.\.\., G, d\] and w \[G, R, d\]"):
+        grouped_projection(o, w.float())
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        grouped_projection(o.float(), w.float())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        grouped_projection(o[..., :40], w[..., :40])
+    with pytest.raises(ValueError, match="no backward"):
+        grouped_projection(o, w.clone().requires_grad_())
+
+
+def test_the_grouped_kernel_compiles_for_sm90_without_spills():
+    """One token of eight groups (a Flash layer's ``wo_a``), one program a block and shares of ``K``: PTX for sm_90
+    with triton alone, and ptxas reports no spilled registers."""
+    from kernels.triton import linear_group as K
+
+    c = K.LINEAR_GROUP_CONFIG
+    types = {a: ("*bf16" if a in ("X", "W", "Y") else "*fp32" if a == "PART" else "*i32" if a == "TICKETS" else "i32")
+             for a in K._grouped_kernel.arg_names}
+    for split in (1, 4):
+        consts = dict(SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
+        compiles_for_sm90_without_spills(K._grouped_kernel, types, consts, c["warps"])

@@ -194,24 +194,68 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("variant", ["contract", "altered", "refuses"])
+def test_the_pair_path_runs_the_tables_activation_in_the_second_expert_gemm(monkeypatch, variant):
+    """A table with the pair kernels and ``experts_swiglu_scatter_mm`` (the triton backend's activation in the second
+    expert GEMM's operand load), all their torch contracts (``kernels.reference.slots``), on the grouped path
+    (made true here on the CPU): the engine records it in ``experts_scatter_mm``'s place (prefill never calls it),
+    the decode step calls it once a layer where it ran the activation and ``experts_scatter_mm``, and draws the
+    samples of the same table without it bit for bit (``contract``); a table whose op doubles its output draws
+    other log-probabilities (``altered``: the step computes with what it returns); one that refuses the probe's
+    inputs is on the record (``decode_refusals``) and never called: the step runs the activation, then
+    ``experts_scatter_mm`` (``refuses``)."""
+    import kernels.reference.slots as slots
+    import rollout.engine_ops as engine_ops
+    from kernels.reference.moe import route_experts
+    from rollout.reference_engine import ReferenceEngine
+
+    for mod in (slots, engine_ops):
+        monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: True)
+    pairs = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
+             "route_experts": route_experts, "experts_gather_mm": slots.gather_grouped_mm,
+             "experts_scatter_mm": slots.scatter_grouped_mm, "moe_combine": slots.combine_pairs}
+
+    def refusing(*args):
+        raise ValueError("the fake experts_swiglu_scatter_mm takes no decode step")
+
+    fused = {"contract": slots.swiglu_scatter_grouped_mm, "refuses": refusing,
+             "altered": lambda *args: 2 * slots.swiglu_scatter_grouped_mm(*args)}[variant]
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={**pairs, slots.SWIGLU_SCATTER: fused})))
+    served = variant != "refuses"
+    assert (slots.SWIGLU_SCATTER in e.decode_ops) is served and ("experts_scatter_mm" in e.decode_ops) is not served
+    assert e.decode_refusals == ({} if served else {slots.SWIGLU_SCATTER: "the fake experts_swiglu_scatter_mm takes "
+                                                                        "no decode step"})
+    got, ran = _generate(e)
+    assert set(ran) == {f"fake.{op}" for op in {**e.prefill_ops, **e.decode_ops}}, ran
+    second = slots.SWIGLU_SCATTER if served else "experts_scatter_mm"          # once a layer a step
+    assert ran[f"fake.{second}"] == ran["fake.experts_gather_mm"] and ran[f"fake.{second}"] % CFG.n_layers == 0
+    want, _ = _generate(_synced(ReferenceEngine(CFG, ops=_fake(extra=pairs))))
+    if variant == "altered":
+        assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb))
+    else:
+        _same(got, want)
+
+
 @pytest.mark.parametrize("refuse", [False, True])
 @pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
-                                "hc_pre_norm", "hc_head_norm", "attention_rows"])
+                                "hc_pre_norm", "hc_head_norm", "attention_rows", "grouped_projection"])
 def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch),
     ``norm_rope`` (the attention's query and key norms and rotations, the key's write into its ring, one launch
     each), ``decode_topk`` (a CSA layer's indexer picks), ``index_query`` (its indexer query's rotation and
     transform), ``linear_group`` (a layer's projections of its attention input), ``hc_pre_norm`` (a site's mHC pre
-    and its sublayer's norm), ``hc_head_norm`` (the head's collapse and the final norm) or ``attention_rows`` (a
-    window or HCA layer's attention rows), here their torch contracts (``kernels.reference.compressor_step``,
-    ``kernels.reference.norm_rope``, ``kernels.reference.topk``, ``kernels.reference.index_query``,
-    ``kernels.reference.linear_group``, ``kernels.reference.mhc``):
+    and its sublayer's norm), ``hc_head_norm`` (the head's collapse and the final norm), ``attention_rows`` (a
+    window or HCA layer's attention rows) or ``grouped_projection`` (the attention's grouped ``wo_a``), here their
+    torch contracts (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``,
+    ``kernels.reference.topk``, ``kernels.reference.index_query``, ``kernels.reference.linear_group``,
+    ``kernels.reference.mhc``, ``kernels.reference.layers``):
     the engine records the op (``decode_ops``; prefill never calls it), the decode step calls it every time it
     would run that torch code, and the samples are the reference engine's, bit for bit (the same torch ops on the
     same angles). One that refuses the step's inputs is on the record (``decode_refusals``) and never called: the
     step runs its torch code."""
     from kernels.reference.compressor_step import compressor_step
     from kernels.reference.index_query import index_query
+    from kernels.reference.layers import grouped_projection
     from kernels.reference.linear_group import linear_group
     from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.norm_rope import norm_rope
@@ -223,7 +267,8 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
 
     contracts = {"compressor_step": compressor_step, "norm_rope": norm_rope, "decode_topk": decode_topk,
                  "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
-                 "hc_head_norm": hc_head_norm, "attention_rows": attention_rows}
+                 "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
+                 "grouped_projection": grouped_projection}
     fn = picky if refuse else contracts[op]
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn})))
     assert (op in e.decode_ops) is not refuse and op not in e.prefill_ops
@@ -237,7 +282,8 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
                 "linear_group": 3 * CFG.n_layers + 1,      # the attention's input, its query, wo_b; the head
                 "hc_pre_norm": 2 * CFG.n_layers, "hc_head_norm": 1,
                 # once a step for the window's rows, once for the HCA layers' (the step's memo shares them)
-                "attention_rows": 1 + any(r not in (0, 4) for r in CFG.compress_ratios[:CFG.n_layers])}[op]
+                "attention_rows": 1 + any(r not in (0, 4) for r in CFG.compress_ratios[:CFG.n_layers]),
+                "grouped_projection": CFG.n_layers}[op]
     if not refuse:
         assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
     want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
@@ -294,6 +340,27 @@ def test_every_projection_of_the_group_is_the_one_the_step_uses():
             assert any(not torch.equal(a[part], b[part]) for a, b in zip(seen, plain)), j
 
 
+def test_the_step_computes_with_the_grouped_projection():
+    """The attention's grouped ``wo_a`` is the table's ``grouped_projection`` in the eager step and the step computes
+    with what it returns: a table whose op negates its output draws other log-probabilities than the reference
+    engine (the same op unchanged draws the same, bit for bit)."""
+    from kernels.reference.layers import grouped_projection
+    from rollout.reference_engine import ReferenceEngine
+
+    params = _params(max_new_tokens=6)
+
+    def run(sign):
+        e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"grouped_projection": lambda o, w: sign * grouped_projection(
+            o, w)})))
+        got, ran = _generate(e, params)
+        assert ran["fake.grouped_projection"] >= 5 * CFG.n_layers
+        return got
+
+    want = _generate(_synced(ReferenceEngine(CFG)), params)[0]
+    _same(run(1), want)
+    assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(run(-1), want) for x, y in zip(ga, gb))
+
+
 @pytest.mark.parametrize("name", ["wq_b", "indexer.wq_b", "wo_b", "head"])
 def test_the_query_output_and_head_projections_are_the_groups(name):
     """``linear_group`` also projects the query's low rank (``wq_b``, with a CSA layer's indexer ``wq_b`` in the same
@@ -336,6 +403,41 @@ def test_the_query_output_and_head_projections_are_the_groups(name):
         assert any(not torch.equal(a, b) for a, b in zip(seen, plain))
     else:
         assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb))
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_step_attends_and_rotates_back_with_the_tables_one_op(refuse):
+    """``attention_inverse_rope`` (the triton backend's attention with the inverse rotation in its epilogue), here its
+    torch contract (``kernels.reference.attention``): on the record (``decode_ops``; prefill never calls it), every
+    layer's attention of every decode step, where ``sparse_attention_with_sink`` and ``apply_rope`` ran (each is
+    called that many times fewer), with the reference engine's samples bit for bit; with its output negated the
+    samples' log-probabilities differ (the step computes with what it returns). One that refuses the step's inputs
+    is on the record (``decode_refusals``) and never called: the step runs the two ops."""
+    from kernels.reference.attention import attention_inverse_rope
+    from rollout.reference_engine import ReferenceEngine
+
+    op = "attention_inverse_rope"
+
+    def picky(*args):
+        raise ValueError(f"the fake {op} takes CUDA tensors only")
+
+    params = _params(max_new_tokens=12)
+
+    def run(fn):
+        e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn})))
+        assert (op in e.decode_ops) is not refuse and op not in e.prefill_ops and (op in e.decode_refusals) is refuse
+        return _generate(e, params)
+
+    got, ran = run(picky if refuse else attention_inverse_rope)
+    want, plain = _generate(_synced(ReferenceEngine(CFG, ops=_fake())), params)
+    _same(got, want)
+    calls = ran.get(f"fake.{op}", 0)
+    assert (calls == 0) is refuse and calls % CFG.n_layers == 0 and (refuse or calls >= 11 * CFG.n_layers)
+    for replaced in ("sparse_attention_with_sink", "apply_rope"):
+        assert plain[f"fake.{replaced}"] - ran[f"fake.{replaced}"] == calls, replaced
+    if not refuse:
+        negated, _ = run(lambda *args: -attention_inverse_rope(*args))
+        assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(negated, want) for x, y in zip(ga, gb))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])

@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL) of the decode step's triton kernels: :func:`launch` gives a launch's
+arguments, :func:`wait_prior` is a kernel's first statement.
+
+Why: at one sequence the eager Flash-shaped decode step is about a hundred kernels of a few microseconds each,
+replayed from a CUDA graph, and most of them wait on the one before (on an H200 the step took 1.297 ms by the
+engine's clock, its kernels 1.2431 ms of device time, 122.8 kernels a step:
+``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-head.json``). Without PDL a kernel's
+programs are scheduled only once the kernel before it has completed. Launched with PDL (the programmatic stream
+serialization attribute; Hopper and later), a kernel may be scheduled while its predecessor still runs: each of
+its programs first waits for the kernels before it to complete and their writes to be visible
+(``griddepcontrol.wait``), then lets the next kernel launch (``griddepcontrol.launch_dependents``). The launch and
+scheduling of a kernel overlap the tail of the one before, and nothing it reads or writes is touched early.
+
+The rule that keeps it correct: a kernel launched with PDL calls :func:`wait_prior` before any load or store
+(every kernel that takes :func:`launch`'s arguments does; tests/kernels/test_pdl.py checks their sources). The
+wait covers every kernel before it on the stream, since each of those waited for its own predecessors before
+completing. Kernels launched without the attribute (torch's) wait as always.
+
+Only the rollout engine's decode step launches so (``kernels.gpu_common.dependent_launches``, around the step it runs
+and captures into its CUDA graphs, ``rollout.slot_decoder``): training and prefill kernels run long and are
+launched as always. ``DSV4_PDL=0`` launches without it (the same kernels, the same bits; ``bench.rollout`` times
+both); the CPU interpreter and GPUs before Hopper never use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gpu_common
+
+__all__ = ["ENV", "enabled", "launch", "wait_prior"]
+
+ENV = "DSV4_PDL"
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: inside ``kernels.gpu_common.dependent_launches`` (the engine's decode
+    step), on a CUDA device of compute capability 9 or later, not the interpreter, ``DSV4_PDL`` not ``0``."""
+    if (not gpu_common.dependent_launches_on() or os.environ.get(ENV, "1") == "0" or gpu_common.interpreting()
+            or device.type != "cuda"):
+        return False
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch(device: torch.device) -> dict:
+    """A launch's keyword arguments: the kernel's ``PDL`` constexpr, and with it the launch attribute."""
+    return dict(PDL=True, launch_pdl=True) if enabled(device) else dict(PDL=False)
+
+
+@triton.jit
+def wait_prior(PDL: tl.constexpr):
+    """With ``PDL``: wait for the kernels before this one to complete (their writes visible), then let the next
+    kernel launch. A kernel's first statement, before any load or store."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,183 @@
+"""Programmatic dependent launch of the triton kernels (``kernels/triton/pdl.py``): every kernel that takes a
+``PDL`` flag waits for the kernels before it first thing (read from the sources), a launch asks for PDL only on a
+Hopper-class CUDA device outside the interpreter and without ``DSV4_PDL=0``, the wait compiles for sm_90 ahead of
+every global load, and on a GPU a chain of dependent kernels replayed from a CUDA graph gives the same bits with
+PDL and without."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from ._backends import triton_device
+
+REPO = Path(__file__).resolve().parents[2]
+TRITON_DIR = REPO / "kernels" / "triton"
+
+
+def _jit_kernels(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(
+                (isinstance(d, ast.Attribute) and d.attr == "jit") or
+                (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "jit")
+                for d in node.decorator_list):
+            yield node
+
+
+def _takes_pdl(fn: ast.FunctionDef) -> bool:
+    return any(a.arg == "PDL" for a in fn.args.args + fn.args.kwonlyargs)
+
+
+def _first_statement(fn: ast.FunctionDef):
+    body = fn.body
+    docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    return body[1] if docstring and len(body) > 1 else body[0]
+
+
+def test_every_kernel_with_the_flag_waits_first_and_every_pdl_launch_has_the_flag():
+    """Read from the sources of ``kernels/triton``: a kernel that takes ``PDL`` calls ``pdl.wait_prior(PDL)`` before
+    anything else (a load before it could read what the kernel before has not written yet), and a launch that
+    passes ``**pdl.launch(...)`` launches such a kernel."""
+    with_flag, launched = set(), {}
+    for path in sorted(TRITON_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in _jit_kernels(tree):
+            if not _takes_pdl(fn) or fn.name == "wait_prior":
+                continue
+            with_flag.add(fn.name)
+            first = _first_statement(fn)
+            assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                    and ast.unparse(first.value) == "pdl.wait_prior(PDL)"), (path.name, fn.name, ast.unparse(first))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name)
+                    and any(k.arg is None and "pdl.launch" in ast.unparse(k.value) for k in node.keywords)):
+                launched[node.func.value.id] = path.name
+    assert launched and with_flag
+    assert not set(launched) - with_flag, {k: launched[k] for k in set(launched) - with_flag}
+    # the decode step's kernels of one sequence that runs (mHC, projections, norms, router, compressors, indexer
+    # picks, sampler) are among them
+    assert {"_linear_group_kernel", "_grouped_kernel", "_pre_norm_kernel", "_post_fwd_kernel", "_norm_rope_kernel",
+            "_route_part_kernel", "_route_finish_kernel", "_compress_kernel", "_decode_topk_kernel",
+            "_draw_kernel"} <= set(launched)
+
+
+def test_a_launch_asks_for_pdl_only_in_the_decode_step_on_hopper_cuda_outside_the_interpreter(monkeypatch):
+    """``pdl.launch``: inside ``dependent_launches`` (the engine's decode step), on a CUDA device of compute
+    capability 9 or later, not in the interpreter, without ``DSV4_PDL=0``; else the plain launch."""
+    from kernels.gpu_common import dependent_launches
+    from kernels.triton import pdl
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: index == 0)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert pdl.launch(cuda0) == dict(PDL=False)                  # training, prefill
+    with dependent_launches():
+        with dependent_launches():
+            pass
+        assert pdl.launch(cuda0) == dict(PDL=True, launch_pdl=True)
+        _pdl_only_where_it_can(monkeypatch, pdl, cuda0, cuda1)
+    assert pdl.launch(cuda0) == dict(PDL=False)
+
+
+def _pdl_only_where_it_can(monkeypatch, pdl, cuda0, cuda1):
+    assert pdl.launch(cuda1) == dict(PDL=False)                  # before Hopper
+    assert pdl.launch(torch.device("cpu")) == dict(PDL=False)
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert pdl.launch(cuda0) == dict(PDL=False)
+    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.launch(cuda0) == dict(PDL=False)
+
+
+def _ptx(kernel, types: dict, consts: dict, pdl_on: bool) -> str:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiles PTX: not in interpreter mode")
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(consts, PDL=pdl_on)
+    sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, launch_pdl=pdl_on)).asm["ptx"]
+
+
+def test_the_wait_compiles_for_sm90_ahead_of_every_global_access():
+    """PTX for sm_90 (triton alone, no GPU) of a weight-streaming kernel and of the mHC pre with its ticketed tail:
+    with ``PDL`` the wait and the release come before the first global load or atomic; without it neither is
+    there."""
+    from kernels.triton import linear_group as L
+    from kernels.triton import mhc_decode as MD
+
+    c = L.LINEAR_GROUP_CONFIG
+    grouped = {a: ("*bf16" if a in ("X", "W", "Y") else "*fp32" if a == "PART" else "*i32" if a == "TICKETS"
+                   else "i32") for a in L._grouped_kernel.arg_names}
+    pointers = {"X": "*bf16", "Y": "*bf16", "TICKET": "*i32", **{a: "*fp32" for a in ("FN", "PART", "SSP", "MIXS",
+                                                                                      "SCALE", "BASE", "W", "POST",
+                                                                                      "COMB")}}
+    pre = {a: pointers.get(a, "fp32" if "eps" in a else "i32") for a in MD._pre_norm_kernel.arg_names}
+    cases = [(L._grouped_kernel, grouped, dict(SPLIT=1, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])),
+             (MD._pre_norm_kernel, pre, dict(HAS_RES=True, BT=16, BK=64, MP=32, PREC="tf32x3", STAGES=2, TB=1, NP=4,
+                                              BD=2048, SB=128))]
+    for kernel, types, consts in cases:
+        lines = _ptx(kernel, types, consts, True).splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+        first = next(i for i, line in enumerate(lines)
+                     if any(op in line for op in ("ld.global", "cp.async", "atom.", "red.", "st.global")))
+        assert wait < release < first, (kernel.fn.__name__, wait, release, first)
+        assert "griddepcontrol" not in _ptx(kernel, types, consts, False)
+
+
+@pytest.mark.gpu
+def test_a_graph_of_dependent_kernels_gives_the_same_bits_with_pdl_and_without(monkeypatch):
+    """On a Hopper GPU: projections, the mHC pre with its norm and a projection of its output, each reading the one
+    before, captured in a CUDA graph and replayed, with PDL and with ``DSV4_PDL=0``: the same bits, replay after
+    replay (a kernel that read before the one before it had written would differ)."""
+    from kernels.gpu_common import dependent_launches
+    from kernels.triton import linear_group as L
+    from kernels.triton import mhc_decode as MD
+    from kernels.triton import pdl
+
+    dev = triton_device()
+    with dependent_launches():
+        usable = dev != "cpu" and pdl.enabled(torch.device(dev))
+    if not usable:
+        pytest.skip("needs a Hopper-class GPU")
+    g = torch.Generator().manual_seed(0)
+    n, d = 4, 1024
+    x = torch.randn(1, n * d, generator=g).bfloat16().to(dev)
+    w1 = (torch.randn(n * d, n * d, generator=g) * (n * d) ** -0.5).bfloat16().to(dev)
+    fn = (torch.randn((2 + n) * n, n * d, generator=g) * (n * d) ** -0.5).to(dev)
+    scale, base = (0.5 + torch.rand(3, generator=g)).to(dev), torch.randn((2 + n) * n, generator=g).to(dev)
+    norm_w = (0.5 + torch.rand(d, generator=g)).to(dev)
+    w2 = (torch.randn(8192, d, generator=g) * d ** -0.5).bfloat16().to(dev)
+
+    def chain():
+        h = L.linear_group_launch(x, [w1], [False])[0]
+        y, post, comb = MD.hc_pre_norm(h.view(1, n, d), fn, scale, base, 1e-6, 1e-6, 20, norm_w, 1e-6)
+        return L.linear_group_launch(y, [w2], [True])[0], post, comb
+
+    def replayed():
+        chain()                                                    # compiles, makes the ticket counters
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        runs = []
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            runs.append([t.clone() for t in out])
+        return runs
+
+    with dependent_launches():
+        with_pdl = replayed()
+        monkeypatch.setenv(pdl.ENV, "0")
+        without = replayed()
+    for a in with_pdl + without[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(a, without[0], strict=True))
