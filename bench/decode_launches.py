@@ -47,9 +47,9 @@ WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
-                     "experts_swiglu_scatter_mm", "moe_combine", "norm_rope", "decode_topk", "index_query",
-                     "linear_group", "hc_pre_norm",
-                     "hc_head_norm", "attention_rows", "grouped_projection", "attention_inverse_rope")
+                     "experts_swiglu_scatter_mm", "moe_combine", "moe_combine_post", "norm_rope", "decode_topk",
+                     "index_query", "linear_group", "hc_pre_norm", "hc_head_norm", "attention_rows",
+                     "grouped_projection", "attention_inverse_rope")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -133,7 +133,7 @@ def stand_in_table(counter: _Count, without=()):
               "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "experts_swiglu_scatter_mm": slots.swiglu_scatter_grouped_mm,
-              "moe_combine": slots.combine_pairs, "norm_rope": norm_rope, "decode_topk": decode_topk,
+              "moe_combine": slots.combine_pairs, "moe_combine_post": slots.combine_post, "norm_rope": norm_rope, "decode_topk": decode_topk,
               "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
               "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
               "grouped_projection": grouped_projection, "attention_inverse_rope": attention_inverse_rope}

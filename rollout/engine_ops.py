@@ -25,7 +25,8 @@ all three, ``experts_gather_mm``, ``experts_scatter_mm`` and ``moe_combine`` (th
 writing the pairs through that order, and the pairs' sum with the shared expert, one launch), and with them
 ``experts_swiglu_scatter_mm`` where it takes the step's inputs (:func:`swiglu_scatter_inputs`; the activation in the
 second GEMM's operand load, where ``weighted_swiglu`` and ``experts_scatter_mm`` were two launches; refused, the step
-runs those two and the refusal is recorded);
+runs those two and the refusal is recorded) and ``moe_combine_post`` likewise (:func:`combine_post_inputs`; the
+pairs' sum inside the MoE's mHC post, where ``moe_combine`` and ``hc_post`` were two launches);
 ``decode_ops`` names them there, so the record lists
 every kernel a generate call runs. Likewise a backend's ``compressor_step`` (a compressor's step after its GEMMs in
 one launch, ``kernels/triton/compress.py``), in an eager step of a model with compressed layers, and its
@@ -68,13 +69,13 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from core.kernel_ops import OpTable
-from kernels.reference.slots import PAIR_KERNELS, SWIGLU_SCATTER, grouped_decode_ok
+from kernels.reference.slots import COMBINE_POST, PAIR_KERNELS, SWIGLU_SCATTER, grouped_decode_ok
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
            "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
            "attention_inverse_rope_inputs",
-           "grouped_projection_inputs", "swiglu_scatter_inputs", "sampler_choice"]
+           "grouped_projection_inputs", "swiglu_scatter_inputs", "combine_post_inputs", "sampler_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -295,6 +296,20 @@ def swiglu_scatter_inputs(config, dtype: torch.dtype, device) -> list:
             (zeros(k, 2 * inter), zeros(k, dt=torch.float32), c.swiglu_limit, w2, offs, order)]
 
 
+def combine_post_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuple the eager decode step's pair path passes ``moe_combine_post``
+    (``kernels.reference.slots.decode_layer``): one slot's top-k pairs and shared expert output in the model's
+    ``dtype``, its streams, and the site's fp32 ``post`` and ``comb``."""
+    c = config
+    k, n, d = c.n_activated_experts, c.hc_mult, c.dim
+
+    def zeros(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    return [(zeros(k, d), zeros(1, d), k, zeros(1, 1, n, d), zeros(1, 1, n, dt=torch.float32),
+             zeros(1, 1, n, n, dt=torch.float32))]
+
+
 def _mhc_norm_inputs(config, dtype: torch.dtype, device, head: bool) -> list:
     """One slot's streams in the model's ``dtype``, an fp32 mHC mapping (a block's, or with ``head`` the head's
     collapse), its mHC settings, and the norm's weight in fp32 or the model's dtype (as the engine may hold it)."""
@@ -383,6 +398,14 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
         else:                                   # the step runs the activation, then experts_scatter_mm
             refusals[SWIGLU_SCATTER] = reason
             del chosen[SWIGLU_SCATTER]
+    if COMBINE_POST in table.names() and pairs and grouped and not compiled:   # the pairs' sum in the MoE's post
+        reason = _refusal(getattr(table, COMBINE_POST), combine_post_inputs(config, dtype, device))
+        if reason is None:                      # the step calls it in moe_combine's and that hc_post's place
+            served[COMBINE_POST] = table.provider[COMBINE_POST]
+            del served["moe_combine"]
+        else:                                   # the step runs moe_combine, then hc_post
+            refusals[COMBINE_POST] = reason
+            del chosen[COMBINE_POST]
     for name, inputs_of in EAGER_EXTRAS.items():     # the eager step's one-launch ops, where they take its inputs
         calls = inputs_of(config, dtype, device) if name in table.names() and cached and not compiled else []
         reason = _refusal(getattr(table, name), calls) if calls else None

@@ -45,13 +45,14 @@ from .compressor import Compressor, hadamard_transform
 from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, angle_table, device_inv_freq,
                      eager_linear, eager_op, pool_slots, projected, step_once, table_angles)
 from .layers import compute_dtype, linear_fp32
+from .mhc import hc_post
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
 __all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
-           "gather_grouped_mm", "scatter_grouped_mm", "swiglu_scatter_grouped_mm", "combine_pairs", "PAIR_KERNELS",
-           "SWIGLU_SCATTER",
+           "gather_grouped_mm", "scatter_grouped_mm", "swiglu_scatter_grouped_mm", "combine_pairs", "combine_post",
+           "PAIR_KERNELS", "SWIGLU_SCATTER", "COMBINE_POST",
            "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",
            "EAGER_REGIONS", "decode_embed", "decode_layer", "decode_head"]
 
@@ -360,6 +361,14 @@ def swiglu_scatter_grouped_mm(h: torch.Tensor, weights: torch.Tensor, limit: flo
     return scatter_grouped_mm(weighted_swiglu(h, weights, limit, h.dtype), w, offs, order, shared)
 
 
+def combine_post(pairs: torch.Tensor, shared: torch.Tensor, topk: int, x: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor) -> torch.Tensor:
+    """The ``moe_combine_post`` op's torch contract: the MoE's output summed from its pairs and shared expert
+    (:func:`combine_pairs`), then the site's mHC post (:func:`~.mhc.hc_post`; ``x [..., n, d]``): what the eager
+    step runs as two ops without it (:func:`decode_layer`)."""
+    return hc_post(combine_pairs(pairs, shared, topk).view(*x.shape[:-2], x.shape[-1]), x, post, comb)
+
+
 def _ones_like_rows(T: int, device) -> torch.Tensor:
     """``[T]`` fp32 ones: the shared expert's weights (made once per token count by static_step_checks, eagerly)."""
     ones = None if torch.compiler.is_compiling() else _ONES.get((T, str(device)))
@@ -435,8 +444,10 @@ def _host_checks(moe) -> None:
         raise ValueError("tid2eid holds negative expert ids (table not loaded?)")
 
 
-def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
-    """:func:`moe_decode` once its host-side checks have passed (traceable: no ``data_ptr``, no device query)."""
+def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str, combine=None):
+    """:func:`moe_decode` once its host-side checks have passed (traceable: no ``data_ptr``, no device query).
+    ``combine(pairs, shared, topk)``: where the pair kernels run, called in ``moe_combine``'s place and its result
+    returned as it is (:func:`decode_layer`'s MoE with its mHC post, ``moe_combine_post``)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, idx = _route(moe, x, input_ids, path)
@@ -453,12 +464,13 @@ def _moe_decode(moe, x: torch.Tensor, input_ids: torch.Tensor, path: str):
         y = _grouped(x, weights, idx, w13, w2, moe.experts[0].limit, ct, mm, act,
                      _eager_kernel(moe, path, "expert_order") or expert_order, pairs and pairs[:2], merged,
                      pairs and _eager_kernel(moe, path, SWIGLU_SCATTER))
-        if merged is not None:                            # the shared expert's rows after the pairs'
+        if pairs:                      # the pairs' outputs, summed with the shared expert's (its rows after theirs)
             R = idx.numel()
-            return pairs[2](y[:R], y[R:], idx.shape[1]).view(shape), idx
-        if pairs:                                         # the pairs' outputs, summed with the shared expert's
-            shared = _shared_expert(moe.shared_experts, st["shared_w13"], x, act)
-            return pairs[2](y, shared, idx.shape[1]).view(shape), idx
+            routed, shared = ((y[:R], y[R:]) if merged is not None
+                              else (y, _shared_expert(moe.shared_experts, st["shared_w13"], x, act)))
+            if combine is not None:
+                return combine(routed, shared, idx.shape[1]), idx
+            return pairs[2](routed, shared, idx.shape[1]).view(shape), idx
     y = y + _shared_expert(moe.shared_experts, st["shared_w13"], x, act).to(ct)
     return y.to(x.dtype).view(shape), idx
 
@@ -467,6 +479,9 @@ PAIR_KERNELS = ("experts_gather_mm", "experts_scatter_mm", "moe_combine")
 # the pair path's activation and second GEMM in one launch, where the table has it besides PAIR_KERNELS (_grouped;
 # without it the step runs the table's weighted_swiglu, then experts_scatter_mm)
 SWIGLU_SCATTER = "experts_swiglu_scatter_mm"
+# the pair path's sum of the pairs and the MoE's mHC post in one launch, where the table has it besides
+# PAIR_KERNELS (decode_layer; without it the step runs moe_combine, then hc_post)
+COMBINE_POST = "moe_combine_post"
 
 
 def _merged_shared(moe, st, w13: torch.Tensor):
@@ -584,8 +599,24 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     att = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo)
     x = layer.hc_post(att, x, post, comb)
     h, post, comb = _pre_normed(layer, "ffn", x, layer.ffn_norm, memo)
-    f, idx = _moe_decode(layer.ffn, h, ids, path)
-    return layer.hc_post(f, x, post, comb), idx, (picks[0] if picks else None)
+    x, idx = _moe_posted(layer, h, ids, path, x, post, comb, memo)
+    return x, idx, (picks[0] if picks else None)
+
+
+def _moe_posted(layer, h: torch.Tensor, ids: torch.Tensor, path: str, x: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor, memo: Optional[dict]):
+    """The MoE of ``h`` and the site's mHC post: ``(x', experts [b, k])``. Where the eager step's table has
+    :data:`COMBINE_POST` (:func:`~.decode.eager_op`) and the pair kernels run, the pairs' sum and the post are that
+    one launch (:func:`combine_post`'s contract), else ``moe_combine`` (or torch's sum) and ``hc_post``."""
+    fused = eager_op(layer.ops, memo, COMBINE_POST)
+    posted = []
+
+    def combine(pairs, shared, topk):
+        posted.append(True)
+        return fused(pairs, shared, topk, x, post, comb)
+
+    f, idx = _moe_decode(layer.ffn, h, ids, path, combine if fused is not None else None)
+    return (f if posted else layer.hc_post(f, x, post, comb)), idx
 
 
 def _pre_normed(layer, site: str, x: torch.Tensor, rms, memo: Optional[dict]):

@@ -37,7 +37,7 @@ from kernels.triton import pdl
 from kernels.triton.sinkhorn import sinkhorn, sinkhorn_bwd_tile, sinkhorn_fwd_tile
 
 __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd", "hc_head_fwd", "hc_head_bwd",
-           "hc_post_fwd", "hc_post_bwd", "MHC_CONFIG"]
+           "hc_post_fwd", "hc_post_bwd", "combine_post_fwd", "MHC_CONFIG"]
 
 # Launch settings (the ``config`` argument of the launchers overrides them):
 #   mix / dfn: BT tokens x BK columns of K per step (mix: split over K below mix_programs programs);
@@ -317,8 +317,11 @@ def _dfn_kernel(DZ, X, DFN, T, K, M,
 
 @triton.jit
 def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
-                     BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, N: tl.constexpr, PDL: tl.constexpr = False):
-    """``OUT[t, k] = post[t, k] f[t] + sum_j comb[t, j, k] X[t, j]`` for a ``BT x BD`` tile."""
+                     BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, N: tl.constexpr, SHARED=None,
+                     TOPK: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """``OUT[t, k] = post[t, k] f[t] + sum_j comb[t, j, k] X[t, j]`` for a ``BT x BD`` tile. ``TOPK`` > 0: ``F`` is
+    the MoE's pairs ``[T * TOPK, d]`` and ``f[t]`` their sum with ``SHARED[t]`` (:func:`_combined_rows`, the bits
+    of ``kernels.triton.experts.moe_combine``); 0: ``F`` is ``f`` (training, the attention's output)."""
     pdl.wait_prior(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -329,7 +332,10 @@ def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
     tk = tmask[:, None] & (kk < n)[None, :]
     td = tmask[:, None] & dmask[None, :]
     post = tl.load(POST + t64[:, None] * n + kk[None, :], mask=tk, other=0.0)
-    f = tl.load(F + t64[:, None] * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
+    if TOPK:
+        f = _combined_rows(F, SHARED, t64, dd, td, d, TOPK, BT, BD)
+    else:
+        f = tl.load(F + t64[:, None] * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
     acc = post[:, :, None] * f[:, None, :]
     for jj in tl.static_range(N):
         xj = tl.load(X + t64[:, None] * (n * d) + jj * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
@@ -337,6 +343,18 @@ def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
         acc += cj[:, :, None] * xj[:, None, :]
     out = OUT + t64[:, None, None] * (n * d) + kk[None, :, None] * d + dd[None, None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=tk[:, :, None] & dmask[None, None, :])
+
+
+@triton.jit
+def _combined_rows(PAIRS, SHARED, t64, dd, td, d, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Tokens ``t64``' MoE output over columns ``dd``: their ``TOPK`` pairs' rows summed in fp32 one after another,
+    plus the shared expert's row, rounded once to ``SHARED``'s dtype (``kernels.triton.experts._combine_kernel``'s
+    sum and rounding), as fp32."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(PAIRS + (t64[:, None] * TOPK + j) * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
+    acc += tl.load(SHARED + t64[:, None] * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
+    return acc.to(SHARED.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -544,6 +562,22 @@ def hc_post_fwd(f, x, post, comb, config=None):
         _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
             f, x, post, comb, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n), BD=cfg["post_BD"],
             N=n, num_warps=cfg["post_warps"], **pdl.launch(f.device))
+    return out
+
+
+def combine_post_fwd(pairs, shared, topk: int, x, post, comb, config=None):
+    """:func:`hc_post_fwd` of the MoE's output given as its pairs ``pairs [T * topk, d]`` and shared expert ``shared
+    [T, d]`` (``moe_combine``'s inputs), summed inside the kernel: ``x [T, n, d]``, ``post [T, n]``, ``comb [T, n,
+    n]`` -> ``[T, n, d]`` in x's dtype."""
+    T, n, d = x.shape
+    x, post, comb = x.contiguous(), post.contiguous(), comb.contiguous()
+    cfg = _cfg(config)
+    out = torch.empty_like(x)
+    if T:
+        _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
+            pairs.contiguous(), x, post, comb, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n),
+            BD=cfg["post_BD"], N=n, SHARED=shared.contiguous(), TOPK=int(topk), num_warps=cfg["post_warps"],
+            **pdl.launch(x.device))
     return out
 
 

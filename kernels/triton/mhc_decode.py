@@ -41,7 +41,7 @@ from kernels.triton import pdl
 from kernels.triton.mhc import coefficients, mix_partial, mix_sums
 from kernels.triton.tickets import counters, last_ticket, release
 
-__all__ = ["hc_pre_norm", "hc_head_norm", "PRE_NORM_CONFIG"]
+__all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "PRE_NORM_CONFIG"]
 
 # programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
 # max_tokens: the most tokens the one-program tail takes; TAIL_ELEMENTS: the streams' values one step of the
@@ -180,3 +180,35 @@ def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     mhc_checks.check_hc_head(x, fn, scale, base)
     _check_norm_weight("hc_head_norm", x, fn, weight)
     return _pre_norm(x, fn, scale, base, norm_eps, hc_eps, 1, weight, eps, False, config)[0]
+
+
+def moe_combine_post(pairs: torch.Tensor, shared: torch.Tensor, topk: int, x: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> torch.Tensor:
+    """``kernels.reference.slots.combine_post``: the MoE's output as ``moe_combine`` sums it (a token's ``topk``
+    pairs ``pairs [T * topk, d]`` in fp32 one after another, plus its shared expert's ``shared [T, d]``, rounded
+    once to ``shared``'s dtype), then the mHC post of the site, ``hc_post(f, x, post, comb)`` (``x [..., n, d]``
+    with ``T`` tokens, ``post``/``comb`` fp32): the bits of this backend's ``moe_combine`` then its ``hc_post``, in
+    one launch (``kernels.triton.mhc.combine_post_fwd``) -> ``[..., n, d]`` in x's dtype.
+
+    Why: the eager decode step ran the pairs' sum as a launch of its own before each MoE's mHC post: on an H200 the
+    Flash-shaped step's four ``_combine_kernel`` launches took 5.94 us at one sequence, 10.33 at 64 and 19.12 at 256,
+    besides the gaps between launches (``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-
+    head.json``; their ``_combine_kernel`` rows also hold the attention's split combine where it ran). Decode only
+    (no backward). Anything else is refused with the reason."""
+    op = "moe_combine_post"
+    mhc_checks.check_hc_post(x[..., 0, :], x, post, comb)
+    n, d = x.shape[-2:]
+    T = x[..., 0, 0].numel()
+    for t, name in ((pairs, "pairs"), (shared, "shared")):
+        gpu_common.check_op_input(op, t, name)
+    if (topk < 1 or pairs.dim() != 2 or shared.dim() != 2 or shared.shape != (T, d)
+            or pairs.shape != (T * topk, d) or pairs.dtype != shared.dtype):
+        raise gpu_common.op_refusal(op, f"pairs {tuple(pairs.shape)} {pairs.dtype}, shared {tuple(shared.shape)} "
+                                        f"{shared.dtype}, top-{topk} for x {tuple(x.shape)} (needs pairs "
+                                        f"[T * topk, {d}] and shared [T, {d}] of one dtype, T = x's tokens)")
+    if any(t.requires_grad for t in (pairs, shared, x, post, comb)):
+        raise gpu_common.op_refusal(op, "an input that requires a gradient (the op is the decode step's and has no "
+                                        "backward)")
+    out = mhc.combine_post_fwd(pairs, shared, int(topk), x.reshape(T, n, d), post.reshape(T, n),
+                               comb.reshape(T, n, n))
+    return out.view(x.shape)

@@ -4,7 +4,8 @@ compressors' ``compressor_step``, the attention's ``norm_rope``, the indexer's `
 sublayer's norm (``hc_pre_norm``), the head's collapse with the final norm (``hc_head_norm``), the window and HCA
 layers' attention rows (``attention_rows``), every layer's attention with its output's inverse rotation
 (``attention_inverse_rope``) and its grouped ``wo_a`` (``grouped_projection``), and on the grouped MoE path the router, the expert order, the pair
-GEMMs with the shared expert (the second with the activation in its operand load) and ``moe_combine``. The tiny
+GEMMs with the shared expert (the second with the activation in its operand load) and their sum inside the MoE's mHC
+post (``moe_combine_post``). The tiny
 model's samples follow the reference-op engine's (fp16: the same tokens,
 log-probabilities within 5e-3 nats; bf16: within 5e-2 up to the first differing token), every op of the record ran
 and nothing else. On a GPU in bf16
@@ -46,9 +47,10 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
                            "hc_pre_norm", "hc_head_norm", "attention_rows", "attention_inverse_rope",
                            "grouped_projection"}, extras
     assert e.decode_refusals == {} and all(e.decode_ops[op] == "triton" for op in extras), e.decode_ops
-    pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_swiglu_scatter_mm", "moe_combine")
+    pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_swiglu_scatter_mm", "moe_combine_post")
     assert all((op in e.decode_ops) is grouped for op in pairs), e.decode_ops
     assert "experts_scatter_mm" not in e.decode_ops       # the activation is the second GEMM's operand load
+    assert "moe_combine" not in e.decode_ops              # the pairs' sum is the MoE's mHC post's
     ref = ReferenceEngine(cfg, dtype=dt, device=dev, cuda_graphs=False)
     model = build_train_model(cfg, seed=0)
     for eng in (e, ref):

@@ -29,7 +29,9 @@ def test_the_tiny_pattern_counts_and_the_record_is_dated():
     counter = count_step(preset("tiny"), 1)
     n = preset("tiny").n_layers           # a pre and a post around each sublayer
     assert sum(counter.sites.values()) > 80 and counter.sites["hc_pre_norm (one kernel)"] == 2 * n
-    assert counter.sites["hc_post (one kernel)"] == 2 * n and "hc_pre (3 kernels)" not in counter.sites
+    # the attention's mHC post; the MoE's sums the pairs in the same launch
+    assert counter.sites["hc_post (one kernel)"] == counter.sites["moe_combine_post (one kernel)"] == n
+    assert "hc_pre (3 kernels)" not in counter.sites
     record = json.loads((RESULTS / "decode-launches-cpu-flash-shaped.json").read_text())
     assert record["date"] and record["machine"] and record["code"]
     assert record["launches_per_step"] == sum(r["launches"] for r in record["sites"])
@@ -41,7 +43,7 @@ def test_the_pair_kernels_take_the_place_of_the_gather_scatter_and_sums():
 
     config = model_like("flash-shaped")
     with_pairs, without = count_step(config, 2), count_step(config, 2, without=PAIR_KERNELS)
-    assert with_pairs.sites["moe_combine (one kernel)"] == config.n_layers
+    assert with_pairs.sites["moe_combine_post (one kernel)"] == config.n_layers
     assert sum(without.sites.values()) - sum(with_pairs.sites.values()) >= 5 * config.n_layers
 
 
@@ -131,3 +133,16 @@ def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():
         assert without.sites["hc_pre (3 kernels)"] == 3 * sites
         head = count_step(config, slots, without=("hc_head_norm",))
         assert sum(head.sites.values()) - sum(got.sites.values()) == 4 - each and head.sites["hc_head (3 kernels)"] == 3
+
+
+def test_the_pairs_sum_is_computed_in_the_mhc_post():
+    """``moe_combine_post``: the pairs' sum with the shared expert and the MoE's mHC post, two launches a MoE layer,
+    are one (the Flash-shaped pattern at one slot: 92 launches a step without it, 88 with it)."""
+    from bench.decode_launches import count_step, model_like
+
+    config = model_like("flash-shaped")
+    fused, without = count_step(config, 1), count_step(config, 1, without=("moe_combine_post",))
+    assert fused.sites["moe_combine_post (one kernel)"] == config.n_layers == 4
+    assert "moe_combine (one kernel)" not in fused.sites and fused.sites["hc_post (one kernel)"] == config.n_layers
+    assert without.sites["moe_combine (one kernel)"] == 4 and without.sites["hc_post (one kernel)"] == 8
+    assert sum(without.sites.values()) - sum(fused.sites.values()) == config.n_layers

@@ -236,6 +236,49 @@ def test_the_pair_path_runs_the_tables_activation_in_the_second_expert_gemm(monk
         _same(got, want)
 
 
+@pytest.mark.parametrize("variant", ["contract", "altered", "refuses"])
+def test_the_pair_path_runs_the_tables_pair_sum_in_the_mhc_post(monkeypatch, variant):
+    """A table with the pair kernels and ``moe_combine_post`` (the triton backend's sum of a token's pairs and shared
+    expert inside the MoE's mHC post), their torch contracts (``kernels.reference.slots``), on the grouped path
+    (made true here on the CPU): the engine records it in ``moe_combine``'s place, the decode step calls it once a
+    layer where it ran ``moe_combine`` and that ``hc_post``, and draws the samples of the same table without it bit
+    for bit (``contract``); a table whose op doubles the streams it returns draws other log-probabilities
+    (``altered``); one that refuses the probe's inputs is on the record and never called: the step runs
+    ``moe_combine``, then ``hc_post`` (``refuses``)."""
+    import kernels.reference.slots as slots
+    import rollout.engine_ops as engine_ops
+    from kernels.reference.moe import route_experts
+    from rollout.reference_engine import ReferenceEngine
+
+    for mod in (slots, engine_ops):
+        monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: True)
+    pairs = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
+             "route_experts": route_experts, "experts_gather_mm": slots.gather_grouped_mm,
+             "experts_scatter_mm": slots.scatter_grouped_mm, "moe_combine": slots.combine_pairs}
+
+    def refusing(*args):
+        raise ValueError("the fake moe_combine_post takes no decode step")
+
+    fused = {"contract": slots.combine_post, "refuses": refusing,
+             "altered": lambda *args: 2 * slots.combine_post(*args)}[variant]
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={**pairs, slots.COMBINE_POST: fused})))
+    served = variant != "refuses"
+    assert (slots.COMBINE_POST in e.decode_ops) is served and ("moe_combine" in e.decode_ops) is not served
+    assert e.decode_refusals == ({} if served else {slots.COMBINE_POST: "the fake moe_combine_post takes no decode "
+                                                                      "step"})
+    got, ran = _generate(e)
+    assert set(ran) == {f"fake.{op}" for op in {**e.prefill_ops, **e.decode_ops}}, ran
+    summed = slots.COMBINE_POST if served else "moe_combine"                 # once a layer a step
+    assert ran[f"fake.{summed}"] == ran["fake.experts_gather_mm"] and ran[f"fake.{summed}"] % CFG.n_layers == 0
+    want, want_ran = _generate(_synced(ReferenceEngine(CFG, ops=_fake(extra=pairs))))
+    if served:                                       # the MoE's posts left hc_post: the attention's remain
+        assert ran["fake.hc_post"] == want_ran["fake.hc_post"] - ran[f"fake.{summed}"]
+    if variant == "altered":
+        assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb))
+    else:
+        _same(got, want)
+
+
 @pytest.mark.parametrize("refuse", [False, True])
 @pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
                                 "hc_pre_norm", "hc_head_norm", "attention_rows", "grouped_projection"])

@@ -350,7 +350,7 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     from core.assembly import assemble
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from core.run_config import Choices, normalize
-    from kernels.reference.slots import PAIR_KERNELS, SWIGLU_SCATTER
+    from kernels.reference.slots import COMBINE_POST, PAIR_KERNELS, SWIGLU_SCATTER
     from launchers.builtin_plugins import make_host
     from rollout.engine_ops import EAGER_EXTRAS
     from rollout.reference_engine import ReferenceEngine, SamplingParams
@@ -381,8 +381,10 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
     if all(op in parts.ops.names() for op in PAIR_KERNELS):    # the eager MoE's GEMMs through the expert order
         # the second with the activation in its operand load, where the table has that op
+        # and the pairs' sum inside the MoE's mHC post, where the table has that op
         second = SWIGLU_SCATTER if SWIGLU_SCATTER in parts.ops.names() else "experts_scatter_mm"
-        pair_ops = [second if op == "experts_scatter_mm" else op for op in PAIR_KERNELS]
+        summed = COMBINE_POST if COMBINE_POST in parts.ops.names() else "moe_combine"
+        pair_ops = [{"experts_scatter_mm": second, "moe_combine": summed}.get(op, op) for op in PAIR_KERNELS]
         assert all(e.decode_ops[op] == backend and ran[f"{backend}.{op}"] > 0 for op in pair_ops), ran
     elif "experts_grouped_mm" in parts.ops.names():        # the decode MoE's GEMMs: a decode-only kernel
         assert e.decode_ops["experts_grouped_mm"] == backend and ran[f"{backend}.experts_grouped_mm"] > 0
