@@ -133,7 +133,8 @@ def stand_in_table(counter: _Count, without=()):
               "route_experts": route_experts, "compressor_step": compressor_step,
               "experts_gather_mm": slots.gather_grouped_mm, "experts_scatter_mm": slots.scatter_grouped_mm,
               "experts_swiglu_scatter_mm": slots.swiglu_scatter_grouped_mm,
-              "moe_combine": slots.combine_pairs, "moe_combine_post": slots.combine_post, "norm_rope": norm_rope, "decode_topk": decode_topk,
+              "moe_combine": slots.combine_pairs, "moe_combine_post": slots.combine_post, "norm_rope": norm_rope,
+              "decode_topk": decode_topk,
               "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
               "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
               "grouped_projection": grouped_projection, "attention_inverse_rope": attention_inverse_rope}
