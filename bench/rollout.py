@@ -50,6 +50,10 @@ extra op left out of the table (``core.kernel_ops.OpTable.without``: the step ru
 row's ``without``), so one run times each decode kernel against the code it replaces (the profile is taken
 of the full table's first rows only). The full table runs again last (rows ``"again": true``, labelled
 ``(again)``): the drift between its two runs bounds what an ablated row's difference can say.
+
+On a Hopper-class GPU a kernel backend's decode step launches its triton kernels dependent on the ones before
+(``kernels/triton/pdl.py``); ``DSV4_PDL=0`` in the environment times it without, and each cached row's ``note``
+says which ran.
 """
 
 from __future__ import annotations
@@ -208,6 +212,19 @@ def _engine(config, device, dtype, seed, **kw):
     return engine
 
 
+def _dependent_launches_note(dev: torch.device, kernel_backend: str) -> str:
+    """``"; dependent launches on"`` / ``"off"`` where a GPU kernel backend's decode step could launch its triton
+    kernels with PDL (``kernels/triton/pdl.py``: a Hopper-class GPU, ``DSV4_PDL`` not 0), else nothing: a row's
+    record says which it timed."""
+    if dev.type != "cuda" or kernel_backend == "none":
+        return ""
+    from kernels.gpu_common import dependent_launches
+    from kernels.triton import pdl
+
+    with dependent_launches():
+        return f"; dependent launches {'on' if pdl.enabled(dev) else 'off'}"
+
+
 def _ops(config, device, kernel_backend: str, without=()):
     """The kernel op table of a run with ``kernel_backend`` on this device (``core.assembly``), as ``dsv4
     train`` hands it to its engine, less the extra ops ``without`` (``--ablate``); the engine records which
@@ -329,7 +346,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
             wbytes = wbytes or weight_bytes_per_token(engine.model)
             note = (f"cuda graphs {'on' if engine.cuda_graphs else 'off'}; compile "
                     f"{engine.compile or 'off'}" if name == "cached" else "no cache")
-            note += f"; kernels {kernel_backend}"
+            note += f"; kernels {kernel_backend}" + _dependent_launches_note(dev, kernel_backend)
         for B in batch:
             g = torch.Generator().manual_seed(seed + B)
             lengths = torch.randint(lo, hi + 1, (B,), generator=g).tolist()
