@@ -194,16 +194,24 @@ def test_the_record_names_the_decode_only_expert_kernel_where_the_step_calls_it(
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
 
 
+# the pair path's fused ops: (the op, the name of its torch contract in kernels.reference.slots, the op it replaces,
+# the op a launch fewer besides: the activation before the second expert GEMM, the MoE's mHC post after the sum)
+PAIR_FUSIONS = {"experts_swiglu_scatter_mm": ("swiglu_scatter_grouped_mm", "experts_scatter_mm", "weighted_swiglu"),
+                "moe_combine_post": ("combine_post", "moe_combine", "hc_post")}
+
+
 @pytest.mark.parametrize("variant", ["contract", "altered", "refuses"])
-def test_the_pair_path_runs_the_tables_activation_in_the_second_expert_gemm(monkeypatch, variant):
+@pytest.mark.parametrize("op", sorted(PAIR_FUSIONS))
+def test_the_pair_path_runs_the_tables_fused_pair_ops(monkeypatch, op, variant):
     """A table with the pair kernels and ``experts_swiglu_scatter_mm`` (the triton backend's activation in the second
-    expert GEMM's operand load), all their torch contracts (``kernels.reference.slots``), on the grouped path
-    (made true here on the CPU): the engine records it in ``experts_scatter_mm``'s place (prefill never calls it),
-    the decode step calls it once a layer where it ran the activation and ``experts_scatter_mm``, and draws the
-    samples of the same table without it bit for bit (``contract``); a table whose op doubles its output draws
-    other log-probabilities (``altered``: the step computes with what it returns); one that refuses the probe's
-    inputs is on the record (``decode_refusals``) and never called: the step runs the activation, then
-    ``experts_scatter_mm`` (``refuses``)."""
+    expert GEMM's operand load) or ``moe_combine_post`` (its sum of a token's pairs and shared expert inside the
+    MoE's mHC post), all their torch contracts (``kernels.reference.slots``), on the grouped path (made true here on
+    the CPU): the engine records the op in the place of the one it replaces (``experts_scatter_mm``,
+    ``moe_combine``; prefill never calls it), the decode step calls it once a layer where it ran that op and the one
+    beside it (the activation; the MoE's ``hc_post``: the attention's remain), and draws the samples of the same
+    table without it bit for bit (``contract``); a table whose op doubles its output draws other
+    log-probabilities (``altered``: the step computes with what it returns); one that refuses the probe's inputs is
+    on the record (``decode_refusals``) and never called: the step runs the two ops (``refuses``)."""
     import kernels.reference.slots as slots
     import rollout.engine_ops as engine_ops
     from kernels.reference.moe import route_experts
@@ -214,65 +222,23 @@ def test_the_pair_path_runs_the_tables_activation_in_the_second_expert_gemm(monk
     pairs = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
              "route_experts": route_experts, "experts_gather_mm": slots.gather_grouped_mm,
              "experts_scatter_mm": slots.scatter_grouped_mm, "moe_combine": slots.combine_pairs}
+    contract_name, replaced, beside = PAIR_FUSIONS[op]
+    contract = getattr(slots, contract_name)
 
     def refusing(*args):
-        raise ValueError("the fake experts_swiglu_scatter_mm takes no decode step")
+        raise ValueError(f"the fake {op} takes no decode step")
 
-    fused = {"contract": slots.swiglu_scatter_grouped_mm, "refuses": refusing,
-             "altered": lambda *args: 2 * slots.swiglu_scatter_grouped_mm(*args)}[variant]
-    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={**pairs, slots.SWIGLU_SCATTER: fused})))
+    fused = {"contract": contract, "refuses": refusing, "altered": lambda *args: 2 * contract(*args)}[variant]
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={**pairs, op: fused})))
     served = variant != "refuses"
-    assert (slots.SWIGLU_SCATTER in e.decode_ops) is served and ("experts_scatter_mm" in e.decode_ops) is not served
-    assert e.decode_refusals == ({} if served else {slots.SWIGLU_SCATTER: "the fake experts_swiglu_scatter_mm takes "
-                                                                        "no decode step"})
+    assert (op in e.decode_ops) is served and (replaced in e.decode_ops) is not served
+    assert e.decode_refusals == ({} if served else {op: f"the fake {op} takes no decode step"})
     got, ran = _generate(e)
-    assert set(ran) == {f"fake.{op}" for op in {**e.prefill_ops, **e.decode_ops}}, ran
-    second = slots.SWIGLU_SCATTER if served else "experts_scatter_mm"          # once a layer a step
-    assert ran[f"fake.{second}"] == ran["fake.experts_gather_mm"] and ran[f"fake.{second}"] % CFG.n_layers == 0
-    want, _ = _generate(_synced(ReferenceEngine(CFG, ops=_fake(extra=pairs))))
-    if variant == "altered":
-        assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb))
-    else:
-        _same(got, want)
-
-
-@pytest.mark.parametrize("variant", ["contract", "altered", "refuses"])
-def test_the_pair_path_runs_the_tables_pair_sum_in_the_mhc_post(monkeypatch, variant):
-    """A table with the pair kernels and ``moe_combine_post`` (the triton backend's sum of a token's pairs and shared
-    expert inside the MoE's mHC post), their torch contracts (``kernels.reference.slots``), on the grouped path
-    (made true here on the CPU): the engine records it in ``moe_combine``'s place, the decode step calls it once a
-    layer where it ran ``moe_combine`` and that ``hc_post``, and draws the samples of the same table without it bit
-    for bit (``contract``); a table whose op doubles the streams it returns draws other log-probabilities
-    (``altered``); one that refuses the probe's inputs is on the record and never called: the step runs
-    ``moe_combine``, then ``hc_post`` (``refuses``)."""
-    import kernels.reference.slots as slots
-    import rollout.engine_ops as engine_ops
-    from kernels.reference.moe import route_experts
-    from rollout.reference_engine import ReferenceEngine
-
-    for mod in (slots, engine_ops):
-        monkeypatch.setattr(mod, "grouped_decode_ok", lambda *a: True)
-    pairs = {"experts_grouped_mm": slots._grouped_mm, "expert_order": slots.expert_order,
-             "route_experts": route_experts, "experts_gather_mm": slots.gather_grouped_mm,
-             "experts_scatter_mm": slots.scatter_grouped_mm, "moe_combine": slots.combine_pairs}
-
-    def refusing(*args):
-        raise ValueError("the fake moe_combine_post takes no decode step")
-
-    fused = {"contract": slots.combine_post, "refuses": refusing,
-             "altered": lambda *args: 2 * slots.combine_post(*args)}[variant]
-    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={**pairs, slots.COMBINE_POST: fused})))
-    served = variant != "refuses"
-    assert (slots.COMBINE_POST in e.decode_ops) is served and ("moe_combine" in e.decode_ops) is not served
-    assert e.decode_refusals == ({} if served else {slots.COMBINE_POST: "the fake moe_combine_post takes no decode "
-                                                                      "step"})
-    got, ran = _generate(e)
-    assert set(ran) == {f"fake.{op}" for op in {**e.prefill_ops, **e.decode_ops}}, ran
-    summed = slots.COMBINE_POST if served else "moe_combine"                 # once a layer a step
-    assert ran[f"fake.{summed}"] == ran["fake.experts_gather_mm"] and ran[f"fake.{summed}"] % CFG.n_layers == 0
+    assert set(ran) == {f"fake.{name}" for name in {**e.prefill_ops, **e.decode_ops}}, ran
+    called = op if served else replaced                                      # once a layer a step
+    assert ran[f"fake.{called}"] == ran["fake.experts_gather_mm"] and ran[f"fake.{called}"] % CFG.n_layers == 0
     want, want_ran = _generate(_synced(ReferenceEngine(CFG, ops=_fake(extra=pairs))))
-    if served:                                       # the MoE's posts left hc_post: the attention's remain
-        assert ran["fake.hc_post"] == want_ran["fake.hc_post"] - ran[f"fake.{summed}"]
+    assert ran.get(f"fake.{beside}", 0) == want_ran[f"fake.{beside}"] - (ran[f"fake.{called}"] if served else 0)
     if variant == "altered":
         assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got, want) for x, y in zip(ga, gb))
     else:
