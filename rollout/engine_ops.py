@@ -337,6 +337,11 @@ def hc_head_norm_inputs(config, dtype: torch.dtype, device) -> list:
     return _mhc_norm_inputs(config, dtype, device, head=True)
 
 
+# the pair path's fused ops (kernels.reference.slots): their probe's inputs and the pair kernel each replaces, the
+# activation in the second expert GEMM (with weighted_swiglu), the pairs' sum in the MoE's mHC post (with its hc_post)
+PAIR_FUSIONS = {SWIGLU_SCATTER: (swiglu_scatter_inputs, "experts_scatter_mm"),
+                COMBINE_POST: (combine_post_inputs, "moe_combine")}
+
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
@@ -390,22 +395,16 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     for name in ("route_experts", "expert_order") + (PAIR_KERNELS if pairs else ()):
         if name in table.names() and grouped and not compiled:   # the eager decode MoE's one-launch kernels
             served[name] = table.provider[name]
-    if SWIGLU_SCATTER in table.names() and pairs and grouped and not compiled:   # the activation in the 2nd GEMM
-        reason = _refusal(getattr(table, SWIGLU_SCATTER), swiglu_scatter_inputs(config, dtype, device))
-        if reason is None:                      # the step calls it in experts_scatter_mm's place (slots._grouped)
-            served[SWIGLU_SCATTER] = table.provider[SWIGLU_SCATTER]
-            del served["experts_scatter_mm"]
-        else:                                   # the step runs the activation, then experts_scatter_mm
-            refusals[SWIGLU_SCATTER] = reason
-            del chosen[SWIGLU_SCATTER]
-    if COMBINE_POST in table.names() and pairs and grouped and not compiled:   # the pairs' sum in the MoE's post
-        reason = _refusal(getattr(table, COMBINE_POST), combine_post_inputs(config, dtype, device))
-        if reason is None:                      # the step calls it in moe_combine's and that hc_post's place
-            served[COMBINE_POST] = table.provider[COMBINE_POST]
-            del served["moe_combine"]
-        else:                                   # the step runs moe_combine, then hc_post
-            refusals[COMBINE_POST] = reason
-            del chosen[COMBINE_POST]
+    for name, (inputs_of, replaced) in PAIR_FUSIONS.items():   # the pair path's fused ops, where the step runs it
+        if name not in table.names() or not (pairs and grouped and not compiled):
+            continue
+        reason = _refusal(getattr(table, name), inputs_of(config, dtype, device))
+        if reason is None:                      # the step calls it in the replaced op's place (kernels.reference.slots)
+            served[name] = table.provider[name]
+            del served[replaced]
+        else:                                   # the step runs the two ops it fuses
+            refusals[name] = reason
+            del chosen[name]
     for name, inputs_of in EAGER_EXTRAS.items():     # the eager step's one-launch ops, where they take its inputs
         calls = inputs_of(config, dtype, device) if name in table.names() and cached and not compiled else []
         reason = _refusal(getattr(table, name), calls) if calls else None

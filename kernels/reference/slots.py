@@ -609,14 +609,11 @@ def _moe_posted(layer, h: torch.Tensor, ids: torch.Tensor, path: str, x: torch.T
     :data:`COMBINE_POST` (:func:`~.decode.eager_op`) and the pair kernels run, the pairs' sum and the post are that
     one launch (:func:`combine_post`'s contract), else ``moe_combine`` (or torch's sum) and ``hc_post``."""
     fused = eager_op(layer.ops, memo, COMBINE_POST)
-    posted = []
-
-    def combine(pairs, shared, topk):
-        posted.append(True)
-        return fused(pairs, shared, topk, x, post, comb)
-
-    f, idx = _moe_decode(layer.ffn, h, ids, path, combine if fused is not None else None)
-    return (f if posted else layer.hc_post(f, x, post, comb)), idx
+    if fused is not None and _pair_kernels(layer.ffn, path) is not None:      # _moe_decode's pair path
+        return _moe_decode(layer.ffn, h, ids, path, lambda pairs, shared, topk: fused(pairs, shared, topk, x, post,
+                                                                                      comb))
+    f, idx = _moe_decode(layer.ffn, h, ids, path)
+    return layer.hc_post(f, x, post, comb), idx
 
 
 def _pre_normed(layer, site: str, x: torch.Tensor, rms, memo: Optional[dict]):

@@ -34,7 +34,8 @@ from kernels.triton.swiglu import swiglu_tile
 from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
-           "experts_gather_mm", "experts_scatter_mm", "experts_swiglu_scatter_mm", "moe_combine", "launch_settings"]
+           "experts_gather_mm", "experts_scatter_mm", "experts_swiglu_scatter_mm", "moe_combine", "pairs_sum",
+           "launch_settings"]
 
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
@@ -300,18 +301,27 @@ def experts_swiglu_scatter_mm(h: torch.Tensor, weights: torch.Tensor, limit: flo
 
 # ------------------------------------------------------------------ the pairs' sum with the shared expert
 @triton.jit
+def pairs_sum(PAIRS, SHARED, t64, cols, mask, D, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """``[BT, BD]`` fp32: tokens ``t64``' ``TOPK`` pairs' rows over columns ``cols`` summed one after another, plus
+    their shared expert's row (``mask [BT, BD]``): the MoE's output before its one rounding. Shared by
+    :func:`_combine_kernel` and ``kernels.triton.mhc``'s post of the pairs (``moe_combine_post``), so both sum in
+    one order."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(PAIRS + (t64[:, None] * TOPK + j) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return acc + tl.load(SHARED + t64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _combine_kernel(PAIRS, SHARED, Y, D, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(t, j)``: columns ``[j BD, (j+1) BD)`` of token ``t``: its ``TOPK`` pairs' rows summed in fp32
-    one after another, plus the shared expert's row, cast once."""
+    one after another, plus the shared expert's row, cast once (:func:`pairs_sum`)."""
     pdl.wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask = cols < D
-    acc = tl.zeros([BD], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(PAIRS + (t * TOPK + j) * D + cols, mask=mask, other=0.0).to(tl.float32)
-    acc += tl.load(SHARED + t * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + t * D + cols, acc.to(Y.dtype.element_ty), mask=mask)
+    mask = (cols < D)[None, :]
+    acc = pairs_sum(PAIRS, SHARED, t, cols, mask, D, TOPK, 1, BD)
+    tl.store(Y + t[:, None] * D + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
 COMBINE_COLUMNS = 1024         # columns a program of the pairs' sum adds (Flash's 4,096: four programs a token)

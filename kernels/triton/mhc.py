@@ -34,6 +34,7 @@ import triton.language as tl
 from kernels import gpu_ops
 from kernels.triton import mhc_checks
 from kernels.triton import pdl
+from kernels.triton.experts import pairs_sum
 from kernels.triton.sinkhorn import sinkhorn, sinkhorn_bwd_tile, sinkhorn_fwd_tile
 
 __all__ = ["sinkhorn", "hc_pre", "hc_post", "hc_head", "hc_pre_fwd", "hc_pre_bwd", "hc_head_fwd", "hc_head_bwd",
@@ -320,8 +321,8 @@ def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
                      BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, N: tl.constexpr, SHARED=None,
                      TOPK: tl.constexpr = 0, PDL: tl.constexpr = False):
     """``OUT[t, k] = post[t, k] f[t] + sum_j comb[t, j, k] X[t, j]`` for a ``BT x BD`` tile. ``TOPK`` > 0: ``F`` is
-    the MoE's pairs ``[T * TOPK, d]`` and ``f[t]`` their sum with ``SHARED[t]`` (:func:`_combined_rows`, the bits
-    of ``kernels.triton.experts.moe_combine``); 0: ``F`` is ``f`` (training, the attention's output)."""
+    the MoE's pairs ``[T * TOPK, d]`` and ``f[t]`` their sum with ``SHARED[t]`` (``kernels.triton.experts.pairs_sum``,
+    the bits of ``moe_combine``); 0: ``F`` is ``f`` (training, the attention's output)."""
     pdl.wait_prior(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -333,7 +334,8 @@ def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
     td = tmask[:, None] & dmask[None, :]
     post = tl.load(POST + t64[:, None] * n + kk[None, :], mask=tk, other=0.0)
     if TOPK:
-        f = _combined_rows(F, SHARED, t64, dd, td, d, TOPK, BT, BD)
+        # the MoE's output as moe_combine rounds it, once, to the shared expert's dtype
+        f = pairs_sum(F, SHARED, t64, dd, td, d, TOPK, BT, BD).to(SHARED.dtype.element_ty).to(tl.float32)
     else:
         f = tl.load(F + t64[:, None] * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
     acc = post[:, :, None] * f[:, None, :]
@@ -343,18 +345,6 @@ def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
         acc += cj[:, :, None] * xj[:, None, :]
     out = OUT + t64[:, None, None] * (n * d) + kk[None, :, None] * d + dd[None, None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=tk[:, :, None] & dmask[None, None, :])
-
-
-@triton.jit
-def _combined_rows(PAIRS, SHARED, t64, dd, td, d, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Tokens ``t64``' MoE output over columns ``dd``: their ``TOPK`` pairs' rows summed in fp32 one after another,
-    plus the shared expert's row, rounded once to ``SHARED``'s dtype (``kernels.triton.experts._combine_kernel``'s
-    sum and rounding), as fp32."""
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(PAIRS + (t64[:, None] * TOPK + j) * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
-    acc += tl.load(SHARED + t64[:, None] * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
-    return acc.to(SHARED.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ its programs first waits for the kernels before it to complete and their writes 
 scheduling of a kernel overlap the tail of the one before, and nothing it reads or writes is touched early.
 
 The rule that keeps it correct: a kernel launched with PDL calls :func:`wait_prior` before any load or store
-(every kernel that takes :func:`launch`'s arguments does; tests/kernels/test_pdl.py checks their sources). The
+(every kernel that takes :func:`launch`'s arguments does; tests/kernels/test_pdl_sources.py checks their sources). The
 wait covers every kernel before it on the stream, since each of those waited for its own predecessors before
 completing. Kernels launched without the attribute (torch's) wait as always.
 
