@@ -11,8 +11,9 @@ layers: the token's row of ``tid2eid``), and writes the renormalized, scaled wei
 
 Only the rollout engine's eager decode step calls it (``kernels.reference.slots``), through the triton op table's
 extra op ``route_experts``; a compiled step keeps the torch code, which Inductor fuses. No gradient. Where the
-tokens are few (a decode step), the gate GEMM splits over channel ranges (:func:`split_of`) and a second kernel
-sums the ranges' partial logits in order and picks.
+tokens are few (a decode step), the gate GEMM splits over channel ranges (:func:`split_of`) and the last program
+of each token block to finish (a ticket, :mod:`kernels.triton.tickets`) sums the ranges' partial logits in order and
+picks: one launch either way.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import triton.language as tl
 
 from kernels import gpu_common
 from kernels.triton import pdl
+from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["launch_settings", "part_channels", "split_of", "route_experts", "route_experts_launch"]
 
@@ -114,12 +116,17 @@ def _route_kernel(X, W, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, scale,
 
 
 @triton.jit
-def _route_part_kernel(X, W, PART, T, D, E, DPER, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
-                       STAGES: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = False):
+def _route_part_kernel(X, W, PART, TICKETS, BIAS, TABLE, IDS, WEIGHTS, IDX, T, D, E, DPER, SPLIT, scale,
+                       K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                       STAGES: tl.constexpr, FUNC: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr,
+                       F32: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(i, s)``: the gate logits of tokens ``[i BT, (i+1) BT)`` over channels ``[s DPER, (s+1) DPER)``,
-    to ``PART[s]`` (the split router's first kernel)."""
+    to ``PART[s]``, then a ticket of the token block ``i``; the program whose ticket completes the block's
+    ``SPLIT`` sums the ranges' partial logits in order (the same sums on every call) and picks as
+    :func:`_route_kernel`."""
     pdl.wait_prior(PDL)
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    i = tl.program_id(0)
+    rows = i * BT + tl.arange(0, BT)
     s = tl.program_id(1)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
@@ -129,25 +136,14 @@ def _route_part_kernel(X, W, PART, T, D, E, DPER, BT: tl.constexpr, BE: tl.const
     acc = _gate_dot(X, W, tl.zeros([BT, BE], dtype=tl.float32), rows64, rmask, experts, emask, d_lo,
                     tl.minimum(d_lo + DPER, D), D, BD, STAGES, F32)
     tl.store(PART + (s.to(tl.int64) * T + rows64)[:, None] * BE + experts[None, :], acc, mask=rmask[:, None])
-
-
-@triton.jit
-def _route_finish_kernel(PART, BIAS, TABLE, IDS, WEIGHTS, IDX, T, E, SPLIT, scale,
-                         K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, FUNC: tl.constexpr,
-                         HASH: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
-    """Program ``i``: tokens ``[i BT, (i+1) BT)``: the split router's partial logits summed in order, then as
-    :func:`_route_kernel`."""
-    pdl.wait_prior(PDL)
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    rmask = rows < T
-    rows64 = rows.to(tl.int64)
-    experts = tl.arange(0, BE)
-    emask = experts < E
-    acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for s in range(0, SPLIT):
-        acc += tl.load(PART + (s * T + rows64)[:, None] * BE + experts[None, :], mask=rmask[:, None], other=0.0)
-    _pick(acc, BIAS, TABLE, IDS, WEIGHTS, IDX, rows64, rmask, experts, emask, scale, K, KP, BT, BE, FUNC, HASH,
-          RENORM)
+    if last_ticket(TICKETS + i, SPLIT):
+        acc = tl.zeros([BT, BE], dtype=tl.float32)
+        for r in range(0, SPLIT):
+            acc += tl.load(PART + (r * T + rows64)[:, None] * BE + experts[None, :], mask=rmask[:, None], other=0.0,
+                           cache_modifier=".cg")
+        _pick(acc, BIAS, TABLE, IDS, WEIGHTS, IDX, rows64, rmask, experts, emask, scale, K, KP, BT, BE, FUNC, HASH,
+              RENORM)
+        release(TICKETS + i)
 
 
 def launch_settings(experts_block: int) -> dict:
@@ -182,8 +178,10 @@ def split_of(tokens: int, channels: int) -> int:
     tokens streams the whole router weight, so a decode step of 64 tokens ran 4 programs on a GPU of 132 SMs (10 us
     at the Flash-shaped model's 32 experts, 33 us at V4-Flash's 256 with 2 MB of weight a program, about 1.3 ms of
     a V4-Flash step's 40 learned layers; ``bench/results/kernels-decode-sweep-h200.json``). Split into ranges of
-    at least :data:`SPLIT_MIN_CHANNELS` channels until about :data:`SPLIT_PROGRAMS` programs run, a second kernel
-    sums the partial logits in order and picks. Untimed on a GPU."""
+    at least :data:`SPLIT_MIN_CHANNELS` channels until about :data:`SPLIT_PROGRAMS` programs run; the last program
+    of each token block sums the partial logits in order and picks (at one sequence on an H200, when a second
+    kernel did that, the two took 9.10 and 13.52 us over the four layers,
+    ``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-head.json``)."""
     blocks = -(-tokens // TOKENS)
     return max(1, min(SPLIT_PROGRAMS // blocks, channels // SPLIT_MIN_CHANNELS))
 
@@ -213,11 +211,10 @@ def route_experts_launch(x, w, bias, table, ids, topk: int, route_scale: float, 
             dper = triton.cdiv(D, c["SPLIT"])
             split = triton.cdiv(D, dper)
             part = torch.empty(split, T, BE, dtype=torch.float32, device=x.device)
-            _route_part_kernel[(blocks, split)](x, w, part, T, D, E, dper, BT=TOKENS, BE=BE, BD=part_channels(BE),
-                                                STAGES=c["STAGES"], F32=gpu_common.interpreting(),
-                                                num_warps=c["WARPS"], **pdl.launch(x.device))
-            _route_finish_kernel[(blocks,)](part, *tables, T, E, split, float(route_scale), num_warps=4, **pick,
-                                            **pdl.launch(part.device))
+            _route_part_kernel[(blocks, split)](x, w, part, counters(x.device, blocks), *tables, T, D, E, dper, split,
+                                                float(route_scale), BD=part_channels(BE), STAGES=c["STAGES"],
+                                                F32=gpu_common.interpreting(), num_warps=c["WARPS"], **pick,
+                                                **pdl.launch(x.device))
     return weights, idx
 
 

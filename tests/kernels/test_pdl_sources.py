@@ -51,5 +51,5 @@ def test_every_kernel_with_the_flag_waits_first_and_every_pdl_launch_has_the_fla
     # the decode step's kernels of one sequence that runs (mHC, projections, norms, router, compressors, indexer
     # picks, sampler) are among them
     assert {"_linear_group_kernel", "_grouped_kernel", "_pre_norm_kernel", "_post_fwd_kernel", "_norm_rope_kernel",
-            "_route_part_kernel", "_route_finish_kernel", "_compress_kernel", "_decode_topk_kernel",
+            "_route_part_kernel", "_compress_kernel", "_decode_topk_kernel",
             "_draw_kernel"} <= set(launched)

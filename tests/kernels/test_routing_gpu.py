@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from ._backends import triton_device
+from ._backends import compiles_for_sm90_without_spills, triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -123,16 +123,9 @@ def test_the_router_compiles_for_sm90(experts, hashed):
                        options=dict(num_warps=c["WARPS"], num_stages=c["STAGES"]))
     assert ".entry" in compiled.asm["ptx"]
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared      # an H100 / H200 SM's limit
-    # the split router's two kernels (a decode step's few tokens)
-    part = dict(BT=R.TOKENS, BE=experts, BD=R.part_channels(experts), STAGES=c["STAGES"], F32=False)
-    sig = {"X": "*bf16", "W": "*bf16", "PART": "*fp32", "T": "i32", "D": "i32", "E": "i32", "DPER": "i32",
-           **{k: "constexpr" for k in part}}
-    compiled = compile(ASTSource(R._route_part_kernel, sig, part), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=c["WARPS"], num_stages=c["STAGES"]))
-    assert ".entry" in compiled.asm["ptx"] and compiled.metadata.shared <= 227 * 1024
-    finish = {k: consts[k] for k in ("K", "KP", "BT", "BE", "FUNC", "HASH", "RENORM")}
-    sig = {"PART": "*fp32", "BIAS": "*fp32", "TABLE": "*i64", "IDS": "*i64", "WEIGHTS": "*fp32", "IDX": "*i64",
-           "T": "i32", "E": "i32", "SPLIT": "i32", "scale": "fp32", **{k: "constexpr" for k in finish}}
-    compiled = compile(ASTSource(R._route_finish_kernel, sig, finish), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4))
-    assert ".entry" in compiled.asm["ptx"]
+    # the split router (a decode step's few tokens): partial logits, the block's last ticket sums and picks
+    part = dict(consts, BD=R.part_channels(experts))
+    kinds = {"X": "*bf16", "W": "*bf16", "PART": "*fp32", "TICKETS": "*i32", "BIAS": "*fp32", "TABLE": "*i64",
+             "IDS": "*i64", "WEIGHTS": "*fp32", "IDX": "*i64", "T": "i32", "D": "i32", "E": "i32", "DPER": "i32",
+             "SPLIT": "i32", "scale": "fp32"}
+    compiles_for_sm90_without_spills(R._route_part_kernel, kinds, part, c["WARPS"])
