@@ -9,7 +9,7 @@ eager step, grouped MoE path) runs on the CPU in bf16 on a model with ``--model`
 kinds, hash layers, experts and top-k, streams) at the tiny preset's widths, under a stand-in for the triton
 backend's decode table: the reference functions under the names of the ops the triton table serves in an eager
 step, each counted as the launches its kernel makes at the real widths (:data:`LAUNCHES`: one, three for the mHC
-``hc_pre`` and ``hc_head``, two for the router), with nothing inside it counted; likewise a GEMM
+``hc_pre`` and ``hc_head``), with nothing inside it counted; likewise a GEMM
 of bf16 operands with an fp32 result (``kernels.reference.layers.mm_fp32_out``: one GEMM on a GPU, casts and a GEMM
 on the CPU). Every other torch
 operator that makes a tensor is one launch (:class:`_Count`; views and metadata are not). On a GPU some operators
@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 #: launches of each stand-in op's GPU kernel at a decode step's sizes (the triton mHC pre and head: the split mixing
-#: GEMM, its sum, the coefficients; the router: its split gate GEMM and the pick, ``routing.split_of``); others one
-LAUNCHES = {"hc_pre": 3, "hc_head": 3, "route_experts": 2}
+#: GEMM, its sum, the coefficients); others one (the router's split gate GEMM picks in its last programs)
+LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 #: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else this mHC op's and the norm's
 WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
