@@ -52,8 +52,9 @@ of the full table's first rows only). The full table runs again last (rows ``"ag
 ``(again)``): the drift between its two runs bounds what an ablated row's difference can say.
 
 On a Hopper-class GPU a kernel backend's decode step launches its triton kernels dependent on the ones before
-(``kernels/triton/pdl.py``); ``DSV4_PDL=0`` in the environment times it without, and each cached row's ``note``
-says which ran.
+(``kernels/triton/pdl.py``), its projections asking L2 for their first weight lines while they wait;
+``DSV4_PDL=0`` in the environment times it without, ``DSV4_PDL_PREFETCH=0`` without the prefetch, and each cached
+row's ``note`` says which ran.
 """
 
 from __future__ import annotations
@@ -213,16 +214,19 @@ def _engine(config, device, dtype, seed, **kw):
 
 
 def _dependent_launches_note(dev: torch.device, kernel_backend: str) -> str:
-    """``"; dependent launches on"`` / ``"off"`` where a GPU kernel backend's decode step could launch its triton
-    kernels with PDL (``kernels/triton/pdl.py``: a Hopper-class GPU, ``DSV4_PDL`` not 0), else nothing: a row's
-    record says which it timed."""
+    """``"; dependent launches on (weights' prefetch on)"`` (or ``off``) / ``"; dependent launches off"`` where a GPU
+    kernel backend's decode step could launch its triton kernels with PDL (``kernels/triton/pdl.py``: a Hopper-class
+    GPU, ``DSV4_PDL`` not 0; the prefetch: ``DSV4_PDL_PREFETCH`` not 0), else nothing: a row's record says which it
+    timed."""
     if dev.type != "cuda" or kernel_backend == "none":
         return ""
     from kernels.gpu_common import dependent_launches
     from kernels.triton import pdl
 
     with dependent_launches():
-        return f"; dependent launches {'on' if pdl.enabled(dev) else 'off'}"
+        if not pdl.enabled(dev):
+            return "; dependent launches off"
+        return f"; dependent launches on (weights' prefetch {'on' if pdl.launch(dev, True)['PREFETCH'] else 'off'})"
 
 
 def _ops(config, device, kernel_backend: str, without=()):

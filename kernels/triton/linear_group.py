@@ -45,7 +45,9 @@ MAX_WEIGHTS = 8
 # wq_a and wkv (48 blocks on an H100's 132 SMs) took 8.74 us at SPLIT 2 against 11.3 at one token (8.63 against
 # 10.7 at 16), where a CSA layer's group (130 blocks) and the query's (1,280) were fastest at 1
 # (bench/results/kernels-decode-sweep-h100-projections.json, L2-cold)
-LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16)
+# prefetch_lines: with PDL, 128-byte lines of each of a program's weight rows it asks L2 for before it waits on the
+# kernel before it (pdl.wait_prior_after_prefetch): 16 lines, 1,024 bf16 columns, the first four BK steps; untimed
+LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16, prefetch_lines=16)
 FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
 
 
@@ -83,17 +85,64 @@ def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, P
 
 
 @triton.jit
+def _weight_lines(W, N, K, stride_wn, block, s, SPLIT: tl.constexpr, BN: tl.constexpr, LINES: tl.constexpr):
+    """Pointers ``[BN, LINES]`` to the first ``LINES`` 128-byte lines (64 bf16 / fp16 columns) of each weight row of
+    the program's row block ``block`` in its share ``s`` of ``K``: rows past ``N`` repeat the last, columns past the
+    share its last (a prefetch of an address twice costs nothing)."""
+    n = tl.minimum(block * BN + tl.arange(0, BN), N - 1)
+    ks = K // SPLIT
+    c = s * ks + tl.minimum(tl.arange(0, LINES) * 64, ks - 1)
+    return W + n.to(tl.int64)[:, None] * stride_wn + c[None, :]
+
+
+@triton.jit
+def _group_lines(p, s, K, W0, N0, SW0, W1, N1, SW1, W2, N2, SW2, W3, N3, SW3, W4, N4, SW4, W5, N5, SW5, W6, N6, SW6,
+                 W7, N7, SW7, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
+                 E4: tl.constexpr, E5: tl.constexpr, E6: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
+                 BN: tl.constexpr, LINES: tl.constexpr):
+    """:func:`_weight_lines` of the weight whose row block the group's row block ``p`` is (as the kernel's
+    dispatch)."""
+    lines = _weight_lines(W0, N0, K, SW0, p, s, SPLIT, BN, LINES)
+    if G > 1:
+        if (p >= E0) & (p < E1):
+            lines = _weight_lines(W1, N1, K, SW1, p - E0, s, SPLIT, BN, LINES)
+    if G > 2:
+        if (p >= E1) & (p < E2):
+            lines = _weight_lines(W2, N2, K, SW2, p - E1, s, SPLIT, BN, LINES)
+    if G > 3:
+        if (p >= E2) & (p < E3):
+            lines = _weight_lines(W3, N3, K, SW3, p - E2, s, SPLIT, BN, LINES)
+    if G > 4:
+        if (p >= E3) & (p < E4):
+            lines = _weight_lines(W4, N4, K, SW4, p - E3, s, SPLIT, BN, LINES)
+    if G > 5:
+        if (p >= E4) & (p < E5):
+            lines = _weight_lines(W5, N5, K, SW5, p - E4, s, SPLIT, BN, LINES)
+    if G > 6:
+        if (p >= E5) & (p < E6):
+            lines = _weight_lines(W6, N6, K, SW6, p - E5, s, SPLIT, BN, LINES)
+    if G > 7:
+        if p >= E6:
+            lines = _weight_lines(W7, N7, K, SW7, p - E6, s, SPLIT, BN, LINES)
+    return lines
+
+
+@triton.jit
 def _linear_group_kernel(X, M, K, stride_xm, PART, TICKETS,
                          W0, Y0, N0, SW0, SY0, W1, Y1, N1, SW1, SY1, W2, Y2, N2, SW2, SY2, W3, Y3, N3, SW3, SY3,
                          W4, Y4, N4, SW4, SY4, W5, Y5, N5, SW5, SY5, W6, Y6, N6, SW6, SY6, W7, Y7, N7, SW7, SY7,
                          E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                          E4: tl.constexpr, E5: tl.constexpr, E6: tl.constexpr, E7: tl.constexpr,
                          G: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                         BK: tl.constexpr, STAGES: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False):
     """Program ``p``: share ``p % SPLIT`` of ``K`` of the group's row block ``q = p // SPLIT``, which is row block
     ``q - E(i-1)`` of weight ``i``, where ``E(i-1) <= q < Ei`` (``Ei``: the row blocks of weights ``0..i``; ``G``
-    weights, the rest's arguments unused)."""
-    pdl.wait_prior(PDL)
+    weights, the rest's arguments unused). ``PREFETCH``: the first ``LINES`` lines of its weight rows asked of L2
+    before it waits on the kernel before it."""
+    pdl.wait_prior_after_prefetch(PDL, PREFETCH, _group_lines(
+        tl.program_id(0) // SPLIT, tl.program_id(0) % SPLIT, K, W0, N0, SW0, W1, N1, SW1, W2, N2, SW2, W3, N3, SW3,
+        W4, N4, SW4, W5, N5, SW5, W6, N6, SW6, W7, N7, SW7, E0, E1, E2, E3, E4, E5, E6, G, SPLIT, BN, LINES))
     s = tl.program_id(0) % SPLIT
     p = tl.program_id(0) // SPLIT
     if p < E0:
@@ -198,18 +247,20 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
     part, tickets = _partials(blocks, split, bm, bn, x.device, x)
     _linear_group_kernel[(blocks * split,)](
         x, M, K, x.stride(0), part, tickets, *args, *ends, G=len(weights), SPLIT=split, BM=bm, BN=bn, BK=bk,
-        STAGES=cfg["stages"], num_warps=cfg["warps"], **pdl.launch(x.device))
+        STAGES=cfg["stages"], LINES=cfg["prefetch_lines"], num_warps=cfg["warps"], **pdl.launch(x.device, True))
     return outs
 
 
 @triton.jit
 def _grouped_kernel(X, W, Y, M, N, K, stride_xm, stride_ym, BLOCKS, PART, TICKETS, SPLIT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, LINES: tl.constexpr,
+                    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program ``p``: share ``p % SPLIT`` of ``K`` of row block ``b`` of group ``g`` (``p // SPLIT = g BLOCKS + b``):
     ``Y[:, g, block rows] = X[:, g, :] @ W[g, block rows]^T``, every group's input, weight and output ``K``, ``N K``
-    and ``N`` elements after the one before."""
-    pdl.wait_prior(PDL)
+    and ``N`` elements after the one before. ``PREFETCH``: as :func:`_linear_group_kernel`."""
+    pdl.wait_prior_after_prefetch(PDL, PREFETCH, _weight_lines(
+        W + ((tl.program_id(0) // SPLIT) // BLOCKS).to(tl.int64) * N * K, N, K, K,
+        (tl.program_id(0) // SPLIT) % BLOCKS, tl.program_id(0) % SPLIT, SPLIT, BN, LINES))
     s = tl.program_id(0) % SPLIT
     p = tl.program_id(0) // SPLIT
     g = p // BLOCKS
@@ -267,5 +318,6 @@ def grouped_projection(o: torch.Tensor, w: torch.Tensor, config: Optional[dict] 
     part, tickets = _partials(G * per_group, split, bm, bn, x.device, x)
     _grouped_kernel[(G * per_group * split,)](x, w, y, M, R, d, x.stride(0), y.stride(0), per_group, part, tickets,
                                               SPLIT=split, BM=bm, BN=bn, BK=bk, STAGES=cfg["stages"],
-                                              num_warps=cfg["warps"], **pdl.launch(x.device))
+                                              LINES=cfg["prefetch_lines"], num_warps=cfg["warps"],
+                                              **pdl.launch(x.device, True))
     return y.view(*lead, G, R)

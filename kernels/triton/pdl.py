@@ -33,9 +33,10 @@ import triton.language as tl
 
 from kernels import gpu_common
 
-__all__ = ["ENV", "enabled", "launch", "wait_prior"]
+__all__ = ["ENV", "PREFETCH_ENV", "enabled", "launch", "wait_prior", "wait_prior_after_prefetch"]
 
 ENV = "DSV4_PDL"
+PREFETCH_ENV = "DSV4_PDL_PREFETCH"
 
 
 def enabled(device: torch.device) -> bool:
@@ -52,9 +53,15 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch(device: torch.device) -> dict:
-    """A launch's keyword arguments: the kernel's ``PDL`` constexpr, and with it the launch attribute."""
-    return dict(PDL=True, launch_pdl=True) if enabled(device) else dict(PDL=False)
+def launch(device: torch.device, prefetch: bool = False) -> dict:
+    """A launch's keyword arguments: the kernel's ``PDL`` constexpr, and with it the launch attribute; ``prefetch``
+    (a kernel that takes ``PREFETCH``, :func:`wait_prior_after_prefetch`): also that constexpr, on with PDL unless
+    ``DSV4_PDL_PREFETCH`` is ``0``."""
+    on = enabled(device)
+    args = dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+    if prefetch:
+        args["PREFETCH"] = on and os.environ.get(PREFETCH_ENV, "1") != "0"
+    return args
 
 
 @triton.jit
@@ -62,5 +69,21 @@ def wait_prior(PDL: tl.constexpr):
     """With ``PDL``: wait for the kernels before this one to complete (their writes visible), then let the next
     kernel launch. A kernel's first statement, before any load or store."""
     if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_prior_after_prefetch(PDL: tl.constexpr, PREFETCH: tl.constexpr, lines):
+    """:func:`wait_prior`, and before the wait, with ``PREFETCH``, a hint to bring the 128-byte lines at ``lines`` (a
+    tensor of pointers into memory no kernel of the step writes: a weight) into L2. Why: a program launched early
+    waits while the kernel before it finishes, which at a few tokens is often one program's serial tail (the mHC
+    pre's coefficients, a split reduction's sum) on an otherwise idle GPU; a projection's first weight bytes can
+    stream in meanwhile. A prefetch neither reads nor writes a value the program sees, so the rule holds: nothing
+    the kernels before write is touched early."""
+    if PDL:
+        if PREFETCH:
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

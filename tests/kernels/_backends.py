@@ -75,7 +75,8 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
     registers; skips in interpreter mode, without triton or without its ptxas. ``aligned``: the arguments the
     runtime specializes as multiples of 16 (a pointer at a 16-byte address, an int divisible by 16: Triton's
     ``tt.divisibility``), so that ptxas sees the code a launch on such inputs compiles to. A kernel with a ``PDL``
-    flag (``kernels/triton/pdl.py``) compiles as a Hopper launches it, the flag on, unless ``consts`` sets it."""
+    flag (``kernels/triton/pdl.py``) compiles as a Hopper launches it, the flag on (and ``PREFETCH`` with it),
+    unless ``consts`` sets it."""
     import os
     import re
     import subprocess
@@ -90,6 +91,8 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
 
     if "PDL" in kernel.arg_names and "PDL" not in consts:     # a decode kernel: as a Hopper launches it
         consts = dict(consts, PDL=True)
+    if "PREFETCH" in kernel.arg_names and "PREFETCH" not in consts:     # with its weights' prefetch where it has one
+        consts = dict(consts, PREFETCH=consts["PDL"])
     sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -143,7 +143,8 @@ def test_the_kernel_compiles_for_sm90_without_spills():
     c = K.LINEAR_GROUP_CONFIG
     ends = dict(E0=32, E1=48, E2=80, E3=112, E4=116, E5=120, E6=122, E7=122)
     for split in (1, 4):                                        # one program a block, and shares of K
-        consts = dict(**ends, G=7, SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
+        consts = dict(**ends, G=7, SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"],
+                      LINES=c["prefetch_lines"])
         types = {}
         for a in K._linear_group_kernel.arg_names:
             if a == "X" or a.startswith("W"):
@@ -243,5 +244,5 @@ def test_the_grouped_kernel_compiles_for_sm90_without_spills():
     types = {a: ("*bf16" if a in ("X", "W", "Y") else "*fp32" if a == "PART" else "*i32" if a == "TICKETS" else "i32")
              for a in K._grouped_kernel.arg_names}
     for split in (1, 4):
-        consts = dict(SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])
+        consts = dict(SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"], LINES=c["prefetch_lines"])
         compiles_for_sm90_without_spills(K._grouped_kernel, types, consts, c["warps"])

@@ -17,13 +17,19 @@ def test_a_launch_asks_for_pdl_only_in_the_decode_step_on_hopper_cuda_outside_th
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
     monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: index == 0)
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     assert pdl.launch(cuda0) == dict(PDL=False)                  # training, prefill
+    assert pdl.launch(cuda0, prefetch=True) == dict(PDL=False, PREFETCH=False)
     with dependent_launches():
         with dependent_launches():
             pass
         assert pdl.launch(cuda0) == dict(PDL=True, launch_pdl=True)
+        assert pdl.launch(cuda0, prefetch=True) == dict(PDL=True, launch_pdl=True, PREFETCH=True)
+        monkeypatch.setenv(pdl.PREFETCH_ENV, "0")                # dependent launches without the weights' prefetch
+        assert pdl.launch(cuda0, prefetch=True) == dict(PDL=True, launch_pdl=True, PREFETCH=False)
+        monkeypatch.delenv(pdl.PREFETCH_ENV)
         _pdl_only_where_it_can(monkeypatch, pdl, cuda0, cuda1)
     assert pdl.launch(cuda0) == dict(PDL=False)
 
@@ -47,7 +53,7 @@ def _ptx(kernel, types: dict, consts: dict, pdl_on: bool) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = dict(consts, PDL=pdl_on)
+    consts = dict(consts, PDL=pdl_on, **({"PREFETCH": pdl_on} if "PREFETCH" in kernel.arg_names else {}))
     sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, launch_pdl=pdl_on)).asm["ptx"]
@@ -55,8 +61,8 @@ def _ptx(kernel, types: dict, consts: dict, pdl_on: bool) -> str:
 
 def test_the_wait_compiles_for_sm90_ahead_of_every_global_access():
     """PTX for sm_90 (triton alone, no GPU) of a weight-streaming kernel and of the mHC pre with its ticketed tail:
-    with ``PDL`` the wait and the release come before the first global load or atomic; without it neither is
-    there."""
+    with ``PDL`` the wait and the release come before the first global load or atomic, and the weight-streaming
+    kernel's L2 prefetch of its weight rows before the wait; without it none of them is there."""
     from kernels.triton import linear_group as L
     from kernels.triton import mhc_decode as MD
 
@@ -67,7 +73,8 @@ def test_the_wait_compiles_for_sm90_ahead_of_every_global_access():
                                                                                       "SCALE", "BASE", "W", "POST",
                                                                                       "COMB")}}
     pre = {a: pointers.get(a, "fp32" if "eps" in a else "i32") for a in MD._pre_norm_kernel.arg_names}
-    cases = [(L._grouped_kernel, grouped, dict(SPLIT=1, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"])),
+    cases = [(L._grouped_kernel, grouped, dict(SPLIT=1, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"],
+                                               LINES=c["prefetch_lines"])),
              (MD._pre_norm_kernel, pre, dict(HAS_RES=True, BT=16, BK=64, MP=32, PREC="tf32x3", STAGES=2, TB=1, NP=4,
                                               BD=2048, SB=128))]
     for kernel, types, consts in cases:
@@ -77,7 +84,10 @@ def test_the_wait_compiles_for_sm90_ahead_of_every_global_access():
         first = next(i for i, line in enumerate(lines)
                      if any(op in line for op in ("ld.global", "cp.async", "atom.", "red.", "st.global")))
         assert wait < release < first, (kernel.fn.__name__, wait, release, first)
-        assert "griddepcontrol" not in _ptx(kernel, types, consts, False)
+        prefetch = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
+        assert (prefetch and max(prefetch) < wait) if "PREFETCH" in kernel.arg_names else not prefetch
+        off = _ptx(kernel, types, consts, False)
+        assert "griddepcontrol" not in off and "prefetch" not in off
 
 
 @pytest.mark.gpu
