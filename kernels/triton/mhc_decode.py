@@ -48,6 +48,9 @@ __all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "PRE_NORM_CONFIG"]
 # tail's u loop loads (BD = TAIL_ELEMENTS / (tokens x streams), so one token's four 4,096-wide streams are two steps)
 PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS)
 TAIL_ELEMENTS = 8192
+# the lines of the mapping a program of the split GEMM asks L2 for before it waits (with PDL): 4 lines of 32 fp32,
+# the 128 columns a program reads of a Flash-shaped site's 16,384 (128 programs)
+FN_LINES = tl.constexpr(4)
 
 @triton.jit
 def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
@@ -87,13 +90,25 @@ def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, 
 
 
 @triton.jit
+def _mapping_lines(FN, M, K, KPER, s, MP: tl.constexpr):
+    """Pointers ``[MP, FN_LINES]`` to the 128-byte lines (32 fp32 columns) of the mapping ``FN [M, K]``'s columns
+    ``[s KPER, (s + 1) KPER)`` that program ``s`` reads (rows past ``M`` repeat the last, columns past the range its
+    last: a prefetch of an address twice costs nothing)."""
+    m = tl.minimum(tl.arange(0, MP), M - 1)
+    c = s * KPER + tl.minimum(tl.arange(0, FN_LINES) * 32, KPER - 1)
+    return FN + m.to(tl.int64)[:, None] * K + c[None, :]
+
+
+@triton.jit
 def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, COMB, T, K, M, KPER, SPLIT, n, d,
                      norm_eps, hc_eps, iters, eps, HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr,
-                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
+                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
     """Program ``s``: columns ``[s * KPER, (s + 1) * KPER)`` of the mixing GEMM into ``PART[s]``, ``SSP[s]``
-    (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`."""
-    pdl.wait_prior(PDL)
+    (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`. ``PREFETCH``: its
+    columns of the mapping ``FN`` asked of L2 before it waits on the kernel before it."""
+    pdl.wait_prior_after_prefetch(PDL, PREFETCH, _mapping_lines(FN, M, K, KPER, tl.program_id(0), MP))
     s = tl.program_id(0)
     mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
     if last_ticket(TICKET, SPLIT):
@@ -124,7 +139,7 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
                                BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
-                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device))
+                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device, True))
     return y, post, comb
 
 

@@ -165,7 +165,7 @@ def test_kernel_compiles_for_sm90():
     p32, pb, pi, i, f = "*fp32", "*bf16", "*i32", "i32", "fp32"
     for has_res, tb in ((True, 1), (True, 4), (False, 1)):
         consts = dict(HAS_RES=has_res, BT=c["BT"], BK=c["BK"], MP=32, PREC=mhc.PRECISION, STAGES=c["stages"], TB=tb,
-                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb), PDL=True)
+                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb), PDL=True, PREFETCH=True)
         types = [pb, p32, p32, p32, p32, pi, p32, p32, p32, pb, p32, p32, i, i, i, i, i, i, i, f, f, i, f]
         runtime = [a for a in K._pre_norm_kernel.arg_names if a not in consts]
         assert len(runtime) == len(types), runtime
