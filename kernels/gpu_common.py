@@ -77,6 +77,17 @@ def dependent_launches_on() -> bool:
     return getattr(_DEPENDENT, "on", False)
 
 
+def count_dependent_launch() -> None:
+    """Note that a kernel launch of this thread asked for PDL (``kernels/triton/pdl.py``'s ``launch``)."""
+    _DEPENDENT.count = getattr(_DEPENDENT, "count", 0) + 1
+
+
+def dependent_launch_count() -> int:
+    """How many kernel launches of this thread have asked for PDL so far: whether a failed step launched any
+    (``rollout.slot_decoder`` then names ``DSV4_PDL=0`` in its error)."""
+    return getattr(_DEPENDENT, "count", 0)
+
+
 def interpreting() -> bool:
     """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``: CPU tensors allowed, for debugging)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

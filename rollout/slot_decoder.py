@@ -36,7 +36,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from kernels.gpu_common import dependent_launches
+from kernels.gpu_common import dependent_launch_count, dependent_launches
 from kernels.reference.decode import DecodeCache
 from kernels.reference.slots import (SlotCache, StepRegions, decode_embed, decode_head, decode_layer,
                                     static_decode_step, static_step_body, static_step_checks)
@@ -162,9 +162,17 @@ class SlotDecoder:
         """The step on the first ``b`` slots, run now (compiled code included; not a graph replay), its triton
         kernels launched dependent on the ones before where the GPU allows (``kernels.gpu_common.
         dependent_launches``; a capture keeps that)."""
+        asked = dependent_launch_count()
         with torch.no_grad(), dependent_launches():
-            return self._step_fn(self.model, self.cache.view(b), self.tokens[:b], self.active[:b],
-                                 indexer_picks=self.indexer_picks)
+            try:
+                return self._step_fn(self.model, self.cache.view(b), self.tokens[:b], self.active[:b],
+                                     indexer_picks=self.indexer_picks)
+            except RuntimeError as err:
+                if isinstance(err, torch.OutOfMemoryError) or dependent_launch_count() == asked:
+                    raise
+                raise RuntimeError(f"the decode step failed with its triton kernels launched dependent on the ones "
+                                   f"before (programmatic dependent launch, kernels/triton/pdl.py): {err}; "
+                                   f"DSV4_PDL=0 launches them as before") from err
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()

@@ -58,6 +58,8 @@ def launch(device: torch.device, prefetch: bool = False) -> dict:
     (a kernel that takes ``PREFETCH``, :func:`wait_prior_after_prefetch`): also that constexpr, on with PDL unless
     ``DSV4_PDL_PREFETCH`` is ``0``."""
     on = enabled(device)
+    if on:
+        gpu_common.count_dependent_launch()
     args = dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
     if prefetch:
         args["PREFETCH"] = on and os.environ.get(PREFETCH_ENV, "1") != "0"

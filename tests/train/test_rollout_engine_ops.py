@@ -685,3 +685,39 @@ def test_a_grouped_prefill_is_the_reference_loops(monkeypatch):
     _, again, n2 = run(True, replay)
     assert n2 == 0                                                  # a replay keeps the loop
     torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def test_a_step_that_fails_with_dependent_launches_names_the_switch(monkeypatch):
+    """A decode step that asked for programmatic dependent launches (``kernels/triton/pdl.py``) and then failed
+    raises an error naming ``DSV4_PDL=0``, the cause chained; a failure of a step that asked for none is raised as
+    it is."""
+    from kernels import gpu_common
+    from kernels.reference.decode import prefill
+    from kernels.reference.model import DeepseekV4Model, init_weights
+    from kernels.reference.slots import stack_expert_weights
+    from rollout.slot_decoder import SlotDecoder
+
+    m = DeepseekV4Model(CFG).eval()
+    init_weights(m, 0, std=0.05)
+    m.requires_grad_(False)
+    stack_expert_weights(m)
+    with torch.no_grad():
+        template, _ = prefill(m, [[5, 6, 7]], max_len=16)
+    dec = SlotDecoder(m, template, 2, cuda_graphs=False)
+
+    def failing(ask):
+        def step(*args, **kwargs):
+            assert gpu_common.dependent_launches_on()          # the step runs inside dependent_launches
+            if ask:
+                gpu_common.count_dependent_launch()            # what pdl.launch notes on a Hopper GPU
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return step
+
+    monkeypatch.setattr(dec, "_step_fn", failing(True))
+    with pytest.raises(RuntimeError, match=r"dependent launch.*not permitted.*DSV4_PDL=0") as got:
+        dec.step(1, torch.tensor([3]), torch.tensor([True]))
+    assert "not permitted" in str(got.value.__cause__)
+    monkeypatch.setattr(dec, "_step_fn", failing(False))
+    with pytest.raises(RuntimeError, match="not permitted") as got:
+        dec.step(1, torch.tensor([3]), torch.tensor([True]))
+    assert "DSV4_PDL" not in str(got.value)
