@@ -641,6 +641,8 @@ class ReferenceEngine(RolloutEngineBase):
                 slots = free[: len(take)]
                 clock.enter("setup")                  # the slots (and their graphs) when a call needs new ones
                 dec = self._decoder_for(M, max(P) + T - 1)      # a drawn token past T - 2 is never fed
+                if last.data_ptr() != dec.tokens.data_ptr():     # the slots' next tokens where the step reads
+                    last = dec.tokens[:M].copy_(last)            # them: no copy a step (SlotDecoder.step)
                 clock.enter("prefill")                # the prompts and each sample's first draw
                 step = self.prefill_batch or len(take)
                 logits = []
@@ -677,8 +679,8 @@ class ReferenceEngine(RolloutEngineBase):
             if view is None:
                 mask = torch.zeros(b, dtype=torch.bool)
                 mask[live] = True
-                view = (to_device(live, dev), to_device(mask, dev), to_device([sample_of[s] for s in live], dev),
-                        to_device([drawn[s] for s in live], dev))
+                view = (to_device(live, dev), dec.active[:b].copy_(mask), to_device([sample_of[s] for s in live], dev),
+                        to_device([drawn[s] for s in live], dev))       # the mask where the step reads it
                 # the live slots are the first ones (packed above): their logits are a prefix, no gather needed
                 prefix = live == list(range(len(live)))
             rows, mask, ids, t = view

@@ -120,6 +120,12 @@ def compiled_decode_step(backend: str = "inductor", fullgraph: bool = True):
     return step
 
 
+def _is_prefix(t: torch.Tensor, buf: torch.Tensor, b: int) -> bool:
+    """Whether ``t`` is ``buf[:b]`` itself (the same memory, shape and dtype)."""
+    return (t.data_ptr() == buf.data_ptr() and t.shape == (b,) and t.dtype == buf.dtype and t.device == buf.device
+            and t.stride() == buf.stride())
+
+
 class SlotDecoder:
     """``M`` slots shaped like ``template``'s rows, and the decode step over the first ``b`` of them.
 
@@ -196,13 +202,16 @@ class SlotDecoder:
         self.cache.pos.zero_()
 
     def step(self, b: int, tokens: torch.Tensor, active: torch.Tensor):
-        """One decode step on slots ``[0, b)`` (``b`` a bucket): ``tokens [b]`` fed, ``active [b]`` advance.
+        """One decode step on slots ``[0, b)`` (``b`` a bucket): ``tokens [b]`` fed, ``active [b]`` advance. A
+        caller that keeps them in the decoder's own buffers (``tokens[:b]``, ``active[:b]``: the engine writes each
+        draw there) spares the step two copies, two launches of their own outside its graph.
         Returns ``(logits [b, V], routes [b, n_learned, k])`` (and the indexer picks ``[b, n_csa, index_topk]``
         with ``indexer_picks``), valid until the next step."""
         if b not in self.buckets:
             raise ValueError(f"SlotDecoder.step: {b} slots is not a bucket ({self.buckets})")
-        self.tokens[:b].copy_(tokens)
-        self.active[:b].copy_(active)
+        for buf, given in ((self.tokens, tokens), (self.active, active)):
+            if not _is_prefix(given, buf, b):      # the caller keeps them in place (the engine does): no copy
+                buf[:b].copy_(given)
         if not self.cuda_graphs:
             return self._eager(b)
         g, outputs = self._graphs[b]

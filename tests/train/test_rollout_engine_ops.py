@@ -721,3 +721,30 @@ def test_a_step_that_fails_with_dependent_launches_names_the_switch(monkeypatch)
     with pytest.raises(RuntimeError, match="not permitted") as got:
         dec.step(1, torch.tensor([3]), torch.tensor([True]))
     assert "DSV4_PDL" not in str(got.value)
+
+
+def test_the_engine_feeds_the_decode_step_in_place(monkeypatch):
+    """The cached engine writes each slot's next token and the live mask where the decode step reads them (the
+    decoder's own buffers), so a step copies neither (two launches outside its CUDA graph); a caller that passes
+    other tensors gets them copied in."""
+    from kernels.reference.model import init_weights
+    from rollout import slot_decoder
+    from rollout.reference_engine import ReferenceEngine, SamplingParams
+
+    e = ReferenceEngine(CFG, dtype=torch.bfloat16, device="cpu", kv_cache=True, cuda_graphs=False, max_slots=2)
+    init_weights(e.model, 0)
+    e.begin_update(1)
+    e.load_bucket([(n, t.clone()) for n, t in e.model.state_dict().items()])
+    e.finish_update()
+    seen, real = [], slot_decoder._is_prefix
+    monkeypatch.setattr(slot_decoder, "_is_prefix", lambda t, buf, b: seen.append(real(t, buf, b)) or seen[-1])
+    want = e.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, stop_token_ids=()), n=2, seed=0)
+    assert len(seen) >= 10 and all(seen)                  # tokens and mask, every step, in place
+    dec = e._decoder
+    dec.step(1, torch.tensor([4]), torch.tensor([False]))      # other tensors: copied in
+    assert int(dec.tokens[0]) == 4 and not bool(dec.active[0]) and seen[-2:] == [False, False]
+    monkeypatch.setattr(slot_decoder, "_is_prefix", real)
+    again = e.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, stop_token_ids=()), n=2, seed=0)
+    for g_again, g_want in zip(again, want):            # a stale buffer (the step above) changes no sample
+        for a, w in zip(g_again, g_want):
+            assert a.response_ids == w.response_ids and torch.equal(a.logprobs, w.logprobs)
