@@ -249,7 +249,8 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     routed experts, the order of their rows, the GEMMs through that order, the second with the activation in its
     operand load, and the pairs' sum, ``kernels.reference.slots``; without it that step runs
     ``torch._grouped_mm`` and torch's counting); ``sampling``: a module whose
-    ``draw_tokens`` becomes an extra op (the rollout engine's sampler at top-p 1, ``rollout.reference_engine``);
+    ``draw_tokens`` and ``draw_record`` become extra ops (the rollout engine's sampler at top-p 1, and in a decode
+    step that draw with the engine's records of it, ``rollout.reference_engine``);
     ``routing``: a module whose ``route_experts`` becomes an extra op (the eager decode step's router);
     ``compress``: a module whose ``compressor_step`` becomes an extra op (the eager decode step's compressors after
     their GEMMs, ``kernels.reference.slots._compress_masked``); ``norm_rope``: a module whose ``norm_rope`` becomes
@@ -279,7 +280,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                           (swiglu, ("weighted_swiglu",)), (logprobs, ("head_logprobs",)),
                           (experts, ("experts_grouped_mm", "expert_order", "experts_gather_mm", "experts_scatter_mm",
                                      "experts_swiglu_scatter_mm", "moe_combine")), (hadamard, ("hadamard_transform",)),
-                          (sampling, ("draw_tokens",)), (routing, ("route_experts",)),
+                          (sampling, ("draw_tokens", "draw_record")), (routing, ("route_experts",)),
                           (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)),
                           (topk, ("decode_topk", "attention_rows")),
                           (index_query, ("index_query",)), (linear_group, ("linear_group", "grouped_projection")),

@@ -56,7 +56,10 @@ The **sampler** (``rollout.reference_engine.sample_tokens``) takes a table's ext
 backend's: ``kernels/triton/sampling.py``) for calls at top-p 1 without top-k, where it takes the probe's inputs
 (:func:`sampler_choice`); it is recorded apart (``engine.sample_ops``): it runs after the decode step, never
 inside its graph. Calls with top-p below 1 or a top-k sort the distribution with torch (the kernel has no
-truncation).
+truncation). Where the table also has ``draw_record`` and it takes a probe's inputs (:func:`record_choice`), a
+decode step's draw of such a call writes the engine's records of it in the same launch (the sample's next
+uniform, its token and log-probability, the slot's next input: five launches of torch otherwise); recorded in
+``engine.sample_ops`` too.
 
 ``sinkhorn`` is not called on its own: the reference model's ``hc_pre`` (and a backend's fused one) runs the
 Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre``.
@@ -75,7 +78,8 @@ __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
            "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
            "attention_inverse_rope_inputs",
-           "grouped_projection_inputs", "swiglu_scatter_inputs", "combine_post_inputs", "sampler_choice"]
+           "grouped_projection_inputs", "swiglu_scatter_inputs", "combine_post_inputs", "sampler_choice",
+           "record_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step
@@ -419,6 +423,25 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
     indexer_inputs = (reference if "indexer_scores" in refusals else table).indexer_inputs
     return (OpTable(table.backend, {}, delegated=chosen, dtypes=table.dtypes, indexer_inputs=indexer_inputs),
             served, refusals)
+
+
+def record_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:
+    """``(sample_ops, record, refusal)``: the table's ``draw_record`` (a decode step's draw with the engine's
+    records of it, ``kernels.reference.sampling.draw_record``) where it has one and takes a probe's inputs (as
+    :func:`sampler_choice`'s, with the records' int64 and fp32 tensors), recorded as ``{"draw_record": backend}``;
+    else ``({}, None, the refusal or None)``: the engine draws and records with :func:`sampler_choice`'s draw and
+    torch's indexed writes."""
+    if "draw_record" not in table.names():
+        return {}, None, None
+    fn = getattr(table, "draw_record")
+    longs = dict(dtype=torch.long, device=device)
+    probe = (torch.zeros(1, 2 * block + 1, device=device), torch.full((2, 3), 0.5, dtype=torch.float64, device=device),
+             torch.ones(1, **longs), torch.zeros(1, **longs), torch.zeros(2, 3, **longs),
+             torch.zeros(2, 3, device=device), torch.zeros(2, **longs), torch.zeros(1, **longs), 1.0, block)
+    reason = _refusal(fn, [probe])
+    if reason is not None:
+        return {}, None, reason
+    return {"draw_record": table.provider["draw_record"]}, fn, None
 
 
 def sampler_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:

@@ -236,7 +236,8 @@ class ReferenceEngine(RolloutEngineBase):
     same ops, except the reference op for each op that refuses a one-token step's inputs
     (:func:`rollout.engine_ops.decode_choices`). ``prefill_ops`` / ``decode_ops``: ``{op: backend}`` for the
     ops a generate call runs; ``decode_refusals``: ``{op: why the run's kernel does not serve decode}``;
-    ``sample_ops``: ``{"draw_tokens": backend}`` where the sampler takes the table's kernel (top-p 1 calls)."""
+    ``sample_ops``: ``{"draw_tokens": backend}`` where the sampler takes the table's kernel (top-p 1 calls), and
+    ``"draw_record"`` where a decode step's draw also writes the engine's records of it in that launch."""
 
     name = "reference"
 
@@ -247,7 +248,7 @@ class ReferenceEngine(RolloutEngineBase):
         from kernels.reference import backend as reference
         from kernels.reference.model import DeepseekV4Model
 
-        from .engine_ops import decode_choices, engine_ops, sampler_choice
+        from .engine_ops import decode_choices, engine_ops, record_choice, sampler_choice
 
         self.config, self.dtype, self.record_routing = config, dtype, record_routing
         self.record_indexer = bool(record_indexer)   # indexer replay: Sample.indexer_picks (module docstring)
@@ -286,6 +287,14 @@ class ReferenceEngine(RolloutEngineBase):
         if why is not None:
             log.warning("rollout engine: the sampler runs torch's ops: the %s draw_tokens kernel refuses them: %s",
                         self.ops.provider["draw_tokens"], why)
+        # a decode step's draw with its records in one launch (sample_ops: {"draw_record": backend}), where the
+        # table's draw runs
+        recorded, self._record, why = ({}, None, None) if self._draw is None else record_choice(self.ops, self.device,
+                                                                                                CDF_BLOCK)
+        self.sample_ops.update(recorded)
+        if why is not None:
+            log.warning("rollout engine: a decode step records its draws with torch's ops: the %s draw_record kernel "
+                        "refuses them: %s", self.ops.provider["draw_record"], why)
         self._fullgraph = True        # torch.compile's: no graph break in the decode step
         if self.compile:              # untraceable kernel ops run eagerly inside it (a graph break each)
             from engine.compile import kernel_op_names, opaque_kernel_ops
@@ -679,8 +688,10 @@ class ReferenceEngine(RolloutEngineBase):
             if view is None:
                 mask = torch.zeros(b, dtype=torch.bool)
                 mask[live] = True
-                view = (to_device(live, dev), dec.active[:b].copy_(mask), to_device([sample_of[s] for s in live], dev),
-                        to_device([drawn[s] for s in live], dev))       # the mask where the step reads it
+                live_mask = dec.active[:b].copy_(mask.pin_memory() if dev.type == "cuda" else mask,
+                                                 non_blocking=True)    # where the step reads it, not waiting
+                view = (to_device(live, dev), live_mask, to_device([sample_of[s] for s in live], dev),
+                        to_device([drawn[s] for s in live], dev))
                 # the live slots are the first ones (packed above): their logits are a prefix, no gather needed
                 prefix = live == list(range(len(live)))
             rows, mask, ids, t = view
@@ -695,11 +706,15 @@ class ReferenceEngine(RolloutEngineBase):
                     fed_routes.append(routes.index_select(0, rows))
                 if picks is not None:
                     fed_picks.append(step_picks[0].index_select(0, rows))
-            t = t + 1
-            tok, lp = sample_tokens(logits[:len(live)] if prefix else logits.index_select(0, rows), u[ids, t], params,
-                                    self._draw)
-            tokens[ids, t], logps[ids, t] = tok, lp
-            last[rows] = tok
+            step_logits = logits[:len(live)] if prefix else logits.index_select(0, rows)
+            if self._record is not None and params.top_p == 1.0 and not params.top_k:
+                tok, lp = self._record(step_logits.float(), u, ids, t, tokens, logps, last, rows,
+                                       params.temperature, CDF_BLOCK)          # t moves on in place
+            else:
+                t = t + 1
+                tok, lp = sample_tokens(step_logits, u[ids, t], params, self._draw)
+                tokens[ids, t], logps[ids, t] = tok, lp
+                last[rows] = tok
             view = (rows, mask, ids, t)
             flags, sids = stop_flags(tok), [sample_of[s] for s in live]
             for s in live:

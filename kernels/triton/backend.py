@@ -50,7 +50,8 @@ def ops() -> "OpTable":
     the pairs' sum, and ``experts_swiglu_scatter_mm``, the activation and the second GEMM in one launch
     (``kernels/triton/experts.py``); ``route_experts``, its eager MoE's router in one launch
     (``kernels/triton/routing.py``); ``draw_tokens``, the rollout engine's
-    sampler at top-p 1 (``kernels/triton/sampling.py``); ``compressor_step``, its eager decode step's compressors
+    sampler at top-p 1, and ``draw_record``, a decode step's draw with the engine's records of it
+    (``kernels/triton/sampling.py``); ``compressor_step``, its eager decode step's compressors
     after their GEMMs in one launch (``kernels/triton/compress.py``); ``norm_rope``, its eager decode step's query
     and key norms and rotations (and the key's write into the ring), one launch each
     (``kernels/triton/norm_rope.py``); ``decode_topk``, its eager decode step's indexer picks in one launch, and

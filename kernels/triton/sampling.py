@@ -33,7 +33,7 @@ import triton.language as tl
 from kernels import gpu_common
 from kernels.triton import pdl
 
-__all__ = ["draw_tokens"]
+__all__ = ["draw_tokens", "draw_record"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -84,15 +84,24 @@ def _block_mass_kernel(L, M, S, LSE, TOT, temperature, V, NB, SCALED: tl.constex
 
 
 @triton.jit
-def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, SCALED: tl.constexpr, B: tl.constexpr,
-                 NBP: tl.constexpr, PDL: tl.constexpr = False):
-    """Program ``row``: the block, then the entry, whose running float64 mass holds ``u x`` the row's mass."""
+def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS, LOGPS, LAST, ROWS, STEPS,
+                 SCALED: tl.constexpr, B: tl.constexpr, NBP: tl.constexpr, RECORD: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
+    """Program ``row``: the block, then the entry, whose running float64 mass holds ``u x`` the row's mass.
+    ``RECORD`` (:func:`draw_record`): the uniform is ``U[IDS[row], TCUR[row] + 1]`` (``STEPS`` a row), and the
+    program writes the token and its log-probability there in ``TOKENS`` and ``LOGPS``, the token to
+    ``LAST[ROWS[row]]``, and ``TCUR[row] + 1`` back to ``TCUR``."""
     pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.arange(0, NBP)
     tot = tl.load(TOT + row * NB + blocks, mask=blocks < NB, other=0.0)
     upto = tl.cumsum(tot, 0)                                              # mass through each block
-    target = tl.load(U + row) * tl.max(upto, 0)                           # the row's mass: the last running sum
+    if RECORD:
+        at = tl.load(IDS + row) * STEPS + tl.load(TCUR + row) + 1         # the sample's entry of this draw
+        u = tl.load(U + at)
+    else:
+        u = tl.load(U + row)
+    target = u * tl.max(upto, 0)                                          # the row's mass: the last running sum
     blk = tl.sum((upto <= target).to(tl.int32), 0)                        # searchsorted, right
     blk = tl.minimum(blk, tl.max(tl.where(tot > 0, blocks, 0), 0))        # never a block without mass
     before = tl.sum(tl.where(blocks == blk - 1, upto, 0.0), 0)            # the earlier blocks' mass
@@ -112,6 +121,11 @@ def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, SCALED: tl.constex
         lp = lp / temperature
     tl.store(TOK + row, tok.to(tl.int64))
     tl.store(LP + row, lp - lse)
+    if RECORD:
+        tl.store(TOKENS + at, tok.to(tl.int64))
+        tl.store(LOGPS + at, lp - lse)
+        tl.store(LAST + tl.load(ROWS + row), tok.to(tl.int64))
+        tl.store(TCUR + row, tl.load(TCUR + row) + 1)
 
 
 def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block: int
@@ -120,20 +134,64 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block
     ``u [N]`` (float64) with blocks of ``block`` entries (a power of two): ``logits [N, V]`` fp32 on CUDA (or
     under ``TRITON_INTERPRET=1``). Anything else is refused with the reason."""
     op = "draw_tokens"
-    gpu_common.check_op_input(op, logits, "logits", dtypes=(torch.float32,))
-    if logits.dim() != 2 or logits.shape[1] == 0 or u.shape != logits.shape[:1] or u.dtype != torch.float64:
+    _check_logits(op, logits, temperature, block)
+    if u.shape != logits.shape[:1] or u.dtype != torch.float64:
         raise gpu_common.op_refusal(op, f"logits {tuple(logits.shape)} with u {tuple(u.shape)} {u.dtype} (needs "
                                         f"logits [N, V] and float64 u [N])")
+    return _launch(logits, u.contiguous(), temperature, block, None)
+
+
+def draw_record(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor,
+                logps: torch.Tensor, last: torch.Tensor, rows: torch.Tensor, temperature: float, block: int
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.reference.sampling.draw_record``: :func:`draw_tokens` at the uniforms ``u[ids, t + 1]`` (``u
+    [samples, steps]`` float64), with the engine's records of the draw in its last kernel: ``t`` (int64 ``[N]``)
+    moved on by one in place, the token and its log-probability written to ``tokens[ids, t]`` (int64) and
+    ``logps[ids, t]`` (fp32, both ``[samples, steps]``), the token to ``last[rows]`` (int64). Why: the engine's
+    decode loop ran those as five launches of torch between two replays of the step's graph (the index
+    arithmetic, the uniforms' gather, three indexed writes), each a gap of its own at one sequence. Anything else
+    is refused with the reason."""
+    op = "draw_record"
+    _check_logits(op, logits, temperature, block)
+    N = logits.shape[0]
+    problem = None
+    if u.dim() != 2 or u.dtype != torch.float64 or not u.is_contiguous():
+        problem = f"u {tuple(u.shape)} {u.dtype} (needs contiguous float64 [samples, steps])"
+    elif any(x.shape != (N,) or x.dtype != torch.long for x in (ids, t, rows)):
+        problem = "ids, t and rows of one int64 entry a row of the logits"
+    elif tokens.shape != u.shape or logps.shape != u.shape or tokens.dtype != torch.long or \
+            logps.dtype != torch.float32 or not (tokens.is_contiguous() and logps.is_contiguous()):
+        problem = "tokens (int64) and logps (fp32), contiguous and shaped like u"
+    elif last.dim() != 1 or last.dtype != torch.long or last.stride(0) != 1:
+        problem = "last: a dense int64 vector"
+    elif any(x.device != logits.device for x in (u, ids, t, tokens, logps, last, rows)):
+        problem = "every tensor on the logits' device"
+    elif not (ids.is_contiguous() and t.is_contiguous() and rows.is_contiguous()):
+        problem = "contiguous ids, t and rows"
+    if problem is not None:
+        raise gpu_common.op_refusal(op, problem)
+    return _launch(logits, u, temperature, block, (ids, t, tokens, logps, last, rows, u.shape[1]))
+
+
+def _check_logits(op: str, logits: torch.Tensor, temperature: float, block: int) -> None:
+    gpu_common.check_op_input(op, logits, "logits", dtypes=(torch.float32,))
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise gpu_common.op_refusal(op, f"logits {tuple(logits.shape)} (needs logits [N, V])")
     if block < 16 or block & (block - 1) or not temperature > 0:
         raise gpu_common.op_refusal(op, f"blocks of {block} at temperature {temperature} (needs a power-of-two "
                                         f"block of at least 16 and a positive temperature)")
+
+
+def _launch(logits, u, temperature: float, block: int, record):
+    """The three kernels on checked inputs; ``record``: ``(ids, t, tokens, logps, last, rows, steps)`` for
+    :func:`draw_record`, else None."""
     N, V = logits.shape
     dev = logits.device
     tok = torch.empty(N, dtype=torch.long, device=dev)
     lp = torch.empty(N, dtype=torch.float32, device=dev)
     if N == 0:
         return tok, lp
-    logits, u = logits.contiguous(), u.contiguous()
+    logits = logits.contiguous()
     nb = triton.cdiv(V, block)
     nbp = triton.next_power_of_2(nb)
     m = torch.empty(N, nb, dtype=torch.float32, device=dev)
@@ -145,6 +203,7 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block
                                  **pdl.launch(logits.device))
     _block_mass_kernel[(N, nb)](logits, m, s, lse, tot, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4,
                                 **pdl.launch(logits.device))
-    _draw_kernel[(N,)](logits, lse, tot, u, tok, lp, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4,
-                       **pdl.launch(logits.device))
+    rec = record or (tok,) * 6 + (0,)                  # pointers the kernel never reads without RECORD
+    _draw_kernel[(N,)](logits, lse, tot, u, tok, lp, t, V, nb, *rec, SCALED=scaled, B=block, NBP=nbp,
+                       RECORD=record is not None, num_warps=4, **pdl.launch(logits.device))
     return tok, lp

@@ -481,6 +481,39 @@ def test_a_draw_kernel_that_refuses_leaves_the_torch_sampler_on_the_record(caplo
     assert "fake.draw_tokens" not in ran
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_decode_steps_record_their_draws_through_the_tables_draw_record(top_p):
+    """A table with ``draw_tokens`` and ``draw_record`` (the triton backend's; here their rules in torch under the
+    name ``fake``): the engine records both, and at top-p 1 each decode step draws and writes its records (the
+    sample's token and log-probability, the slot's next input) through ``draw_record``, the samples of the table
+    without it; at top-p below 1 neither runs. A ``draw_record`` that refuses the probe is logged and left out."""
+    from kernels.reference.sampling import draw_record, draw_tokens
+    from rollout.reference_engine import ReferenceEngine
+
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens, "draw_record": draw_record})))
+    assert e.sample_ops == {"draw_tokens": "fake", "draw_record": "fake"}
+    got, ran = _generate(e, _params(top_p=top_p))
+    assert (ran.get("fake.draw_record", 0) > 0) is (top_p == 1.0), ran
+    want, _ = _generate(_synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens}))),
+                        _params(top_p=top_p))
+    for ga, gb in zip(got, want, strict=True):
+        for a, b in zip(ga, gb, strict=True):
+            assert a.response_ids == b.response_ids and torch.equal(a.logprobs, b.logprobs)
+    if top_p == 1.0:
+        wrong = _synced(ReferenceEngine(CFG, ops=_fake(extra={       # records the token one step late: caught
+            "draw_tokens": draw_tokens, "draw_record": lambda lg, u, ids, t, *rest: draw_record(lg, u, ids, t - 1,
+                                                                                                *rest)})))
+        bad, _ = _generate(wrong)
+        assert any(a.response_ids != b.response_ids for ga, gb in zip(bad, want) for a, b in zip(ga, gb))
+
+    def picky(*args):
+        raise ValueError("the fake draw_record kernel takes CUDA tensors only")
+
+    e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens, "draw_record": picky})))
+    assert e.sample_ops == {"draw_tokens": "fake"}
+    assert "fake.draw_record" not in _generate(e)[1]
+
+
 def test_the_compiled_decode_step_draws_the_eager_steps_samples():
     """One slot: one bucket, so one compile (a few seconds); about one token in five stops, so the slot
     takes sample after sample."""

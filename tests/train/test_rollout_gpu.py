@@ -368,7 +368,8 @@ def test_the_engine_runs_the_runs_gpu_kernels(train_model, backend, graphs):
     if backend == "triton":     # the eager step's norms, RoPE and (grouped MoE, bf16 on this GPU) the activation
         assert {e.decode_ops[op] for op in ("rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu")} == {
             "triton"}, e.decode_ops
-        assert e.sample_ops == {"draw_tokens": "triton"}          # the sampler's kernel (top-p 1 here)
+        # the sampler's kernel (top-p 1 here), and in a decode step the draw with its records
+        assert e.sample_ops == {"draw_tokens": "triton", "draw_record": "triton"}
     ref = ReferenceEngine(CFG, dtype=torch.bfloat16, device=e.device, cuda_graphs=graphs)
     for eng in (e, ref):
         assert sync_weights(train_model, eng, version=1, engine_dtype=torch.bfloat16).ok
