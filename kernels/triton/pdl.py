@@ -82,10 +82,11 @@ def wait_prior_after_prefetch(PDL: tl.constexpr, PREFETCH: tl.constexpr, lines):
     waits while the kernel before it finishes, which at a few tokens is often one program's serial tail (the mHC
     pre's coefficients, a split reduction's sum) on an otherwise idle GPU; a projection's first weight bytes can
     stream in meanwhile. A prefetch neither reads nor writes a value the program sees, so the rule holds: nothing
-    the kernels before write is touched early."""
+    the kernels before write is touched early. At the normal eviction priority: the lines are read once, right
+    after, and an ``evict_last`` mark would keep them in L2 over the step's activations."""
     if PDL:
         if PREFETCH:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
                                       dtype=tl.int32, is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
