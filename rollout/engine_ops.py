@@ -58,8 +58,8 @@ backend's: ``kernels/triton/sampling.py``) for calls at top-p 1 without top-k, w
 inside its graph. Calls with top-p below 1 or a top-k sort the distribution with torch (the kernel has no
 truncation). Where the table also has ``draw_record`` and it takes a probe's inputs (:func:`record_choice`), a
 decode step's draw of such a call writes the engine's records of it in the same launch (the sample's next
-uniform, its token and log-probability, the slot's next input: five launches of torch otherwise); recorded in
-``engine.sample_ops`` too.
+uniform, its token and log-probability, the slot's next input, the stop flags: seven launches of torch otherwise);
+recorded in ``engine.sample_ops`` too.
 
 ``sinkhorn`` is not called on its own: the reference model's ``hc_pre`` (and a backend's fused one) runs the
 Sinkhorn iterations inside, so it is served by whichever backend serves ``hc_pre``.
@@ -437,7 +437,8 @@ def record_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], O
     longs = dict(dtype=torch.long, device=device)
     probe = (torch.zeros(1, 2 * block + 1, device=device), torch.full((2, 3), 0.5, dtype=torch.float64, device=device),
              torch.ones(1, **longs), torch.zeros(1, **longs), torch.zeros(2, 3, **longs),
-             torch.zeros(2, 3, device=device), torch.zeros(2, **longs), torch.zeros(1, **longs), 1.0, block)
+             torch.zeros(2, 3, device=device), torch.zeros(2, **longs), torch.zeros(1, **longs),
+             torch.ones(1, **longs), 1.0, block)
     reason = _refusal(fn, [probe])
     if reason is not None:
         return {}, None, reason

@@ -608,12 +608,13 @@ class ReferenceEngine(RolloutEngineBase):
         def stopped(tok):                             # a host sync (an admission's first draws)
             return torch.isin(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
 
-        def stop_flags(tok):
-            """A decode step's stop flags on their way to the host, read one step later (:func:`settle`), so
-            that the engine launches the next step without waiting for this one; None without stop tokens."""
+        def stop_flags(tok, flags=None):
+            """A decode step's stop flags (``flags``, or computed here) on their way to the host, read one step
+            later (:func:`settle`), so that the engine launches the next step without waiting for this one; None
+            without stop tokens."""
             if not params.stop_token_ids:
                 return None
-            flags = torch.isin(tok, stops)
+            flags = torch.isin(tok, stops) if flags is None else flags
             if not flags.is_cuda:
                 return flags, None
             host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
@@ -707,16 +708,17 @@ class ReferenceEngine(RolloutEngineBase):
                 if picks is not None:
                     fed_picks.append(step_picks[0].index_select(0, rows))
             step_logits = logits[:len(live)] if prefix else logits.index_select(0, rows)
+            hits = None
             if self._record is not None and params.top_p == 1.0 and not params.top_k:
-                tok, lp = self._record(step_logits.float(), u, ids, t, tokens, logps, last, rows,
-                                       params.temperature, CDF_BLOCK)          # t moves on in place
+                tok, lp, hits = self._record(step_logits.float(), u, ids, t, tokens, logps, last, rows, stops,
+                                             params.temperature, CDF_BLOCK)    # t moves on in place
             else:
                 t = t + 1
                 tok, lp = sample_tokens(step_logits, u[ids, t], params, self._draw)
                 tokens[ids, t], logps[ids, t] = tok, lp
                 last[rows] = tok
             view = (rows, mask, ids, t)
-            flags, sids = stop_flags(tok), [sample_of[s] for s in live]
+            flags, sids = stop_flags(tok, hits), [sample_of[s] for s in live]
             for s in live:
                 drawn[s] += 1
                 if drawn[s] == T - 1:                 # its last token: known without the GPU

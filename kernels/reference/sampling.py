@@ -71,20 +71,20 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block
 
 
 def draw_record(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor,
-                logps: torch.Tensor, last: torch.Tensor, rows: torch.Tensor, temperature: float,
-                block: int = CDF_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+                logps: torch.Tensor, last: torch.Tensor, rows: torch.Tensor, stops: torch.Tensor, temperature: float,
+                block: int = CDF_BLOCK) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode step's draw and the engine's records of it (``rollout.reference_engine``'s loop): each row ``r`` of
     ``logits [N, V]`` is sample ``ids[r]``'s next token, its index in the sample ``t[r] + 1``. ``t`` moves on by one
     in place; :func:`draw_tokens` at the uniforms ``u[ids, t]`` (``u [samples, steps]`` float64); the token and its
     log-probability written to ``tokens[ids, t]`` and ``logps[ids, t]``, and the token to ``last[rows]`` (the slot
-    that feeds it next). Returns ``(tokens [N], log-probs [N])`` as :func:`draw_tokens` does. The torch contract of
-    the GPU backends' one-launch record (``kernels/triton/sampling.py``)."""
+    that feeds it next). Returns ``(tokens [N], log-probs [N], flags [N])`` (``flags``: whether each token is one of
+    ``stops``, int64). The torch contract of the GPU backends' one-launch record (``kernels/triton/sampling.py``)."""
     t.add_(1)
     tok, lp = draw_tokens(logits, u[ids, t], temperature, block)
     tokens[ids, t] = tok
     logps[ids, t] = lp
     last[rows] = tok
-    return tok, lp
+    return tok, lp, torch.isin(tok, stops)
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

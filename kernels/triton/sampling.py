@@ -84,13 +84,14 @@ def _block_mass_kernel(L, M, S, LSE, TOT, temperature, V, NB, SCALED: tl.constex
 
 
 @triton.jit
-def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS, LOGPS, LAST, ROWS, STEPS,
-                 SCALED: tl.constexpr, B: tl.constexpr, NBP: tl.constexpr, RECORD: tl.constexpr = False,
+def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS, LOGPS, LAST, ROWS, STEPS, STOPS,
+                 NSTOPS, FLAGS, SCALED: tl.constexpr, B: tl.constexpr, NBP: tl.constexpr, RECORD: tl.constexpr = False,
                  PDL: tl.constexpr = False):
     """Program ``row``: the block, then the entry, whose running float64 mass holds ``u x`` the row's mass.
     ``RECORD`` (:func:`draw_record`): the uniform is ``U[IDS[row], TCUR[row] + 1]`` (``STEPS`` a row), and the
     program writes the token and its log-probability there in ``TOKENS`` and ``LOGPS``, the token to
-    ``LAST[ROWS[row]]``, and ``TCUR[row] + 1`` back to ``TCUR``."""
+    ``LAST[ROWS[row]]``, ``TCUR[row] + 1`` back to ``TCUR``, and to ``FLAGS[row]`` whether the token is one of the
+    ``NSTOPS`` ids at ``STOPS``."""
     pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.arange(0, NBP)
@@ -126,6 +127,10 @@ def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS,
         tl.store(LOGPS + at, lp - lse)
         tl.store(LAST + tl.load(ROWS + row), tok.to(tl.int64))
         tl.store(TCUR + row, tl.load(TCUR + row) + 1)
+        hit = tok < 0                                                     # False, as the token's type
+        for i in range(0, NSTOPS):
+            hit = hit | (tok.to(tl.int64) == tl.load(STOPS + i))
+        tl.store(FLAGS + row, hit)
 
 
 def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block: int
@@ -142,15 +147,16 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, block
 
 
 def draw_record(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor,
-                logps: torch.Tensor, last: torch.Tensor, rows: torch.Tensor, temperature: float, block: int
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                logps: torch.Tensor, last: torch.Tensor, rows: torch.Tensor, stops: torch.Tensor, temperature: float,
+                block: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.reference.sampling.draw_record``: :func:`draw_tokens` at the uniforms ``u[ids, t + 1]`` (``u
     [samples, steps]`` float64), with the engine's records of the draw in its last kernel: ``t`` (int64 ``[N]``)
     moved on by one in place, the token and its log-probability written to ``tokens[ids, t]`` (int64) and
-    ``logps[ids, t]`` (fp32, both ``[samples, steps]``), the token to ``last[rows]`` (int64). Why: the engine's
-    decode loop ran those as five launches of torch between two replays of the step's graph (the index
-    arithmetic, the uniforms' gather, three indexed writes), each a gap of its own at one sequence. Anything else
-    is refused with the reason."""
+    ``logps[ids, t]`` (fp32, both ``[samples, steps]``), the token to ``last[rows]`` (int64), and whether it is one
+    of ``stops`` (int64) returned as a third output (bool ``[N]``). Why: the engine's decode loop ran those as
+    seven launches of torch between two replays of the step's graph (the index arithmetic, the uniforms' gather,
+    three indexed writes, the stop test's two), each a gap of its own at one sequence. Anything else is refused
+    with the reason."""
     op = "draw_record"
     _check_logits(op, logits, temperature, block)
     N = logits.shape[0]
@@ -164,13 +170,18 @@ def draw_record(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, t: tor
         problem = "tokens (int64) and logps (fp32), contiguous and shaped like u"
     elif last.dim() != 1 or last.dtype != torch.long or last.stride(0) != 1:
         problem = "last: a dense int64 vector"
-    elif any(x.device != logits.device for x in (u, ids, t, tokens, logps, last, rows)):
+    elif stops.dim() != 1 or stops.dtype != torch.long:
+        problem = "stops: an int64 vector"
+    elif any(x.device != logits.device for x in (u, ids, t, tokens, logps, last, rows, stops)):
         problem = "every tensor on the logits' device"
-    elif not (ids.is_contiguous() and t.is_contiguous() and rows.is_contiguous()):
-        problem = "contiguous ids, t and rows"
+    elif not all(x.is_contiguous() for x in (ids, t, rows, stops)):
+        problem = "contiguous ids, t, rows and stops"
     if problem is not None:
         raise gpu_common.op_refusal(op, problem)
-    return _launch(logits, u, temperature, block, (ids, t, tokens, logps, last, rows, u.shape[1]))
+    flags = torch.zeros(N, dtype=torch.bool, device=logits.device)
+    tok, lp = _launch(logits, u, temperature, block,
+                      (ids, t, tokens, logps, last, rows, u.shape[1], stops, stops.numel(), flags))
+    return tok, lp, flags
 
 
 def _check_logits(op: str, logits: torch.Tensor, temperature: float, block: int) -> None:
@@ -183,8 +194,8 @@ def _check_logits(op: str, logits: torch.Tensor, temperature: float, block: int)
 
 
 def _launch(logits, u, temperature: float, block: int, record):
-    """The three kernels on checked inputs; ``record``: ``(ids, t, tokens, logps, last, rows, steps)`` for
-    :func:`draw_record`, else None."""
+    """The three kernels on checked inputs; ``record``: ``(ids, t, tokens, logps, last, rows, steps, stops,
+    stop count, flags)`` for :func:`draw_record`, else None."""
     N, V = logits.shape
     dev = logits.device
     tok = torch.empty(N, dtype=torch.long, device=dev)
@@ -203,7 +214,7 @@ def _launch(logits, u, temperature: float, block: int, record):
                                  **pdl.launch(logits.device))
     _block_mass_kernel[(N, nb)](logits, m, s, lse, tot, t, V, nb, SCALED=scaled, B=block, NBP=nbp, num_warps=4,
                                 **pdl.launch(logits.device))
-    rec = record or (tok,) * 6 + (0,)                  # pointers the kernel never reads without RECORD
+    rec = record or (tok,) * 6 + (0, tok, 0, tok)       # pointers the kernel never reads without RECORD
     _draw_kernel[(N,)](logits, lse, tot, u, tok, lp, t, V, nb, *rec, SCALED=scaled, B=block, NBP=nbp,
                        RECORD=record is not None, num_warps=4, **pdl.launch(logits.device))
     return tok, lp

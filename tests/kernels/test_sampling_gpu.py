@@ -100,7 +100,8 @@ def test_the_kernels_compile_for_sm90(scaled):
     ]
     draw = {"L": "*fp32", "LSE": "*fp32", "TOT": "*fp64", "U": "*fp64", "TOK": "*i64", "LP": "*fp32",
             "temperature": "fp32", "V": "i32", "NB": "i32", "IDS": "*i64", "TCUR": "*i64", "TOKENS": "*i64",
-            "LOGPS": "*fp32", "LAST": "*i64", "ROWS": "*i64", "STEPS": "i32"}
+            "LOGPS": "*fp32", "LAST": "*i64", "ROWS": "*i64", "STEPS": "i32", "STOPS": "*i64", "NSTOPS": "i32",
+            "FLAGS": "*i1"}
     kernels += [(K._draw_kernel, draw, dict(SCALED=scaled, B=BLOCK, NBP=nbp, RECORD=record))
                 for record in (False, True)]
     for fn, sig, consts in kernels:
@@ -112,9 +113,9 @@ def test_the_kernels_compile_for_sm90(scaled):
 @pytest.mark.parametrize("T", [1.0, 0.7])
 def test_draw_record_is_the_draw_and_the_engines_records_of_it(T):
     """``draw_record``: the draws of ``draw_tokens`` at the uniforms ``u[ids, t + 1]``, ``t`` moved on in place,
-    the token and log-probability written at ``[ids, t]``, the token at ``last[rows]``: what its torch contract
-    (``kernels.reference.sampling.draw_record``) leaves, every tensor equal (the log-probabilities within fp32
-    steps of the torch ``lse``)."""
+    the token and log-probability written at ``[ids, t]``, the token at ``last[rows]``, the stop flags: what its
+    torch contract (``kernels.reference.sampling.draw_record``) leaves, every tensor equal (the log-probabilities
+    within fp32 steps of the torch ``lse``)."""
     from kernels.reference.sampling import draw_record as contract
     from kernels.triton.sampling import draw_record, draw_tokens
 
@@ -125,16 +126,21 @@ def test_draw_record_is_the_draw_and_the_engines_records_of_it(T):
     u = torch.rand(samples, steps, generator=g, dtype=torch.float64).to(dev)
     ids, rows = torch.tensor([4, 0, 2], device=dev), torch.tensor([1, 3, 0], device=dev)
     t0 = torch.tensor([0, 3, 1], device=dev)
-    state = [(t0.clone(), torch.full((samples, steps), -1, device=dev), torch.zeros(samples, steps, device=dev),
-              torch.full((4,), -1, device=dev)) for _ in range(2)]
-    got = draw_record(logits, u, ids, *state[0][:3], state[0][3], rows, T, BLOCK)
-    want = contract(logits, u, ids, *state[1][:3], state[1][3], rows, T, BLOCK)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[0], draw_tokens(logits, u[ids, t0 + 1], T, BLOCK)[0])
-    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
-    (t, tokens, logps, last), (wt, wtokens, wlogps, wlast) = state
-    assert torch.equal(t, t0 + 1) and torch.equal(t, wt) and torch.equal(tokens, wtokens) and torch.equal(last, wlast)
-    assert int((tokens >= 0).sum()) == 3 and last.tolist().count(-1) == 1
-    torch.testing.assert_close(logps, wlogps, rtol=0, atol=1e-5)
+    drawn = draw_tokens(logits, u[ids, t0 + 1], T, BLOCK)[0]
+    for stops in (drawn[1:2].clone(), torch.tensor([V + 1, int(drawn[0]), int(drawn[2])], device=dev),
+                  torch.zeros(0, dtype=torch.long, device=dev)):
+        state = [(t0.clone(), torch.full((samples, steps), -1, device=dev), torch.zeros(samples, steps, device=dev),
+                  torch.full((4,), -1, device=dev)) for _ in range(2)]
+        got = draw_record(logits, u, ids, *state[0][:3], state[0][3], rows, stops, T, BLOCK)
+        want = contract(logits, u, ids, *state[1][:3], state[1][3], rows, stops, T, BLOCK)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[0], drawn)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+        assert got[2].dtype == torch.bool and torch.equal(got[2], want[2]), stops
+        (t, tokens, logps, last), (wt, wtokens, wlogps, wlast) = state
+        assert torch.equal(t, t0 + 1) and torch.equal(t, wt) and torch.equal(tokens, wtokens)
+        assert torch.equal(last, wlast) and int((tokens >= 0).sum()) == 3 and last.tolist().count(-1) == 1
+        torch.testing.assert_close(logps, wlogps, rtol=0, atol=1e-5)
+    assert got[2].tolist() == [False] * 3 and want[2].tolist() == [False] * 3       # no stop ids: none stops
 
 
 def test_draw_record_refuses_what_it_cannot_serve():
@@ -144,12 +150,14 @@ def test_draw_record_refuses_what_it_cannot_serve():
     logits, u = torch.zeros(2, 64, device=dev), torch.zeros(3, 4, dtype=torch.float64, device=dev)
     ids = t = rows = torch.zeros(2, dtype=torch.long, device=dev)
     tokens, logps = torch.zeros(3, 4, dtype=torch.long, device=dev), torch.zeros(3, 4, device=dev)
-    last = torch.zeros(2, dtype=torch.long, device=dev)
+    last, stops = torch.zeros(2, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev)
     with pytest.raises(ValueError, match="float64"):
-        draw_record(logits, u.float(), ids, t, tokens, logps, last, rows, 1.0, 16)
+        draw_record(logits, u.float(), ids, t, tokens, logps, last, rows, stops, 1.0, 16)
     with pytest.raises(ValueError, match="one int64 entry a row"):
-        draw_record(logits, u, ids[:1], t, tokens, logps, last, rows, 1.0, 16)
+        draw_record(logits, u, ids[:1], t, tokens, logps, last, rows, stops, 1.0, 16)
     with pytest.raises(ValueError, match="shaped like u"):
-        draw_record(logits, u, ids, t, tokens.float(), logps, last, rows, 1.0, 16)
+        draw_record(logits, u, ids, t, tokens.float(), logps, last, rows, stops, 1.0, 16)
+    with pytest.raises(ValueError, match="stops: an int64 vector"):
+        draw_record(logits, u, ids, t, tokens, logps, last, rows, stops.int(), 1.0, 16)
     with pytest.raises(ValueError, match="--kernel-backend none"):
-        draw_record(logits, u, ids, t, tokens, logps, last[::2], rows, 1.0, 16)
+        draw_record(logits, u, ids, t, tokens, logps, last[::2], rows, stops, 1.0, 16)

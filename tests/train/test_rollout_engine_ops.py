@@ -492,13 +492,18 @@ def test_decode_steps_record_their_draws_through_the_tables_draw_record(top_p):
 
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens, "draw_record": draw_record})))
     assert e.sample_ops == {"draw_tokens": "fake", "draw_record": "fake"}
-    got, ran = _generate(e, _params(top_p=top_p))
-    assert (ran.get("fake.draw_record", 0) > 0) is (top_p == 1.0), ran
-    want, _ = _generate(_synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens}))),
-                        _params(top_p=top_p))
-    for ga, gb in zip(got, want, strict=True):
-        for a, b in zip(ga, gb, strict=True):
-            assert a.response_ids == b.response_ids and torch.equal(a.logprobs, b.logprobs)
+    plain = _synced(ReferenceEngine(CFG, ops=_fake(extra={"draw_tokens": draw_tokens})))
+    stopping = _params(top_p=top_p, max_new_tokens=12, stop_token_ids=tuple(range(0, CFG.vocab_size, 7)))
+    for params in (_params(top_p=top_p), stopping):
+        got, ran = _generate(e, params)
+        assert (ran.get("fake.draw_record", 0) > 0) is (top_p == 1.0), ran
+        want, _ = _generate(plain, params)
+        for ga, gb in zip(got, want, strict=True):
+            for a, b in zip(ga, gb, strict=True):
+                assert a.response_ids == b.response_ids and torch.equal(a.logprobs, b.logprobs)
+                assert a.finish_reason == b.finish_reason
+    # the second call's stop flags came from the record: some samples stopped early on them
+    assert any(x.finish_reason == "stop" and len(x.response_ids) < 12 for g in got for x in g)
     if top_p == 1.0:
         wrong = _synced(ReferenceEngine(CFG, ops=_fake(extra={       # records the token one step late: caught
             "draw_tokens": draw_tokens, "draw_record": lambda lg, u, ids, t, *rest: draw_record(lg, u, ids, t - 1,
