@@ -674,7 +674,7 @@ def static_step_body(model, cache: SlotCache, tokens: torch.Tensor, active: torc
             routes.append(idx)
         if pick is not None:
             picks.append(pick)
-    cache.pos.add_(active.to(cache.pos.dtype))
+    cache.pos.add_(active)                         # a bool adds as 0 or 1: one kernel, no cast first
     k = model.config.n_activated_experts
     routes = torch.stack(routes, dim=1) if routes else torch.empty(len(tokens), 0, k, dtype=torch.long,
                                                                    device=tokens.device)
