@@ -226,7 +226,7 @@ def _dependent_launches_note(dev: torch.device, kernel_backend: str) -> str:
     with dependent_launches():
         if not pdl.enabled(dev):
             return "; dependent launches off"
-        return f"; dependent launches on (weights' prefetch {'on' if pdl.launch(dev, True)['PREFETCH'] else 'off'})"
+        return f"; dependent launches on (weights' prefetch {'on' if pdl.prefetching(dev) else 'off'})"
 
 
 def _ops(config, device, kernel_backend: str, without=()):

@@ -77,8 +77,8 @@ def draw_record(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, t: tor
     ``logits [N, V]`` is sample ``ids[r]``'s next token, its index in the sample ``t[r] + 1``. ``t`` moves on by one
     in place; :func:`draw_tokens` at the uniforms ``u[ids, t]`` (``u [samples, steps]`` float64); the token and its
     log-probability written to ``tokens[ids, t]`` and ``logps[ids, t]``, and the token to ``last[rows]`` (the slot
-    that feeds it next). Returns ``(tokens [N], log-probs [N], flags [N])`` (``flags``: whether each token is one of
-    ``stops``, int64). The torch contract of the GPU backends' one-launch record (``kernels/triton/sampling.py``)."""
+    that feeds it next). Returns ``(tokens [N], log-probs [N], flags [N])`` (``flags``: bool, whether each token is
+    one of ``stops`` [S] int64). The torch contract of the GPU backends' one-launch record (``kernels/triton/sampling.py``)."""
     t.add_(1)
     tok, lp = draw_tokens(logits, u[ids, t], temperature, block)
     tokens[ids, t] = tok

@@ -247,7 +247,7 @@ def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: 
     part, tickets = _partials(blocks, split, bm, bn, x.device, x)
     _linear_group_kernel[(blocks * split,)](
         x, M, K, x.stride(0), part, tickets, *args, *ends, G=len(weights), SPLIT=split, BM=bm, BN=bn, BK=bk,
-        STAGES=cfg["stages"], LINES=cfg["prefetch_lines"], num_warps=cfg["warps"], **pdl.launch(x.device, True))
+        STAGES=cfg["stages"], LINES=cfg["prefetch_lines"], num_warps=cfg["warps"], **pdl.launch(x.device, prefetch=True))
     return outs
 
 
@@ -319,5 +319,5 @@ def grouped_projection(o: torch.Tensor, w: torch.Tensor, config: Optional[dict] 
     _grouped_kernel[(G * per_group * split,)](x, w, y, M, R, d, x.stride(0), y.stride(0), per_group, part, tickets,
                                               SPLIT=split, BM=bm, BN=bn, BK=bk, STAGES=cfg["stages"],
                                               LINES=cfg["prefetch_lines"], num_warps=cfg["warps"],
-                                              **pdl.launch(x.device, True))
+                                              **pdl.launch(x.device, prefetch=True))
     return y.view(*lead, G, R)

@@ -544,6 +544,18 @@ def hc_head_bwd(x, fn, scale, base, pre, mix, rho, dy, hc_eps, config=None):
 
 def hc_post_fwd(f, x, post, comb, config=None):
     """``f [T, d]``, ``x [T, n, d]``, ``post [T, n]``, ``comb [T, n, n]`` -> ``[T, n, d]`` in x's dtype."""
+    return _post_launch(f, x, post, comb, config)
+
+
+def combine_post_fwd(pairs, shared, topk: int, x, post, comb, config=None):
+    """:func:`hc_post_fwd` of the MoE's output given as its pairs ``pairs [T * topk, d]`` and shared expert ``shared
+    [T, d]`` (``moe_combine``'s inputs), summed inside the kernel: ``x [T, n, d]``, ``post [T, n]``, ``comb [T, n,
+    n]`` -> ``[T, n, d]`` in x's dtype."""
+    return _post_launch(pairs, x, post, comb, config, shared.contiguous(), int(topk))
+
+
+def _post_launch(f, x, post, comb, config, shared=None, topk: int = 0):
+    """:func:`_post_fwd_kernel` over ``x``'s tokens: of ``f``, or with ``topk`` of the pairs ``f`` and ``shared``."""
     T, n, d = x.shape
     f, x, post, comb = f.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous()
     cfg = _cfg(config)
@@ -551,23 +563,7 @@ def hc_post_fwd(f, x, post, comb, config=None):
     if T:
         _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
             f, x, post, comb, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n), BD=cfg["post_BD"],
-            N=n, num_warps=cfg["post_warps"], **pdl.launch(f.device))
-    return out
-
-
-def combine_post_fwd(pairs, shared, topk: int, x, post, comb, config=None):
-    """:func:`hc_post_fwd` of the MoE's output given as its pairs ``pairs [T * topk, d]`` and shared expert ``shared
-    [T, d]`` (``moe_combine``'s inputs), summed inside the kernel: ``x [T, n, d]``, ``post [T, n]``, ``comb [T, n,
-    n]`` -> ``[T, n, d]`` in x's dtype."""
-    T, n, d = x.shape
-    x, post, comb = x.contiguous(), post.contiguous(), comb.contiguous()
-    cfg = _cfg(config)
-    out = torch.empty_like(x)
-    if T:
-        _post_fwd_kernel[(triton.cdiv(T, cfg["post_BT"]), triton.cdiv(d, cfg["post_BD"]))](
-            pairs.contiguous(), x, post, comb, out, T, n, d, BT=cfg["post_BT"], NP=mhc_checks.padded(n),
-            BD=cfg["post_BD"], N=n, SHARED=shared.contiguous(), TOPK=int(topk), num_warps=cfg["post_warps"],
-            **pdl.launch(x.device))
+            N=n, SHARED=shared, TOPK=topk, num_warps=cfg["post_warps"], **pdl.launch(x.device))
     return out
 
 

@@ -139,7 +139,7 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
                                BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
-                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device, True))
+                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device, prefetch=True))
     return y, post, comb
 
 

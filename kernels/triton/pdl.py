@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kernels import gpu_common
 
-__all__ = ["ENV", "PREFETCH_ENV", "enabled", "launch", "wait_prior", "wait_prior_after_prefetch"]
+__all__ = ["ENV", "PREFETCH_ENV", "enabled", "prefetching", "launch", "wait_prior", "wait_prior_after_prefetch"]
 
 ENV = "DSV4_PDL"
 PREFETCH_ENV = "DSV4_PDL_PREFETCH"
@@ -53,16 +53,22 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def prefetching(device: torch.device) -> bool:
+    """Whether a launch on ``device`` of a kernel with ``PREFETCH`` asks L2 for its weights while it waits: with
+    PDL (:func:`enabled`), unless ``DSV4_PDL_PREFETCH`` is ``0``."""
+    return enabled(device) and os.environ.get(PREFETCH_ENV, "1") != "0"
+
+
 def launch(device: torch.device, prefetch: bool = False) -> dict:
     """A launch's keyword arguments: the kernel's ``PDL`` constexpr, and with it the launch attribute; ``prefetch``
-    (a kernel that takes ``PREFETCH``, :func:`wait_prior_after_prefetch`): also that constexpr, on with PDL unless
-    ``DSV4_PDL_PREFETCH`` is ``0``."""
+    (a kernel that takes ``PREFETCH``, :func:`wait_prior_after_prefetch`): also that constexpr
+    (:func:`prefetching`)."""
     on = enabled(device)
     if on:
         gpu_common.count_dependent_launch()
     args = dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
     if prefetch:
-        args["PREFETCH"] = on and os.environ.get(PREFETCH_ENV, "1") != "0"
+        args["PREFETCH"] = prefetching(device)
     return args
 
 

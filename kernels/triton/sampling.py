@@ -98,7 +98,8 @@ def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS,
     tot = tl.load(TOT + row * NB + blocks, mask=blocks < NB, other=0.0)
     upto = tl.cumsum(tot, 0)                                              # mass through each block
     if RECORD:
-        at = tl.load(IDS + row) * STEPS + tl.load(TCUR + row) + 1         # the sample's entry of this draw
+        step = tl.load(TCUR + row) + 1                                    # the draw's index in its sample
+        at = tl.load(IDS + row) * STEPS + step                            # the sample's entry of this draw
         u = tl.load(U + at)
     else:
         u = tl.load(U + row)
@@ -126,7 +127,7 @@ def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS,
         tl.store(TOKENS + at, tok.to(tl.int64))
         tl.store(LOGPS + at, lp - lse)
         tl.store(LAST + tl.load(ROWS + row), tok.to(tl.int64))
-        tl.store(TCUR + row, tl.load(TCUR + row) + 1)
+        tl.store(TCUR + row, step)
         hit = tok < 0                                                     # False, as the token's type
         for i in range(0, NSTOPS):
             hit = hit | (tok.to(tl.int64) == tl.load(STOPS + i))
