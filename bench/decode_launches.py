@@ -42,15 +42,14 @@ REPO = Path(__file__).resolve().parent.parent
 #: GEMM, its sum, the coefficients); others one (the router's split gate GEMM picks in its last programs)
 LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 #: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else this mHC op's and the norm's
-#: (``hc_post_pre_norm``: the post's kernel before them)
-WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_post_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
+WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
                      "experts_swiglu_scatter_mm", "moe_combine", "moe_combine_post", "norm_rope", "decode_topk",
-                     "index_query", "linear_group", "hc_pre_norm", "hc_post_pre_norm", "hc_head_norm",
-                     "attention_rows", "grouped_projection", "attention_inverse_rope")
+                     "index_query", "linear_group", "hc_pre_norm", "hc_head_norm", "attention_rows",
+                     "grouped_projection", "attention_inverse_rope")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -95,9 +94,7 @@ def _launches(name: str, args) -> int:
     if name in WITH_NORM:
         from kernels.gpu_common import PRE_NORM_MAX_TOKENS
 
-        posted = name == "hc_post_pre_norm"             # its streams are its second argument, a post first
-        tokens = args[int(posted)][..., 0, 0].numel()
-        return 1 if tokens <= PRE_NORM_MAX_TOKENS else LAUNCHES[WITH_NORM[name]] + 1 + int(posted)
+        return 1 if args[0][..., 0, 0].numel() <= PRE_NORM_MAX_TOKENS else LAUNCHES[WITH_NORM[name]] + 1
     return LAUNCHES.get(name, 1)
 
 
@@ -127,7 +124,7 @@ def stand_in_table(counter: _Count, without=()):
     from kernels.reference.index_query import index_query
     from kernels.reference.layers import grouped_projection
     from kernels.reference.linear_group import linear_group
-    from kernels.reference.mhc import hc_head_norm, hc_post_pre_norm, hc_pre_norm
+    from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.moe import route_experts
     from kernels.reference.topk import attention_rows, decode_topk
 
@@ -139,7 +136,7 @@ def stand_in_table(counter: _Count, without=()):
               "moe_combine": slots.combine_pairs, "moe_combine_post": slots.combine_post, "norm_rope": norm_rope,
               "decode_topk": decode_topk,
               "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
-              "hc_post_pre_norm": hc_post_pre_norm, "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
+              "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
               "grouped_projection": grouped_projection, "attention_inverse_rope": attention_inverse_rope}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)

@@ -261,10 +261,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     transform); ``linear_group``: a module whose ``linear_group`` and ``grouped_projection`` become extra ops (the
     projections of a layer's attention input in one launch, ``kernels.reference.decode.layer_projections``, and the
     attention's grouped ``wo_a``); ``mhc_decode``: a module
-    whose ``hc_pre_norm``, ``hc_post_pre_norm``, ``hc_head_norm`` and ``moe_combine_post`` become extra ops (a site's
-    mHC pre and its sublayer's norm, the same after the attention's mHC post, the head's collapse and the final norm,
-    one launch each at a few tokens; the MoE's pairs summed inside its mHC post, ``kernels.reference.slots``);
-    ``decode_attention``: a
+    whose ``hc_pre_norm``, ``hc_head_norm`` and ``moe_combine_post`` become extra ops (a site's mHC pre and its
+    sublayer's norm, the head's collapse and the final norm, one launch each at a few tokens; the MoE's pairs summed
+    inside its mHC post, ``kernels.reference.slots``); ``decode_attention``: a
     module whose ``attention_inverse_rope`` becomes an extra op (the eager decode step's attention with its output's
     inverse rotation in one launch, ``kernels.reference.decode._attend``)."""
     from kernels.reference.backend import NAME as REFERENCE, reference_functions
@@ -285,7 +284,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                           (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)),
                           (topk, ("decode_topk", "attention_rows")),
                           (index_query, ("index_query",)), (linear_group, ("linear_group", "grouped_projection")),
-                          (mhc_decode, ("hc_pre_norm", "hc_post_pre_norm", "hc_head_norm", "moe_combine_post")),
+                          (mhc_decode, ("hc_pre_norm", "hc_head_norm", "moe_combine_post")),
                           (decode_attention, ("attention_inverse_rope",))):
         if module is not None:
             own.update({name: getattr(module, name) for name in names})

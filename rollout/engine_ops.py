@@ -38,8 +38,7 @@ a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's
 tokens, and likewise the query's ``wq_b`` with the indexer's, ``wo_b`` and the output head,
 ``kernels/triton/linear_group.py``), ``grouped_projection`` (the attention's grouped ``wo_a`` with that kernel's
 row blocks), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
-launch at a few tokens), ``hc_post_pre_norm`` (the same for a layer's MoE, with the attention's mHC post before it
-in that launch) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
+launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
 ``kernels/triton/mhc_decode.py``), ``attention_rows`` (a window or HCA layer's attention rows, the ring rows
 written and the entries completed, in one launch, ``kernels/triton/topk.py``), ``attention_inverse_rope`` (a layer's
 sparse attention with its output's inverse rotation in one launch, ``kernels/triton/attention.py``), where they take
@@ -77,8 +76,7 @@ from kernels.reference.slots import COMBINE_POST, PAIR_KERNELS, SWIGLU_SCATTER, 
 
 __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode_choices", "decode_inputs",
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
-           "linear_group_inputs", "hc_pre_norm_inputs", "hc_post_pre_norm_inputs", "hc_head_norm_inputs",
-           "attention_rows_inputs",
+           "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
            "attention_inverse_rope_inputs",
            "grouped_projection_inputs", "swiglu_scatter_inputs", "combine_post_inputs", "sampler_choice",
            "record_choice"]
@@ -337,17 +335,6 @@ def hc_pre_norm_inputs(config, dtype: torch.dtype, device) -> list:
     return _mhc_norm_inputs(config, dtype, device, head=False)
 
 
-def hc_post_pre_norm_inputs(config, dtype: torch.dtype, device) -> list:
-    """The argument tuples the eager decode step passes ``hc_post_pre_norm`` (``kernels.reference.slots.
-    decode_layer``): the attention's output in the model's ``dtype`` and its site's fp32 ``post`` and ``comb``, then
-    the MoE site's :func:`_mhc_norm_inputs`."""
-    n, d = config.hc_mult, config.dim
-    f = torch.zeros(1, 1, d, dtype=dtype, device=device)
-    post = torch.zeros(1, 1, n, device=device)
-    comb = torch.zeros(1, 1, n, n, device=device)
-    return [(f, x, post, comb, *rest) for x, *rest in _mhc_norm_inputs(config, dtype, device, head=False)]
-
-
 def hc_head_norm_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step's head passes ``hc_head_norm`` (``kernels.reference.slots.
     decode_head``): the head's collapse and final norm (:func:`_mhc_norm_inputs`)."""
@@ -362,14 +349,12 @@ PAIR_FUSIONS = {SWIGLU_SCATTER: (swiglu_scatter_inputs, "experts_scatter_mm"),
 # the eager step's extra ops that take the place of torch code where the run's table has them and they take the
 # step's inputs (decode_choices probes them with these builders; no calls: the model never runs the op): the
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
-# a layer's projections of its attention input, a site's mHC pre with its sublayer's norm (after the attention's
-# mHC post, for the MoE's), the head's collapse with
+# a layer's projections of its attention input, a site's mHC pre with its sublayer's norm, the head's collapse with
 # the final norm, a window or HCA layer's attention rows, the attention's grouped wo_a, a layer's attention with its
 # output's inverse rotation
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
                 "index_query": index_query_inputs, "linear_group": linear_group_inputs,
-                "hc_pre_norm": hc_pre_norm_inputs, "hc_post_pre_norm": hc_post_pre_norm_inputs,
-                "hc_head_norm": hc_head_norm_inputs,
+                "hc_pre_norm": hc_pre_norm_inputs, "hc_head_norm": hc_head_norm_inputs,
                 "attention_rows": attention_rows_inputs, "grouped_projection": grouped_projection_inputs,
                 "attention_inverse_rope": attention_inverse_rope_inputs}
 

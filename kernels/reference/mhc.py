@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .layers import rms_norm, rms_normalize
 
-__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_pre_norm", "hc_post", "hc_post_pre_norm", "hc_head", "hc_head_norm"]
+__all__ = ["sinkhorn", "hc_split", "hc_pre", "hc_pre_norm", "hc_post", "hc_head", "hc_head_norm"]
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -72,18 +72,6 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     ct = post.dtype
     mixed = torch.einsum("bsjk,bsjd->bskd", comb, x.to(ct))
     return (post.unsqueeze(-1) * f.to(ct).unsqueeze(-2) + mixed).to(x.dtype)
-
-
-def hc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                     scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
-                     weight: torch.Tensor, eps: float):
-    """A site's mHC post (:func:`hc_post` of the sublayer's output ``f`` into ``x`` with ``post``, ``comb``) and the
-    next site's :func:`hc_pre_norm` of the streams it gives (mapping ``fn``, ``scale``, ``base``; norm ``weight``):
-    ``(x', rms_norm(u), post', comb')``. The contract of a GPU backend's one-launch decode op (the triton backend's
-    ``kernels/triton/mhc_decode.py``) for a layer's attention post and its MoE's pre, which the eager static decode
-    step calls where the run's table has it (``kernels.reference.slots.decode_layer``)."""
-    x2 = hc_post(f, x, post, comb)
-    return (x2, *hc_pre_norm(x2, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, weight, eps))
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

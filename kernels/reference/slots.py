@@ -597,7 +597,8 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     picks = [] if want_picks else None
     h, post, comb = _pre_normed(layer, "attn", x, layer.attn_norm, memo)
     att = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo)
-    x, h, post, comb = _posted_pre_normed(layer, att, x, post, comb, memo)
+    x = layer.hc_post(att, x, post, comb)
+    h, post, comb = _pre_normed(layer, "ffn", x, layer.ffn_norm, memo)
     x, idx = _moe_posted(layer, h, ids, path, x, post, comb, memo)
     return x, idx, (picks[0] if picks else None)
 
@@ -625,20 +626,6 @@ def _pre_normed(layer, site: str, x: torch.Tensor, rms, memo: Optional[dict]):
         return rms(u), post, comb
     return fused(x, getattr(layer, f"hc_{site}_fn"), getattr(layer, f"hc_{site}_scale"),
                  getattr(layer, f"hc_{site}_base"), layer.norm_eps, layer.hc_eps, layer.hc_iters, rms.weight, rms.eps)
-
-
-def _posted_pre_normed(layer, att: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                       memo: Optional[dict]):
-    """The attention's mHC post of ``att`` into ``x``, then the MoE site's mHC pre and norm: ``(x', rms(u), post',
-    comb')``, in one launch where the eager step's table has ``hc_post_pre_norm`` (:func:`~.decode.eager_op`;
-    ``kernels/triton/mhc_decode.py``), else ``hc_post`` and :func:`_pre_normed`."""
-    fused = eager_op(layer.ops, memo, "hc_post_pre_norm")
-    if fused is None:
-        x = layer.hc_post(att, x, post, comb)
-        return (x, *_pre_normed(layer, "ffn", x, layer.ffn_norm, memo))
-    rms = layer.ffn_norm
-    return fused(att, x, post, comb, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, layer.norm_eps,
-                 layer.hc_eps, layer.hc_iters, rms.weight, rms.eps)
 
 
 def decode_head(model, x: torch.Tensor, memo: Optional[dict] = None) -> torch.Tensor:

@@ -60,9 +60,8 @@ def ops() -> "OpTable":
     (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
     input in one launch at a few tokens, and ``grouped_projection``, the attention's grouped ``wo_a`` with the same
     kernel's row blocks (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
-    mHC pre and the norm after it in one launch at a few tokens, ``hc_post_pre_norm``, the same with the attention's
-    mHC post made first, and ``moe_combine_post``, the MoE's pairs summed inside its mHC post
-    (``kernels/triton/mhc_decode.py``);
+    mHC pre and the norm after it in one launch at a few tokens, and ``moe_combine_post``, the MoE's pairs summed
+    inside its mHC post (``kernels/triton/mhc_decode.py``);
     ``attention_inverse_rope``, its eager decode step's sparse attention with the inverse rotation of its output in
     the kernel's epilogue, one launch where the attention and ``apply_rope`` were two (``kernels/triton/attention.py``).
     """

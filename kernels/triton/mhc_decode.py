@@ -1,11 +1,9 @@
-"""The mHC pre and the norm after it in one launch for a decode step's few tokens: the extra ops ``hc_pre_norm``,
-``hc_post_pre_norm`` (the previous site's mHC post made by the same launch first) and ``hc_head_norm`` (the head's
-collapse and the model's final norm, the same kernel without the residual coefficients).
+"""The mHC pre and the norm after it in one launch for a decode step's few tokens: the extra ops ``hc_pre_norm``
+and ``hc_head_norm`` (the head's collapse and the model's final norm, the same kernel without the residual
+coefficients).
 
     y, post, comb = hc_pre_norm(x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps)
                   = (rms_norm(u, weight, eps), post, comb)  where  u, post, comb = hc_pre(x, fn, scale, ...)
-    x', y, post', comb' = hc_post_pre_norm(f, x, post, comb, fn, ...) = (x', *hc_pre_norm(x', fn, ...))
-                          where  x' = hc_post(f, x, post, comb)
 
 Why: a site of the eager decode step (a layer's attention and its MoE, each behind an mHC pre) ran four kernels
 before the sublayer: the split mixing GEMM, the sum of its partials, the coefficients with ``u``, and the norm
@@ -43,7 +41,7 @@ from kernels.triton import pdl
 from kernels.triton.mhc import coefficients, mix_partial, mix_sums
 from kernels.triton.tickets import counters, last_ticket, release
 
-__all__ = ["hc_pre_norm", "hc_post_pre_norm", "hc_head_norm", "moe_combine_post", "PRE_NORM_CONFIG"]
+__all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "PRE_NORM_CONFIG"]
 
 # programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
 # max_tokens: the most tokens the one-program tail takes; TAIL_ELEMENTS: the streams' values one step of the
@@ -102,72 +100,25 @@ def _mapping_lines(FN, M, K, KPER, s, MP: tl.constexpr):
 
 
 @triton.jit
-def _posted_partial(F, XIN, POST0, COMB0, X, FN, PART, SSP, T, K, M, KPER, s, n, d, BT: tl.constexpr,
-                    BK: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, N: tl.constexpr):
-    """:func:`kernels.triton.mhc.mix_partial` of the streams after the previous site's mHC post: each ``BK`` step
-    first makes its columns of ``X' = post (x) f + comb^T X`` (the flattened streams' column ``k`` is stream
-    ``k // d``'s channel ``k % d``) from ``F [T, d]``, ``XIN [T, n d]``, ``POST0 [T, n]``, ``COMB0 [T, n, n]``,
-    with the products and sums of ``kernels.triton.mhc``'s post kernel in its order (the same bits), stores them
-    to ``X`` (for the tail, and the caller) and takes them, rounded to ``X``'s dtype, into the GEMM."""
-    t = tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    m = tl.arange(0, MP)
-    mmask = m < M
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    k_lo = s * KPER
-    for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
-        k = k0 + tl.arange(0, BK)
-        kmask = k < K
-        xm = tmask[:, None] & kmask[None, :]
-        i = k // d
-        c = k - i * d
-        p = tl.load(POST0 + t64[:, None] * n + i[None, :], mask=xm, other=0.0)
-        f = tl.load(F + t64[:, None] * d + c[None, :], mask=xm, other=0.0).to(tl.float32)
-        xp = p * f
-        for jj in tl.static_range(N):
-            xj = tl.load(XIN + t64[:, None] * K + jj * d + c[None, :], mask=xm, other=0.0).to(tl.float32)
-            cj = tl.load(COMB0 + t64[:, None] * (n * n) + jj * n + i[None, :], mask=xm, other=0.0)
-            xp += cj * xj
-        xb = xp.to(X.dtype.element_ty)
-        tl.store(X + t64[:, None] * K + k[None, :], xb, mask=xm)
-        x = xb.to(tl.float32)
-        w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        ss += tl.sum(x * x, 1)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-    base = s.to(tl.int64) * T
-    tl.store(PART + (base + t64)[:, None] * MP + m[None, :], acc, mask=tmask[:, None])
-    tl.store(SSP + base + t64, ss, mask=tmask)
-
-
-@triton.jit
 def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, COMB, T, K, M, KPER, SPLIT, n, d,
                      norm_eps, hc_eps, iters, eps, HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr,
                      NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False, F=None, XIN=None, POST0=None, COMB0=None,
-                     N: tl.constexpr = 0):
+                     PREFETCH: tl.constexpr = False):
     """Program ``s``: columns ``[s * KPER, (s + 1) * KPER)`` of the mixing GEMM into ``PART[s]``, ``SSP[s]``
     (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`. ``PREFETCH``: its
-    columns of the mapping ``FN`` asked of L2 before it waits on the kernel before it. ``N`` > 0 (the streams'
-    count): ``X`` is written here, the previous site's mHC post of ``F`` into ``XIN`` (:func:`_posted_partial`)."""
+    columns of the mapping ``FN`` asked of L2 before it waits on the kernel before it."""
     pdl.wait_prior_after_prefetch(PDL, PREFETCH, _mapping_lines(FN, M, K, KPER, tl.program_id(0), MP))
     s = tl.program_id(0)
-    if N > 0:
-        _posted_partial(F, XIN, POST0, COMB0, X, FN, PART, SSP, T, K, M, KPER, s, n, d, BT, BK, MP, PREC, STAGES, N)
-    else:
-        mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
+    mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
     if last_ticket(TICKET, SPLIT):
         _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
               HAS_RES, TB, MP, NP, BD, SB)
         release(TICKET)
 
 
-def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg, posted=None):
-    """One launch of :func:`_pre_norm_kernel` on ``x2 [T, n d]`` (T <= max_tokens) -> ``(y [T, d], post, comb)``.
-    ``posted``: ``(f [T, d], post0 [T, n], comb0 [T, n, n])`` of the previous site, whose mHC post into ``x2`` the
-    kernel makes first; the streams it gives are written to a new ``[T, n d]`` tensor, returned fourth."""
+def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg):
+    """One launch of :func:`_pre_norm_kernel` on ``x2 [T, n d]`` (T <= max_tokens) -> ``(y [T, d], post, comb)``."""
     T, K = x2.shape
     M = fn.shape[0]
     MP, NP = gpu_ops.mix_width(M), mhc_checks.padded(n)
@@ -184,14 +135,12 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
     tb = triton.next_power_of_2(T)
     bd = min(triton.next_power_of_2(d), max(16, TAIL_ELEMENTS // (tb * NP)))
     sb = min(triton.next_power_of_2(split), max(1, mhc.FINISH_TILE // (tb * MP)))
-    xs = x2 if posted is None else torch.empty_like(x2)
-    extra = {} if posted is None else dict(F=posted[0], XIN=x2, POST0=posted[1], COMB0=posted[2], N=n)
-    _pre_norm_kernel[(split,)](xs, fn, part, ssp, mixs, counters(dev, 1), scale, base, weight, y,
+    _pre_norm_kernel[(split,)](x2, fn, part, ssp, mixs, counters(dev, 1), scale, base, weight, y,
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
                                BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
-                               BD=bd, SB=sb, num_warps=cfg["warps"], **extra, **pdl.launch(x2.device, prefetch=True))
-    return (y, post, comb) if posted is None else (y, post, comb, xs)
+                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device, prefetch=True))
+    return y, post, comb
 
 
 def _check_norm_weight(op: str, x: torch.Tensor, fn: torch.Tensor, weight: torch.Tensor) -> None:
@@ -236,42 +185,6 @@ def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
     _check_norm_weight("hc_pre_norm", x, fn, weight)
     return _pre_norm(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, weight, eps, True, config)
-
-
-def hc_post_pre_norm(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                     scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
-                     weight: torch.Tensor, eps: float, config: Optional[dict] = None):
-    """:func:`kernels.reference.mhc.hc_post_pre_norm`: the mHC post of a sublayer's output ``f [..., d]`` into the
-    streams ``x [..., n, d]`` (``post``, ``comb`` fp32), then the next site's :func:`hc_pre_norm` of the streams it
-    gives -> ``(x' [..., n, d], y [..., d], post' [..., n], comb' [..., n, n])``: the bits of this backend's
-    ``hc_post`` then its ``hc_pre_norm``. At up to ``max_tokens`` tokens one launch, whose split GEMM's programs
-    each make their columns of ``x'`` before they take them (:func:`_posted_partial`); above it those two ops.
-
-    Why: a layer of the eager decode step ran the attention's mHC post as a launch of its own before the MoE's
-    mHC pre: on an H200 a one-sequence Flash-shaped step's eight ``_post_fwd_kernel`` launches took 15.74 us, each
-    a kernel that reads and writes a few tens of kilobytes and waits on the one before
-    (``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-head.json``). Decode only (no backward).
-    Anything else is refused with the reason."""
-    op = "hc_post_pre_norm"
-    mhc_checks.check_hc_post(f, x, post, comb)
-    mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
-    _check_norm_weight(op, x, fn, weight)
-    if any(t.requires_grad for t in (f, post, comb)):
-        raise gpu_common.op_refusal(op, "an input that requires a gradient (the op is the decode step's and has no "
-                                        "backward)")
-    cfg = {**PRE_NORM_CONFIG, **(config or {})}
-    n, d = x.shape[-2:]
-    lead = x.shape[:-2]
-    T = x[..., 0, 0].numel()
-    if T > cfg["max_tokens"]:
-        x2 = mhc.hc_post_fwd(f.reshape(T, d), x.reshape(T, n, d), post.reshape(T, n), comb.reshape(T, n, n))
-        y, p2, c2 = _pre_norm(x2.view(x.shape), fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, weight, eps, True,
-                              cfg)
-        return x2.view(x.shape), y, p2, c2
-    posted = (f.reshape(T, d).contiguous(), post.reshape(T, n).contiguous(), comb.reshape(T, n, n).contiguous())
-    y, p2, c2, x2 = _launch(x.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d, norm_eps,
-                            hc_eps, sinkhorn_iters, eps, True, cfg, posted)
-    return x2.view(x.shape), y.view(*lead, d), p2.view(*lead, n), c2.view(*lead, n, n)
 
 
 def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,

@@ -1,8 +1,7 @@
 """The rollout engine's eager decode step with every kernel of the triton backend's decode table at once: the
 compressors' ``compressor_step``, the attention's ``norm_rope``, the indexer's ``index_query`` and
 ``decode_topk``, a layer's projections of its attention input (``linear_group``), each site's mHC pre with its
-sublayer's norm (``hc_pre_norm``; the MoE's with the attention's mHC post before it, ``hc_post_pre_norm``), the
-head's collapse with the final norm (``hc_head_norm``), the window and HCA
+sublayer's norm (``hc_pre_norm``), the head's collapse with the final norm (``hc_head_norm``), the window and HCA
 layers' attention rows (``attention_rows``), every layer's attention with its output's inverse rotation
 (``attention_inverse_rope``) and its grouped ``wo_a`` (``grouped_projection``), and on the grouped MoE path the router, the expert order, the pair
 GEMMs with the shared expert (the second with the activation in its operand load) and their sum inside the MoE's mHC
@@ -45,8 +44,7 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     # every eager extra of the table
     extras = [op for op in EAGER_EXTRAS if op in ops().names()]
     assert set(extras) == {"compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
-                           "hc_pre_norm", "hc_post_pre_norm", "hc_head_norm", "attention_rows",
-                           "attention_inverse_rope",
+                           "hc_pre_norm", "hc_head_norm", "attention_rows", "attention_inverse_rope",
                            "grouped_projection"}, extras
     assert e.decode_refusals == {} and all(e.decode_ops[op] == "triton" for op in extras), e.decode_ops
     pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_swiglu_scatter_mm", "moe_combine_post")

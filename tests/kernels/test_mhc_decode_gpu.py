@@ -1,8 +1,7 @@
-"""The triton backend's ``hc_pre_norm``, ``hc_post_pre_norm`` and ``hc_head_norm`` (``kernels/triton/mhc_decode.py``:
-a decode site's mHC pre and its sublayer's norm, the same after the previous site's mHC post, or the head's collapse
-and the final norm, in one launch, the split mixing GEMM's last program doing the rest) against the reference
-contracts ``kernels.reference.mhc.hc_pre_norm`` (``hc_pre``, then ``rms_norm`` of ``u``) and ``hc_head_norm``, and
-``hc_post_pre_norm`` against this backend's ``hc_post`` then ``hc_pre_norm`` (the same bits).
+"""The triton backend's ``hc_pre_norm`` and ``hc_head_norm`` (``kernels/triton/mhc_decode.py``: a decode site's mHC
+pre and its sublayer's norm, or the head's collapse and the final norm, in one launch, the split mixing GEMM's last
+program doing the rest) against the reference contracts ``kernels.reference.mhc.hc_pre_norm`` (``hc_pre``, then
+``rms_norm`` of ``u``) and ``hc_head_norm``.
 
 Oracle: the reference in fp64 on the same bf16-valued inputs; ``y`` within a bf16 rounding step (two under the
 interpreter, which truncates) of the oracle's largest value and no further than the fp32 reference op itself,
@@ -118,69 +117,6 @@ def test_one_launch_up_to_max_tokens_the_split_kernels_above(monkeypatch, T, n, 
     assert all(torch.equal(a, b) for a, b in zip((y, post, comb), again))   # the partials summed in one order
 
 
-def _post_inputs(T, n, d, seed):
-    """The attention's output and its site's ``post`` and ``comb`` (a Sinkhorn matrix), for ``hc_post_pre_norm``."""
-    g = torch.Generator().manual_seed(seed)
-    f = torch.randn(T, 1, d, generator=g).bfloat16()
-    post = 2 * torch.sigmoid(torch.randn(T, 1, n, generator=g))
-    comb = torch.softmax(torch.randn(T, 1, n, n, generator=g), -1)
-    return f, post, comb
-
-
-@pytest.mark.parametrize("T, n, d", _small_and_flash())
-def test_hc_post_pre_norm_gives_the_bits_of_hc_post_then_hc_pre_norm(monkeypatch, T, n, d):
-    """The attention's mHC post made by the split GEMM's programs, then the MoE's pre and norm: the streams, ``y``,
-    ``post`` and ``comb`` of this backend's ``hc_post`` then ``hc_pre_norm``, bit for bit, and the reference
-    contract within a bf16 step; one launch up to ``max_tokens`` tokens (the post's kernel never runs)."""
-    dev = triton_device()
-    from kernels.reference import mhc as R
-    from kernels.triton import mhc, mhc_decode as K
-
-    x, mapping, scale, base, weight = [t.to(dev) for t in _inputs(T, n, d, seed=21)]
-    f, post, comb = [t.to(dev) for t in _post_inputs(T, n, d, seed=22)]
-    args = (mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
-    x2 = mhc.hc_post(f, x, post, comb)
-    want = (x2, *K.hc_pre_norm(x2, *args))
-    posts = []
-    real = mhc.hc_post_fwd
-    monkeypatch.setattr(mhc, "hc_post_fwd", lambda *a, **k: posts.append(1) or real(*a, **k))
-    got = K.hc_post_pre_norm(f, x, post, comb, *args)
-    assert (posts == []) is (T <= K.PRE_NORM_CONFIG["max_tokens"])
-    for name, a, b in zip(("x'", "y", "post", "comb"), got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.shape, b.shape)
-        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
-    # the contract in fp64, its two halves apart (the streams within a bf16 step, two under the interpreter, which
-    # truncates; the pre and norm of the kernel's own streams as test_hc_pre_norm_matches_reference bounds them)
-    step = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) * 2.0 ** -7
-    o = R.hc_post(f.double(), x.double(), post.double(), comb.double())
-    assert (got[0].double() - o).abs().max().item() <= step * o.abs().max().item()
-    dbl = [t.double() for t in (got[0], mapping, scale, base)]
-    oracle = R.hc_pre_norm(*dbl, NORM_EPS, HC_EPS, ITERS, weight.double(), RMS_EPS)
-    ref = R.hc_pre_norm(got[0], *args)
-    for name, a, r, o in zip(("y", "post", "comb"), got[1:], ref, oracle):
-        top = o.abs().max().item()
-        err, err_ref = [(t.double() - o).abs().max().item() / top for t in (a, r)]
-        assert err <= max(step if name == "y" else FP32_REL, err_ref), (name, err, err_ref)
-    assert not counters(torch.device(dev), 1).any()
-
-
-def test_hc_post_pre_norm_refuses_what_it_cannot_take():
-    dev = triton_device()
-    from kernels.triton import mhc_decode as K
-
-    x, mapping, scale, base, weight = [t.to(dev) for t in _inputs(1, 4, 300)]
-    f, post, comb = [t.to(dev) for t in _post_inputs(1, 4, 300, seed=1)]
-    args = (mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
-    with pytest.raises(ValueError, match="hc_post"):                 # the post's own checks (mhc_checks)
-        K.hc_post_pre_norm(f[..., :-1], x, post, comb, *args)
-    with pytest.raises(ValueError, match="fp32"):
-        K.hc_post_pre_norm(f, x, post.bfloat16(), comb, *args)
-    with pytest.raises(ValueError, match="gradient"):
-        K.hc_post_pre_norm(f, x, post.clone().requires_grad_(), comb, *args)
-    with pytest.raises(ValueError, match="weight"):
-        K.hc_post_pre_norm(f, x, post, comb, *args[:-2], weight[:-1], RMS_EPS)
-
-
 def test_bad_inputs_are_refused():
     dev = triton_device()
     from kernels.triton import mhc_decode as K
@@ -227,39 +163,13 @@ def test_kernel_compiles_for_sm90():
 
     c = K.PRE_NORM_CONFIG
     p32, pb, pi, i, f = "*fp32", "*bf16", "*i32", "i32", "fp32"
-    for has_res, tb, posted in ((True, 1, False), (True, 4, False), (False, 1, False), (True, 1, True),
-                                (True, 4, True)):
+    for has_res, tb in ((True, 1), (True, 4), (False, 1)):
         consts = dict(HAS_RES=has_res, BT=c["BT"], BK=c["BK"], MP=32, PREC=mhc.PRECISION, STAGES=c["stages"], TB=tb,
-                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb), PDL=True, PREFETCH=True,
-                      N=4 if posted else 0)
+                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb), PDL=True, PREFETCH=True)
         types = [pb, p32, p32, p32, p32, pi, p32, p32, p32, pb, p32, p32, i, i, i, i, i, i, i, f, f, i, f]
-        if posted:                                      # the previous site's output, streams, post and comb
-            types += [pb, pb, p32, p32]
-        else:
-            consts.update(F=None, XIN=None, POST0=None, COMB0=None)
         runtime = [a for a in K._pre_norm_kernel.arg_names if a not in consts]
         assert len(runtime) == len(types), runtime
         sig = {**dict(zip(runtime, types)), **{k: "constexpr" for k in consts}}
         compiled = triton.compile(ASTSource(K._pre_norm_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=c["warps"], launch_pdl=True))
-        assert ".entry" in compiled.asm["ptx"] and "atom" in compiled.asm["ptx"], (has_res, tb, posted)
-
-
-def test_the_kernel_with_the_post_made_first_compiles_for_sm90_without_spills():
-    """``hc_post_pre_norm``'s launch (one and four tokens of four streams, as a Hopper launches it, with PDL and the
-    mapping's prefetch) and ``hc_pre_norm``'s: PTX for sm_90 with triton alone, no spilled registers."""
-    from kernels.triton import mhc, mhc_decode as K
-
-    from ._backends import compiles_for_sm90_without_spills
-
-    c = K.PRE_NORM_CONFIG
-    types = {a: "*bf16" if a in ("X", "Y", "F", "XIN") else "*i32" if a == "TICKET" else
-             "fp32" if "eps" in a else "i32" for a in K._pre_norm_kernel.arg_names}
-    types.update({a: "*fp32" for a in ("FN", "PART", "SSP", "MIXS", "SCALE", "BASE", "W", "POST", "COMB", "POST0",
-                                       "COMB0")})
-    for tb, posted in ((1, True), (4, True), (1, False)):
-        consts = dict(HAS_RES=True, BT=c["BT"], BK=c["BK"], MP=32, PREC=mhc.PRECISION, STAGES=c["stages"], TB=tb,
-                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb), N=4 if posted else 0)
-        if not posted:
-            consts.update(F=None, XIN=None, POST0=None, COMB0=None)
-        compiles_for_sm90_without_spills(K._pre_norm_kernel, types, consts, c["warps"])
+        assert ".entry" in compiled.asm["ptx"] and "atom" in compiled.asm["ptx"], (has_res, tb)

@@ -28,10 +28,10 @@ def test_the_tiny_pattern_counts_and_the_record_is_dated():
 
     counter = count_step(preset("tiny"), 1)
     n = preset("tiny").n_layers           # a pre and a post around each sublayer
-    # the attention's mHC pre; its post made in the MoE's pre; the MoE's post sums the pairs in the same launch
-    assert sum(counter.sites.values()) > 70 and counter.sites["hc_pre_norm (one kernel)"] == n
-    assert counter.sites["hc_post_pre_norm (one kernel)"] == counter.sites["moe_combine_post (one kernel)"] == n
-    assert "hc_pre (3 kernels)" not in counter.sites and "hc_post (one kernel)" not in counter.sites
+    assert sum(counter.sites.values()) > 80 and counter.sites["hc_pre_norm (one kernel)"] == 2 * n
+    # the attention's mHC post; the MoE's sums the pairs in the same launch
+    assert counter.sites["hc_post (one kernel)"] == counter.sites["moe_combine_post (one kernel)"] == n
+    assert "hc_pre (3 kernels)" not in counter.sites
     record = json.loads((RESULTS / "decode-launches-cpu-flash-shaped.json").read_text())
     assert record["date"] and record["machine"] and record["code"]
     assert record["launches_per_step"] == sum(r["launches"] for r in record["sites"])
@@ -123,7 +123,7 @@ def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():
     from kernels.gpu_common import PRE_NORM_MAX_TOKENS
 
     config = model_like("flash-shaped")
-    sites = config.n_layers                              # the attention's (the MoE's: hc_post_pre_norm)
+    sites = 2 * config.n_layers
     for slots, each in ((1, 1), (PRE_NORM_MAX_TOKENS, 1), (PRE_NORM_MAX_TOKENS + 1, 4)):
         got = count_step(config, slots)
         label = "hc_pre_norm (one kernel)" if each == 1 else "hc_pre_norm (4 kernels)"
@@ -143,26 +143,6 @@ def test_the_pairs_sum_is_computed_in_the_mhc_post():
     config = model_like("flash-shaped")
     fused, without = count_step(config, 1), count_step(config, 1, without=("moe_combine_post",))
     assert fused.sites["moe_combine_post (one kernel)"] == config.n_layers == 4
-    assert "moe_combine (one kernel)" not in fused.sites and "hc_post (one kernel)" not in fused.sites
-    assert without.sites["moe_combine (one kernel)"] == 4 and without.sites["hc_post (one kernel)"] == 4
+    assert "moe_combine (one kernel)" not in fused.sites and fused.sites["hc_post (one kernel)"] == config.n_layers
+    assert without.sites["moe_combine (one kernel)"] == 4 and without.sites["hc_post (one kernel)"] == 8
     assert sum(without.sites.values()) - sum(fused.sites.values()) == config.n_layers
-
-
-def test_the_attentions_mhc_post_is_made_in_the_moes_mhc_pre():
-    """``hc_post_pre_norm``: a layer's attention post (one launch) and its MoE's mHC pre with the norm (one at up to
-    ``PRE_NORM_MAX_TOKENS`` slots) are one launch; above it the post's kernel and the pre's four run. Without it
-    the step runs ``hc_post`` and ``hc_pre_norm``: four launches more a Flash-shaped step at one slot."""
-    from bench.decode_launches import count_step, model_like
-    from kernels.gpu_common import PRE_NORM_MAX_TOKENS
-
-    config = model_like("flash-shaped")
-    n = config.n_layers
-    for slots, each in ((1, 1), (PRE_NORM_MAX_TOKENS, 1), (PRE_NORM_MAX_TOKENS + 1, 5)):
-        fused = count_step(config, slots)
-        without = count_step(config, slots, without=("hc_post_pre_norm",))
-        label = "hc_post_pre_norm (one kernel)" if each == 1 else "hc_post_pre_norm (5 kernels)"
-        assert fused.sites[label] == each * n and "hc_post (one kernel)" not in fused.sites, fused.sites
-        assert without.sites["hc_post (one kernel)"] == n
-        pre = "hc_pre_norm (one kernel)" if each == 1 else "hc_pre_norm (4 kernels)"
-        assert without.sites[pre] == (1 if each == 1 else 4) * 2 * n
-        assert sum(without.sites.values()) - sum(fused.sites.values()) == (n if each == 1 else 0)

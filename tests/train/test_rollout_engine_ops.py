@@ -247,15 +247,13 @@ def test_the_pair_path_runs_the_tables_fused_pair_ops(monkeypatch, op, variant):
 
 @pytest.mark.parametrize("refuse", [False, True])
 @pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
-                                "hc_pre_norm", "hc_post_pre_norm", "hc_head_norm", "attention_rows",
-                                "grouped_projection"])
+                                "hc_pre_norm", "hc_head_norm", "attention_rows", "grouped_projection"])
 def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch),
     ``norm_rope`` (the attention's query and key norms and rotations, the key's write into its ring, one launch
     each), ``decode_topk`` (a CSA layer's indexer picks), ``index_query`` (its indexer query's rotation and
     transform), ``linear_group`` (a layer's projections of its attention input), ``hc_pre_norm`` (a site's mHC pre
-    and its sublayer's norm), ``hc_post_pre_norm`` (the attention's mHC post, then the MoE's pre and norm),
-    ``hc_head_norm`` (the head's collapse and the final norm), ``attention_rows`` (a
+    and its sublayer's norm), ``hc_head_norm`` (the head's collapse and the final norm), ``attention_rows`` (a
     window or HCA layer's attention rows) or ``grouped_projection`` (the attention's grouped ``wo_a``), here their
     torch contracts (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``,
     ``kernels.reference.topk``, ``kernels.reference.index_query``, ``kernels.reference.linear_group``,
@@ -268,7 +266,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     from kernels.reference.index_query import index_query
     from kernels.reference.layers import grouped_projection
     from kernels.reference.linear_group import linear_group
-    from kernels.reference.mhc import hc_head_norm, hc_post_pre_norm, hc_pre_norm
+    from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.norm_rope import norm_rope
     from kernels.reference.topk import attention_rows, decode_topk
     from rollout.reference_engine import ReferenceEngine
@@ -278,7 +276,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
 
     contracts = {"compressor_step": compressor_step, "norm_rope": norm_rope, "decode_topk": decode_topk,
                  "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
-                 "hc_post_pre_norm": hc_post_pre_norm, "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
+                 "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
                  "grouped_projection": grouped_projection}
     fn = picky if refuse else contracts[op]
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn})))
@@ -291,8 +289,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
                 "norm_rope": 2 * CFG.n_layers, "decode_topk": CFG.compress_ratios[:CFG.n_layers].count(4),
                 "index_query": CFG.compress_ratios[:CFG.n_layers].count(4),
                 "linear_group": 3 * CFG.n_layers + 1,      # the attention's input, its query, wo_b; the head
-                # the attention's pre, and the MoE's unless the table makes the attention's post in it
-                "hc_pre_norm": 2 * CFG.n_layers, "hc_post_pre_norm": CFG.n_layers, "hc_head_norm": 1,
+                "hc_pre_norm": 2 * CFG.n_layers, "hc_head_norm": 1,
                 # once a step for the window's rows, once for the HCA layers' (the step's memo shares them)
                 "attention_rows": 1 + any(r not in (0, 4) for r in CFG.compress_ratios[:CFG.n_layers]),
                 "grouped_projection": CFG.n_layers}[op]
