@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 #: launches of each stand-in op's GPU kernel at a decode step's sizes (the triton mHC pre and head: the split mixing
-#: GEMM, its sum, the coefficients); others one (the router's split gate GEMM picks in its last programs)
+#: GEMM, its sum, the coefficients); others one (the router's split gate GEMM picks in its last programs), but for
+#: the second expert GEMM with the activation at many rows an expert (two: :func:`_launches`)
 LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 #: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else this mHC op's and the norm's
 WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
@@ -91,6 +92,10 @@ def _in_repo(filename: str):
 
 def _launches(name: str, args) -> int:
     """How many kernels the triton op ``name`` launches on ``args``."""
+    if name == "experts_swiglu_scatter_mm":           # (h, weights, limit, w, offs, order, shared)
+        from kernels.gpu_common import experts_wide
+
+        return 1 + experts_wide(args[0].shape[0], args[3].shape[0] + (args[6] is not None))
     if name in WITH_NORM:
         from kernels.gpu_common import PRE_NORM_MAX_TOKENS
 

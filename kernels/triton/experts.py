@@ -18,8 +18,8 @@ extra op ``experts_grouped_mm``: no gradient (inputs that require one are refuse
 pairs in expert order here (:func:`expert_order`, the extra op ``expert_order``), and runs the same kernel
 reading the pairs' tokens and writing the pairs' rows through that order (:func:`experts_gather_mm`,
 :func:`experts_scatter_mm`: the gather and the scatter were a copy each), computes the activation between the
-two in the second one's operand load (:func:`experts_swiglu_scatter_mm`: one launch where there were two, the same
-bits) and sums each token's pairs with its shared expert's output in one launch (:func:`moe_combine`).
+two in the second one's operand load at a few rows an expert (:func:`experts_swiglu_scatter_mm`: one launch where
+there were two, the same bits) and sums each token's pairs with its shared expert's output in one launch (:func:`moe_combine`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import triton.language as tl
 
 from kernels import gpu_common, gpu_ops
 from kernels.triton import pdl
-from kernels.triton.swiglu import swiglu_tile
+from kernels.triton.swiglu import swiglu_tile, weighted_swiglu_launch
 from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
            "experts_gather_mm", "experts_scatter_mm", "experts_swiglu_scatter_mm", "moe_combine", "pairs_sum",
-           "launch_settings"]
+           "launch_settings", "fuses_activation"]
 
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
@@ -49,7 +49,7 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both)
 EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1)
 WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=4, WARPS=8, SPLIT=1)   # at 4 warps ptxas spills 780 bytes of registers
-WIDE_FROM = 8                  # mean rows an expert above which WIDE_CONFIG runs
+WIDE_FROM = gpu_common.EXPERTS_WIDE_FROM      # mean rows an expert above which WIDE_CONFIG runs (experts_wide)
 FEW_ROWS, FEW_ROWS_SPLIT = 16, 1
 
 
@@ -64,8 +64,7 @@ def launch_settings(rows: int, experts: int) -> dict:
     are 4% faster (97.8 against 101.7 us). From the shapes alone: a CUDA graph replays one launch whatever the
     routing, and the decode step's shapes are the slot bucket's. At most :data:`FEW_ROWS` rows (one or two
     sequences) a block's programs split ``K`` in :data:`FEW_ROWS_SPLIT` shares."""
-    mean = -(-rows // max(experts, 1))
-    if mean > WIDE_FROM:
+    if gpu_common.experts_wide(rows, experts):
         return dict(WIDE_CONFIG)
     return dict(EXPERTS_CONFIG, SPLIT=FEW_ROWS_SPLIT if rows <= FEW_ROWS else 1)
 
@@ -277,11 +276,16 @@ def experts_swiglu_scatter_mm(h: torch.Tensor, weights: torch.Tensor, limit: flo
     and 29.6 at 256, four launches a step, plus the gap between launches
     (``bench/results/rollout-h200-flash-shaped-triton-profile-linear-group-head.json``), and its ``[rows, K]``
     output went to memory and back. The cost: each of an expert's ``N / BN`` column blocks computes its rows'
-    activation again (32 times at 256 Flash-shaped sequences, 64 at one) and reads ``h`` (twice ``a``) from L2;
-    whether the weight stream hides that is untimed on a GPU. The eager decode step's second expert GEMM where the
-    table has this op (``kernels.reference.slots._grouped``: the table's extra op ``experts_swiglu_scatter_mm``);
-    its torch contract is ``kernels.reference.slots.swiglu_scatter_grouped_mm``. Decode only (no gradient);
-    anything else is refused with the reason."""
+    activation again (32 times at 256 Flash-shaped sequences, 64 at one) and reads ``h`` (twice ``a``) from L2.
+    At a few rows an expert the weight stream hides that; at many it does not: on an H100 the Flash-shaped step
+    took 1.63 ms with the one launch and 1.64 without at one sequence, but 5.81 with and 5.08 without at 256
+    (``bench/results/rollout-h100-flash-shaped-triton-ablate-fusions.json``). So the one launch runs where
+    :func:`launch_settings` picks the few-rows settings (:data:`WIDE_FROM` rows an expert or fewer, on average),
+    and above it the activation's own kernel (``kernels.triton.swiglu``) and then :func:`experts_scatter_mm`'s
+    GEMM, the same bits, chosen by the shapes alone (a CUDA graph holds one plan). The eager decode step's second
+    expert GEMM where the table has this op (``kernels.reference.slots._grouped``: the table's extra op
+    ``experts_swiglu_scatter_mm``); its torch contract is ``kernels.reference.slots.swiglu_scatter_grouped_mm``.
+    Decode only (no gradient); anything else is refused with the reason."""
     op = "experts_swiglu_scatter_mm"
     rows = h.shape[0] if h.dim() == 2 else -1
     _check_pairs(op, h, w, offs, order, rows if shared is None else order.shape[0], halves=2)
@@ -294,9 +298,20 @@ def experts_swiglu_scatter_mm(h: torch.Tensor, weights: torch.Tensor, limit: flo
         raise gpu_common.op_refusal(op, f"weights {tuple(weights.shape)} {weights.dtype}"
                                         f"{' that require a gradient' if weights.requires_grad else ''} (needs fp32 "
                                         f"[{rows}], one a row of h, no gradient: decode only)")
-    return experts_grouped_mm_launch(h.contiguous(), w.contiguous(), offs.contiguous(), order=order.contiguous(),
-                                     scatter=True, shared=None if shared is None else shared.contiguous(),
-                                     weights=weights.contiguous(), limit=float(limit))
+    h, w, offs, order, weights = h.contiguous(), w.contiguous(), offs.contiguous(), order.contiguous(), \
+        weights.contiguous()
+    shared = None if shared is None else shared.contiguous()
+    if fuses_activation(rows, w.shape[0] + (shared is not None)):
+        return experts_grouped_mm_launch(h, w, offs, order=order, scatter=True, shared=shared, weights=weights,
+                                         limit=float(limit))
+    a = weighted_swiglu_launch(h, weights, float(limit), h.dtype)
+    return experts_grouped_mm_launch(a, w, offs, order=order, scatter=True, shared=shared)
+
+
+def fuses_activation(rows: int, experts: int) -> bool:
+    """Whether :func:`experts_swiglu_scatter_mm` computes the activation in its GEMM's operand load for ``rows``
+    rows over ``experts`` (the shared expert counted): where :func:`launch_settings` picks the few-rows settings."""
+    return not gpu_common.experts_wide(rows, experts)
 
 
 # ------------------------------------------------------------------ the pairs' sum with the shared expert

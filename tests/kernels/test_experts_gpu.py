@@ -441,6 +441,30 @@ def test_the_swiglu_scatter_gemm_keeps_the_bits_of_the_activation_then_the_scatt
         assert int(buffer.count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("counts,topk", ACTIVATION_CASES)
+def test_the_activation_is_in_the_gemm_at_the_few_rows_settings_and_its_own_kernel_above(monkeypatch, counts, topk):
+    """At the few-rows settings one launch computes the activation in its operand load; at the wide ones (many rows
+    an expert: the column blocks' repeated activation cost more than its kernel on an H100) the activation's own
+    kernel runs first and the GEMM reads its output: both the bits of the activation then the scatter."""
+    from kernels.triton import experts as KE
+    from kernels.triton.swiglu import weighted_swiglu
+
+    dev = triton_device()
+    h, weights, order, offs, w2, ws = _activation_case(counts, topk, 48, 40, True, dev, seed=5)
+    fused = KE.fuses_activation(h.shape[0], len(counts) + 1)
+    assert fused is (len(counts) == 6)                  # the narrow case's settings, the wide case's
+    launches = []
+    real_act, real_mm = KE.weighted_swiglu_launch, KE.experts_grouped_mm_launch
+    monkeypatch.setattr(KE, "weighted_swiglu_launch", lambda *a, **k: launches.append("act") or real_act(*a, **k))
+    monkeypatch.setattr(KE, "experts_grouped_mm_launch",
+                        lambda *a, **k: launches.append("gemm+act" if k.get("weights") is not None else "gemm")
+                        or real_mm(*a, **k))
+    got = KE.experts_swiglu_scatter_mm(h, weights, 10.0, w2, offs, order, ws)
+    assert launches == (["gemm+act"] if fused else ["act", "gemm"]), launches
+    a = weighted_swiglu(h, weights, 10.0, torch.bfloat16)
+    assert torch.equal(got, KE.experts_scatter_mm(a, w2, offs, order, ws))
+
+
 def test_the_swiglu_scatter_gemm_refuses_what_it_cannot_serve():
     """Each refusal is one line that names what the kernel needs."""
     from kernels.triton.experts import experts_swiglu_scatter_mm

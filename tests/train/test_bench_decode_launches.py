@@ -58,6 +58,10 @@ def test_the_activation_is_computed_in_the_second_expert_gemm():
     assert "weighted_swiglu (one kernel)" not in fused.sites and "experts_scatter_mm (one kernel)" not in fused.sites
     assert without.sites["weighted_swiglu (one kernel)"] == without.sites["experts_scatter_mm (one kernel)"] == 4
     assert sum(without.sites.values()) - sum(fused.sites.values()) == config.n_layers
+    # at many rows an expert (64 sequences: 448 rows over 33 experts) the op runs the activation's kernel first
+    wide, apart = count_step(config, 64), count_step(config, 64, without=("experts_swiglu_scatter_mm",))
+    assert wide.sites["experts_swiglu_scatter_mm (2 kernels)"] == 2 * config.n_layers
+    assert sum(apart.sites.values()) == sum(wide.sites.values())
 
 
 def test_the_fused_norms_and_the_indexer_top_k_take_the_place_of_their_torch_code():
