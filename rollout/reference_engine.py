@@ -146,6 +146,14 @@ def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
     return out
 
 
+def stop_hits(tok: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(tok, stops)`` for a step's drawn tokens ``tok [N]`` and the stop ids ``stops [S]``, without
+    waiting for the GPU: on CUDA ``torch.isin`` synchronized the stream three times a call (seen on an H100 with
+    ``torch.cuda.set_sync_debug_mode``), so every decode step waited for the one before; ``N x S`` comparisons
+    instead (a step's few tokens against a few stop ids)."""
+    return (tok[:, None] == stops[None, :]).any(-1)
+
+
 def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams, draw=None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``logits [N, V]``, uniforms ``u [N]`` -> (token ids [N], their log-probs under softmax(logits/T) [N]),
@@ -581,7 +589,9 @@ class ReferenceEngine(RolloutEngineBase):
             got = rec.as_tensor(self.config)[src]                              # [rows, S, layers, k]
             got[torch.arange(S)[None, :] >= torch.tensor([P[i] for i in ids])[:, None]] = -1   # padding
             routed[list(ids), :S] = got
-        return cache.select(src), logits[src.to(logits.device)]
+        from kernels.reference.decode import to_device
+
+        return cache.select(src), logits[to_device(src, logits.device)]
 
     def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
                          seeds: List[List[int]]) -> List[List[Sample]]:
@@ -606,7 +616,7 @@ class ReferenceEngine(RolloutEngineBase):
         fed_picks = []                                # per decode step: [rows, n_csa, index_topk]
 
         def stopped(tok):                             # a host sync (an admission's first draws)
-            return torch.isin(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
+            return stop_hits(tok, stops).tolist() if params.stop_token_ids else [False] * len(tok)
 
         def stop_flags(tok, flags=None):
             """A decode step's stop flags (``flags``, or computed here) on their way to the host, read one step
@@ -614,7 +624,7 @@ class ReferenceEngine(RolloutEngineBase):
             without stop tokens."""
             if not params.stop_token_ids:
                 return None
-            flags = torch.isin(tok, stops) if flags is None else flags
+            flags = stop_hits(tok, stops) if flags is None else flags
             if not flags.is_cuda:
                 return flags, None
             host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)

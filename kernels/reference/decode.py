@@ -50,7 +50,7 @@ from .layers import compute_dtype, grouped_projection, linear_fp32, rms_normaliz
 from .rope import apply_rope, rope_cos_sin
 from .topk import decode_topk, window_rows as _window
 
-__all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step"]
+__all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step", "to_device"]
 
 
 @dataclass
@@ -75,15 +75,29 @@ class LayerCache:
     indexer: Optional[CompressorCache]       # the Lightning Indexer's compressor (CSA layers)
 
 
-def _select_tensors(obj, rows: torch.Tensor):
-    """A copy of a cache dataclass with every tensor field indexed by ``rows`` along dim 0."""
+def to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """Host values (a sequence or a CPU tensor) as a tensor on ``device`` without waiting for the GPU: a copy
+    from pageable host memory synchronizes (the host waits for every kernel queued before it, and a rollout
+    engine's step bookkeeping then keeps the GPU idle), so on CUDA the values go through pinned memory with a
+    non-blocking copy, in stream order like any other."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _select_tensors(obj, rows: torch.Tensor, on: Dict[torch.device, torch.Tensor]):
+    """A copy of a cache dataclass with every tensor field indexed by ``rows`` along dim 0; ``on``: ``rows`` on
+    each device seen so far (one copy a device, not a waiting copy a tensor)."""
     changes = {}
     for f in fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, torch.Tensor):
-            changes[f.name] = v.index_select(0, rows.to(v.device))
+            if v.device not in on:
+                on[v.device] = to_device(rows, v.device)
+            changes[f.name] = v.index_select(0, on[v.device])
         elif isinstance(v, CompressorCache):
-            changes[f.name] = _select_tensors(v, rows)
+            changes[f.name] = _select_tensors(v, rows, on)
     return replace(obj, **changes)
 
 
@@ -103,7 +117,8 @@ class DecodeCache:
         """The cache of rows ``rows`` (a list or a long tensor; repeats copy a row, e.g. one prompt's prefill
         for its ``n`` samples; leaving rows out drops finished sequences)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        return DecodeCache([_select_tensors(lc, rows) for lc in self.layers], self.pos.index_select(0, rows),
+        on: Dict[torch.device, torch.Tensor] = {}
+        return DecodeCache([_select_tensors(lc, rows, on) for lc in self.layers], self.pos.index_select(0, rows),
                            self.max_len)
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .compressor import Compressor, hadamard_transform
 from .decode import (CompressorCache, DecodeCache, LayerCache, _attend, angle_table, device_inv_freq,
-                     eager_linear, eager_op, pool_slots, projected, step_once, table_angles)
+                     eager_linear, eager_op, pool_slots, projected, step_once, table_angles, to_device)
 from .layers import compute_dtype, linear_fp32
 from .mhc import hc_post
 from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighted_swiglu
@@ -55,17 +55,6 @@ __all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_
            "PAIR_KERNELS", "SWIGLU_SCATTER", "COMBINE_POST",
            "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",
            "EAGER_REGIONS", "decode_embed", "decode_layer", "decode_head"]
-
-
-def to_device(values, device, dtype=torch.long) -> torch.Tensor:
-    """Host values (a sequence or a CPU tensor) as a tensor on ``device`` without waiting for the GPU: a copy
-    from pageable host memory synchronizes (the host waits for every kernel queued before it, and a rollout
-    engine's step bookkeeping then keeps the GPU idle), so on CUDA the values go through pinned memory with a
-    non-blocking copy, in stream order like any other."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _map_tensors(obj, fn, other=None):

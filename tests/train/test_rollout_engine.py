@@ -221,6 +221,26 @@ def test_a_stopped_sample_leaves_the_batch_one_step_later():
     assert e.positions_fed == 3 * max(len(p) for p in PROMPTS) + fed     # 3 distinct prompts, prefilled once
 
 
+def test_the_stop_test_is_torch_isin(monkeypatch):
+    """``stop_hits`` (the engine's stop test, which does not wait for the GPU as ``torch.isin`` did on CUDA) flags
+    what ``torch.isin`` flags: hits, misses, one stop id, many, none drawn; and a generate call with stop tokens
+    never calls ``torch.isin``, its samples ending where the test says."""
+    from rollout.reference_engine import stop_hits
+
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, 50, (37,), generator=g)
+    for stops in (torch.tensor([3]), torch.arange(2, 50, 5), torch.tensor([60, 61]), tok[:4]):
+        assert torch.equal(stop_hits(tok, stops), torch.isin(tok, stops)), stops
+    e = _fresh_engine()
+    params = _params(max_new_tokens=10, stop_token_ids=tuple(range(2, 1024, 5)))
+    want = e.generate(PROMPTS, params, n=N, seed=11)
+    monkeypatch.setattr(torch, "isin", lambda *a, **k: pytest.fail("the engine called torch.isin"))
+    got = e.generate(PROMPTS, params, n=N, seed=11)
+    for ga, gb in zip(got, want, strict=True):
+        assert [s.response_ids for s in ga] == [s.response_ids for s in gb]
+        assert [s.finish_reason for s in ga] == [s.finish_reason for s in gb]
+
+
 def _one_running_sum_draw(probs, u):
     """The draw :func:`kernels.reference.sampling.draw_index` stands for: one float64 running sum of the row,
     the first index whose sum exceeds ``u x`` the row's mass, never past the last index with mass."""
