@@ -51,10 +51,10 @@ row's ``without``), so one run times each decode kernel against the code it repl
 of the full table's first rows only). The full table runs again last (rows ``"again": true``, labelled
 ``(again)``): the drift between its two runs bounds what an ablated row's difference can say.
 
-On a Hopper-class GPU a kernel backend's decode step launches its triton kernels dependent on the ones before
-(``kernels/triton/pdl.py``), its projections asking L2 for their first weight lines while they wait;
-``DSV4_PDL=0`` in the environment times it without, ``DSV4_PDL_PREFETCH=0`` without the prefetch, and each cached
-row's ``note`` says which ran.
+With ``DSV4_PDL=1`` in the environment, on a Hopper-class GPU, a kernel backend's decode step launches its triton
+kernels dependent on the ones before (``kernels/triton/pdl.py``; opt-in), its projections asking L2 for their
+first weight lines while they wait (``DSV4_PDL_PREFETCH=0``: without the prefetch); each cached row's ``note``
+says which ran.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _engine(config, device, dtype, seed, **kw):
 def _dependent_launches_note(dev: torch.device, kernel_backend: str) -> str:
     """``"; dependent launches on (weights' prefetch on)"`` (or ``off``) / ``"; dependent launches off"`` where a GPU
     kernel backend's decode step could launch its triton kernels with PDL (``kernels/triton/pdl.py``: a Hopper-class
-    GPU, ``DSV4_PDL`` not 0; the prefetch: ``DSV4_PDL_PREFETCH`` not 0), else nothing: a row's record says which it
+    GPU, ``DSV4_PDL=1``; the prefetch: ``DSV4_PDL_PREFETCH`` not 0), else nothing: a row's record says which it
     timed."""
     if dev.type != "cuda" or kernel_backend == "none":
         return ""

@@ -178,7 +178,7 @@ class SlotDecoder:
                     raise
                 raise RuntimeError(f"the decode step failed with its triton kernels launched dependent on the ones "
                                    f"before (programmatic dependent launch, kernels/triton/pdl.py): {err}; "
-                                   f"DSV4_PDL=0 launches them as before") from err
+                                   f"DSV4_PDL=0 (the default) launches them as before") from err
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()

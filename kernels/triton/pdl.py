@@ -17,9 +17,13 @@ wait covers every kernel before it on the stream, since each of those waited for
 completing. Kernels launched without the attribute (torch's) wait as always.
 
 Only the rollout engine's decode step launches so (``kernels.gpu_common.dependent_launches``, around the step it runs
-and captures into its CUDA graphs, ``rollout.slot_decoder``): training and prefill kernels run long and are
-launched as always. ``DSV4_PDL=0`` launches without it (the same kernels, the same bits; ``bench.rollout`` times
-both); the CPU interpreter and GPUs before Hopper never use it.
+and captures into its CUDA graphs, ``rollout.slot_decoder``), and only with ``DSV4_PDL=1`` in the environment:
+training and prefill kernels run long and are launched as always. It is opt-in because on an H100 it gained
+nothing measurable (the Flash-shaped step at one sequence 1.63 ms with it, 1.634 without; at 64 sequences 4.099
+and 4.129; at 256 5.83 and 5.742: ``docs/rollout.md``, the static-slot decode step), while twice the first
+one-sequence row timed on a freshly started machine with it on took 4.84 and 7.14 ms, which no run has explained
+yet. The same kernels, the same bits either way (``bench.rollout`` times both); the CPU interpreter and GPUs
+before Hopper never use it.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ PREFETCH_ENV = "DSV4_PDL_PREFETCH"
 
 def enabled(device: torch.device) -> bool:
     """Whether launches on ``device`` use PDL: inside ``kernels.gpu_common.dependent_launches`` (the engine's decode
-    step), on a CUDA device of compute capability 9 or later, not the interpreter, ``DSV4_PDL`` not ``0``."""
-    if (not gpu_common.dependent_launches_on() or os.environ.get(ENV, "1") == "0" or gpu_common.interpreting()
+    step), on a CUDA device of compute capability 9 or later, not the interpreter, with ``DSV4_PDL=1`` (opt-in:
+    module docstring)."""
+    if (not gpu_common.dependent_launches_on() or os.environ.get(ENV, "0") != "1" or gpu_common.interpreting()
             or device.type != "cuda"):
         return False
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,5 +1,5 @@
 """Programmatic dependent launch of the triton kernels (``kernels/triton/pdl.py``): a launch asks for PDL only in
-the decode step on a Hopper-class CUDA device outside the interpreter and without ``DSV4_PDL=0``, the wait compiles
+the decode step on a Hopper-class CUDA device outside the interpreter and with ``DSV4_PDL=1``, the wait compiles
 for sm_90 ahead of every global load, and on a GPU a chain of dependent kernels replayed from a CUDA graph gives the
 same bits with PDL and without (that every flagged kernel waits first is read from the sources by
 ``test_pdl_sources.py``, on the CPU suite)."""
@@ -11,7 +11,7 @@ from ._backends import triton_device
 
 def test_a_launch_asks_for_pdl_only_in_the_decode_step_on_hopper_cuda_outside_the_interpreter(monkeypatch):
     """``pdl.launch``: inside ``dependent_launches`` (the engine's decode step), on a CUDA device of compute
-    capability 9 or later, not in the interpreter, without ``DSV4_PDL=0``; else the plain launch."""
+    capability 9 or later, not in the interpreter, with ``DSV4_PDL=1`` (opt-in); else the plain launch."""
     from kernels.gpu_common import dependent_launches
     from kernels.triton import pdl
 
@@ -20,6 +20,9 @@ def test_a_launch_asks_for_pdl_only_in_the_decode_step_on_hopper_cuda_outside_th
     monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
     monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: index == 0)
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    with dependent_launches():
+        assert pdl.launch(cuda0) == dict(PDL=False)              # without DSV4_PDL=1: off
+    monkeypatch.setenv(pdl.ENV, "1")
     assert pdl.launch(cuda0) == dict(PDL=False)                  # training, prefill
     assert pdl.launch(cuda0, prefetch=True) == dict(PDL=False, PREFETCH=False)
     with dependent_launches():
@@ -101,6 +104,7 @@ def test_a_graph_of_dependent_kernels_gives_the_same_bits_with_pdl_and_without(m
     from kernels.triton import pdl
 
     dev = triton_device()
+    monkeypatch.setenv(pdl.ENV, "1")
     with dependent_launches():
         usable = dev != "cpu" and pdl.enabled(torch.device(dev))
     if not usable:
