@@ -849,7 +849,7 @@ def lockstep_samples(prompt: List[int], params: SamplingParams, seeds: List[int]
         lps[:, t] = torch.where(done, torch.zeros_like(lp.cpu()), lp.cpu())
         if t + 1 < T:
             ids[:, L] = tok.to(device)
-        newly = (~done) & torch.isin(tok, stops)
+        newly = (~done) & stop_hits(tok, stops)
         lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
         done |= newly
         if bool(done.all()):
