@@ -232,16 +232,16 @@ GPU_DTYPES = ("bf16", "fp16")
 PRE_NORM_MAX_TOKENS = 4
 
 
+#: mean rows an expert above which the triton expert GEMMs take their many-rows settings (:func:`experts_wide`)
+EXPERTS_WIDE_FROM = 8
+
+
 def experts_wide(rows: int, experts: int) -> bool:
     """Whether the triton expert GEMMs take their many-rows settings for ``rows`` rows over ``experts``: more than
     :data:`EXPERTS_WIDE_FROM` rows an expert on average (``kernels/triton/experts.py``'s ``launch_settings``; there
     ``experts_swiglu_scatter_mm`` also runs the activation's own kernel first). Torch-only, so that
     ``bench.decode_launches`` counts those launches too."""
     return -(-rows // max(experts, 1)) > EXPERTS_WIDE_FROM
-
-
-#: mean rows an expert above which the triton expert GEMMs take their many-rows settings (:func:`experts_wide`)
-EXPERTS_WIDE_FROM = 8
 
 
 MHC_OPS = ("sinkhorn", "hc_pre", "hc_post", "hc_head")

@@ -54,7 +54,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from core import weight_contract as wc
-from kernels.reference.sampling import CDF_BLOCK, draw_index, tempered
+from kernels.reference.sampling import CDF_BLOCK, draw_index, stop_hits, tempered
 
 from .phase_clock import PhaseClock
 from .replay import (IndexerPicksRecorder, RoutingRecorder, empty_indexer_picks, empty_routing, indexer_context,
@@ -144,14 +144,6 @@ def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
     for i, s in enumerate(seeds):
         out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
     return out
-
-
-def stop_hits(tok: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
-    """``torch.isin(tok, stops)`` for a step's drawn tokens ``tok [N]`` and the stop ids ``stops [S]``, without
-    waiting for the GPU: on CUDA ``torch.isin`` synchronized the stream three times a call (seen on an H100 with
-    ``torch.cuda.set_sync_debug_mode``), so every decode step waited for the one before; ``N x S`` comparisons
-    instead (a step's few tokens against a few stop ids)."""
-    return (tok[:, None] == stops[None, :]).any(-1)
 
 
 def sample_tokens(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams, draw=None

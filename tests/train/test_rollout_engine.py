@@ -225,7 +225,7 @@ def test_the_stop_test_is_torch_isin(monkeypatch):
     """``stop_hits`` (the engine's stop test, which does not wait for the GPU as ``torch.isin`` did on CUDA) flags
     what ``torch.isin`` flags: hits, misses, one stop id, many, none drawn; and a generate call with stop tokens
     never calls ``torch.isin``, its samples ending where the test says."""
-    from rollout.reference_engine import stop_hits
+    from kernels.reference.sampling import stop_hits
 
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, 50, (37,), generator=g)
