@@ -228,8 +228,11 @@ def indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 GPU_DTYPES = ("bf16", "fp16")
 
 #: the most tokens the triton ``hc_pre_norm`` serves in one launch (``kernels/triton/mhc_decode.py``: its last program
-#: reads every token's streams alone); here, torch-only, for ``bench.decode_launches``' count of that op's launches
-PRE_NORM_MAX_TOKENS = 4
+#: reads every token's streams alone); here, torch-only, for ``bench.decode_launches``' count of that op's launches.
+#: On one H100 a Flash-shaped site took 10.8 us in one launch against 16.6 in the four kernels at one token, 13.7
+#: against 16.6 at two, 19.7 against 17.7 at four (bench/results/kernels-decode-sweep-h100-mhc.json); the decode
+#: step's graphs hold 1, 2, 4, ... slots
+PRE_NORM_MAX_TOKENS = 2
 
 
 #: mean rows an expert above which the triton expert GEMMs take their many-rows settings (:func:`experts_wide`)
