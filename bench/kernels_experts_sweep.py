@@ -1,7 +1,7 @@
 """Launch settings of the triton decode experts kernel (``kernels/triton/experts.py``) at the Flash-shaped decode
 step's shapes, timed and checked on one GPU.
 
-    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split] --out FILE.json
+    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --reference] --out FILE.json
 
 Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
 --compile on --profile-steps``) the kernel took 1.70 ms of a 3.85 ms step at 64 sequences, about 79% of the HBM
@@ -13,6 +13,11 @@ sequences (6, 384 and 1,536 rows, top-6 of 32 experts drawn at random), with ``t
 weight bytes the experts with rows read over the time, and compares each output with the launch settings' (``equal``
 bits, or ``close``: within bf16 rounding, a reduction in another order). The sweep only measures; the settings
 (``EXPERTS_CONFIG``, ``launch_settings``) change by hand after ``tests/kernels/test_experts_gpu.py`` holds them to the exact products.
+
+``--reference`` times, instead of the grid, the launch settings' kernel beside other reads of the same bytes (the
+weights of the experts with rows): a torch GEMM of one row (cuBLAS), a copy (half its time: it reads and writes
+them) and an fp32 sum: what a kernel gets from HBM for reads of this size on the machine, the limit the experts
+kernel is measured against.
 """
 
 from __future__ import annotations
@@ -37,6 +42,27 @@ def _case(seqs: int, N: int, K: int):
     return x, w, offs, int((counts > 0).sum()) * N * K * 2
 
 
+def _same_bytes(x, w, offs, nbytes):
+    """The launch settings' kernel and other reads of the weights of the experts with rows, each timed: rows of
+    ``reader``, ``us``, ``gb_per_s`` (the bytes over the time), printed as they come."""
+    from kernels.triton import experts as KE
+
+    counts = torch.diff(offs.cpu(), prepend=torch.zeros(1, dtype=offs.dtype))
+    busy = [w[e] for e in range(w.shape[0]) if counts[e] > 0]
+    row, whole = x[:1].contiguous(), torch.cat(busy)
+    readers = {"experts_grouped_mm (launch settings)": lambda: KE.experts_grouped_mm_launch(x, w, offs),
+               "torch mm, one row": lambda: row @ whole.t(),
+               "copy (half its time)": lambda: whole.clone(),
+               "fp32 sum": lambda: whole.sum(dtype=torch.float32)}
+    out = []
+    for name, fn in readers.items():
+        us = bc.bench(fn, rep=100) * 1e3 / (2 if name.startswith("copy") else 1)
+        out.append(dict(reader=name, us=round(us, 1), gb_per_s=round(nbytes / us / 1e3)))
+        print(f"  {x.shape[0]:5d} rows over {len(busy):2d} experts {w.shape[1]}x{w.shape[2]}: {name:38s} "
+              f"{us:8.1f} us {out[-1]['gb_per_s']:6d} GB/s", flush=True)
+    return out
+
+
 def main(argv=None):
     import argparse
     import sys
@@ -47,6 +73,8 @@ def main(argv=None):
     p.add_argument("--split", action="store_true",
                    help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN, STAGES "
                         "and WARPS around the few-rows settings instead")
+    p.add_argument("--reference", action="store_true",
+                   help="time the launch settings beside other reads of the same weight bytes instead")
     known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     out = bc.sweep_output(__doc__, rest)
     import triton
@@ -67,6 +95,10 @@ def main(argv=None):
     for seqs, (site, N, K) in itertools.product(known.sequences,
                                                 (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):
         x, w, offs, nbytes = _case(seqs, N, K)
+        if known.reference:
+            rows += [dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, **r, **meta)
+                     for r in _same_bytes(x, w, offs, nbytes)]
+            continue
         ref = KE.experts_grouped_mm_launch(x, w, offs)
         us_default = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs), rep=50) * 1e3
         print(f"== {seqs} sequence(s), {site} {N}x{K}: launch settings {KE.launch_settings(x.shape[0], E)} "
