@@ -77,23 +77,25 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                     PDL: tl.constexpr = False):
     """Program ``(e, j, s)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
     row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the pair); ``SCATTER``: it writes ``Y`` row
-    ``ORDER[r]`` (the pair's own row). ``SHARED``: a program ``e = NE`` more, the shared expert ``WS`` on ``SH``
-    rows after the ``RR`` routed ones: row ``RR + t`` is token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and
-    written to its own row. ``SPLIT`` > 1: the program takes share ``s`` of ``K``, writes its rows' partials to
+    ``ORDER[r]`` (the pair's own row). ``SHARED``: programs ``e >= NE`` more, the shared expert ``WS`` on ``SH``
+    rows after the ``RR`` routed ones, ``BM`` rows a program (row block ``e - NE``: every token is the shared
+    expert's, so one program looping over 256 tokens' rows was the launch's last to finish): row ``RR + t`` is
+    token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and written to its own row. ``SPLIT`` > 1: the program takes share ``s`` of ``K``, writes its rows' partials to
     ``PART`` ``[rows, SPLIT, N]`` and takes a ticket of the block ``(e, j)``; the last program of the block to
     take one sums the shares in order and stores. ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and
     row ``r``'s A tile is its weighted SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s
     dtype (:func:`_rows_product`)."""
     pdl.wait_prior(PDL)
     e = tl.program_id(0)
-    start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+    start = tl.load(OFFS + e - 1, mask=(e > 0) & (e <= NE), other=0)
     end = tl.load(OFFS + e, mask=e < NE, other=0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < N
     wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
     if SHARED:
-        if e == NE:
-            end = start + SH
+        if e >= NE:
+            start = RR + (e - NE) * BM
+            end = tl.minimum(start + BM, RR + SH)
             wrow = WS + cols.to(tl.int64)[:, None] * K
     if SPLIT == 1:
         for m0 in range(start, end, BM):
@@ -196,14 +198,15 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     c = {**launch_settings(R + T, E + (shared is not None)), **(config or {})}
     y = torch.empty(R + T, N, dtype=x.dtype, device=x.device)
     split = max(1, int(c.get("SPLIT", 1)))
-    blocks = (E + (shared is not None)) * triton.cdiv(N, c["BN"])
+    groups = E + (0 if shared is None else max(1, triton.cdiv(T, c["BM"])))    # the shared expert's row blocks
+    blocks = groups * triton.cdiv(N, c["BN"])
     if split > 1:
         part = torch.empty(R + T, split, N, dtype=torch.float32, device=x.device)
         tickets = counters(x.device, blocks)
     else:
         part = tickets = offs                        # unused (SPLIT 1)
     if (R or T) and E:
-        _experts_kernel[(E + (shared is not None), triton.cdiv(N, c["BN"]), split)](
+        _experts_kernel[(groups, triton.cdiv(N, c["BN"]), split)](
             x, w, offs, y, offs if order is None else order, w if shared is None else shared, N, K, max(topk, 1), E,
             R, T, part, tickets, offs if weights is None else weights, float(limit), BM=c["BM"], BN=c["BN"],
             BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter),

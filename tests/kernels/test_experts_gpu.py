@@ -337,6 +337,69 @@ def test_a_split_reduction_gives_the_same_products(counts, topk, split):
         assert int(buffer.count_nonzero()) == 0
 
 
+class _Grids:
+    """Records each launch's grid of ``kernels.triton.experts._experts_kernel`` and launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+# more tokens than one program's row step: 20 at the narrow settings' 16 (two blocks), 192 at the wide ones' 64
+# (three; a decode step of 256 Flash-shaped sequences has four)
+SHARED_BLOCK_CASES = [pytest.param([3, 2, 0, 4, 2, 3, 1, 2, 5, 0, 3, 2, 4, 1, 3, 5], 2, 16, 2, id="narrow"),
+                      pytest.param([70, 0, 60, 62], 1, 64, 3, id="wide")]
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("counts,topk,bm,blocks", SHARED_BLOCK_CASES)
+def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, topk, bm, blocks, split):
+    """The shared expert takes every token, so its rows are ``cdiv(T, BM)`` programs of a column block (the grid's
+    first dimension ``E + blocks``), where one program looped over all of them and finished last. The gather, the
+    scatter and the activation's GEMM with the shared expert against the exact products (fp64): the routed rows
+    and the shared expert's, at one and two shares of ``K``; every ticket counter back at 0."""
+    from kernels.reference.moe import weighted_swiglu as reference
+    from kernels.reference.slots import expert_order
+    from kernels.triton import experts as KE, tickets
+
+    dev = triton_device()
+    R, E, K, N = sum(counts), len(counts), 48, 40
+    T = R // topk
+    assert KE.launch_settings(R + T, E + 1)["BM"] == bm and -(-T // bm) == blocks
+    g = torch.Generator().manual_seed(R + split)
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])[torch.randperm(R, generator=g)]
+    order, offs, weights = expert_order(ids, E, torch.rand(R, generator=g), T)
+    tokens = torch.randn(T, K, generator=g).bfloat16()
+    rows = torch.randn(R + T, K, generator=g).bfloat16()
+    h = (torch.randn(R + T, 2 * K, generator=g) * 8).bfloat16()
+    _, w, _ = _case(counts, N, K, "cpu", seed=11)
+    ws = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    spy = _Grids(KE._experts_kernel)
+    monkeypatch.setattr(KE, "_experts_kernel", spy)
+    steps = 4 if dev == "cpu" else 2
+    a = reference(h.double(), weights.double(), 10.0).bfloat16()         # the activation, rounded as the kernel does
+    for x, kw, routed in ((tokens, dict(topk=topk), tokens.index_select(0, order // topk)),
+                          (rows, dict(scatter=True), rows[:R]), (h, dict(scatter=True, weights=weights, limit=10.0), a[:R])):
+        got = KE.experts_grouped_mm_launch(x.to(dev), w.to(dev), offs.to(dev), config=dict(SPLIT=split),
+                                           order=order.to(dev), shared=ws.to(dev),
+                                           **{k: v.to(dev) if torch.is_tensor(v) else v for k, v in kw.items()})
+        exact, scale = _exact(routed, w, offs)
+        if kw.get("scatter"):
+            exact = torch.empty_like(exact).index_copy_(0, order, exact)
+            scale = torch.empty_like(scale).index_copy_(0, order, scale)
+        own = tokens if "topk" in kw else (rows if "weights" not in kw else a)[R:]
+        exact = torch.cat((exact, own.double() @ ws.double().t()))
+        scale = torch.cat((scale, own.double().abs() @ ws.double().abs().t()))
+        err = (got.cpu().double() - exact).abs()
+        assert (err <= 2 * steps * 2.0 ** -8 * scale + 1e-30).all(), err.max().item()
+    assert [grid[0] for grid in spy.grids] == [E + blocks] * 3, spy.grids
+    for buffer in tickets._COUNTERS.values():
+        assert int(buffer.count_nonzero()) == 0
+
+
 def test_the_order_kernel_compiles_for_sm90():
     """One program an expert: the kernel does not depend on the number of experts."""
     import importlib.util
