@@ -80,11 +80,11 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
     ``ORDER[r]`` (the pair's own row). ``SHARED``: programs ``e >= NE`` more, the shared expert ``WS`` on ``SH``
     rows after the ``RR`` routed ones, ``BM`` rows a program (row block ``e - NE``: every token is the shared
     expert's, so one program looping over 256 tokens' rows was the launch's last to finish): row ``RR + t`` is
-    token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and written to its own row. ``SPLIT`` > 1: the program takes share ``s`` of ``K``, writes its rows' partials to
-    ``PART`` ``[rows, SPLIT, N]`` and takes a ticket of the block ``(e, j)``; the last program of the block to
-    take one sums the shares in order and stores. ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and
-    row ``r``'s A tile is its weighted SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s
-    dtype (:func:`_rows_product`)."""
+    token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and written to its own row. ``SPLIT`` > 1: the program
+    takes share ``s`` of ``K``, writes its rows' partials to ``PART`` ``[rows, SPLIT, N]`` and takes a ticket of
+    the block ``(e, j)``; the last program of the block to take one sums the shares in order and stores.
+    ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and row ``r``'s A tile is its weighted SwiGLU at
+    weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`)."""
     pdl.wait_prior(PDL)
     e = tl.program_id(0)
     start = tl.load(OFFS + e - 1, mask=(e > 0) & (e <= NE), other=0)

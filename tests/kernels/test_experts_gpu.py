@@ -382,7 +382,8 @@ def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, 
     steps = 4 if dev == "cpu" else 2
     a = reference(h.double(), weights.double(), 10.0).bfloat16()         # the activation, rounded as the kernel does
     for x, kw, routed in ((tokens, dict(topk=topk), tokens.index_select(0, order // topk)),
-                          (rows, dict(scatter=True), rows[:R]), (h, dict(scatter=True, weights=weights, limit=10.0), a[:R])):
+                          (rows, dict(scatter=True), rows[:R]),
+                          (h, dict(scatter=True, weights=weights, limit=10.0), a[:R])):
         got = KE.experts_grouped_mm_launch(x.to(dev), w.to(dev), offs.to(dev), config=dict(SPLIT=split),
                                            order=order.to(dev), shared=ws.to(dev),
                                            **{k: v.to(dev) if torch.is_tensor(v) else v for k, v in kw.items()})
