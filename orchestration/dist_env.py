@@ -147,18 +147,27 @@ def _client_by(deadline: float, make):
 def _cpp_log_hidden():
     """Standard error (file descriptor 2) sent to /dev/null for the ``with`` block. Why: torch's store client logs a
     C++ warning with its whole stack there when what answers at the port is not a store (another service, or a
-    port another run took), and the caller raises its own one-line error naming the fix instead."""
+    port another run took), and the caller raises its own one-line error naming the fix instead. Yields a dict:
+    where the block sets ``left_behind`` (a store client :func:`_client_by` gave up on, still running on its
+    thread), descriptor 2 stays on /dev/null for the rest of the process and Python's ``sys.stderr`` writes to the
+    real standard error: that client's warning came after the error line when it logged late (a loaded CI
+    machine)."""
     import sys
 
     sys.stderr.flush()
     saved = os.dup(2)
+    state = {"left_behind": False}
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
-        yield
+        yield state
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        if state["left_behind"]:
+            sys.stderr = os.fdopen(saved, "w", buffering=1, encoding=sys.stderr.encoding,
+                                   errors=sys.stderr.errors)
+        else:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -176,9 +185,10 @@ def rendezvous(rank: int, world: int, addr: str, port: int, *, timeout_s: float 
         if hosts:
             store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
         else:
-            with _cpp_log_hidden():
+            with _cpp_log_hidden() as hidden:
                 store = _client_by(started + timeout_s, lambda: dist.TCPStore(
                     addr, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False))
+                hidden["left_behind"] = store is None
             if store is None:
                 raise DistEnvError(f"rank {rank} ({socket.gethostname()}) waited {time.monotonic() - started:.0f} s "
                                    f"for rank 0 at {addr}:{port} (waited for ranks: 0); something listens there "

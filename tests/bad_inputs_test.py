@@ -852,6 +852,37 @@ def test_a_rank_whose_master_port_answers_but_is_no_store_says_so_quietly(tmp_pa
     refused(proc, "rank 1", "waited for ranks: 0", "rendezvous_timeout_s")
 
 
+# the store client given up on at the deadline, still running on its thread, logs torch's C++ stack half a second
+# later (as torch's client retrying against a port that hangs up did, after the deadline, on a loaded CI machine)
+_LEFT_BEHIND = ("import os, threading, time\n"
+                "from orchestration import dist_env\n"
+                "def gave_up(deadline, make):\n"
+                "    late = lambda: (time.sleep(0.5), os.write(2, b'frame #0: Exception raised from recvBytes\\n'))\n"
+                "    threading.Thread(target=late).start()\n"
+                "    return None\n"
+                "dist_env._client_by = gave_up\n") + _MEASURED
+
+
+def test_a_store_client_left_behind_logs_nowhere_after_the_error_line(tmp_path):
+    """The race behind a flaky run of the test above: torch's store client, given up on at the deadline on its own
+    thread, logged its C++ stack after standard error was restored. With the client left behind, descriptor 2
+    stays on /dev/null: the one error line reaches the user and the stack does not."""
+    import socket
+
+    from tests.cli_process import run_code
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        env = {**os.environ, **_rank_env(RANK=1, MASTER_PORT=listener.getsockname()[1])}
+        proc = run_code(_LEFT_BEHIND, ["train", "--mode", "sft", "--steps", "1", "--run-dir", str(tmp_path / "r"),
+                                       "rendezvous_timeout_s=3"], env=env, timeout=FAST)
+    finally:
+        listener.close()
+    refused(proc, "rank 1", "something listens there but no store answered", "rendezvous_timeout_s")
+
+
 def test_a_rank_whose_master_port_never_answers_gives_up_at_its_timeout(tmp_path):
     """Something listens at MASTER_PORT and takes the connection but never answers (a full backlog, a service that
     waits for its client to speak first): the rank gives up at ``rendezvous_timeout_s`` with the one line naming
