@@ -557,7 +557,7 @@ class ReferenceEngine(RolloutEngineBase):
         """Prefill each distinct prompt once; the cache rows and last logits of ``prompts`` in order. With
         ``routed`` (``picks``), samples ``ids`` (prompt lengths ``P[id]``) get their prompts' routed experts
         (indexer picks)."""
-        from kernels.reference.decode import prefill
+        from kernels.reference.decode import prefill, to_device
         from kernels.reference.moe import inference_experts
         from kernels.reference.slots import prefill_experts
 
@@ -581,14 +581,12 @@ class ReferenceEngine(RolloutEngineBase):
             got = rec.as_tensor(self.config)[src]                              # [rows, S, layers, k]
             got[torch.arange(S)[None, :] >= torch.tensor([P[i] for i in ids])[:, None]] = -1   # padding
             routed[list(ids), :S] = got
-        from kernels.reference.decode import to_device
-
         return cache.select(src), logits[to_device(src, logits.device)]
 
     def _generate_cached(self, prompts: List[List[int]], params: SamplingParams, n: int,
                          seeds: List[List[int]]) -> List[List[Sample]]:
         """Every prompt's ``n`` samples through the slots (continuous batching, module docstring)."""
-        from kernels.reference.slots import to_device
+        from kernels.reference.decode import to_device
 
         c, dev, T = self.config, self.model.embed.weight.device, params.max_new_tokens
         items = [(pi, j) for pi in range(len(prompts)) for j in range(n)]       # sample id -> (prompt, j)

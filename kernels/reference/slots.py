@@ -50,7 +50,7 @@ from .moe import _has_negative_ids, current_routing_hook, route, swiglu, weighte
 from .rope import apply_rope, rope_cos_sin
 from .stacks import stacked_view
 
-__all__ = ["SlotCache", "to_device", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
+__all__ = ["SlotCache", "stack_expert_weights", "moe_decode", "moe_decode_path", "prefill_experts",
            "gather_grouped_mm", "scatter_grouped_mm", "swiglu_scatter_grouped_mm", "combine_pairs", "combine_post",
            "PAIR_KERNELS", "SWIGLU_SCATTER", "COMBINE_POST",
            "grouped_decode_ok", "static_decode_step", "static_step_checks", "static_step_body", "StepRegions",

@@ -460,7 +460,7 @@ def test_decode_steps_do_not_wait_for_the_gpu(train_model):
     at different steps, so the live set and its index tensors change) a call of 12 new tokens makes as many
     ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` calls as one of 2 (the prefill's, the first draws', the
     results' copies). The stop flags are read one step late with an event, and the slots' index tensors go
-    through pinned memory (``kernels.reference.slots.to_device``); before, each step copied its flags to the
+    through pinned memory (``kernels.reference.decode.to_device``); before, each step copied its flags to the
     host and each change of the live set its indices from pageable memory, waiting for every queued kernel."""
     import dataclasses
 
