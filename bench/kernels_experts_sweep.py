@@ -1,7 +1,8 @@
 """Launch settings of the triton decode experts kernel (``kernels/triton/experts.py``) at the Flash-shaped decode
 step's shapes, timed and checked on one GPU.
 
-    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --reference] --out FILE.json
+    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --wide | --reference] [--skew S]
+        --out FILE.json
 
 Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
 --compile on --profile-steps``) the kernel took 1.70 ms of a 3.85 ms step at 64 sequences, about 79% of the HBM
@@ -17,7 +18,9 @@ bits, or ``close``: within bf16 rounding, a reduction in another order). The swe
 ``--reference`` times, instead of the grid, the launch settings' kernel beside other reads of the same bytes (the
 weights of the experts with rows): a torch GEMM of one row (cuBLAS), a copy (half its time: it reads and writes
 them) and an fp32 sum: what a kernel gets from HBM for reads of this size on the machine, the limit the experts
-kernel is measured against.
+kernel is measured against. ``--wide`` sweeps around the many-rows settings (64 and 256 sequences) instead of the
+whole grid, ``BN`` 256 among them. ``--skew S`` draws the experts unevenly (weights ``(rank + 1) ** -S``), as a
+trained router loads them on one batch: a few experts then take several row blocks.
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ from bench import kernels_common as bc
 E, TOPK, DIM, INTER = 32, 6, 4096, 2048
 
 
-def _case(seqs: int, N: int, K: int):
+def _case(seqs: int, N: int, K: int, skew: float = 0.0):
+    """The step's rows for ``seqs`` sequences, each token's ``TOPK`` experts drawn without replacement at random:
+    uniform (``skew`` 0), or with expert ``e`` (in a shuffled order) drawn in proportion to ``(rank + 1) ** -skew``,
+    the skewed load of a trained router on one batch."""
     g = torch.Generator().manual_seed(seqs)
-    picks = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(seqs)]).flatten()
+    if skew:
+        p = (torch.arange(E, dtype=torch.float64) + 1) ** -skew
+        p = p[torch.randperm(E, generator=g)]
+        picks = torch.multinomial(p.expand(seqs, E), TOPK, generator=g).flatten()
+    else:
+        picks = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(seqs)]).flatten()
     counts = torch.bincount(picks, minlength=E)
     x = torch.randn(picks.numel(), K, generator=g).bfloat16().cuda()
     w = (torch.randn(E, N, K, generator=g) * K ** -0.5).bfloat16().cuda()
@@ -75,6 +86,12 @@ def main(argv=None):
                         "and WARPS around the few-rows settings instead")
     p.add_argument("--reference", action="store_true",
                    help="time the launch settings beside other reads of the same weight bytes instead")
+    p.add_argument("--wide", action="store_true",
+                   help="sweep around the many-rows settings instead (BM 64; BN up to 256, which reads each row "
+                        "of x half as often)")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="draw the experts with weights (rank + 1) ** -SKEW (a trained router's uneven load on one "
+                        "batch) instead of uniformly (0, the default)")
     known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     out = bc.sweep_output(__doc__, rest)
     import triton
@@ -91,17 +108,23 @@ def main(argv=None):
         # none and 32 at 8 warps; triton 3.6, sm_90)
         configs = [dict(KE.EXPERTS_CONFIG, BN=bn, STAGES=st, SPLIT=sp, WARPS=wp)
                    for bn, st, sp, wp in itertools.product([32, 64], [3, 4], [1, 2, 4, 8], [4, 8])]
+    if known.wide:
+        configs = [dict(BM=64, BN=bn, BK=bk, STAGES=st, WARPS=wp, SPLIT=1)
+                   for bn, bk, st, wp in itertools.product([128, 256], [32, 64], [3, 4], [4, 8])]
     rows = []
     for seqs, (site, N, K) in itertools.product(known.sequences,
                                                 (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):
-        x, w, offs, nbytes = _case(seqs, N, K)
+        x, w, offs, nbytes = _case(seqs, N, K, known.skew)
+        counts = torch.diff(offs.cpu(), prepend=torch.zeros(1, dtype=offs.dtype))
+        case = dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, skew=known.skew,
+                    max_rows=int(counts.max()), busy_experts=int((counts > 0).sum()))
         if known.reference:
-            rows += [dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, **r, **meta)
-                     for r in _same_bytes(x, w, offs, nbytes)]
+            rows += [dict(case, **r, **meta) for r in _same_bytes(x, w, offs, nbytes)]
             continue
         ref = KE.experts_grouped_mm_launch(x, w, offs)
         us_default = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs), rep=50) * 1e3
-        print(f"== {seqs} sequence(s), {site} {N}x{K}: launch settings {KE.launch_settings(x.shape[0], E)} "
+        print(f"== {seqs} sequence(s), {site} {N}x{K}, at most {case['max_rows']} rows an expert: launch settings "
+              f"{KE.launch_settings(x.shape[0], E)} "
               f"{us_default:.1f} us, "
               f"{nbytes / us_default / 1e3:.0f} GB/s", flush=True)
         here = []
@@ -117,8 +140,7 @@ def main(argv=None):
             here.append(dict(config=cfg, us=round(us, 1), gb_per_s=round(nbytes / us / 1e3), vs_default=agree))
         for r in sorted((r for r in here if "us" in r), key=lambda r: r["us"])[:5]:
             print(f"  {r['us']:8.1f} us {r['gb_per_s']:6d} GB/s {r['vs_default']:6s} {r['config']}", flush=True)
-        rows += [dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, default_us=round(us_default, 1),
-                      **r, **meta) for r in here]
+        rows += [dict(case, default_us=round(us_default, 1), **r, **meta) for r in here]
     with open(out, "w") as fh:
         json.dump(dict(bench="kernels_experts_sweep", defaults=KE.EXPERTS_CONFIG,
                        launch_settings={s: KE.launch_settings(s * TOPK, E) for s in (1, 64, 256)}, rows=rows), fh, indent=1)

@@ -5,10 +5,10 @@ Why: a decode step of 64 sequences routes 384 (token, expert) pairs over the Fla
 about 12 rows each, and reads nearly every expert's weights: the step is a weight-streaming problem. torch's
 ``_grouped_mm`` (CUTLASS, tiles of many rows) took 2.24 ms for the 8 grouped GEMMs of a step against 1.34 ms for
 reading those weights at 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-b64-batched-indexer.json``); at one
-sequence a step it runs 32 groups of which 26 are empty. Here a program owns one expert and ``BN`` output
-columns: it reads that block of the expert's weights once per ``BM`` of its rows (:func:`launch_settings`: once
-for an expert of average load and most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert
-without rows reads nothing. The same exact products as ``_grouped_mm``'s, summed in another order (within one
+sequence a step it runs 32 groups of which 26 are empty. Here a program owns ``BM`` rows of one expert and
+``BN`` output columns (:func:`_row_block`: an expert of more rows is several programs, side by side): it reads
+that block of the expert's weights once (:func:`launch_settings`: one row block for an expert of average load and
+most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The same exact products as ``_grouped_mm``'s, summed in another order (within one
 rounding of the output dtype). Triton's CPU
 interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to fp32 first (``F32``; tf32
 holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as they are.
@@ -40,7 +40,9 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
 # sequences of the Flash-shaped model: every expert's rows in one step), chosen by launch_settings. Swept on an
-# H200 (python -m bench.kernels_experts_sweep, bench/results/kernels-experts-sweep-h200-rows.json).
+# H200 (python -m bench.kernels_experts_sweep, bench/results/kernels-experts-sweep-h200-rows.json); the wide
+# settings' three stages on an H100 (--wide: 385.0 against 401.9 us for the gate and up GEMM at 256 sequences,
+# 362.7 against 371.7 at 64, equal outputs; BN 256 no faster; bench/results/kernels-experts-sweep-h100-wide.json).
 # SPLIT: shares of K a block's programs take (partials summed, in order, by the block's last program), at most
 # FEW_ROWS rows FEW_ROWS_SPLIT of them: at one Flash-shaped sequence the seven experts with rows are 448 programs of
 # four stages a GEMM, one and a half waves of the SMs (bench/results/kernels-experts-sweep-h100-one-sequence.json:
@@ -48,7 +50,7 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # python -m bench.kernels_experts_sweep --sequences 1 --split times the shares on a GPU (with shares, 4 warps spill
 # 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both)
 EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1)
-WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=4, WARPS=8, SPLIT=1)   # at 4 warps ptxas spills 780 bytes of registers
+WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=3, WARPS=8, SPLIT=1)   # at 4 warps ptxas spills 780 bytes of registers
 WIDE_FROM = gpu_common.EXPERTS_WIDE_FROM      # mean rows an expert above which WIDE_CONFIG runs (experts_wide)
 FEW_ROWS, FEW_ROWS_SPLIT = 16, 1
 
@@ -74,27 +76,26 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr,
                     GATHER: tl.constexpr = False, SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False,
                     SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False, HAS_LIMIT: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
-    """Program ``(e, j, s)``: columns ``[j BN, (j+1) BN)`` of expert ``e``'s rows, ``BM`` rows at a time. ``GATHER``:
-    row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the pair); ``SCATTER``: it writes ``Y`` row
-    ``ORDER[r]`` (the pair's own row). ``SHARED``: programs ``e >= NE`` more, the shared expert ``WS`` on ``SH``
-    rows after the ``RR`` routed ones, ``BM`` rows a program (row block ``e - NE``: every token is the shared
-    expert's, so one program looping over 256 tokens' rows was the launch's last to finish): row ``RR + t`` is
-    token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and written to its own row. ``SPLIT`` > 1: the program
-    takes share ``s`` of ``K``, writes its rows' partials to ``PART`` ``[rows, SPLIT, N]`` and takes a ticket of
-    the block ``(e, j)``; the last program of the block to take one sums the shares in order and stores.
-    ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and row ``r``'s A tile is its weighted SwiGLU at
-    weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`)."""
+                    PDL: tl.constexpr = False, EP: tl.constexpr = 32):
+    """Program ``(g, j, s)``: columns ``[j BN, (j+1) BN)`` of row block ``g``: ``BM`` rows of one expert
+    (:func:`_row_block`; the first ``NE + cdiv(RR, BM)`` blocks are the routed experts', in expert order, those past
+    their last block have no rows). ``GATHER``: row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the
+    pair); ``SCATTER``: it writes ``Y`` row ``ORDER[r]`` (the pair's own row). ``SHARED``: blocks after the
+    routed ones, the shared expert ``WS`` on ``SH`` rows after the ``RR`` routed ones, ``BM`` rows a program:
+    row ``RR + t`` is token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and written to its own row. ``SPLIT``
+    > 1: the program takes share ``s`` of ``K``, writes its rows' partials to ``PART`` ``[rows, SPLIT, N]`` and
+    takes a ticket of the block ``(g, j)``; the last program of the block to take one sums the shares in order
+    and stores. ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and row ``r``'s A tile is its weighted
+    SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`)."""
     pdl.wait_prior(PDL)
-    e = tl.program_id(0)
-    start = tl.load(OFFS + e - 1, mask=(e > 0) & (e <= NE), other=0)
-    end = tl.load(OFFS + e, mask=e < NE, other=0)
+    g = tl.program_id(0)
+    e, start, end = _row_block(OFFS, g, NE, BM, EP)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < N
     wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
     if SHARED:
-        if e >= NE:
-            start = RR + (e - NE) * BM
+        if g >= NE + tl.cdiv(RR, BM):
+            start = RR + (g - NE - tl.cdiv(RR, BM)) * BM
             end = tl.minimum(start + BM, RR + SH)
             wrow = WS + cols.to(tl.int64)[:, None] * K
     if SPLIT == 1:
@@ -114,7 +115,7 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                                 BN, BK, STAGES, F32, GATHER, SHARED, SWIGLU, HAS_LIMIT)
             tl.store(PART + (rows.to(tl.int64)[:, None] * SPLIT + s) * N + cols[None, :], acc,
                      mask=rmask[:, None] & cmask[None, :])
-        block = e * tl.num_programs(1) + tl.program_id(1)
+        block = g * tl.num_programs(1) + tl.program_id(1)
         if last_ticket(TICKETS + block, SPLIT):
             for m0 in range(start, end, BM):
                 rows = m0 + tl.arange(0, BM)
@@ -126,6 +127,28 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                                    cache_modifier=".cg")
                 _store_rows(Y, ORDER, rows, rmask, cols, cmask, tot, N, RR, SCATTER, SHARED)
             release(TICKETS + block)
+
+
+@triton.jit
+def _row_block(OFFS, g, NE, BM: tl.constexpr, EP: tl.constexpr):
+    """``(expert, start, end)`` of routed row block ``g``: the experts' rows (expert ``e``'s ``OFFS[e-1]:OFFS[e]``)
+    cut in blocks of ``BM``, numbered in expert order. A block past the last has no rows (``start == end``).
+    Why blocks, not one program an expert: routing in a trained model is skewed, and a program that looped over a
+    hot expert's row steps one after another finished long after the others, which read their weights once
+    (routed rows ``R`` make at most ``NE + cdiv(R, BM)`` blocks, a grid fixed by the shapes, as a CUDA graph
+    needs). Each program counts the blocks of the ``NE`` experts (``EP``, a power of two, at least ``NE``): one
+    vector load of the end rows, from L2."""
+    ids = tl.arange(0, EP)
+    ends = tl.load(OFFS + ids, mask=ids < NE, other=0)
+    starts = tl.load(OFFS + ids - 1, mask=(ids > 0) & (ids < NE), other=0)
+    blocks = (ends - starts + BM - 1) // BM
+    upto = tl.cumsum(blocks, axis=0)                       # blocks of experts 0..e
+    e = tl.sum((upto <= g).to(tl.int32), axis=0)           # the expert whose blocks hold g (NE: past the last)
+    mine = ids == e
+    first = tl.sum(tl.where(mine, upto - blocks, 0), axis=0)
+    start = tl.sum(tl.where(mine, starts, 0), axis=0) + (g - first) * BM
+    end = tl.minimum(start + BM, tl.sum(tl.where(mine, ends, 0), axis=0))
+    return e, start, tl.maximum(end, start)
 
 
 @triton.jit
@@ -198,7 +221,8 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     c = {**launch_settings(R + T, E + (shared is not None)), **(config or {})}
     y = torch.empty(R + T, N, dtype=x.dtype, device=x.device)
     split = max(1, int(c.get("SPLIT", 1)))
-    groups = E + (0 if shared is None else max(1, triton.cdiv(T, c["BM"])))    # the shared expert's row blocks
+    routed = E + triton.cdiv(R, c["BM"])              # row blocks of the routed experts at most (_row_block)
+    groups = routed + (0 if shared is None else max(1, triton.cdiv(T, c["BM"])))    # the shared expert's
     blocks = groups * triton.cdiv(N, c["BN"])
     if split > 1:
         part = torch.empty(R + T, split, N, dtype=torch.float32, device=x.device)
@@ -211,7 +235,7 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
             R, T, part, tickets, offs if weights is None else weights, float(limit), BM=c["BM"], BN=c["BN"],
             BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter),
             SHARED=shared is not None, SPLIT=split, SWIGLU=weights is not None, HAS_LIMIT=limit > 0,
-            num_warps=c["WARPS"], **pdl.launch(x.device))
+            EP=max(triton.next_power_of_2(E), 2), num_warps=c["WARPS"], **pdl.launch(x.device))
     return y
 
 

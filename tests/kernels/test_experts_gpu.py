@@ -143,7 +143,7 @@ def test_the_kernel_compiles_for_sm90(rows):
         if gather and scatter or swiglu and not scatter:    # plain; through the order; shared; the activation
             continue
         consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=gather,
-                      SCATTER=scatter, SHARED=shared, SPLIT=split, SWIGLU=swiglu, HAS_LIMIT=swiglu)
+                      SCATTER=scatter, SHARED=shared, SPLIT=split, SWIGLU=swiglu, HAS_LIMIT=swiglu, EP=32)
         sig = {**EXPERTS_TYPES, **{k: "constexpr" for k in consts}}
         compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=c["WARPS"]))
@@ -358,7 +358,8 @@ SHARED_BLOCK_CASES = [pytest.param([3, 2, 0, 4, 2, 3, 1, 2, 5, 0, 3, 2, 4, 1, 3,
 @pytest.mark.parametrize("counts,topk,bm,blocks", SHARED_BLOCK_CASES)
 def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, topk, bm, blocks, split):
     """The shared expert takes every token, so its rows are ``cdiv(T, BM)`` programs of a column block (the grid's
-    first dimension ``E + blocks``), where one program looped over all of them and finished last. The gather, the
+    first dimension ``E + cdiv(R, BM) + blocks``: the routed row blocks', then these), where one program looped
+    over all of them and finished last. The gather, the
     scatter and the activation's GEMM with the shared expert against the exact products (fp64): the routed rows
     and the shared expert's, at one and two shares of ``K``; every ticket counter back at 0."""
     from kernels.reference.moe import weighted_swiglu as reference
@@ -396,9 +397,34 @@ def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, 
         scale = torch.cat((scale, own.double().abs() @ ws.double().abs().t()))
         err = (got.cpu().double() - exact).abs()
         assert (err <= 2 * steps * 2.0 ** -8 * scale + 1e-30).all(), err.max().item()
-    assert [grid[0] for grid in spy.grids] == [E + blocks] * 3, spy.grids
+    assert [grid[0] for grid in spy.grids] == [E + -(-R // bm) + blocks] * 3, spy.grids
     for buffer in tickets._COUNTERS.values():
         assert int(buffer.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("counts,bm", [
+    pytest.param([0, 3, 0, 1, 20, 0], 16, id="narrow-hot-expert"),      # 20 rows: two blocks of 16
+    pytest.param([130, 0, 66, 40, 0], 64, id="wide-hot-experts"),       # three blocks, then two, then one
+    pytest.param([0, 0, 0], 16, id="no-rows"),
+    pytest.param([5] * 33, 16, id="more-experts-than-a-power-of-two"),
+])
+def test_a_hot_experts_rows_are_a_program_a_row_block(counts, bm):
+    """Every row block of ``BM`` rows is a program of its own (``_row_block``): program ``g`` of the grid's
+    ``E + cdiv(R, BM)`` takes the ``g``-th block in expert order, and the programs past the last block none, where
+    one program an expert looped over a hot expert's row steps one after another. Against the blocks counted in
+    Python: each program's expert and rows, every row in exactly one block."""
+    from ._experts_probe import row_blocks
+
+    dev = triton_device()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    want, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        want += [(e, r, min(r + bm, end)) for r in range(start, end, bm)]
+        start = end
+    R, E = sum(counts), len(counts)
+    got = row_blocks(offs.to(dev), bm, E + -(-R // bm)).cpu().tolist()
+    assert [tuple(b) for b in got[:len(want)]] == want
+    assert all(b[1] == b[2] for b in got[len(want):])                  # the rest: no rows
 
 
 def test_the_order_kernel_compiles_for_sm90():
@@ -565,5 +591,5 @@ def test_the_swiglu_scatter_gemm_compiles_for_sm90_without_spills_as_the_step_la
     aligned = ("X", "W", "OFFS", "Y", "ORDER", "WS", "PART", "TICKETS", "RW", "N", "K")
     for split in (1, 4) if rows <= K.FEW_ROWS else (1,):
         consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=False,
-                      SCATTER=True, SHARED=True, SPLIT=split, SWIGLU=True, HAS_LIMIT=True)
+                      SCATTER=True, SHARED=True, SPLIT=split, SWIGLU=True, HAS_LIMIT=True, EP=32)
         compiles_for_sm90_without_spills(K._experts_kernel, EXPERTS_TYPES, consts, c["WARPS"], aligned)
