@@ -35,8 +35,9 @@ follows. On a GPU, decode's share of HBM bandwidth = ``weight bytes read per dec
 HBM bytes/s`` (4.8e12 B/s, H200; ``--hbm``), with the weight bytes those a step of ``B`` rows needs: every trunk
 tensor except the embedding (a row per token), the MTP block (not run) and the routed experts, of which ``k`` per
 layer count for one row and the share ``1 - (1 - k/E)^B`` a batch touches in expectation (bench.grpo's bound).
-KV-cache reads are not counted (at these lengths well under 1% of the weights). A table is printed and a JSON object (``date``, ``machine``, settings, rows)
-is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
+``hbm_share_with_kv`` adds the KV-cache rows the step reads (:func:`kv_bytes_per_step`; issue #32's measure;
+about 2% of the weights at 256 Flash-shaped sequences of 256 to 304 positions, under 0.5% at 64). A table is
+printed and a JSON object (``date``, ``machine``, settings, rows) is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
 
 ``--profile-steps N`` (cached rows): after the timed calls, two more calls run under ``torch.profiler``, one
 with a single new token (prefill and one draw) and one with ``1 + N``; their difference over ``N`` is one
@@ -126,6 +127,29 @@ def weight_bytes_per_step(model, batch: int = 1) -> int:
         else:
             total += size
     return int(total)
+
+
+def kv_bytes_per_step(config, batch: int, prompt_len: int, new_tokens: int, elem: int = 2) -> int:
+    """KV-cache bytes one decode step of ``batch`` rows reads at least, averaged over the steps of a call that
+    feeds ``new_tokens - 1`` tokens after a ``prompt_len`` prompt (step ``i`` attends to ``prompt_len + i + 1``
+    positions): each trunk layer's window rows (up to ``window_size``), the compressed entries its attention
+    reads (a CSA layer's (ratio 4) indexer top-k of them, an HCA layer's all), and a CSA layer's index keys,
+    all of which its indexer scores; ``elem`` bytes a value (the cache is in the model's dtype). The
+    compressors' running state is not counted. Why: issue #32's measure is the step against the weight and KV
+    bytes it reads; at 256 Flash-shaped sequences of 256 to 304 positions the KV rows are about 2% of the
+    weights, at long contexts most of the bytes."""
+    D, W = config.head_dim, config.window_size
+    total, steps = 0, max(new_tokens - 1, 1)
+    for i in range(steps):
+        ctx = prompt_len + i + 1
+        for ratio in config.compress_ratios[:config.n_layers]:
+            rows = min(ctx, W) * D
+            if ratio == 4:
+                rows += min(ctx // 4, config.index_topk) * D + (ctx // 4) * config.index_head_dim
+            elif ratio:
+                rows += (ctx // ratio) * D
+            total += rows
+    return int(batch * total * elem / steps)
 
 
 def weight_bytes_per_token(model) -> int:
@@ -388,6 +412,9 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                                  # which backend served each op of the step and the sampler (the record says
                                  # which kernels it timed)
                                  decode_ops=dict(engine.decode_ops), sample_ops=dict(engine.sample_ops))
+                    if clocked:                           # each timed call's step (a slow first one shows here)
+                        extra["decode_step_ms_each"] = [round(1e3 * c["decode_s"] / c["decode_steps"], 3)
+                                                        for c in clocks if c and c.get("decode_steps")]
                     if reserve_s is not None:             # slots, graph captures and compiles of this batch
                         extra["reserve_s"] = round(reserve_s, 2)
                     if profile_steps > 0 and name == "cached":
@@ -407,6 +434,9 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
                 # None when the decode time did not show above the timer's noise (a tiny model on a busy CPU)
                 step_s = row["decode_step_ms"] / 1e3
                 row["hbm_share"] = round(step_bytes / step_s / hbm, 4) if step_s > 0 else None
+                # the cache holds the run's dtype (the model keeps some parameters, mHC's among them, in fp32)
+                row["kv_bytes_per_step"] = kv = kv_bytes_per_step(config, B, hi, new_tokens, DTYPES[dtype].itemsize)
+                row["hbm_share_with_kv"] = round((step_bytes + kv) / step_s / hbm, 4) if step_s > 0 else None
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2 ** 30, 2)
             add(row)
@@ -419,7 +449,7 @@ def format_table(result: dict) -> str:
               for r in result["rows"]]
     w = max([13] + [len(x) + 2 for x in labels])
     head = (f"{'engine':<{w}}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'total tok/s':>13}"
-            f"{'step ms':>10}{'HBM share':>11}{'vs HF':>8}")
+            f"{'step ms':>10}{'HBM share':>11}{'with KV':>9}{'vs HF':>8}")
     lines = [f"{result['model']} on {result['machine']}, {result['dtype']}: prompt {result['prompt_len']} + "
              f"{result['new_tokens']} new tokens", head, "-" * len(head)]
     for r, label in zip(result["rows"], labels):
@@ -427,10 +457,11 @@ def format_table(result: dict) -> str:
             lines.append(f"{label:<{w}}{r.get('batch', ''):>6}  skipped: {r['skipped']}")
             continue
         share = f"{r['hbm_share']:.1%}" if r.get("hbm_share") is not None else "-"
+        share_kv = f"{r['hbm_share_with_kv']:.1%}" if r.get("hbm_share_with_kv") is not None else "-"
         vs = f"{r['speedup_vs_transformers']:.1f}x" if "speedup_vs_transformers" in r else "-"
         dec = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"
         lines.append(f"{label:<{w}}{r['batch']:>6}{r['prefill_tokens_per_s']:>15.1f}{dec:>14}"
-                     f"{r['tokens_per_s']:>13.1f}{r['decode_step_ms']:>10.2f}{share:>11}{vs:>8}")
+                     f"{r['tokens_per_s']:>13.1f}{r['decode_step_ms']:>10.2f}{share:>11}{share_kv:>9}{vs:>8}")
     for r in result["rows"]:
         prof = r.get("profile")
         if prof:

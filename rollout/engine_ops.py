@@ -425,35 +425,41 @@ def decode_choices(table: OpTable, reference: OpTable, config, dtype: torch.dtyp
             served, refusals)
 
 
-def record_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:
+def record_choice(table: OpTable, device, block: int,
+                  vocab: int = 0) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:
     """``(sample_ops, record, refusal)``: the table's ``draw_record`` (a decode step's draw with the engine's
     records of it, ``kernels.reference.sampling.draw_record``) where it has one and takes a probe's inputs (as
     :func:`sampler_choice`'s, with the records' int64 and fp32 tensors), recorded as ``{"draw_record": backend}``;
     else ``({}, None, the refusal or None)``: the engine draws and records with :func:`sampler_choice`'s draw and
-    torch's indexed writes."""
+    torch's indexed writes. The probe is a row of the model's ``vocab`` entries at temperature 1 and another:
+    the calls the decode steps make, so that a backend compiling per shape (triton: the blocks' count) compiles
+    them here, not in the middle of the first decode step (on a fresh H100 that call took 7.1 ms a step against
+    1.52 after; ``bench/results/rollout-h100-flash-shaped-triton-b1-fresh-cache-probe-vocab.json``)."""
     if "draw_record" not in table.names():
         return {}, None, None
     fn = getattr(table, "draw_record")
     longs = dict(dtype=torch.long, device=device)
-    probe = (torch.zeros(1, 2 * block + 1, device=device), torch.full((2, 3), 0.5, dtype=torch.float64, device=device),
-             torch.ones(1, **longs), torch.zeros(1, **longs), torch.zeros(2, 3, **longs),
-             torch.zeros(2, 3, device=device), torch.zeros(2, **longs), torch.zeros(1, **longs),
-             torch.ones(1, **longs), 1.0, block)
-    reason = _refusal(fn, [probe])
+    probes = [(torch.zeros(1, vocab or 2 * block + 1, device=device),
+               torch.full((2, 3), 0.5, dtype=torch.float64, device=device), torch.ones(1, **longs),
+               torch.zeros(1, **longs), torch.zeros(2, 3, **longs), torch.zeros(2, 3, device=device),
+               torch.zeros(2, **longs), torch.zeros(1, **longs), torch.ones(1, **longs), temperature, block)
+              for temperature in (1.0, 0.5)]
+    reason = _refusal(fn, probes)
     if reason is not None:
         return {}, None, reason
     return {"draw_record": table.provider["draw_record"]}, fn, None
 
 
-def sampler_choice(table: OpTable, device, block: int) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:
+def sampler_choice(table: OpTable, device, block: int,
+                   vocab: int = 0) -> Tuple[Dict[str, str], Optional[Callable], Optional[str]]:
     """``(sample_ops, draw, refusal)``: the table's ``draw_tokens`` where it has one and takes a probe's inputs
-    (fp32 logits of two blocks and one entry, float64 uniforms, on the engine's device), recorded as ``{"draw_tokens":
-    backend}``; else ``({}, None, the refusal or None)``: the torch sampler."""
+    (fp32 logits of the model's ``vocab`` entries, else two blocks and one, float64 uniforms, on the engine's
+    device), recorded as ``{"draw_tokens": backend}``; else ``({}, None, the refusal or None)``: the torch sampler."""
     if "draw_tokens" not in table.names():
         return {}, None, None
     fn = getattr(table, "draw_tokens")
-    probe = (torch.zeros(1, 2 * block + 1, device=device), torch.full((1,), 0.5, dtype=torch.float64, device=device),
-             1.0, block)
+    probe = (torch.zeros(1, vocab or 2 * block + 1, device=device),
+             torch.full((1,), 0.5, dtype=torch.float64, device=device), 1.0, block)
     reason = _refusal(fn, [probe])
     if reason is not None:
         return {}, None, reason

@@ -283,14 +283,14 @@ class ReferenceEngine(RolloutEngineBase):
             log.warning("rollout engine: the decode step runs the reference %s (backend none): the %s kernel "
                         "refuses a one-token step's inputs: %s", name, self.ops.provider[name], why)
         # the sampler's kernel (sample_ops: {"draw_tokens": backend}), else torch's sampler
-        self.sample_ops, self._draw, why = sampler_choice(self.ops, self.device, CDF_BLOCK)
+        self.sample_ops, self._draw, why = sampler_choice(self.ops, self.device, CDF_BLOCK, config.vocab_size)
         if why is not None:
             log.warning("rollout engine: the sampler runs torch's ops: the %s draw_tokens kernel refuses them: %s",
                         self.ops.provider["draw_tokens"], why)
         # a decode step's draw with its records in one launch (sample_ops: {"draw_record": backend}), where the
         # table's draw runs
-        recorded, self._record, why = ({}, None, None) if self._draw is None else record_choice(self.ops, self.device,
-                                                                                                CDF_BLOCK)
+        recorded, self._record, why = ({}, None, None) if self._draw is None else record_choice(
+            self.ops, self.device, CDF_BLOCK, config.vocab_size)
         self.sample_ops.update(recorded)
         if why is not None:
             log.warning("rollout engine: a decode step records its draws with torch's ops: the %s draw_record kernel "

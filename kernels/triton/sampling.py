@@ -83,7 +83,11 @@ def _block_mass_kernel(L, M, S, LSE, TOT, temperature, V, NB, SCALED: tl.constex
         tl.store(LSE + row, lse)
 
 
-@triton.jit
+# The sizes are not specialized on (divisible by 16, equal to 1): the engine's probe of draw_record (a row of the
+# model's vocabulary, 3 steps, one stop id; rollout.engine_ops.record_choice) compiles the variant every decode step
+# runs, whatever its number of steps and stop ids. A first decode step compiled its own variant in the middle of a
+# timed call (7.28 ms a step against 1.52 on a fresh H100; bench/results/rollout-h100-flash-shaped-triton-b1-fresh.json)
+@triton.jit(do_not_specialize=["V", "NB", "STEPS", "NSTOPS"])
 def _draw_kernel(L, LSE, TOT, U, TOK, LP, temperature, V, NB, IDS, TCUR, TOKENS, LOGPS, LAST, ROWS, STEPS, STOPS,
                  NSTOPS, FLAGS, SCALED: tl.constexpr, B: tl.constexpr, NBP: tl.constexpr, RECORD: tl.constexpr = False,
                  PDL: tl.constexpr = False):

@@ -143,6 +143,40 @@ def test_draw_record_is_the_draw_and_the_engines_records_of_it(T):
     assert got[2].tolist() == [False] * 3 and want[2].tolist() == [False] * 3       # no stop ids: none stops
 
 
+def test_the_engines_probe_compiles_the_draw_every_decode_step_runs():
+    """The engine probes ``draw_record`` once at construction (``rollout.engine_ops.record_choice``: a row of the
+    model's vocabulary at temperature 1 and another). A decode step's calls (Flash's 129,280 entries, 1 and 64
+    rows, 48 steps, no stop ids or two, both temperatures) then run the kernels that probe compiled: no Triton
+    compile in the middle of the first decode step (a fresh H100 took 7.1 ms a step in that call, 1.52 after,
+    when the probe was a row of 2,049 entries: the blocks' count is a compile-time size). GPU only: the
+    interpreter compiles nothing."""
+    import triton.runtime.driver as driver
+
+    from kernels.triton import sampling as KS
+    from kernels.triton.backend import ops
+    from rollout.engine_ops import record_choice
+
+    dev = triton_device()
+    if dev == "cpu":
+        pytest.skip("the interpreter compiles nothing")
+    samples, steps, V = 64, 48, 129280
+    _, record, why = record_choice(ops(), torch.device(dev), BLOCK, V)
+    assert record is not None, why
+    device = driver.active.get_current_device()
+    kernels = (KS._block_stats_kernel, KS._block_mass_kernel, KS._draw_kernel)
+    compiled = [len(fn.device_caches[device][0]) for fn in kernels]
+    g = torch.Generator().manual_seed(3)
+    for rows, stops, temperature in ((1, torch.zeros(0, dtype=torch.long), 1.0), (64, torch.tensor([5, 7]), 0.8)):
+        logits = torch.randn(rows, V, generator=g).to(dev)
+        u = torch.rand(samples, steps, generator=g, dtype=torch.float64).to(dev)
+        ids = torch.arange(rows, device=dev)
+        record(logits, u, ids, torch.zeros(rows, dtype=torch.long, device=dev),
+               torch.zeros(samples, steps, dtype=torch.long, device=dev), torch.zeros(samples, steps, device=dev),
+               torch.zeros(rows, dtype=torch.long, device=dev), ids, stops.to(dev), temperature, BLOCK)
+    torch.cuda.synchronize()
+    assert [len(fn.device_caches[device][0]) for fn in kernels] == compiled
+
+
 def test_draw_record_refuses_what_it_cannot_serve():
     from kernels.triton.sampling import draw_record
 

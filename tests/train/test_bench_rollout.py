@@ -11,7 +11,7 @@ import torch
 
 
 def test_a_small_rollout_bench_runs_and_counts_what_it_says():
-    from bench.rollout import format_table, run_bench, weight_bytes_per_step, weight_bytes_per_token
+    from bench.rollout import format_table, kv_bytes_per_step, run_bench, weight_bytes_per_step, weight_bytes_per_token
     from core.config import preset
     from kernels.reference.model import DeepseekV4Model
 
@@ -30,10 +30,14 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
     for B in (1, 2):       # the cached engine's step by its own clock, within the timed call; the uncached by difference
         r = rows[("cached", B)]
         assert r["decode_clock"] == "engine" and r["decode_step_ms_difference"] > 0
+        assert min(r["decode_step_ms_each"]) == pytest.approx(r["decode_step_ms"], abs=2e-3)
         assert 0 < r["decode_step_ms"] * 3 <= r["total_s"] * 1e3
         assert r["hbm_share"] == pytest.approx(r["weight_bytes_per_step"] / (r["decode_step_ms"] / 1e3) / 1e12,
                                                abs=1e-4)
         assert rows[("uncached", B)]["decode_clock"] == "difference"
+        assert r["hbm_share_with_kv"] == pytest.approx((r["weight_bytes_per_step"] + r["kv_bytes_per_step"])
+                                                       / (r["decode_step_ms"] / 1e3) / 1e12, abs=1e-4)
+        assert r["kv_bytes_per_step"] == kv_bytes_per_step(preset("tiny"), B, 12, 4, 4)    # the fp32 cache
 
     c = preset("tiny")
     m = DeepseekV4Model(c, device="meta")
@@ -50,6 +54,22 @@ def test_a_small_rollout_bench_runs_and_counts_what_it_says():
         rows_read = B * (c.dim * 4 + c.n_hash_layers * c.n_activated_experts * 8)
         assert weight_bytes_per_step(m, B) == pytest.approx(dense + touched * experts + rows_read, abs=1)
     assert rows[("cached", 2)]["weight_bytes_per_step"] == weight_bytes_per_step(m, 2)     # the fp32 engine's bytes
+
+
+def test_the_kv_bytes_a_step_reads_are_counted_layer_by_layer():
+    """Window rows up to the window, a CSA layer's indexer top-k of its entries and all its index keys, an HCA
+    layer's entries, averaged over the call's decode steps; counted by hand for a window, a CSA (ratio 4) and an
+    HCA (ratio 8) layer, window 4, index top-2, a 6-token prompt and 3 new tokens (steps at 7 and 8 positions)."""
+    from bench.rollout import kv_bytes_per_step
+    from core.config import preset
+
+    c = preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 8, 0), window_size=4, index_topk=2,
+                               n_hash_layers=1)
+    D, Di = c.head_dim, c.index_head_dim
+    at7 = 4 * D + (4 * D + 1 * D + 1 * Di) + (4 * D + 0)
+    at8 = 4 * D + (4 * D + 2 * D + 2 * Di) + (4 * D + 1 * D)
+    assert kv_bytes_per_step(c, 3, 6, 3, 2) == 3 * 2 * (at7 + at8) // 2
+    assert kv_bytes_per_step(c, 1, 6, 2, 2) == 2 * at7
 
 
 def test_the_compile_flag_reaches_the_engine(monkeypatch):
