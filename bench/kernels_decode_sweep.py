@@ -221,8 +221,9 @@ def _mhc_split_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     rows_m = (2 + n) * n
     fn = (torch.randn(rows_m, n * d, generator=g) * (n * d) ** -0.5).to(dev)
     scale, base = (0.5 + torch.rand(3, generator=g)).to(dev), (torch.randn(rows_m, generator=g) * 0.5).to(dev)
-    grid = [dict(mix_programs=p, mix_BT=bt, mix_BK=bk, coef_programs=cp)
-            for p, bt, bk, cp in itertools.product([256, 512, 1024, 2048], [16, 32], [64, 128], [256, 1024])]
+    grid = [dict(mix_programs=p, mix_BT=bt, mix_BK=bk, coef_programs=cp, mix_warps=wp)
+            for p, bt, bk, cp, wp in itertools.product([128, 256, 512, 1024], [16, 32, 64], [64, 128], [256, 1024],
+                                                       [4, 8])]
     rows = []
     for T in (64, 256):
         x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
