@@ -37,7 +37,8 @@ tensor except the embedding (a row per token), the MTP block (not run) and the r
 layer count for one row and the share ``1 - (1 - k/E)^B`` a batch touches in expectation (bench.grpo's bound).
 ``hbm_share_with_kv`` adds the KV-cache rows the step reads (:func:`kv_bytes_per_step`; issue #32's measure;
 about 2% of the weights at 256 Flash-shaped sequences of 256 to 304 positions, under 0.5% at 64). A table is
-printed and a JSON object (``date``, ``machine``, settings, rows) is written to ``--out`` (default ``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
+printed and a JSON object (``date``, ``machine``, settings, rows) is written to ``--out`` (default
+``bench/results/rollout-<cpu|gpu name>[-MODEL].json``).
 
 ``--profile-steps N`` (cached rows): after the timed calls, two more calls run under ``torch.profiler``, one
 with a single new token (prefill and one draw) and one with ``1 + N``; their difference over ``N`` is one

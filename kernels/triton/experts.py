@@ -8,10 +8,11 @@ reading those weights at 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-b64
 sequence a step it runs 32 groups of which 26 are empty. Here a program owns ``BM`` rows of one expert and
 ``BN`` output columns (:func:`_row_block`: an expert of more rows is several programs, side by side): it reads
 that block of the expert's weights once (:func:`launch_settings`: one row block for an expert of average load and
-most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The same exact products as ``_grouped_mm``'s, summed in another order (within one
-rounding of the output dtype). Triton's CPU
-interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to fp32 first (``F32``; tf32
-holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as they are.
+most others), accumulates in fp32 and writes ``y`` in ``x``'s dtype; an expert without rows reads nothing. The
+same exact products as ``_grouped_mm``'s, summed in another order (within one rounding of the output dtype).
+Triton's CPU interpreter multiplies bf16 tiles wrongly (Triton 3.6), so there the tiles go to fp32 first
+(``F32``; tf32 holds every bf16 and fp16 value, the products stay exact); on a GPU they go to the tensor cores as
+they are.
 
 Only the rollout engine's decode step calls it (``kernels.reference.slots``), through the triton op table's
 extra op ``experts_grouped_mm``: no gradient (inputs that require one are refused). The eager step also puts its
