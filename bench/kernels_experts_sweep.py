@@ -38,7 +38,8 @@ E, TOPK, DIM, INTER = 32, 6, 4096, 2048
 def _case(seqs: int, N: int, K: int, skew: float = 0.0):
     """The step's rows for ``seqs`` sequences, each token's ``TOPK`` experts drawn without replacement at random:
     uniform (``skew`` 0), or with expert ``e`` (in a shuffled order) drawn in proportion to ``(rank + 1) ** -skew``,
-    the skewed load of a trained router on one batch."""
+    the skewed load of a trained router on one batch. Returns ``(x, w, offs, counts, bytes)``: each expert's rows
+    and the weight bytes the experts with rows read."""
     g = torch.Generator().manual_seed(seqs)
     if skew:
         p = (torch.arange(E, dtype=torch.float64) + 1) ** -skew
@@ -50,15 +51,14 @@ def _case(seqs: int, N: int, K: int, skew: float = 0.0):
     x = torch.randn(picks.numel(), K, generator=g).bfloat16().cuda()
     w = (torch.randn(E, N, K, generator=g) * K ** -0.5).bfloat16().cuda()
     offs = counts.cumsum(0).to(torch.int32).cuda()
-    return x, w, offs, int((counts > 0).sum()) * N * K * 2
+    return x, w, offs, counts, int((counts > 0).sum()) * N * K * 2
 
 
-def _same_bytes(x, w, offs, nbytes):
+def _same_bytes(x, w, offs, counts, nbytes):
     """The launch settings' kernel and other reads of the weights of the experts with rows, each timed: rows of
     ``reader``, ``us``, ``gb_per_s`` (the bytes over the time), printed as they come."""
     from kernels.triton import experts as KE
 
-    counts = torch.diff(offs.cpu(), prepend=torch.zeros(1, dtype=offs.dtype))
     busy = [w[e] for e in range(w.shape[0]) if counts[e] > 0]
     row, whole = x[:1].contiguous(), torch.cat(busy)
     readers = {"experts_grouped_mm (launch settings)": lambda: KE.experts_grouped_mm_launch(x, w, offs),
@@ -114,12 +114,11 @@ def main(argv=None):
     rows = []
     for seqs, (site, N, K) in itertools.product(known.sequences,
                                                 (("gate_up", 2 * INTER, DIM), ("down", DIM, INTER))):
-        x, w, offs, nbytes = _case(seqs, N, K, known.skew)
-        counts = torch.diff(offs.cpu(), prepend=torch.zeros(1, dtype=offs.dtype))
+        x, w, offs, counts, nbytes = _case(seqs, N, K, known.skew)
         case = dict(sequences=seqs, site=site, N=N, K=K, weight_bytes=nbytes, skew=known.skew,
                     max_rows=int(counts.max()), busy_experts=int((counts > 0).sum()))
         if known.reference:
-            rows += [dict(case, **r, **meta) for r in _same_bytes(x, w, offs, nbytes)]
+            rows += [dict(case, **r, **meta) for r in _same_bytes(x, w, offs, counts, nbytes)]
             continue
         ref = KE.experts_grouped_mm_launch(x, w, offs)
         us_default = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs), rep=50) * 1e3

@@ -95,8 +95,9 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
     cmask = cols < N
     wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
     if SHARED:
-        if g >= NE + tl.cdiv(RR, BM):
-            start = RR + (g - NE - tl.cdiv(RR, BM)) * BM
+        routed = NE + tl.cdiv(RR, BM)                     # the routed experts' row blocks (_row_block), then these
+        if g >= routed:
+            start = RR + (g - routed) * BM
             end = tl.minimum(start + BM, RR + SH)
             wrow = WS + cols.to(tl.int64)[:, None] * K
     if SPLIT == 1:
