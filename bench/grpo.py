@@ -18,9 +18,11 @@ weights a batch of ``prompts x group`` rows touches (:func:`decode_weight_bytes`
 rollout phase's time; prefill, sampling and the KV cache's reads are inside that time and not in the bound,
 so the share is a lower bound of the decode step's; ``generate_roofline_share``: over the engine's ``generate``
 call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and hand-over;
-``decode_roofline_share``: issue #32's measure, the engine's decode steps alone (``time_rollout_decode``, device
-time from the engine's :class:`rollout.phase_clock.PhaseClock`, without the prefill, the slots' set-up and the
-rewards), each bound by the weights its mean rows a step touch; the KV cache's reads are not in the bound) and
+``decode_roofline_share``: the engine's decode steps alone (``time_rollout_decode``, device time from the engine's
+:class:`rollout.phase_clock.PhaseClock`, without the prefill, the slots' set-up and the rewards), each bound by
+the weights its mean rows a step touch; ``decode_roofline_share_with_kv``, issue #32's own measure: the bound
+also holds the cache bytes those steps read, ``rollout_decode_kv_bytes`` of metrics.jsonl, the engine's count)
+and
 the train phase's MFU from dense FLOPs only
 (6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
 H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
@@ -120,6 +122,8 @@ def summarize(rows: list, warmup: int) -> dict:
         out.update(setup_ms=1e3 * mean("time_rollout_setup"), prefill_ms=1e3 * mean("time_rollout_prefill"),
                    decode_ms=1e3 * mean("time_rollout_decode"), decode_steps=mean("rollout_decode_steps"),
                    decode_rows=mean("rollout_decode_rows"))
+        if all(r.get("rollout_decode_kv_bytes") is not None for r in timed):
+            out["decode_kv_bytes"] = mean("rollout_decode_kv_bytes")
     out.update(sync_bytes=int(mean("weight_sync_bytes")), shared_bytes=int(mean("weight_sync_shared_bytes")),
                logprob_abs_diff=mean("train_rollout_logprob_abs_diff"), reward_mean=mean("reward_mean"),
                rollout_entropy=mean("rollout_entropy"))
@@ -171,6 +175,10 @@ def hardware_shares(row: dict, config, *, batch: int, new_tokens: int) -> dict:
         decode = dict(decode_roofline_ms=1e3 * decode_bound_s,
                       decode_step_ms=row["decode_ms"] / row["decode_steps"],
                       decode_roofline_share=decode_bound_s / (row["decode_ms"] / 1e3))
+        if row.get("decode_kv_bytes") is not None:     # and the cache rows they read: the issue's own measure
+            with_kv_s = decode_bound_s + row["decode_kv_bytes"] / H200_HBM_BYTES_PER_S
+            decode.update(decode_roofline_ms_with_kv=1e3 * with_kv_s,
+                          decode_roofline_share_with_kv=with_kv_s / (row["decode_ms"] / 1e3))
     return dict(rollout_roofline_ms=1e3 * bound_s,
                 rollout_roofline_share=bound_s / rollout_s if rollout_s > 0 else None,
                 generate_roofline_share=bound_s / generate_s if generate_s > 0 else None,
@@ -227,24 +235,25 @@ def print_table(rows: list, title: str) -> None:
 
     table = Table(title=title)
     for col in ("weight sync", "step ms", "sync ms", "rollout ms", "generate ms", "rollout tok/s", "roofline",
-                "generate roofline", "decode step ms", "decode roofline", "logprobs ms",
+                "generate roofline", "decode step ms", "decode roofline", "with KV", "logprobs ms",
                 "train ms", "train MFU", "copied MB", "shared MB", "|lp diff|", "entropy", "first step s"):
         table.add_column(col, justify="left" if col == "weight sync" else "right")
     failed = []
     for r in rows:
         if "error" in r:              # the message under the table: in a cell it wrapped into a column of words
             failed.append(r)
-            table.add_row(r["weight_sync"], "[red]failed[/red]", *[""] * 16)
+            table.add_row(r["weight_sync"], "[red]failed[/red]", *[""] * 17)
             continue
         tok_s, first = r.get("rollout_tokens_per_s"), r.get("first_step_s")
         share, mfu = r.get("rollout_roofline_share"), r.get("train_mfu_dense")
-        gen_share, step_ms, dec_share = (r.get(k) for k in ("generate_roofline_share", "decode_step_ms",
-                                                             "decode_roofline_share"))
+        gen_share, step_ms, dec_share, kv_share = (r.get(k) for k in (
+            "generate_roofline_share", "decode_step_ms", "decode_roofline_share", "decode_roofline_share_with_kv"))
         table.add_row(r["weight_sync"], f"{r['step_ms']:.1f}", f"{r['update_weights_ms']:.2f}",
                       f"{r['rollout_ms']:.1f}", f"{r.get('generate_ms', 0.0):.1f}",
                       "-" if tok_s is None else f"{tok_s:,.0f}", "-" if share is None else f"{share:.1%}",
                       "-" if gen_share is None else f"{gen_share:.1%}", "-" if step_ms is None else f"{step_ms:.3f}",
-                      "-" if dec_share is None else f"{dec_share:.1%}", f"{r['logprobs_ms']:.1f}",
+                      "-" if dec_share is None else f"{dec_share:.1%}", "-" if kv_share is None else f"{kv_share:.1%}",
+                      f"{r['logprobs_ms']:.1f}",
                       f"{r['train_ms']:.1f}",
                       "-" if mfu is None else f"{mfu:.1%}", f"{r['sync_bytes'] / 1e6:.3f}",
                       f"{r['shared_bytes'] / 1e6:.1f}", f"{r['logprob_abs_diff']:.2e}", f"{r['rollout_entropy']:.2f}",

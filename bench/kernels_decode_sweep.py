@@ -290,7 +290,9 @@ def _route_rows(g, dev, meta) -> list:
 
 
 def _attention_rows(g, dev, meta) -> list:
-    """The few-token attention's head blocks, then one to 16 tokens' 640 rows split over programs."""
+    """The few-token attention's head blocks, then one to 16 tokens' 640 rows split over programs, and one token's
+    128 and 200 rows (a Flash-shaped step's window and CSA layers at 256 to 304 positions, unsplit by
+    :func:`kernels.triton.attention.fwd_settings`: fewer than two tiles a split) in one or two tiles a split."""
     from kernels.triton import attention as A
 
     rows = []
@@ -298,9 +300,11 @@ def _attention_rows(g, dev, meta) -> list:
                 for bh, bk, wp, st in itertools.product([16, 32], [32, 64], [4, 8], [1, 2, 3])]
     H, D = 64, 512
     split_grid = [dict(A.FEW_TOKENS_CONFIG, SPLIT=sp) for sp in (1, 2, 3, 5, 10)]
+    few_rows_grid = [dict(A.FEW_TOKENS_CONFIG, BK=bk, SPLIT=sp) for bk, sp in itertools.product([32, 64], [1, 2, 3, 4])]
     for label, T, K, grid in [("sparse_attention_fwd", T, K, att_grid)
                               for T, K in itertools.product((1, 64, 256), (128, 640))] + \
-                             [("sparse_attention_fwd split", T, 640, split_grid) for T in (1, 4, 16)]:
+                             [("sparse_attention_fwd split", T, 640, split_grid) for T in (1, 4, 16)] + \
+                             [("sparse_attention_fwd split", 1, K, few_rows_grid) for K in (128, 200)]:
         q, kv, idx, sink = _attention_case(T, K, g, dev, H, D)
         rows += _sweep(label, lambda c: A.sparse_attention_fwd(q, kv, idx, sink, D ** -0.5, c), grid,
                        A.fwd_settings(T, H, K), meta, tokens=T, heads=H, rows=K)

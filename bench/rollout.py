@@ -133,24 +133,14 @@ def weight_bytes_per_step(model, batch: int = 1) -> int:
 def kv_bytes_per_step(config, batch: int, prompt_len: int, new_tokens: int, elem: int = 2) -> int:
     """KV-cache bytes one decode step of ``batch`` rows reads at least, averaged over the steps of a call that
     feeds ``new_tokens - 1`` tokens after a ``prompt_len`` prompt (step ``i`` attends to ``prompt_len + i + 1``
-    positions): each trunk layer's window rows (up to ``window_size``), the compressed entries its attention
-    reads (a CSA layer's (ratio 4) indexer top-k of them, an HCA layer's all), and a CSA layer's index keys,
-    all of which its indexer scores; ``elem`` bytes a value (the cache is in the model's dtype). The
-    compressors' running state is not counted. Why: issue #32's measure is the step against the weight and KV
-    bytes it reads; at 256 Flash-shaped sequences of 256 to 304 positions the KV rows are about 2% of the
-    weights, at long contexts most of the bytes."""
-    D, W = config.head_dim, config.window_size
-    total, steps = 0, max(new_tokens - 1, 1)
-    for i in range(steps):
-        ctx = prompt_len + i + 1
-        for ratio in config.compress_ratios[:config.n_layers]:
-            rows = min(ctx, W) * D
-            if ratio == 4:
-                rows += min(ctx // 4, config.index_topk) * D + (ctx // 4) * config.index_head_dim
-            elif ratio:
-                rows += (ctx // ratio) * D
-            total += rows
-    return int(batch * total * elem / steps)
+    positions; :func:`kernels.reference.decode.kv_read_bytes` a row and step, ``elem`` bytes a value). Why: issue
+    #32's measure is the step against the weight and KV bytes it reads; at 256 Flash-shaped sequences of 256 to 304
+    positions the KV rows are about 2% of the weights, at long contexts most of the bytes."""
+    from kernels.reference.decode import kv_read_bytes
+
+    steps = max(new_tokens - 1, 1)
+    total = sum(kv_read_bytes(config, prompt_len + i + 1, elem) for i in range(steps))
+    return int(batch * total / steps)
 
 
 def weight_bytes_per_token(model) -> int:

@@ -7,7 +7,8 @@ no reward or rollout). Time per phase is in seconds: ``time_rollout``, ``time_lo
 weights version its samples came from: 1 with ``async_rollout`` but at a run's first step), ``time_rollout_wait``,
 ``at_train_end`` and, with ``async_rollout``, ``at_next_rollout_issued`` (seconds from the step's start); with the
 built-in cached engine, its generate call by phase: ``time_rollout_setup``, ``time_rollout_prefill``,
-``time_rollout_decode`` (device time on a GPU), ``rollout_decode_steps`` and ``rollout_decode_rows``; and
+``time_rollout_decode`` (device time on a GPU), ``rollout_decode_steps``, ``rollout_decode_rows`` and
+``rollout_decode_kv_bytes`` (the cache bytes the decode steps read); and
 ``zero_variance_group_frac``, the fraction of prompt groups whose rewards were all equal and so gave no gradient
 (``train.losses``). On
 resume, :func:`truncate_after` drops the lines of steps after the checkpoint (they are recomputed) and the

@@ -55,8 +55,8 @@ class PhaseClock:
 def timing_metrics(engine) -> Dict[str, float]:
     """A GRPO step's metrics of the engine's last ``generate`` (the step's batch), for engines that can say (the
     built-in cached engine's ``generate_timing``, directly or through a Ray actor): ``time_rollout_setup`` /
-    ``_prefill`` / ``_decode`` (seconds, device time on a GPU), ``rollout_decode_steps`` and
-    ``rollout_decode_rows``; empty otherwise."""
+    ``_prefill`` / ``_decode`` (seconds, device time on a GPU), ``rollout_decode_steps``,
+    ``rollout_decode_rows`` and ``rollout_decode_kv_bytes``; empty otherwise."""
     timing = getattr(engine, "generate_timing", None)
     got = None if timing is None else timing()
     if not got:

@@ -184,6 +184,16 @@ def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor, params: SamplingPa
 ON_POLICY_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
 
 
+def _kv_bytes_table(config, elem: int):
+    """``positions -> kernels.reference.decode.kv_read_bytes(config, positions, elem)``, each count computed once
+    (a decode step adds one for every live row, on the host while the GPU runs the step)."""
+    import functools
+
+    from kernels.reference.decode import kv_read_bytes
+
+    return functools.lru_cache(maxsize=None)(lambda positions: kv_read_bytes(config, positions, elem))
+
+
 class RolloutEngineBase:
     name = "base"
 
@@ -501,7 +511,9 @@ class ReferenceEngine(RolloutEngineBase):
         """The last cached ``generate``'s time by phase (:class:`~rollout.phase_clock.PhaseClock`, device time
         on a GPU): ``setup_s`` (slots and their CUDA graphs, when a call needs new ones), ``prefill_s`` (the
         prompts and each sample's first draw), ``decode_s`` (the decode steps with their draws), and
-        ``decode_steps`` / ``decode_rows`` (the steps, and the samples they fed in all); a phase that did not
+        ``decode_steps`` / ``decode_rows`` (the steps, and the samples they fed in all), ``decode_kv_bytes`` (the
+        cache bytes those steps read at least, each row's :func:`kernels.reference.decode.kv_read_bytes` at the
+        positions its token attends: issue #32's roofline counts them beside the weights); a phase that did not
         occur is absent. None before a cached call (the uncached engine runs full forwards, no decode step)."""
         return None if self._timing is None else dict(self._timing)
 
@@ -643,7 +655,8 @@ class ReferenceEngine(RolloutEngineBase):
         last = torch.zeros(M, dtype=torch.long, device=dev)   # slot -> the token it feeds next
         dec, view = None, None                        # view: device index tensors of the live slots
         late = None                                   # the last step's (samples, drawn counts, stop flags)
-        clock, decode_steps, decode_rows = PhaseClock(dev), 0, 0
+        clock, decode_steps, decode_rows, kv_bytes = PhaseClock(dev), 0, 0, 0
+        kv_at = None                                  # positions attended -> cache bytes a row's step reads
         while True:
             free = [s for s in range(M) if sample_of[s] < 0]
             if waiting and free:                      # admit the next samples: prefill them into free slots
@@ -699,6 +712,9 @@ class ReferenceEngine(RolloutEngineBase):
             clock.enter("decode")                     # the decode steps, their draws and bookkeeping
             logits, routes, *step_picks = dec.step(b, last[:b], mask)
             decode_steps, decode_rows = decode_steps + 1, decode_rows + len(live)
+            if kv_at is None:
+                kv_at = _kv_bytes_table(c, dec.cache.layers[0].window.element_size())
+            kv_bytes += sum(kv_at(P[sample_of[s]] + drawn[s] + 1) for s in live)   # fed at P + drawn
             self.positions_fed += len(live)
             if routed is not None or picks is not None:   # the fed token (index drawn) sits at position P + drawn
                 fed_ids.append([sample_of[s] for s in live])
@@ -729,7 +745,7 @@ class ReferenceEngine(RolloutEngineBase):
         if late is not None:
             settle(late)
         self._timing = {**{f"{k}_s": v for k, v in clock.seconds().items()}, "decode_steps": decode_steps,
-                        "decode_rows": decode_rows}
+                        "decode_rows": decode_rows, "decode_kv_bytes": kv_bytes}
         if fed_routes:                                # one device -> host copy for the whole call
             learned = torch.tensor(learned_layers(c), dtype=torch.long)   # empty when every layer is hash-routed
             rows = torch.tensor([i for step in fed_ids for i in step])

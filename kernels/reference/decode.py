@@ -50,7 +50,7 @@ from .layers import compute_dtype, grouped_projection, linear_fp32, rms_normaliz
 from .rope import apply_rope, rope_cos_sin
 from .topk import decode_topk, window_rows as _window
 
-__all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step", "to_device"]
+__all__ = ["CompressorCache", "LayerCache", "DecodeCache", "prefill", "decode_step", "to_device", "kv_read_bytes"]
 
 
 @dataclass
@@ -84,6 +84,27 @@ def to_device(values, device, dtype=torch.long) -> torch.Tensor:
     if torch.device(device).type != "cuda" or t.device.type == "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def kv_read_bytes(config, positions: int, elem: int) -> int:
+    """Cache bytes one sequence's decode step reads at least when its token attends ``positions`` positions (itself
+    included; the token fed at position ``p`` attends ``p + 1``): in each trunk layer the window rows (up to
+    ``window_size``), the compressed entries its attention reads (a CSA layer's indexer top-k of its
+    ``positions // 4``, an HCA layer's all ``positions // ratio``) and a CSA layer's index keys, every one of
+    which its indexer scores; ``elem`` bytes a value (the cache holds the model's dtype). The compressors'
+    running state is not counted. Why: issue #32's roofline of a decode step counts the KV bytes it reads next
+    to the weights; the rollout engine sums this over its decode steps (``decode_kv_bytes`` of
+    ``generate_timing``) and ``bench.rollout`` over a call's."""
+    D, W = config.head_dim, config.window_size
+    values = 0
+    for layer in range(config.n_layers):
+        values += min(positions, W) * D
+        kind, ratio = config.layer_kind(layer), config.compress_ratios[layer]
+        if kind == "csa":
+            values += min(positions // ratio, config.index_topk) * D + (positions // ratio) * config.index_head_dim
+        elif kind == "hca":
+            values += (positions // ratio) * D
+    return values * elem
 
 
 def _select_tensors(obj, rows: torch.Tensor, on: Dict[torch.device, torch.Tensor]):

@@ -65,6 +65,10 @@ def test_phases_are_averaged_after_the_warmup():
     got = summarize(rows, warmup=1)
     assert got["decode_ms"] == pytest.approx(2500.0) and got["prefill_ms"] == pytest.approx(250.0)
     assert got["decode_steps"] == 7 and got["decode_rows"] == 448
+    assert "decode_kv_bytes" not in got                                 # an engine that does not count them
+    for r in rows:
+        r["rollout_decode_kv_bytes"] = 1e6 * r["step"]
+    assert summarize(rows, warmup=1)["decode_kv_bytes"] == pytest.approx(2.5e6)
     assert [p["decode_ms"] for p in got["per_step"]] == [1000.0, 2000.0, 3000.0]
 
 
@@ -101,6 +105,14 @@ def test_the_decode_roofline_counts_the_weights_a_batch_touches():
     got = hardware_shares(row, c, batch=4, new_tokens=16)
     bound_ms = 1e3 * 15 * decode_weight_bytes(c, 4) / H200_HBM_BYTES_PER_S
     assert got["decode_roofline_ms"] == pytest.approx(bound_ms) and got["decode_step_ms"] == pytest.approx(20.0)
+    assert got["decode_roofline_share"] == pytest.approx(bound_ms / 300.0)
+    assert "decode_roofline_share_with_kv" not in got         # no cache bytes counted
+    # with the cache bytes the engine counted (issue #32's measure): 96 MB more in the bound
+    row["decode_kv_bytes"] = 96e6
+    got = hardware_shares(row, c, batch=4, new_tokens=16)
+    with_kv_ms = bound_ms + 1e3 * 96e6 / H200_HBM_BYTES_PER_S
+    assert got["decode_roofline_ms_with_kv"] == pytest.approx(with_kv_ms)
+    assert got["decode_roofline_share_with_kv"] == pytest.approx(with_kv_ms / 300.0)
     assert got["decode_roofline_share"] == pytest.approx(bound_ms / 300.0)
 
 

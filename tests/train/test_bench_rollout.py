@@ -62,6 +62,7 @@ def test_the_kv_bytes_a_step_reads_are_counted_layer_by_layer():
     HCA (ratio 8) layer, window 4, index top-2, a 6-token prompt and 3 new tokens (steps at 7 and 8 positions)."""
     from bench.rollout import kv_bytes_per_step
     from core.config import preset
+    from kernels.reference.decode import kv_read_bytes
 
     c = preset("tiny").replace(n_layers=3, compress_ratios=(0, 4, 8, 0), window_size=4, index_topk=2,
                                n_hash_layers=1)
@@ -70,6 +71,7 @@ def test_the_kv_bytes_a_step_reads_are_counted_layer_by_layer():
     at8 = 4 * D + (4 * D + 2 * D + 2 * Di) + (4 * D + 1 * D)
     assert kv_bytes_per_step(c, 3, 6, 3, 2) == 3 * 2 * (at7 + at8) // 2
     assert kv_bytes_per_step(c, 1, 6, 2, 2) == 2 * at7
+    assert kv_read_bytes(c, 8, 4) == 4 * at8                 # a row's step, as the rollout engine counts it
 
 
 def test_the_compile_flag_reaches_the_engine(monkeypatch):

@@ -143,9 +143,12 @@ def test_the_cached_engine_does_not_recompute_prefixes(engines):
 def test_generate_timing_splits_the_call_by_phase(engines):
     """``generate_timing``: the last cached call's decode steps and the rows they fed (each sample its
     ``max_new_tokens - 1`` tokens after the first draw, in one wave or in several when the slots are fewer than the
-    samples), the phases' seconds within the call's wall time; none for the uncached engine."""
+    samples), the cache bytes they read (a sample of a ``P``-token prompt feeds tokens that attend ``P + 1`` to
+    ``P + max_new_tokens - 1`` positions), the phases' seconds within the call's wall time; none for the uncached
+    engine."""
     import time
 
+    from kernels.reference.decode import kv_read_bytes
     from rollout.reference_engine import ReferenceEngine
     from rollout.weight_sync import sync_weights
     from train.model import build_train_model
@@ -161,6 +164,8 @@ def test_generate_timing_splits_the_call_by_phase(engines):
         wall = time.perf_counter() - t0
         got = e.generate_timing()
         assert got["decode_rows"] == samples * (params.max_new_tokens - 1)
+        assert got["decode_kv_bytes"] == N * sum(kv_read_bytes(CFG, len(p) + i, 4) for p in PROMPTS    # fp32 cache
+                                                 for i in range(1, params.max_new_tokens))
         if steps is not None:                   # every sample in the slots at once: one step a token
             assert got["decode_steps"] == steps
         else:                                   # 12 samples through 5 slots: at least three waves of steps
@@ -173,6 +178,7 @@ def test_generate_timing_splits_the_call_by_phase(engines):
     e.generate(PROMPTS, _params(max_new_tokens=10, stop_token_ids=tuple(range(2, 1024, 5))), n=N, seed=0)
     got = e.generate_timing()
     assert got["decode_rows"] == e.positions_fed - 3 * 10 < samples * 9
+    assert 0 < got["decode_kv_bytes"] < N * sum(kv_read_bytes(CFG, len(p) + i, 4) for p in PROMPTS for i in range(1, 10))
 
 
 def test_the_phase_clock_sums_each_phase_over_its_spans(monkeypatch):
