@@ -22,10 +22,9 @@ call alone, ``time_rollout_wait``, the phase less its rewards, group tensors and
 :class:`rollout.phase_clock.PhaseClock`, without the prefill, the slots' set-up and the rewards), each bound by
 the weights its mean rows a step touch; ``decode_roofline_share_with_kv``, issue #32's own measure: the bound
 also holds the cache bytes those steps read, ``rollout_decode_kv_bytes`` of metrics.jsonl, the engine's count)
-and
-the train phase's MFU from dense FLOPs only
-(6 x active parameters x the step's trained tokens, ``tokens`` of metrics.jsonl, over ``time_train`` and the
-H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a lower bound). The built-in task's prompts (``data``
+and the train phase's MFU from dense FLOPs only (6 x active parameters x the step's trained tokens, ``tokens`` of
+metrics.jsonl, over ``time_train`` and the H200's 989 TFLOP/s; the attention's FLOPs are not counted, so it is a
+lower bound). The built-in task's prompts (``data``
 unset); ``--model`` as in :mod:`bench.train_cli` (the embedded tiny checkpoint, a preset written by ``dsv4
 prepare`` first, or a checkpoint folder); ``--sft-steps N`` first trains it N SFT steps on the task (the
 record's ``sft``) and runs the GRPO rows from that export. bf16 and triton kernels on nvidia, fp32 and the reference kernels on
