@@ -128,7 +128,8 @@ def test_cuda_graph_decode_follows_eager_decode_bf16(train_model):
 def test_generate_timing_on_cuda_is_the_device_time_of_each_phase(train_model):
     """``generate_timing`` with CUDA graphs: CUDA events at each change of phase (the loop runs ahead of the GPU,
     so a host clock would time launches): the first call sets the slots up (graph capture), a second of the same
-    size does not; every sample in the slots at once, one decode step a token; the phases fit in the call."""
+    size does not; every sample in the slots at once, one decode step a token, and the cache bytes they read; the
+    phases fit in the call."""
     import time
 
     params = _params(max_new_tokens=12, stop_token_ids=())
@@ -142,6 +143,10 @@ def test_generate_timing_on_cuda_is_the_device_time_of_each_phase(train_model):
     got = e.generate_timing()
     assert "setup_s" not in got or got["setup_s"] < 1e-3      # the slots fit: no capture
     assert got["decode_steps"] == 11 and got["decode_rows"] == 4 * len(PROMPTS) * 11
+    from kernels.reference.decode import kv_read_bytes          # the bf16 cache's bytes, 2 a value
+
+    assert got["decode_kv_bytes"] == 4 * sum(kv_read_bytes(e.config, len(p) + i, 2) for p in PROMPTS
+                                             for i in range(1, 12))
     assert 0 < got["prefill_s"] and 0 < got["decode_s"] and got["prefill_s"] + got["decode_s"] <= wall
 
 
