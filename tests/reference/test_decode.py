@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.config import preset
 from kernels.reference.decode import decode_step, prefill
-from kernels.reference.model import DeepseekV4Model, init_weights
 from kernels.reference.moe import routing_hook
+
+from tests.reference.tiny_models import RouteRecorder, tiny_reference_model
 
 LENGTHS = (3, 120, 131, 62)
 STEPS = 14
@@ -30,14 +30,7 @@ RTOL = 1e-5          # max |cached - full| / max |full| per position (fp32)
 
 @pytest.fixture(scope="module")
 def model():
-    m = DeepseekV4Model(preset("tiny")).eval()
-    init_weights(m, 0, std=0.05)
-    with torch.no_grad():  # non-trivial sinks / ape / hc base so every path matters
-        g = torch.Generator().manual_seed(1)
-        for name, t in m.named_parameters():
-            if name.endswith(("attn_sink", ".ape", "_base")):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
-    return m
+    return tiny_reference_model()
 
 
 @pytest.fixture(scope="module")
@@ -46,22 +39,11 @@ def seqs():
     return [torch.randint(2, 1024, (L + STEPS,), generator=g) for L in LENGTHS]
 
 
-class _Routes:
-    """Routing-seam recorder: ``layer -> [list of idx [rows, k]]`` in call order."""
-
-    def __init__(self):
-        self.calls = {}
-
-    def __call__(self, layer, idx):
-        self.calls.setdefault(layer, []).append(idx.clone())
-        return idx
-
-
 def _cached_run(model, seqs):
     """Prefill the prompts, then feed the sequences' next tokens: logits per step, routing, fed positions."""
     fed = []
     hook = model.embed.register_forward_hook(lambda mod, args, out: fed.append(args[0].numel()))
-    routes = _Routes()
+    routes = RouteRecorder()
     try:
         with torch.no_grad(), routing_hook(routes):
             cache, logits = prefill(model, [s[:L].tolist() for s, L in zip(seqs, LENGTHS)],
@@ -98,7 +80,7 @@ def test_cached_routing_equals_the_full_forwards(model, seqs, cached):
     learned = [i for i in range(c.n_layers) if not c.is_hash_layer(i)]
     assert sorted(routes.calls) == learned
     for b, (s, L) in enumerate(zip(seqs, LENGTHS)):
-        full = _Routes()
+        full = RouteRecorder()
         with torch.no_grad(), routing_hook(full):
             model.hidden_streams(s[None, : L + STEPS - 1])
         for layer in learned:

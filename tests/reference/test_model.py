@@ -11,18 +11,12 @@ from core.config import preset
 from kernels.reference.indexer import Indexer
 from kernels.reference.model import DeepseekV4Model, balanced_tid2eid, init_weights
 from kernels.reference.rope import layer_inv_freq
+from tests.reference.tiny_models import tiny_reference_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    m = DeepseekV4Model(preset("tiny")).eval()
-    init_weights(m, 0, std=0.05)
-    with torch.no_grad():  # non-trivial sinks / ape / hc base so every path matters
-        g = torch.Generator().manual_seed(1)
-        for name, t in m.named_parameters():
-            if name.endswith(("attn_sink", ".ape", "_base")):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
-    return m
+    return tiny_reference_model()
 
 
 def test_any_sequence_length(tiny_model):

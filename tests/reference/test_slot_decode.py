@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.config import preset
 from kernels.reference.decode import decode_step, prefill
-from kernels.reference.model import DeepseekV4Model, init_weights
 from kernels.reference.moe import routing_hook
 from kernels.reference.slots import (SlotCache, moe_decode, stack_expert_weights, static_decode_step,
                                      static_step_body, static_step_checks)
+
+from tests.reference.tiny_models import RouteRecorder, tiny_reference_model
 
 LENGTHS = (3, 120, 62)
 SLOTS = (4, 0, 2)
@@ -32,14 +32,7 @@ ATOL = 1e-5
 
 
 def _model(dtype=torch.float32):
-    m = DeepseekV4Model(preset("tiny")).eval()
-    init_weights(m, 0, std=0.05)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for name, t in m.named_parameters():
-            if name.endswith(("attn_sink", ".ape", "_base")):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
-    return m.to(dtype).requires_grad_(False)
+    return tiny_reference_model(dtype).requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +46,6 @@ def model():
 def seqs():
     g = torch.Generator().manual_seed(5)
     return [torch.randint(2, 1024, (L + STEPS,), generator=g) for L in LENGTHS]
-
-
-class _Routes:
-    def __init__(self):
-        self.calls = {}
-
-    def __call__(self, layer, idx):
-        self.calls.setdefault(layer, []).append(idx.clone())
-        return idx
 
 
 def _compiled_step():
@@ -85,7 +69,7 @@ def test_static_slots_equal_the_dynamic_step(model, seqs, compiled):
             if t == RETIRE:                                   # row 0 finished: it leaves the dynamic batch
                 dyn, rows = dyn.select([1, 2]), [1, 2]
             fed = torch.stack([seqs[r][LENGTHS[r] + t] for r in rows])
-            routes = _Routes()
+            routes = RouteRecorder()
             with routing_hook(routes):
                 want = decode_step(model, dyn, fed)
             tokens = torch.zeros(6, dtype=torch.long)
