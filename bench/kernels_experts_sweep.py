@@ -1,7 +1,7 @@
 """Launch settings of the triton decode experts kernel (``kernels/triton/experts.py``) at the Flash-shaped decode
 step's shapes, timed and checked on one GPU.
 
-    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --wide | --reference] [--skew S]
+    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --wide | --deep | --reference] [--skew S]
         --out FILE.json
 
 Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
@@ -89,6 +89,9 @@ def main(argv=None):
     p.add_argument("--wide", action="store_true",
                    help="sweep around the many-rows settings instead (BM 64; BN up to 256, which reads each row "
                         "of x half as often)")
+    p.add_argument("--deep", action="store_true",
+                   help="sweep the few-rows settings' depth instead: BK 128 and 256 with 2 to 6 pipeline stages "
+                        "(BN 32, 64 and 128, 4 warps), the weight bytes a program has in flight")
     p.add_argument("--skew", type=float, default=0.0,
                    help="draw the experts with weights (rank + 1) ** -SKEW (a trained router's uneven load on one "
                         "batch) instead of uniformly (0, the default)")
@@ -108,6 +111,10 @@ def main(argv=None):
         # none and 32 at 8 warps; triton 3.6, sm_90)
         configs = [dict(KE.EXPERTS_CONFIG, BN=bn, STAGES=st, SPLIT=sp, WARPS=wp)
                    for bn, st, sp, wp in itertools.product([32, 64], [3, 4], [1, 2, 4, 8], [4, 8])]
+    if known.deep:
+        configs = [dict(BM=16, BN=bn, BK=bk, STAGES=st, WARPS=wp, SPLIT=1)
+                   for bn, bk, st, wp in itertools.product([32, 64, 128], [128, 256], [2, 3, 4, 5, 6], [4])
+                   if bn * bk * st <= 64 * 256 * 4]                 # bf16 weight tiles within 128 KB of shared memory
     if known.wide:
         configs = [dict(BM=64, BN=bn, BK=bk, STAGES=st, WARPS=wp, SPLIT=1)
                    for bn, bk, st, wp in itertools.product([128, 256], [32, 64], [3, 4], [4, 8])]
