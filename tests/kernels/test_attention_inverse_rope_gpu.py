@@ -11,7 +11,7 @@ alone and no interpreter."""
 import pytest
 import torch
 
-from ._backends import CountedLaunches, triton_device
+from ._backends import CountedLaunches, triton_device, triton_ptxas
 
 pytestmark = pytest.mark.gpu
 
@@ -108,7 +108,8 @@ def test_it_refuses_what_it_cannot_serve():
 
 
 def _ptxas(kernel, types: dict, consts: dict, cfg: dict):
-    """``(ptx, registers, spilled bytes)`` of ``kernel`` compiled for sm_90a with triton's ptxas."""
+    """``(ptx, registers, spilled bytes)`` of ``kernel`` compiled for sm_90a, assembled by the ptxas triton compiles
+    with (:func:`triton_ptxas`)."""
     import re
     import subprocess
     import tempfile
@@ -123,9 +124,7 @@ def _ptxas(kernel, types: dict, consts: dict, cfg: dict):
     ptx = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
                                       launch_pdl=consts["PDL"])).asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("triton ships no ptxas here")
+    ptxas = triton_ptxas()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
         out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
