@@ -46,8 +46,10 @@ MAX_WEIGHTS = 8
 # 10.7 at 16), where a CSA layer's group (130 blocks) and the query's (1,280) were fastest at 1
 # (bench/results/kernels-decode-sweep-h100-projections.json, L2-cold)
 # prefetch_lines: with PDL, 128-byte lines of each of a program's weight rows it asks L2 for before it waits on the
-# kernel before it (pdl.wait_prior_after_prefetch): 16 lines, 1,024 bf16 columns, the first four BK steps; untimed
-LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16, prefetch_lines=16)
+# kernel before it (pdl.wait_prior_after_prefetch): 8 lines, 512 bf16 columns, the first two BK steps; untimed. At
+# 16 lines the ptxas of CUDA 13.0 (torch 2.11+cu130's, which triton uses once Inductor has compiled in the process)
+# spilled 12 bytes of registers at one program a block; at 8 neither it nor triton's own spills
+LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16, prefetch_lines=8)
 FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
 
 

@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -89,24 +90,33 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
     registers; skips in interpreter mode, without triton or without its ptxas. ``aligned``: the arguments the
     runtime specializes as multiples of 16 (a pointer at a 16-byte address, an int divisible by 16: Triton's
     ``tt.divisibility``), so that ptxas sees the code a launch on such inputs compiles to. A kernel with a ``PDL``
-    flag (``kernels/triton/pdl.py``) compiles as a Hopper launches it, the flag on (and ``PREFETCH`` with it),
-    unless ``consts`` sets it."""
+    flag (``kernels/triton/pdl.py``) compiles both ways a Hopper launches it, unless ``consts`` sets it: the flag
+    off (the default) and on (``DSV4_PDL=1``, with ``PREFETCH`` where the kernel has it)."""
     import os
-    import re
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton, not in interpreter mode")
+    modes = [consts]
+    if "PDL" in kernel.arg_names and "PDL" not in consts:     # a decode kernel: both launches
+        modes = [dict(consts, PDL=on) for on in (False, True)]
+    for c in modes:
+        if "PREFETCH" in kernel.arg_names and "PREFETCH" not in c:    # with its weights' prefetch where it has one
+            c = dict(c, PREFETCH=c["PDL"])
+        stderr = _ptxas_report(kernel, types, c, num_warps, aligned)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", stderr)]
+        assert spills and not any(spills), f"PDL={c.get('PDL')}: {stderr}"
+
+
+def _ptxas_report(kernel, types: dict, consts: dict, num_warps: int, aligned=()) -> str:
+    """ptxas's ``-v`` report (stderr) for ``kernel`` compiled to PTX for sm_90 at ``consts``."""
     import subprocess
     import tempfile
     from pathlib import Path
 
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs triton, not in interpreter mode")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if "PDL" in kernel.arg_names and "PDL" not in consts:     # a decode kernel: as a Hopper launches it
-        consts = dict(consts, PDL=True)
-    if "PREFETCH" in kernel.arg_names and "PREFETCH" not in consts:     # with its weights' prefetch where it has one
-        consts = dict(consts, PREFETCH=consts["PDL"])
     sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -119,5 +129,4 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
         src.write_text(ptx)
         out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
                              capture_output=True, text=True, check=True)
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stderr)]
-    assert spills and not any(spills), out.stderr
+    return out.stderr
