@@ -102,13 +102,14 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
     for c in modes:
         if "PREFETCH" in kernel.arg_names and "PREFETCH" not in c:    # with its weights' prefetch where it has one
             c = dict(c, PREFETCH=c["PDL"])
-        stderr = _ptxas_report(kernel, types, c, num_warps, aligned)
+        _, stderr = ptxas_report(kernel, types, c, num_warps, aligned)
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", stderr)]
         assert spills and not any(spills), f"PDL={c.get('PDL')}: {stderr}"
 
 
-def _ptxas_report(kernel, types: dict, consts: dict, num_warps: int, aligned=()) -> str:
-    """ptxas's ``-v`` report (stderr) for ``kernel`` compiled to PTX for sm_90 at ``consts``."""
+def ptxas_report(kernel, types: dict, consts: dict, num_warps: int, aligned=(), **options) -> tuple:
+    """``(ptx, ptxas's -v report)`` of ``kernel`` compiled to PTX for sm_90 at ``consts`` (``options``: more of
+    triton's compile options, such as ``num_stages``), assembled by :func:`triton_ptxas`."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -120,7 +121,7 @@ def _ptxas_report(kernel, types: dict, consts: dict, num_warps: int, aligned=())
     sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, launch_pdl=bool(consts.get("PDL", False))))
+                              options=dict(num_warps=num_warps, launch_pdl=bool(consts.get("PDL", False)), **options))
     ptx = compiled.asm["ptx"]
     assert ".entry" in ptx
     ptxas = triton_ptxas()
@@ -129,4 +130,4 @@ def _ptxas_report(kernel, types: dict, consts: dict, num_warps: int, aligned=())
         src.write_text(ptx)
         out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
                              capture_output=True, text=True, check=True)
-    return out.stderr
+    return ptx, out.stderr

@@ -11,7 +11,7 @@ alone and no interpreter."""
 import pytest
 import torch
 
-from ._backends import CountedLaunches, triton_device, triton_ptxas
+from ._backends import CountedLaunches, ptxas_report, triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -108,27 +108,11 @@ def test_it_refuses_what_it_cannot_serve():
 
 
 def _ptxas(kernel, types: dict, consts: dict, cfg: dict):
-    """``(ptx, registers, spilled bytes)`` of ``kernel`` compiled for sm_90a, assembled by the ptxas triton compiles
-    with (:func:`triton_ptxas`)."""
+    """``(ptx, registers, spilled bytes)`` of ``kernel`` compiled for sm_90a as the decode step launches it."""
     import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     consts = dict(consts, PDL=consts.get("ROPE", 0) > 0)        # the decode step's launch (kernels/triton/pdl.py)
-    sig = {a: ("constexpr" if a in consts else types[a]) for a in kernel.arg_names}
-    ptx = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
-                                      launch_pdl=consts["PDL"])).asm["ptx"]
-    ptxas = triton_ptxas()
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
-                             capture_output=True, text=True, check=True).stderr
+    ptx, out = ptxas_report(kernel, types, consts, cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
     return ptx, int(re.search(r"Used (\d+) registers", out).group(1)), sum(
         int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
 
