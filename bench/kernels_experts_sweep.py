@@ -81,17 +81,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--sequences", nargs="+", type=int, default=[1, 64, 256],
                    help="decode steps of these many sequences (default 1 64 256)")
-    p.add_argument("--split", action="store_true",
-                   help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN, STAGES "
-                        "and WARPS around the few-rows settings instead")
-    p.add_argument("--reference", action="store_true",
-                   help="time the launch settings beside other reads of the same weight bytes instead")
-    p.add_argument("--wide", action="store_true",
-                   help="sweep around the many-rows settings instead (BM 64; BN up to 256, which reads each row "
-                        "of x half as often)")
-    p.add_argument("--deep", action="store_true",
-                   help="sweep the few-rows settings' depth instead: BK 128 and 256 with 2 to 6 pipeline stages "
-                        "(BN 32, 64 and 128, 4 warps), the weight bytes a program has in flight")
+    grid = p.add_mutually_exclusive_group()      # one grid a run: a second flag would silently replace the first
+    grid.add_argument("--split", action="store_true",
+                      help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN, STAGES "
+                           "and WARPS around the few-rows settings instead")
+    grid.add_argument("--reference", action="store_true",
+                      help="time the launch settings beside other reads of the same weight bytes instead")
+    grid.add_argument("--wide", action="store_true",
+                      help="sweep around the many-rows settings instead (BM 64; BN up to 256, which reads each row "
+                           "of x half as often)")
+    grid.add_argument("--deep", action="store_true",
+                      help="sweep the few-rows settings' depth instead: BK 128 and 256 with 2 to 6 pipeline stages "
+                           "(BN 32, 64 and 128, 4 warps), the weight bytes a program has in flight")
     p.add_argument("--skew", type=float, default=0.0,
                    help="draw the experts with weights (rank + 1) ** -SKEW (a trained router's uneven load on one "
                         "batch) instead of uniformly (0, the default)")
@@ -111,11 +112,11 @@ def main(argv=None):
         # none and 32 at 8 warps; triton 3.6, sm_90)
         configs = [dict(KE.EXPERTS_CONFIG, BN=bn, STAGES=st, SPLIT=sp, WARPS=wp)
                    for bn, st, sp, wp in itertools.product([32, 64], [3, 4], [1, 2, 4, 8], [4, 8])]
-    if known.deep:
+    elif known.deep:
         configs = [dict(BM=16, BN=bn, BK=bk, STAGES=st, WARPS=wp, SPLIT=1)
                    for bn, bk, st, wp in itertools.product([32, 64, 128], [128, 256], [2, 3, 4, 5, 6], [4])
                    if bn * bk * st <= 64 * 256 * 4]                 # bf16 weight tiles within 128 KB of shared memory
-    if known.wide:
+    elif known.wide:
         configs = [dict(BM=64, BN=bn, BK=bk, STAGES=st, WARPS=wp, SPLIT=1)
                    for bn, bk, st, wp in itertools.product([128, 256], [32, 64], [3, 4], [4, 8])]
     rows = []

@@ -103,8 +103,13 @@ def compiles_for_sm90_without_spills(kernel, types: dict, consts: dict, num_warp
         if "PREFETCH" in kernel.arg_names and "PREFETCH" not in c:    # with its weights' prefetch where it has one
             c = dict(c, PREFETCH=c["PDL"])
         _, stderr = ptxas_report(kernel, types, c, num_warps, aligned)
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", stderr)]
+        spills = spilled_bytes(stderr)
         assert spills and not any(spills), f"PDL={c.get('PDL')}: {stderr}"
+
+
+def spilled_bytes(report: str) -> list:
+    """The spill stores' and loads' byte counts in a ptxas ``-v`` report (empty if it reports none)."""
+    return [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
 
 
 def ptxas_report(kernel, types: dict, consts: dict, num_warps: int, aligned=(), **options) -> tuple:

@@ -11,7 +11,7 @@ alone and no interpreter."""
 import pytest
 import torch
 
-from ._backends import CountedLaunches, ptxas_report, triton_device
+from ._backends import CountedLaunches, ptxas_report, spilled_bytes, triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -113,8 +113,7 @@ def _ptxas(kernel, types: dict, consts: dict, cfg: dict):
 
     consts = dict(consts, PDL=consts.get("ROPE", 0) > 0)        # the decode step's launch (kernels/triton/pdl.py)
     ptx, out = ptxas_report(kernel, types, consts, cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
-    return ptx, int(re.search(r"Used (\d+) registers", out).group(1)), sum(
-        int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    return ptx, int(re.search(r"Used (\d+) registers", out).group(1)), sum(spilled_bytes(out))
 
 
 def test_the_epilogue_compiles_for_sm90_without_spilling_more():
