@@ -175,8 +175,8 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
 
 
 def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
-    """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site at 1 and 4 tokens: the one-launch
-    kernel's settings, and the four kernels it replaces (``four_us``: the split mixing GEMM, its sum, the
+    """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site at 1, 2 and 4 tokens: the one-launch
+    kernel's settings (its tail in one pass or in steps: ``one_pass``), and the four kernels it replaces (``four_us``: the split mixing GEMM, its sum, the
     coefficients, the norm; ``kernels.triton.mhc`` and ``kernels.triton.norm``)."""
     from kernels.triton import mhc as KM
     from kernels.triton import mhc_decode as MD
@@ -186,8 +186,8 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     fn = (torch.randn(rows_m, n * d, generator=g) * (n * d) ** -0.5).to(dev)
     scale, base = (0.5 + torch.rand(3, generator=g)).to(dev), (torch.randn(rows_m, generator=g) * 0.5).to(dev)
     weight = (0.5 + torch.rand(d, generator=g)).to(dev)
-    grid = [dict(programs=p, BK=bk, warps=wp, stages=st)
-            for p, bk, wp, st in itertools.product([64, 128, 256], [64, 128], [4, 8], [2, 3])]
+    grid = [dict(programs=p, BK=bk, warps=wp, stages=st, one_pass=op)
+            for p, bk, wp, st, op in itertools.product([64, 128, 256], [64, 128], [4, 8], [2, 3], [True, False])]
     rows = []
     for T in (1, 2, 4):      # the one-launch plan's token counts (PRE_NORM_MAX_TOKENS): where it beats the four
         x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)

@@ -22,6 +22,17 @@ the norms 23.18, and the step 1.673 ms against 1.708 without the op
 (``bench/results/rollout-h100-flash-shaped-triton-profile-hc-pre-norm.json``,
 ``bench/results/rollout-h100-flash-shaped-triton-ablate-hc-pre-norm.json``).
 
+Where one token's streams fit the registers (``tail_plan``: a Flash site's four 4,096-wide streams), the last
+program asks for them and the norm's weight before it sums the partials, so those loads overlap the sum and the
+Sinkhorn loop, and keeps ``u`` in registers for the norm; before, it wrote ``u`` in two steps and read it back. On
+one H100 a launch took 9.44 us against 10.6 for the best settings of the two-step tail, and the step's 9 launches
+98.6 us against 108.27 (``python -m bench.kernels_decode_sweep --only mhc``,
+``bench/results/kernels-decode-sweep-h100-mhc-one-pass.json``;
+``bench/results/rollout-h100-flash-shaped-triton-one-pass.json``,
+``bench/results/rollout-h100-flash-shaped-triton-profile-s38.json``). Of the 9.44 us, the 19 Sinkhorn iterations
+after the first take about 2.3 (the same launch with one iteration: 7.1 us): a serial chain of two shuffles and a
+division a step in the one program.
+
 The math is the reference's (``kernels.reference.mhc.hc_pre``, then ``kernels.reference.layers.rms_norm`` on ``u``
 rounded to the streams' dtype); the partials are those of ``kernels.triton.mhc``'s split GEMM (fp32, ``tf32x3``),
 summed in a fixed order (the same outputs on every replay).
@@ -41,13 +52,18 @@ from kernels.triton import pdl
 from kernels.triton.mhc import coefficients, mix_partial, mix_sums
 from kernels.triton.tickets import counters, last_ticket, release
 
-__all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "PRE_NORM_CONFIG"]
+__all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "tail_plan", "PRE_NORM_CONFIG"]
 
 # programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
-# max_tokens: the most tokens the one-program tail takes; TAIL_ELEMENTS: the streams' values one step of the
-# tail's u loop loads (BD = TAIL_ELEMENTS / (tokens x streams), so one token's four 4,096-wide streams are two steps)
-PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS)
+# max_tokens: the most tokens the one-program tail takes; one_pass: the tail holds u in registers where the streams
+# fit (tail_plan; off: always the u loop, for the sweep's A/B); TAIL_ELEMENTS: the streams' values one step of the
+# tail's u loop loads (BD = TAIL_ELEMENTS / (tokens x streams), so two tokens' four 4,096-wide streams are four steps)
+PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS,
+                       one_pass=True)
 TAIL_ELEMENTS = 8192
+# the most streams' values (tokens x streams x d, padded) the tail holds at once: up to this it loads them all before
+# the partials' sum and keeps u in registers (one token's four 4,096-wide streams: 64 registers a thread of bf16)
+ONE_PASS_ELEMENTS = 16384
 # the lines of the mapping a program of the split GEMM asks L2 for before it waits (with PDL): 4 lines of 32 fp32,
 # the 128 columns a program reads of a Flash-shaped site's 16,384 (128 programs)
 FN_LINES = tl.constexpr(4)
@@ -55,18 +71,41 @@ FN_LINES = tl.constexpr(4)
 @triton.jit
 def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
           HAS_RES: tl.constexpr, TB: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
-          SB: tl.constexpr):
+          SB: tl.constexpr, ONE_PASS: tl.constexpr = False):
     """The last program's work: the partials' sum (:func:`kernels.triton.mhc.mix_sums`), the coefficients
-    (:func:`kernels.triton.mhc.coefficients`), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm
-    written over it."""
+    (:func:`kernels.triton.mhc.coefficients`), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm.
+    ``ONE_PASS`` (``BD`` covers ``d``): the streams and the norm's weight are asked for first, so that their loads
+    overlap the sum and the Sinkhorn loop, and ``u`` stays in registers; else ``u`` is written to ``Y`` in ``BD``
+    steps and read back for the norm."""
     t = tl.arange(0, TB)
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
+    if ONE_PASS:
+        jj = tl.arange(0, NP)
+        dd = tl.arange(0, BD)
+        dmask = dd < d
+        xs = tl.load(X + t64[:, None, None] * (n * d) + jj[None, :, None] * d + dd[None, None, :],
+                     mask=tmask[:, None, None] & (jj < n)[None, :, None] & dmask[None, None, :], other=0.0)
+        w = tl.load(W + dd, mask=dmask, other=0.0).to(tl.float32)
     mix, _ = mix_sums(PART, SSP, T, K, SPLIT, norm_eps, t, TB, MP, SB)
     tl.store(MIXS + t64[:, None] * MP + m[None, :], mix, mask=tmask[:, None])
     tl.debug_barrier()                                   # the coefficients read MIXS back in another layout
     pre, j, tj = coefficients(MIXS, SCALE, BASE, POST, COMB, t, tmask, n, hc_eps, iters, True, HAS_RES, NP, MP)
+    if ONE_PASS:
+        u = tl.sum(pre[:, :, None] * xs.to(tl.float32), 1).to(Y.dtype.element_ty).to(tl.float32)
+        r = tl.rsqrt(tl.sum(u * u, 1) / d + eps)
+        y = u * r[:, None]                               # rounded to fp32 first, as the reference
+        tl.store(Y + t64[:, None] * d + dd[None, :], (y * w[None, :]).to(Y.dtype.element_ty),
+                 mask=tmask[:, None] & dmask[None, :])
+    else:
+        _u_norm_in_steps(X, W, Y, pre, t64, tmask, tj, j, n, d, eps, TB, BD)
+
+
+@triton.jit
+def _u_norm_in_steps(X, W, Y, pre, t64, tmask, tj, j, n, d, eps, TB: tl.constexpr, BD: tl.constexpr):
+    """``u`` of the streams that do not fit the registers at once: written to ``Y`` in ``BD`` steps, then read back
+    for its weighted norm, written over it."""
     xrow = X + t64[:, None, None] * (n * d) + j[None, :, None] * d
     sq = tl.zeros([TB], dtype=tl.float32)
     for d0 in range(0, d, BD):
@@ -103,8 +142,8 @@ def _mapping_lines(FN, M, K, KPER, s, MP: tl.constexpr):
 def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, COMB, T, K, M, KPER, SPLIT, n, d,
                      norm_eps, hc_eps, iters, eps, HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      MP: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr,
-                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False):
+                     NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, ONE_PASS: tl.constexpr = False,
+                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program ``s``: columns ``[s * KPER, (s + 1) * KPER)`` of the mixing GEMM into ``PART[s]``, ``SSP[s]``
     (:func:`kernels.triton.mhc.mix_partial`), then a ticket; the last ticket runs :func:`_tail`. ``PREFETCH``: its
     columns of the mapping ``FN`` asked of L2 before it waits on the kernel before it."""
@@ -113,8 +152,18 @@ def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, CO
     mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
     if last_ticket(TICKET, SPLIT):
         _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
-              HAS_RES, TB, MP, NP, BD, SB)
+              HAS_RES, TB, MP, NP, BD, SB, ONE_PASS)
         release(TICKET)
+
+
+def tail_plan(T: int, n: int, d: int, config: Optional[dict] = None) -> tuple:
+    """``(one_pass, BD)`` of the tail for ``T`` tokens of ``n`` streams of ``d``: all of ``d`` in registers where the
+    streams fit ``ONE_PASS_ELEMENTS`` (and ``one_pass`` is on), else ``BD`` columns a step of ``TAIL_ELEMENTS``."""
+    cfg = {**PRE_NORM_CONFIG, **(config or {})}
+    tb, np_, dp = triton.next_power_of_2(T), mhc_checks.padded(n), triton.next_power_of_2(d)
+    if cfg["one_pass"] and tb * np_ * dp <= ONE_PASS_ELEMENTS:
+        return True, dp
+    return False, min(dp, max(16, TAIL_ELEMENTS // (tb * np_)))
 
 
 def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg):
@@ -133,13 +182,14 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
     post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
     comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
     tb = triton.next_power_of_2(T)
-    bd = min(triton.next_power_of_2(d), max(16, TAIL_ELEMENTS // (tb * NP)))
+    one_pass, bd = tail_plan(T, n, d, cfg)
     sb = min(triton.next_power_of_2(split), max(1, mhc.FINISH_TILE // (tb * MP)))
     _pre_norm_kernel[(split,)](x2, fn, part, ssp, mixs, counters(dev, 1), scale, base, weight, y,
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
                                BT=cfg["BT"], BK=bk, MP=MP, PREC=mhc.PRECISION, STAGES=cfg["stages"], TB=tb, NP=NP,
-                               BD=bd, SB=sb, num_warps=cfg["warps"], **pdl.launch(x2.device, prefetch=True))
+                               BD=bd, SB=sb, ONE_PASS=one_pass, num_warps=cfg["warps"],
+                               **pdl.launch(x2.device, prefetch=True))
     return y, post, comb
 
 

@@ -11,7 +11,6 @@ CUDA graph of the op replays to the same bits. On a GPU at the Flash-shaped size
 ``TRITON_INTERPRET=1`` runs the small shapes on the CPU; ``test_kernel_compiles_for_sm90`` compiles it for
 sm_90 with triton alone."""
 
-import importlib.util
 import os
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 from kernels.triton.tickets import counters
 
-from ._backends import triton_device
+from ._backends import compiles_for_sm90_without_spills, triton_device
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +43,10 @@ def _run(fn, inputs, dev):
 
 
 def _small_and_flash():
-    # d 1100 at two tokens: the one launch's tail takes its u loop in several steps (d 300: one); 3, 4 and 6 tokens
-    # take the split kernels
-    small = [pytest.param(T, 4, 300, id=f"T{T}-d300") for T in (1, 2, 3, 4, 6)] + [pytest.param(2, 4, 1100, id="T2-d1100")]
+    # d 300 and 1100: the one launch's tail holds u in registers (tail_plan); d 2100 at two tokens: it takes its u
+    # loop in three steps; 3, 4 and 6 tokens take the split kernels
+    small = [pytest.param(T, 4, 300, id=f"T{T}-d300") for T in (1, 2, 3, 4, 6)] + \
+        [pytest.param(2, 4, d, id=f"T2-d{d}") for d in (1100, 2100)]
     flash = [pytest.param(T, 4, 4096, id=f"flash-T{T}", marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="Flash shape: GPU only")) for T in (1, 2, 4, 64)]
     return small + flash
@@ -101,6 +101,17 @@ def test_hc_head_norm_matches_reference(T, n, d):
     assert not counters(torch.device(dev), 1).any()
 
 
+def test_the_tail_holds_u_in_registers_where_the_streams_fit():
+    """One token of a Flash site (four streams of 4,096) in one pass; two tokens of it, or Pro's 7,168, in steps."""
+    from kernels.triton import mhc_decode as K
+
+    assert K.tail_plan(1, 4, 4096) == (True, 4096)
+    assert K.tail_plan(2, 4, 4096) == (False, 1024)
+    assert K.tail_plan(1, 4, 7168) == (False, 2048)
+    assert K.tail_plan(2, 4, 2100) == (False, 1024)
+    assert K.tail_plan(1, 4, 4096, dict(one_pass=False)) == (False, 2048)
+
+
 @pytest.mark.parametrize("T, n, d", [(1, 4, 300), (2, 4, 300), (3, 4, 300)])
 def test_one_launch_up_to_max_tokens_the_split_kernels_above(monkeypatch, T, n, d):
     """At most ``max_tokens`` tokens never reach ``kernels.triton.mhc``'s split kernels; more always do."""
@@ -153,24 +164,18 @@ def test_a_cuda_graph_of_the_op_replays_to_the_same_bits():
     assert not counters(x.device, 1).any()
 
 
-def test_kernel_compiles_for_sm90():
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs triton, not in interpreter mode")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def test_kernel_compiles_for_sm90_without_spills():
+    """Each plan of the tail at a Flash site (one token's u in registers, two tokens' in steps, the head's without the
+    residual coefficients), with dependent launches off and on: ptxas for sm_90 spills no register."""
     from kernels.triton import mhc, mhc_decode as K
 
     c = K.PRE_NORM_CONFIG
-    p32, pb, pi, i, f = "*fp32", "*bf16", "*i32", "i32", "fp32"
+    pointers = {"X": "*bf16", "Y": "*bf16", "TICKET": "*i32", **{a: "*fp32" for a in ("FN", "PART", "SSP", "MIXS",
+                                                                                      "SCALE", "BASE", "W", "POST",
+                                                                                      "COMB")}}
+    types = {a: pointers.get(a, "fp32" if "eps" in a else "i32") for a in K._pre_norm_kernel.arg_names}
     for has_res, tb in ((True, 1), (True, 2), (False, 1)):
+        one_pass, bd = K.tail_plan(tb, 4, 4096)
         consts = dict(HAS_RES=has_res, BT=c["BT"], BK=c["BK"], MP=32, PREC=mhc.PRECISION, STAGES=c["stages"], TB=tb,
-                      NP=4, BD=K.TAIL_ELEMENTS // (4 * tb), SB=mhc.FINISH_TILE // (32 * tb), PDL=True, PREFETCH=True)
-        types = [pb, p32, p32, p32, p32, pi, p32, p32, p32, pb, p32, p32, i, i, i, i, i, i, i, f, f, i, f]
-        runtime = [a for a in K._pre_norm_kernel.arg_names if a not in consts]
-        assert len(runtime) == len(types), runtime
-        sig = {**dict(zip(runtime, types)), **{k: "constexpr" for k in consts}}
-        compiled = triton.compile(ASTSource(K._pre_norm_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=c["warps"], launch_pdl=True))
-        assert ".entry" in compiled.asm["ptx"] and "atom" in compiled.asm["ptx"], (has_res, tb)
+                      NP=4, BD=bd, SB=mhc.FINISH_TILE // (32 * tb), ONE_PASS=one_pass)
+        compiles_for_sm90_without_spills(K._pre_norm_kernel, types, consts, c["warps"])

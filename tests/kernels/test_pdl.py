@@ -79,7 +79,7 @@ def test_the_wait_compiles_for_sm90_ahead_of_every_global_access():
     cases = [(L._grouped_kernel, grouped, dict(SPLIT=1, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"],
                                                LINES=c["prefetch_lines"])),
              (MD._pre_norm_kernel, pre, dict(HAS_RES=True, BT=16, BK=64, MP=32, PREC="tf32x3", STAGES=2, TB=1, NP=4,
-                                              BD=2048, SB=128))]
+                                              BD=4096, SB=128, ONE_PASS=True))]
     for kernel, types, consts in cases:
         lines = _ptx(kernel, types, consts, True).splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
