@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: GEMM, its sum, the coefficients); others one (the router's split gate GEMM picks in its last programs), but for
 #: the second expert GEMM with the activation at many rows an expert (two: :func:`_launches`)
 LAUNCHES = {"hc_pre": 3, "hc_head": 3}
-#: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else this mHC op's and the norm's
+#: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else two (the split mixing GEMM,
+#: then a program a token; ``kernels/triton/mhc_decode.py``), where the mHC op and the norm apart take four
 WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
@@ -99,7 +100,7 @@ def _launches(name: str, args) -> int:
     if name in WITH_NORM:
         from kernels.gpu_common import PRE_NORM_MAX_TOKENS
 
-        return 1 if args[0][..., 0, 0].numel() <= PRE_NORM_MAX_TOKENS else LAUNCHES[WITH_NORM[name]] + 1
+        return 1 if args[0][..., 0, 0].numel() <= PRE_NORM_MAX_TOKENS else 2
     return LAUNCHES.get(name, 1)
 
 

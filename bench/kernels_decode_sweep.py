@@ -175,9 +175,11 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
 
 
 def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
-    """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site at 1, 2 and 4 tokens: the one-launch
-    kernel's settings (its tail in one pass or in steps: ``one_pass``), and the four kernels it replaces (``four_us``: the split mixing GEMM, its sum, the
-    coefficients, the norm; ``kernels.triton.mhc`` and ``kernels.triton.norm``)."""
+    """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site: at 1 and 2 tokens the one-launch
+    kernel's settings (its tail in one pass or in steps: ``one_pass``) and the four kernels it replaces
+    (``four_us``: the split mixing GEMM, its sum, the coefficients, the norm; ``kernels.triton.mhc`` and
+    ``kernels.triton.norm``); at 4, 64 and 256 tokens its two launches (``rows``: the split mixing GEMM, then a
+    program a token; ``split_BT``: the GEMM's tokens a program) against those four (``rows`` off)."""
     from kernels.triton import mhc as KM
     from kernels.triton import mhc_decode as MD
     from kernels.triton import norm as KN
@@ -189,31 +191,34 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     grid = [dict(programs=p, BK=bk, warps=wp, stages=st, one_pass=op)
             for p, bk, wp, st, op in itertools.product([64, 128, 256], [64, 128], [4, 8], [2, 3], [True, False])]
     rows = []
-    for T in (1, 2, 4):      # the one-launch plan's token counts (PRE_NORM_MAX_TOKENS): where it beats the four
+    for T in (1, 2, 4, 64, 256):
         x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
-        default = {k: MD.PRE_NORM_CONFIG[k] for k in grid[0]}
+        one = T <= MD.PRE_NORM_CONFIG["max_tokens"]
+        cfgs = grid if one else [dict(rows=False)] + [dict(split_BT=bt) for bt in (32, 64)]
+        default = {k: MD.PRE_NORM_CONFIG[k] for k in cfgs[0]}
         got = _sweep("hc_pre_norm", lambda c: MD.hc_pre_norm(x, fn, scale, base, 1e-6, 1e-6, 20, weight, 1e-6, c),
-                     grid, default, meta, tokens=T)
+                     cfgs, default, meta, tokens=T)
+        if one:
+            def four():
+                u = KM.hc_pre_fwd(x, fn, scale, base, 1e-6, 1e-6, 20)[0]
+                return KN.rms_norm_launch(u, weight, 1e-6)
 
-        def four():
-            u = KM.hc_pre_fwd(x, fn, scale, base, 1e-6, 1e-6, 20)[0]
-            return KN.rms_norm_launch(u, weight, 1e-6)
-
-        us = _time(four)
-        print(f"  the four kernels: {us:.1f} us")
-        got[0]["four_us"] = round(us, 2)
-        # the launch with one Sinkhorn iteration (the fewest the op takes): what the other 19 serial iterations
-        # cost the one program that ends it
-        us = _time(lambda: MD.hc_pre_norm(x, fn, scale, base, 1e-6, 1e-6, 1, weight, 1e-6))
-        print(f"  one Sinkhorn iteration: {us:.1f} us")
-        got[0]["one_sinkhorn_iter_us"] = round(us, 2)
+            us = _time(four)
+            print(f"  the four kernels: {us:.1f} us")
+            got[0]["four_us"] = round(us, 2)
+            # the launch with one Sinkhorn iteration (the fewest the op takes): what the other 19 serial iterations
+            # cost the one program that ends it
+            us = _time(lambda: MD.hc_pre_norm(x, fn, scale, base, 1e-6, 1e-6, 1, weight, 1e-6))
+            print(f"  one Sinkhorn iteration: {us:.1f} us")
+            got[0]["one_sinkhorn_iter_us"] = round(us, 2)
         rows += got
     return rows
 
 
 def _mhc_split_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
-    """The mHC pre of a Flash block site at 64 and 256 tokens, where the decode step runs ``kernels.triton.mhc``'s
-    split mixing GEMM, its sum and the coefficients (9 sites a Flash-shaped step took 186.28 us in the mixing GEMM at
+    """The mHC pre of a Flash block site at 64 and 256 tokens, ``kernels.triton.mhc``'s split mixing GEMM, its sum
+    and the coefficients (the decode step's before ``hc_pre_norm`` took many tokens too, and where its table lacks
+    that op; 9 sites a Flash-shaped step took 186.28 us in the mixing GEMM at
     256 sequences on an H200, about 2 us of bytes each; ``bench/results/rollout-h200-flash-shaped-triton-profile-
     linear-group-head.json``): its programs (``mix_programs``, ``coef_programs``) and steps (``mix_BT``, ``mix_BK``)."""
     from kernels.triton import mhc as KM

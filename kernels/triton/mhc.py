@@ -393,26 +393,26 @@ def _cfg(config):
 def _mix(x2, fn, mix, rho, norm_eps, cfg):
     """``mix``, ``rho`` of the mixing GEMM: one program per ``mix_BT`` tokens over all of ``K``, or, when that
     leaves most of the GPU idle (a decode step: 64 tokens were 4 programs, 0.2 ms a call on an H200), split
-    over ``K`` into about ``mix_programs`` programs (:func:`_mix_parts`) and summed by a second kernel."""
+    over ``K`` into about ``mix_programs`` programs (:func:`mix_parts`) and summed by a second kernel."""
     T, K = x2.shape
     M, MP = fn.shape[0], mix.shape[1]
-    split = _mix_split(T, K, cfg)
+    split = mix_split(T, K, cfg)
     if split <= 1:
         _mix_kernel[(triton.cdiv(T, cfg["mix_BT"]),)](x2, fn, mix, rho, T, K, M, norm_eps, BT=cfg["mix_BT"],
                                                       BK=cfg["mix_BK"], MP=MP, PREC=PRECISION,
                                                       STAGES=cfg["mix_stages"], num_warps=cfg["mix_warps"],
                                                       **pdl.launch(x2.device))
         return
-    part, ssp, split = _mix_parts(x2, fn, MP, cfg, split)
+    part, ssp, split = mix_parts(x2, fn, MP, cfg, split)
     bt = min(4, triton.next_power_of_2(T))                      # a decode step's tokens over a few programs
-    sb = _partials_a_load(split, bt, MP)
+    sb = partials_a_load(split, bt, MP)
     _mix_finish_kernel[(triton.cdiv(T, bt),)](part, ssp, mix, rho, T, K, split, norm_eps, BT=bt, MP=MP, SB=sb,
                                               num_warps=4, **pdl.launch(part.device))
 
 
-def _mix_parts(x2, fn, MP, cfg, split: int):
+def mix_parts(x2, fn, MP, cfg, split: int):
     """The split mixing GEMM's first kernel (:func:`_mix_part_kernel`) over about ``split`` column ranges (whole
-    ``mix_BK`` chunks; :func:`_mix_split`) -> ``(part [split', T, MP], ssp [split', T], split')``."""
+    ``mix_BK`` chunks; :func:`mix_split`) -> ``(part [split', T, MP], ssp [split', T], split')``."""
     T, K = x2.shape
     kper = triton.cdiv(triton.cdiv(K, split), cfg["mix_BK"]) * cfg["mix_BK"]
     split = triton.cdiv(K, kper)
@@ -424,12 +424,12 @@ def _mix_parts(x2, fn, MP, cfg, split: int):
     return part, ssp, split
 
 
-def _partials_a_load(split: int, bt: int, width: int) -> int:
+def partials_a_load(split: int, bt: int, width: int) -> int:
     """How many partials a program of the sums loads at once: up to ``FINISH_TILE`` values."""
     return min(triton.next_power_of_2(split), max(1, FINISH_TILE // (bt * width)))
 
 
-def _mix_split(T: int, K: int, cfg) -> int:
+def mix_split(T: int, K: int, cfg) -> int:
     """The split :func:`_mix` takes for ``T`` tokens over ``K`` channels (1: one pass)."""
     return min(cfg["mix_programs"] // triton.cdiv(T, cfg["mix_BT"]), triton.cdiv(K, 4 * cfg["mix_BK"]))
 

@@ -14,9 +14,12 @@ programs of the split GEMM each write their partial and take a ticket (an atomic
 takes the last ticket has every partial and does the rest alone: their sum, the coefficients and the Sinkhorn
 loop, ``u`` and its norm. It then sets the counter back to 0 for the next launch (one counter per device,
 :mod:`kernels.triton.tickets`). One program reads all of
-``u``'s streams, so this plan serves up to ``max_tokens`` tokens; above it (a decode step of many sequences,
-where the split kernels have programs enough) the launcher runs those four kernels. Both are this backend's
-kernels, the same op for the same inputs, chosen by the token count alone (a CUDA graph holds one of them).
+``u``'s streams, so this plan serves up to ``max_tokens`` tokens. Above it (a decode step of many sequences) the op
+is two launches: ``kernels.triton.mhc``'s split mixing GEMM writes its partials, then :func:`_rows_kernel` runs
+the same tail once a token, one program each (their sum, the coefficients, ``u`` and its norm), where the sum, the
+coefficients with ``u`` and the norm were three launches more (``rows`` off keeps them, for the sweep's A/B). All
+are this backend's kernels, the same op for the same inputs, chosen by the token count alone (a CUDA graph holds
+one plan).
 In the H100's one-sequence step the 9 launches took 109.11 us where the three split kernels had taken 124.28 and
 the norms 23.18, and the step 1.673 ms against 1.708 without the op
 (``bench/results/rollout-h100-flash-shaped-triton-profile-hc-pre-norm.json``,
@@ -55,11 +58,13 @@ from kernels.triton.tickets import counters, last_ticket, release
 __all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "tail_plan", "PRE_NORM_CONFIG"]
 
 # programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
-# max_tokens: the most tokens the one-program tail takes; one_pass: the tail holds u in registers where the streams
-# fit (tail_plan; off: always the u loop, for the sweep's A/B); TAIL_ELEMENTS: the streams' values one step of the
-# tail's u loop loads (BD = TAIL_ELEMENTS / (tokens x streams), so two tokens' four 4,096-wide streams are four steps)
+# max_tokens: the most tokens the one-program tail takes; rows: above it, the split GEMM and a program a token
+# (_rows_kernel; off, for the sweep's A/B: the split GEMM's sum, the coefficients with u and the norm, two launches
+# more); split_BT: the tokens a program of that split GEMM takes; one_pass: the tail holds u in registers where the
+# streams fit (tail_plan; off: always the u loop); TAIL_ELEMENTS: the streams' values one step of the tail's u loop
+# loads (BD = TAIL_ELEMENTS / (tokens x streams), so two tokens' four 4,096-wide streams are four steps)
 PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS,
-                       one_pass=True)
+                       one_pass=True, rows=True, split_BT=mhc.MHC_CONFIG["mix_BT"])
 TAIL_ELEMENTS = 8192
 # the most streams' values (tokens x streams x d, padded) the tail holds at once: up to this it loads them all before
 # the partials' sum and keeps u in registers (one token's four 4,096-wide streams: 64 registers a thread of bf16)
@@ -69,15 +74,16 @@ ONE_PASS_ELEMENTS = 16384
 FN_LINES = tl.constexpr(4)
 
 @triton.jit
-def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
+def _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps, t0,
           HAS_RES: tl.constexpr, TB: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
           SB: tl.constexpr, ONE_PASS: tl.constexpr = False):
-    """The last program's work: the partials' sum (:func:`kernels.triton.mhc.mix_sums`), the coefficients
-    (:func:`kernels.triton.mhc.coefficients`), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm.
-    ``ONE_PASS`` (``BD`` covers ``d``): the streams and the norm's weight are asked for first, so that their loads
-    overlap the sum and the Sinkhorn loop, and ``u`` stays in registers; else ``u`` is written to ``Y`` in ``BD``
-    steps and read back for the norm."""
-    t = tl.arange(0, TB)
+    """Tokens ``t0 .. t0 + TB``: the partials' sum (:func:`kernels.triton.mhc.mix_sums`), the coefficients
+    (:func:`kernels.triton.mhc.coefficients`), then ``u`` rounded to ``Y``'s dtype and its weighted RMS norm (the
+    last program's work in :func:`_pre_norm_kernel`, a program's in :func:`_rows_kernel`). ``ONE_PASS`` (``BD``
+    covers ``d``): the streams and the norm's weight are asked for first, so that their loads overlap the sum and
+    the Sinkhorn loop, and ``u`` stays in registers; else ``u`` is written to ``Y`` in ``BD`` steps and read back
+    for the norm."""
+    t = t0 + tl.arange(0, TB)
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
@@ -151,9 +157,20 @@ def _pre_norm_kernel(X, FN, PART, SSP, MIXS, TICKET, SCALE, BASE, W, Y, POST, CO
     s = tl.program_id(0)
     mix_partial(X, FN, PART, SSP, T, K, M, KPER, 0, s, BT, BK, MP, PREC, STAGES)
     if last_ticket(TICKET, SPLIT):
-        _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
+        _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps, 0,
               HAS_RES, TB, MP, NP, BD, SB, ONE_PASS)
         release(TICKET)
+
+
+@triton.jit
+def _rows_kernel(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters,
+                 eps, HAS_RES: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+                 ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program ``t``: token ``t``'s :func:`_tail` from the partials of ``kernels.triton.mhc``'s split mixing GEMM
+    (the plan above ``max_tokens``: every token's sum, coefficients, ``u`` and norm at once, one program each)."""
+    pdl.wait_prior(PDL)
+    _tail(PART, SSP, MIXS, SCALE, BASE, X, W, Y, POST, COMB, T, K, SPLIT, n, d, norm_eps, hc_eps, iters, eps,
+          tl.program_id(0), HAS_RES, 1, MP, NP, BD, SB, ONE_PASS)
 
 
 def tail_plan(T: int, n: int, d: int, config: Optional[dict] = None) -> tuple:
@@ -193,6 +210,27 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
     return y, post, comb
 
 
+def _launch_rows(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg):
+    """Above ``max_tokens``: ``kernels.triton.mhc``'s split mixing GEMM (its partials), then :func:`_rows_kernel`,
+    one program a token -> ``(y [T, d], post, comb)``."""
+    T, K = x2.shape
+    M = fn.shape[0]
+    MP, NP = gpu_ops.mix_width(M), mhc_checks.padded(n)
+    dev = x2.device
+    mcfg = {**mhc.MHC_CONFIG, "mix_BT": cfg["split_BT"]}
+    part, ssp, split = mhc.mix_parts(x2, fn, MP, mcfg, max(1, mhc.mix_split(T, K, mcfg)))
+    mixs = torch.empty(T, MP, dtype=torch.float32, device=dev)
+    y = torch.empty(T, d, dtype=x2.dtype, device=dev)
+    post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
+    one_pass, bd = tail_plan(1, n, d, cfg)
+    _rows_kernel[(T,)](part, ssp, mixs, scale, base, x2, weight, y, post if has_res else mixs,
+                       comb if has_res else mixs, T, K, split, n, d, float(norm_eps), float(hc_eps), int(iters),
+                       float(eps), HAS_RES=has_res, MP=MP, NP=NP, BD=bd, SB=mhc.partials_a_load(split, 1, MP),
+                       ONE_PASS=one_pass, num_warps=cfg["warps"], **pdl.launch(dev))
+    return y, post, comb
+
+
 def _check_norm_weight(op: str, x: torch.Tensor, fn: torch.Tensor, weight: torch.Tensor) -> None:
     d = x.shape[-1]
     if weight.shape != (d,) or weight.dtype not in (torch.float32, x.dtype) or weight.device != x.device:
@@ -204,17 +242,19 @@ def _check_norm_weight(op: str, x: torch.Tensor, fn: torch.Tensor, weight: torch
 
 
 def _pre_norm(x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, has_res: bool, config):
-    """Both ops on checked inputs: one launch up to ``max_tokens`` tokens, else ``kernels.triton.mhc``'s kernels
-    (``hc_pre`` with ``has_res``, ``hc_head`` without) and the norm's -> ``(y, post, comb)`` over ``x``'s leading
-    shape (``post`` and ``comb`` None without ``has_res``)."""
+    """Both ops on checked inputs: one launch up to ``max_tokens`` tokens, else the split mixing GEMM and a program
+    a token (``rows``; off: ``kernels.triton.mhc``'s ``hc_pre`` with ``has_res``, ``hc_head`` without, and the
+    norm's kernels) -> ``(y, post, comb)`` over ``x``'s leading shape (``post`` and ``comb`` None without
+    ``has_res``)."""
     cfg = {**PRE_NORM_CONFIG, **(config or {})}
     n, d = x.shape[-2:]
     lead = x.shape[:-2]
     x3 = x.reshape(-1, n, d)
     T = x3.shape[0]
-    if T <= cfg["max_tokens"]:
-        y, post, comb = _launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d,
-                                norm_eps, hc_eps, iters, eps, has_res, cfg)
+    if T <= cfg["max_tokens"] or cfg["rows"]:
+        launch = _launch if T <= cfg["max_tokens"] else _launch_rows
+        y, post, comb = launch(x3.reshape(T, n * d).contiguous(), fn, scale, base, weight.contiguous(), n, d,
+                               norm_eps, hc_eps, iters, eps, has_res, cfg)
     elif has_res:
         u, post, comb, *_ = mhc.hc_pre_fwd(x3, fn, scale, base, float(norm_eps), float(hc_eps), int(iters))
         y = norm.rms_norm_launch(u, weight.contiguous(), float(eps))
@@ -230,8 +270,8 @@ def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
                 hc_eps: float, sinkhorn_iters: int, weight: torch.Tensor, eps: float, config: Optional[dict] = None):
     """:func:`kernels.reference.mhc.hc_pre_norm` (module docstring): ``x [..., n, d]`` bf16/fp16, the mHC mapping
     as ``hc_pre`` takes it, the norm's ``weight [d]`` (fp32 or ``x``'s dtype) -> ``(y [..., d] in x's dtype, post
-    [..., n], comb [..., n, n] fp32)``. One launch at up to ``max_tokens`` tokens, else the split kernels of
-    ``kernels.triton.mhc`` and the norm's. Anything else is refused with the reason."""
+    [..., n], comb [..., n, n] fp32)``. One launch at up to ``max_tokens`` tokens, else two: the split mixing GEMM
+    of ``kernels.triton.mhc`` and a program a token. Anything else is refused with the reason."""
     mhc_checks.check_hc_pre(x, fn, scale, base, sinkhorn_iters)
     _check_norm_weight("hc_pre_norm", x, fn, weight)
     return _pre_norm(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, weight, eps, True, config)
@@ -240,8 +280,8 @@ def hc_pre_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
 def hc_head_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
                  hc_eps: float, weight: torch.Tensor, eps: float, config: Optional[dict] = None) -> torch.Tensor:
     """:func:`kernels.reference.mhc.hc_head_norm`: the head's collapse of ``x [..., n, d]`` and the model's final
-    norm, one launch at up to ``max_tokens`` tokens (the kernel without the residual coefficients), else
-    ``kernels.triton.mhc``'s ``hc_head`` kernels and the norm's -> ``[..., d]`` in x's dtype."""
+    norm, one launch at up to ``max_tokens`` tokens (the kernel without the residual coefficients), else two as
+    :func:`hc_pre_norm`'s -> ``[..., d]`` in x's dtype."""
     mhc_checks.check_hc_head(x, fn, scale, base)
     _check_norm_weight("hc_head_norm", x, fn, weight)
     return _pre_norm(x, fn, scale, base, norm_eps, hc_eps, 1, weight, eps, False, config)[0]

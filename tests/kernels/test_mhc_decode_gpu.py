@@ -112,21 +112,42 @@ def test_the_tail_holds_u_in_registers_where_the_streams_fit():
     assert K.tail_plan(1, 4, 4096, dict(one_pass=False)) == (False, 2048)
 
 
-@pytest.mark.parametrize("T, n, d", [(1, 4, 300), (2, 4, 300), (3, 4, 300)])
-def test_one_launch_up_to_max_tokens_the_split_kernels_above(monkeypatch, T, n, d):
-    """At most ``max_tokens`` tokens never reach ``kernels.triton.mhc``'s split kernels; more always do."""
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("T, n, d", [(1, 4, 300), (2, 4, 300), (3, 4, 300), (6, 4, 300)])
+def test_one_launch_up_to_max_tokens_two_above(monkeypatch, T, n, d, rows):
+    """At most ``max_tokens`` tokens run the one launch; more the split mixing GEMM and a program a token
+    (``rows``), or with ``rows`` off ``kernels.triton.mhc``'s ``hc_pre`` and the norm: the launchers that ran are
+    counted, and each plan gives the same bits call after call."""
     dev = triton_device()
     from kernels.triton import mhc, mhc_decode as K
 
     assert K.PRE_NORM_CONFIG["max_tokens"] == 2
-    calls = []
-    real = mhc.hc_pre_fwd
-    monkeypatch.setattr(mhc, "hc_pre_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
-    one = T <= K.PRE_NORM_CONFIG["max_tokens"]
-    y, post, comb = _run(K.hc_pre_norm, _inputs(T, n, d, seed=3), dev)
-    assert (calls == []) is one and y.shape == (T, 1, d) and post.shape == (T, 1, n) and comb.shape == (T, 1, n, n)
-    again = _run(K.hc_pre_norm, _inputs(T, n, d, seed=3), dev)
-    assert all(torch.equal(a, b) for a, b in zip((y, post, comb), again))   # the partials summed in one order
+    ran = []
+    for mod, name in ((K, "_launch"), (K, "_launch_rows"), (mhc, "hc_pre_fwd")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+    inputs = [t.to(dev) for t in _inputs(T, n, d, seed=3)]
+    x, mapping, scale, base, weight = inputs
+    call = lambda: K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS,  # noqa: E731
+                                 config=dict(rows=rows))
+    y, post, comb = call()
+    want = "_launch" if T <= 2 else "_launch_rows" if rows else "hc_pre_fwd"
+    assert ran == [want], ran
+    assert y.shape == (T, 1, d) and post.shape == (T, 1, n) and comb.shape == (T, 1, n, n)
+    assert all(torch.equal(a, b) for a, b in zip((y, post, comb), call()))   # the partials summed in one order
+    oracle = _oracle(inputs)
+    for name, a, o in zip(("y", "post", "comb"), (y, post, comb), oracle):
+        top = o.abs().max().item()
+        bound = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) * 2.0 ** -7 if name == "y" else FP32_REL
+        assert (a.cpu().double() - o).abs().max().item() / top <= bound, (name, rows)
+
+
+def _oracle(inputs):
+    """The reference ``hc_pre_norm`` in fp64 on the inputs' values."""
+    from kernels.reference import mhc as R
+
+    x, mapping, scale, base, weight = [t.cpu().double() for t in inputs]
+    return R.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS)
 
 
 def test_bad_inputs_are_refused():
@@ -166,7 +187,8 @@ def test_a_cuda_graph_of_the_op_replays_to_the_same_bits():
 
 def test_kernel_compiles_for_sm90_without_spills():
     """Each plan of the tail at a Flash site (one token's u in registers, two tokens' in steps, the head's without the
-    residual coefficients), with dependent launches off and on: ptxas for sm_90 spills no register."""
+    residual coefficients) and the program a token above ``max_tokens`` (Flash, its head, Pro's 7,168 in steps), with
+    dependent launches off and on: ptxas for sm_90 spills no register."""
     from kernels.triton import mhc, mhc_decode as K
 
     c = K.PRE_NORM_CONFIG
@@ -179,3 +201,8 @@ def test_kernel_compiles_for_sm90_without_spills():
         consts = dict(HAS_RES=has_res, BT=c["BT"], BK=c["BK"], MP=32, PREC=mhc.PRECISION, STAGES=c["stages"], TB=tb,
                       NP=4, BD=bd, SB=mhc.FINISH_TILE // (32 * tb), ONE_PASS=one_pass)
         compiles_for_sm90_without_spills(K._pre_norm_kernel, types, consts, c["warps"])
+    rows = {a: pointers.get(a, "fp32" if "eps" in a else "i32") for a in K._rows_kernel.arg_names}
+    for has_res, d in ((True, 4096), (False, 4096), (True, 7168)):     # above max_tokens: a program a token
+        one_pass, bd = K.tail_plan(1, 4, d)
+        compiles_for_sm90_without_spills(K._rows_kernel, rows, dict(HAS_RES=has_res, MP=32, NP=4, BD=bd, SB=128,
+                                                                    ONE_PASS=one_pass), c["warps"])

@@ -121,16 +121,17 @@ def test_a_layers_attention_and_its_inverse_rotation_are_one_launch():
 
 def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():
     """``hc_pre_norm``: a site's mHC pre (three launches) and its sublayer's norm (one) are one launch at up to
-    ``PRE_NORM_MAX_TOKENS`` slots and those four above it; without it the step runs ``hc_pre`` and ``rms_norm``.
-    Likewise ``hc_head_norm`` for the head's collapse (``hc_head``) and the final norm."""
+    ``PRE_NORM_MAX_TOKENS`` slots and two above it (the split mixing GEMM, a program a token); without it the step
+    runs ``hc_pre`` and ``rms_norm``. Likewise ``hc_head_norm`` for the head's collapse (``hc_head``) and the final
+    norm."""
     from bench.decode_launches import count_step, model_like
     from kernels.gpu_common import PRE_NORM_MAX_TOKENS
 
     config = model_like("flash-shaped")
     sites = 2 * config.n_layers
-    for slots, each in ((1, 1), (PRE_NORM_MAX_TOKENS, 1), (PRE_NORM_MAX_TOKENS + 1, 4)):
+    for slots, each in ((1, 1), (PRE_NORM_MAX_TOKENS, 1), (PRE_NORM_MAX_TOKENS + 1, 2)):
         got = count_step(config, slots)
-        label = "hc_pre_norm (one kernel)" if each == 1 else "hc_pre_norm (4 kernels)"
+        label = "hc_pre_norm (one kernel)" if each == 1 else "hc_pre_norm (2 kernels)"
         assert got.sites[label] == each * sites, (slots, got.sites)
         without = count_step(config, slots, without=("hc_pre_norm",))
         assert sum(without.sites.values()) - sum(got.sites.values()) == (4 - each) * sites
