@@ -179,7 +179,8 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     kernel's settings (its tail in one pass or in steps: ``one_pass``) and the four kernels it replaces
     (``four_us``: the split mixing GEMM, its sum, the coefficients, the norm; ``kernels.triton.mhc`` and
     ``kernels.triton.norm``); at 4, 64 and 256 tokens its two launches (``rows``: the split mixing GEMM, then a
-    program a token; ``split_BT``: the GEMM's tokens a program) against those four (``rows`` off)."""
+    program a token; ``split_BT``, ``split_BK``: the GEMM's tokens and channels a step) against those four (``rows``
+    off)."""
     from kernels.triton import mhc as KM
     from kernels.triton import mhc_decode as MD
     from kernels.triton import norm as KN
@@ -194,7 +195,8 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     for T in (1, 2, 4, 64, 256):
         x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
         one = T <= MD.PRE_NORM_CONFIG["max_tokens"]
-        cfgs = grid if one else [dict(rows=False)] + [dict(split_BT=bt) for bt in (32, 64)]
+        cfgs = grid if one else [dict(rows=False)] + [dict(split_BT=bt, split_BK=bk)
+                                                      for bt, bk in itertools.product([16, 32, 64], [32, 64])]
         default = {k: MD.PRE_NORM_CONFIG[k] for k in cfgs[0]}
         got = _sweep("hc_pre_norm", lambda c: MD.hc_pre_norm(x, fn, scale, base, 1e-6, 1e-6, 20, weight, 1e-6, c),
                      cfgs, default, meta, tokens=T)

@@ -17,9 +17,10 @@ loop, ``u`` and its norm. It then sets the counter back to 0 for the next launch
 ``u``'s streams, so this plan serves up to ``max_tokens`` tokens. Above it (a decode step of many sequences) the op
 is two launches: ``kernels.triton.mhc``'s split mixing GEMM writes its partials, then :func:`_rows_kernel` runs
 the same tail once a token, one program each (their sum, the coefficients, ``u`` and its norm), where the sum, the
-coefficients with ``u`` and the norm were three launches more (``rows`` off keeps them, for the sweep's A/B). All
-are this backend's kernels, the same op for the same inputs, chosen by the token count alone (a CUDA graph holds
-one plan).
+coefficients with ``u`` and the norm were three launches more (``rows`` off keeps them, for the sweep's A/B): on
+one H100 a Flash site took 12.6 us at 64 tokens against 20.56, and 25.57 against 31.99 at 256
+(``bench/results/kernels-decode-sweep-h100-mhc-rows.json``). All are this backend's kernels, the same op for the
+same inputs, chosen by the token count alone (a CUDA graph holds one plan).
 In the H100's one-sequence step the 9 launches took 109.11 us where the three split kernels had taken 124.28 and
 the norms 23.18, and the step 1.673 ms against 1.708 without the op
 (``bench/results/rollout-h100-flash-shaped-triton-profile-hc-pre-norm.json``,
@@ -60,11 +61,14 @@ __all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "tail_plan", "PRE_
 # programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
 # max_tokens: the most tokens the one-program tail takes; rows: above it, the split GEMM and a program a token
 # (_rows_kernel; off, for the sweep's A/B: the split GEMM's sum, the coefficients with u and the norm, two launches
-# more); split_BT: the tokens a program of that split GEMM takes; one_pass: the tail holds u in registers where the
+# more); split_BT, split_BK: the tokens and channels a step of a program of that split GEMM takes (64 tokens took a
+# Flash site of 256 tokens in 19.75 us against 25.57 with 16 on one H100, but spill 352 bytes of registers in ptxas
+# for sm_90 at 64 channels, so they are not the launch settings; bench/results/kernels-decode-sweep-h100-mhc-rows.json);
+# one_pass: the tail holds u in registers where the
 # streams fit (tail_plan; off: always the u loop); TAIL_ELEMENTS: the streams' values one step of the tail's u loop
 # loads (BD = TAIL_ELEMENTS / (tokens x streams), so two tokens' four 4,096-wide streams are four steps)
 PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS,
-                       one_pass=True, rows=True, split_BT=mhc.MHC_CONFIG["mix_BT"])
+                       one_pass=True, rows=True, split_BT=mhc.MHC_CONFIG["mix_BT"], split_BK=mhc.MHC_CONFIG["mix_BK"])
 TAIL_ELEMENTS = 8192
 # the most streams' values (tokens x streams x d, padded) the tail holds at once: up to this it loads them all before
 # the partials' sum and keeps u in registers (one token's four 4,096-wide streams: 64 registers a thread of bf16)
@@ -217,7 +221,7 @@ def _launch_rows(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps
     M = fn.shape[0]
     MP, NP = gpu_ops.mix_width(M), mhc_checks.padded(n)
     dev = x2.device
-    mcfg = {**mhc.MHC_CONFIG, "mix_BT": cfg["split_BT"]}
+    mcfg = {**mhc.MHC_CONFIG, "mix_BT": cfg["split_BT"], "mix_BK": cfg["split_BK"]}
     part, ssp, split = mhc.mix_parts(x2, fn, MP, mcfg, max(1, mhc.mix_split(T, K, mcfg)))
     mixs = torch.empty(T, MP, dtype=torch.float32, device=dev)
     y = torch.empty(T, d, dtype=x2.dtype, device=dev)

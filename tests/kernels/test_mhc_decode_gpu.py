@@ -142,6 +142,27 @@ def test_one_launch_up_to_max_tokens_two_above(monkeypatch, T, n, d, rows):
         assert (a.cpu().double() - o).abs().max().item() / top <= bound, (name, rows)
 
 
+@pytest.mark.parametrize("bt, bk", [(16, 64), (64, 32)])
+def test_the_split_gemm_takes_the_launch_settings_token_and_channel_steps(monkeypatch, bt, bk):
+    """Above ``max_tokens`` the split mixing GEMM's programs take ``split_BT`` tokens and ``split_BK`` channels a
+    step (the launch settings' or the sweep's); either gives the reference's outputs."""
+    dev = triton_device()
+    from kernels.triton import mhc, mhc_decode as K
+
+    seen = []
+    real = mhc.mix_parts
+    monkeypatch.setattr(mhc, "mix_parts", lambda x2, fn, MP, cfg, split: seen.append((cfg["mix_BT"], cfg["mix_BK"]))
+                        or real(x2, fn, MP, cfg, split))
+    inputs = [t.to(dev) for t in _inputs(6, 4, 300, seed=4)]
+    x, mapping, scale, base, weight = inputs
+    got = K.hc_pre_norm(x, mapping, scale, base, NORM_EPS, HC_EPS, ITERS, weight, RMS_EPS,
+                        config=dict(split_BT=bt, split_BK=bk))
+    assert seen == [(bt, bk)]
+    for name, a, o in zip(("y", "post", "comb"), got, _oracle(inputs)):
+        bound = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) * 2.0 ** -7 if name == "y" else FP32_REL
+        assert (a.cpu().double() - o).abs().max().item() / o.abs().max().item() <= bound, name
+
+
 def _oracle(inputs):
     """The reference ``hc_pre_norm`` in fp64 on the inputs' values."""
     from kernels.reference import mhc as R
@@ -187,8 +208,9 @@ def test_a_cuda_graph_of_the_op_replays_to_the_same_bits():
 
 def test_kernel_compiles_for_sm90_without_spills():
     """Each plan of the tail at a Flash site (one token's u in registers, two tokens' in steps, the head's without the
-    residual coefficients) and the program a token above ``max_tokens`` (Flash, its head, Pro's 7,168 in steps), with
-    dependent launches off and on: ptxas for sm_90 spills no register."""
+    residual coefficients), the program a token above ``max_tokens`` (Flash, its head, Pro's 7,168 in steps) and the
+    split GEMM before it at its launch settings, with dependent launches off and on: ptxas for sm_90 spills no
+    register."""
     from kernels.triton import mhc, mhc_decode as K
 
     c = K.PRE_NORM_CONFIG
@@ -206,3 +228,8 @@ def test_kernel_compiles_for_sm90_without_spills():
         one_pass, bd = K.tail_plan(1, 4, d)
         compiles_for_sm90_without_spills(K._rows_kernel, rows, dict(HAS_RES=has_res, MP=32, NP=4, BD=bd, SB=128,
                                                                     ONE_PASS=one_pass), c["warps"])
+    m = mhc.MHC_CONFIG
+    part = {a: pointers.get(a, "i32") for a in mhc._mix_part_kernel.arg_names}
+    compiles_for_sm90_without_spills(mhc._mix_part_kernel, part, dict(BT=c["split_BT"], BK=c["split_BK"], MP=32,
+                                                                      PREC=mhc.PRECISION, STAGES=m["mix_stages"]),
+                                     m["mix_warps"])
