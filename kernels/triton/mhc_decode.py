@@ -187,6 +187,17 @@ def tail_plan(T: int, n: int, d: int, config: Optional[dict] = None) -> tuple:
     return False, min(dp, max(16, TAIL_ELEMENTS // (tb * np_)))
 
 
+def _outputs(x2, n, d, MP, has_res):
+    """Both plans' ``(mixs [T, MP] scratch, y [T, d], post [T, n], comb [T, n, n])`` (``post``, ``comb`` empty
+    without ``has_res``) for the tokens of ``x2``."""
+    T, dev = x2.shape[0], x2.device
+    mixs = torch.empty(T, MP, dtype=torch.float32, device=dev)
+    y = torch.empty(T, d, dtype=x2.dtype, device=dev)
+    post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
+    return mixs, y, post, comb
+
+
 def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has_res, cfg):
     """One launch of :func:`_pre_norm_kernel` on ``x2 [T, n d]`` (T <= max_tokens) -> ``(y [T, d], post, comb)``."""
     T, K = x2.shape
@@ -198,13 +209,10 @@ def _launch(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps, has
     split = triton.cdiv(K, kper)
     part = torch.empty(split, T, MP, dtype=torch.float32, device=dev)
     ssp = torch.empty(split, T, dtype=torch.float32, device=dev)
-    mixs = torch.empty(T, MP, dtype=torch.float32, device=dev)
-    y = torch.empty(T, d, dtype=x2.dtype, device=dev)
-    post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
-    comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
+    mixs, y, post, comb = _outputs(x2, n, d, MP, has_res)
     tb = triton.next_power_of_2(T)
     one_pass, bd = tail_plan(T, n, d, cfg)
-    sb = min(triton.next_power_of_2(split), max(1, mhc.FINISH_TILE // (tb * MP)))
+    sb = mhc.partials_a_load(split, tb, MP)
     _pre_norm_kernel[(split,)](x2, fn, part, ssp, mixs, counters(dev, 1), scale, base, weight, y,
                                post if has_res else mixs, comb if has_res else mixs, T, K, M, kper, split, n, d,
                                float(norm_eps), float(hc_eps), int(iters), float(eps), HAS_RES=has_res,
@@ -220,18 +228,14 @@ def _launch_rows(x2, fn, scale, base, weight, n, d, norm_eps, hc_eps, iters, eps
     T, K = x2.shape
     M = fn.shape[0]
     MP, NP = gpu_ops.mix_width(M), mhc_checks.padded(n)
-    dev = x2.device
     mcfg = {**mhc.MHC_CONFIG, "mix_BT": cfg["split_BT"], "mix_BK": cfg["split_BK"]}
     part, ssp, split = mhc.mix_parts(x2, fn, MP, mcfg, max(1, mhc.mix_split(T, K, mcfg)))
-    mixs = torch.empty(T, MP, dtype=torch.float32, device=dev)
-    y = torch.empty(T, d, dtype=x2.dtype, device=dev)
-    post = torch.empty(T, n if has_res else 0, dtype=torch.float32, device=dev)
-    comb = torch.empty(T, n if has_res else 0, n, dtype=torch.float32, device=dev)
+    mixs, y, post, comb = _outputs(x2, n, d, MP, has_res)
     one_pass, bd = tail_plan(1, n, d, cfg)
     _rows_kernel[(T,)](part, ssp, mixs, scale, base, x2, weight, y, post if has_res else mixs,
                        comb if has_res else mixs, T, K, split, n, d, float(norm_eps), float(hc_eps), int(iters),
                        float(eps), HAS_RES=has_res, MP=MP, NP=NP, BD=bd, SB=mhc.partials_a_load(split, 1, MP),
-                       ONE_PASS=one_pass, num_warps=cfg["warps"], **pdl.launch(dev))
+                       ONE_PASS=one_pass, num_warps=cfg["warps"], **pdl.launch(x2.device))
     return y, post, comb
 
 
