@@ -193,23 +193,29 @@ def run_layout(layout: dict, seq: int, warmup: int, steps: int, hardware: str = 
                model: str = "bench") -> dict:
     import torch.multiprocessing as mp
 
-    from core.ports import free_port
+    from core.ports import on_free_port
 
     if hardware == "nvidia" and layout["world"] > torch.cuda.device_count():
         raise RuntimeError(f"{layout['name']} needs {layout['world']} GPUs; {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "res.pt"
-        args = (layout, free_port(), seq, warmup, steps, str(out), hardware, model)
-        if hardware == "cpu":
-            # the gloo ranks start as dsv4 train starts the cpu target's: forked from one server that imported
-            # torch, megatron-core and this module once (orchestration.local_workers), not a fresh interpreter
-            # per rank and layout; torch._dynamo too, which each rank's model build imports
-            from backends.cpu.target import CpuTarget
-            from orchestration.local_workers import start_processes
 
-            start_processes(_worker, args, layout["world"], CpuTarget(), modules=("torch._dynamo",))
-        else:
-            mp.spawn(_worker, args=args, nprocs=layout["world"], join=True)
+        def start(port: int) -> None:
+            args = (layout, port, seq, warmup, steps, str(out), hardware, model)
+            if hardware == "cpu":
+                # the gloo ranks start as dsv4 train starts the cpu target's: forked from one server that imported
+                # torch, megatron-core and this module once (orchestration.local_workers), not a fresh interpreter
+                # per rank and layout; torch._dynamo too, which each rank's model build imports
+                from backends.cpu.target import CpuTarget
+                from orchestration.local_workers import start_processes
+
+                start_processes(_worker, args, layout["world"], CpuTarget(), modules=("torch._dynamo",))
+            else:
+                mp.spawn(_worker, args=args, nprocs=layout["world"], join=True)
+
+        # a port taken between the pick and rank 0's store (another job's, a parallel test's) starts the ranks
+        # again on another, where it failed the layout (CI saw EADDRINUSE here)
+        on_free_port(start, f"bench.parallel {layout['name']}")
         return torch.load(out)
 
 

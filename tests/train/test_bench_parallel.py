@@ -30,3 +30,25 @@ def test_cpu_smoke_run_of_tp_cp_and_ep_layouts(tmp_path, capsys):
     assert rows[2]["sequences_per_step"] == 2                 # ep ranks train their own sequences
     table = capsys.readouterr().out
     assert "miles:ep2" in table and "FAILED" not in table
+
+
+def test_a_port_taken_before_the_ranks_bind_it_starts_them_on_another(tmp_path, monkeypatch):
+    """The first port the run picks is held by a listener (as a parallel test's store held it in CI): the layout
+    still trains, on the next pick, where it recorded EADDRINUSE as its error."""
+    import socket
+
+    import core.ports
+
+    picks = []
+    real = core.ports.free_port
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(core.ports, "free_port", lambda: picks.append(1) or (taken if len(picks) == 1 else real()))
+        out = tmp_path / "parallel.json"
+        main(["--hardware", "cpu", "--model", "tiny", "--seq", "256", "--warmup", "0", "--steps", "1",
+              "--layouts", "miles:tp2", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert "error" not in row, row.get("traceback")
+    assert len(picks) == 2 and row["tokens_per_s"] > 0

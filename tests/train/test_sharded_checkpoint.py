@@ -19,17 +19,33 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from core.ports import free_port
+    from core.ports import on_free_port
 
     out = tmp_path_factory.mktemp("tp2")
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *(p for p in sys.path if p)]),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.train._dcp_worker", str(out), str(r), str(port)],
-                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
+
+    def start(port: int) -> None:
+        """Both ranks on ``port``; a failed rank's stderr is the error, so a port taken before rank 0's store
+        bound it (a parallel test's) starts both again on another (core.ports.on_free_port)."""
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.train._dcp_worker", str(out), str(r), str(port)],
+                                  cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        errors = []
+        try:
+            for p in procs:
+                _out, err = p.communicate(timeout=120)
+                if p.returncode != 0:
+                    errors.append(err[-3000:])
+                    break                    # the other rank waits on this one's store: stop it below
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        if errors:
+            raise RuntimeError(errors[0])
+
+    on_free_port(start, "two DCP ranks")
     return out
 
 
