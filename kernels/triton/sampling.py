@@ -183,7 +183,7 @@ def draw_record(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor, t: tor
         problem = "contiguous ids, t, rows and stops"
     if problem is not None:
         raise gpu_common.op_refusal(op, problem)
-    flags = torch.zeros(N, dtype=torch.bool, device=logits.device)
+    flags = torch.empty(N, dtype=torch.bool, device=logits.device)   # every row's program writes its flag
     tok, lp = _launch(logits, u, temperature, block,
                       (ids, t, tokens, logps, last, rows, u.shape[1], stops, stops.numel(), flags))
     return tok, lp, flags
