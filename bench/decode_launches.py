@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCHES = {"hc_pre": 3, "hc_head": 3}
 #: the mHC ops with their norm: one launch up to ``PRE_NORM_MAX_TOKENS`` tokens, else two (the split mixing GEMM,
 #: then a program a token; ``kernels/triton/mhc_decode.py``), where the mHC op and the norm apart take four
-WITH_NORM = {"hc_pre_norm": "hc_pre", "hc_head_norm": "hc_head"}
+WITH_NORM = ("hc_pre_norm", "hc_head_norm")
 #: the triton table's ops of an eager decode step (``rollout.engine_ops.decode_choices`` on bf16, Hopper)
 TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_transform", "hc_pre", "hc_post",
                      "hc_head", "rms_norm", "rms_normalize", "apply_rope", "weighted_swiglu", "experts_grouped_mm",

@@ -30,20 +30,20 @@ def folder(tmp_path_factory):
         bound it (a parallel test's) starts both again on another (core.ports.on_free_port)."""
         procs = [subprocess.Popen([sys.executable, "-m", "tests.train._dcp_worker", str(out), str(r), str(port)],
                                   cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
-        errors = []
+        error = None
         try:
             for p in procs:
                 _out, err = p.communicate(timeout=120)
                 if p.returncode != 0:
-                    errors.append(err[-3000:])
+                    error = err[-3000:]
                     break                    # the other rank waits on this one's store: stop it below
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.communicate()
-        if errors:
-            raise RuntimeError(errors[0])
+        if error is not None:
+            raise RuntimeError(error)
 
     on_free_port(start, "two DCP ranks")
     return out
