@@ -75,17 +75,7 @@ def _mix_kernel(X, FN, MIX, RHO, T, K, M, norm_eps,
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
-    mmask = m < M
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        k = k0 + tl.arange(0, BK)
-        kmask = k < K
-        x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        x = x.to(tl.float32)
-        w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        ss += tl.sum(x * x, 1)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    acc, ss = _mix_columns(X, FN, t64, tmask, m, K, M, 0, K, BT, BK, MP, PREC, STAGES)
     rho = tl.rsqrt(ss / K + norm_eps)
     tl.store(MIX + t64[:, None] * MP + m[None, :], acc * rho[:, None], mask=tmask[:, None])
     tl.store(RHO + t, rho, mask=tmask)
@@ -110,11 +100,21 @@ def mix_partial(X, FN, PART, SSP, T, K, M, KPER, t0, s, BT: tl.constexpr, BK: tl
     tmask = t < T
     t64 = t.to(tl.int64)
     m = tl.arange(0, MP)
+    acc, ss = _mix_columns(X, FN, t64, tmask, m, K, M, s * KPER, s * KPER + KPER, BT, BK, MP, PREC, STAGES)
+    base = s.to(tl.int64) * T
+    tl.store(PART + (base + t64)[:, None] * MP + m[None, :], acc, mask=tmask[:, None])
+    tl.store(SSP + base + t64, ss, mask=tmask)
+
+
+@triton.jit
+def _mix_columns(X, FN, t64, tmask, m, K, M, k_lo, k_hi, BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                 PREC: tl.constexpr, STAGES: tl.constexpr):
+    """``(x_t[k_lo:k_hi] @ fn[:, k_lo:k_hi]^T [BT, MP], sum of x_t[k_lo:k_hi]^2 [BT])`` in fp32 for tokens ``t64``
+    (``m``: the ``MP`` padded columns, ``M`` of them real): the loop of the one-pass and the split mixing GEMM."""
     mmask = m < M
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
-    k_lo = s * KPER
-    for k0 in tl.range(k_lo, k_lo + KPER, BK, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < K
         x = tl.load(X + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
@@ -122,9 +122,7 @@ def mix_partial(X, FN, PART, SSP, T, K, M, KPER, t0, s, BT: tl.constexpr, BK: tl
         w = tl.load(FN + m.to(tl.int64)[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         ss += tl.sum(x * x, 1)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-    base = s.to(tl.int64) * T
-    tl.store(PART + (base + t64)[:, None] * MP + m[None, :], acc, mask=tmask[:, None])
-    tl.store(SSP + base + t64, ss, mask=tmask)
+    return acc, ss
 
 
 @triton.jit
