@@ -8,7 +8,7 @@ it replaced), a layer's projections of its attention input and its grouped ``wo_
 (``kernels/triton/mhc.py``).
 
     python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group projections wo_a
-                                                                 mhc mhc_split]
+                                                                 mhc mhc_rows mhc_split]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -174,13 +174,13 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
     return rows
 
 
-def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
+def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096, tokens=(1, 2, 4, 64, 256)) -> list:
     """``hc_pre_norm`` (``kernels/triton/mhc_decode.py``) of a Flash block site: at 1 and 2 tokens the one-launch
     kernel's settings (its tail in one pass or in steps: ``one_pass``) and the four kernels it replaces
     (``four_us``: the split mixing GEMM, its sum, the coefficients, the norm; ``kernels.triton.mhc`` and
     ``kernels.triton.norm``); at 4, 64 and 256 tokens its two launches (``rows``: the split mixing GEMM, then a
     program a token; ``split_BT``, ``split_BK``: the GEMM's tokens and channels a step) against those four (``rows``
-    off)."""
+    off). ``tokens``: the counts timed (the section ``mhc_rows``: 4, 64 and 256 alone, the two-launch plan)."""
     from kernels.triton import mhc as KM
     from kernels.triton import mhc_decode as MD
     from kernels.triton import norm as KN
@@ -192,7 +192,7 @@ def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     grid = [dict(programs=p, BK=bk, warps=wp, stages=st, one_pass=op)
             for p, bk, wp, st, op in itertools.product([64, 128, 256], [64, 128], [4, 8], [2, 3], [True, False])]
     rows = []
-    for T in (1, 2, 4, 64, 256):
+    for T in tokens:
         x = torch.randn(T, n, d, generator=g).bfloat16().to(dev)
         one = T <= MD.PRE_NORM_CONFIG["max_tokens"]
         cfgs = grid if one else [dict(rows=False)] + [dict(split_BT=bt, split_BK=bk)
@@ -240,7 +240,7 @@ def _mhc_split_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     return rows
 
 
-SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "wo_a", "mhc", "mhc_split")
+SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "wo_a", "mhc", "mhc_rows", "mhc_split")
 
 
 def main(argv=None):
@@ -248,8 +248,9 @@ def main(argv=None):
     import sys
 
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                   help="the kernels to time (default: all; a run of all takes over 200 s on an H100)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "mhc_rows"],
+                   help="the kernels to time (default: all but mhc_rows, which mhc holds; a run of all takes over "
+                        "200 s on an H100)")
     known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     out = bc.sweep_output(__doc__, rest)
     import triton
@@ -320,7 +321,8 @@ def _attention_rows(g, dev, meta) -> list:
 
 _SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
                  "linear_group": _linear_group_rows, "projections": _projection_rows, "wo_a": _wo_a_rows,
-                 "mhc": _mhc_rows, "mhc_split": _mhc_split_rows}
+                 "mhc": _mhc_rows, "mhc_rows": lambda g, dev, meta: _mhc_rows(g, dev, meta, tokens=(4, 64, 256)),
+                 "mhc_split": _mhc_split_rows}
 
 
 if __name__ == "__main__":
