@@ -149,13 +149,14 @@ def add_arguments(p, shapes=True):
         p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
 
 
-def sweep_output(doc: str, argv=None) -> str:
+def sweep_output(doc: str, argv=None, parents=()) -> str:
     """A launch-settings sweep's command line (``--out FILE.json``, required) -> that path, after making sure a
-    CUDA GPU is here (the sweeps time Triton kernels on it; elsewhere the process exits with the reason)."""
+    CUDA GPU is here (the sweeps time Triton kernels on it; elsewhere the process exits with the reason).
+    ``parents``: the sweep's own parsers (``add_help=False``), so that ``--help`` lists their flags too."""
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = argparse.ArgumentParser(description=doc.splitlines()[0], parents=list(parents))
     p.add_argument("--out", required=True, help="JSON file to write")
     out = p.parse_args(argv).out
     if not torch.cuda.is_available():

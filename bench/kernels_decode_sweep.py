@@ -251,8 +251,9 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "mhc_rows"],
                    help="the kernels to time (default: all but mhc_rows, which mhc holds; a run of all takes over "
                         "200 s on an H100)")
-    known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    out = bc.sweep_output(__doc__, rest)
+    argv = sys.argv[1:] if argv is None else argv
+    known = p.parse_known_args(argv)[0]
+    out = bc.sweep_output(__doc__, argv, parents=[p])
     import triton
 
     meta = bc.base_meta(triton=triton.__version__)

@@ -96,8 +96,9 @@ def main(argv=None):
     p.add_argument("--skew", type=float, default=0.0,
                    help="draw the experts with weights (rank + 1) ** -SKEW (a trained router's uneven load on one "
                         "batch) instead of uniformly (0, the default)")
-    known, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    out = bc.sweep_output(__doc__, rest)
+    argv = sys.argv[1:] if argv is None else argv
+    known = p.parse_known_args(argv)[0]
+    out = bc.sweep_output(__doc__, argv, parents=[p])
     import triton
 
     from kernels.triton import experts as KE
