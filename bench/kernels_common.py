@@ -149,19 +149,25 @@ def add_arguments(p, shapes=True):
         p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
 
 
-def sweep_output(doc: str, argv=None, parents=()) -> str:
-    """A launch-settings sweep's command line (``--out FILE.json``, required) -> that path, after making sure a
-    CUDA GPU is here (the sweeps time Triton kernels on it; elsewhere the process exits with the reason).
-    ``parents``: the sweep's own parsers (``add_help=False``), so that ``--help`` lists their flags too."""
+def sweep_args(doc: str, argv=None, parents=()):
+    """A launch-settings sweep's command line: ``--out FILE.json`` (required) and the flags of ``parents`` (the
+    sweep's own parsers, ``add_help=False``, so that ``--help`` lists them too) -> the parsed arguments, after
+    making sure a CUDA GPU is here (the sweeps time Triton kernels on it; elsewhere the process exits with the
+    reason)."""
     import argparse
     import sys
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0], parents=list(parents))
     p.add_argument("--out", required=True, help="JSON file to write")
-    out = p.parse_args(argv).out
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU and triton")
-    return out
+    return args
+
+
+def sweep_output(doc: str, argv=None) -> str:
+    """:func:`sweep_args` of a sweep without flags of its own -> the ``--out`` path."""
+    return sweep_args(doc, argv).out
 
 
 def base_meta(**versions):

@@ -245,15 +245,13 @@ SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "wo_
 
 def main(argv=None):
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "mhc_rows"],
                    help="the kernels to time (default: all but mhc_rows, which mhc holds; a run of all takes over "
                         "200 s on an H100)")
-    argv = sys.argv[1:] if argv is None else argv
-    known = p.parse_known_args(argv)[0]
-    out = bc.sweep_output(__doc__, argv, parents=[p])
+    known = bc.sweep_args(__doc__, argv, parents=[p])
+    out = known.out
     import triton
 
     meta = bc.base_meta(triton=triton.__version__)

@@ -76,7 +76,6 @@ def _same_bytes(x, w, offs, counts, nbytes):
 
 def main(argv=None):
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--sequences", nargs="+", type=int, default=[1, 64, 256],
@@ -96,9 +95,8 @@ def main(argv=None):
     p.add_argument("--skew", type=float, default=0.0,
                    help="draw the experts with weights (rank + 1) ** -SKEW (a trained router's uneven load on one "
                         "batch) instead of uniformly (0, the default)")
-    argv = sys.argv[1:] if argv is None else argv
-    known = p.parse_known_args(argv)[0]
-    out = bc.sweep_output(__doc__, argv, parents=[p])
+    known = bc.sweep_args(__doc__, argv, parents=[p])
+    out = known.out
     import triton
 
     from kernels.triton import experts as KE
