@@ -165,11 +165,6 @@ def sweep_args(doc: str, argv=None, parents=()):
     return args
 
 
-def sweep_output(doc: str, argv=None) -> str:
-    """:func:`sweep_args` of a sweep without flags of its own -> the ``--out`` path."""
-    return sweep_args(doc, argv).out
-
-
 def base_meta(**versions):
     import datetime
 

@@ -61,7 +61,7 @@ def _agreement(got, ref) -> str:
 
 
 def main(argv=None):
-    out = bc.sweep_output(__doc__, argv)
+    out = bc.sweep_args(__doc__, argv).out
     import triton
 
     from kernels.triton import mhc as K
