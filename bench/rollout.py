@@ -2,7 +2,7 @@
 
     python -m bench.rollout [--device cpu|cuda] [--dtype fp32|bf16] [--model tiny|flash-shaped|bench]
                             [--batch 1 4] [--prompt-len 32] [--new-tokens 16] [--rows cached,transformers]
-                            [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang]
+                            [--cuda-graphs on|off] [--compile on|off] [--kernel-backend none|triton|tilelang|cuda]
                             [--prefill-tokens 16384] [--repeats 1] [--profile-steps 0] [--profile-sources]
                             [--top-p 1.0] [--ablate OP ...]
                             [--layers N] [--out FILE.json]
@@ -316,7 +316,7 @@ def run_bench(*, model: str = "tiny", device: str = "cpu", dtype: str = "fp32", 
               compile=False, on_row=None, profile_steps: int = 0, top_p: float = 1.0, layers=None,
               profile_sources: bool = False, without=()) -> dict:
     """``kernel_backend``: the op table the engine computes with (the run's ``--kernel-backend``: ``none`` =
-    the reference ops; ``triton`` / ``tilelang`` need a CUDA device and bf16), built by the assembly step.
+    the reference ops; ``triton`` / ``tilelang`` / ``cuda`` need a CUDA device and bf16), built by the assembly step.
     ``compile``: the cached engine's ``compile`` option (True: Inductor; a backend name). ``on_row``: called
     with the result so far after every row (``main`` writes it, so a run stopped by a time limit keeps the rows
     it measured). ``profile_steps``: > 0 profiles that many decode steps of each cached row
@@ -482,8 +482,9 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default=None, help="default: on for cuda")
     p.add_argument("--compile", choices=("on", "off"), default="off",
                    help="cached row: run the decode step as torch.compile (Inductor) code, compiled per slot bucket")
-    p.add_argument("--kernel-backend", choices=("none", "triton", "tilelang"), default="none",
-                   help="the op table the engine computes with (none: the reference ops)")
+    p.add_argument("--kernel-backend", choices=("none", "triton", "tilelang", "cuda"), default="none",
+                   help="the op table the engine computes with (none: the reference ops; cuda: the CUDA "
+                        "attention forward, the triton kernels for the rest)")
     p.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens per prefill forward (at most)")
     p.add_argument("--hbm", type=float, default=None, help="HBM bytes/s (default: 4.8e12 on an H200)")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per number (the best is kept)")

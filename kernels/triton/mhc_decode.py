@@ -61,14 +61,15 @@ __all__ = ["hc_pre_norm", "hc_head_norm", "moe_combine_post", "tail_plan", "PRE_
 # programs: the split GEMM's programs (whole BK chunks of K each); BT: tl.dot's row step (the tokens, padded);
 # max_tokens: the most tokens the one-program tail takes; rows: above it, the split GEMM and a program a token
 # (_rows_kernel; off, for the sweep's A/B: the split GEMM's sum, the coefficients with u and the norm, two launches
-# more); split_BT, split_BK: the tokens and channels a step of a program of that split GEMM takes (64 tokens took a
-# Flash site of 256 tokens in 19.75 us against 25.57 with 16 on one H100, but spill 352 bytes of registers in ptxas
-# for sm_90 at 64 channels, so they are not the launch settings; bench/results/kernels-decode-sweep-h100-mhc-rows.json);
+# more); split_BT, split_BK: the tokens and channels a step of a program of that split GEMM takes (64 tokens at 32
+# channels took a Flash site of 256 tokens in 17.62 us against 24.84 at 16 x 64, 64 tokens in 11.23 against 12.58,
+# 4 in 10.41 against 10.94 on one H100, bench/results/kernels-decode-sweep-h100-mhc-rows-split.json; 64 channels at
+# 64 tokens spill 352 bytes of registers in ptxas for sm_90);
 # one_pass: the tail holds u in registers where the
 # streams fit (tail_plan; off: always the u loop); TAIL_ELEMENTS: the streams' values one step of the tail's u loop
 # loads (BD = TAIL_ELEMENTS / (tokens x streams), so two tokens' four 4,096-wide streams are four steps)
 PRE_NORM_CONFIG = dict(programs=128, BT=16, BK=64, warps=4, stages=2, max_tokens=gpu_common.PRE_NORM_MAX_TOKENS,
-                       one_pass=True, rows=True, split_BT=mhc.MHC_CONFIG["mix_BT"], split_BK=mhc.MHC_CONFIG["mix_BK"])
+                       one_pass=True, rows=True, split_BT=64, split_BK=32)
 TAIL_ELEMENTS = 8192
 # the most streams' values (tokens x streams x d, padded) the tail holds at once: up to this it loads them all before
 # the partials' sum and keeps u in registers (one token's four 4,096-wide streams: 64 registers a thread of bf16)
