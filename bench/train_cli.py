@@ -64,6 +64,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -205,10 +206,25 @@ def summarize(rows: list, warmup: int, last: Optional[int] = None) -> dict:
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
+_RANK = r"^(\[(default)?rank\d+\]:\s*)?"              # torchrun's prefix of a rank's lines
+_CLI_ERROR_LINE = re.compile(_RANK + r"error:")
+_EXCEPTION_LINE = re.compile(_RANK + r"[\w.]*(Error|Exception|Interrupt)\b")
+
+
 def _error_line(log: str) -> str:
+    """The line of a failed run's log that says why: the CLI's last ``error:`` line, else the last exception
+    (not torchrun's ``ChildFailedError``, which only says a rank failed), else torchrun's ``exitcode`` line (a
+    rank killed by a signal raises nothing), else the last line with a word in it (torchrun ends on a rule of
+    ``=`` signs)."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error:")]
-    return errors[-1] if errors else (lines[-1] if lines else "no output")
+    for wanted in (_CLI_ERROR_LINE.match,
+                   lambda ln: _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln,
+                   lambda ln: ln.startswith("exitcode"),
+                   lambda ln: any(c.isalnum() for c in ln)):
+        hits = [ln for ln in lines if wanted(ln)]
+        if hits:
+            return hits[-1]
+    return "no output"
 
 
 def run_layout(layout: dict, *, folder: Path, model: str, config, seq: int, steps: int, warmup: int,

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench.train_cli import build_parser, main, parse_layout, resolve_model, subprocess_env, write_sft_data
+from bench.train_cli import _error_line, build_parser, main, parse_layout, resolve_model, subprocess_env, write_sft_data
 
 
 def test_layout_parsing_and_refusal():
@@ -25,6 +25,35 @@ def test_layout_parsing_and_refusal():
         parse_layout("miles:dp2+ep4")
     with pytest.raises(ValueError, match="IMPL one of miles, megatron"):
         parse_layout("transformers:1")
+
+
+TORCHRUN_TAIL = """[rank1]: Traceback (most recent call last):
+[rank1]:   File "launchers/dsv4.py", line 9, in <module>
+[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer
+E1207 07:56:10 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1) local_rank: 1
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+launchers.dsv4 FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 4242)
+============================================================
+"""
+
+
+def test_a_failed_layout_reports_the_line_that_says_why():
+    """A layout's ``error`` is the line a person needs: the CLI's ``error:`` line, else the rank's exception, not
+    torchrun's closing rule of ``=`` signs (a CI log once showed only that) nor its ChildFailedError."""
+    assert _error_line("step 1\nerror: --ep 2 needs 2 ranks. Fix: run under torchrun\n") == \
+        "error: --ep 2 needs 2 ranks. Fix: run under torchrun"
+    assert _error_line(TORCHRUN_TAIL) == ("[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                                          "Connection closed by peer")
+    killed = TORCHRUN_TAIL.replace("[rank1]: RuntimeError", "[rank1]: note").replace("exitcode  : 1", "exitcode  : -9")
+    assert _error_line(killed) == "exitcode  : -9 (pid: 4242)"
+    assert _error_line("====\n\n") == "no output"
 
 
 def test_sft_data_is_exactly_the_requested_tokens(tmp_path):
@@ -58,8 +87,9 @@ def test_cpu_smoke_run(tmp_path, monkeypatch, capsys):
     # one layout of each launch: one process, and two ranks under torch.distributed.run (miles:ep2: data parallel 2
     # with the experts split; a plain miles:dp2 row ran the same launch again, test_dp2_command_line checks its
     # command, and tests/train/test_layouts.py trains data parallel 2 against one rank)
-    assert main(args + ["--layouts", "miles:1,miles:ep2"]) == 0
+    rc = main(args + ["--layouts", "miles:1,miles:ep2"])
     res = json.loads(out.read_text())
+    assert rc == 0, [(r["layout"], r.get("error"), r.get("log_tail")) for r in res["rows"] if "error" in r]
     assert res["machine"].startswith("CPU") and res["torch"] == torch.__version__ and res["date"]
     assert res["command"].startswith("python -m bench.train_cli ") and "miles:1,miles:ep2" in res["command"]
     assert res["settings"]["seq"] == 64 and res["settings"]["model"] == "tiny"
