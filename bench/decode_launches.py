@@ -51,7 +51,7 @@ TRITON_DECODE_OPS = ("sparse_attention_with_sink", "indexer_scores", "hadamard_t
                      "route_experts", "expert_order", "compressor_step", "experts_gather_mm", "experts_scatter_mm",
                      "experts_swiglu_scatter_mm", "moe_combine", "moe_combine_post", "norm_rope", "decode_topk",
                      "index_query", "linear_group", "hc_pre_norm", "hc_head_norm", "attention_rows",
-                     "grouped_projection", "attention_inverse_rope")
+                     "grouped_projection", "attention_inverse_rope", "linear_post")
 #: operators that make no kernel: views, metadata, allocations without a fill
 _NO_KERNEL = {"view", "_unsafe_view", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute",
               "transpose", "t", "alias", "detach", "reshape", "split", "chunk", "unbind", "split_with_sizes",
@@ -143,7 +143,8 @@ def stand_in_table(counter: _Count, without=()):
               "decode_topk": decode_topk,
               "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
               "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
-              "grouped_projection": grouped_projection, "attention_inverse_rope": attention_inverse_rope}
+              "grouped_projection": grouped_projection, "attention_inverse_rope": attention_inverse_rope,
+              "linear_post": slots.linear_post}
     fns = {**required, **{n: f for n, f in extras.items() if n not in without}}
     return OpTable("stand-in", {n: (_counted(n, f, counter) if n in TRITON_DECODE_OPS and n not in without else f)
                                 for n, f in fns.items()})

@@ -273,9 +273,9 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
     ``topk``: a module whose ``decode_topk`` and ``attention_rows`` become extra ops (the eager decode step's
     indexer picks, and a window or HCA layer's attention rows);
     ``index_query``: a module whose ``index_query`` becomes an extra op (its indexer query's rotation and
-    transform); ``linear_group``: a module whose ``linear_group`` and ``grouped_projection`` become extra ops (the
-    projections of a layer's attention input in one launch, ``kernels.reference.decode.layer_projections``, and the
-    attention's grouped ``wo_a``); ``mhc_decode``: a module
+    transform); ``linear_group``: a module whose ``linear_group``, ``grouped_projection`` and ``linear_post`` become extra
+    ops (the projections of a layer's attention input in one launch, ``kernels.reference.decode.layer_projections``,
+    the attention's grouped ``wo_a``, and its ``wo_b`` with the site's mHC post in the epilogue); ``mhc_decode``: a module
     whose ``hc_pre_norm``, ``hc_head_norm`` and ``moe_combine_post`` become extra ops (a site's mHC pre and its
     sublayer's norm, the head's collapse and the final norm, one launch each at a few tokens; the MoE's pairs summed
     inside its mHC post, ``kernels.reference.slots``); ``decode_attention``: a
@@ -298,7 +298,7 @@ def make_ops(backend: str, attention, indexer, mhc=None, rope=None, norm=None, s
                           (sampling, ("draw_tokens", "draw_record")), (routing, ("route_experts",)),
                           (compress, ("compressor_step",)), (norm_rope, ("norm_rope",)),
                           (topk, ("decode_topk", "attention_rows")),
-                          (index_query, ("index_query",)), (linear_group, ("linear_group", "grouped_projection")),
+                          (index_query, ("index_query",)), (linear_group, ("linear_group", "grouped_projection", "linear_post")),
                           (mhc_decode, ("hc_pre_norm", "hc_head_norm", "moe_combine_post")),
                           (decode_attention, ("attention_inverse_rope",))):
         if module is not None:

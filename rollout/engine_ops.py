@@ -35,9 +35,10 @@ launch each, ``kernels/triton/norm_rope.py``), ``decode_topk`` (a CSA layer's in
 ``kernels/triton/topk.py``), ``index_query`` (the indexer's query rotation, transform and casts in one,
 ``kernels/triton/index_query.py``), ``linear_group`` (the projections of
 a layer's attention input, ``wq_a``, ``wkv``, the compressors' and the indexer's weights, in one launch at a few
-tokens, and likewise the query's ``wq_b`` with the indexer's, ``wo_b`` and the output head,
+tokens, and likewise the query's ``wq_b`` with the indexer's and the output head,
 ``kernels/triton/linear_group.py``), ``grouped_projection`` (the attention's grouped ``wo_a`` with that kernel's
-row blocks), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
+row blocks), ``linear_post`` (its ``wo_b`` with the site's mHC post in that kernel's epilogue; refused, ``wo_b``
+goes through ``linear_group``), ``hc_pre_norm`` (a site's mHC pre and its sublayer's norm in one
 launch at a few tokens) and ``hc_head_norm`` (the head's collapse and the final norm, likewise;
 ``kernels/triton/mhc_decode.py``), ``attention_rows`` (a window or HCA layer's attention rows, the ring rows
 written and the entries completed, in one launch, ``kernels/triton/topk.py``), ``attention_inverse_rope`` (a layer's
@@ -78,7 +79,8 @@ __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode
            "compressor_inputs", "norm_rope_inputs", "decode_topk_inputs", "index_query_inputs",
            "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
            "attention_inverse_rope_inputs",
-           "grouped_projection_inputs", "swiglu_scatter_inputs", "combine_post_inputs", "sampler_choice",
+           "grouped_projection_inputs", "linear_post_inputs", "swiglu_scatter_inputs", "combine_post_inputs",
+           "sampler_choice",
            "record_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
@@ -281,6 +283,21 @@ def grouped_projection_inputs(config, dtype: torch.dtype, device) -> list:
     return [(torch.zeros(1, 1, c.o_groups, d, dtype=dtype, device=device), w)]
 
 
+def linear_post_inputs(config, dtype: torch.dtype, device) -> list:
+    """The argument tuple the eager decode step passes ``linear_post`` (``kernels.reference.slots.decode_layer``):
+    one slot's grouped attention output ``[1, 1, G R]`` and ``wo_b`` ``[d, G R]`` in the model's ``dtype`` (zeros,
+    one row broadcast: the kernel's checks do not depend on the values), its streams, the site's fp32 ``post`` and
+    ``comb``."""
+    c = config
+    n, d, width = c.hc_mult, c.dim, c.o_groups * c.o_lora_rank
+
+    def zeros(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt, device=device)
+
+    return [(zeros(1, 1, width), zeros(1, width).expand(d, width), zeros(1, 1, n, d),
+             zeros(1, 1, n, dt=torch.float32), zeros(1, 1, n, n, dt=torch.float32))]
+
+
 def swiglu_scatter_inputs(config, dtype: torch.dtype, device) -> list:
     """The argument tuples the eager decode step's pair path passes ``experts_swiglu_scatter_mm``
     (``kernels.reference.slots._grouped``): one slot's top-k pairs on one expert, ``[gate | up]`` in the model's
@@ -351,12 +368,12 @@ PAIR_FUSIONS = {SWIGLU_SCATTER: (swiglu_scatter_inputs, "experts_scatter_mm"),
 # compressors after their GEMMs, the attention's norms, rotations and ring write, the indexer's query and picks,
 # a layer's projections of its attention input, a site's mHC pre with its sublayer's norm, the head's collapse with
 # the final norm, a window or HCA layer's attention rows, the attention's grouped wo_a, a layer's attention with its
-# output's inverse rotation
+# output's inverse rotation, the attention's wo_b with its site's mHC post
 EAGER_EXTRAS = {"compressor_step": compressor_inputs, "norm_rope": norm_rope_inputs, "decode_topk": decode_topk_inputs,
                 "index_query": index_query_inputs, "linear_group": linear_group_inputs,
                 "hc_pre_norm": hc_pre_norm_inputs, "hc_head_norm": hc_head_norm_inputs,
                 "attention_rows": attention_rows_inputs, "grouped_projection": grouped_projection_inputs,
-                "attention_inverse_rope": attention_inverse_rope_inputs}
+                "attention_inverse_rope": attention_inverse_rope_inputs, "linear_post": linear_post_inputs}
 
 
 def _refusal(fn, calls) -> Optional[str]:

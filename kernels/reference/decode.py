@@ -463,7 +463,7 @@ def step_once(memo: Optional[dict], key, make):
 
 
 def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=None,
-            picks: Optional[list] = None, memo: Optional[dict] = None) -> torch.Tensor:
+            picks: Optional[list] = None, memo: Optional[dict] = None, project=None) -> torch.Tensor:
     """``Attention.forward`` for one new token per row: ``x [B, 1, d]`` (attn_norm-ed) -> ``[B, 1, d]``.
 
     ``pos``: the rows' positions, on the host (this module's steps) or on the device (``slots``'s static
@@ -471,7 +471,9 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
     :func:`_compress_step`, which needs host positions). ``picks``: a list the indexer's top-k ``[B, k]`` of a
     CSA layer is appended to (indexer replay's recording). ``memo``: the step's values shared by its layers
     (:func:`step_once`; the static step's eager layers, whose memo also holds the slots' capacity ``"max_len"``:
-    their angles are rows of :func:`angle_table`), passed on to ``compress``."""
+    their angles are rows of :func:`angle_table`), passed on to ``compress``. ``project(u, weight)``: the output
+    projection ``wo_b`` of the grouped output ``u [B, 1, G R]`` in :func:`eager_linear`'s place, its result returned
+    as it is (``kernels.reference.slots.decode_layer``'s, with the site's mHC post: ``linear_post``)."""
     compress = compress or _compress_step
     B = x.shape[0]
     H, D, W = attn.n_heads, attn.head_dim, attn.window
@@ -542,6 +544,8 @@ def _attend(attn, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, compress=N
         u = torch.einsum("bsgd,grd->bsgr", o, wo_a)
     else:
         u = (eager_op(ops, memo, "grouped_projection") or grouped_projection)(o, wo_a)
+    if project is not None:
+        return project(u.flatten(2), attn.wo_b.weight)
     return eager_linear(ops, memo, u.flatten(2), attn.wo_b.weight, False, lambda: attn.wo_b(u.flatten(2)))
 
 

@@ -358,6 +358,14 @@ def combine_post(pairs: torch.Tensor, shared: torch.Tensor, topk: int, x: torch.
     return hc_post(combine_pairs(pairs, shared, topk).view(*x.shape[:-2], x.shape[-1]), x, post, comb)
 
 
+def linear_post(u: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+    """The ``linear_post`` op's torch contract: the attention's output projection ``u @ weight^T`` (``wo_b``, in
+    ``u``'s dtype, as ``linear_group`` computes it), then the site's mHC post (:func:`~.mhc.hc_post`; ``x [..., n,
+    d]``): what the eager step runs as two ops without it (:func:`decode_layer`)."""
+    return hc_post(F.linear(u, weight.to(u.dtype)), x, post, comb)
+
+
 def _ones_like_rows(T: int, device) -> torch.Tensor:
     """``[T]`` fp32 ones: the shared expert's weights (made once per token count by static_step_checks, eagerly)."""
     ones = None if torch.compiler.is_compiling() else _ONES.get((T, str(device)))
@@ -471,6 +479,9 @@ SWIGLU_SCATTER = "experts_swiglu_scatter_mm"
 # the pair path's sum of the pairs and the MoE's mHC post in one launch, where the table has it besides
 # PAIR_KERNELS (decode_layer; without it the step runs moe_combine, then hc_post)
 COMBINE_POST = "moe_combine_post"
+# the attention's wo_b and its site's mHC post in one launch, where the eager step's table has it (decode_layer;
+# without it the step runs linear_group, then hc_post)
+LINEAR_POST = "linear_post"
 
 
 def _merged_shared(moe, st, w13: torch.Tensor):
@@ -585,8 +596,12 @@ def decode_layer(layer, lc: LayerCache, x: torch.Tensor, ids: torch.Tensor, pos:
     by its layers (:func:`~.decode.step_once`)."""
     picks = [] if want_picks else None
     h, post, comb = _pre_normed(layer, "attn", x, layer.attn_norm, memo)
-    att = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo)
-    x = layer.hc_post(att, x, post, comb)
+    fused = eager_op(layer.ops, memo, LINEAR_POST)
+    if fused is not None and layer.attn.wo_b.weight.dtype == x.dtype:     # eager_linear's condition for wo_b
+        x = _attend(layer.attn, h, lc, pos, _compress_masked, picks, memo,
+                    lambda u, w, x=x, post=post, comb=comb: fused(u, w, x, post, comb))
+    else:
+        x = layer.hc_post(_attend(layer.attn, h, lc, pos, _compress_masked, picks, memo), x, post, comb)
     h, post, comb = _pre_normed(layer, "ffn", x, layer.ffn_norm, memo)
     x, idx = _moe_posted(layer, h, ids, path, x, post, comb, memo)
     return x, idx, (picks[0] if picks else None)

@@ -58,8 +58,9 @@ def ops() -> "OpTable":
     ``attention_rows``, a window or HCA layer's attention rows in one (``kernels/triton/topk.py``);
     ``index_query``, its indexer query's rotation, Hadamard transform and casts in one launch
     (``kernels/triton/index_query.py``); ``linear_group``, the projections of a layer's attention
-    input in one launch at a few tokens, and ``grouped_projection``, the attention's grouped ``wo_a`` with the same
-    kernel's row blocks (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
+    input in one launch at a few tokens, ``grouped_projection``, the attention's grouped ``wo_a`` with the same
+    kernel's row blocks, and ``linear_post``, its ``wo_b`` with the site's mHC post in the same kernel's epilogue
+    (``kernels/triton/linear_group.py``); ``hc_pre_norm``, its eager decode step's
     mHC pre and the norm after it in one launch at a few tokens, and ``moe_combine_post``, the MoE's pairs summed
     inside its mHC post (``kernels/triton/mhc_decode.py``);
     ``attention_inverse_rope``, its eager decode step's sparse attention with the inverse rotation of its output in

@@ -22,15 +22,16 @@ from itertools import accumulate
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels import gpu_common
-from kernels.triton import pdl
+from kernels.triton import mhc, mhc_checks, pdl
 from kernels.triton.tickets import counters, last_ticket, release
 
-__all__ = ["linear_group", "linear_group_launch", "grouped_projection", "LINEAR_GROUP_CONFIG", "MAX_WEIGHTS",
-           "FEW_BLOCKS", "FEW_BLOCKS_SPLIT", "shares"]
+__all__ = ["linear_group", "linear_group_launch", "grouped_projection", "linear_post", "LINEAR_GROUP_CONFIG",
+           "MAX_WEIGHTS", "FEW_BLOCKS", "FEW_BLOCKS_SPLIT", "shares"]
 
 MAX_WEIGHTS = 8
 # BN weight rows and BK columns a step per program; SPLIT: shares of K a row block's programs take (1: one program
@@ -54,11 +55,10 @@ FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
 
 
 @triton.jit
-def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, PART, TICKETS,
-          SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    """``Y[:, block rows] = X @ W[block rows]^T`` for all ``M`` rows, fp32 accumulation; with ``SPLIT`` > 1 this
-    program's share ``s`` of ``K``, its partial written to ``PART`` and summed, in order, by the last program of the
-    group's row block ``gblock`` to take a ticket."""
+def _share_product(X, W, M, N, K, stride_xm, stride_wn, block, s, SPLIT: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """``X @ W[block rows]^T`` over share ``s`` of ``K`` (``K / SPLIT`` columns, whole ``BK`` steps), all ``M`` rows
+    of ``X``, fp32 accumulation -> ``[BM, BN]``: the product of :func:`_rows` and of :func:`_linear_post_kernel`."""
     m = tl.arange(0, BM)
     n = block * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -71,6 +71,19 @@ def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, P
         x = tl.load(x_ptr + k0, mask=mmask[:, None], other=0.0)
         w = tl.load(w_ptr + k0, mask=nmask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, PART, TICKETS,
+          SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """``Y[:, block rows] = X @ W[block rows]^T`` for all ``M`` rows, fp32 accumulation; with ``SPLIT`` > 1 this
+    program's share ``s`` of ``K``, its partial written to ``PART`` and summed, in order, by the last program of the
+    group's row block ``gblock`` to take a ticket."""
+    m = tl.arange(0, BM)
+    n = block * BN + tl.arange(0, BN)
+    mmask, nmask = m < M, n < N
+    acc = _share_product(X, W, M, N, K, stride_xm, stride_wn, block, s, SPLIT, BM, BN, BK, STAGES)
     out = Y + m[:, None] * stride_ym + n[None, :]
     omask = mmask[:, None] & nmask[None, :]
     if SPLIT == 1:
@@ -323,3 +336,91 @@ def grouped_projection(o: torch.Tensor, w: torch.Tensor, config: Optional[dict] 
                                               LINES=cfg["prefetch_lines"], num_warps=cfg["warps"],
                                               **pdl.launch(x.device, prefetch=True))
     return y.view(*lead, G, R)
+
+
+@triton.jit
+def _linear_post_kernel(U, W, X, POST, COMB, OUT, PART, TICKETS, M, N, K, stride_um, stride_wn, n,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        STAGES: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, LINES: tl.constexpr,
+                        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """Program ``p``: share ``p % SPLIT`` of ``K`` of row block ``b = p // SPLIT`` of ``W [N, K]`` (``N``: the
+    streams' width): columns ``[b BN, (b+1) BN)`` of ``U @ W^T`` for every row (:func:`_share_product`, partials
+    summed in order by the block's last program as in :func:`_rows`), rounded to ``U``'s dtype as
+    ``linear_group`` stores them, then the mHC post of those columns in every stream of ``X [M, n, N]``
+    (``kernels.triton.mhc.post_tile``) into ``OUT``. ``PREFETCH``: as :func:`_linear_group_kernel`."""
+    pdl.wait_prior_after_prefetch(PDL, PREFETCH, _weight_lines(W, N, K, stride_wn, tl.program_id(0) // SPLIT,
+                                                               tl.program_id(0) % SPLIT, SPLIT, BN, LINES))
+    s = tl.program_id(0) % SPLIT
+    b = tl.program_id(0) // SPLIT
+    m = tl.arange(0, BM)
+    cols = b * BN + tl.arange(0, BN)
+    acc = _share_product(U, W, M, N, K, stride_um, stride_wn, b, s, SPLIT, BM, BN, BK, STAGES)
+    if SPLIT == 1:
+        f = acc.to(U.dtype.element_ty).to(tl.float32)
+        mhc.post_tile(f, X, POST, COMB, OUT, m.to(tl.int64), m < M, cols, cols < N, n, N, NP, NS)
+    else:
+        tile = m[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(PART + (b * SPLIT + s).to(tl.int64) * (BM * BN) + tile, acc)
+        if last_ticket(TICKETS + b, SPLIT):
+            tot = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in range(SPLIT):                       # in order, as _rows sums them
+                tot += tl.load(PART + (b * SPLIT + i).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
+            f = tot.to(U.dtype.element_ty).to(tl.float32)
+            mhc.post_tile(f, X, POST, COMB, OUT, m.to(tl.int64), m < M, cols, cols < N, n, N, NP, NS)
+            release(TICKETS + b)
+
+
+def linear_post(u: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                config: Optional[dict] = None) -> torch.Tensor:
+    """``kernels.reference.slots.linear_post``: the attention's output projection ``u @ weight^T`` (``u [..., K]``,
+    ``weight [d, K]`` in ``u``'s dtype: ``wo_b``), then the site's mHC post ``hc_post(f, x, post, comb)`` (``x
+    [..., n, d]`` in ``u``'s dtype with ``u``'s leading shape, ``post``/``comb`` fp32) -> ``[..., n, d]``: the bits of
+    this backend's ``linear_group`` then its ``hc_post``, in one launch at up to ``max_tokens`` tokens (each program
+    posts the columns it projected, into every stream), above it the two (cuBLAS's GEMM, as ``linear_group`` runs
+    there, then ``kernels.triton.mhc``'s post).
+
+    Why: the eager decode step ran the attention's mHC post as a launch of its own after ``wo_b``: on an H100 the
+    Flash-shaped step at one sequence ran 8 ``_post_fwd_kernel`` launches (the attention's 4 and the MoE's
+    ``moe_combine_post``) in 18.59 us, each waiting on the one before
+    (``bench/results/rollout-h100-flash-shaped-triton-split-64x32.json``). Decode only (no backward). Anything else
+    is refused with the reason."""
+    op = "linear_post"
+    try:
+        mhc_checks.check_hc_post(x[..., 0, :], x, post, comb)
+    except ValueError as e:
+        raise gpu_common.op_refusal(op, str(e)) from None
+    n, d = x.shape[-2:]
+    K = u.shape[-1] if u.dim() else 0
+    if u.shape[:-1] != x.shape[:-2] or weight.dim() != 2 or weight.shape != (d, K) or x.dtype != u.dtype:
+        raise gpu_common.op_refusal(op, f"u {tuple(u.shape)} {u.dtype}, weight {tuple(weight.shape)}, x "
+                                        f"{tuple(x.shape)} {x.dtype} (needs u [..., K], weight [{d}, K] and x "
+                                        f"[..., n, {d}] with u's leading shape and dtype)")
+    if any(t.requires_grad for t in (x, post, comb)):
+        raise gpu_common.op_refusal(op, "an input that requires a gradient (the op is the decode step's and has no "
+                                        "backward)")
+    T = x[..., 0, 0].numel()
+    u2 = u.reshape(T, K)
+    try:
+        _check(u2, [weight], [False])
+    except ValueError as e:
+        raise gpu_common.op_refusal(op, str(e)) from None
+    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    x3, p2, c2 = x.reshape(T, n, d).contiguous(), post.reshape(T, n).contiguous(), comb.reshape(T, n, n).contiguous()
+    if T > cfg["max_tokens"]:                  # linear_group's GEMM above its token limit, then the post kernel
+        return mhc.hc_post_fwd(F.linear(u2, weight), x3, p2, c2).view(x.shape)
+    out = torch.empty_like(x3)
+    if T == 0:
+        return out.view(x.shape)
+    u2 = u2 if u2.stride(1) == 1 else u2.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    bn, bk = cfg["BN"], _depth(K, cfg["BK"])
+    blocks = triton.cdiv(d, bn)
+    split = _whole_shares(shares(blocks, cfg), K, bk)              # linear_group's choice for this one weight
+    bm = max(16, triton.next_power_of_2(T))
+    part, tickets = _partials(blocks, split, bm, bn, u2.device, u2)
+    _linear_post_kernel[(blocks * split,)](u2, weight, x3, p2, c2, out, part, tickets, T, d, K, u2.stride(0),
+                                           weight.stride(0), n, SPLIT=split, BM=bm, BN=bn, BK=bk,
+                                           STAGES=cfg["stages"], NP=mhc_checks.padded(n), NS=n,
+                                           LINES=cfg["prefetch_lines"], num_warps=cfg["warps"],
+                                           **pdl.launch(u2.device, prefetch=True))
+    return out.view(x.shape)

@@ -327,15 +327,25 @@ def _post_fwd_kernel(F, X, POST, COMB, OUT, T, n, d,
     tmask = t < T
     dmask = dd < d
     t64 = t.to(tl.int64)
-    kk = tl.arange(0, NP)
-    tk = tmask[:, None] & (kk < n)[None, :]
     td = tmask[:, None] & dmask[None, :]
-    post = tl.load(POST + t64[:, None] * n + kk[None, :], mask=tk, other=0.0)
     if TOPK:
         # the MoE's output as moe_combine rounds it, once, to the shared expert's dtype
         f = pairs_sum(F, SHARED, t64, dd, td, d, TOPK, BT, BD).to(SHARED.dtype.element_ty).to(tl.float32)
     else:
         f = tl.load(F + t64[:, None] * d + dd[None, :], mask=td, other=0.0).to(tl.float32)
+    post_tile(f, X, POST, COMB, OUT, t64, tmask, dd, dmask, n, d, NP, N)
+
+
+@triton.jit
+def post_tile(f, X, POST, COMB, OUT, t64, tmask, dd, dmask, n, d, NP: tl.constexpr, N: tl.constexpr):
+    """The mHC post of a tile: ``OUT[t, k, dd] = post[t, k] f[t, dd] + sum_j comb[t, j, k] X[t, j, dd]`` for the
+    tokens ``t64`` (``tmask``) and columns ``dd`` (``dmask``) of ``f`` (fp32, as the sublayer's output was
+    rounded), in fp32, stored in ``OUT``'s dtype: :func:`_post_fwd_kernel`'s, and the epilogue of
+    ``kernels.triton.linear_group``'s ``linear_post`` (the same expression, so the same bits)."""
+    kk = tl.arange(0, NP)
+    tk = tmask[:, None] & (kk < n)[None, :]
+    td = tmask[:, None] & dmask[None, :]
+    post = tl.load(POST + t64[:, None] * n + kk[None, :], mask=tk, other=0.0)
     acc = post[:, :, None] * f[:, None, :]
     for jj in tl.static_range(N):
         xj = tl.load(X + t64[:, None] * (n * d) + jj * d + dd[None, :], mask=td, other=0.0).to(tl.float32)

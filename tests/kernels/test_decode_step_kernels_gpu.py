@@ -3,7 +3,8 @@ compressors' ``compressor_step``, the attention's ``norm_rope``, the indexer's `
 ``decode_topk``, a layer's projections of its attention input (``linear_group``), each site's mHC pre with its
 sublayer's norm (``hc_pre_norm``), the head's collapse with the final norm (``hc_head_norm``), the window and HCA
 layers' attention rows (``attention_rows``), every layer's attention with its output's inverse rotation
-(``attention_inverse_rope``) and its grouped ``wo_a`` (``grouped_projection``), and on the grouped MoE path the router, the expert order, the pair
+(``attention_inverse_rope``), its grouped ``wo_a`` (``grouped_projection``) and its ``wo_b`` with the site's mHC
+post (``linear_post``), and on the grouped MoE path the router, the expert order, the pair
 GEMMs with the shared expert (the second with the activation in its operand load) and their sum inside the MoE's mHC
 post (``moe_combine_post``). The tiny
 model's samples follow the reference-op engine's (fp16: the same tokens,
@@ -45,7 +46,7 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     extras = [op for op in EAGER_EXTRAS if op in ops().names()]
     assert set(extras) == {"compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
                            "hc_pre_norm", "hc_head_norm", "attention_rows", "attention_inverse_rope",
-                           "grouped_projection"}, extras
+                           "grouped_projection", "linear_post"}, extras
     assert e.decode_refusals == {} and all(e.decode_ops[op] == "triton" for op in extras), e.decode_ops
     pairs = ("route_experts", "expert_order", "experts_gather_mm", "experts_swiglu_scatter_mm", "moe_combine_post")
     assert all((op in e.decode_ops) is grouped for op in pairs), e.decode_ops

@@ -29,8 +29,9 @@ def test_the_tiny_pattern_counts_and_the_record_is_dated():
     counter = count_step(preset("tiny"), 1)
     n = preset("tiny").n_layers           # a pre and a post around each sublayer
     assert sum(counter.sites.values()) > 80 and counter.sites["hc_pre_norm (one kernel)"] == 2 * n
-    # the attention's mHC post; the MoE's sums the pairs in the same launch
-    assert counter.sites["hc_post (one kernel)"] == counter.sites["moe_combine_post (one kernel)"] == n
+    # the attention's mHC post is wo_b's epilogue; the MoE's sums the pairs in the same launch
+    assert counter.sites["linear_post (one kernel)"] == counter.sites["moe_combine_post (one kernel)"] == n
+    assert "hc_post (one kernel)" not in counter.sites
     assert "hc_pre (3 kernels)" not in counter.sites
     record = json.loads((RESULTS / "decode-launches-cpu-flash-shaped.json").read_text())
     assert record["date"] and record["machine"] and record["code"]
@@ -80,12 +81,14 @@ def test_the_fused_norms_and_the_indexer_top_k_take_the_place_of_their_torch_cod
 def test_one_launch_projects_a_layers_attention_input():
     """``linear_group``: a layer's ``wq_a``, ``wkv``, its compressors' ``wkv`` and ``wgate`` and a CSA layer's
     ``weights_proj`` are one launch where they were a GEMM each (two, four or seven a layer); the query's ``wq_b``
-    and a CSA layer's indexer ``wq_b`` one more, ``wo_b`` and the head one each (cuBLAS's GEMMs before)."""
+    and a CSA layer's indexer ``wq_b`` one more, ``wo_b`` and the head one each (cuBLAS's GEMMs before). Without
+    ``linear_post``, which takes ``wo_b`` with its site's mHC post (its own test, below)."""
     from bench.decode_launches import count_step, model_like
 
     config = model_like("flash-shaped")
     ratios = config.compress_ratios[:config.n_layers]
-    with_group, without = count_step(config, 2), count_step(config, 2, without=("linear_group",))
+    with_group = count_step(config, 2, without=("linear_post",))
+    without = count_step(config, 2, without=("linear_group", "linear_post"))
     gemms = [2 + 2 * (1 + (r == 4)) * (r > 0) + (r == 4) for r in ratios]
     assert gemms == [2, 2, 7, 4] and with_group.sites["linear_group (one kernel)"] == 3 * config.n_layers + 1
     query = [1 + (r == 4) for r in ratios]                # wq_b, and a CSA layer's indexer wq_b
@@ -142,12 +145,27 @@ def test_the_mhc_pre_with_its_norm_is_one_launch_up_to_its_token_limit():
 
 def test_the_pairs_sum_is_computed_in_the_mhc_post():
     """``moe_combine_post``: the pairs' sum with the shared expert and the MoE's mHC post, two launches a MoE layer,
-    are one (the Flash-shaped pattern at one slot: 92 launches a step without it, 88 with it)."""
+    are one (the Flash-shaped pattern at one slot: 92 launches a step without it, 88 with it). Without
+    ``linear_post``, which takes the attention's mHC post (its own test, below)."""
     from bench.decode_launches import count_step, model_like
 
     config = model_like("flash-shaped")
-    fused, without = count_step(config, 1), count_step(config, 1, without=("moe_combine_post",))
+    fused = count_step(config, 1, without=("linear_post",))
+    without = count_step(config, 1, without=("moe_combine_post", "linear_post"))
     assert fused.sites["moe_combine_post (one kernel)"] == config.n_layers == 4
     assert "moe_combine (one kernel)" not in fused.sites and fused.sites["hc_post (one kernel)"] == config.n_layers
     assert without.sites["moe_combine (one kernel)"] == 4 and without.sites["hc_post (one kernel)"] == 8
+    assert sum(without.sites.values()) - sum(fused.sites.values()) == config.n_layers
+
+
+def test_the_attention_post_is_its_output_projections_epilogue():
+    """``linear_post``: the attention's ``wo_b`` (a ``linear_group`` launch) and its site's mHC post (``hc_post``),
+    two launches a layer, are one (the Flash-shaped pattern at one slot: 83 launches a step before, 79 with it)."""
+    from bench.decode_launches import count_step, model_like
+
+    config = model_like("flash-shaped")
+    fused, without = count_step(config, 1), count_step(config, 1, without=("linear_post",))
+    assert fused.sites["linear_post (one kernel)"] == config.n_layers == 4
+    assert "hc_post (one kernel)" not in fused.sites and without.sites["hc_post (one kernel)"] == 4
+    assert without.sites["linear_group (one kernel)"] - fused.sites["linear_group (one kernel)"] == 4
     assert sum(without.sites.values()) - sum(fused.sites.values()) == config.n_layers

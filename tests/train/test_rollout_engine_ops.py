@@ -247,17 +247,19 @@ def test_the_pair_path_runs_the_tables_fused_pair_ops(monkeypatch, op, variant):
 
 @pytest.mark.parametrize("refuse", [False, True])
 @pytest.mark.parametrize("op", ["compressor_step", "norm_rope", "decode_topk", "index_query", "linear_group",
-                                "hc_pre_norm", "hc_head_norm", "attention_rows", "grouped_projection"])
+                                "hc_pre_norm", "hc_head_norm", "attention_rows", "grouped_projection",
+                                "linear_post"])
 def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     """A table with ``compressor_step`` (the triton backend's compressors after their GEMMs in one launch),
     ``norm_rope`` (the attention's query and key norms and rotations, the key's write into its ring, one launch
     each), ``decode_topk`` (a CSA layer's indexer picks), ``index_query`` (its indexer query's rotation and
     transform), ``linear_group`` (a layer's projections of its attention input), ``hc_pre_norm`` (a site's mHC pre
     and its sublayer's norm), ``hc_head_norm`` (the head's collapse and the final norm), ``attention_rows`` (a
-    window or HCA layer's attention rows) or ``grouped_projection`` (the attention's grouped ``wo_a``), here their
-    torch contracts (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``,
-    ``kernels.reference.topk``, ``kernels.reference.index_query``, ``kernels.reference.linear_group``,
-    ``kernels.reference.mhc``, ``kernels.reference.layers``):
+    window or HCA layer's attention rows), ``grouped_projection`` (the attention's grouped ``wo_a``) or
+    ``linear_post`` (its ``wo_b`` with the site's mHC post), here their torch contracts
+    (``kernels.reference.compressor_step``, ``kernels.reference.norm_rope``, ``kernels.reference.topk``,
+    ``kernels.reference.index_query``, ``kernels.reference.linear_group``, ``kernels.reference.mhc``,
+    ``kernels.reference.layers``, ``kernels.reference.slots``):
     the engine records the op (``decode_ops``; prefill never calls it), the decode step calls it every time it
     would run that torch code, and the samples are the reference engine's, bit for bit (the same torch ops on the
     same angles). One that refuses the step's inputs is on the record (``decode_refusals``) and never called: the
@@ -268,6 +270,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     from kernels.reference.linear_group import linear_group
     from kernels.reference.mhc import hc_head_norm, hc_pre_norm
     from kernels.reference.norm_rope import norm_rope
+    from kernels.reference.slots import linear_post
     from kernels.reference.topk import attention_rows, decode_topk
     from rollout.reference_engine import ReferenceEngine
 
@@ -277,7 +280,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
     contracts = {"compressor_step": compressor_step, "norm_rope": norm_rope, "decode_topk": decode_topk,
                  "index_query": index_query, "linear_group": linear_group, "hc_pre_norm": hc_pre_norm,
                  "hc_head_norm": hc_head_norm, "attention_rows": attention_rows,
-                 "grouped_projection": grouped_projection}
+                 "grouped_projection": grouped_projection, "linear_post": linear_post}
     fn = picky if refuse else contracts[op]
     e = _synced(ReferenceEngine(CFG, ops=_fake(extra={op: fn})))
     assert (op in e.decode_ops) is not refuse and op not in e.prefill_ops
@@ -292,7 +295,7 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
                 "hc_pre_norm": 2 * CFG.n_layers, "hc_head_norm": 1,
                 # once a step for the window's rows, once for the HCA layers' (the step's memo shares them)
                 "attention_rows": 1 + any(r not in (0, 4) for r in CFG.compress_ratios[:CFG.n_layers]),
-                "grouped_projection": CFG.n_layers}[op]
+                "grouped_projection": CFG.n_layers, "linear_post": CFG.n_layers}[op]
     if not refuse:
         assert ran[f"fake.{op}"] % per_step == 0 and ran[f"fake.{op}"] >= 11 * per_step
     want, _ = _generate(_synced(ReferenceEngine(CFG)), _params(max_new_tokens=12))
@@ -307,6 +310,23 @@ def test_the_decode_step_runs_the_tables_eager_extras(op, refuse):
         for ga, gb in zip(got, want, strict=True):
             for a, b in zip(ga, gb, strict=True):
                 assert a.indexer_picks is not None and torch.equal(a.indexer_picks, b.indexer_picks)
+
+
+def test_the_step_computes_with_what_linear_post_returns():
+    """``linear_post``'s result is the layer's streams after the attention: a table whose op doubles it draws other
+    log-probabilities than the same table with the op's torch contract (``kernels.reference.slots.linear_post``),
+    which draws the reference engine's."""
+    from kernels.reference.slots import linear_post
+    from rollout.reference_engine import ReferenceEngine
+
+    got = {}
+    for name, fn in (("contract", linear_post), ("altered", lambda *args: 2 * linear_post(*args))):
+        e = _synced(ReferenceEngine(CFG, ops=_fake(extra={"linear_post": fn})))
+        got[name], ran = _generate(e)
+        assert ran["fake.linear_post"] > 0 and "linear_post" in e.decode_ops
+    want, _ = _generate(_synced(ReferenceEngine(CFG)))
+    _same(got["contract"], want)
+    assert any(not torch.equal(x.logprobs, y.logprobs) for ga, gb in zip(got["altered"], want) for x, y in zip(ga, gb))
 
 
 def test_every_projection_of_the_group_is_the_one_the_step_uses():
