@@ -80,8 +80,7 @@ __all__ = ["ENGINE_OPS", "INDUCTOR_FUSES", "EAGER_EXTRAS", "engine_ops", "decode
            "linear_group_inputs", "hc_pre_norm_inputs", "hc_head_norm_inputs", "attention_rows_inputs",
            "attention_inverse_rope_inputs",
            "grouped_projection_inputs", "linear_post_inputs", "swiglu_scatter_inputs", "combine_post_inputs",
-           "sampler_choice",
-           "record_choice"]
+           "sampler_choice", "record_choice"]
 
 # the ops the reference model calls through its modules' op tables (kernels.reference.model.ops_in_use), in
 # prefill and in the decode step

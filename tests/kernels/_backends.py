@@ -60,7 +60,7 @@ def within(got, exact, dtype, what, interpreted, scale=None):
 
 class CountedLaunches:
     """A Triton kernel whose ``kernel[grid](...)`` launches are counted (``calls``): which of a launcher's kernels
-    ran. Install it with ``monkeypatch.setattr(module, name, CountedLaunches(kernel))``."""
+    ran. Install it with ``monkeypatch.setattr(module, name, CountedLaunches(kernel))``, or :meth:`installed`."""
 
     def __init__(self, kernel):
         self.kernel, self.calls = kernel, 0
@@ -68,6 +68,13 @@ class CountedLaunches:
     def __getitem__(self, grid):
         self.calls += 1
         return self.kernel[grid]
+
+    @classmethod
+    def installed(cls, monkeypatch, module, name: str) -> "CountedLaunches":
+        """``module.name`` replaced, for the test, by its counted launches (returned)."""
+        spy = cls(getattr(module, name))
+        monkeypatch.setattr(module, name, spy)
+        return spy
 
 
 def triton_ptxas() -> str:

@@ -18,9 +18,7 @@ pytestmark = pytest.mark.gpu
 def launches(monkeypatch):
     from kernels.triton import linear_group as K
 
-    spy = CountedLaunches(K._linear_group_kernel)
-    monkeypatch.setattr(K, "_linear_group_kernel", spy)
-    return spy
+    return CountedLaunches.installed(monkeypatch, K, "_linear_group_kernel")
 
 
 def _case(M, K, rows, seed, dt, dev, lead=()):
@@ -164,9 +162,7 @@ def test_the_kernel_compiles_for_sm90_without_spills():
 def grouped_launches(monkeypatch):
     from kernels.triton import linear_group as K
 
-    spy = CountedLaunches(K._grouped_kernel)
-    monkeypatch.setattr(K, "_grouped_kernel", spy)
-    return spy
+    return CountedLaunches.installed(monkeypatch, K, "_grouped_kernel")
 
 
 def _grouped_case(M, G, R, d, seed, dt, dev):

@@ -19,9 +19,7 @@ pytestmark = pytest.mark.gpu
 def launches(monkeypatch):
     from kernels.triton import linear_group as K
 
-    spy = CountedLaunches(K._linear_post_kernel)
-    monkeypatch.setattr(K, "_linear_post_kernel", spy)
-    return spy
+    return CountedLaunches.installed(monkeypatch, K, "_linear_post_kernel")
 
 
 def _case(T, K, n, d, seed, dev):
