@@ -8,7 +8,7 @@ it replaced), a layer's projections of its attention input and its grouped ``wo_
 (``kernels/triton/mhc.py``).
 
     python -m bench.kernels_decode_sweep --out FILE.json [--only route attention indexer linear_group projections wo_a
-                                                                 mhc mhc_rows mhc_split]
+                                                                 many_tokens mhc mhc_rows mhc_split]
 
 Why: in the eager Flash-shaped decode step (``bench.rollout --kernel-backend triton --profile-steps``) the router
 took 26 us a layer at every batch, the expert order 31 us a layer at 256 sequences, and the attention 16 us a layer
@@ -116,17 +116,18 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
             for r in _group_rows(g, dev, meta, rows_of, fp32, d, COPIES, grid, layer=layer)]
 
 
-def _group_rows(g, dev, meta, rows_of, fp32, d: int, copies: int, grid, **shape) -> list:
-    """``linear_group`` of weights ``[n, d]`` for ``n`` in ``rows_of`` at 1 and 16 tokens over ``grid``, each timed
+def _group_rows(g, dev, meta, rows_of, fp32, d: int, copies: int, grid, tokens=(1, 16), **shape) -> list:
+    """``linear_group`` of weights ``[n, d]`` for ``n`` in ``rows_of`` at each of ``tokens`` over ``grid``, each timed
     graph cycling through ``copies`` copies of the weights (read from HBM, as in a decode step), and the GEMMs one
-    by one, cuBLAS's (``gemms_us`` on the launch settings' row)."""
+    by one, cuBLAS's (``gemms_us`` on the launch settings' row). The launcher itself runs, whatever the settings'
+    ``max_tokens``."""
     from kernels.reference.linear_group import linear_group as gemms
     from kernels.triton import linear_group as L
 
     sets = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of] for _ in range(copies)]
     default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
     rows = []
-    for T in (1, 16):
+    for T in tokens:
         x = torch.randn(T, d, generator=g).bfloat16().to(dev)
         got = _sweep("linear_group", lambda c: tuple(y for ws in sets for y in L.linear_group_launch(x, ws, fp32, c)),
                      grid, default, meta, per=copies, tokens=T, weight_copies=copies, **shape)
@@ -151,19 +152,21 @@ def _projection_rows(g, dev, meta) -> list:
             for r in _group_rows(g, dev, meta, rows_of, [f32] * len(rows_of), d, 2, grid, projection=name)]
 
 
-def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: int = 2) -> list:
+def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: int = 2, tokens=(1, 16),
+               grid=None) -> list:
     """A Flash layer's grouped ``wo_a`` (8 groups of ``[1024, 4096]``, 64 MiB) through ``grouped_projection``
     (``kernels/triton/linear_group.py``) against the batched GEMM it replaces (``bmm_us``: the torch contract,
-    ``kernels.reference.layers.grouped_projection``), at 1 and 16 tokens, ``copies`` weight sets a timed graph."""
+    ``kernels.reference.layers.grouped_projection``), at each of ``tokens``, ``copies`` weight sets a timed graph
+    (a setting's ``max_tokens`` above the settings' sends more tokens to the kernel)."""
     from kernels.reference.layers import grouped_projection as bmm
     from kernels.triton import linear_group as L
 
-    grid = [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
-            for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
+    grid = grid or [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
+                    for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
     sets = [(torch.randn(G, R, d, generator=g) * d ** -0.5).bfloat16().to(dev) for _ in range(copies)]
     default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
     rows = []
-    for T in (1, 16):
+    for T in tokens:
         o = torch.randn(T, 1, G, d, generator=g).bfloat16().to(dev)
         got = _sweep("grouped_projection", lambda c: tuple(L.grouped_projection(o, w, c) for w in sets), grid,
                      default, meta, per=copies, tokens=T, weight_copies=copies, projection="wo_a")
@@ -172,6 +175,25 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
         got[0]["bmm_us"] = round(us, 2)
         rows += got
     return rows
+
+
+def _many_token_rows(g, dev, meta, tokens=(64,)) -> list:
+    """The projections the decode step sends to cuBLAS above ``max_tokens`` (16), at 64 tokens (a GRPO step's 64
+    samples) through the weight-streaming kernel instead: a Flash CSA layer's attention-input group, the
+    query's ``wq_b`` with the indexer's, ``wo_b`` (``linear_group``) and the grouped ``wo_a``
+    (``grouped_projection``), against cuBLAS (``gemms_us``, ``bmm_us``): whether ``max_tokens`` should rise. At
+    64 tokens a Flash-shaped layer's projections are about 13 GFLOP over 205 MB of weights, bandwidth-bound; on one
+    H100 at 64 sequences cuBLAS's projection GEMMs took about 400 us of a 3.48 ms step
+    (``bench/results/rollout-h100-flash-shaped-triton-linear-post-profile.json``)."""
+    grid = [dict(BN=bn, BK=bk, warps=4, stages=st, SPLIT=1, max_tokens=max(tokens))
+            for bn, bk, st in itertools.product([32, 64], [64, 128, 256], [3, 4])]
+    rows = []
+    for name, rows_of, fp32, d in (("csa", (1024, 512, 1024, 1024, 256, 256, 64),
+                                    [False, False, True, True, True, True, False], 4096),
+                                   ("wq_b+indexer_wq_b", (32768, 8192), [False, False], 1024),
+                                   ("wo_b", (4096,), [False], 8192)):
+        rows += _group_rows(g, dev, meta, rows_of, fp32, d, 2, grid, tokens=tokens, projection=name)
+    return rows + _wo_a_rows(g, dev, meta, tokens=tokens, grid=grid)
 
 
 def _mhc_rows(g, dev, meta, n: int = 4, d: int = 4096, tokens=(1, 2, 4, 64, 256)) -> list:
@@ -240,16 +262,18 @@ def _mhc_split_rows(g, dev, meta, n: int = 4, d: int = 4096) -> list:
     return rows
 
 
-SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "wo_a", "mhc", "mhc_rows", "mhc_split")
+SECTIONS = ("route", "attention", "indexer", "linear_group", "projections", "wo_a", "many_tokens", "mhc", "mhc_rows",
+            "mhc_split")
 
 
 def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--only", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "mhc_rows"],
-                   help="the kernels to time (default: all but mhc_rows, which mhc holds; a run of all takes over "
-                        "200 s on an H100)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS,
+                   default=[s for s in SECTIONS if s not in ("mhc_rows", "many_tokens")],
+                   help="the kernels to time (default: all but mhc_rows, which mhc holds, and many_tokens, the "
+                        "projections at 64 tokens; a run of all takes over 200 s on an H100)")
     known = bc.sweep_args(__doc__, argv, parents=[p])
     out = known.out
     import triton
@@ -320,6 +344,7 @@ def _attention_rows(g, dev, meta) -> list:
 
 _SECTION_ROWS = {"route": _route_rows, "attention": _attention_rows, "indexer": _indexer_rows,
                  "linear_group": _linear_group_rows, "projections": _projection_rows, "wo_a": _wo_a_rows,
+                 "many_tokens": _many_token_rows,
                  "mhc": _mhc_rows, "mhc_rows": lambda g, dev, meta: _mhc_rows(g, dev, meta, tokens=(4, 64, 256)),
                  "mhc_split": _mhc_split_rows}
 

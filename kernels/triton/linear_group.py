@@ -7,8 +7,9 @@ Flash-shaped step at about 5 us each, plus 19 split-K reductions (103 us togethe
 ``bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json``). Here the weights' row blocks
 are one grid: program ``p`` finds its weight by the blocks before it (``E0 <= ... <= E7``, fixed at compile
 time) and computes ``x [M, K] @ W[rows]^T`` for every token, ``BK`` columns a step, accumulating in fp32, then
-stores in its output's dtype (fp32, or the input's). Up to ``max_tokens`` rows (the launch settings); more go
-to one cuBLAS GEMM a weight (the torch contract), whose tiles serve many rows. No gradient (a decode step).
+stores in its output's dtype (fp32, or the input's). Up to 64 rows (:func:`token_settings`: above 16 with settings
+of their own); more go to one cuBLAS GEMM a weight (the torch contract), whose tiles serve many rows. No gradient
+(a decode step).
 ``bench.kernels_decode_sweep`` times it beside the GEMMs it replaces.
 
 :func:`grouped_projection` runs the same row blocks (:func:`_rows`) for the attention's grouped ``wo_a``: one input,
@@ -31,7 +32,7 @@ from kernels.triton import mhc, mhc_checks, pdl
 from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["linear_group", "linear_group_launch", "grouped_projection", "linear_post", "LINEAR_GROUP_CONFIG",
-           "MAX_WEIGHTS", "FEW_BLOCKS", "FEW_BLOCKS_SPLIT", "shares"]
+           "MANY_TOKENS_CONFIG", "MAX_WEIGHTS", "FEW_BLOCKS", "FEW_BLOCKS_SPLIT", "shares", "token_settings"]
 
 MAX_WEIGHTS = 8
 # BN weight rows and BK columns a step per program; SPLIT: shares of K a row block's programs take (1: one program
@@ -52,6 +53,25 @@ MAX_WEIGHTS = 8
 # spilled 12 bytes of registers at one program a block; at 8 neither it nor triton's own spills
 LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16, prefetch_lines=8)
 FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
+# Above LINEAR_GROUP_CONFIG's max_tokens and up to this max_tokens (a GRPO step's 64 sequences), the same kernels
+# with these keys in its place, where cuBLAS ran a GEMM a weight. At 64 tokens on one H100 a Flash CSA layer's
+# attention-input group, its wq_b with the indexer's, wo_b and wo_a took 107.6 us together at these settings
+# against cuBLAS's 152.4 (python -m bench.kernels_decode_sweep --only many_tokens,
+# bench/results/kernels-decode-sweep-h100-many-tokens.json), and the Flash-shaped decode step 3.4 ms against 3.48
+# at 64 sequences, 3.325 against 3.4 at 32 (bench/results/rollout-h100-flash-shaped-triton-many-64.json,
+# bench/results/rollout-h100-flash-shaped-triton-many-16.json)
+MANY_TOKENS_CONFIG = dict(BN=32, BK=128, stages=4, SPLIT=1, max_tokens=64)
+
+
+def token_settings(M: int, config: Optional[dict] = None) -> Optional[dict]:
+    """The launch settings for ``M`` rows: :data:`LINEAR_GROUP_CONFIG` up to its ``max_tokens``, above it
+    :data:`MANY_TOKENS_CONFIG`'s keys in its place up to that one's ``max_tokens``, and None above both (the
+    contract: cuBLAS); ``config``'s keys override either's (a sweep's setting)."""
+    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    if M <= cfg["max_tokens"]:
+        return cfg
+    cfg = {**LINEAR_GROUP_CONFIG, **MANY_TOKENS_CONFIG, **(config or {})}
+    return cfg if M <= cfg["max_tokens"] else None
 
 
 @triton.jit
@@ -286,13 +306,13 @@ def _grouped_kernel(X, W, Y, M, N, K, stride_xm, stride_ym, BLOCKS, PART, TICKET
 def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
                  config: Optional[dict] = None) -> List[torch.Tensor]:
     """Same contract as ``kernels.reference.linear_group.linear_group``: ``x [..., K]`` and weights ``[N_i, K]`` ->
-    ``[x @ W_i^T]`` (``[..., N_i]``, fp32 where ``fp32[i]``, else ``x``'s dtype), one launch for at most
-    ``max_tokens`` rows of ``x``; more rows run the contract (a cuBLAS GEMM a weight)."""
+    ``[x @ W_i^T]`` (``[..., N_i]``, fp32 where ``fp32[i]``, else ``x``'s dtype), one launch for the rows of ``x``
+    that :func:`token_settings` takes; more rows run the contract (a cuBLAS GEMM a weight)."""
     _check(x, weights, fp32)
-    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > cfg["max_tokens"]:
+    cfg = token_settings(x2.shape[0], config)
+    if cfg is None:
         from kernels.reference.linear_group import linear_group as torch_contract
 
         return torch_contract(x, weights, fp32)
@@ -302,8 +322,8 @@ def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequenc
 def grouped_projection(o: torch.Tensor, w: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
     """Same contract as ``kernels.reference.layers.grouped_projection`` (forward): ``o [..., G, d]`` and ``w [G, R,
     d]`` in ``o``'s dtype -> ``[..., G, R]``, row ``g`` of each token ``o[..., g, :] @ w[g]^T``: the attention's
-    grouped ``wo_a`` in one launch for at most ``max_tokens`` tokens (more: the contract's batched GEMM), any number
-    of groups. Why: at one sequence cuBLAS's batched GEMM read a Flash-shaped layer's ``wo_a`` (64 MiB) in 18.7 us on
+    grouped ``wo_a`` in one launch for the tokens :func:`token_settings` takes (more: the contract's batched GEMM),
+    any number of groups. Why: at one sequence cuBLAS's batched GEMM read a Flash-shaped layer's ``wo_a`` (64 MiB) in 18.7 us on
     an H200, 74.65 us of the 1.2431 ms step, about 75% of the 4.8 TB/s (``bench/results/rollout-h200-flash-shaped-
     triton-profile-linear-group-head.json``), where ``linear_group``'s row blocks read the head at 92% of an H100's
     (``bench/results/kernels-decode-sweep-h100-projections.json``); here the groups' row blocks are one grid of that
@@ -313,11 +333,11 @@ def grouped_projection(o: torch.Tensor, w: torch.Tensor, config: Optional[dict] 
                          f"{tuple(o.shape)} {o.dtype}, w {tuple(w.shape)} {w.dtype}")
     G, R, d = w.shape
     _check(o.reshape(-1, d), [w[0]], [False])
-    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
     lead = o.shape[:-2]
     x = o.reshape(-1, G, d)
     M = x.shape[0]
-    if M > cfg["max_tokens"]:
+    cfg = token_settings(M, config)
+    if cfg is None:
         from kernels.reference.layers import grouped_projection as torch_contract
 
         return torch_contract(o, w)
@@ -375,9 +395,9 @@ def linear_post(u: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, post: to
     """``kernels.reference.slots.linear_post``: the attention's output projection ``u @ weight^T`` (``u [..., K]``,
     ``weight [d, K]`` in ``u``'s dtype: ``wo_b``), then the site's mHC post ``hc_post(f, x, post, comb)`` (``x
     [..., n, d]`` in ``u``'s dtype with ``u``'s leading shape, ``post``/``comb`` fp32) -> ``[..., n, d]``: the bits of
-    this backend's ``linear_group`` then its ``hc_post``, in one launch at up to ``max_tokens`` tokens (each program
-    posts the columns it projected, into every stream), above it the two (cuBLAS's GEMM, as ``linear_group`` runs
-    there, then ``kernels.triton.mhc``'s post).
+    this backend's ``linear_group`` then its ``hc_post``, in one launch at the tokens :func:`token_settings` takes
+    (each program posts the columns it projected, into every stream), above them the two (cuBLAS's GEMM, as
+    ``linear_group`` runs there, then ``kernels.triton.mhc``'s post).
 
     Why: the eager decode step ran the attention's mHC post as a launch of its own after ``wo_b``: on an H100 the
     Flash-shaped step at one sequence ran 8 ``_post_fwd_kernel`` launches (the attention's 4 and the MoE's
@@ -404,9 +424,9 @@ def linear_post(u: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, post: to
         _check(u2, [weight], [False])
     except ValueError as e:
         raise gpu_common.op_refusal(op, str(e)) from None
-    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    cfg = token_settings(T, config)
     x3, p2, c2 = x.reshape(T, n, d).contiguous(), post.reshape(T, n).contiguous(), comb.reshape(T, n, n).contiguous()
-    if T > cfg["max_tokens"]:                  # linear_group's GEMM above its token limit, then the post kernel
+    if cfg is None:                            # linear_group's GEMM above its token limit, then the post kernel
         return mhc.hc_post_fwd(F.linear(u2, weight), x3, p2, c2).view(x.shape)
     out = torch.empty_like(x3)
     if T == 0:

@@ -101,18 +101,47 @@ def test_weights_read_in_place_with_their_row_stride(launches):
     assert launches.calls == 1
 
 
+def _most_tokens() -> int:
+    """The most rows the kernels take (``kernels.triton.linear_group.token_settings``)."""
+    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, MANY_TOKENS_CONFIG
+
+    return max(LINEAR_GROUP_CONFIG["max_tokens"], MANY_TOKENS_CONFIG["max_tokens"])
+
+
 def test_more_tokens_than_the_settings_take_run_the_contract(launches):
     from kernels.reference.linear_group import linear_group as ref
-    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, linear_group
+    from kernels.triton.linear_group import linear_group
 
     dev = triton_device()
     dt = torch.float16 if dev == "cpu" else torch.bfloat16
-    M = LINEAR_GROUP_CONFIG["max_tokens"] + 1
+    M = _most_tokens() + 1
     x, ws, xd, wd = _case(M, 64, (32, 16), 1, dt, dev)
     got = linear_group(xd, wd, [False, True])
     assert launches.calls == 0
     for y, z in zip(got, ref(x, ws, [False, True])):
         torch.testing.assert_close(y.cpu(), z, rtol=1e-3, atol=1e-3)
+
+
+def test_rows_above_max_tokens_take_the_many_token_settings(monkeypatch, launches, grouped_launches):
+    """Above ``LINEAR_GROUP_CONFIG``'s ``max_tokens``, up to ``MANY_TOKENS_CONFIG``'s (raised to 64 here): one
+    launch of each kernel with those settings (a GRPO step's rows), the outputs within one rounding of the
+    contract; above it the contract (``kernels.triton.linear_group.token_settings``)."""
+    from kernels.reference.layers import grouped_projection as bmm
+    from kernels.reference.linear_group import linear_group as ref
+    from kernels.triton import linear_group as K
+
+    dev = triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16
+    monkeypatch.setitem(K.MANY_TOKENS_CONFIG, "max_tokens", 64)
+    for M, calls in ((40, 1), (64, 2), (65, 2)):
+        x, ws, xd, wd = _case(M, 256, (100, 33), M, dt, dev)
+        for y, z, f in zip(K.linear_group(xd, wd, [False, True]), ref(x, ws, [False, True]), (False, True)):
+            bound = (1e-5 if f else torch.finfo(dt).eps) * max(1.0, z.float().abs().max().item())
+            assert (y.cpu().float() - z.float()).abs().max().item() <= bound
+        o, w, od, wd = _grouped_case(M, 3, 40, 256, M, dt, dev)
+        _within_a_rounding(K.grouped_projection(od, wd).cpu(), bmm(o, w), dt)
+        assert launches.calls == grouped_launches.calls == calls
+    assert K.token_settings(40)["BK"] == K.MANY_TOKENS_CONFIG["BK"] and K.token_settings(65) is None
 
 
 def test_what_it_cannot_take_is_refused():
@@ -203,11 +232,11 @@ def test_grouped_projection_is_the_torch_contract(grouped_launches, M, G, R, d, 
 
 def test_grouped_projection_of_more_tokens_runs_the_contract(grouped_launches):
     from kernels.reference.layers import grouped_projection as ref
-    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, grouped_projection
+    from kernels.triton.linear_group import grouped_projection
 
     dev = triton_device()
     dt = torch.float16 if dev == "cpu" else torch.bfloat16
-    o, w, od, wd = _grouped_case(LINEAR_GROUP_CONFIG["max_tokens"] + 1, 2, 32, 64, 3, dt, dev)
+    o, w, od, wd = _grouped_case(_most_tokens() + 1, 2, 32, 64, 3, dt, dev)
     got = grouped_projection(od, wd)
     assert grouped_launches.calls == 0
     torch.testing.assert_close(got.cpu(), ref(o, w), rtol=1e-3, atol=1e-3)

@@ -62,14 +62,26 @@ def test_it_is_linear_group_then_hc_post_bit_for_bit(launches, T, K, n, d, confi
 
 
 def test_more_tokens_than_the_settings_take_run_the_two_ops(launches):
-    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, linear_post
+    from kernels.triton.linear_group import LINEAR_GROUP_CONFIG, MANY_TOKENS_CONFIG, linear_post
 
     dev = triton_device()
-    T = LINEAR_GROUP_CONFIG["max_tokens"] + 1
+    T = max(LINEAR_GROUP_CONFIG["max_tokens"], MANY_TOKENS_CONFIG["max_tokens"]) + 1
     u, w, x, post, comb = _case(T, 64, 4, 128, 7, dev)
     got = linear_post(u, w, x, post, comb)
     assert launches.calls == 0
     assert torch.equal(got, _two_ops(u, w, x, post, comb))
+
+
+def test_rows_above_max_tokens_take_the_many_token_settings(monkeypatch, launches):
+    """Above ``max_tokens``, up to ``MANY_TOKENS_CONFIG``'s (raised to 64 here): one launch with those settings, the
+    bits of ``linear_group`` (at the same settings) then ``hc_post``."""
+    from kernels.triton import linear_group as K
+
+    dev = triton_device()
+    monkeypatch.setitem(K.MANY_TOKENS_CONFIG, "max_tokens", 64)
+    u, w, x, post, comb = _case(40, 256, 4, 96, 5, dev)
+    got = K.linear_post(u, w, x, post, comb)
+    assert launches.calls == 1 and torch.equal(got, _two_ops(u, w, x, post, comb))
 
 
 def test_the_block_tickets_are_back_at_zero():
