@@ -178,15 +178,15 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
 
 
 def _many_token_rows(g, dev, meta, tokens=(64,)) -> list:
-    """The projections the decode step sends to cuBLAS above ``max_tokens`` (16), at 64 tokens (a GRPO step's 64
-    samples) through the weight-streaming kernel instead: a Flash CSA layer's attention-input group, the
-    query's ``wq_b`` with the indexer's, ``wo_b`` (``linear_group``) and the grouped ``wo_a``
-    (``grouped_projection``), against cuBLAS (``gemms_us``, ``bmm_us``): whether ``max_tokens`` should rise. At
+    """The projections of 64 tokens (a GRPO step's 64 samples) through the weight-streaming kernels over a grid
+    around ``kernels.triton.linear_group.MANY_TOKENS_CONFIG`` (cuBLAS's GEMMs run them): a Flash
+    CSA layer's attention-input group, the query's ``wq_b`` with the indexer's, ``wo_b`` (``linear_group``) and
+    the grouped ``wo_a`` (``grouped_projection``), against cuBLAS (``gemms_us``, ``bmm_us``). At
     64 tokens a Flash-shaped layer's projections are about 13 GFLOP over 205 MB of weights, bandwidth-bound; on one
     H100 at 64 sequences cuBLAS's projection GEMMs took about 400 us of a 3.48 ms step
     (``bench/results/rollout-h100-flash-shaped-triton-linear-post-profile.json``)."""
-    grid = [dict(BN=bn, BK=bk, warps=4, stages=st, SPLIT=1, max_tokens=max(tokens))
-            for bn, bk, st in itertools.product([32, 64], [64, 128, 256], [3, 4])]
+    grid = [dict(BN=bn, BK=bk, warps=wp, stages=st, SPLIT=1, max_tokens=max(tokens))
+            for bn, bk, st, wp in itertools.product([32, 64], [64, 128, 256], [3, 4], [4, 8])]
     rows = []
     for name, rows_of, fp32, d in (("csa", (1024, 512, 1024, 1024, 256, 256, 64),
                                     [False, False, True, True, True, True, False], 4096),

@@ -163,14 +163,15 @@ def test_what_it_cannot_take_is_refused():
 
 
 def test_the_kernel_compiles_for_sm90_without_spills():
-    """Seven weights (a CSA layer's group), bf16 and fp32 outputs, one to 16 tokens: PTX for sm_90 with triton
-    alone, and ptxas reports no spilled registers."""
+    """Seven weights (a CSA layer's group), bf16 and fp32 outputs, one to 16 tokens, and 64 at the many-token
+    settings (``MANY_TOKENS_CONFIG``, whose 4 warps spilled here): PTX for sm_90 with triton alone, and ptxas reports
+    no spilled registers."""
     from kernels.triton import linear_group as K
 
-    c = K.LINEAR_GROUP_CONFIG
     ends = dict(E0=32, E1=48, E2=80, E3=112, E4=116, E5=120, E6=122, E7=122)
-    for split in (1, 4):                                        # one program a block, and shares of K
-        consts = dict(**ends, G=7, SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"],
+    for split, bm in ((1, 16), (4, 16), (1, 64)):              # one program a block, shares of K, 64 tokens
+        c = {**K.LINEAR_GROUP_CONFIG, **(K.MANY_TOKENS_CONFIG if bm > 16 else {})}
+        consts = dict(**ends, G=7, SPLIT=split, BM=bm, BN=c["BN"], BK=c["BK"], STAGES=c["stages"],
                       LINES=c["prefetch_lines"])
         types = {}
         for a in K._linear_group_kernel.arg_names:
@@ -262,12 +263,12 @@ def test_what_grouped_projection_cannot_take_is_refused():
 
 def test_the_grouped_kernel_compiles_for_sm90_without_spills():
     """One token of eight groups (a Flash layer's ``wo_a``), one program a block and shares of ``K``: PTX for sm_90
-    with triton alone, and ptxas reports no spilled registers."""
+    with triton alone, and ptxas reports no spilled registers; 64 tokens at the many-token settings."""
     from kernels.triton import linear_group as K
 
-    c = K.LINEAR_GROUP_CONFIG
     types = {a: ("*bf16" if a in ("X", "W", "Y") else "*fp32" if a == "PART" else "*i32" if a == "TICKETS" else "i32")
              for a in K._grouped_kernel.arg_names}
-    for split in (1, 4):
-        consts = dict(SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"], LINES=c["prefetch_lines"])
+    for split, bm in ((1, 16), (4, 16), (1, 64)):
+        c = {**K.LINEAR_GROUP_CONFIG, **(K.MANY_TOKENS_CONFIG if bm > 16 else {})}
+        consts = dict(SPLIT=split, BM=bm, BN=c["BN"], BK=c["BK"], STAGES=c["stages"], LINES=c["prefetch_lines"])
         compiles_for_sm90_without_spills(K._grouped_kernel, types, consts, c["warps"])

@@ -118,14 +118,14 @@ def test_what_it_cannot_take_is_refused():
 
 def test_the_kernel_compiles_for_sm90_without_spills():
     """V4-Flash's ``wo_b`` (8 groups of 1,024 in, four streams of 4,096 out) at one program a block and in shares of
-    ``K``, one to 16 tokens: PTX for sm_90 with triton alone, and ptxas reports no spilled registers."""
+    ``K``, one to 16 tokens, and 64: PTX for sm_90 with triton alone, and ptxas reports no spilled registers."""
     from kernels.triton import linear_group as K
 
-    c = K.LINEAR_GROUP_CONFIG
     types = {a: "i32" for a in K._linear_post_kernel.arg_names}
     types.update(U="*bf16", W="*bf16", X="*bf16", POST="*fp32", COMB="*fp32", OUT="*bf16", PART="*fp32",
                  TICKETS="*i32")
-    for split in (1, 2):
-        consts = dict(SPLIT=split, BM=16, BN=c["BN"], BK=c["BK"], STAGES=c["stages"], NP=4, NS=4,
+    for split, bm in ((1, 16), (2, 16), (1, 64)):              # and 64 tokens at the many-token settings
+        c = {**K.LINEAR_GROUP_CONFIG, **(K.MANY_TOKENS_CONFIG if bm > 16 else {})}
+        consts = dict(SPLIT=split, BM=bm, BN=c["BN"], BK=c["BK"], STAGES=c["stages"], NP=4, NS=4,
                       LINES=c["prefetch_lines"])
         compiles_for_sm90_without_spills(K._linear_post_kernel, types, consts, c["warps"])
