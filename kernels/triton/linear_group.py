@@ -7,7 +7,7 @@ Flash-shaped step at about 5 us each, plus 19 split-K reductions (103 us togethe
 ``bench/results/rollout-h100-flash-shaped-triton-eager-hc-post-pre.json``). Here the weights' row blocks
 are one grid: program ``p`` finds its weight by the blocks before it (``E0 <= ... <= E7``, fixed at compile
 time) and computes ``x [M, K] @ W[rows]^T`` for every token, ``BK`` columns a step, accumulating in fp32, then
-stores in its output's dtype (fp32, or the input's). Up to the rows :func:`token_settings` takes (16); more go to
+stores in its output's dtype (fp32, or the input's). Up to the rows :func:`token_settings` takes (64); more go to
 one cuBLAS GEMM a weight (the torch contract), whose tiles serve many rows. No gradient (a decode step).
 ``bench.kernels_decode_sweep`` times it beside the GEMMs it replaces.
 
@@ -53,15 +53,14 @@ MAX_WEIGHTS = 8
 LINEAR_GROUP_CONFIG = dict(BN=32, BK=256, warps=4, stages=4, SPLIT=None, max_tokens=16, prefetch_lines=8)
 FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
 # Above LINEAR_GROUP_CONFIG's max_tokens and up to this max_tokens (a GRPO step's 64 sequences), the same kernels
-# with these keys in its place, where cuBLAS runs a GEMM a weight; at LINEAR_GROUP_CONFIG's max_tokens (16) the plan
-# takes no rows: off until these settings are timed in the step. At 4 warps they took a Flash CSA layer's
-# attention-input group, its wq_b with the indexer's, wo_b and wo_a in 107.6 us together against cuBLAS's 152.4 at
-# 64 tokens on one H100 (python -m bench.kernels_decode_sweep --only many_tokens,
-# bench/results/kernels-decode-sweep-h100-many-tokens.json) and the Flash-shaped step 3.4 ms against 3.48 at 64
-# sequences, 3.325 against 3.4 at 32 (bench/results/rollout-h100-flash-shaped-triton-many-64.json,
-# bench/results/rollout-h100-flash-shaped-triton-many-16.json), but at 64 rows ptxas for sm_90 spills there (1,124
-# bytes in the group kernel, 136 in the grouped one, 424 in linear_post's); at 8 warps none spill, untimed
-MANY_TOKENS_CONFIG = dict(BN=32, BK=128, stages=4, warps=8, SPLIT=1, max_tokens=16)
+# with these keys in its place, where cuBLAS ran a GEMM a weight. On one H100 (2026-12-07, python -m
+# bench.kernels_decode_sweep --only many_tokens, bench/results/kernels-decode-sweep-h100-many-tokens-warps.json)
+# they took a Flash CSA layer's attention-input group, its wq_b with the indexer's, wo_b and wo_a in 113 us
+# together against cuBLAS's 154.7 at 64 tokens, and the Flash-shaped step 3.54 ms against 3.62 at 64 sequences,
+# 3.42 against 3.49 at 32, back to back (bench/results/rollout-h100-flash-shaped-triton-many-8warps-64.json,
+# bench/results/rollout-h100-flash-shaped-triton-many-8warps-16.json). 8 warps, not the 4 that time 5% faster:
+# at 64 rows ptxas for sm_90 spills 4 warps' registers (1,124 bytes in the group kernel), 8 warps' none
+MANY_TOKENS_CONFIG = dict(BN=32, BK=128, stages=4, warps=8, SPLIT=1, max_tokens=64)
 
 
 def token_settings(M: int, config: Optional[dict] = None) -> Optional[dict]:
