@@ -95,6 +95,23 @@ def _share_product(X, W, M, N, K, stride_xm, stride_wn, block, s, SPLIT: tl.cons
 
 
 @triton.jit
+def _share_total(acc, PART, TICKETS, block, s, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Share ``s``'s partial ``acc [BM, BN]`` of row block ``block`` written to ``PART``, then a ticket ->
+    ``(last, tot)``: in the block's last program to take one, the partials summed in order (the same sums on every
+    call) and the counter set back to 0; elsewhere ``tot`` is zeros, unused. The split reduction of :func:`_rows`
+    and :func:`_linear_post_kernel`."""
+    tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    tl.store(PART + (block * SPLIT + s).to(tl.int64) * (BM * BN) + tile, acc)
+    last = last_ticket(TICKETS + block, SPLIT)
+    tot = tl.zeros([BM, BN], dtype=tl.float32)
+    if last:
+        for i in range(SPLIT):
+            tot += tl.load(PART + (block * SPLIT + i).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
+        release(TICKETS + block)
+    return last, tot
+
+
+@triton.jit
 def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, PART, TICKETS,
           SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """``Y[:, block rows] = X @ W[block rows]^T`` for all ``M`` rows, fp32 accumulation; with ``SPLIT`` > 1 this
@@ -109,14 +126,9 @@ def _rows(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, block, gblock, s, P
     if SPLIT == 1:
         tl.store(out, acc.to(Y.dtype.element_ty), mask=omask)
     else:
-        tile = m[:, None] * BN + tl.arange(0, BN)[None, :]
-        tl.store(PART + (gblock * SPLIT + s).to(tl.int64) * (BM * BN) + tile, acc)
-        if last_ticket(TICKETS + gblock, SPLIT):
-            tot = tl.zeros([BM, BN], dtype=tl.float32)
-            for i in range(SPLIT):                       # in order: the same sums on every call
-                tot += tl.load(PART + (gblock * SPLIT + i).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
+        last, tot = _share_total(acc, PART, TICKETS, gblock, s, SPLIT, BM, BN)
+        if last:
             tl.store(out, tot.to(Y.dtype.element_ty), mask=omask)
-            release(TICKETS + gblock)
 
 
 @triton.jit
@@ -365,7 +377,7 @@ def _linear_post_kernel(U, W, X, POST, COMB, OUT, PART, TICKETS, M, N, K, stride
                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program ``p``: share ``p % SPLIT`` of ``K`` of row block ``b = p // SPLIT`` of ``W [N, K]`` (``N``: the
     streams' width): columns ``[b BN, (b+1) BN)`` of ``U @ W^T`` for every row (:func:`_share_product`, partials
-    summed in order by the block's last program as in :func:`_rows`), rounded to ``U``'s dtype as
+    summed in order by the block's last program, :func:`_share_total`), rounded to ``U``'s dtype as
     ``linear_group`` stores them, then the mHC post of those columns in every stream of ``X [M, n, N]``
     (``kernels.triton.mhc.post_tile``) into ``OUT``. ``PREFETCH``: as :func:`_linear_group_kernel`."""
     pdl.wait_prior_after_prefetch(PDL, PREFETCH, _weight_lines(W, N, K, stride_wn, tl.program_id(0) // SPLIT,
@@ -379,15 +391,10 @@ def _linear_post_kernel(U, W, X, POST, COMB, OUT, PART, TICKETS, M, N, K, stride
         f = acc.to(U.dtype.element_ty).to(tl.float32)
         mhc.post_tile(f, X, POST, COMB, OUT, m.to(tl.int64), m < M, cols, cols < N, n, N, NP, NS)
     else:
-        tile = m[:, None] * BN + tl.arange(0, BN)[None, :]
-        tl.store(PART + (b * SPLIT + s).to(tl.int64) * (BM * BN) + tile, acc)
-        if last_ticket(TICKETS + b, SPLIT):
-            tot = tl.zeros([BM, BN], dtype=tl.float32)
-            for i in range(SPLIT):                       # in order, as _rows sums them
-                tot += tl.load(PART + (b * SPLIT + i).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
+        last, tot = _share_total(acc, PART, TICKETS, b, s, SPLIT, BM, BN)
+        if last:
             f = tot.to(U.dtype.element_ty).to(tl.float32)
             mhc.post_tile(f, X, POST, COMB, OUT, m.to(tl.int64), m < M, cols, cols < N, n, N, NP, NS)
-            release(TICKETS + b)
 
 
 def linear_post(u: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
