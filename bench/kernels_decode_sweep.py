@@ -179,7 +179,7 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
 
 def _many_token_rows(g, dev, meta, tokens=(64,)) -> list:
     """The projections of 64 tokens (a GRPO step's 64 samples) through the weight-streaming kernels over a grid
-    around ``kernels.triton.linear_group.MANY_TOKENS_CONFIG`` (cuBLAS's GEMMs run them): a Flash
+    around ``kernels.triton.linear_group.MANY_TOKENS_CONFIG`` (where cuBLAS's GEMMs ran them): a Flash
     CSA layer's attention-input group, the query's ``wq_b`` with the indexer's, ``wo_b`` (``linear_group``) and
     the grouped ``wo_a`` (``grouped_projection``), against cuBLAS (``gemms_us``, ``bmm_us``). At
     64 tokens a Flash-shaped layer's projections are about 13 GFLOP over 205 MB of weights, bandwidth-bound; on one

@@ -123,9 +123,9 @@ def test_more_tokens_than_the_settings_take_run_the_contract(launches):
 
 
 def test_rows_above_max_tokens_take_the_many_token_settings(monkeypatch, launches, grouped_launches):
-    """Above ``LINEAR_GROUP_CONFIG``'s ``max_tokens``, up to ``MANY_TOKENS_CONFIG``'s (64, pinned here so a retune keeps the case): one
-    launch of each kernel with those settings (a GRPO step's rows), the outputs within one rounding of the
-    contract; above it the contract (``kernels.triton.linear_group.token_settings``)."""
+    """Above ``LINEAR_GROUP_CONFIG``'s ``max_tokens``, up to ``MANY_TOKENS_CONFIG``'s (64, pinned here so that a
+    retune keeps the case): one launch of each kernel with those settings (a GRPO step's rows), the outputs within
+    one rounding of the contract; above it the contract (``kernels.triton.linear_group.token_settings``)."""
     from kernels.reference.layers import grouped_projection as bmm
     from kernels.reference.linear_group import linear_group as ref
     from kernels.triton import linear_group as K

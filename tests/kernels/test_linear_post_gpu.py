@@ -73,8 +73,8 @@ def test_more_tokens_than_the_settings_take_run_the_two_ops(launches):
 
 
 def test_rows_above_max_tokens_take_the_many_token_settings(monkeypatch, launches):
-    """Above ``max_tokens``, up to ``MANY_TOKENS_CONFIG``'s (64, pinned here so a retune keeps the case): one launch with those settings, the
-    bits of ``linear_group`` (at the same settings) then ``hc_post``."""
+    """Above ``max_tokens``, up to ``MANY_TOKENS_CONFIG``'s (64, pinned here so that a retune keeps the case): one
+    launch with those settings, the bits of ``linear_group`` (at the same settings) then ``hc_post``."""
     from kernels.triton import linear_group as K
 
     dev = triton_device()
