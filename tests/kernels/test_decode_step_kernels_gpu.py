@@ -22,8 +22,10 @@ from ._backends import triton_device
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(monkeypatch, grouped):
+@pytest.mark.parametrize("grouped,n", [(True, 2), (False, 2), (True, 10)], ids=["grouped", "dense", "grouped-20"])
+def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(monkeypatch, grouped, n):
+    """``n`` samples of two prompts: 4 sequences, and 20, above ``LINEAR_GROUP_CONFIG``'s 16 tokens, where the
+    projections take the many-token settings (``kernels.triton.linear_group.token_settings``)."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from kernels.triton.backend import ops
@@ -58,11 +60,15 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
         assert sync_weights(model, eng, version=1, engine_dtype=dt).ok
     params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=())
     prompts = [[0, 5, 6, 7, 8], [0, 9, 10]]
+    from kernels.triton import linear_group as LG
+
+    many = LG.token_settings(len(prompts) * n)
+    assert many is not None and many["warps"] == (LG.MANY_TOKENS_CONFIG if n > 8 else LG.LINEAR_GROUP_CONFIG)["warps"]
     reset_kernels_ran()
-    got = e.generate(prompts, params, n=2, seed=3)
+    got = e.generate(prompts, params, n=n, seed=3)
     ran = kernels_ran()
     assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
-    want = ref.generate(prompts, params, n=2, seed=3)
+    want = ref.generate(prompts, params, n=n, seed=3)
     tol = 5e-3 if dt == torch.float16 else 5e-2            # bf16's rounding is 8x fp16's
     for ga, gb in zip(got, want, strict=True):
         for a, b in zip(ga, gb, strict=True):
