@@ -160,12 +160,14 @@ def _launch_run(tmp_path, **overrides):
 def test_train_starts_a_server_on_the_exported_weights_syncs_through_disk_and_stops_it(tmp_path, monkeypatch):
     state_file = install_fake_launcher(tmp_path, monkeypatch)
     port = spare_port()
-    run, result = _launch_run(tmp_path, sglang_server_args="--fake-health-delay 1", sglang_port=port)
+    # 3 s of 503s: the trainer's 0.5 s polls see at least one even on a loaded machine, where with 1 s a poll that
+    # came late once saw the server ready at its first answer (health_calls 1)
+    run, result = _launch_run(tmp_path, sglang_server_args="--fake-health-delay 3", sglang_port=port)
     state = json.loads(state_file.read_text())
     info = state["info"]
     assert info["argv"] == ["--model-path", str(run / "sglang_init"), "--host", "127.0.0.1", "--port", str(port),
                             "--tp-size", "1", "--trust-remote-code", "--skip-tokenizer-init",
-                            "--enable-return-routed-experts", "--fake-health-delay", "1"]      # the exact command
+                            "--enable-return-routed-experts", "--fake-health-delay", "3"]      # the exact command
     init = _shapes(run / "sglang_init")                 # the starting weights, in the run's publish format
     assert [v["how"] for v in state["versions"]] == [f"disk:{run / 'sglang_weights'}"] * 2
     assert all(v["shapes"] == init for v in state["versions"])
