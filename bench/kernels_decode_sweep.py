@@ -116,18 +116,25 @@ def _linear_group_rows(g, dev, meta, d: int = 4096) -> list:
             for r in _group_rows(g, dev, meta, rows_of, fp32, d, COPIES, grid, layer=layer)]
 
 
+def _product_settings(L, T: int, grid) -> dict:
+    """The launch settings ``kernels.triton.linear_group`` takes for ``T`` rows (``token_settings``; above its
+    token limits the one-to-16-token ones), as ``grid``'s keys: the sweep's default row."""
+    cfg = L.token_settings(T) or L.LINEAR_GROUP_CONFIG
+    return {k: cfg[k] for k in grid[0]}
+
+
 def _group_rows(g, dev, meta, rows_of, fp32, d: int, copies: int, grid, tokens=(1, 16), **shape) -> list:
     """``linear_group`` of weights ``[n, d]`` for ``n`` in ``rows_of`` at each of ``tokens`` over ``grid``, each timed
     graph cycling through ``copies`` copies of the weights (read from HBM, as in a decode step), and the GEMMs one
     by one, cuBLAS's (``gemms_us`` on the launch settings' row). The launcher itself runs, whatever the settings'
-    ``max_tokens``."""
+    ``max_tokens``; its default is the settings the decode step takes for ``T`` rows."""
     from kernels.reference.linear_group import linear_group as gemms
     from kernels.triton import linear_group as L
 
     sets = [[(torch.randn(n, d, generator=g) * d ** -0.5).bfloat16().to(dev) for n in rows_of] for _ in range(copies)]
-    default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
     rows = []
     for T in tokens:
+        default = _product_settings(L, T, grid)
         x = torch.randn(T, d, generator=g).bfloat16().to(dev)
         got = _sweep("linear_group", lambda c: tuple(y for ws in sets for y in L.linear_group_launch(x, ws, fp32, c)),
                      grid, default, meta, per=copies, tokens=T, weight_copies=copies, **shape)
@@ -164,9 +171,9 @@ def _wo_a_rows(g, dev, meta, G: int = 8, R: int = 1024, d: int = 4096, copies: i
     grid = grid or [dict(BN=bn, BK=256, warps=4, stages=st, SPLIT=sp)
                     for bn, st, sp in itertools.product([32, 64], [3, 4], [1, 2, 4])]
     sets = [(torch.randn(G, R, d, generator=g) * d ** -0.5).bfloat16().to(dev) for _ in range(copies)]
-    default = {k: L.LINEAR_GROUP_CONFIG[k] for k in grid[0]}
     rows = []
     for T in tokens:
+        default = _product_settings(L, T, grid)
         o = torch.randn(T, 1, G, d, generator=g).bfloat16().to(dev)
         got = _sweep("grouped_projection", lambda c: tuple(L.grouped_projection(o, w, c) for w in sets), grid,
                      default, meta, per=copies, tokens=T, weight_copies=copies, projection="wo_a")

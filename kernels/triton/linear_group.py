@@ -63,14 +63,18 @@ FEW_BLOCKS, FEW_BLOCKS_SPLIT = 64, 2
 MANY_TOKENS_CONFIG = dict(BN=32, BK=128, stages=4, warps=8, SPLIT=1, max_tokens=64)
 
 
+def _row_settings(M: int, config: Optional[dict] = None) -> dict:
+    """The settings of ``M`` rows whatever their ``max_tokens``: :data:`LINEAR_GROUP_CONFIG` up to its
+    ``max_tokens``, above it :data:`MANY_TOKENS_CONFIG`'s keys in its place; ``config``'s keys override either's."""
+    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    return cfg if M <= cfg["max_tokens"] else {**LINEAR_GROUP_CONFIG, **MANY_TOKENS_CONFIG, **(config or {})}
+
+
 def token_settings(M: int, config: Optional[dict] = None) -> Optional[dict]:
     """The launch settings for ``M`` rows: :data:`LINEAR_GROUP_CONFIG` up to its ``max_tokens``, above it
     :data:`MANY_TOKENS_CONFIG`'s keys in its place up to that one's ``max_tokens``, and None above both (the
     contract: cuBLAS); ``config``'s keys override either's (a sweep's setting)."""
-    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
-    if M <= cfg["max_tokens"]:
-        return cfg
-    cfg = {**LINEAR_GROUP_CONFIG, **MANY_TOKENS_CONFIG, **(config or {})}
+    cfg = _row_settings(M, config)
     return cfg if M <= cfg["max_tokens"] else None
 
 
@@ -270,9 +274,10 @@ def _partials(blocks: int, split: int, bm: int, bn: int, device, unused: torch.T
 
 def linear_group_launch(x: torch.Tensor, weights: Sequence[torch.Tensor], fp32: Sequence[bool],
                         config: Optional[dict] = None) -> List[torch.Tensor]:
-    """The launcher of :func:`linear_group` (inputs checked): ``x [M, K]`` -> one output a weight."""
-    cfg = {**LINEAR_GROUP_CONFIG, **(config or {})}
+    """The launcher of :func:`linear_group` (inputs checked): ``x [M, K]`` -> one output a weight, at the settings
+    :func:`linear_group` takes for ``M`` rows (``config``'s keys over them), whatever their ``max_tokens``."""
     M, K = x.shape
+    cfg = _row_settings(M, config)
     outs = [torch.empty(M, w.shape[0], dtype=torch.float32 if f else x.dtype, device=x.device)
             for w, f in zip(weights, fp32)]
     if M == 0:
