@@ -8,8 +8,9 @@ post (``linear_post``), and on the grouped MoE path the router, the expert order
 GEMMs with the shared expert (the second with the activation in its operand load) and their sum inside the MoE's mHC
 post (``moe_combine_post``). The tiny
 model's samples follow the reference-op engine's (fp16: the same tokens,
-log-probabilities within 5e-3 nats; bf16: within 5e-2 up to the first differing token), every op of the record ran
-and nothing else. On a GPU in bf16
+log-probabilities within 5e-3 nats; bf16: within 5e-2 up to the first differing token; both up to the first
+position where the two engines' routers picked other experts, and at least three quarters of the positions
+compared), every op of the record ran and nothing else. On a GPU in bf16
 (the grouped path is a Hopper's); with no GPU, ``TRITON_INTERPRET=1`` runs the same kernels on the CPU in fp16 (the
 interpreter multiplies bf16 tiles wrongly) with the grouped path forced, about a minute a case; otherwise it
 skips."""
@@ -70,9 +71,24 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
     want = ref.generate(prompts, params, n=n, seed=3)
     tol = 5e-3 if dt == torch.float16 else 5e-2            # bf16's rounding is 8x fp16's
+    compared = total = 0
     for ga, gb in zip(got, want, strict=True):
         for a, b in zip(ga, gb, strict=True):
             same = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y), None)
-            assert dt == torch.bfloat16 or same is None, (a.response_ids, b.response_ids)
-            upto = len(a.response_ids) if same is None else same + 1
-            assert (a.logprobs[:upto] - b.logprobs[:upto]).abs().max() <= tol
+            routed = _same_routing_upto(a, b)
+            assert dt == torch.bfloat16 or same is None or same >= routed, (a.response_ids, b.response_ids)
+            upto = min(routed, len(a.response_ids) if same is None else same + 1)
+            assert upto == 0 or (a.logprobs[:upto] - b.logprobs[:upto]).abs().max() <= tol
+            compared, total = compared + upto, total + len(a.response_ids)
+    assert compared >= 0.75 * total, (compared, total)    # a wrong kernel flips routes everywhere
+
+
+def _same_routing_upto(a, b) -> int:
+    """How many of the samples' first log-probabilities saw the same expert picks in both engines: response token
+    ``i`` is scored at position ``P - 1 + i`` (``P`` the prompt's length), after every position up to it was routed.
+    Where two routers' top-k scores tie within rounding, the engines may pick different experts, a legitimate
+    difference of two correct implementations that moves the log-probability by a few hundredths (under the CPU
+    interpreter at 20 sequences: 0.034 and 0.016 nats, each exactly at a flip, 1e-3 or less everywhere else)."""
+    flips = (a.routed_experts != b.routed_experts).flatten(1).any(1).nonzero().flatten()
+    P = a.routed_experts.shape[0] - len(a.response_ids) + 1
+    return len(a.response_ids) if flips.numel() == 0 else max(0, int(flips[0]) - P + 1)
