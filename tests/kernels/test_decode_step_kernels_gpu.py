@@ -12,8 +12,8 @@ log-probabilities within 5e-3 nats; bf16: within 5e-2 before the first differing
 position where the two engines' routers picked other experts, and at least three quarters of the positions
 compared), every op of the record ran and nothing else. On a GPU in bf16
 (the grouped path is a Hopper's); with no GPU, ``TRITON_INTERPRET=1`` runs the same kernels on the CPU in fp16 (the
-interpreter multiplies bf16 tiles wrongly) with the grouped path forced, about a minute a case; otherwise it
-skips."""
+interpreter multiplies bf16 tiles wrongly) with the grouped path forced, four to eight minutes a case on two cores
+(numpy < 2.3: numpy 2.4 refuses the interpreter's scalar conversions); otherwise it skips."""
 
 import pytest
 import torch
