@@ -29,6 +29,7 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     projections take the many-token settings (``kernels.triton.linear_group.token_settings``)."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
+    from kernels.triton import linear_group as LG
     from kernels.triton.backend import ops
     from rollout.engine_ops import EAGER_EXTRAS
     from rollout.reference_engine import ReferenceEngine, SamplingParams
@@ -61,10 +62,10 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
         assert sync_weights(model, eng, version=1, engine_dtype=dt).ok
     params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=())
     prompts = [[0, 5, 6, 7, 8], [0, 9, 10]]
-    from kernels.triton import linear_group as LG
-
-    many = LG.token_settings(len(prompts) * n)
-    assert many is not None and many["warps"] == (LG.MANY_TOKENS_CONFIG if n > 8 else LG.LINEAR_GROUP_CONFIG)["warps"]
+    rows = len(prompts) * n
+    many = LG.token_settings(rows)
+    above = rows > LG.LINEAR_GROUP_CONFIG["max_tokens"]
+    assert many is not None and many["warps"] == (LG.MANY_TOKENS_CONFIG if above else LG.LINEAR_GROUP_CONFIG)["warps"]
     reset_kernels_ran()
     got = e.generate(prompts, params, n=n, seed=3)
     ran = kernels_ran()
