@@ -33,6 +33,7 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     from kernels.triton.backend import ops
     from rollout.engine_ops import EAGER_EXTRAS
     from rollout.reference_engine import ReferenceEngine, SamplingParams
+    from rollout.sample_compare import first_differing_token, logprob_gap, same_routing_upto
     from rollout.weight_sync import sync_weights
     from train.model import build_train_model
 
@@ -72,25 +73,11 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
     assert {k.split(".", 1)[1] for k in ran} == set(e.prefill_ops) | set(e.decode_ops) | set(e.sample_ops), ran
     want = ref.generate(prompts, params, n=n, seed=3)
     tol = 5e-3 if dt == torch.float16 else 5e-2            # bf16's rounding is 8x fp16's
-    compared = total = 0
-    for ga, gb in zip(got, want, strict=True):
+    for ga, gb in zip(got, want, strict=True):             # fp16: the same tokens up to any routing flip
         for a, b in zip(ga, gb, strict=True):
-            same = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y), None)
-            routed = _same_routing_upto(a, b)
-            assert dt == torch.bfloat16 or same is None or same >= routed, (a.response_ids, b.response_ids)
-            upto = min(routed, len(a.response_ids) if same is None else same)    # a differing token's two
-            diff = (a.logprobs[:upto] - b.logprobs[:upto]).abs()                 # log-probs are of two tokens
-            assert upto == 0 or diff.max() <= tol, (diff.tolist(), same, routed, a.response_ids, b.response_ids)
-            compared, total = compared + upto, total + len(a.response_ids)
-    assert compared >= 0.75 * total, (compared, total)    # a wrong kernel flips routes everywhere
-
-
-def _same_routing_upto(a, b) -> int:
-    """How many of the samples' first log-probabilities saw the same expert picks in both engines: response token
-    ``i`` is scored at position ``P - 1 + i`` (``P`` the prompt's length), after every position up to it was routed.
-    Where two routers' top-k scores tie within rounding, the engines may pick different experts, a legitimate
-    difference of two correct implementations that moves the log-probability by a few hundredths (under the CPU
-    interpreter at 20 sequences: 0.034 and 0.016 nats, each exactly at a flip, 1e-3 or less everywhere else)."""
-    flips = (a.routed_experts != b.routed_experts).flatten(1).any(1).nonzero().flatten()
-    P = a.routed_experts.shape[0] - len(a.response_ids) + 1
-    return len(a.response_ids) if flips.numel() == 0 else max(0, int(flips[0]) - P + 1)
+            same = first_differing_token(a, b)
+            assert dt == torch.bfloat16 or same is None or same >= same_routing_upto(a, b), (a.response_ids,
+                                                                                          b.response_ids)
+    gap = logprob_gap(got, want)                           # before each sample's first differing token or flip
+    assert gap["max"] <= tol, gap
+    assert gap["compared"] >= 0.75 * gap["total"], gap   # a wrong kernel flips routes everywhere
