@@ -53,7 +53,7 @@ def mixed_table(full: OpTable, reference: OpTable, keep: Iterable[str]) -> OpTab
     delegated = {n: (full.provider[n], getattr(full, n)) for n in full.names()
                  if n in keep and full.provider[n] != full.backend}
     delegated.update({n: (reference.provider[n], getattr(reference, n)) for n in OP_NAMES if n not in keep})
-    inputs = full.indexer_inputs if "indexer_scores" in own else "compute"
+    inputs = full.indexer_inputs if "indexer_scores" in keep else "compute"   # the kept op's own rule
     return OpTable(full.backend, own, delegated=delegated, dtypes=full.dtypes, indexer_inputs=inputs)
 
 
