@@ -8,9 +8,9 @@ engine, with all of the backend's ops, with each left out, and with each alone.
 Why: the engine with a kernel backend should draw the reference-op engine's samples with nearly its
 log-probabilities (``tests/kernels/test_decode_step_kernels_gpu.py``); when it strays (once on an H100 at 20
 sequences: 0.1219 nats in bf16, where bf16's own rounding moves that case by at most 0.0092, docs/rollout.md),
-the question is which of its thirty-odd ops does it, and one GPU call should answer it. Both engines get the same
-weights (``train.model.build_train_model``, seed 0, through ``rollout.weight_sync.sync_weights``), the same two
-prompts, ``--samples`` samples each, the same seed; temperature 1, no stop token. A variant's table
+the question is which of its thirty-odd ops does it, and one GPU call should answer it. Every engine gets the
+same weights (``train.model.build_train_model``, seed 0, built once, through ``rollout.weight_sync.sync_weights``),
+the same two prompts, ``--samples`` samples each, the same seed; temperature 1, no stop token. A variant's table
 (:func:`mixed_table`): the backend's ops in the variant's set, the reference ops for the other required ops, and no
 other extra op (its caller runs the torch code, as ``bench.rollout --ablate`` does). Variants: ``all`` (twice: the
 second run bounds run-to-run drift; 0 for kernels that sum in a fixed order), ``leave-out`` (every backend op the
@@ -57,15 +57,14 @@ def mixed_table(full: OpTable, reference: OpTable, keep: Iterable[str]) -> OpTab
     return OpTable(full.backend, own, delegated=delegated, dtypes=full.dtypes, indexer_inputs=inputs)
 
 
-def _generate(config, table, dtype, device, samples: int, new_tokens: int, seed: int):
+def _generate(model, config, table, dtype, device, samples: int, new_tokens: int, seed: int):
     """``(generate's output, the table's backend ops that ran)`` of an engine on ``table`` (``None``: the
-    reference ops), holding the seed-0 trainer model's weights."""
+    reference ops), holding the trainer ``model``'s weights."""
     from rollout.reference_engine import ReferenceEngine, SamplingParams
     from rollout.weight_sync import sync_weights
-    from train.model import build_train_model
 
     engine = ReferenceEngine(config, ops=table, dtype=dtype, device=device, cuda_graphs=False)
-    if not sync_weights(build_train_model(config, seed=0), engine, version=1, engine_dtype=dtype).ok:
+    if not sync_weights(model, engine, version=1, engine_dtype=dtype).ok:
         raise RuntimeError("the weight sync into the engine failed")
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=())
     reset_kernels_ran()
@@ -82,14 +81,17 @@ def attribute(full: OpTable, reference: OpTable, config, dtype, device, *, sampl
     :func:`rollout.sample_compare.logprob_gap` keys, ``seconds``); ``ops`` limits the leave-out and alone
     variants to those ops; ``on_row(row)`` is called as each is done."""
     from rollout.sample_compare import logprob_gap
+    from train.model import build_train_model
 
     modes, everything = set(modes), set(full.names())
-    want, _ = _generate(config, None, dtype, device, samples, new_tokens, seed)
+    model = build_train_model(config, seed=0)             # every engine holds its weights
+    want, _ = _generate(model, config, None, dtype, device, samples, new_tokens, seed)
     rows = []
 
     def run(label, keep, against=want):
         t = time.perf_counter()
-        got, ran = _generate(config, mixed_table(full, reference, keep), dtype, device, samples, new_tokens, seed)
+        got, ran = _generate(model, config, mixed_table(full, reference, keep), dtype, device, samples, new_tokens,
+                             seed)
         rows.append(dict(variant=label, ops_ran=ran, **logprob_gap(got, against),
                          seconds=round(time.perf_counter() - t, 2)))
         if on_row:
