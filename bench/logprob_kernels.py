@@ -49,12 +49,10 @@ def mixed_table(full: OpTable, reference: OpTable, keep: Iterable[str]) -> OpTab
     """A table of ``full``'s backend holding its ops in ``keep``, ``reference``'s for the other required ops
     (:data:`core.kernel_ops.OP_NAMES`), and none of its other extra ops."""
     keep = set(keep)
-    own = {n: getattr(full, n) for n in full.names() if n in keep and full.provider[n] == full.backend}
-    delegated = {n: (full.provider[n], getattr(full, n)) for n in full.names()
-                 if n in keep and full.provider[n] != full.backend}
-    delegated.update({n: (reference.provider[n], getattr(reference, n)) for n in OP_NAMES if n not in keep})
+    chosen = {n: (full.provider[n], getattr(full, n)) for n in full.names() if n in keep}   # counted as in full
+    chosen.update({n: (reference.provider[n], getattr(reference, n)) for n in OP_NAMES if n not in keep})
     inputs = full.indexer_inputs if "indexer_scores" in keep else "compute"   # the kept op's own rule
-    return OpTable(full.backend, own, delegated=delegated, dtypes=full.dtypes, indexer_inputs=inputs)
+    return OpTable(full.backend, {}, delegated=chosen, dtypes=full.dtypes, indexer_inputs=inputs)
 
 
 def _generate(model, config, table, dtype, device, samples: int, new_tokens: int, seed: int):
@@ -101,7 +99,8 @@ def attribute(full: OpTable, reference: OpTable, config, dtype, device, *, sampl
     first, served = run("all", everything)
     if "all" in modes:
         run("all again (against all)", everything, against=first)
-    picked = [n for n in served if ops is None or n in set(ops)]
+    wanted = None if ops is None else set(ops)
+    picked = [n for n in served if wanted is None or n in wanted]
     if "leave-out" in modes:
         for name in picked:
             run(f"all but {name}", everything - {name})

@@ -40,8 +40,11 @@ def same_routing_upto(a, b) -> int:
 
 def comparable_upto(a, b) -> int:
     """How many of the samples' first log-probabilities score the same token after the same routing."""
-    same = first_differing_token(a, b)
-    return min(same_routing_upto(a, b), len(a.response_ids) if same is None else same)
+    return _comparable(first_differing_token(a, b), same_routing_upto(a, b))
+
+
+def _comparable(same: Optional[int], routed: int) -> int:
+    return routed if same is None else min(routed, same)      # routed <= the shorter sample's length
 
 
 def logprob_gap(got: Sequence[Sequence], want: Sequence[Sequence]) -> dict:
@@ -51,9 +54,10 @@ def logprob_gap(got: Sequence[Sequence], want: Sequence[Sequence]) -> dict:
     out = dict(max=0.0, at=None, compared=0, total=0, differing=0, flipped=0)
     for p, (ga, gb) in enumerate(zip(got, want, strict=True)):
         for s, (a, b) in enumerate(zip(ga, gb, strict=True)):
-            upto = comparable_upto(a, b)
-            out["differing"] += first_differing_token(a, b) is not None
-            out["flipped"] += same_routing_upto(a, b) < min(len(a.response_ids), len(b.response_ids))
+            same, routed = first_differing_token(a, b), same_routing_upto(a, b)
+            upto = _comparable(same, routed)
+            out["differing"] += same is not None
+            out["flipped"] += routed < min(len(a.response_ids), len(b.response_ids))
             if upto:
                 diff = (a.logprobs[:upto].float() - b.logprobs[:upto].float()).abs()
                 i = int(diff.argmax())
