@@ -9,7 +9,7 @@ GEMMs with the shared expert (the second with the activation in its operand load
 post (``moe_combine_post``). The tiny
 model's samples follow the reference-op engine's (fp16: the same tokens,
 log-probabilities within 5e-3 nats; bf16: within 5e-2 before the first differing token; both before the first
-position where the two engines' routers picked other experts, and at least three quarters of the positions
+position where the two engines' routers picked other experts, and at least ``COMPARED_SHARE`` of the positions
 compared), every op of the record ran and nothing else. On a GPU in bf16
 (the grouped path is a Hopper's); with no GPU, ``TRITON_INTERPRET=1`` runs the same kernels on the CPU in fp16 (the
 interpreter multiplies bf16 tiles wrongly) with the grouped path forced, four to eight minutes a case on two cores
@@ -21,6 +21,14 @@ import torch
 from ._backends import triton_device
 
 pytestmark = pytest.mark.gpu
+
+# The least share of the positions compared (before each sample's first differing token or routing flip), so that
+# the log-probabilities' bound is not met on a handful: a wrong kernel flips routes at once. bf16's rounding alone
+# flips many: on one H200 (2026-12-07, grouped-20) 131 of 200 positions were compared at 0.009 nats, and the triton
+# attention kernel alone, every other op the reference's, gave 129 (``python -m bench.logprob_kernels``,
+# bench/results/logprob-kernels-h200-triton-tiny.json); on the CPU the reference-op engine in bf16 against itself in
+# fp32 kept 95 of 200 (docs/rollout.md).
+COMPARED_SHARE = {torch.float16: 0.75, torch.bfloat16: 0.4}
 
 
 @pytest.mark.parametrize("grouped,n", [(True, 2), (False, 2), (True, 10)], ids=["grouped", "dense", "grouped-20"])
@@ -80,4 +88,4 @@ def test_the_step_with_every_decode_kernel_draws_the_reference_engines_samples(m
                                                                                           b.response_ids)
     gap = logprob_gap(got, want)                           # before each sample's first differing token or flip
     assert gap["max"] <= tol, gap
-    assert gap["compared"] >= 0.75 * gap["total"], gap   # a wrong kernel flips routes everywhere
+    assert gap["compared"] >= COMPARED_SHARE[dt] * gap["total"], gap
