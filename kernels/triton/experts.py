@@ -49,9 +49,13 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # four stages a GEMM, one and a half waves of the SMs (bench/results/kernels-experts-sweep-h100-one-sequence.json:
 # no setting without a split beat 81.1 us for the gate and up GEMMs). FEW_ROWS_SPLIT stays 1 until
 # python -m bench.kernels_experts_sweep --sequences 1 --split times the shares on a GPU (with shares, 4 warps spill
-# 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both)
-EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1)
-WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=3, WARPS=8, SPLIT=1)   # at 4 warps ptxas spills 780 bytes of registers
+# 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both).
+# BUSY_FIRST: the programs with rows are started before those without (_experts_kernel; at one sequence 6 of the
+# Flash-shaped model's 32 routed experts have rows, and 27 of every 34 programs of a column block have none);
+# off until python -m bench.kernels_experts_sweep --order times it on a GPU (the same bits either way)
+EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1, BUSY_FIRST=False)
+WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=3, WARPS=8, SPLIT=1,   # at 4 warps ptxas spills 780 bytes of registers
+                   BUSY_FIRST=False)
 WIDE_FROM = gpu_common.EXPERTS_WIDE_FROM      # mean rows an expert above which WIDE_CONFIG runs (experts_wide)
 FEW_ROWS, FEW_ROWS_SPLIT = 16, 1
 
@@ -77,7 +81,7 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr,
                     GATHER: tl.constexpr = False, SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False,
                     SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False, HAS_LIMIT: tl.constexpr = False,
-                    PDL: tl.constexpr = False, EP: tl.constexpr = 32):
+                    PDL: tl.constexpr = False, EP: tl.constexpr = 32, BUSY_FIRST: tl.constexpr = False):
     """Program ``(g, j, s)``: columns ``[j BN, (j+1) BN)`` of row block ``g``: ``BM`` rows of one expert
     (:func:`_row_block`; the first ``NE + cdiv(RR, BM)`` blocks are the routed experts', in expert order, those past
     their last block have no rows). ``GATHER``: row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the
@@ -87,17 +91,33 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
     > 1: the program takes share ``s`` of ``K``, writes its rows' partials to ``PART`` ``[rows, SPLIT, N]`` and
     takes a ticket of the block ``(g, j)``; the last program of the block to take one sums the shares in order
     and stores. ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and row ``r``'s A tile is its weighted
-    SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`)."""
+    SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`).
+    ``BUSY_FIRST``: program ``(j, g, s)`` (the grid's first axis the column blocks) and the shared expert's blocks
+    first, then the routed ones, so that the GPU starts every program with rows before any without (it starts
+    programs in the order of their index, the first axis fastest; the other order interleaves the empty blocks of
+    every column with the busy ones, and those hold a slot of an SM while they start and end)."""
     pdl.wait_prior(PDL)
-    g = tl.program_id(0)
-    e, start, end = _row_block(OFFS, g, NE, BM, EP)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    if BUSY_FIRST:                                        # column blocks first (launch_settings)
+        g = tl.program_id(1)
+        j = tl.program_id(0)
+    else:
+        g = tl.program_id(0)
+        j = tl.program_id(1)
+    # the shared expert's row blocks: first (BUSY_FIRST), else after all the routed blocks the grid holds
+    first_routed = tl.cdiv(SH, BM) if SHARED and BUSY_FIRST else 0
+    e, start, end = _row_block(OFFS, g - first_routed, NE, BM, EP)
+    cols = j * BN + tl.arange(0, BN)
     cmask = cols < N
     wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
     if SHARED:
-        routed = NE + tl.cdiv(RR, BM)                     # the routed experts' row blocks (_row_block), then these
-        if g >= routed:
-            start = RR + (g - routed) * BM
+        if BUSY_FIRST:
+            shared_block = g
+            here = g < first_routed
+        else:
+            shared_block = g - (NE + tl.cdiv(RR, BM))
+            here = shared_block >= 0
+        if here:
+            start = RR + shared_block * BM
             end = tl.minimum(start + BM, RR + SH)
             wrow = WS + cols.to(tl.int64)[:, None] * K
     if SPLIT == 1:
@@ -117,7 +137,7 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                                 BN, BK, STAGES, F32, GATHER, SHARED, SWIGLU, HAS_LIMIT)
             tl.store(PART + (rows.to(tl.int64)[:, None] * SPLIT + s) * N + cols[None, :], acc,
                      mask=rmask[:, None] & cmask[None, :])
-        block = g * tl.num_programs(1) + tl.program_id(1)
+        block = g * tl.cdiv(N, BN) + j
         if last_ticket(TICKETS + block, SPLIT):
             for m0 in range(start, end, BM):
                 rows = m0 + tl.arange(0, BM)
@@ -225,19 +245,22 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     split = max(1, int(c.get("SPLIT", 1)))
     routed = E + triton.cdiv(R, c["BM"])              # row blocks of the routed experts at most (_row_block)
     groups = routed + (0 if shared is None else max(1, triton.cdiv(T, c["BM"])))    # the shared expert's
-    blocks = groups * triton.cdiv(N, c["BN"])
+    nb = triton.cdiv(N, c["BN"])
+    blocks = groups * nb
+    busy_first = bool(c.get("BUSY_FIRST", False))
     if split > 1:
         part = torch.empty(R + T, split, N, dtype=torch.float32, device=x.device)
         tickets = counters(x.device, blocks)
     else:
         part = tickets = offs                        # unused (SPLIT 1)
     if (R or T) and E:
-        _experts_kernel[(groups, triton.cdiv(N, c["BN"]), split)](
+        _experts_kernel[(nb, groups, split) if busy_first else (groups, nb, split)](
             x, w, offs, y, offs if order is None else order, w if shared is None else shared, N, K, max(topk, 1), E,
             R, T, part, tickets, offs if weights is None else weights, float(limit), BM=c["BM"], BN=c["BN"],
             BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter),
             SHARED=shared is not None, SPLIT=split, SWIGLU=weights is not None, HAS_LIMIT=limit > 0,
-            EP=max(triton.next_power_of_2(E), 2), num_warps=c["WARPS"], **pdl.launch(x.device))
+            EP=max(triton.next_power_of_2(E), 2), BUSY_FIRST=busy_first, num_warps=c["WARPS"],
+            **pdl.launch(x.device))
     return y
 
 
