@@ -1,7 +1,7 @@
 """Launch settings of the triton decode experts kernel (``kernels/triton/experts.py``) at the Flash-shaped decode
 step's shapes, timed and checked on one GPU.
 
-    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --wide | --deep | --order | --reference]
+    python -m bench.kernels_experts_sweep [--sequences 1 64 256] [--split | --wide | --deep | --grid | --reference]
         [--skew S] --out FILE.json
 
 Why: in the product's decode step (triton kernels, compiled, CUDA graphs; ``bench.rollout --kernel-backend triton
@@ -84,9 +84,10 @@ def main(argv=None):
     grid.add_argument("--split", action="store_true",
                       help="sweep SPLIT (shares of K, each a block's program, summed by its last) with BN, STAGES "
                            "and WARPS around the few-rows settings instead")
-    grid.add_argument("--order", action="store_true",
-                      help="time the launch settings with and without BUSY_FIRST (the programs with rows started "
-                           "first), and at few rows with SPLIT 2 and 4 at 4 and 8 warps, instead")
+    grid.add_argument("--grid", action="store_true",
+                      help="time the launch settings with the grid's routed blocks bounded by the experts that can "
+                           "have rows (TIGHT_GRID, the default) and without, and at few rows with SPLIT 2 and 4 at "
+                           "4 and 8 warps, instead")
     grid.add_argument("--reference", action="store_true",
                       help="time the launch settings beside other reads of the same weight bytes instead")
     grid.add_argument("--wide", action="store_true",
@@ -131,12 +132,13 @@ def main(argv=None):
             rows += [dict(case, **r, **meta) for r in _same_bytes(x, w, offs, counts, nbytes)]
             continue
         ref = KE.experts_grouped_mm_launch(x, w, offs)
-        if known.order:
+        if known.grid:
             base = KE.launch_settings(x.shape[0], E)
-            shares = [1, 2, 4] if x.shape[0] <= KE.FEW_ROWS else [base["SPLIT"]]
-            configs = [dict(base, SPLIT=sp, WARPS=wp, BUSY_FIRST=bf)
-                       for sp, wp, bf in itertools.product(shares, [base["WARPS"], 8] if len(shares) > 1
-                                                           else [base["WARPS"]], [False, True])]
+            few = x.shape[0] <= KE.FEW_ROWS
+            configs = [dict(base, SPLIT=sp, WARPS=wp, TIGHT_GRID=tight)
+                       for sp, wp, tight in itertools.product([1, 2, 4] if few else [base["SPLIT"]],
+                                                              [base["WARPS"], 8] if few else [base["WARPS"]],
+                                                              [False, True])]
         us_default = bc.bench(lambda: KE.experts_grouped_mm_launch(x, w, offs), rep=50) * 1e3
         print(f"== {seqs} sequence(s), {site} {N}x{K}, at most {case['max_rows']} rows an expert: launch settings "
               f"{KE.launch_settings(x.shape[0], E)} "
@@ -153,7 +155,7 @@ def main(argv=None):
             agree = "equal" if torch.equal(got, ref) else (
                 "close" if torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2) else "differ")
             here.append(dict(config=cfg, us=round(us, 1), gb_per_s=round(nbytes / us / 1e3), vs_default=agree))
-        for r in sorted((r for r in here if "us" in r), key=lambda r: r["us"])[:None if known.order else 5]:
+        for r in sorted((r for r in here if "us" in r), key=lambda r: r["us"])[:None if known.grid else 5]:
             print(f"  {r['us']:8.1f} us {r['gb_per_s']:6d} GB/s {r['vs_default']:6s} {r['config']}", flush=True)
         rows += [dict(case, default_us=round(us_default, 1), **r, **meta) for r in here]
     with open(out, "w") as fh:

@@ -36,7 +36,7 @@ from kernels.triton.tickets import counters, last_ticket, release
 
 __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts_grouped_mm_launch",
            "experts_gather_mm", "experts_scatter_mm", "experts_swiglu_scatter_mm", "moe_combine", "pairs_sum",
-           "launch_settings", "fuses_activation"]
+           "launch_settings", "fuses_activation", "routed_blocks"]
 
 # Launch settings: rows x output columns x reduction per step of one program, pipeline stages, warps; one set for
 # few rows an expert (a decode step of one sequence: tl.dot's smallest row step), one for many (64 and 256
@@ -49,13 +49,11 @@ __all__ = ["expert_order", "expert_order_launch", "experts_grouped_mm", "experts
 # four stages a GEMM, one and a half waves of the SMs (bench/results/kernels-experts-sweep-h100-one-sequence.json:
 # no setting without a split beat 81.1 us for the gate and up GEMMs). FEW_ROWS_SPLIT stays 1 until
 # python -m bench.kernels_experts_sweep --sequences 1 --split times the shares on a GPU (with shares, 4 warps spill
-# 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both).
-# BUSY_FIRST: the programs with rows are started before those without (_experts_kernel; at one sequence 6 of the
-# Flash-shaped model's 32 routed experts have rows, and 27 of every 34 programs of a column block have none);
-# off until python -m bench.kernels_experts_sweep --order times it on a GPU (the same bits either way)
-EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1, BUSY_FIRST=False)
+# 380 to 476 bytes of registers in ptxas for sm_90, 8 warps none to 32: the sweep times both)
+# TIGHT_GRID: the grid's routed row blocks bounded by the experts that can have rows (routed_blocks)
+EXPERTS_CONFIG = dict(BM=16, BN=64, BK=128, STAGES=4, WARPS=4, SPLIT=1, TIGHT_GRID=True)
 WIDE_CONFIG = dict(BM=64, BN=128, BK=64, STAGES=3, WARPS=8, SPLIT=1,   # at 4 warps ptxas spills 780 bytes of registers
-                   BUSY_FIRST=False)
+                   TIGHT_GRID=True)
 WIDE_FROM = gpu_common.EXPERTS_WIDE_FROM      # mean rows an expert above which WIDE_CONFIG runs (experts_wide)
 FEW_ROWS, FEW_ROWS_SPLIT = 16, 1
 
@@ -76,48 +74,47 @@ def launch_settings(rows: int, experts: int) -> dict:
     return dict(EXPERTS_CONFIG, SPLIT=FEW_ROWS_SPLIT if rows <= FEW_ROWS else 1)
 
 
+def routed_blocks(rows: int, experts: int, config: dict) -> int:
+    """The grid's row blocks for ``rows`` routed (token, expert) pairs over ``experts`` at ``config``'s ``BM``: at
+    most ``m + (rows - m) // BM`` blocks have rows, ``m = min(experts, rows)`` (an expert of ``c`` rows has
+    ``cdiv(c, BM) = 1 + (c - 1) // BM`` of them, so ``n`` experts with rows at most ``n + (rows - n) // BM``,
+    which grows with ``n``, and at most ``m`` experts have rows). Why this bound, not ``experts + cdiv(rows, BM)``
+    (``TIGHT_GRID`` off, for the sweep's A/B): at one Flash-shaped sequence (6 pairs over 32 experts) the looser
+    one made 27 of every 34 programs of a column block start without rows, each holding a slot of an SM while it
+    starts and ends, interleaved with the busy ones; this one makes none. From the shapes alone, as a CUDA graph
+    needs."""
+    bm = config["BM"]
+    if not config.get("TIGHT_GRID", True):
+        return experts + triton.cdiv(rows, bm)
+    m = min(experts, rows)
+    return m + (rows - m) // bm
+
+
 @triton.jit
-def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICKETS, RW, limit, BM: tl.constexpr,
+def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, RB, PART, TICKETS, RW, limit, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, F32: tl.constexpr,
                     GATHER: tl.constexpr = False, SCATTER: tl.constexpr = False, SHARED: tl.constexpr = False,
                     SPLIT: tl.constexpr = 1, SWIGLU: tl.constexpr = False, HAS_LIMIT: tl.constexpr = False,
-                    PDL: tl.constexpr = False, EP: tl.constexpr = 32, BUSY_FIRST: tl.constexpr = False):
+                    PDL: tl.constexpr = False, EP: tl.constexpr = 32):
     """Program ``(g, j, s)``: columns ``[j BN, (j+1) BN)`` of row block ``g``: ``BM`` rows of one expert
-    (:func:`_row_block`; the first ``NE + cdiv(RR, BM)`` blocks are the routed experts', in expert order, those past
-    their last block have no rows). ``GATHER``: row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the
+    (:func:`_row_block`; the first ``RB`` blocks are the routed experts', in expert order, those past their last
+    block have no rows). ``GATHER``: row ``r`` reads ``X`` row ``ORDER[r] // TOPK`` (the token of the
     pair); ``SCATTER``: it writes ``Y`` row ``ORDER[r]`` (the pair's own row). ``SHARED``: blocks after the
     routed ones, the shared expert ``WS`` on ``SH`` rows after the ``RR`` routed ones, ``BM`` rows a program:
     row ``RR + t`` is token ``t``'s, read from ``X`` row ``t`` (``GATHER``) and written to its own row. ``SPLIT``
     > 1: the program takes share ``s`` of ``K``, writes its rows' partials to ``PART`` ``[rows, SPLIT, N]`` and
     takes a ticket of the block ``(g, j)``; the last program of the block to take one sums the shares in order
     and stores. ``SWIGLU``: ``X`` is ``[gate | up]`` (row stride ``2 K``) and row ``r``'s A tile is its weighted
-    SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`).
-    ``BUSY_FIRST``: program ``(j, g, s)`` (the grid's first axis the column blocks) and the shared expert's blocks
-    first, then the routed ones, so that the GPU starts every program with rows before any without (it starts
-    programs in the order of their index, the first axis fastest; the other order interleaves the empty blocks of
-    every column with the busy ones, and those hold a slot of an SM while they start and end)."""
+    SwiGLU at weight ``RW[r]`` and ``limit`` (``HAS_LIMIT``), cast to ``X``'s dtype (:func:`_rows_product`)."""
     pdl.wait_prior(PDL)
-    if BUSY_FIRST:                                        # column blocks first (launch_settings)
-        g = tl.program_id(1)
-        j = tl.program_id(0)
-    else:
-        g = tl.program_id(0)
-        j = tl.program_id(1)
-    # the shared expert's row blocks: first (BUSY_FIRST), else after all the routed blocks the grid holds
-    first_routed = tl.cdiv(SH, BM) if SHARED and BUSY_FIRST else 0
-    e, start, end = _row_block(OFFS, g - first_routed, NE, BM, EP)
-    cols = j * BN + tl.arange(0, BN)
+    g = tl.program_id(0)
+    e, start, end = _row_block(OFFS, g, NE, BM, EP)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < N
     wrow = W + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K
-    if SHARED:
-        if BUSY_FIRST:
-            shared_block = g
-            here = g < first_routed
-        else:
-            shared_block = g - (NE + tl.cdiv(RR, BM))
-            here = shared_block >= 0
-        if here:
-            start = RR + shared_block * BM
+    if SHARED:                                            # the routed experts' RB row blocks (_row_block), then these
+        if g >= RB:
+            start = RR + (g - RB) * BM
             end = tl.minimum(start + BM, RR + SH)
             wrow = WS + cols.to(tl.int64)[:, None] * K
     if SPLIT == 1:
@@ -137,7 +134,7 @@ def _experts_kernel(X, W, OFFS, Y, ORDER, WS, N, K, TOPK, NE, RR, SH, PART, TICK
                                 BN, BK, STAGES, F32, GATHER, SHARED, SWIGLU, HAS_LIMIT)
             tl.store(PART + (rows.to(tl.int64)[:, None] * SPLIT + s) * N + cols[None, :], acc,
                      mask=rmask[:, None] & cmask[None, :])
-        block = g * tl.cdiv(N, BN) + j
+        block = g * tl.num_programs(1) + tl.program_id(1)
         if last_ticket(TICKETS + block, SPLIT):
             for m0 in range(start, end, BM):
                 rows = m0 + tl.arange(0, BM)
@@ -157,8 +154,8 @@ def _row_block(OFFS, g, NE, BM: tl.constexpr, EP: tl.constexpr):
     cut in blocks of ``BM``, numbered in expert order. A block past the last has no rows (``start == end``).
     Why blocks, not one program an expert: routing in a trained model is skewed, and a program that looped over a
     hot expert's row steps one after another finished long after the others, which read their weights once
-    (routed rows ``R`` make at most ``NE + cdiv(R, BM)`` blocks, a grid fixed by the shapes, as a CUDA graph
-    needs). Each program counts the blocks of the ``NE`` experts (``EP``, a power of two, at least ``NE``): one
+    (routed rows ``R`` make at most ``m + (R - m) // BM`` blocks, ``m = min(NE, R)``, :func:`routed_blocks`: a
+    grid fixed by the shapes, as a CUDA graph needs). Each program counts the blocks of the ``NE`` experts (``EP``, a power of two, at least ``NE``): one
     vector load of the end rows, from L2."""
     ids = tl.arange(0, EP)
     ends = tl.load(OFFS + ids, mask=ids < NE, other=0)
@@ -243,24 +240,21 @@ def experts_grouped_mm_launch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     c = {**launch_settings(R + T, E + (shared is not None)), **(config or {})}
     y = torch.empty(R + T, N, dtype=x.dtype, device=x.device)
     split = max(1, int(c.get("SPLIT", 1)))
-    routed = E + triton.cdiv(R, c["BM"])              # row blocks of the routed experts at most (_row_block)
+    routed = routed_blocks(R, E, c)
     groups = routed + (0 if shared is None else max(1, triton.cdiv(T, c["BM"])))    # the shared expert's
-    nb = triton.cdiv(N, c["BN"])
-    blocks = groups * nb
-    busy_first = bool(c.get("BUSY_FIRST", False))
+    blocks = groups * triton.cdiv(N, c["BN"])
     if split > 1:
         part = torch.empty(R + T, split, N, dtype=torch.float32, device=x.device)
         tickets = counters(x.device, blocks)
     else:
         part = tickets = offs                        # unused (SPLIT 1)
     if (R or T) and E:
-        _experts_kernel[(nb, groups, split) if busy_first else (groups, nb, split)](
+        _experts_kernel[(groups, triton.cdiv(N, c["BN"]), split)](
             x, w, offs, y, offs if order is None else order, w if shared is None else shared, N, K, max(topk, 1), E,
-            R, T, part, tickets, offs if weights is None else weights, float(limit), BM=c["BM"], BN=c["BN"],
+            R, T, routed, part, tickets, offs if weights is None else weights, float(limit), BM=c["BM"], BN=c["BN"],
             BK=c["BK"], STAGES=c["STAGES"], F32=gpu_common.interpreting(), GATHER=topk > 0, SCATTER=bool(scatter),
             SHARED=shared is not None, SPLIT=split, SWIGLU=weights is not None, HAS_LIMIT=limit > 0,
-            EP=max(triton.next_power_of_2(E), 2), BUSY_FIRST=busy_first, num_warps=c["WARPS"],
-            **pdl.launch(x.device))
+            EP=max(triton.next_power_of_2(E), 2), num_warps=c["WARPS"], **pdl.launch(x.device))
     return y
 
 

@@ -118,7 +118,7 @@ def test_refusals_name_the_fix():
 
 
 EXPERTS_TYPES = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "WS": "*bf16", "N": "i32",
-                 "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "PART": "*fp32", "TICKETS": "*i32",
+                 "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "RB": "i32", "PART": "*fp32", "TICKETS": "*i32",
                  "RW": "*fp32", "limit": "fp32"}
 
 
@@ -143,8 +143,7 @@ def test_the_kernel_compiles_for_sm90(rows):
         if gather and scatter or swiglu and not scatter:    # plain; through the order; shared; the activation
             continue
         consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=gather,
-                      SCATTER=scatter, SHARED=shared, SPLIT=split, SWIGLU=swiglu, HAS_LIMIT=swiglu, EP=32,
-                      BUSY_FIRST=c["BUSY_FIRST"])
+                      SCATTER=scatter, SHARED=shared, SPLIT=split, SWIGLU=swiglu, HAS_LIMIT=swiglu, EP=32)
         sig = {**EXPERTS_TYPES, **{k: "constexpr" for k in consts}}
         compiled = compile(ASTSource(K._experts_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=c["WARPS"]))
@@ -287,14 +286,14 @@ def test_the_pair_gemms_and_the_sum_are_their_torch_contracts(counts, topk):
         moe_combine(pairs.to(dev), shared.to(dev), topk + 1)
 
 
-@pytest.mark.parametrize("split,busy_first", [(2, False), (3, False), (4, False), (4, True)])
+@pytest.mark.parametrize("split", [2, 3, 4])
 @pytest.mark.parametrize("counts,topk", [([0, 3, 0, 1, 20, 0], 2), ([130, 0, 66, 40], 4), ([1, 0, 1, 1], 3)])
-def test_a_split_reduction_gives_the_same_products(counts, topk, split, busy_first):
+def test_a_split_reduction_gives_the_same_products(counts, topk, split):
     """``SPLIT`` shares of ``K`` (the few-rows settings, one or two sequences), each share's partial summed in order
     by the block's last program: the plain GEMM, the gather with the shared expert and the scatter with it within
     the plain kernel's bound of the exact products, the same bits on a second call, and every ticket counter back
     at 0. Experts of several row steps (20 and 130 rows), experts without rows, a share past ``K`` (4 shares of 3
-    steps of 16), and at 4 shares with the programs of rows started first (``BUSY_FIRST``)."""
+    steps of 16)."""
     from kernels.reference.slots import expert_order
     from kernels.triton import tickets
     from kernels.triton.experts import experts_grouped_mm_launch, launch_settings
@@ -311,7 +310,7 @@ def test_a_split_reduction_gives_the_same_products(counts, topk, split, busy_fir
     steps = 4 if dev == "cpu" else 2
 
     def run(**kw):
-        c = dict(launch_settings(R + R // topk, E + 1), BN=16, BK=16, SPLIT=split, BUSY_FIRST=busy_first)
+        c = dict(launch_settings(R + R // topk, E + 1), BK=16, SPLIT=split)
         x = kw.pop("x")
         args = [t.to(dev) for t in (x, w, offs)]
         got = experts_grouped_mm_launch(*args, config=c, **{k: v.to(dev) if torch.is_tensor(v) else v
@@ -355,16 +354,15 @@ SHARED_BLOCK_CASES = [pytest.param([3, 2, 0, 4, 2, 3, 1, 2, 5, 0, 3, 2, 4, 1, 3,
                       pytest.param([70, 0, 60, 62], 1, 64, 3, id="wide")]
 
 
-@pytest.mark.parametrize("split,busy_first", [(1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("split,tight", [(1, True), (2, True), (1, False)])
 @pytest.mark.parametrize("counts,topk,bm,blocks", SHARED_BLOCK_CASES)
-def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, topk, bm, blocks, split, busy_first):
+def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, topk, bm, blocks, split, tight):
     """The shared expert takes every token, so its rows are ``cdiv(T, BM)`` programs of a column block (the grid's
-    first dimension ``E + cdiv(R, BM) + blocks``: the routed row blocks', then these; with ``BUSY_FIRST`` one
-    dimension of those times the column blocks, the shared expert's first),
-    where one program looped over all of them and finished last. The gather, the
-    scatter and the activation's GEMM with the shared expert against the exact products (fp64): the routed rows
-    and the shared expert's, at one and two shares of ``K``, in both orders of the programs; every ticket counter
-    back at 0."""
+    first dimension ``routed_blocks(R, E) + blocks``: the routed row blocks', then these), where one program looped
+    over all of them and finished last. The gather, the scatter and the activation's GEMM with the shared expert
+    against the exact products (fp64): the routed rows and the shared expert's, at one and two shares of ``K``,
+    and with the looser grid (``TIGHT_GRID`` off: ``E + cdiv(R, BM)`` routed blocks); every ticket counter back at
+    0."""
     from kernels.reference.moe import weighted_swiglu as reference
     from kernels.reference.slots import expert_order
     from kernels.triton import experts as KE, tickets
@@ -389,7 +387,7 @@ def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, 
                           (rows, dict(scatter=True), rows[:R]),
                           (h, dict(scatter=True, weights=weights, limit=10.0), a[:R])):
         got = KE.experts_grouped_mm_launch(x.to(dev), w.to(dev), offs.to(dev),
-                                           config=dict(SPLIT=split, BUSY_FIRST=busy_first, BN=16),
+                                           config=dict(SPLIT=split, TIGHT_GRID=tight),
                                            order=order.to(dev), shared=ws.to(dev),
                                            **{k: v.to(dev) if torch.is_tensor(v) else v for k, v in kw.items()})
         exact, scale = _exact(routed, w, offs)
@@ -401,23 +399,29 @@ def test_the_shared_experts_rows_are_a_program_a_row_block(monkeypatch, counts, 
         scale = torch.cat((scale, own.double().abs() @ ws.double().abs().t()))
         err = (got.cpu().double() - exact).abs()
         assert (err <= 2 * steps * 2.0 ** -8 * scale + 1e-30).all(), err.max().item()
-    groups, nb = E + -(-R // bm) + blocks, -(-N // 16)                # three column blocks of 16 of N 40
-    assert spy.grids == [(nb, groups, split) if busy_first else (groups, nb, split)] * 3, spy.grids
+    assert [grid[0] for grid in spy.grids] == [KE.routed_blocks(R, E, dict(BM=bm, TIGHT_GRID=tight)) + blocks] * 3, \
+        spy.grids
     for buffer in tickets._COUNTERS.values():
         assert int(buffer.count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("counts,bm", [
-    pytest.param([0, 3, 0, 1, 20, 0], 16, id="narrow-hot-expert"),      # 20 rows: two blocks of 16
-    pytest.param([130, 0, 66, 40, 0], 64, id="wide-hot-experts"),       # three blocks, then two, then one
-    pytest.param([0, 0, 0], 16, id="no-rows"),
-    pytest.param([5] * 33, 16, id="more-experts-than-a-power-of-two"),
+@pytest.mark.parametrize("counts,bm,bound", [
+    pytest.param([0, 3, 0, 1, 20, 0], 16, 7, id="narrow-hot-expert"),   # 20 rows: two blocks of 16
+    pytest.param([130, 0, 66, 40, 0], 64, 8, id="wide-hot-experts"),    # three blocks, then two, then one
+    pytest.param([0, 0, 0], 16, 0, id="no-rows"),
+    pytest.param([5] * 33, 16, 41, id="more-experts-than-a-power-of-two"),
+    pytest.param([1] * 6 + [0] * 26, 16, 6, id="one-flash-sequence"),   # the bound reached: a block each
+    pytest.param([17, 17], 16, 4, id="two-blocks-each"),
+    pytest.param([16, 1], 16, 2, id="a-whole-block-and-a-row"),
 ])
-def test_a_hot_experts_rows_are_a_program_a_row_block(counts, bm):
+def test_a_hot_experts_rows_are_a_program_a_row_block(counts, bm, bound):
     """Every row block of ``BM`` rows is a program of its own (``_row_block``): program ``g`` of the grid's
-    ``E + cdiv(R, BM)`` takes the ``g``-th block in expert order, and the programs past the last block none, where
-    one program an expert looped over a hot expert's row steps one after another. Against the blocks counted in
-    Python: each program's expert and rows, every row in exactly one block."""
+    routed blocks (``routed_blocks``: ``m + (R - m) // BM``, ``m = min(E, R)``, here counted by hand) takes the
+    ``g``-th block in expert order, and the programs past the last block none, where one program an expert looped
+    over a hot expert's row steps one after another. Against the blocks counted in Python: each program's expert
+    and rows, every row in exactly one block, and the grid holds them all where the bound is reached."""
+    from kernels.triton.experts import routed_blocks
+
     from ._experts_probe import row_blocks
 
     dev = triton_device()
@@ -427,9 +431,15 @@ def test_a_hot_experts_rows_are_a_program_a_row_block(counts, bm):
         want += [(e, r, min(r + bm, end)) for r in range(start, end, bm)]
         start = end
     R, E = sum(counts), len(counts)
-    got = row_blocks(offs.to(dev), bm, E + -(-R // bm)).cpu().tolist()
-    assert [tuple(b) for b in got[:len(want)]] == want
+    grid = routed_blocks(R, E, dict(BM=bm))
+    assert grid == bound
+    got = row_blocks(offs.to(dev), bm, grid).cpu().tolist() if grid else []
+    assert len(got) >= len(want) and [tuple(b) for b in got[:len(want)]] == want
     assert all(b[1] == b[2] for b in got[len(want):])                  # the rest: no rows
+    g = torch.Generator().manual_seed(len(counts))
+    for _ in range(200):                                                # the bound over random loads
+        c = (torch.rand(E, generator=g) < 0.5) * torch.randint(0, 3 * bm, (E,), generator=g)
+        assert sum(-(-int(n) // bm) for n in c) <= routed_blocks(int(c.sum()), E, dict(BM=bm))
 
 
 def test_the_order_kernel_compiles_for_sm90():
@@ -586,9 +596,8 @@ def test_the_swiglu_scatter_gemm_refuses_what_it_cannot_serve():
 def test_the_swiglu_scatter_gemm_compiles_for_sm90_without_spills_as_the_step_launches_it(rows):
     """The fused GEMM at the launch settings of one sequence (narrow, 4 warps; also at 4 shares of ``K``, the
     sweep's) and of 256 (wide, 8 warps), compiled as the runtime specializes the decode step's inputs (16-byte
-    aligned tensors, ``N`` and ``K`` multiples of 16), in the launch settings' order of the programs and with the
-    programs of rows first (``BUSY_FIRST``): ptxas reports no spilled registers (180 and 166 registers with the
-    clamp, where the scatter GEMM alone takes 110 and 108; triton 3.6)."""
+    aligned tensors, ``N`` and ``K`` multiples of 16): ptxas reports no spilled registers (180 and 166 registers
+    with the clamp, where the scatter GEMM alone takes 110 and 108; triton 3.6)."""
     from kernels.triton import experts as K
 
     from ._backends import compiles_for_sm90_without_spills
@@ -596,8 +605,6 @@ def test_the_swiglu_scatter_gemm_compiles_for_sm90_without_spills_as_the_step_la
     c = K.launch_settings(rows, 32)
     aligned = ("X", "W", "OFFS", "Y", "ORDER", "WS", "PART", "TICKETS", "RW", "N", "K")
     for split in (1, 4) if rows <= K.FEW_ROWS else (1,):
-        for busy_first in {c["BUSY_FIRST"], True}:         # the launch settings' order of the programs, and rows first
-            consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=False,
-                          SCATTER=True, SHARED=True, SPLIT=split, SWIGLU=True, HAS_LIMIT=True, EP=32,
-                          BUSY_FIRST=busy_first)
-            compiles_for_sm90_without_spills(K._experts_kernel, EXPERTS_TYPES, consts, c["WARPS"], aligned)
+        consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"], F32=False, GATHER=False,
+                      SCATTER=True, SHARED=True, SPLIT=split, SWIGLU=True, HAS_LIMIT=True, EP=32)
+        compiles_for_sm90_without_spills(K._experts_kernel, EXPERTS_TYPES, consts, c["WARPS"], aligned)
