@@ -65,6 +65,7 @@ def test_launch_settings_widen_the_row_step_for_many_rows_an_expert():
     assert [launch_settings(r, 32) for r in (0, 7, 16, 17, 256, 257, 384, 1536)] == \
         [few] * 3 + [EXPERTS_CONFIG] * 2 + [WIDE_CONFIG] * 3
     assert launch_settings(5, 0) == few and launch_settings(236, 4) == WIDE_CONFIG
+    assert EXPERTS_CONFIG["TIGHT_GRID"] and WIDE_CONFIG["TIGHT_GRID"]      # the grid's bounded routed blocks
 
 
 @pytest.mark.parametrize("seqs", [64, 256])
@@ -150,18 +151,20 @@ def test_the_kernel_compiles_for_sm90(rows):
         assert ".entry" in compiled.asm["ptx"]
 
 
-def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
+def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table(monkeypatch):
     """A bf16 MoE layer of the tiny model in the decode step's grouped path: with the triton op table on its
     modules (as the rollout engine sets it, ``kernels.reference.model.ops_in_use``) the experts run
     the triton GEMMs that read the tokens and write the pairs through the expert order (``triton.experts_gather_mm``,
     ``triton.experts_swiglu_scatter_mm`` with the activation in its operand load; the order
     ``triton.expert_order``'s, routed by ``triton.route_experts``), summed with the shared expert by
     ``triton.moe_combine``, and give torch's grouped GEMM's output within bf16 rounding; without a table, torch's
-    (no kernel counted)."""
+    (no kernel counted). Both GEMMs launch the grid of the launch settings' bounded routed blocks
+    (``routed_blocks``) and the shared expert's."""
     from core.config import preset
     from core.kernel_ops import kernels_ran, reset_kernels_ran
     from kernels.reference.model import DeepseekV4Model, init_weights, ops_in_use
     from kernels.reference.slots import moe_decode, stack_expert_weights
+    from kernels.triton import experts as KE
     from kernels.triton.backend import ops
 
     dev = triton_device()
@@ -177,8 +180,15 @@ def test_the_decode_steps_grouped_experts_run_the_kernel_of_the_op_table():
     with torch.no_grad():
         want, want_idx = moe_decode(layer.ffn, x, ids, "grouped")
         reset_kernels_ran()
+        spy = _Grids(KE._experts_kernel)
+        monkeypatch.setattr(KE, "_experts_kernel", spy)
         with ops_in_use(model, ops()):
             got, got_idx = moe_decode(layer.ffn, x, ids, "grouped")
+    T, E = x.shape[0], c.n_routed_experts
+    R = T * c.n_activated_experts
+    cfg = KE.launch_settings(R + T, E + 1)
+    groups = KE.routed_blocks(R, E, cfg) + -(-T // cfg["BM"])
+    assert [grid[0] for grid in spy.grids] == [groups] * 2, (spy.grids, groups)
     ran = kernels_ran()                  # gate and up reading the tokens, down writing the pairs, through the order
     assert ran.get("triton.experts_gather_mm") == ran.get("triton.experts_swiglu_scatter_mm") == 1
     assert ran.get("triton.moe_combine") == 1 and "triton.experts_grouped_mm" not in ran     # the pairs' sum
