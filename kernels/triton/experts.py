@@ -155,8 +155,8 @@ def _row_block(OFFS, g, NE, BM: tl.constexpr, EP: tl.constexpr):
     Why blocks, not one program an expert: routing in a trained model is skewed, and a program that looped over a
     hot expert's row steps one after another finished long after the others, which read their weights once
     (routed rows ``R`` make at most ``m + (R - m) // BM`` blocks, ``m = min(NE, R)``, :func:`routed_blocks`: a
-    grid fixed by the shapes, as a CUDA graph needs). Each program counts the blocks of the ``NE`` experts (``EP``, a power of two, at least ``NE``): one
-    vector load of the end rows, from L2."""
+    grid fixed by the shapes, as a CUDA graph needs). Each program counts the blocks of the ``NE`` experts
+    (``EP``, a power of two, at least ``NE``): one vector load of the end rows, from L2."""
     ids = tl.arange(0, EP)
     ends = tl.load(OFFS + ids, mask=ids < NE, other=0)
     starts = tl.load(OFFS + ids - 1, mask=(ids > 0) & (ids < NE), other=0)

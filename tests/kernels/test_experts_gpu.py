@@ -119,8 +119,8 @@ def test_refusals_name_the_fix():
 
 
 EXPERTS_TYPES = {"X": "*bf16", "W": "*bf16", "OFFS": "*i32", "Y": "*bf16", "ORDER": "*i64", "WS": "*bf16", "N": "i32",
-                 "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "RB": "i32", "PART": "*fp32", "TICKETS": "*i32",
-                 "RW": "*fp32", "limit": "fp32"}
+                 "K": "i32", "TOPK": "i32", "NE": "i32", "RR": "i32", "SH": "i32", "RB": "i32", "PART": "*fp32",
+                 "TICKETS": "*i32", "RW": "*fp32", "limit": "fp32"}
 
 
 @pytest.mark.parametrize("rows", [6, 1536])
